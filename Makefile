@@ -1,0 +1,45 @@
+# lightkv developer commands. Everything runs inside .venv, created on first use.
+#   make demo   - install what is missing, then run the bundled demo
+#   make test   - install what is missing, then run the whole test suite
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of this torch release is installed first and on its own: a bare `torch`
+# requirement resolved together with the project could pull a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.lightkv-installed
+
+.PHONY: install test test-scatter scatter demo bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev,demo]"
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q
+
+# torch-scatter has only a source release: build it against the installed torch
+# (--no-build-isolation, ~8 min the first time; pip caches the wheel afterwards).
+scatter: install
+	$(PY) -c "import torch_scatter" 2>/dev/null || $(PY) -m pip install -q --no-build-isolation torch-scatter
+
+test-scatter: scatter
+	$(PY) -m pytest -q -m scatter tests
+
+demo: install
+	$(PY) -m lightkv.demo
+
+bench: install
+	$(PY) benchmarks/stage_cost.py
+
+lint: install
+	$(PY) -m ruff check lightkv tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis build dist *.egg-info

@@ -1,0 +1,138 @@
+"""One batched bipartite graph over every window of every image of every batch row.
+
+Nodes are the vision tokens that take part in a stage, flattened across the batch. Each
+node belongs to one window and to one side: **A** (sources, candidates for removal) or
+**B** (destinations). Edges only join A and B nodes of the same window.
+
+Besides the flat node arrays the graph keeps a dense, padded view per window
+(``src_slots [K, a_max]``, ``dst_slots [K, b_max]``) so that edge scores of all windows are
+one batched matrix product (ToMe-style blocks), with no Python loop over windows, images
+or rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .scatter import scatter_sum, segment_rank
+
+__all__ = ["BipartiteGraph"]
+
+
+@dataclass(frozen=True)
+class BipartiteGraph:
+    """Batched bipartite graph (see module docstring).
+
+    Attributes:
+        node_row: ``[M]`` batch row of each node.
+        node_pos: ``[M]`` sequence position of each node in its row.
+        node_window: ``[M]`` window id in ``[0, K)``.
+        node_is_src: ``[M]`` bool, True for side A.
+        src_slots: ``[K, a_max]`` node index of each A node per window, ``-1`` padding.
+        dst_slots: ``[K, b_max]`` node index of each B node per window, ``-1`` padding.
+        window_size: ``[K]`` number of nodes per window (A and B).
+    """
+
+    node_row: torch.Tensor
+    node_pos: torch.Tensor
+    node_window: torch.Tensor
+    node_is_src: torch.Tensor
+    src_slots: torch.Tensor
+    dst_slots: torch.Tensor
+    window_size: torch.Tensor
+
+    @classmethod
+    def build(cls, window: torch.Tensor, is_src: torch.Tensor) -> "BipartiteGraph":
+        """Build the graph from a partition.
+
+        Args:
+            window: ``[B, N]`` int64 window id per token, ``-1`` for tokens outside the graph.
+                Ids must be compact (``0 .. K-1``).
+            is_src: ``[B, N]`` bool, True for side A (ignored where ``window < 0``).
+        """
+        if window.shape != is_src.shape:
+            raise ValueError(f"window {tuple(window.shape)} and is_src {tuple(is_src.shape)} must have one shape")
+        inside = window >= 0
+        node_row, node_pos = inside.nonzero(as_tuple=True)
+        node_window = window[node_row, node_pos]
+        node_is_src = is_src[node_row, node_pos].bool()
+        k = int(node_window.max()) + 1 if node_window.numel() else 0
+        window_size = scatter_sum(torch.ones_like(node_window), node_window, k)
+        src_slots = cls._slots(node_window, node_is_src, k)
+        dst_slots = cls._slots(node_window, ~node_is_src, k)
+        return cls(node_row, node_pos, node_window, node_is_src, src_slots, dst_slots, window_size)
+
+    @staticmethod
+    def _slots(node_window: torch.Tensor, member: torch.Tensor, k: int) -> torch.Tensor:
+        nodes = member.nonzero(as_tuple=True)[0]
+        win = node_window[nodes]
+        rank = segment_rank(win)
+        width = int(rank.max()) + 1 if rank.numel() else 0
+        slots = torch.full((k, width), -1, dtype=torch.long, device=node_window.device)
+        slots[win, rank] = nodes
+        return slots
+
+    # ------------------------------------------------------------------ views
+    @property
+    def num_nodes(self) -> int:
+        return self.node_row.shape[0]
+
+    @property
+    def num_windows(self) -> int:
+        return self.window_size.shape[0]
+
+    @property
+    def src_count(self) -> torch.Tensor:
+        """``[K]`` number of A nodes per window."""
+        return (self.src_slots >= 0).sum(dim=1)
+
+    @property
+    def dst_count(self) -> torch.Tensor:
+        """``[K]`` number of B nodes per window."""
+        return (self.dst_slots >= 0).sum(dim=1)
+
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-node values from a per-token tensor: ``[B, N, *F]`` -> ``[M, *F]``."""
+        return values[self.node_row, self.node_pos]
+
+    def blocks(self, node_values: torch.Tensor, side: str, fill: float = 0.0) -> torch.Tensor:
+        """Dense per-window blocks of node values.
+
+        Args:
+            node_values: ``[M, *F]``.
+            side: ``"src"`` or ``"dst"``.
+
+        Returns:
+            ``[K, a_max or b_max, *F]``, ``fill`` in padding slots.
+        """
+        slots = self.src_slots if side == "src" else self.dst_slots
+        out = node_values[slots.clamp_min(0)]
+        pad = (slots < 0).view(*slots.shape, *([1] * (node_values.dim() - 1)))
+        return out.masked_fill(pad, fill)
+
+    def to_networkx(self, divergence: torch.Tensor | None = None):
+        """The graph as a ``networkx.Graph`` for inspection.
+
+        Nodes are ``(row, pos)`` tuples with attributes ``window`` and ``side`` (``"A"`` or
+        ``"B"``). Edges join every A node to every B node of its window; if ``divergence``
+        (``[K, a_max, b_max]``, as returned by an edge scorer) is given, each edge carries it.
+        """
+        import networkx as nx
+
+        g = nx.Graph()
+        rows, pos = self.node_row.tolist(), self.node_pos.tolist()
+        for i, (r, p) in enumerate(zip(rows, pos)):
+            g.add_node((r, p), window=int(self.node_window[i]), side="A" if bool(self.node_is_src[i]) else "B")
+        src, dst = self.src_slots.tolist(), self.dst_slots.tolist()
+        for w in range(self.num_windows):
+            for i, a in enumerate(src[w]):
+                if a < 0:
+                    continue
+                for j, b in enumerate(dst[w]):
+                    if b < 0:
+                        continue
+                    attrs = {} if divergence is None else {"divergence": float(divergence[w, i, j])}
+                    g.add_edge((rows[a], pos[a]), (rows[b], pos[b]), **attrs)
+        return g

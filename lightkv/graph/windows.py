@@ -1,0 +1,127 @@
+"""Assigning vision tokens to spatial windows.
+
+Two geometries:
+
+* `grid_windows`: true 2-D windows on each image's own grid. Survivors of earlier stages
+  keep their original ``(row, col)``, so a window is always a real image region, for any
+  grid shape and at every stage. lightkv's default.
+* `pseudo_square_windows`: the reference code's arithmetic. The current vision tokens of
+  an image are taken in sequence order and re-packed row-major into a pseudo-square of
+  side ``ceil(sqrt(n))``; windows cut that square. It reproduces the paper's token counts
+  (576 -> 288 -> 145 -> 73 for LLaVA-1.5 at 4/2/1 windows per side) but its windows are
+  only approximately spatial after the first stage or on non-square grids.
+
+Both return window ids that are unique across the whole batch (``-1`` for tokens that are
+not vision tokens) and compact (``0 .. num_windows - 1``, in order of first appearance by
+image, then by window position).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import VisionLayout
+from .scatter import scatter_sum, segment_rank
+
+__all__ = ["grid_windows", "pseudo_square_windows", "check_window_spec"]
+
+
+def check_window_spec(windows_per_side: int | None, window_size: tuple[int, int] | None) -> None:
+    """Validate that exactly one of the two window specifications is given and positive."""
+    if (windows_per_side is None) == (window_size is None):
+        raise ValueError("give exactly one of windows_per_side (e.g. 4) or window_size (e.g. (6, 6))")
+    if windows_per_side is not None and (not isinstance(windows_per_side, int) or windows_per_side < 1):
+        raise ValueError(f"windows_per_side must be a positive integer, got {windows_per_side!r}")
+    if window_size is not None:
+        if len(window_size) != 2 or any((not isinstance(s, int)) or s < 1 for s in window_size):
+            raise ValueError(f"window_size must be two positive integers (rows, cols), got {window_size!r}")
+
+
+def _compact(key: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Map arbitrary non-negative keys of valid tokens to 0..K-1 (sorted key order)."""
+    out = torch.full_like(key, -1)
+    if valid.any():
+        _, inverse = torch.unique(key[valid], sorted=True, return_inverse=True)
+        out[valid] = inverse
+    return out
+
+
+def grid_windows(
+    layout: VisionLayout,
+    windows_per_side: int | None = None,
+    window_size: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """True 2-D windows on each image's grid.
+
+    With ``windows_per_side=W`` an ``h x w`` grid is cut into ``min(W, h)`` window rows and
+    ``min(W, w)`` window columns of near-equal size (token row ``r`` goes to window row
+    ``floor(r * W_r / h)``); so a small image simply gets fewer windows. With
+    ``window_size=(s_r, s_c)`` windows are ``s_r x s_c`` tokens (the last ones may be
+    smaller).
+
+    Args:
+        layout: the batch layout.
+
+    Returns:
+        ``[B, N]`` int64 window id per token, ``-1`` for non-vision tokens.
+
+    Raises:
+        ValueError: a bad specification, or a window size larger than an image's grid.
+    """
+    check_window_spec(windows_per_side, window_size)
+    vision = layout.vision_mask
+    img = layout.image.clamp_min(0)
+    h = layout.image_grid[:, 0][img]
+    w = layout.image_grid[:, 1][img]
+    r, c = layout.coords[..., 0].clamp_min(0), layout.coords[..., 1].clamp_min(0)
+    if windows_per_side is not None:
+        n_r = h.clamp(max=windows_per_side)
+        n_c = w.clamp(max=windows_per_side)
+        wr = torch.div(r * n_r, h, rounding_mode="floor")
+        wc = torch.div(c * n_c, w, rounding_mode="floor")
+    else:
+        s_r, s_c = window_size  # type: ignore[misc]
+        grid = layout.image_grid
+        if layout.num_images and ((grid[:, 0] < s_r) | (grid[:, 1] < s_c)).any():
+            small = grid[(grid[:, 0] < s_r) | (grid[:, 1] < s_c)][0].tolist()
+            raise ValueError(
+                f"window_size {tuple(window_size)} is larger than an image grid of {tuple(small)} tokens; "
+                "use a smaller window_size, or windows_per_side which adapts to each image"
+            )
+        n_c = torch.div(w + s_c - 1, s_c, rounding_mode="floor")
+        wr = torch.div(r, s_r, rounding_mode="floor")
+        wc = torch.div(c, s_c, rounding_mode="floor")
+    local = wr * n_c + wc
+    # Images have at most h*w windows; a key that sorts by (image, local window) is enough.
+    span = int((layout.image_grid[:, 0] * layout.image_grid[:, 1]).max()) if layout.num_images else 1
+    return _compact(img * span + local, vision)
+
+
+def pseudo_square_windows(layout: VisionLayout, windows_per_side: int) -> torch.Tensor:
+    """The reference code's windows: re-pack each image's current vision tokens into a
+    pseudo-square, then cut it into ``windows_per_side`` windows per side.
+
+    Token ``k`` (0-based, in sequence order among the image's current vision tokens, ``n``
+    of them) gets pseudo-coordinates ``(k // s, k % s)`` with ``s = ceil(sqrt(n))``, and
+    window ``(row * W // s, col * W // s)``.
+
+    Returns:
+        ``[B, N]`` int64 window id per token, ``-1`` for non-vision tokens.
+    """
+    check_window_spec(windows_per_side, None)
+    vision = layout.vision_mask
+    flat_img = layout.image[vision]  # row-major over (b, n): sequence order within an image
+    out = torch.full_like(layout.image, -1)
+    if flat_img.numel() == 0:
+        return out
+    k = segment_rank(flat_img)
+    n = scatter_sum(torch.ones_like(flat_img), flat_img, layout.num_images)[flat_img]
+    side = torch.ceil(torch.sqrt(n.double())).long()
+    side = torch.where(side * side < n, side + 1, side)  # guard against sqrt rounding
+    pr = torch.div(k, side, rounding_mode="floor")
+    pc = k - pr * side
+    wr = torch.div(pr * windows_per_side, side, rounding_mode="floor")
+    wc = torch.div(pc * windows_per_side, side, rounding_mode="floor")
+    key = (flat_img * windows_per_side + wr) * windows_per_side + wc
+    out[vision] = key
+    return _compact(out, vision)

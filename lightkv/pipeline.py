@@ -1,0 +1,293 @@
+"""`Stage` (one composed compression step) and `Pipeline` (a schedule of stages).
+
+A `Stage` is a pure function of tensors: hidden states ``[B, N, D]``, a `VisionLayout`,
+relevance ``[B, N]`` and (optionally) the provenance so far, in; shorter hidden states, the
+new layout, the kept indices and the updated provenance, out. Adapters call it inside a
+model; tests and researchers call it directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from .graph.bipartite import BipartiteGraph
+from .graph.layout import VisionLayout
+from .graph.provenance import Provenance
+from .policies.hashing import token_identity
+from .policies.partitioners import GridPartitioner, Partitioner
+from .policies.passers import MessagePasser, RelevanceWeightedMean
+from .policies.pruners import PruneInputs, Pruner, SmallestDivergence
+from .policies.relevance import QueryAxisSoftmax, Relevance
+from .policies.schedulers import ExplicitSchedule, Scheduler, StageSpec
+from .policies.scorers import CosineDivergence, EdgeScorer
+
+__all__ = ["Stage", "StageResult", "Pipeline"]
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """What one stage returns.
+
+    Attributes:
+        hidden: ``[B, N', D]`` hidden states after the stage; rows that keep fewer tokens
+            than the longest row are left-padded with zero holes.
+        layout: the layout of the new sequence (holes have kind PAD and origin -1).
+        kept_index: ``[B, N']`` int64 index of each new token in the stage's input
+            sequence, ``-1`` for holes.
+        provenance: for every original token, which new token represents it.
+        remap: ``[B, N]`` int64: for every input token its index in the new sequence
+            (its destination's index if it was merged, ``-1`` if dropped).
+    """
+
+    hidden: torch.Tensor
+    layout: VisionLayout
+    kept_index: torch.Tensor
+    provenance: Provenance
+    remap: torch.Tensor
+
+    @property
+    def sizes(self) -> torch.Tensor:
+        """``[B, N']`` number of original tokens each new token represents."""
+        return self.provenance.sizes()
+
+
+@dataclass
+class Stage:
+    """One compression step: a composition of policies plus its schedule entry.
+
+    Attributes:
+        spec: layer, removal ratio and windows (from the scheduler).
+        partitioner: windows and A/B split.
+        scorer: divergence on A x B edges; None for pure pruning (no partners).
+        pruner: which A tokens leave.
+        passer: how leaving tokens update their partners.
+        relevance: how an adapter computes ξ at this stage (the pure call takes ξ as a tensor).
+    """
+
+    spec: StageSpec
+    partitioner: Partitioner = field(default_factory=GridPartitioner)
+    scorer: EdgeScorer | None = field(default_factory=CosineDivergence)
+    pruner: Pruner = field(default_factory=SmallestDivergence)
+    passer: MessagePasser = field(default_factory=RelevanceWeightedMean)
+    relevance: Relevance = field(default_factory=QueryAxisSoftmax)
+
+    def __post_init__(self) -> None:
+        if self.pruner.needs_partner and self.scorer is None:
+            raise ValueError(
+                f"pruner {self.pruner.name!r} merges into a partner and needs an edge scorer; "
+                "give a scorer or use a pruner that drops (lowest_relevance, random)"
+            )
+        if self.passer.merges and self.scorer is None:
+            raise ValueError(
+                f"message passer {self.passer.name!r} merges tokens and needs an edge scorer; use passer 'drop'"
+            )
+
+    # ------------------------------------------------------------------ checks
+    def _validate(
+        self, hidden: torch.Tensor, layout: VisionLayout, relevance: torch.Tensor | None, keys: torch.Tensor | None
+    ) -> None:
+        if not isinstance(hidden, torch.Tensor) or not isinstance(layout, VisionLayout):
+            raise TypeError("Stage expects (hidden: torch.Tensor [B, N, D], layout: VisionLayout, ...)")
+        if hidden.dim() != 3:
+            raise ValueError(f"hidden states must be [B, N, D], got shape {tuple(hidden.shape)}")
+        if tuple(hidden.shape[:2]) != (layout.batch_size, layout.seq_len):
+            raise ValueError(
+                f"hidden states {tuple(hidden.shape)} do not match the layout [B={layout.batch_size}, "
+                f"N={layout.seq_len}]"
+            )
+        if not hidden.is_floating_point():
+            raise TypeError(f"hidden states must be floating point, got {hidden.dtype}")
+        vis = layout.vision_mask
+        if not torch.isfinite(hidden[vis]).all():
+            raise ValueError("hidden states of vision tokens contain NaN or inf")
+        if relevance is not None:
+            if tuple(relevance.shape) != tuple(hidden.shape[:2]):
+                raise ValueError(f"relevance must be [B, N] = {tuple(hidden.shape[:2])}, got {tuple(relevance.shape)}")
+            r = relevance[vis]
+            if not torch.isfinite(r).all() or (r < 0).any():
+                raise ValueError("relevance of vision tokens must be finite and non-negative")
+        if keys is not None and tuple(keys.shape[:2]) != tuple(hidden.shape[:2]):
+            raise ValueError(f"keys must be [B, N, Dk] with B, N = {tuple(hidden.shape[:2])}, got {tuple(keys.shape)}")
+        if self.scorer is not None and self.scorer.features == "keys" and keys is None:
+            raise ValueError(f"edge scorer {self.scorer.name!r} compares keys: pass keys=[B, N, Dk]")
+
+    # ------------------------------------------------------------------ the stage
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        layout: VisionLayout,
+        relevance: torch.Tensor | None = None,
+        provenance: Provenance | None = None,
+        keys: torch.Tensor | None = None,
+    ) -> StageResult:
+        """Run the stage.
+
+        Args:
+            hidden: ``[B, N, D]`` hidden states (residual stream) after the stage's layer.
+            layout: their layout.
+            relevance: ``[B, N]`` ξ (non-negative); None means uniform.
+            provenance: provenance up to this stage (None: the input is original).
+            keys: ``[B, N, Dk]`` features for key-space edge scorers.
+
+        Returns:
+            a `StageResult`.
+        """
+        self._validate(hidden, layout, relevance, keys)
+        b, n, _ = hidden.shape
+        if provenance is None:
+            provenance = Provenance.identity(b, n, hidden.device)
+        elif provenance.current_len != n or provenance.owner.shape[0] != b:
+            raise ValueError("provenance does not describe the current sequence (length or batch size differ)")
+        if self.spec.ratio == 0.0:
+            return self._identity(hidden, layout, provenance)
+
+        part = self.partitioner.partition(layout, self.spec.windows_per_side, self.spec.window_size)
+        graph = BipartiteGraph.build(part.window, part.is_src)
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        x = graph.gather(hidden).to(acc)
+        xi = graph.gather(relevance).to(acc) if relevance is not None else torch.ones_like(x[:, 0])
+        size = graph.gather(provenance.sizes())
+
+        if self.scorer is not None:
+            feats = x if self.scorer.features == "hidden" else graph.gather(keys)
+            best_dst, best_div = self.scorer.best_edges(graph, feats)
+        else:
+            best_dst = torch.full_like(graph.src_slots, -1)
+            best_div = torch.zeros(graph.src_slots.shape, dtype=acc, device=hidden.device)
+        src_slot_nodes = graph.src_slots.clamp_min(0)
+        inputs = PruneInputs(
+            graph=graph,
+            divergence=best_div,
+            relevance=xi[src_slot_nodes],
+            identity=graph.gather(token_identity(layout))[src_slot_nodes],
+        )
+        removed = self.pruner.select(inputs, self.spec.ratio)
+        src = graph.src_slots[removed]
+        dst = best_dst[removed]
+
+        out = hidden.clone()
+        if self.passer.merges:
+            receivers, new = self.passer(x, xi, size, src, dst)
+            out[graph.node_row[receivers], graph.node_pos[receivers]] = new.to(hidden.dtype)
+        else:
+            dst = torch.full_like(dst, -1)
+        keep = torch.ones(b, n, dtype=torch.bool, device=hidden.device)
+        keep[graph.node_row[src], graph.node_pos[src]] = False
+        return self._assemble(out, layout, provenance, keep, src, dst, graph)
+
+    def _identity(self, hidden: torch.Tensor, layout: VisionLayout, provenance: Provenance) -> StageResult:
+        b, n, _ = hidden.shape
+        index = torch.arange(n, device=hidden.device).expand(b, n).clone()
+        return StageResult(hidden, layout, index, provenance, index)
+
+    @staticmethod
+    def _assemble(out, layout, provenance, keep, src, dst, graph) -> StageResult:
+        b, n, d = out.shape
+        count = keep.sum(dim=1)
+        width = int(count.max())
+        # Right-align each row's survivors (holes on the left): generation reads the last
+        # column and appends there, so every row must end at the same place.
+        col = (width - count).unsqueeze(1) + keep.long().cumsum(dim=1) - 1
+        col = torch.where(keep, col, torch.full_like(col, -1))
+        rows = torch.arange(b, device=out.device).unsqueeze(1).expand(b, n)
+        kept_index = torch.full((b, width), -1, dtype=torch.long, device=out.device)
+        kept_index[rows[keep], col[keep]] = torch.arange(n, device=out.device).expand(b, n)[keep]
+        hidden = out.gather(1, kept_index.clamp_min(0).unsqueeze(-1).expand(-1, -1, d))
+        hidden = hidden.masked_fill((kept_index < 0).unsqueeze(-1), 0)
+        remap = col.clone()
+        if src.numel():
+            merged = dst >= 0
+            s_row, s_pos = graph.node_row[src], graph.node_pos[src]
+            target = torch.full_like(src, -1)
+            target[merged] = col[graph.node_row[dst[merged]], graph.node_pos[dst[merged]]]
+            remap[s_row, s_pos] = target
+        return StageResult(
+            hidden=hidden,
+            layout=layout.select(kept_index),
+            kept_index=kept_index,
+            provenance=provenance.then(remap, width),
+            remap=remap,
+        )
+
+
+@dataclass
+class Pipeline:
+    """A scheduler plus the policies of its stages.
+
+    Every scheduled stage uses the same policies (``stage_overrides`` can replace
+    policies of individual stages by index).
+
+    Attributes:
+        scheduler: where to compress, with which windows and ratios.
+        partitioner, scorer, pruner, passer, relevance: the stage policies.
+        stage_overrides: ``{stage index: {field: policy}}``.
+        name: a label (the preset name, for reports).
+    """
+
+    scheduler: Scheduler = field(default_factory=ExplicitSchedule)
+    partitioner: Partitioner = field(default_factory=GridPartitioner)
+    scorer: EdgeScorer | None = field(default_factory=CosineDivergence)
+    pruner: Pruner = field(default_factory=SmallestDivergence)
+    passer: MessagePasser = field(default_factory=RelevanceWeightedMean)
+    relevance: Relevance = field(default_factory=QueryAxisSoftmax)
+    stage_overrides: dict[int, dict[str, object]] = field(default_factory=dict)
+    name: str = "custom"
+
+    @classmethod
+    def from_preset(cls, name: str) -> "Pipeline":
+        """A shipped preset by name (see `lightkv.presets.PRESETS`)."""
+        from .presets import get_preset
+
+        return get_preset(name)
+
+    def stages(self, num_layers: int) -> list[Stage]:
+        """The stages for a decoder of ``num_layers`` layers, in layer order.
+
+        Raises:
+            ValueError: the schedule does not fit the model.
+        """
+        stages = []
+        for i, spec in enumerate(self.scheduler.plan(num_layers)):
+            policies = dict(
+                partitioner=self.partitioner,
+                scorer=self.scorer,
+                pruner=self.pruner,
+                passer=self.passer,
+                relevance=self.relevance,
+            )
+            unknown = set(self.stage_overrides.get(i, {})) - set(policies)
+            if unknown:
+                raise ValueError(f"stage_overrides[{i}] names unknown field(s) {sorted(unknown)}; allowed: {sorted(policies)}")
+            policies.update(self.stage_overrides.get(i, {}))
+            stages.append(Stage(spec=spec, **policies))
+        return stages
+
+    def run(
+        self,
+        hidden: torch.Tensor,
+        layout: VisionLayout,
+        num_layers: int,
+        relevance: torch.Tensor | None = None,
+    ) -> list[StageResult]:
+        """Apply every stage in turn to the same hidden states, without a model.
+
+        Useful to inspect what a schedule does to a layout (demo, docs, tests). ``relevance``
+        (``[B, N]`` for the input sequence) is carried along: each survivor keeps its own.
+
+        Returns:
+            one `StageResult` per stage (provenance accumulates across stages).
+        """
+        results, provenance = [], None
+        for stage in self.stages(num_layers):
+            res = stage(hidden, layout, relevance, provenance)
+            if relevance is not None:
+                relevance = relevance.gather(1, res.kept_index.clamp_min(0)).masked_fill(res.kept_index < 0, 0)
+            hidden, layout, provenance = res.hidden, res.layout, res.provenance
+            results.append(res)
+        return results
+
+    def with_scheduler(self, scheduler: Scheduler) -> "Pipeline":
+        """A copy with another scheduler."""
+        return replace(self, scheduler=scheduler)

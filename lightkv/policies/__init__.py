@@ -1,0 +1,62 @@
+"""The policy families a compression stage is composed of.
+
+| family | decides |
+|---|---|
+| `Partitioner` | windows and the A/B split |
+| `EdgeScorer` | divergence between A and B tokens, best partner per A token |
+| `Pruner` | which A tokens leave |
+| `MessagePasser` | how leaving tokens update their partners |
+| `Scheduler` | at which layers, with which windows and ratios |
+| `Relevance` | prompt relevance ξ per vision token |
+"""
+
+from .base import ENTRY_POINT_GROUP, Policy
+from .partitioners import GlobalPartitioner, GridPartitioner, Partition, Partitioner, PseudoSquarePartitioner
+from .passers import DropMessages, MessagePasser, RelevanceWeightedMean, SizeWeightedMean
+from .pruners import LowestRelevance, PruneInputs, Pruner, RandomPruner, RelevanceAwareDivergence, SmallestDivergence
+from .relevance import LastTokenAttention, QueryAxisSoftmax, Relevance, UniformRelevance
+from .schedulers import ExplicitSchedule, KeptFractionSchedule, Scheduler, StageSpec, average_kept_fraction
+from .scorers import CosineDivergence, EdgeScorer, L2Divergence
+
+FAMILIES = {
+    "partitioner": Partitioner,
+    "scorer": EdgeScorer,
+    "pruner": Pruner,
+    "passer": MessagePasser,
+    "relevance": Relevance,
+    "scheduler": Scheduler,
+}
+"""Pipeline config key -> family base class."""
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "FAMILIES",
+    "CosineDivergence",
+    "DropMessages",
+    "EdgeScorer",
+    "ExplicitSchedule",
+    "GlobalPartitioner",
+    "GridPartitioner",
+    "KeptFractionSchedule",
+    "L2Divergence",
+    "LastTokenAttention",
+    "LowestRelevance",
+    "MessagePasser",
+    "Partition",
+    "Partitioner",
+    "Policy",
+    "PruneInputs",
+    "Pruner",
+    "PseudoSquarePartitioner",
+    "QueryAxisSoftmax",
+    "RandomPruner",
+    "Relevance",
+    "RelevanceAwareDivergence",
+    "RelevanceWeightedMean",
+    "Scheduler",
+    "SizeWeightedMean",
+    "SmallestDivergence",
+    "StageSpec",
+    "UniformRelevance",
+    "average_kept_fraction",
+]

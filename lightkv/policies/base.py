@@ -1,0 +1,125 @@
+"""Policy base class and the per-family registries.
+
+Every policy family (`Partitioner`, `EdgeScorer`, `Pruner`, `MessagePasser`,
+`Scheduler`, `Relevance`) derives from `Policy`. A family keeps a registry that maps a
+short name to an implementation, so that configurations can name policies:
+
+```python
+from dataclasses import dataclass
+from lightkv.policies import EdgeScorer
+
+@EdgeScorer.register("my_divergence")
+@dataclass
+class MyDivergence(EdgeScorer):
+    temperature: float = 1.0
+
+    def divergence(self, src, dst):
+        ...
+```
+
+Third-party packages can also expose policies through the ``lightkv.policies`` entry-point
+group (``name = "package.module:Class"``); they are loaded the first time a name is looked
+up and not found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from importlib import metadata
+from typing import Any, Callable, ClassVar, TypeVar
+
+__all__ = ["Policy", "ENTRY_POINT_GROUP"]
+
+ENTRY_POINT_GROUP = "lightkv.policies"
+P = TypeVar("P", bound=type)
+
+
+class Policy:
+    """Base of all policies: a small dataclass whose fields are its hyper-parameters.
+
+    Subclasses that start a family set ``family`` and get their own registry.
+    """
+
+    family: ClassVar[str] = "policy"
+    name: ClassVar[str] = ""
+    _registry: ClassVar[dict[str, type]]
+    _entry_points_loaded: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "family" in cls.__dict__:  # a new family: a fresh registry
+            cls._registry = {}
+
+    @classmethod
+    def register(cls, name: str) -> Callable[[P], P]:
+        """Class decorator: register an implementation of this family under ``name``.
+
+        Raises:
+            ValueError: the name is already taken by another class.
+            TypeError: the class is not a subclass of this family.
+        """
+
+        def deco(impl: P) -> P:
+            if not (isinstance(impl, type) and issubclass(impl, cls)):
+                raise TypeError(f"{impl!r} must subclass {cls.__name__} to be registered as a {cls.family}")
+            existing = cls._registry.get(name)
+            if existing is not None and existing.__qualname__ != impl.__qualname__:
+                raise ValueError(f"{cls.family} name {name!r} is already registered by {existing.__qualname__}")
+            impl.name = name
+            cls._registry[name] = impl
+            return impl
+
+        return deco
+
+    @classmethod
+    def registered(cls) -> dict[str, type]:
+        """Name -> class for every registered implementation of this family."""
+        cls._load_entry_points()
+        return dict(sorted(cls._registry.items()))
+
+    @classmethod
+    def lookup(cls, name: str) -> type:
+        """The class registered under ``name``.
+
+        Raises:
+            ValueError: no such name; the message lists the registered names.
+        """
+        if name not in cls._registry:
+            cls._load_entry_points()
+        try:
+            return cls._registry[name]
+        except KeyError:
+            known = ", ".join(sorted(cls._registry)) or "(none)"
+            raise ValueError(f"unknown {cls.family} {name!r}; registered {cls.family}s: {known}") from None
+
+    @classmethod
+    def create(cls, name: str, **params: Any) -> "Policy":
+        """Instantiate the implementation registered under ``name`` with ``params``.
+
+        Raises:
+            ValueError: unknown name, or a parameter the policy does not have.
+        """
+        impl = cls.lookup(name)
+        if dataclasses.is_dataclass(impl):
+            allowed = {f.name for f in dataclasses.fields(impl) if f.init}
+            bad = sorted(set(params) - allowed)
+            if bad:
+                raise ValueError(
+                    f"{cls.family} {name!r} has no parameter(s) {', '.join(bad)}; "
+                    f"its parameters are: {', '.join(sorted(allowed)) or '(none)'}"
+                )
+        return impl(**params)
+
+    def params(self) -> dict[str, Any]:
+        """The policy's hyper-parameters (its dataclass fields) as a plain dict."""
+        if dataclasses.is_dataclass(self):
+            return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        return {}
+
+    @classmethod
+    def _load_entry_points(cls) -> None:
+        if Policy._entry_points_loaded:
+            return
+        Policy._entry_points_loaded = True
+        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+            ep.load()  # importing the module runs its @register decorators

@@ -1,0 +1,43 @@
+"""Deterministic per-token pseudo-random numbers.
+
+Random policies (random split, random pruning) must give a row the same result whether it
+runs alone or inside a batch, and the same result on every run. A global RNG stream
+cannot do that (it depends on how many tokens came before), so they hash each token's
+identity instead: its image's index within its own row and its ``(row, col)`` on the grid.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..graph.layout import VisionLayout
+from ..graph.scatter import segment_rank
+
+__all__ = ["token_identity", "seeded_uniform"]
+
+_MASK = (1 << 62) - 1
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    # Multiply-xorshift rounds on int64, masked below 2**62 so values stay non-negative;
+    # good enough to decorrelate neighbouring grid cells.
+    for mult in (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D):
+        x = (x ^ (x >> 17)) & _MASK
+        x = (x * mult) & _MASK
+    return x
+
+
+def token_identity(layout: VisionLayout) -> torch.Tensor:
+    """``[B, N]`` int64 identity of every token that does not depend on the rest of the
+    batch: (image index within its row, row, col) for image tokens, the original sequence
+    index otherwise."""
+    local_image = segment_rank(layout.image_row) if layout.num_images else layout.image_row
+    img = torch.where(layout.image >= 0, local_image[layout.image.clamp_min(0)], torch.full_like(layout.image, -1))
+    r, c = layout.coords[..., 0], layout.coords[..., 1]
+    return torch.where(img >= 0, ((img + 1) << 40) + ((r + 1) << 20) + (c + 1), layout.origin.clamp_min(0))
+
+
+def seeded_uniform(identity: torch.Tensor, seed: int) -> torch.Tensor:
+    """Float64 in ``[0, 1)`` per element of ``identity``, fixed for a given ``seed``."""
+    h = _mix(_mix(identity & _MASK) ^ _mix(torch.full_like(identity, (seed & _MASK) + 0x632BE5AB)))
+    return (h >> 9).double() / float(1 << 53)

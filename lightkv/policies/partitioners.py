@@ -1,0 +1,149 @@
+"""Partitioners: cut the vision tokens into windows and split each window into A and B.
+
+A is the source side (candidates for removal), B the destination side. Window-local
+order is sequence order among the window's current tokens (raster order on the grid).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+
+from ..graph.layout import VisionLayout
+from ..graph.scatter import segment_rank
+from ..graph.windows import grid_windows, pseudo_square_windows
+from .base import Policy
+from .hashing import seeded_uniform, token_identity
+
+__all__ = [
+    "Partition",
+    "Partitioner",
+    "GridPartitioner",
+    "PseudoSquarePartitioner",
+    "GlobalPartitioner",
+    "Split",
+]
+
+Split = Literal["parity", "checkerboard", "random", "all_src"]
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Windows and sides of one stage.
+
+    Attributes:
+        window: ``[B, N]`` int64 window id (compact, batch-wide), ``-1`` outside the graph.
+        is_src: ``[B, N]`` bool, True for side A.
+    """
+
+    window: torch.Tensor
+    is_src: torch.Tensor
+
+
+class Partitioner(Policy):
+    """Family: decides the windows and the A/B split of a stage."""
+
+    family: ClassVar[str] = "partitioner"
+
+    def partition(
+        self, layout: VisionLayout, windows_per_side: int | None = None, window_size: tuple[int, int] | None = None
+    ) -> Partition:
+        """Assign windows and sides.
+
+        Args:
+            layout: the batch layout (``[B, N]`` tokens).
+            windows_per_side: windows per image side from the schedule, or
+            window_size: window ``(rows, cols)`` in tokens from the schedule.
+
+        Returns:
+            a `Partition` with ``[B, N]`` tensors.
+        """
+        raise NotImplementedError
+
+    def _split(self, layout: VisionLayout, window: torch.Tensor, split: Split, src_parity: int, seed: int) -> torch.Tensor:
+        inside = window >= 0
+        is_src = torch.zeros_like(inside)
+        if split == "all_src":
+            return inside.clone()
+        if split == "checkerboard":
+            r, c = layout.coords[..., 0], layout.coords[..., 1]
+            return inside & ((r + c) % 2 == src_parity)
+        if split == "random":
+            return inside & ((seeded_uniform(token_identity(layout), seed) < 0.5) == bool(src_parity == 0))
+        if split != "parity":
+            raise ValueError(f"unknown split {split!r}; choose one of parity, checkerboard, random, all_src")
+        rank = segment_rank(window[inside])
+        is_src[inside] = rank % 2 == src_parity
+        return is_src
+
+
+@Partitioner.register("grid")
+@dataclass
+class GridPartitioner(Partitioner):
+    """True 2-D windows on each image's grid (lightkv default), then an A/B split.
+
+    Attributes:
+        split: ``parity`` (A = even window-local index, as the LightKV reference code),
+            ``checkerboard`` (A where ``row + col`` has parity ``src_parity``), ``random``
+            (a fixed hash of each token's position and ``seed``) or ``all_src``.
+        src_parity: which parity goes to side A.
+        seed: for ``random``.
+    """
+
+    split: Split = "parity"
+    src_parity: int = 0
+    seed: int = 0
+
+    def partition(self, layout, windows_per_side=None, window_size=None):
+        window = grid_windows(layout, windows_per_side, window_size)
+        return Partition(window, self._split(layout, window, self.split, self.src_parity, self.seed))
+
+
+@Partitioner.register("pseudo_square")
+@dataclass
+class PseudoSquarePartitioner(Partitioner):
+    """The LightKV reference code's windows: survivors re-packed into a pseudo-square
+    (see `lightkv.graph.pseudo_square_windows`), then a parity split."""
+
+    split: Split = "parity"
+    src_parity: int = 0
+    seed: int = 0
+
+    def partition(self, layout, windows_per_side=None, window_size=None):
+        if window_size is not None or windows_per_side is None:
+            raise ValueError("the pseudo_square partitioner needs windows_per_side (it has no window_size form)")
+        window = pseudo_square_windows(layout, windows_per_side)
+        return Partition(window, self._split(layout, window, self.split, self.src_parity, self.seed))
+
+
+@Partitioner.register("global")
+@dataclass
+class GlobalPartitioner(Partitioner):
+    """One window per image (``scope="image"``) or per batch row (``scope="row"``).
+
+    With ``split="parity", src_parity=1`` this is ToMe's bipartite split (even tokens are
+    destinations); with ``split="all_src"`` it serves pure pruning (FastV, random).
+    The schedule's window settings are ignored.
+    """
+
+    scope: Literal["image", "row"] = "image"
+    split: Split = "parity"
+    src_parity: int = 0
+    seed: int = 0
+
+    def partition(self, layout, windows_per_side=None, window_size=None):
+        if self.scope not in ("image", "row"):
+            raise ValueError(f"unknown scope {self.scope!r}; choose 'image' or 'row'")
+        vision = layout.vision_mask
+        if self.scope == "image":
+            key = layout.image
+        else:
+            key = torch.arange(layout.batch_size, device=layout.device).unsqueeze(1).expand_as(layout.image)
+        window = torch.full_like(layout.image, -1)
+        if vision.any():
+            _, inv = torch.unique(key[vision], sorted=True, return_inverse=True)
+            window[vision] = inv
+        return Partition(window, self._split(layout, window, self.split, self.src_parity, self.seed))
+

@@ -1,0 +1,127 @@
+"""Message passers: how removed tokens update the tokens they merge into.
+
+The three stages mirror PyTorch Geometric's ``MessagePassing``:
+
+* `MessagePasser.message`: what each removed source sends (its weighted features);
+* `MessagePasser.aggregate`: sum the messages per destination (a scatter op, run on
+  the selected scatter backend);
+* `MessagePasser.update`: combine with the destination's own weighted features and
+  normalise.
+
+Subclasses usually only override `MessagePasser.weight`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..graph.scatter import scatter_sum
+from .base import Policy
+
+__all__ = ["MessagePasser", "RelevanceWeightedMean", "SizeWeightedMean", "DropMessages"]
+
+
+class MessagePasser(Policy):
+    """Family: merge removed A tokens into their destinations with a weighted mean.
+
+    Destination ``b`` receiving the set ``R(b)`` becomes
+    ``(w_b x_b + sum_{a in R(b)} w_a x_a) / (w_b + sum_{a in R(b)} w_a)``
+    with ``w`` from `weight`. Where all weights of a group are 0, the plain mean is used.
+    """
+
+    family: ClassVar[str] = "message_passer"
+    merges: ClassVar[bool] = True
+    """False for passers that just drop removed tokens."""
+
+    def weight(self, relevance: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
+        """Message weight per node.
+
+        Args:
+            relevance: ``[M]`` prompt relevance ξ (non-negative).
+            size: ``[M]`` number of original tokens each node already represents.
+
+        Returns:
+            ``[M]`` non-negative weights.
+        """
+        raise NotImplementedError
+
+    def message(self, x_src: torch.Tensor, w_src: torch.Tensor) -> torch.Tensor:
+        """``[R, D]`` messages of the ``R`` removed sources."""
+        return x_src * w_src.unsqueeze(-1)
+
+    def aggregate(self, messages: torch.Tensor, w_src: torch.Tensor, dst: torch.Tensor, num_nodes: int):
+        """Sum messages and weights per destination node: ``([M, D], [M])``."""
+        return scatter_sum(messages, dst, num_nodes), scatter_sum(w_src, dst, num_nodes)
+
+    def update(self, x: torch.Tensor, w: torch.Tensor, agg: torch.Tensor, agg_w: torch.Tensor) -> torch.Tensor:
+        """New features of every node (only receivers change): ``[M, D]``."""
+        den = w + agg_w
+        return (x * w.unsqueeze(-1) + agg) / den.unsqueeze(-1)
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        relevance: torch.Tensor,
+        size: torch.Tensor,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Merge ``src`` nodes into ``dst`` nodes.
+
+        Args:
+            x: ``[M, D]`` node features (promoted to at least float32 by the caller).
+            relevance: ``[M]``; size: ``[M]``.
+            src: ``[R]`` removed node indices; dst: ``[R]`` their destination nodes.
+
+        Returns:
+            ``(receivers [Q], features [Q, D])``: the destination nodes that changed and
+            their new features.
+        """
+        receivers = torch.unique(dst)
+        if not self.merges or src.numel() == 0:
+            return receivers[:0], x[:0]
+        w = self.weight(relevance, size).to(x.dtype)
+        if (w < 0).any() or not torch.isfinite(w).all():
+            raise ValueError(f"{type(self).__name__}.weight must be finite and non-negative")
+        # Groups whose weights are all zero fall back to a plain mean.
+        agg_w0 = scatter_sum(w[src], dst, x.shape[0])
+        zero_group = (w + agg_w0) <= 0
+        in_zero_group = zero_group.clone()
+        in_zero_group[src] = zero_group[dst]
+        w = torch.where(in_zero_group, torch.ones_like(w), w)
+        agg, agg_w = self.aggregate(self.message(x[src], w[src]), w[src], dst, x.shape[0])
+        new = self.update(x[receivers], w[receivers], agg[receivers], agg_w[receivers])
+        return receivers, new
+
+
+@MessagePasser.register("relevance_mean")
+@dataclass
+class RelevanceWeightedMean(MessagePasser):
+    """ξ-weighted mean (LightKV): tokens the prompt cares about dominate the merge."""
+
+    def weight(self, relevance, size):
+        return relevance
+
+
+@MessagePasser.register("size_mean")
+@dataclass
+class SizeWeightedMean(MessagePasser):
+    """Size-weighted mean (ToMe): a token that already absorbed ``s`` originals counts ``s``
+    times, so the result is the plain mean of all originals."""
+
+    def weight(self, relevance, size):
+        return size.to(torch.float64)
+
+
+@MessagePasser.register("drop")
+@dataclass
+class DropMessages(MessagePasser):
+    """No merging: removed tokens simply disappear (pure pruning: FastV, random)."""
+
+    merges: ClassVar[bool] = False
+
+    def weight(self, relevance, size):
+        return torch.zeros_like(relevance)

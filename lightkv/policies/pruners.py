@@ -1,0 +1,137 @@
+"""Pruners: which tokens leave the sequence at a stage.
+
+A pruner ranks the A tokens of every window by a removal key (lower leaves first) and
+removes the ``r`` lowest per window. The budget is LightKV's
+``r = min(floor(P * n_w), |A_w|)``, where ``n_w`` counts the window's A and B tokens; for
+pruners that merge into a partner (``needs_partner``), a window without B tokens removes
+nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..graph.bipartite import BipartiteGraph
+from .base import Policy
+from .hashing import seeded_uniform
+
+__all__ = [
+    "Pruner",
+    "PruneInputs",
+    "SmallestDivergence",
+    "RelevanceAwareDivergence",
+    "LowestRelevance",
+    "RandomPruner",
+]
+
+
+@dataclass(frozen=True)
+class PruneInputs:
+    """What a pruner may look at, all as dense per-window blocks ``[K, a_max]`` over A slots.
+
+    Attributes:
+        graph: the batched graph.
+        divergence: divergence of each A token to its best partner (``+inf`` if none).
+        relevance: prompt relevance ξ of each A token.
+        identity: int64 identity of each A token, independent of the rest of the batch
+            (see `lightkv.policies.hashing.token_identity`), for random policies.
+    """
+
+    graph: BipartiteGraph
+    divergence: torch.Tensor
+    relevance: torch.Tensor
+    identity: torch.Tensor
+
+
+class Pruner(Policy):
+    """Family: ranks A tokens for removal. Override `key`."""
+
+    family: ClassVar[str] = "pruner"
+    needs_partner: ClassVar[bool] = True
+    """Removed tokens are merged into their best B partner, so a window needs B tokens."""
+
+    def key(self, inputs: PruneInputs) -> torch.Tensor:
+        """Removal key per A slot: ``[K, a_max]``; the lowest keys are removed first.
+        Ties go to the earlier token."""
+        raise NotImplementedError
+
+    def budget(self, graph: BipartiteGraph, ratio: float) -> torch.Tensor:
+        """``[K]`` tokens to remove per window: ``min(floor(ratio * n_w), |A_w|)``."""
+        n = graph.window_size.double()
+        r = torch.floor(n * ratio).long()
+        r = torch.minimum(r, graph.src_count)
+        if self.needs_partner:
+            r = torch.where(graph.dst_count > 0, r, torch.zeros_like(r))
+        return r
+
+    def select(self, inputs: PruneInputs, ratio: float) -> torch.Tensor:
+        """``[K, a_max]`` bool: the A slots to remove."""
+        graph = inputs.graph
+        key = self.key(inputs).to(torch.float64)
+        key = key.masked_fill(graph.src_slots < 0, math.inf)
+        order = torch.sort(key, dim=1, stable=True).indices
+        rank = torch.empty_like(order)
+        rank.scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
+        return (rank < self.budget(graph, ratio).unsqueeze(1)) & (graph.src_slots >= 0)
+
+
+@Pruner.register("divergence")
+@dataclass
+class SmallestDivergence(Pruner):
+    """Remove the A tokens closest to their best partner (LightKV, ToMe)."""
+
+    def key(self, inputs):
+        return inputs.divergence
+
+
+@Pruner.register("relevance_divergence")
+@dataclass
+class RelevanceAwareDivergence(Pruner):
+    """Remove tokens that are both redundant and irrelevant to the prompt.
+
+    ``key = divergence + weight * relevance / max relevance in the window``: at equal
+    divergence, the token the prompt cares less about leaves first.
+
+    Attributes:
+        weight: how much relevance counts next to divergence (0 = `SmallestDivergence`).
+    """
+
+    weight: float = 0.5
+
+    def key(self, inputs):
+        xi = inputs.relevance.to(torch.float64)
+        top = xi.max(dim=1, keepdim=True).values.clamp_min(1e-30)
+        return inputs.divergence.to(torch.float64) + self.weight * xi / top
+
+
+@Pruner.register("lowest_relevance")
+@dataclass
+class LowestRelevance(Pruner):
+    """Remove the tokens with the lowest prompt relevance (FastV, PyramidDrop: attention
+    top-k). Needs no partner: combine with the ``drop`` message passer."""
+
+    needs_partner: ClassVar[bool] = False
+
+    def key(self, inputs):
+        return inputs.relevance
+
+
+@Pruner.register("random")
+@dataclass
+class RandomPruner(Pruner):
+    """Remove tokens at random: a deterministic hash of each token's grid position and
+    ``seed``, so a row gets the same result alone or inside a batch.
+
+    Attributes:
+        seed: changes the draw.
+    """
+
+    needs_partner: ClassVar[bool] = False
+    seed: int = 0
+
+    def key(self, inputs):
+        return seeded_uniform(inputs.identity, self.seed)

@@ -1,0 +1,139 @@
+"""Relevance: how much each vision token matters to the text prompt (ξ).
+
+Relevance policies here take plain tensors (queries and keys of one layer) and a layout,
+so they are testable without a model; adapters compute the queries and keys from a
+layer's own projections. None of them needs the ``N x N`` attention matrix: each says
+which query rows (`query_rows`) and key columns (`key_cols`) it reads, so an adapter can
+project only those.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+
+from ..graph.layout import VisionLayout
+from .base import Policy
+
+__all__ = ["Relevance", "QueryAxisSoftmax", "LastTokenAttention", "UniformRelevance"]
+
+
+def _match_heads(keys: torch.Tensor, heads: int) -> torch.Tensor:
+    if keys.shape[1] == heads:
+        return keys
+    if heads % keys.shape[1]:
+        raise ValueError(f"query heads ({heads}) must be a multiple of key heads ({keys.shape[1]})")
+    return keys.repeat_interleave(heads // keys.shape[1], dim=1)
+
+
+def _pack(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions of the True entries of each row, left-aligned: ``([B, T], valid [B, T])``."""
+    count = mask.sum(dim=1)
+    width = int(count.max()) if count.numel() else 0
+    order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices[:, :width]
+    valid = torch.arange(width, device=mask.device).unsqueeze(0) < count.unsqueeze(1)
+    return order, valid
+
+
+class Relevance(Policy):
+    """Family: prompt relevance ξ per vision token. Override `score`."""
+
+    family: ClassVar[str] = "relevance"
+    query_rows: ClassVar[Literal["all", "last", "none"]] = "all"
+    """Which query rows `score` reads: every token, only the last one, or none."""
+    key_cols: ClassVar[Literal["text", "all", "none"]] = "text"
+    """Which key columns `score` reads: text tokens only, every token, or none."""
+
+    def score(self, queries: torch.Tensor | None, keys: torch.Tensor | None, layout: VisionLayout) -> torch.Tensor:
+        """Relevance per token.
+
+        Args:
+            queries: ``[B, H, N, d]`` post-RoPE queries of the layer (or None if
+                ``query_rows == "none"``).
+            keys: ``[B, H_kv, N, d]`` post-RoPE keys (``H`` a multiple of ``H_kv``).
+            layout: the batch layout.
+
+        Returns:
+            ``[B, N]`` non-negative float32, zero outside vision tokens.
+        """
+        raise NotImplementedError
+
+    @staticmethod
+    def _check(queries: torch.Tensor, keys: torch.Tensor, layout: VisionLayout) -> None:
+        if queries.dim() != 4 or keys.dim() != 4:
+            raise ValueError("queries and keys must be [B, H, N, d]")
+        b, _, n, d = queries.shape
+        if (b, n) != (layout.batch_size, layout.seq_len) or keys.shape[0] != b or keys.shape[2] != n:
+            raise ValueError(
+                f"queries {tuple(queries.shape)} / keys {tuple(keys.shape)} do not match the layout "
+                f"[B={layout.batch_size}, N={layout.seq_len}]"
+            )
+        if keys.shape[-1] != d:
+            raise ValueError(f"queries and keys need the same head dim, got {d} and {keys.shape[-1]}")
+
+
+@Relevance.register("query_softmax")
+@dataclass
+class QueryAxisSoftmax(Relevance):
+    """The LightKV reference code's relevance.
+
+    Pre-mask logits ``q_i . k_t / sqrt(d)`` with every token ``i`` as query and every text
+    token ``t`` as key (including the question after the image, which the causal mask would
+    hide); softmax over the *query* axis (each text column normalised over all valid query
+    positions); keep the vision rows; sum over heads and text columns. Costs ``N x T`` per
+    head, never ``N x N``.
+    """
+
+    def score(self, queries, keys, layout):
+        self._check(queries, keys, layout)
+        text_pos, text_valid = _pack(layout.text_mask)
+        h, d = queries.shape[1], queries.shape[-1]
+        k = _match_heads(keys, h)
+        k_text = k.gather(2, text_pos[:, None, :, None].expand(-1, h, -1, d))
+        logits = torch.matmul(queries.float(), k_text.float().transpose(-1, -2)) / math.sqrt(d)  # [B,H,N,T]
+        logits = logits.masked_fill(~layout.valid_mask[:, None, :, None], float("-inf"))
+        attn = torch.softmax(logits, dim=2)
+        attn = attn.masked_fill(~text_valid[:, None, None, :], 0.0)
+        xi = attn.sum(dim=(1, 3))
+        return torch.where(layout.vision_mask, xi, torch.zeros_like(xi))
+
+
+@Relevance.register("last_token")
+@dataclass
+class LastTokenAttention(Relevance):
+    """Attention from the last prompt token to every token, averaged over heads (FastV).
+
+    The last token is the last valid position of each row (left or right padding both
+    work). Softmax over all valid keys, as in the causal model (the last token sees all).
+    """
+
+    query_rows: ClassVar[str] = "last"
+    key_cols: ClassVar[str] = "all"
+
+    def score(self, queries, keys, layout):
+        self._check(queries, keys, layout)
+        valid = layout.valid_mask
+        last = (valid.long() * torch.arange(1, layout.seq_len + 1, device=valid.device)).argmax(dim=1)
+        h, d = queries.shape[1], queries.shape[-1]
+        q_last = queries.gather(2, last[:, None, None, None].expand(-1, h, 1, d))  # [B,H,1,d]
+        k = _match_heads(keys, h)
+        logits = torch.matmul(q_last.float(), k.float().transpose(-1, -2)) / math.sqrt(d)  # [B,H,1,N]
+        logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
+        xi = torch.softmax(logits, dim=-1).mean(dim=1)[:, 0]
+        return torch.where(layout.vision_mask, xi, torch.zeros_like(xi))
+
+
+@Relevance.register("uniform")
+@dataclass
+class UniformRelevance(Relevance):
+    """ξ = 1 for every vision token: prompt-agnostic merging (ToMe, or LightKV with
+    relevance switched off)."""
+
+    query_rows: ClassVar[str] = "none"
+    key_cols: ClassVar[str] = "none"
+
+    def score(self, queries, keys, layout):
+        return layout.vision_mask.float()

@@ -1,0 +1,100 @@
+"""Edge scorers: the divergence between A and B tokens of a window, and each A token's
+best (least divergent) B partner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+
+from ..graph.bipartite import BipartiteGraph
+from .base import Policy
+
+__all__ = ["EdgeScorer", "CosineDivergence", "L2Divergence"]
+
+Features = Literal["hidden", "keys"]
+
+
+class EdgeScorer(Policy):
+    """Family: how dissimilar two tokens are (lower = better merge partners).
+
+    Override `divergence`; `best_edges` batches it over all windows at once.
+
+    Attributes:
+        features: which per-token features to compare: ``"hidden"`` (the residual stream,
+            as LightKV) or ``"keys"`` (the layer's attention keys, when the caller
+            provides them).
+    """
+
+    family: ClassVar[str] = "edge_scorer"
+    features: Features = "hidden"
+
+    def divergence(self, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        """Pairwise divergence inside each window.
+
+        Args:
+            src: ``[K, a, D]`` features of the A tokens of ``K`` windows (zero padding).
+            dst: ``[K, b, D]`` features of the B tokens.
+
+        Returns:
+            ``[K, a, b]`` divergences; padding entries are ignored by the caller.
+        """
+        raise NotImplementedError
+
+    def best_edges(self, graph: BipartiteGraph, node_features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each A node's least divergent B node in its window.
+
+        Args:
+            graph: the batched graph.
+            node_features: ``[M, D]`` per-node features.
+
+        Returns:
+            ``(dst [K, a_max], divergence [K, a_max])``: node index of the best partner
+            (``-1`` where the slot is padding or the window has no B node) and its
+            divergence (``+inf`` there). Ties go to the earliest B token.
+        """
+        feats = node_features.to(torch.promote_types(node_features.dtype, torch.float32))
+        src = graph.blocks(feats, "src")
+        dst = graph.blocks(feats, "dst")
+        k, a = graph.src_slots.shape
+        if graph.dst_slots.shape[1] == 0 or a == 0:
+            return graph.src_slots.new_full((k, a), -1), feats.new_full((k, a), float("inf"))
+        div = self.divergence(src, dst)
+        if div.shape != (k, a, graph.dst_slots.shape[1]):
+            raise ValueError(f"{type(self).__name__}.divergence returned {tuple(div.shape)}, expected {(k, a, graph.dst_slots.shape[1])}")
+        div = div.masked_fill((graph.dst_slots < 0).unsqueeze(1), float("inf"))
+        best_div, best_slot = div.min(dim=-1)
+        best_dst = graph.dst_slots.gather(1, best_slot)
+        invalid = (graph.src_slots < 0) | torch.isinf(best_div)
+        return best_dst.masked_fill(invalid, -1), best_div.masked_fill(invalid, float("inf"))
+
+
+@EdgeScorer.register("cosine")
+@dataclass
+class CosineDivergence(EdgeScorer):
+    """Feature divergence ``FD(a, b) = 1 - cos(x_a, x_b)`` (LightKV; also ToMe's metric).
+
+    Attributes:
+        features: ``"hidden"`` or ``"keys"``.
+        eps: guards the norm of all-zero features.
+    """
+
+    features: Features = "hidden"
+    eps: float = 1e-12
+
+    def divergence(self, src, dst):
+        src = src / src.norm(dim=-1, keepdim=True).clamp_min(self.eps)
+        dst = dst / dst.norm(dim=-1, keepdim=True).clamp_min(self.eps)
+        return 1.0 - torch.bmm(src, dst.transpose(1, 2))
+
+
+@EdgeScorer.register("l2")
+@dataclass
+class L2Divergence(EdgeScorer):
+    """Euclidean distance ``||x_a - x_b||`` (sensitive to norms, unlike cosine)."""
+
+    features: Features = "hidden"
+
+    def divergence(self, src, dst):
+        return torch.cdist(src, dst)
