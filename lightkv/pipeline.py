@@ -145,6 +145,8 @@ class Stage:
 
         part = self.partitioner.partition(layout, self.spec.windows_per_side, self.spec.window_size)
         graph = BipartiteGraph.build(part.window, part.is_src)
+        if graph.num_nodes == 0:  # e.g. a text-only batch: nothing to compress
+            return self._identity(hidden, layout, provenance)
         acc = torch.promote_types(hidden.dtype, torch.float32)
         x = graph.gather(hidden).to(acc)
         xi = graph.gather(relevance).to(acc) if relevance is not None else torch.ones_like(x[:, 0])
@@ -156,12 +158,12 @@ class Stage:
         else:
             best_dst = torch.full_like(graph.src_slots, -1)
             best_div = torch.zeros(graph.src_slots.shape, dtype=acc, device=hidden.device)
-        src_slot_nodes = graph.src_slots.clamp_min(0)
+        pad = graph.src_slots < 0
         inputs = PruneInputs(
             graph=graph,
             divergence=best_div,
-            relevance=xi[src_slot_nodes],
-            identity=graph.gather(token_identity(layout))[src_slot_nodes],
+            relevance=graph.blocks(xi, "src"),
+            identity=graph.blocks(graph.gather(token_identity(layout)), "src").masked_fill(pad, -1),
         )
         removed = self.pruner.select(inputs, self.spec.ratio)
         src = graph.src_slots[removed]

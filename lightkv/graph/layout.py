@@ -249,7 +249,8 @@ class VisionLayout:
         new_id = torch.full((self.num_images,), -1, dtype=torch.long, device=self.device)
         new_id[keep] = torch.arange(int(keep.sum()), device=self.device)
         image = self.image[b : b + 1]
-        image = torch.where(image >= 0, new_id[image.clamp_min(0)], image)
+        if self.num_images:
+            image = torch.where(image >= 0, new_id[image.clamp_min(0)], image)
         return VisionLayout(
             kind=self.kind[b : b + 1],
             image=image,

@@ -70,6 +70,8 @@ def grid_windows(
     """
     check_window_spec(windows_per_side, window_size)
     vision = layout.vision_mask
+    if not vision.any():
+        return torch.full_like(layout.image, -1)
     img = layout.image.clamp_min(0)
     h = layout.image_grid[:, 0][img]
     w = layout.image_grid[:, 1][img]

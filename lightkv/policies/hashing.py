@@ -31,7 +31,9 @@ def token_identity(layout: VisionLayout) -> torch.Tensor:
     """``[B, N]`` int64 identity of every token that does not depend on the rest of the
     batch: (image index within its row, row, col) for image tokens, the original sequence
     index otherwise."""
-    local_image = segment_rank(layout.image_row) if layout.num_images else layout.image_row
+    if layout.num_images == 0:
+        return layout.origin.clamp_min(0)
+    local_image = segment_rank(layout.image_row)
     img = torch.where(layout.image >= 0, local_image[layout.image.clamp_min(0)], torch.full_like(layout.image, -1))
     r, c = layout.coords[..., 0], layout.coords[..., 1]
     return torch.where(img >= 0, ((img + 1) << 40) + ((r + 1) << 20) + (c + 1), layout.origin.clamp_min(0))

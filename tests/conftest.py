@@ -1,0 +1,29 @@
+"""Shared fixtures and hypothesis strategies for the pure core."""
+
+from __future__ import annotations
+
+import importlib.util
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("default", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+settings.load_profile("ci")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--require-scatter",
+        action="store_true",
+        help="fail (instead of skip) the scatter-backend tests when torch-scatter is missing",
+    )
+
+
+@pytest.fixture
+def torch_scatter_available(request):
+    if importlib.util.find_spec("torch_scatter") is None:
+        if request.config.getoption("--require-scatter"):
+            pytest.fail("torch-scatter is required for this run (--require-scatter) but not importable")
+        pytest.skip("torch-scatter not installed (run `make test-scatter`)")
+    return True
