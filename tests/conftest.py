@@ -7,8 +7,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-settings.register_profile("default", deadline=None, suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+settings.register_profile("default", deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture], derandomize=True)
 settings.load_profile("ci")
 
 
