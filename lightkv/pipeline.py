@@ -99,15 +99,8 @@ class Stage:
             )
         if not hidden.is_floating_point():
             raise TypeError(f"hidden states must be floating point, got {hidden.dtype}")
-        vis = layout.vision_mask
-        if not torch.isfinite(hidden[vis]).all():
-            raise ValueError("hidden states of vision tokens contain NaN or inf")
-        if relevance is not None:
-            if tuple(relevance.shape) != tuple(hidden.shape[:2]):
-                raise ValueError(f"relevance must be [B, N] = {tuple(hidden.shape[:2])}, got {tuple(relevance.shape)}")
-            r = relevance[vis]
-            if not torch.isfinite(r).all() or (r < 0).any():
-                raise ValueError("relevance of vision tokens must be finite and non-negative")
+        if relevance is not None and tuple(relevance.shape) != tuple(hidden.shape[:2]):
+            raise ValueError(f"relevance must be [B, N] = {tuple(hidden.shape[:2])}, got {tuple(relevance.shape)}")
         if keys is not None and tuple(keys.shape[:2]) != tuple(hidden.shape[:2]):
             raise ValueError(f"keys must be [B, N, Dk] with B, N = {tuple(hidden.shape[:2])}, got {tuple(keys.shape)}")
         if self.scorer is not None and self.scorer.features == "keys" and keys is None:
@@ -150,6 +143,11 @@ class Stage:
         acc = torch.promote_types(hidden.dtype, torch.float32)
         x = graph.gather(hidden).to(acc)
         xi = graph.gather(relevance).to(acc) if relevance is not None else torch.ones_like(x[:, 0])
+        # Checked on the gathered vision tokens only: text/padding may hold anything.
+        if not torch.isfinite(x).all():
+            raise ValueError("hidden states of vision tokens contain NaN or inf")
+        if not torch.isfinite(xi).all() or (xi < 0).any():
+            raise ValueError("relevance of vision tokens must be finite and non-negative")
         size = graph.gather(provenance.sizes())
 
         if self.scorer is not None:
@@ -169,15 +167,14 @@ class Stage:
         src = graph.src_slots[removed]
         dst = best_dst[removed]
 
-        out = hidden.clone()
         if self.passer.merges:
             receivers, new = self.passer(x, xi, size, src, dst)
-            out[graph.node_row[receivers], graph.node_pos[receivers]] = new.to(hidden.dtype)
         else:
             dst = torch.full_like(dst, -1)
+            receivers, new = dst[:0], x[:0]
         keep = torch.ones(b, n, dtype=torch.bool, device=hidden.device)
         keep[graph.node_row[src], graph.node_pos[src]] = False
-        return self._assemble(out, layout, provenance, keep, src, dst, graph)
+        return self._assemble(hidden, layout, provenance, keep, src, dst, receivers, new, graph)
 
     def _identity(self, hidden: torch.Tensor, layout: VisionLayout, provenance: Provenance) -> StageResult:
         b, n, _ = hidden.shape
@@ -185,19 +182,22 @@ class Stage:
         return StageResult(hidden, layout, index, provenance, index)
 
     @staticmethod
-    def _assemble(out, layout, provenance, keep, src, dst, graph) -> StageResult:
-        b, n, d = out.shape
+    def _assemble(hidden, layout, provenance, keep, src, dst, receivers, new, graph) -> StageResult:
+        b, n, d = hidden.shape
         count = keep.sum(dim=1)
         width = int(count.max())
         # Right-align each row's survivors (holes on the left): generation reads the last
         # column and appends there, so every row must end at the same place.
         col = (width - count).unsqueeze(1) + keep.long().cumsum(dim=1) - 1
         col = torch.where(keep, col, torch.full_like(col, -1))
-        rows = torch.arange(b, device=out.device).unsqueeze(1).expand(b, n)
-        kept_index = torch.full((b, width), -1, dtype=torch.long, device=out.device)
-        kept_index[rows[keep], col[keep]] = torch.arange(n, device=out.device).expand(b, n)[keep]
-        hidden = out.gather(1, kept_index.clamp_min(0).unsqueeze(-1).expand(-1, -1, d))
-        hidden = hidden.masked_fill((kept_index < 0).unsqueeze(-1), 0)
+        rows = torch.arange(b, device=hidden.device).unsqueeze(1).expand(b, n)
+        kept_index = torch.full((b, width), -1, dtype=torch.long, device=hidden.device)
+        kept_index[rows[keep], col[keep]] = torch.arange(n, device=hidden.device).expand(b, n)[keep]
+        out = hidden.gather(1, kept_index.clamp_min(0).unsqueeze(-1).expand(-1, -1, d))
+        out = out.masked_fill((kept_index < 0).unsqueeze(-1), 0)
+        if receivers.numel():
+            r_row = graph.node_row[receivers]
+            out[r_row, col[r_row, graph.node_pos[receivers]]] = new.to(hidden.dtype)
         remap = col.clone()
         if src.numel():
             merged = dst >= 0
@@ -206,7 +206,7 @@ class Stage:
             target[merged] = col[graph.node_row[dst[merged]], graph.node_pos[dst[merged]]]
             remap[s_row, s_pos] = target
         return StageResult(
-            hidden=hidden,
+            hidden=out,
             layout=layout.select(kept_index),
             kept_index=kept_index,
             provenance=provenance.then(remap, width),
