@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightkv import Pipeline, Stage, TokenKind
@@ -70,6 +70,7 @@ def test_counts_equal_what_the_schedule_promises(case, ratio, wps):
 
 
 @pytest.mark.parametrize("variant", sorted(MERGING))
+@settings(max_examples=30)
 @given(case=batches(), ratio=ratios, wps=st.integers(1, 4))
 def test_provenance_partitions_vision_tokens_within_windows(variant, case, ratio, wps):
     stage = Stage(StageSpec(0, ratio, windows_per_side=wps), **MERGING[variant])
@@ -146,6 +147,7 @@ def test_a_stage_that_removes_nothing_is_bit_exact(case, wps):
 
 
 @pytest.mark.parametrize("variant", sorted(MERGING) + ["fastv", "random"])
+@settings(max_examples=30)
 @given(case=batches(), ratio=ratios, wps=st.integers(1, 4))
 def test_rows_do_not_depend_on_the_rest_of_the_batch(variant, case, ratio, wps):
     if variant == "fastv":
