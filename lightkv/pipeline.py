@@ -244,6 +244,30 @@ class Pipeline:
 
         return get_preset(name)
 
+    @classmethod
+    def from_yaml(cls, path) -> "Pipeline":
+        """Read, validate and build a YAML pipeline file (see `lightkv.config`)."""
+        from .config import pipeline_from_yaml
+
+        return pipeline_from_yaml(path)
+
+    @classmethod
+    def from_config(cls, config) -> "Pipeline":
+        """Build a `lightkv.config.PipelineConfig`."""
+        return config.build()
+
+    def to_config(self):
+        """This pipeline as a `lightkv.config.PipelineConfig` (its policies must be registered)."""
+        from .config import config_from_pipeline
+
+        return config_from_pipeline(self)
+
+    def to_yaml(self, path=None) -> str:
+        """Canonical YAML of this pipeline (also written to ``path`` if given)."""
+        from .config import pipeline_to_yaml
+
+        return pipeline_to_yaml(self, path)
+
     def stages(self, num_layers: int) -> list[Stage]:
         """The stages for a decoder of ``num_layers`` layers, in layer order.
 

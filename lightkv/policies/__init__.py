@@ -12,6 +12,7 @@
 
 from .base import ENTRY_POINT_GROUP, Policy
 from .partitioners import GlobalPartitioner, GridPartitioner, Partition, Partitioner, PseudoSquarePartitioner
+from .pooling import AnchorPartitioner, StridedPartitioner
 from .passers import DropMessages, MessagePasser, RelevanceWeightedMean, SizeWeightedMean
 from .pruners import LowestRelevance, PruneInputs, Pruner, RandomPruner, RelevanceAwareDivergence, SmallestDivergence
 from .relevance import LastTokenAttention, QueryAxisSoftmax, Relevance, UniformRelevance
@@ -30,6 +31,8 @@ FAMILIES = {
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "AnchorPartitioner",
+    "StridedPartitioner",
     "FAMILIES",
     "CosineDivergence",
     "DropMessages",

@@ -1,0 +1,298 @@
+"""The ``lightkv`` command line.
+
+```
+lightkv presets [-v]                               list the shipped presets
+lightkv config show NAME|FILE [--num-layers N]     print a pipeline as canonical YAML
+lightkv config validate NAME|FILE [--num-layers N] [--grid HxW]
+lightkv config schema                              JSON Schema of pipeline files
+```
+
+Exit status: 0 on success, 1 when a configuration is invalid, 2 on a usage error (bad
+arguments, a missing file, an unknown preset). Errors are printed as one line each on
+stderr, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import textwrap
+from collections.abc import Sequence
+
+__all__ = ["build_parser", "main"]
+
+PROG = "lightkv"
+EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
+
+_DESCRIPTION = """\
+Make the KV cache of vision-language models lighter: merge or drop vision tokens during
+prefill with pipelines composed of small policies (LightKV, FastV, ToMe, PyramidDrop, ...).
+Pipelines are YAML files or shipped presets."""
+
+_EPILOG = """\
+examples:
+  lightkv presets                               list the presets
+  lightkv config show lightkv > mine.yaml       start a pipeline from a preset
+  lightkv config validate mine.yaml --num-layers 28
+  lightkv config schema > lightkv.schema.json   for editor completion and checks
+
+exit status: 0 ok, 1 invalid configuration, 2 usage error (bad arguments, missing file,
+unknown preset)."""
+
+
+class _UsageError(Exception):
+    """A problem with what the user asked for (exit status 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports usage errors as one line and exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _grid(text: str) -> tuple[int, int]:
+    try:
+        h, w = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ROWSxCOLS such as 24x24, got {text!r}") from None
+    if h < 1 or w < 1:
+        raise argparse.ArgumentTypeError(f"grid sides must be positive, got {text!r}")
+    return h, w
+
+
+def _depth(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for documentation tools)."""
+    from . import __version__
+
+    parser = _Parser(
+        prog=PROG, description=_DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    fmt = argparse.HelpFormatter
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands", parser_class=_Parser)
+
+    p = commands.add_parser(
+        "presets",
+        help="list the shipped presets with one-line descriptions",
+        description="List the shipped presets: LightKV with per-model schedules, and baselines "
+        "(FastV, ToMe, PyramidDrop, pooling, random) built from the same policies.",
+        formatter_class=fmt,
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="also print each description and source")
+    p.set_defaults(func=_cmd_presets)
+
+    cfg = commands.add_parser(
+        "config",
+        help="show, validate or describe pipeline configurations",
+        description="Work with pipeline configurations: presets by name or YAML files by path.",
+        formatter_class=fmt,
+    )
+    sub = cfg.add_subparsers(dest="config_command", metavar="ACTION", title="actions", parser_class=_Parser)
+    target_help = "a preset name (see `lightkv presets`) or a YAML file"
+    depth_help = "decoder depth of the target model: check the schedule against it and show its stages"
+
+    show = sub.add_parser(
+        "show",
+        help="print a preset or file as canonical YAML",
+        description="Print a pipeline as canonical YAML (a good starting point for your own file).",
+        formatter_class=fmt,
+    )
+    show.add_argument("target", metavar="NAME|FILE", help=target_help)
+    show.add_argument("--num-layers", type=_depth, metavar="N", help=depth_help)
+    show.add_argument("--format", choices=("yaml", "json"), default="yaml", help="output format (default: yaml)")
+    show.set_defaults(func=_cmd_show)
+
+    val = sub.add_parser(
+        "validate",
+        help="check a pipeline file and dry-run it on a synthetic image",
+        description="Validate a pipeline file: its fields, policy names and parameters, the "
+        "schedule against a model depth, and a dry run on random hidden states.",
+        formatter_class=fmt,
+    )
+    val.add_argument("target", metavar="FILE", help="a YAML file (or a preset name)")
+    val.add_argument("--num-layers", type=_depth, metavar="N", help=depth_help + " (default: 32)")
+    val.add_argument("--grid", type=_grid, default=(24, 24), metavar="HxW", help="image grid of the dry run (default: 24x24)")
+    val.set_defaults(func=_cmd_validate)
+
+    schema = sub.add_parser(
+        "schema",
+        help="print the JSON Schema of pipeline files",
+        description="Print the JSON Schema of pipeline files, including every registered "
+        "policy name and its parameters (third-party policies too, once installed).",
+        formatter_class=fmt,
+    )
+    schema.add_argument("--indent", type=int, default=2, help="JSON indentation (default: 2)")
+    schema.set_defaults(func=_cmd_schema)
+    cfg.set_defaults(func=lambda args: _missing_action(cfg))
+    return parser
+
+
+def _missing_action(parser: argparse.ArgumentParser) -> int:
+    parser.print_help(sys.stderr)
+    return EXIT_USAGE
+
+
+# ---------------------------------------------------------------------------- commands
+def _cmd_presets(args: argparse.Namespace) -> int:
+    from .presets import PRESETS
+
+    width = max(len(n) for n in PRESETS) + 2
+    for name, preset in PRESETS.items():
+        print(f"{name:<{width}}{preset.summary}")
+        if args.verbose:
+            wrap = textwrap.TextWrapper(width=92, initial_indent="    ", subsequent_indent="    ")
+            print(wrap.fill(preset.description))
+            if preset.source:
+                print(wrap.fill(f"Source: {preset.source}"))
+            print()
+    return EXIT_OK
+
+
+def _load(target: str):
+    from .config import load_config
+
+    try:
+        return load_config(target)
+    except FileNotFoundError as e:
+        raise _UsageError(str(e).strip("'\"")) from None
+    except IsADirectoryError as e:  # pragma: no cover - caught as FileNotFoundError above
+        raise _UsageError(str(e)) from None
+    except PermissionError as e:
+        raise _UsageError(f"{target}: cannot read the file ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise _UsageError(f"{target}: not a text file") from None
+    except ValueError as e:
+        from .config import ConfigError
+
+        if isinstance(e, ConfigError):
+            raise
+        raise _UsageError(str(e)) from None
+
+
+def _plan_lines(cfg, num_layers: int, target: str) -> list[str]:
+    from .config import ConfigError
+
+    try:
+        stages = cfg.validate_for_model(num_layers)
+    except ConfigError as e:
+        raise e.with_source(target) from None
+    if not stages:
+        return [f"on a {num_layers}-layer model: no stages (nothing is compressed)"]
+    lines = [f"on a {num_layers}-layer model, {len(stages)} stage(s):"]
+    for i, s in enumerate(stages):
+        windows = (
+            f"windows_per_side {s.windows_per_side}" if s.windows_per_side is not None
+            else f"window_size {s.window_size[0]}x{s.window_size[1]}"  # type: ignore[index]
+        )
+        lines.append(f"  stage {i}: after layer {s.layer}, removal ratio {s.ratio:g}, {windows}")
+    lines.append(f"vision KV kept on average over layers: {cfg.average_kept_fraction(num_layers):.1%}")
+    return lines
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    cfg = _load(args.target)
+    plan = _plan_lines(cfg, args.num_layers, args.target) if args.num_layers else []
+    if args.format == "json":
+        print(json.dumps(cfg.to_dict(), indent=2, ensure_ascii=False))
+        for line in plan:
+            print(line, file=sys.stderr)
+    else:
+        sys.stdout.write(cfg.to_yaml())
+        for line in plan:
+            print(f"# {line}")
+    return EXIT_OK
+
+
+def _default_depth(cfg) -> int:
+    layers = cfg.schedule.layers
+    return max(32, layers[-1] + 1) if layers else 32
+
+
+def _dry_run(cfg, num_layers: int, grid: tuple[int, int]) -> str:
+    import torch
+
+    from .graph import ImageSegment, VisionLayout
+
+    pipe = cfg.build()
+    scorers = [pipe.scorer] + [o.get("scorer") for o in pipe.stage_overrides.values()]
+    if any(s is not None and getattr(s, "features", "hidden") == "keys" for s in scorers):
+        return "dry run skipped: the edge scorer compares attention keys, which only a model provides"
+    h, w = grid
+    n = h * w + 16
+    layout = VisionLayout.from_segments(1, n, [ImageSegment(row=0, offset=8, grid=(h, w))])
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, n, 32, generator=gen)
+    relevance = torch.rand(1, n, generator=gen)
+    results = pipe.run(hidden, layout, num_layers=num_layers, relevance=relevance)
+    counts = [h * w] + [int(r.layout.vision_counts()[0]) for r in results]
+    return f"dry run on one {h}x{w} image: " + " -> ".join(map(str, counts)) + " vision tokens"
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    cfg = _load(args.target)
+    depth = args.num_layers or _default_depth(cfg)
+    lines = _plan_lines(cfg, depth, args.target)
+    if not args.num_layers:
+        lines[0] += " (assumed; pass --num-layers for your model)"
+    try:
+        lines.append(_dry_run(cfg, depth, args.grid))
+    except ValueError as e:
+        print(f"{PROG}: error: {args.target}: dry run failed: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    print(f"{args.target}: valid pipeline {cfg.name!r}")
+    for line in lines:
+        print(f"  {line}")
+    return EXIT_OK
+
+
+def _cmd_schema(args: argparse.Namespace) -> int:
+    from .config import json_schema
+
+    print(json.dumps(json_schema(), indent=args.indent or None, ensure_ascii=False))
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------- entry point
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0 ok, 1 invalid config, 2 usage)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version, usage errors
+        return int(e.code or 0) if not isinstance(e.code, str) else EXIT_USAGE
+    if not getattr(args, "func", None):
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    from .config import ConfigError
+
+    try:
+        return args.func(args)
+    except _UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except ConfigError as e:
+        for line in str(e).splitlines():
+            print(f"{PROG}: error: {line}", file=sys.stderr)
+        return EXIT_INVALID
+    except BrokenPipeError:  # e.g. `lightkv config schema | head`
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Shipped pipelines, as YAML files in this package (``lightkv/presets/*.yaml``).
+
+Each preset is a `lightkv.config.PipelineConfig`: LightKV and its per-model schedules, and
+the baselines (FastV, ToMe, PyramidDrop, random dropping, spatial pooling) as compositions
+of the same policy families. ``lightkv presets`` lists them; ``lightkv config show NAME``
+prints one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import resources
+
+from ..config import ConfigError, PipelineConfig
+from ..pipeline import Pipeline
+
+__all__ = ["PRESETS", "Preset", "get_preset", "get_preset_config"]
+
+_ORDER = (
+    "lightkv",
+    "lightkv-qwen2_5_vl",
+    "lightkv-paper",
+    "lightkv-paper-qwen2_5_vl",
+    "lightkv-budget",
+    "lightkv-no-relevance",
+    "fastv",
+    "pdrop",
+    "tome",
+    "pool",
+    "random",
+)
+"""Listing order; any other shipped file follows alphabetically."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named pipeline with a one-line summary, a one-paragraph description and its source.
+
+    Attributes:
+        name: the preset's name (its file name without ``.yaml``).
+        summary: one line, for listings.
+        description: one paragraph: what the pipeline does, with its source paper.
+        build: makes a fresh `lightkv.Pipeline`.
+        source: the paper (and code) the preset follows.
+        config: the validated configuration.
+    """
+
+    name: str
+    summary: str
+    description: str
+    build: Callable[[], Pipeline]
+    source: str = ""
+    config: PipelineConfig | None = field(default=None, compare=False, repr=False)
+
+
+def _load() -> dict[str, Preset]:
+    found: dict[str, Preset] = {}
+    for entry in resources.files(__name__).iterdir():
+        if not entry.name.endswith(".yaml"):
+            continue
+        stem = entry.name[: -len(".yaml")]
+        source = f"preset file {entry.name}"
+        cfg = PipelineConfig.from_yaml_text(entry.read_text(encoding="utf-8"), source)
+        if cfg.name != stem:
+            raise ConfigError([("name", f"must match the file name {stem!r}, got {cfg.name!r}")], source)
+        found[stem] = Preset(cfg.name, cfg.summary, cfg.description, cfg.build, cfg.source, cfg)
+    ordered = [n for n in _ORDER if n in found] + sorted(set(found) - set(_ORDER))
+    return {n: found[n] for n in ordered}
+
+
+PRESETS: dict[str, Preset] = _load()
+"""Every shipped preset by name, in listing order."""
+
+
+def _unknown(name: str) -> ValueError:
+    return ValueError(f"unknown preset {name!r}; available presets: {', '.join(PRESETS)}")
+
+
+def get_preset(name: str) -> Pipeline:
+    """A fresh pipeline for preset ``name``.
+
+    Raises:
+        ValueError: unknown name (the message lists the presets).
+    """
+    try:
+        return PRESETS[name].build()
+    except KeyError:
+        raise _unknown(name) from None
+
+
+def get_preset_config(name: str) -> PipelineConfig:
+    """A copy of preset ``name``'s configuration (edit it freely).
+
+    Raises:
+        ValueError: unknown name (the message lists the presets).
+    """
+    try:
+        cfg = PRESETS[name].config
+    except KeyError:
+        raise _unknown(name) from None
+    assert cfg is not None
+    return cfg.model_copy(deep=True)

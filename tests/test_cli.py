@@ -1,0 +1,153 @@
+"""The ``lightkv`` command line: output, exit codes, one-line errors without tracebacks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib import metadata
+
+import pytest
+import yaml
+
+from lightkv.cli import main
+from lightkv.config import PipelineConfig
+from lightkv.presets import PRESETS
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_help_reads_well(capsys):
+    code, out, _ = run(capsys, "--help")
+    assert code == 0
+    for text in ("usage: lightkv", "presets", "config", "examples:", "exit status"):
+        assert text in out
+    code, out, _ = run(capsys, "config", "--help")
+    assert code == 0 and all(a in out for a in ("show", "validate", "schema"))
+    code, out, _ = run(capsys, "config", "validate", "--help")
+    assert code == 0 and "--num-layers" in out and "--grid" in out
+
+
+def test_version(capsys):
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and out.startswith("lightkv ")
+
+
+def test_presets_lists_every_preset_with_its_summary(capsys):
+    code, out, err = run(capsys, "presets")
+    assert code == 0 and not err
+    lines = out.splitlines()
+    assert len(lines) == len(PRESETS)
+    for line, (name, preset) in zip(lines, PRESETS.items()):
+        assert line.split()[0] == name and line.endswith(preset.summary)
+    code, out, _ = run(capsys, "presets", "--verbose")
+    assert code == 0 and "Source: " in out and "PyramidDrop" in out
+
+
+@pytest.mark.parametrize("name", ["lightkv", "fastv", "pool"])
+def test_config_show_preset_prints_canonical_yaml(capsys, name):
+    code, out, err = run(capsys, "config", "show", name)
+    assert code == 0 and not err
+    assert out == PRESETS[name].config.to_yaml()
+    assert PipelineConfig.from_yaml_text(out) == PRESETS[name].config
+
+
+def test_config_show_file_json_and_plan(capsys, tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("name: mine\nschedule: {kept_fraction: 0.5}\nscorer: l2\n")
+    code, out, _ = run(capsys, "config", "show", str(path), "--num-layers", "40")
+    assert code == 0
+    assert "scorer: l2" in out and "# on a 40-layer model, 3 stage(s):" in out and "# vision KV kept" in out
+    assert yaml.safe_load(out)["name"] == "mine"  # the plan is YAML comments
+    code, out, _ = run(capsys, "config", "show", str(path), "--format", "json")
+    assert code == 0 and json.loads(out)["schedule"] == {"kept_fraction": 0.5}
+
+
+def test_config_validate_ok(capsys, tmp_path):
+    path = tmp_path / "ok.yaml"
+    path.write_text(PRESETS["lightkv-qwen2_5_vl"].config.to_yaml())
+    code, out, err = run(capsys, "config", "validate", str(path), "--num-layers", "28", "--grid", "32x32")
+    assert code == 0 and not err
+    assert out.splitlines()[0] == f"{path}: valid pipeline 'lightkv-qwen2_5_vl'"
+    assert "stage 1: after layer 17, removal ratio 0.5, windows_per_side 4" in out
+    assert "dry run on one 32x32 image: 1024 -> 520 -> 263 -> 132 vision tokens" in out
+    code, out, _ = run(capsys, "config", "validate", "fastv")
+    assert code == 0 and "(assumed; pass --num-layers" in out and "576 -> 288 vision tokens" in out
+
+
+def test_config_validate_invalid_file_exit_1(capsys, tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: bad\nschedule:\n  layers: [12, 18]\n  ratios: [0.5, 1.5]\npartitioner: gird\n")
+    code, out, err = run(capsys, "config", "validate", str(path))
+    assert code == 1 and not out
+    lines = err.splitlines()
+    assert lines == [
+        f"lightkv: error: {path}: schedule.ratios.1: removal ratio must be in [0, 1) (0 keeps every token), got 1.5",
+        (
+            f"lightkv: error: {path}: partitioner.name: unknown partitioner 'gird'; registered partitioners: "
+            "anchor, global, grid, pseudo_square, strided; did you mean 'grid'?"
+        ),
+    ]
+
+
+def test_config_validate_layer_beyond_depth_exit_1(capsys):
+    code, _, err = run(capsys, "config", "validate", "lightkv", "--num-layers", "16")
+    assert code == 1
+    assert err.strip() == (
+        "lightkv: error: lightkv: schedule.layers: the schedule compresses after layer 24, but the model "
+        "has only 16 layers (0..15); use layers below 16 or a kept_fraction schedule"
+    )
+
+
+def test_config_validate_bad_yaml(capsys, tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("name: [x\n")
+    code, _, err = run(capsys, "config", "validate", str(path))
+    assert code == 1 and len(err.splitlines()) == 1 and "not valid YAML: line 2, column 1" in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["config", "validate", "missing.yaml"], "lightkv: error: missing.yaml: does not exist"),
+        (["config", "show", "lightkvv"], "lightkv: error: no preset or file named 'lightkvv'; did you mean 'lightkv'?; presets: "),
+        (["config", "show", "no/such/dir.yaml"], "lightkv: error: no/such/dir.yaml: does not exist"),
+    ],
+)
+def test_usage_errors_are_one_line_exit_2(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and not out
+    assert len(err.strip().splitlines()) == 1 and err.startswith(message)
+    assert "Traceback" not in err
+
+
+def test_directory_is_not_a_file(capsys, tmp_path):
+    code, _, err = run(capsys, "config", "validate", str(tmp_path / ""), )
+    assert code == 2 and "is a directory, not a file" in err
+
+
+@pytest.mark.parametrize("argv", [["bogus"], ["config", "show"], ["config", "validate", "x.yaml", "--grid", "3y3"], []])
+def test_bad_arguments_exit_2(capsys, argv):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and "usage: lightkv" in err and "Traceback" not in err
+
+
+def test_config_schema(capsys):
+    code, out, err = run(capsys, "config", "schema")
+    assert code == 0 and not err
+    schema = json.loads(out)
+    assert schema["title"] == "lightkv pipeline" and "PartitionerSpec" in schema["$defs"]
+
+
+def test_console_script_and_module_entry_point(tmp_path):
+    scripts = metadata.entry_points(group="console_scripts", name="lightkv")
+    assert [ep.value for ep in scripts] == ["lightkv.cli:main"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightkv", "config", "show", "nope"], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 2 and not proc.stdout
+    assert proc.stderr.startswith("lightkv: error: no preset or file named 'nope'") and "Traceback" not in proc.stderr
