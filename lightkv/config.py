@@ -541,7 +541,7 @@ class ScheduleConfig(BaseModel):
                 "windows_per_side": None if s.windows_per_side is None else list(s.windows_per_side),
                 "window_size": None if s.window_size is None else [list(w) for w in s.window_size],
             })
-        if type(scheduler) is KeptFractionSchedule:
+        if type(scheduler) is KeptFractionSchedule and scheduler.max_ratio == KeptFractionSchedule.max_ratio:
             s = scheduler
             rel_default = tuple(s.relative_layers) == tuple(_KF_DEFAULT.relative_layers)
             wps = tuple(s.windows_per_side)

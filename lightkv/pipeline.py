@@ -223,7 +223,11 @@ class Pipeline:
 
     Attributes:
         scheduler: where to compress, with which windows and ratios.
-        partitioner, scorer, pruner, passer, relevance: the stage policies.
+        partitioner: windows and A/B split of every stage.
+        scorer: edge divergence (None for pure pruning).
+        pruner: which A tokens leave.
+        passer: how leaving tokens update their partners.
+        relevance: how ξ is computed inside a model.
         stage_overrides: ``{stage index: {field: policy}}``.
         name: a label (the preset name, for reports).
     """

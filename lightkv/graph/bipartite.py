@@ -77,10 +77,12 @@ class BipartiteGraph:
     # ------------------------------------------------------------------ views
     @property
     def num_nodes(self) -> int:
+        """``M``, the number of nodes (vision tokens taking part)."""
         return self.node_row.shape[0]
 
     @property
     def num_windows(self) -> int:
+        """``K``, the number of windows across the batch."""
         return self.window_size.shape[0]
 
     @property

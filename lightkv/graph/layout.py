@@ -184,18 +184,22 @@ class VisionLayout:
     # ------------------------------------------------------------------ views
     @property
     def batch_size(self) -> int:
+        """``B``, the number of rows."""
         return self.kind.shape[0]
 
     @property
     def seq_len(self) -> int:
+        """``N``, the sequence length (padding and holes included)."""
         return self.kind.shape[1]
 
     @property
     def num_images(self) -> int:
+        """``S``, the number of images (tiles, frames) across the batch."""
         return self.image_grid.shape[0]
 
     @property
     def device(self) -> torch.device:
+        """Where the layout's tensors live."""
         return self.kind.device
 
     @property

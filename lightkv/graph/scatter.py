@@ -1,7 +1,7 @@
 """Scatter (segment) reductions with two interchangeable backends.
 
 ``native`` uses only ``torch`` (``index_add_`` / ``scatter_reduce_``); ``torch_scatter``
-uses the optional `torch-scatter <https://github.com/rusty1s/pytorch_scatter>`_ extension.
+uses the optional [torch-scatter](https://github.com/rusty1s/pytorch_scatter) extension.
 Both give the same results (sums may differ in the last bit where the summation order
 differs); the tests check this. The default backend, ``"auto"``, picks ``torch_scatter``
 when it is importable and ``native`` otherwise. On CPU the native path is as fast or

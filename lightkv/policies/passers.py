@@ -73,8 +73,10 @@ class MessagePasser(Policy):
 
         Args:
             x: ``[M, D]`` node features (promoted to at least float32 by the caller).
-            relevance: ``[M]``; size: ``[M]``.
-            src: ``[R]`` removed node indices; dst: ``[R]`` their destination nodes.
+            relevance: ``[M]`` prompt relevance ξ per node.
+            size: ``[M]`` original tokens each node represents.
+            src: ``[R]`` removed node indices.
+            dst: ``[R]`` their destination nodes.
 
         Returns:
             ``(receivers [Q], features [Q, D])``: the destination nodes that changed and
@@ -100,7 +102,11 @@ class MessagePasser(Policy):
 @MessagePasser.register("relevance_mean")
 @dataclass
 class RelevanceWeightedMean(MessagePasser):
-    """ξ-weighted mean (LightKV): tokens the prompt cares about dominate the merge."""
+    """ξ-weighted mean: tokens the prompt cares about dominate the merge.
+
+    LightKV's message passing (Chen, Guo, Zimmermann, "Make Your LVLM KV Cache More
+    Lightweight", TMLR 2026, arXiv:2605.00789).
+    """
 
     def weight(self, relevance, size):
         return relevance
@@ -109,8 +115,12 @@ class RelevanceWeightedMean(MessagePasser):
 @MessagePasser.register("size_mean")
 @dataclass
 class SizeWeightedMean(MessagePasser):
-    """Size-weighted mean (ToMe): a token that already absorbed ``s`` originals counts ``s``
-    times, so the result is the plain mean of all originals."""
+    """Size-weighted mean: a token that already absorbed ``s`` originals counts ``s``
+    times, so the result is the plain mean of all originals.
+
+    ToMe's proportional merging (Bolya et al., "Token Merging: Your ViT But Faster",
+    ICLR 2023, arXiv:2210.09461).
+    """
 
     def weight(self, relevance, size):
         return size.to(torch.float64)
@@ -119,7 +129,8 @@ class SizeWeightedMean(MessagePasser):
 @MessagePasser.register("drop")
 @dataclass
 class DropMessages(MessagePasser):
-    """No merging: removed tokens simply disappear (pure pruning: FastV, random)."""
+    """No merging: removed tokens simply disappear (pure pruning, as FastV, PyramidDrop
+    and random dropping)."""
 
     merges: ClassVar[bool] = False
 

@@ -82,7 +82,11 @@ class Pruner(Policy):
 @Pruner.register("divergence")
 @dataclass
 class SmallestDivergence(Pruner):
-    """Remove the A tokens closest to their best partner (LightKV, ToMe)."""
+    """Remove the A tokens closest to their best partner.
+
+    LightKV's candidate set (Chen, Guo, Zimmermann, TMLR 2026, arXiv:2605.00789) and
+    ToMe's bipartite soft matching (Bolya et al., ICLR 2023, arXiv:2210.09461).
+    """
 
     def key(self, inputs):
         return inputs.divergence
@@ -111,8 +115,12 @@ class RelevanceAwareDivergence(Pruner):
 @Pruner.register("lowest_relevance")
 @dataclass
 class LowestRelevance(Pruner):
-    """Remove the tokens with the lowest prompt relevance (FastV, PyramidDrop: attention
-    top-k). Needs no partner: combine with the ``drop`` message passer."""
+    """Remove the tokens with the lowest prompt relevance (attention top-k).
+
+    FastV (Chen et al., "An Image is Worth 1/2 Tokens After Layer 2", ECCV 2024,
+    arXiv:2403.06764) and PyramidDrop (Xing et al., CVPR 2025, arXiv:2410.17247). Needs no
+    partner: combine with the ``drop`` message passer.
+    """
 
     needs_partner: ClassVar[bool] = False
 

@@ -78,7 +78,8 @@ class Relevance(Policy):
 @Relevance.register("query_softmax")
 @dataclass
 class QueryAxisSoftmax(Relevance):
-    """The LightKV reference code's relevance.
+    """The LightKV reference code's relevance (Chen, Guo, Zimmermann, TMLR 2026,
+    arXiv:2605.00789).
 
     Pre-mask logits ``q_i . k_t / sqrt(d)`` with every token ``i`` as query and every text
     token ``t`` as key (including the question after the image, which the causal mask would
@@ -104,7 +105,9 @@ class QueryAxisSoftmax(Relevance):
 @Relevance.register("last_token")
 @dataclass
 class LastTokenAttention(Relevance):
-    """Attention from the last prompt token to every token, averaged over heads (FastV).
+    """Attention from the last prompt token to every token, averaged over heads.
+
+    FastV's importance score (Chen et al., ECCV 2024, arXiv:2403.06764).
 
     The last token is the last valid position of each row (left or right padding both
     work). Softmax over all valid keys, as in the causal model (the last token sees all).

@@ -126,37 +126,54 @@ def average_kept_fraction(stages: list[StageSpec], num_layers: int) -> float:
 class KeptFractionSchedule(Scheduler):
     """Hit a target vision-KV fraction (averaged over layers) on a model of any depth.
 
-    Stages sit at the same relative depths as the reference LLaVA schedule (12/18/24 of 32
-    layers by default); one common ratio ``P`` is found by bisection so that
-    `average_kept_fraction` equals ``target`` (as closely as ``P < 1`` allows).
+    Stages sit at the same relative depths as the reference LLaVA schedule (12/32, 18/32,
+    24/32 by default) and one common ratio ``P <= max_ratio`` is found by bisection so that
+    `average_kept_fraction` equals ``target``. If even ``max_ratio`` at those depths keeps
+    too much, all stages move earlier by the same number of layers (keeping their spacing)
+    until the target is reachable: compressing earlier is the only other way to keep less.
 
     Attributes:
         target: kept fraction in ``(0, 1]``.
         relative_layers: stage positions as fractions of depth.
         windows_per_side: windows per side per stage.
+        max_ratio: the largest removal a stage can really make. With a parity split only
+            side A (half of each window) can leave, so ratios above 0.5 remove no more than
+            0.5; raise it for partitioners with more sources (e.g. ``all_src``).
     """
 
     target: float = 0.55
     relative_layers: tuple[float, ...] = (12 / 32, 18 / 32, 24 / 32)
     windows_per_side: tuple[int, ...] = (4, 2, 1)
+    max_ratio: float = 0.5
 
     def plan(self, num_layers):
         if not 0.0 < self.target <= 1.0:
             raise ValueError(f"target kept fraction must be in (0, 1], got {self.target!r}")
+        if not 0.0 < self.max_ratio < 1.0:
+            raise ValueError(f"max_ratio must be in (0, 1), got {self.max_ratio!r}")
         if len(self.windows_per_side) != len(self.relative_layers):
             raise ValueError("windows_per_side needs one entry per relative layer")
-        layers = sorted({min(num_layers - 1, max(0, round(f * num_layers))) for f in self.relative_layers})
-        wps = list(self.windows_per_side)[: len(layers)]
 
-        def make(p: float) -> list[StageSpec]:
-            return [StageSpec(l, p, windows_per_side=w) for l, w in zip(layers, wps)]
+        base = sorted({min(num_layers - 1, round(f * num_layers)) for f in self.relative_layers})
 
-        lo, hi = 0.0, 0.999
+        def make(p: float, shift: int = 0) -> list[StageSpec]:
+            return [StageSpec(l - shift, p, windows_per_side=w) for l, w in zip(base, self.windows_per_side)]
+
+        def kept(p: float, shift: int = 0) -> float:
+            return average_kept_fraction(make(p, shift), num_layers)
+
+        # Too little removal at these depths even at max_ratio: move every stage earlier by
+        # the same number of layers (keeping their spacing) until the target is reachable.
+        shift = next((t for t in range(base[0] + 1) if kept(self.max_ratio, t) <= self.target), None)
+        if shift is None:
+            raise ValueError(
+                f"kept fraction {self.target} is out of reach on {num_layers} layers: starting at layer 0 "
+                f"with ratio {self.max_ratio} per stage still keeps {kept(self.max_ratio, base[0]):.3f}; "
+                "add stages (relative_layers) or use a partitioner that removes more (max_ratio)"
+            )
+        lo, hi = 0.0, self.max_ratio
         for _ in range(60):
             mid = (lo + hi) / 2
-            if average_kept_fraction(make(mid), num_layers) > self.target:
-                lo = mid
-            else:
-                hi = mid
-        p = round(lo, 6)
-        return self._validate([] if p == 0 else make(p), num_layers)
+            lo, hi = (mid, hi) if kept(mid, shift) > self.target else (lo, mid)
+        p = round(hi, 6)
+        return self._validate([] if p == 0 else make(p, shift), num_layers)

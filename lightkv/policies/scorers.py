@@ -73,7 +73,10 @@ class EdgeScorer(Policy):
 @EdgeScorer.register("cosine")
 @dataclass
 class CosineDivergence(EdgeScorer):
-    """Feature divergence ``FD(a, b) = 1 - cos(x_a, x_b)`` (LightKV; also ToMe's metric).
+    """Feature divergence ``FD(a, b) = 1 - cos(x_a, x_b)``.
+
+    LightKV's edge weight (Chen, Guo, Zimmermann, TMLR 2026, arXiv:2605.00789); ToMe
+    (Bolya et al., ICLR 2023) matches on the same cosine similarity.
 
     Attributes:
         features: ``"hidden"`` or ``"keys"``.

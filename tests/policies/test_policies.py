@@ -100,13 +100,30 @@ def test_average_kept_fraction_of_the_reference_llava_schedule():
     assert average_kept_fraction(plan, 32) == pytest.approx((13 + 3 + 1.5 + 7 / 8) / 32)
 
 
-@given(target=st.floats(0.3, 1.0), depth=st.integers(4, 48))
-def test_kept_fraction_schedule_hits_its_target_on_any_depth(target, depth):
-    plan = KeptFractionSchedule(target=target).plan(depth)
-    assert all(0 <= s.layer < depth for s in plan)
-    achieved = average_kept_fraction(plan, depth) if plan else 1.0
-    best_possible = average_kept_fraction([StageSpec(s.layer, 0.999, 1) for s in plan], depth) if plan else 1.0
-    assert achieved == pytest.approx(max(target, best_possible), abs=2e-3)
+@given(target=st.floats(0.3, 1.0), depth=st.integers(2, 48))
+def test_kept_fraction_schedule_hits_its_target_or_says_it_cannot(target, depth):
+    schedule = KeptFractionSchedule(target=target)
+    try:
+        plan = schedule.plan(depth)
+    except ValueError as err:
+        assert "out of reach" in str(err)
+        # even the most aggressive placement (first stage after layer 0, max ratio) keeps more
+        n = len({min(depth - 1, round(f * depth)) for f in schedule.relative_layers})
+        gaps = sorted({min(depth - 1, round(f * depth)) for f in schedule.relative_layers})
+        tightest = [StageSpec(l - gaps[0], 0.5, windows_per_side=1) for l in gaps][:n]
+        assert average_kept_fraction(tightest, depth) > target
+        return
+    assert all(0 <= s.layer < depth and 0 <= s.ratio <= 0.5 for s in plan)
+    assert (average_kept_fraction(plan, depth) if plan else 1.0) == pytest.approx(target, abs=1e-5)
+
+
+def test_kept_fraction_schedule_moves_stages_earlier_when_ratios_cannot_reach_the_target():
+    # at 12/18/24 of 32 layers, ratio 0.5 (all of side A) keeps 0.574 > 0.55
+    plan = KeptFractionSchedule(target=0.55).plan(32)
+    assert [s.layer for s in plan] == [11, 17, 23]
+    assert average_kept_fraction(plan, 32) == pytest.approx(0.55, abs=1e-6)
+    # with room in the ratio, the reference layers stay
+    assert [s.layer for s in KeptFractionSchedule(target=0.6).plan(32)] == [12, 18, 24]
 
 
 def test_registries_list_name_and_create_policies():
