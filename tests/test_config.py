@@ -394,7 +394,7 @@ def test_layer_beyond_the_model_depth_names_the_depth():
     assert [s.layer for s in cfg.validate_for_model(23)] == [12, 17, 22]
     with pytest.raises(ConfigError, match="positive integer"):
         cfg.validate_for_model(0)
-    over = PipelineConfig.from_dict({"schedule": {"kept_fraction": 0.5}, "stage_overrides": {2: {"scorer": "l2"}}})
+    over = PipelineConfig.from_dict({"schedule": {"kept_fraction": 0.8}, "stage_overrides": {2: {"scorer": "l2"}}})
     with pytest.raises(ConfigError, match=r"stage 2 does not exist: on a model with 2 layers the schedule has 1 stage\(s\)"):
         over.validate_for_model(2)
 
