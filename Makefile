@@ -43,3 +43,19 @@ lint: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build dist *.egg-info
+
+# The documentation site (mkdocs-material + mkdocstrings). `docs` builds it strictly: a
+# broken link, a missing page or a docstring mkdocstrings cannot read fails the build.
+# The docs extra is installed into .venv only when it is missing.
+.PHONY: docs docs-serve
+DOCS_ADDR ?= 127.0.0.1:8000
+DOCS_DEPS = $(PY) -c "import mkdocs, material, mkdocstrings, mkdocstrings_handlers.python" 2>/dev/null \
+	|| $(PY) -m pip install -q -e ".[docs]"
+
+docs: install
+	@$(DOCS_DEPS)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+docs-serve: install
+	@$(DOCS_DEPS)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --dev-addr $(DOCS_ADDR)

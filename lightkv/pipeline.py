@@ -272,6 +272,22 @@ class Pipeline:
 
         return pipeline_to_yaml(self, path)
 
+    def apply(self, model, **options):
+        """Compress ``model``'s prefill inside a ``with`` block.
+
+        ```python
+        with pipe.apply(model) as session:
+            out = model.generate(**inputs, max_new_tokens=32)
+        print(session.report())
+        ```
+
+        Hooks are installed on this model instance only and removed on exit (also after an
+        exception). See `lightkv.adapters.apply` for the options.
+        """
+        from .adapters import apply
+
+        return apply(self, model, **options)
+
     def stages(self, num_layers: int) -> list[Stage]:
         """The stages for a decoder of ``num_layers`` layers, in layer order.
 

@@ -1,0 +1,53 @@
+"""transformers integration: compress vision tokens inside the prefill of unmodified models.
+
+```python
+from lightkv.adapters import apply
+with apply(pipeline, model) as session:          # or pipeline.apply(model)
+    out = model.generate(**inputs, max_new_tokens=32)
+print(session.report())
+```
+
+Supported families: see `SUPPORTED_FAMILIES`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .base import Adapter, CompressionSession, MaskedCacheLayer, PrefillTrace, StageRecord
+from .registry import SUPPORTED_FAMILIES, detect_family, get_adapter
+
+__all__ = [
+    "SUPPORTED_FAMILIES",
+    "Adapter",
+    "CompressionSession",
+    "MaskedCacheLayer",
+    "PrefillTrace",
+    "StageRecord",
+    "apply",
+    "detect_family",
+    "get_adapter",
+]
+
+
+def apply(pipeline, model: nn.Module, *, adapter: str | Adapter | None = None, record: bool = False, **adapter_options: Any) -> CompressionSession:
+    """A context manager that compresses ``model``'s prefill with ``pipeline``.
+
+    Hooks are installed on entering the ``with`` block and removed on leaving it (also on
+    an exception). Inside, ``model(...)`` and ``model.generate(...)`` compress during
+    prefill and decode normally afterwards.
+
+    Args:
+        pipeline: a `lightkv.Pipeline`.
+        model: a supported transformers vision-language model instance.
+        adapter: family name or `Adapter` (default: detected from ``model.config``).
+        record: keep each stage's exact inputs (``session.records``).
+        **adapter_options: family options (e.g. ``newline_token_id`` for Fuyu).
+
+    Raises:
+        ValueError: unsupported model family or attention implementation, or a schedule
+            that does not fit the model's depth.
+    """
+    return CompressionSession(pipeline, model, adapter=adapter, record=record, **adapter_options)

@@ -1,0 +1,50 @@
+"""LLaVA-1.5 (``LlavaForConditionalGeneration``): one square grid per image.
+
+Each image becomes ``(image_size / patch_size)^2`` consecutive placeholder tokens
+(``config.image_token_id``), filled in raster order (24 x 24 = 576 for LLaVA-1.5).
+"""
+
+from __future__ import annotations
+
+from ..graph.layout import ImageSegment
+from .base import Adapter, place_images
+
+__all__ = ["LlavaAdapter"]
+
+
+def _side(vision_config) -> int:
+    size, patch = vision_config.image_size, vision_config.patch_size
+    size = size[0] if isinstance(size, (list, tuple)) else size
+    patch = patch[0] if isinstance(patch, (list, tuple)) else patch
+    return int(size) // int(patch)
+
+
+class LlavaAdapter(Adapter):
+    """LLaVA-1.5: a ``side x side`` grid per image, CLS token dropped."""
+
+    family = "llava"
+    model_types = ("llava",)
+
+    def check_config(self) -> None:
+        strategy = getattr(self.config, "vision_feature_select_strategy", "default")
+        if strategy != "default":
+            raise NotImplementedError(
+                f"the llava adapter supports vision_feature_select_strategy='default' (CLS dropped, a square grid); "
+                f"this model uses {strategy!r}"
+            )
+
+    def build_layout(self, inputs, padding):
+        input_ids = inputs["input_ids"]
+        if inputs.get("vision_feature_select_strategy") not in (None, "default"):
+            raise NotImplementedError("the llava adapter supports vision_feature_select_strategy='default' only")
+        placeholders = input_ids == self.config.image_token_id
+        n = int(placeholders.sum())
+        if n == 0:
+            return None
+        side = _side(self.config.vision_config)
+        per_image = side * side
+        if n % per_image:
+            raise ValueError(f"{n} image tokens is not a multiple of {per_image} tokens per image ({side}x{side} grid)")
+        places = place_images(placeholders, [per_image] * (n // per_image))
+        segments = [ImageSegment(row=r, offset=o, grid=(side, side)) for r, o in places]
+        return self.layout_from_segments(input_ids, segments, padding)

@@ -1,0 +1,43 @@
+"""Shared fixtures: tiny random models of every supported family (built once per run)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightkv import Pipeline
+from lightkv.policies import ExplicitSchedule
+from lightkv.testing import FAMILIES
+
+FAMILY_NAMES = list(FAMILIES)
+
+_MODELS: dict = {}
+
+
+def get_model(family: str, attn: str = "sdpa", dtype: torch.dtype = torch.float32):
+    key = (family, attn, dtype)
+    if key not in _MODELS:
+        _MODELS[key] = FAMILIES[family].build(attn_implementation=attn, dtype=dtype)
+    return _MODELS[key]
+
+
+def identity_pipeline() -> Pipeline:
+    """Two scheduled stages that remove nothing: every hook path runs, nothing changes."""
+    return Pipeline(scheduler=ExplicitSchedule(layers=(1, 2), windows_per_side=(2, 1), ratios=(0.0,)), name="identity")
+
+
+def tiny_lightkv() -> Pipeline:
+    """The LightKV preset's policies on a 4-layer schedule: half of each 2x2-window, then global."""
+    pipe = Pipeline.from_preset("lightkv")
+    return pipe.with_scheduler(ExplicitSchedule(layers=(1, 2), windows_per_side=(2, 1), ratios=(0.5,)))
+
+
+@pytest.fixture(params=FAMILY_NAMES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():
+        yield

@@ -1,0 +1,48 @@
+"""The session report: KV bytes, kept fraction, provenance and FLOP estimates."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lightkv.adapters import apply
+from lightkv.testing import FAMILIES
+
+from .conftest import get_model, tiny_lightkv
+
+
+def test_report_matches_the_cache(family):
+    model = get_model(family)
+    fam = FAMILIES[family]
+    batch = fam.collate(fam.examples(model))
+    with apply(tiny_lightkv(), model, **fam.adapter_options) as session:
+        out = model(**batch, use_cache=True)
+    report = session.report()
+    cache = out.cache
+    for layer, entry in zip(report.layers, cache.layers):
+        nbytes = entry.keys.numel() * entry.keys.element_size() + entry.values.numel() * entry.values.element_size()
+        assert layer.kv_bytes == nbytes
+        assert layer.length == entry.keys.shape[2]
+    assert report.kv_bytes < report.kv_bytes_baseline
+    assert report.kv_bytes_vision < report.kv_bytes_vision_baseline
+    assert report.prefill_flops < report.prefill_flops_baseline
+    assert 0 < report.relevance_flops < report.prefill_flops
+    layout = session.last_prefill.layout
+    v0 = int(layout.vision_mask.sum())
+    expected = sum(layer.vision for layer in report.layers) / (len(report.layers) * v0)
+    assert report.kept_vision_fraction == pytest.approx(expected)
+    assert 0.4 < report.kept_vision_fraction < 1
+    # provenance: every prompt vision token is represented by exactly one final token
+    owner = report.provenance.owner
+    final = session.last_prefill.final_layout
+    for b in range(owner.shape[0]):
+        vis = layout.vision_mask[b]
+        assert (owner[b][vis] >= 0).all()
+        represented = sorted(j for srcs in report.sources(b).values() for j in srcs)
+        assert represented == sorted(owner[b].ge(0).nonzero().squeeze(1).tolist())
+        survivors = final.vision_mask[b].nonzero().squeeze(1).tolist()
+        sizes = {i: len(report.sources(b).get(i, [])) for i in survivors}
+        assert sum(sizes.values()) == int(vis.sum())
+    json.dumps(report.to_dict())
+    assert "kept vision fraction" in str(report)
