@@ -30,7 +30,7 @@ scatter: install
 	$(PY) -c "import torch_scatter" 2>/dev/null || $(PY) -m pip install -q --no-build-isolation torch-scatter
 
 test-scatter: scatter
-	$(PY) -m pytest -q -m scatter tests
+	$(PY) -m pytest -q -m scatter --require-scatter tests
 
 demo: install
 	$(PY) -m lightkv.demo
