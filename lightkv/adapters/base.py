@@ -39,6 +39,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from ..graph.layout import ImageSegment, TokenKind, VisionLayout
 from ..graph.provenance import Provenance
+from ..graph.scatter import pack_rows
 from ..pipeline import Pipeline, Stage, StageResult
 from .probes import AttentionProbe, LayerShape, probe_for_layer
 
@@ -347,15 +348,6 @@ def gather_position_ids(p: torch.Tensor | None, index: torch.Tensor) -> torch.Te
         p = p.expand(k, b, p.shape[2]) if p.shape[1] != b else p
         return p.gather(2, index.unsqueeze(0).expand(k, -1, -1))
     raise ValueError(f"unsupported position_ids shape {tuple(p.shape)}")
-
-
-def _pack(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """True positions per row, left-aligned: ``(index [B, T], valid [B, T])``."""
-    count = mask.sum(dim=1)
-    width = int(count.max()) if count.numel() else 0
-    order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices[:, :width]
-    valid = torch.arange(width, device=mask.device).unsqueeze(0) < count.unsqueeze(1)
-    return order, valid
 
 
 def drop_padding(result: StageResult) -> StageResult:
@@ -859,7 +851,7 @@ class CompressionSession:
         if cols == "all":
             keys = project(probe.keys, all_rows, probe.kv_heads)
         elif cols == "text":
-            text_pos, _ = _pack(layout.text_mask)
+            text_pos, _ = pack_rows(layout.text_mask)
             keys = project(probe.keys, text_pos, probe.kv_heads)
         else:
             keys = None

@@ -30,6 +30,7 @@ __all__ = [
     "scatter_max",
     "scatter_min",
     "segment_rank",
+    "pack_rows",
 ]
 
 Backend = Literal["auto", "native", "torch_scatter"]
@@ -169,6 +170,23 @@ def scatter_min(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Minimum per group and the row that attains it (see `scatter_max`)."""
     return _scatter_extreme(src, index, dim_size, backend, largest=False)
+
+
+def pack_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions of the True entries of each row, left-aligned.
+
+    Args:
+        mask: ``[B, N]`` bool.
+
+    Returns:
+        ``(index [B, T], valid [B, T])`` with ``T`` the largest count of a row: ``index[b, :k_b]``
+        are row ``b``'s True positions in order, and ``valid`` marks them.
+    """
+    count = mask.sum(dim=1)
+    width = int(count.max()) if count.numel() else 0
+    order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices[:, :width]
+    valid = torch.arange(width, device=mask.device).unsqueeze(0) < count.unsqueeze(1)
+    return order, valid
 
 
 def segment_rank(group: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from typing import ClassVar, Literal
 import torch
 
 from ..graph.layout import VisionLayout
+from ..graph.scatter import pack_rows
 from .base import Policy
 
 __all__ = ["Relevance", "QueryAxisSoftmax", "LastTokenAttention", "UniformRelevance"]
@@ -27,15 +28,6 @@ def _match_heads(keys: torch.Tensor, heads: int) -> torch.Tensor:
     if heads % keys.shape[1]:
         raise ValueError(f"query heads ({heads}) must be a multiple of key heads ({keys.shape[1]})")
     return keys.repeat_interleave(heads // keys.shape[1], dim=1)
-
-
-def _pack(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions of the True entries of each row, left-aligned: ``([B, T], valid [B, T])``."""
-    count = mask.sum(dim=1)
-    width = int(count.max()) if count.numel() else 0
-    order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices[:, :width]
-    valid = torch.arange(width, device=mask.device).unsqueeze(0) < count.unsqueeze(1)
-    return order, valid
 
 
 class Relevance(Policy):
@@ -90,7 +82,7 @@ class QueryAxisSoftmax(Relevance):
 
     def score(self, queries, keys, layout):
         self._check(queries, keys, layout)
-        text_pos, text_valid = _pack(layout.text_mask)
+        text_pos, text_valid = pack_rows(layout.text_mask)
         h, d = queries.shape[1], queries.shape[-1]
         k = _match_heads(keys, h)
         k_text = k.gather(2, text_pos[:, None, :, None].expand(-1, h, -1, d))
