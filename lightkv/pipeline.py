@@ -144,7 +144,9 @@ class Stage:
         x = graph.gather(hidden).to(acc)
         xi = graph.gather(relevance).to(acc) if relevance is not None else torch.ones_like(x[:, 0])
         # Checked on the gathered vision tokens only: text/padding may hold anything.
-        if not torch.isfinite(x).all():
+        # NaN/inf always make the sum non-finite: one reduction instead of an element-wise
+        # mask; the exact check runs only then (or if a finite sum overflows).
+        if not torch.isfinite(x.sum()) and not torch.isfinite(x).all():
             raise ValueError("hidden states of vision tokens contain NaN or inf")
         if not torch.isfinite(xi).all() or (xi < 0).any():
             raise ValueError("relevance of vision tokens must be finite and non-negative")
@@ -193,8 +195,10 @@ class Stage:
         rows = torch.arange(b, device=hidden.device).unsqueeze(1).expand(b, n)
         kept_index = torch.full((b, width), -1, dtype=torch.long, device=hidden.device)
         kept_index[rows[keep], col[keep]] = torch.arange(n, device=hidden.device).expand(b, n)[keep]
-        out = hidden.gather(1, kept_index.clamp_min(0).unsqueeze(-1).expand(-1, -1, d))
-        out = out.masked_fill((kept_index < 0).unsqueeze(-1), 0)
+        # One row copy per survivor: gather with an expanded index reads an index per element.
+        flat = kept_index.clamp_min(0) + torch.arange(b, device=hidden.device).unsqueeze(1) * n
+        out = hidden.reshape(b * n, d).index_select(0, flat.reshape(-1)).view(b, width, d)
+        out.masked_fill_((kept_index < 0).unsqueeze(-1), 0)
         if receivers.numel():
             r_row = graph.node_row[receivers]
             out[r_row, col[r_row, graph.node_pos[receivers]]] = new.to(hidden.dtype)

@@ -111,8 +111,9 @@ class BipartiteGraph:
         """
         slots = self.src_slots if side == "src" else self.dst_slots
         out = node_values[slots.clamp_min(0)]
+        # In place: the indexing above already made a copy; no second one, no host sync.
         pad = (slots < 0).view(*slots.shape, *([1] * (node_values.dim() - 1)))
-        return out.masked_fill(pad, fill)
+        return out.masked_fill_(pad, fill)
 
     def to_networkx(self, divergence: torch.Tensor | None = None):
         """The graph as a ``networkx.Graph`` for inspection.

@@ -53,7 +53,8 @@ class MessagePasser(Policy):
         return x_src * w_src.unsqueeze(-1)
 
     def aggregate(self, messages: torch.Tensor, w_src: torch.Tensor, dst: torch.Tensor, num_nodes: int):
-        """Sum messages and weights per destination node: ``([M, D], [M])``."""
+        """Sum messages and weights per destination: ``([num_nodes, D], [num_nodes])``
+        (``dst`` indexes the receivers, ``num_nodes`` is their count)."""
         return scatter_sum(messages, dst, num_nodes), scatter_sum(w_src, dst, num_nodes)
 
     def update(self, x: torch.Tensor, w: torch.Tensor, agg: torch.Tensor, agg_w: torch.Tensor) -> torch.Tensor:
@@ -94,8 +95,10 @@ class MessagePasser(Policy):
         in_zero_group = zero_group.clone()
         in_zero_group[src] = zero_group[dst]
         w = torch.where(in_zero_group, torch.ones_like(w), w)
-        agg, agg_w = self.aggregate(self.message(x[src], w[src]), w[src], dst, x.shape[0])
-        new = self.update(x[receivers], w[receivers], agg[receivers], agg_w[receivers])
+        # Aggregate straight into the Q receivers (receivers is sorted), not into all M nodes.
+        slot = torch.searchsorted(receivers, dst)
+        agg, agg_w = self.aggregate(self.message(x[src], w[src]), w[src], slot, receivers.shape[0])
+        new = self.update(x[receivers], w[receivers], agg, agg_w)
         return receivers, new
 
 

@@ -87,9 +87,10 @@ class CosineDivergence(EdgeScorer):
     eps: float = 1e-12
 
     def divergence(self, src, dst):
-        src = src / src.norm(dim=-1, keepdim=True).clamp_min(self.eps)
-        dst = dst / dst.norm(dim=-1, keepdim=True).clamp_min(self.eps)
-        return 1.0 - torch.bmm(src, dst.transpose(1, 2))
+        # Same as normalising src and dst first, without two normalised [K, *, D] copies.
+        ns = src.norm(dim=-1).clamp_min(self.eps)
+        nd = dst.norm(dim=-1).clamp_min(self.eps)
+        return 1.0 - torch.bmm(src, dst.transpose(1, 2)) / (ns.unsqueeze(2) * nd.unsqueeze(1))
 
 
 @EdgeScorer.register("l2")
