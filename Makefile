@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.lightkv-installed
 
-.PHONY: install test test-scatter scatter demo bench lint clean
+.PHONY: install test test-scatter scatter demo bench bench-quick lint clean
 
 install: $(STAMP)
 
@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev,demo]"
+	$(PY) -m pip install -q -e ".[dev,demo,bench]"
 	touch $(STAMP)
 
 test: install
@@ -37,6 +37,10 @@ demo: install
 
 bench: install
 	$(PY) benchmarks/stage_cost.py
+	$(PY) benchmarks/efficiency.py
+
+bench-quick: install
+	$(PY) benchmarks/efficiency.py --quick
 
 lint: install
 	$(PY) -m ruff check lightkv tests benchmarks

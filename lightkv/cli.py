@@ -5,6 +5,7 @@ lightkv presets [-v]                               list the shipped presets
 lightkv config show NAME|FILE [--num-layers N]     print a pipeline as canonical YAML
 lightkv config validate NAME|FILE [--num-layers N] [--grid HxW]
 lightkv config schema                              JSON Schema of pipeline files
+lightkv bench efficiency [--quick] [--models ...] [--presets ...] [--out DIR] [--repeats N]
 ```
 
 Exit status: 0 on success, 1 when a configuration is invalid, 2 on a usage error (bad
@@ -37,6 +38,7 @@ examples:
   lightkv config show lightkv > mine.yaml       start a pipeline from a preset
   lightkv config validate mine.yaml --num-layers 28
   lightkv config schema > lightkv.schema.json   for editor completion and checks
+  lightkv bench efficiency --quick              prefill FLOPs, KV bytes, TTFT, memory, overhead
 
 exit status: 0 ok, 1 invalid configuration, 2 usage error (bad arguments, missing file,
 unknown preset)."""
@@ -138,6 +140,39 @@ def build_parser() -> argparse.ArgumentParser:
     schema.add_argument("--indent", type=int, default=2, help="JSON indentation (default: 2)")
     schema.set_defaults(func=_cmd_schema)
     cfg.set_defaults(func=lambda args: _missing_action(cfg))
+
+    bench = commands.add_parser(
+        "bench",
+        help="run the shipped benchmarks",
+        description="Benchmarks on random-weight models with real vision-token counts.",
+        formatter_class=fmt,
+    )
+    bsub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", title="benchmarks", parser_class=_Parser)
+    eff = bsub.add_parser(
+        "efficiency",
+        help="prefill FLOPs, KV bytes, TTFT, peak memory and overhead: uncompressed vs presets",
+        description="Uncompressed vs each preset on LLaVA-1.5, LLaVA-NeXT, Qwen2.5-VL and InternVL shapes "
+        "(real vision-token counts, reduced decoders): analytic FLOPs, KV bytes from the cache, time to first "
+        "token, peak prefill memory, compression overhead and the cost of reference-style H x N x N scoring. "
+        "Writes efficiency.json, efficiency.md and PNG plots.",
+        formatter_class=fmt,
+    )
+    eff.add_argument("--quick", action="store_true", help="a short run (~2 min on CPU): 6 layers of width 128, 2 presets, 3 repeats")
+    eff.add_argument("--models", nargs="+", metavar="MODEL", help="llava, llava_next, qwen2_5_vl, internvl (default: all)")
+    eff.add_argument("--presets", nargs="+", metavar="PRESET", help="presets to compare (default: lightkv tome fastv pdrop)")
+    eff.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results, "
+                     "benchmarks/results/quick with --quick)")
+    eff.add_argument("--repeats", type=_depth, metavar="N", help="timed prefills per variant (default: 5; 3 with --quick)")
+    eff.add_argument("--layers", type=_depth, metavar="N", help="reduced decoder depth (default: 8; 6 with --quick)")
+    eff.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    eff.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                     help="default: float32 on CPU, bfloat16 on CUDA")
+    eff.add_argument("--threads", type=_depth, metavar="N", help="torch CPU threads (default: torch's)")
+    eff.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    eff.add_argument("--no-plots", action="store_true", help="write JSON and Markdown only")
+    eff.add_argument("--no-progress", action="store_true", help="no progress bar")
+    eff.set_defaults(func=_cmd_bench_efficiency)
+    bench.set_defaults(func=lambda args: _missing_action(bench))
     return parser
 
 
@@ -263,6 +298,37 @@ def _cmd_schema(args: argparse.Namespace) -> int:
     from .config import json_schema
 
     print(json.dumps(json_schema(), indent=args.indent or None, ensure_ascii=False))
+    return EXIT_OK
+
+
+def _cmd_bench_efficiency(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from .bench import efficiency as eff
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    over = {k: v for k, v in {
+        "models": tuple(args.models) if args.models else None,
+        "presets": tuple(args.presets) if args.presets else None,
+        "repeats": args.repeats, "layers": args.layers, "threads": args.threads,
+    }.items() if v is not None}
+    over.update(device=device, dtype=args.dtype or ("bfloat16" if device == "cuda" else "float32"),
+                memory=not args.no_memory, progress=not args.no_progress)
+    try:
+        cfg = eff.quick_config(**over) if args.quick else eff.BenchConfig(**over)
+    except ValueError as e:
+        raise _UsageError(str(e)) from None
+    out = Path(args.out) if args.out else eff.RESULTS / ("quick" if args.quick else "")
+    try:
+        result = eff.run(cfg)
+    except (ValueError, RuntimeError) as e:
+        raise _UsageError(str(e).splitlines()[0]) from None
+    files = eff.write_outputs(result, out, with_plots=not args.no_plots)
+    sys.stdout.write(eff.markdown_table(result))
+    for f in files:
+        print(f"wrote {f}")
     return EXIT_OK
 
 

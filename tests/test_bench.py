@@ -1,0 +1,74 @@
+"""The efficiency benchmark on a tiny configuration: structure and invariants, not timings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lightkv.bench import efficiency as eff
+from lightkv.cli import main
+
+
+@pytest.fixture(scope="module")
+def result():
+    cfg = eff.quick_config(models=("llava",), presets=("lightkv", "fastv"), layers=6, heads=1, repeats=1, warmup=0,
+                           eager_repeats=1, memory=False, progress=False)
+    return eff.run(cfg)
+
+
+def test_structure(result):
+    m = result["models"]["llava"]
+    assert m["vision_tokens"] == 576
+    assert set(m["variants"]) == {"uncompressed", "lightkv", "fastv"}
+    unc = m["variants"]["uncompressed"]
+    assert unc["cache_lengths"] == [m["prompt_tokens"]] * 6
+    for preset in ("lightkv", "fastv"):
+        rec = m["variants"][preset]
+        assert rec["kv_bytes"] == rec["kv_bytes_report"]  # cache tensors agree with the session report
+        assert len(rec["ttft_ms_all"]) == 1
+        assert 0 < rec["overhead_share"]
+        assert set(rec["overhead_ms"]) == {"layout", "relevance", "stage", "bookkeeping"}
+    assert [r["preset"] for r in result["summary"]] == ["lightkv", "fastv"]
+    assert "eager_reference" in m and m["eager_reference"]["matrix_bytes"] == 4 * 1 * m["prompt_tokens"] ** 2
+    json.dumps(result)  # serialisable
+
+
+def test_invariants(result):
+    lk = result["models"]["llava"]["variants"]["lightkv"]
+    assert lk["schedule_layers"] == [1, 3, 4]  # 12/18/24 of 32 scaled to 6 layers
+    assert lk["stages"] == ["576->288", "288->144", "144->72"]
+    assert lk["ratios"]["kv_bytes"] < 1 and lk["ratios"]["kv_bytes_vision"] < 1 and lk["ratios"]["flops"] < 1
+    assert lk["kept_vision_fraction"] == pytest.approx(lk["kept_vision_fraction_analytic"])
+    assert lk["kept_vision_fraction_reference_depth"] == pytest.approx(
+        result["lightkv_reference_schedule"]["kept_vision_fraction_analytic"], abs=0.01)
+    assert result["targets"]["lightkv_vision_kv_le_60pct_at_32_layers"] is True
+
+
+def test_markdown_and_files(result, tmp_path):
+    md = eff.markdown_table(result)
+    assert "| model | preset |" in md and "| llava | lightkv |" in md
+    files = eff.write_outputs(result, tmp_path, with_plots=False)
+    assert {f.name for f in files} == {"efficiency.json", "efficiency.md"}
+    assert json.loads((tmp_path / "efficiency.json").read_text())["summary"]
+
+
+def test_scale_layers():
+    assert eff.scale_layers((12, 18, 24), 32, 8) == (2, 4, 5)
+    assert eff.scale_layers((12, 17, 22), 28, 8) == (3, 4, 6)
+    assert eff.scale_layers((1,), 32, 8) == (0,)
+    with pytest.raises(ValueError):
+        eff.scale_layers((12, 18, 24), 32, 3)
+
+
+def test_memory_child_cpu():
+    cfg = eff.quick_config(models=("llava",), layers=2, heads=1, progress=False)
+    peaks = eff._child_peaks(eff.MODELS["llava"], cfg, ["uncompressed"])
+    assert peaks["peak_bytes"]["uncompressed"] > 0
+
+
+def test_cli_errors(capsys):
+    assert main(["bench", "efficiency", "--models", "nope"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown model" in err[0]
+    assert main(["bench", "efficiency", "--presets", "nope"]) == 2
