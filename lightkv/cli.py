@@ -6,6 +6,7 @@ lightkv config show NAME|FILE [--num-layers N]     print a pipeline as canonical
 lightkv config validate NAME|FILE [--num-layers N] [--grid HxW]
 lightkv config schema                              JSON Schema of pipeline files
 lightkv bench efficiency [--quick] [--models ...] [--presets ...] [--out DIR] [--repeats N]
+lightkv generate --model DIR|ID --image FILE --prompt TEXT [--preset NAME | --config FILE] [--compare]
 ```
 
 Exit status: 0 on success, 1 when a configuration is invalid, 2 on a usage error (bad
@@ -39,6 +40,7 @@ examples:
   lightkv config validate mine.yaml --num-layers 28
   lightkv config schema > lightkv.schema.json   for editor completion and checks
   lightkv bench efficiency --quick              prefill FLOPs, KV bytes, TTFT, memory, overhead
+  lightkv generate --model llava-1.5-7b-hf --image cat.png --prompt "What is this?" --compare
 
 exit status: 0 ok, 1 invalid configuration, 2 usage error (bad arguments, missing file,
 unknown preset)."""
@@ -173,6 +175,30 @@ def build_parser() -> argparse.ArgumentParser:
     eff.add_argument("--no-progress", action="store_true", help="no progress bar")
     eff.set_defaults(func=_cmd_bench_efficiency)
     bench.set_defaults(func=lambda args: _missing_action(bench))
+
+    gen = commands.add_parser(
+        "generate",
+        help="answer a prompt about an image with a compressed prefill (optionally vs uncompressed)",
+        description="Load a supported transformers model and its processor (a local directory or a hub id), "
+        "answer PROMPT about IMAGE with greedy decoding while a pipeline compresses the vision tokens of the "
+        "prefill, and print the answer with a short report: kept vision fraction, vision and total KV bytes "
+        "with and without compression, time to first token and generate time. --compare also generates "
+        "without compression.",
+        formatter_class=fmt,
+    )
+    gen.add_argument("--model", required=True, metavar="DIR|ID", help="model directory (or hub id) with its processor")
+    gen.add_argument("--image", required=True, metavar="FILE", help="image file (any format Pillow reads)")
+    gen.add_argument("--prompt", required=True, metavar="TEXT", help="the question or instruction")
+    which = gen.add_mutually_exclusive_group()
+    which.add_argument("--preset", metavar="NAME", help="a preset (see `lightkv presets`; default: lightkv)")
+    which.add_argument("--config", metavar="FILE", help="a pipeline YAML file")
+    gen.add_argument("--compare", action="store_true", help="also generate without compression and compare")
+    gen.add_argument("--max-new-tokens", type=_depth, default=32, metavar="N", help="tokens to generate (default: 32)")
+    gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                     help="default: float32 on CPU, bfloat16 on CUDA")
+    gen.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    gen.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
+    gen.set_defaults(func=_cmd_generate)
     return parser
 
 
@@ -329,6 +355,43 @@ def _cmd_bench_efficiency(args: argparse.Namespace) -> int:
     sys.stdout.write(eff.markdown_table(result))
     for f in files:
         print(f"wrote {f}")
+    return EXIT_OK
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import logging
+
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from . import generate as g
+
+    if args.preset and ("/" in args.preset or os.sep in args.preset or args.preset.endswith((".yaml", ".yml"))):
+        raise _UsageError(f"--preset takes a preset name; use --config for the file {args.preset!r}")
+    cfg = _load(args.config if args.config else (args.preset or "lightkv"))
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    hub_log = logging.getLogger("huggingface_hub")
+    hub_level = hub_log.level
+    hub_log.setLevel(logging.ERROR)  # no network: one error line, not a warning per retry
+    quiet = not sys.stderr.isatty() and hf_logging.is_progress_bar_enabled()
+    if quiet:  # keep piped stderr to the one-line errors
+        hf_logging.disable_progress_bar()
+    try:
+        image = g.load_image(args.image)  # before loading a possibly large model
+        loaded = g.load_model(args.model, dtype=dtype, device=device, check=cfg)
+        inputs = g.build_inputs(loaded, image, args.prompt)
+        result = g.run(loaded, inputs, cfg.build(), compare=args.compare, max_new_tokens=args.max_new_tokens)
+    except g.GenerateError as e:
+        raise _UsageError(str(e)) from None
+    finally:
+        hub_log.setLevel(hub_level)
+        if quiet:
+            hf_logging.enable_progress_bar()
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2, ensure_ascii=False))
+    else:
+        print(result.format())
     return EXIT_OK
 
 
