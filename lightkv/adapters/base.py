@@ -126,6 +126,16 @@ class Adapter:
     def check_config(self) -> None:
         """Raise a clear error for configurations the adapter cannot handle."""
 
+    def require_default_feature_strategy(self) -> None:
+        """Refuse ``vision_feature_select_strategy`` other than ``"default"`` (CLS dropped):
+        with ``"full"`` the CLS token would sit in the grid and break its geometry."""
+        strategy = getattr(self.config, "vision_feature_select_strategy", "default")
+        if strategy != "default":
+            raise NotImplementedError(
+                f"the {self.family} adapter supports vision_feature_select_strategy='default' (CLS dropped, "
+                f"a regular grid); this model uses {strategy!r}"
+            )
+
     # ---------------------------------------------------------------- layout
     def build_layout(self, inputs: Mapping[str, Any], padding: torch.Tensor | None) -> VisionLayout | None:
         """The layout of one prefill batch.

@@ -27,11 +27,7 @@ class InternVLAdapter(Adapter):
     model_types = ("internvl",)
 
     def check_config(self) -> None:
-        strategy = getattr(self.config, "vision_feature_select_strategy", "default")
-        if strategy != "default":
-            raise NotImplementedError(
-                f"the internvl adapter supports vision_feature_select_strategy='default'; this model uses {strategy!r}"
-            )
+        self.require_default_feature_strategy()
 
     def tile_side(self) -> int:
         """Tokens per tile side after the pixel shuffle."""

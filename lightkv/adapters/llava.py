@@ -26,12 +26,7 @@ class LlavaAdapter(Adapter):
     model_types = ("llava",)
 
     def check_config(self) -> None:
-        strategy = getattr(self.config, "vision_feature_select_strategy", "default")
-        if strategy != "default":
-            raise NotImplementedError(
-                f"the llava adapter supports vision_feature_select_strategy='default' (CLS dropped, a square grid); "
-                f"this model uses {strategy!r}"
-            )
+        self.require_default_feature_strategy()
 
     def build_layout(self, inputs, padding):
         input_ids = inputs["input_ids"]

@@ -32,11 +32,7 @@ class LlavaNextAdapter(Adapter):
     model_types = ("llava_next",)
 
     def check_config(self) -> None:
-        strategy = getattr(self.config, "vision_feature_select_strategy", "default")
-        if strategy != "default":
-            raise NotImplementedError(
-                f"the llava_next adapter supports vision_feature_select_strategy='default'; this model uses {strategy!r}"
-            )
+        self.require_default_feature_strategy()
 
     def image_grids(self, image_size) -> tuple[tuple[int, int], tuple[int, int]]:
         """``(base grid, high-resolution grid)`` of one image of size ``(height, width)``."""

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lightkv import Pipeline
+from lightkv.policies import ExplicitSchedule
 from lightkv.adapters import SUPPORTED_FAMILIES, apply
 from lightkv.adapters.base import MaskedCacheLayer
 from lightkv.testing import FAMILIES
@@ -181,3 +182,14 @@ def test_placeholder_mismatch_has_a_clear_message():
     ids = torch.full((1, 70), 100)
     with pytest.raises(ValueError, match="64 tokens per image"):
         get_adapter(model).build_layout({"input_ids": ids}, None)
+
+
+@pytest.mark.parametrize("family", ["llava", "llava_next", "internvl"])
+def test_full_feature_strategy_is_refused_with_a_clear_error(family):
+    from lightkv.testing import FAMILIES
+
+    model = FAMILIES[family].build()
+    model.config.vision_feature_select_strategy = "full"
+    with pytest.raises(NotImplementedError, match=f"the {family} adapter supports vision_feature_select_strategy='default'"):
+        with Pipeline.from_preset("lightkv").with_scheduler(ExplicitSchedule(layers=(1,), windows_per_side=(1,))).apply(model):
+            pass
