@@ -199,6 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     gen.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     gen.set_defaults(func=_cmd_generate)
+
+    demo = commands.add_parser(
+        "demo",
+        help="compress a real image with the presets, no model needed (options: lightkv demo --help)",
+        add_help=False,  # --help goes to the demo's own parser
+    )
+    demo.set_defaults(func=_cmd_demo)  # its arguments are forwarded untouched (see main)
     return parser
 
 
@@ -358,6 +365,12 @@ def _cmd_bench_efficiency(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import main as demo_main
+
+    return demo_main(args.forwarded) or EXIT_OK
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     import logging
 
@@ -400,7 +413,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 1 invalid config, 2 usage)."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, forwarded = parser.parse_known_args(argv)
+        if forwarded and getattr(args, "func", None) is not _cmd_demo:
+            parser.parse_args(argv)  # argparse's own error for unknown arguments
+        args.forwarded = forwarded
     except SystemExit as e:  # --help, --version, usage errors
         return int(e.code or 0) if not isinstance(e.code, str) else EXIT_USAGE
     if not getattr(args, "func", None):
