@@ -409,14 +409,28 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------- entry point
+def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """Parse a command line as `main` does (raises SystemExit on --help or a usage error).
+
+    ``lightkv demo`` forwards its options to the demo's own parser (`lightkv.demo.build_parser`).
+    """
+    parser = parser or build_parser()
+    args, forwarded = parser.parse_known_args(argv)
+    if getattr(args, "func", None) is _cmd_demo:
+        from .demo import build_parser as demo_parser
+
+        demo_parser(f"{PROG} demo").parse_args(forwarded)  # validates (and serves --help)
+    elif forwarded:
+        parser.parse_args(argv)  # argparse's own error for unknown arguments
+    args.forwarded = forwarded
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 1 invalid config, 2 usage)."""
     parser = build_parser()
     try:
-        args, forwarded = parser.parse_known_args(argv)
-        if forwarded and getattr(args, "func", None) is not _cmd_demo:
-            parser.parse_args(argv)  # argparse's own error for unknown arguments
-        args.forwarded = forwarded
+        args = parse_args(argv, parser)
     except SystemExit as e:  # --help, --version, usage errors
         return int(e.code or 0) if not isinstance(e.code, str) else EXIT_USAGE
     if not getattr(args, "func", None):

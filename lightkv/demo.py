@@ -326,9 +326,10 @@ def save_png(path: Path, reports: list[PresetReport], inputs: DemoInputs) -> Pat
 
 
 # ---------------------------------------------------------------------- CLI
-def main(argv: list[str] | None = None) -> int:
+def build_parser(prog: str = "python -m lightkv.demo") -> argparse.ArgumentParser:
+    """The demo's command-line options (shared with ``lightkv demo``)."""
     parser = argparse.ArgumentParser(
-        prog="python -m lightkv.demo",
+        prog=prog,
         description="Compress the vision tokens of a real image with lightkv presets (no model needed).",
     )
     parser.add_argument(
@@ -341,7 +342,12 @@ def main(argv: list[str] | None = None) -> int:
         "--out", default=".", help="directory for lightkv-demo.png (default: current directory)"
     )
     parser.add_argument("--no-png", action="store_true", help="do not write the PNG")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo; ``argv`` as on the command line (see `build_parser`)."""
+    args = build_parser().parse_args(argv)
     presets = args.preset or list(DEFAULT_PRESETS)
 
     inputs = build_inputs()

@@ -120,7 +120,7 @@ def _command_lines() -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("where, command", _command_lines(), ids=[w for w, _ in _command_lines()])
 def test_documented_commands_parse(where: str, command: str):
-    from lightkv.cli import build_parser
+    from lightkv.cli import parse_args
 
     words = shlex.split(command, comments=True)
     for stop in (">", ">>", "|", "<", "&&", ";", "2>"):
@@ -128,7 +128,7 @@ def test_documented_commands_parse(where: str, command: str):
             words = words[: words.index(stop)]
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         try:
-            build_parser().parse_args(words[1:])
+            parse_args(words[1:])
         except SystemExit as e:  # --help and --version exit 0
             assert e.code in (0, None), f"{where}: `{command}` does not parse"
 
