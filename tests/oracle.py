@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 
 import networkx as nx
-import torch
 
 VISION = 1
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 from ..graph.windows import check_window_spec
@@ -97,9 +97,9 @@ class ExplicitSchedule(Scheduler):
             raise ValueError("give windows_per_side or window_size, not both")
         if self.window_size is not None:
             sizes = per_stage([tuple(s) for s in self.window_size], "window_size")
-            return [StageSpec(int(l), float(r), window_size=s) for l, r, s in zip(self.layers, ratios, sizes)]
+            return [StageSpec(int(at), float(r), window_size=s) for at, r, s in zip(self.layers, ratios, sizes)]
         wps = per_stage(self.windows_per_side or (1,), "windows_per_side")
-        return [StageSpec(int(l), float(r), windows_per_side=int(w)) for l, r, w in zip(self.layers, ratios, wps)]
+        return [StageSpec(int(at), float(r), windows_per_side=int(w)) for at, r, w in zip(self.layers, ratios, wps)]
 
     def plan(self, num_layers):
         return self._validate(self.stages(), num_layers)
@@ -157,7 +157,7 @@ class KeptFractionSchedule(Scheduler):
         base = sorted({min(num_layers - 1, round(f * num_layers)) for f in self.relative_layers})
 
         def make(p: float, shift: int = 0) -> list[StageSpec]:
-            return [StageSpec(l - shift, p, windows_per_side=w) for l, w in zip(base, self.windows_per_side)]
+            return [StageSpec(at - shift, p, windows_per_side=w) for at, w in zip(base, self.windows_per_side)]
 
         def kept(p: float, shift: int = 0) -> float:
             return average_kept_fraction(make(p, shift), num_layers)

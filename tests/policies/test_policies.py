@@ -108,9 +108,8 @@ def test_kept_fraction_schedule_hits_its_target_or_says_it_cannot(target, depth)
     except ValueError as err:
         assert "out of reach" in str(err)
         # even the most aggressive placement (first stage after layer 0, max ratio) keeps more
-        n = len({min(depth - 1, round(f * depth)) for f in schedule.relative_layers})
-        gaps = sorted({min(depth - 1, round(f * depth)) for f in schedule.relative_layers})
-        tightest = [StageSpec(l - gaps[0], 0.5, windows_per_side=1) for l in gaps][:n]
+        base = sorted({min(depth - 1, round(f * depth)) for f in schedule.relative_layers})
+        tightest = [StageSpec(at - base[0], 0.5, windows_per_side=1) for at in base]
         assert average_kept_fraction(tightest, depth) > target
         return
     assert all(0 <= s.layer < depth and 0 <= s.ratio <= 0.5 for s in plan)
