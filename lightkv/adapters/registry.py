@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from .base import Adapter
+if TYPE_CHECKING:  # annotations only: base.py looks adapters up here, not the other way round
+    from .base import Adapter
 
 __all__ = ["SUPPORTED_FAMILIES", "adapter_class", "detect_family", "get_adapter"]
 
