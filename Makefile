@@ -33,7 +33,7 @@ test-scatter: scatter
 	$(PY) -m pytest -q -m scatter --require-scatter tests
 
 demo: install
-	$(PY) -m lightkv.demo
+	$(PY) -m lightkv demo
 
 bench: install
 	$(PY) benchmarks/stage_cost.py

@@ -6,7 +6,10 @@ lightkv config show NAME|FILE [--num-layers N]     print a pipeline as canonical
 lightkv config validate NAME|FILE [--num-layers N] [--grid HxW]
 lightkv config schema                              JSON Schema of pipeline files
 lightkv bench efficiency [--quick] [--models ...] [--presets ...] [--out DIR] [--repeats N]
-lightkv generate --model DIR|ID --image FILE --prompt TEXT [--preset NAME | --config FILE] [--compare]
+lightkv bench quality [--episodes N] [--methods ...] [--targets ...] [--out DIR]
+lightkv generate [--model DIR|ID] [--image FILE] [--prompt TEXT] [--preset NAME | --config FILE] [--compare]
+lightkv demo [--preset NAME] [--questions N]       the bundled DigitGrid LVLM, with and without LightKV
+lightkv stages-demo [--preset NAME]                the pure core on a real image, no model
 ```
 
 Exit status: 0 on success, 1 when a configuration is invalid, 2 on a usage error (bad
@@ -146,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench",
         help="run the shipped benchmarks",
-        description="Benchmarks on random-weight models with real vision-token counts.",
+        description="Efficiency on random-weight models with real vision-token counts; quality with the "
+        "bundled DigitGrid model.",
         formatter_class=fmt,
     )
     bsub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", title="benchmarks", parser_class=_Parser)
@@ -174,6 +178,22 @@ def build_parser() -> argparse.ArgumentParser:
     eff.add_argument("--no-plots", action="store_true", help="write JSON and Markdown only")
     eff.add_argument("--no-progress", action="store_true", help="no progress bar")
     eff.set_defaults(func=_cmd_bench_efficiency)
+    qual = bsub.add_parser(
+        "quality",
+        help="accuracy vs kept vision KV on DigitGrid-VQA with the bundled model, every method",
+        description="Every method (preset) at kept vision-KV targets of about 100/75/55/40/25%, its schedule "
+        "scaled to the bundled DigitGrid model's depth, on held-out episodes: accuracy per question type, realised "
+        "kept fraction and vision KV bytes. Writes quality.json, quality.md, quality.png and quality-provenance.png.",
+        formatter_class=fmt,
+    )
+    qual.add_argument("--episodes", type=_depth, default=2000, metavar="N", help="held-out episodes (default: 2000)")
+    qual.add_argument("--methods", nargs="+", metavar="PRESET", help="presets (default: all eight)")
+    qual.add_argument("--targets", nargs="+", type=float, metavar="F", help="kept fractions (default: 1 .75 .55 .4 .25)")
+    qual.add_argument("--model", metavar="DIR", help="DigitGrid model directory (default: the bundled one)")
+    qual.add_argument("--batch", type=_depth, default=100, metavar="N", help="episodes per batch (default: 100)")
+    qual.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results)")
+    qual.add_argument("--threads", type=_depth, metavar="N", help="torch CPU threads (default: torch's)")
+    qual.set_defaults(func=_cmd_bench_quality)
     bench.set_defaults(func=lambda args: _missing_action(bench))
 
     gen = commands.add_parser(
@@ -186,9 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
         "without compression.",
         formatter_class=fmt,
     )
-    gen.add_argument("--model", required=True, metavar="DIR|ID", help="model directory (or hub id) with its processor")
-    gen.add_argument("--image", required=True, metavar="FILE", help="image file (any format Pillow reads)")
-    gen.add_argument("--prompt", required=True, metavar="TEXT", help="the question or instruction")
+    gen.add_argument("--model", metavar="DIR|ID", default=None,
+                     help="model directory (or hub id) with its processor (default: the bundled DigitGrid LVLM)")
+    gen.add_argument("--image", metavar="FILE", default=None,
+                     help="image file (any format Pillow reads; default with the bundled model: a held-out DigitGrid image)")
+    gen.add_argument("--prompt", metavar="TEXT", default=None,
+                     help="the question or instruction (default with the bundled model: a question about that image)")
     which = gen.add_mutually_exclusive_group()
     which.add_argument("--preset", metavar="NAME", help="a preset (see `lightkv presets`; default: lightkv)")
     which.add_argument("--config", metavar="FILE", help="a pipeline YAML file")
@@ -202,10 +225,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser(
         "demo",
-        help="compress a real image with the presets, no model needed (options: lightkv demo --help)",
+        help="the bundled DigitGrid LVLM answers held-out questions with and without LightKV "
+             "(options: lightkv demo --help)",
         add_help=False,  # --help goes to the demo's own parser
     )
     demo.set_defaults(func=_cmd_demo)  # its arguments are forwarded untouched (see main)
+    stages = commands.add_parser(
+        "stages-demo",
+        help="the pure core on a real image, no model needed (options: lightkv stages-demo --help)",
+        add_help=False,
+    )
+    stages.set_defaults(func=_cmd_stages_demo)
     return parser
 
 
@@ -334,6 +364,33 @@ def _cmd_schema(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_bench_quality(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .bench import quality as q
+    from .presets import PRESETS
+
+    unknown = [m for m in args.methods or () if m not in PRESETS]
+    if unknown:
+        raise _UsageError(f"unknown preset {unknown[0]!r}; choose from: {', '.join(sorted(PRESETS))}")
+    bad = [t for t in args.targets or () if not 0.0 < t <= 1.0]
+    if bad:
+        raise _UsageError(f"--targets must be kept fractions in (0, 1], got {bad[0]}")
+    cfg = q.AccuracyConfig(model=args.model, episodes=args.episodes, batch=args.batch, threads=args.threads,
+                           **({"methods": tuple(args.methods)} if args.methods else {}),
+                           **({"targets": tuple(args.targets)} if args.targets else {}))
+    try:
+        result = q.run(cfg)
+    except (FileNotFoundError, ValueError) as e:
+        raise _UsageError(str(e).splitlines()[0]) from None
+    out = Path(args.out) if args.out else q.RESULTS
+    files = q.write_outputs(result, out, args.model)
+    sys.stdout.write(q.markdown_table(result))
+    for f in files:
+        print(f"wrote {f}")
+    return EXIT_OK
+
+
 def _cmd_bench_efficiency(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -366,6 +423,12 @@ def _cmd_bench_efficiency(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from .digitgrid.demo import main as demo_main
+
+    return demo_main(args.forwarded) or EXIT_OK
+
+
+def _cmd_stages_demo(args: argparse.Namespace) -> int:
     from .demo import main as demo_main
 
     return demo_main(args.forwarded) or EXIT_OK
@@ -381,7 +444,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     if args.preset and ("/" in args.preset or os.sep in args.preset or args.preset.endswith((".yaml", ".yml"))):
         raise _UsageError(f"--preset takes a preset name; use --config for the file {args.preset!r}")
-    cfg = _load(args.config if args.config else (args.preset or "lightkv"))
+    from .digitgrid.model import BUNDLED_MODEL
+
+    bundled = args.model is None
+    model_path = str(BUNDLED_MODEL) if bundled else args.model
+    if not bundled and (args.image is None or args.prompt is None):
+        raise _UsageError("--image and --prompt are required with --model (they default only for the bundled model)")
+    # the bundled model has 6 layers: the 32-layer 'lightkv' schedule does not fit it
+    cfg = _load(args.config if args.config else (args.preset or ("lightkv-budget" if bundled else "lightkv")))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     hub_log = logging.getLogger("huggingface_hub")
@@ -391,9 +461,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if quiet:  # keep piped stderr to the one-line errors
         hf_logging.disable_progress_bar()
     try:
-        image = g.load_image(args.image)  # before loading a possibly large model
-        loaded = g.load_model(args.model, dtype=dtype, device=device, check=cfg)
-        inputs = g.build_inputs(loaded, image, args.prompt)
+        prompt = args.prompt
+        if args.image is not None:
+            image = g.load_image(args.image)  # before loading a possibly large model
+        else:
+            image, question = _digitgrid_example()
+            print(f"image: a held-out DigitGrid image ({question['grid']})")
+            prompt = prompt or question["question"]
+            print(f"prompt: {prompt!r} (expected answer: {question['answer']!r})")
+        loaded = g.load_model(model_path, dtype=dtype, device=device, check=cfg)
+        inputs = g.build_inputs(loaded, image, prompt)
         result = g.run(loaded, inputs, cfg.build(), compare=args.compare, max_new_tokens=args.max_new_tokens)
     except g.GenerateError as e:
         raise _UsageError(str(e)) from None
@@ -408,18 +485,41 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _digitgrid_example():
+    """A held-out DigitGrid image (PIL) and a cell question about it, for the bundled model."""
+    import random
+
+    import torch
+    from PIL import Image
+
+    from .digitgrid import data
+    from .digitgrid.model import BUNDLED_MODEL, read_grid_config
+
+    grid = read_grid_config(BUNDLED_MODEL)
+    ep = data.make_episode(random.Random("generate-example"), "heldout", "what", grid)
+    pixels = (ep.image.permute(1, 2, 0) * 255).round().to(dtype=torch.uint8).numpy()
+    cells = " / ".join(" ".join("." if v < 0 else str(v) for v in row) for row in ep.grid.tolist())
+    return Image.fromarray(pixels), {"question": " ".join(ep.question), "answer": " ".join(ep.answer),
+                                     "grid": f"cells by row: {cells}"}
+
+
 # ---------------------------------------------------------------------------- entry point
 def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
     """Parse a command line as `main` does (raises SystemExit on --help or a usage error).
 
-    ``lightkv demo`` forwards its options to the demo's own parser (`lightkv.demo.build_parser`).
+    ``lightkv demo`` and ``lightkv stages-demo`` forward their options to the demos' own
+    parsers (`lightkv.digitgrid.demo.build_parser`, `lightkv.demo.build_parser`).
     """
     parser = parser or build_parser()
     args, forwarded = parser.parse_known_args(argv)
     if getattr(args, "func", None) is _cmd_demo:
-        from .demo import build_parser as demo_parser
+        from .digitgrid.demo import build_parser as demo_parser
 
         demo_parser(f"{PROG} demo").parse_args(forwarded)  # validates (and serves --help)
+    elif getattr(args, "func", None) is _cmd_stages_demo:
+        from .demo import build_parser as stages_parser
+
+        stages_parser(f"{PROG} stages-demo").parse_args(forwarded)
     elif forwarded:
         parser.parse_args(argv)  # argparse's own error for unknown arguments
     args.forwarded = forwarded

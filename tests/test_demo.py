@@ -87,9 +87,9 @@ def test_demo_rejects_unknown_preset():
         demo.main(["--preset", "no-such-preset", "--no-png"])
 
 
-def test_lightkv_demo_command_forwards_to_the_demo(capsys):
+def test_lightkv_stages_demo_command_forwards_to_the_demo(capsys):
     from lightkv.cli import main as cli_main
 
-    assert cli_main(["demo", "--no-png", "--preset", "lightkv"]) == 0
+    assert cli_main(["stages-demo", "--no-png", "--preset", "lightkv"]) == 0
     out = capsys.readouterr().out
     assert "preset 'lightkv'" in out and "288" in out and "72" in out

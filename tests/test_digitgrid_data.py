@@ -25,12 +25,15 @@ from lightkv.digitgrid import (
     VOCAB,
     EpisodeStream,
     GridConfig,
+    cell_word,
     collate,
     collate_prompts,
+    collate_scenes,
     decode,
     digit_pool,
     encode,
     make_episode,
+    make_scene,
     num_image_tokens,
 )
 from lightkv.digitgrid.data import _digits
@@ -46,8 +49,7 @@ def expected_answer(grid: torch.Tensor, question: list[str]) -> list[str]:
     g = grid.tolist()
     cells = [(r, c, v) for r, row in enumerate(g) for c, v in enumerate(row)]
     if question[0] == "what":
-        r = int(question[4][1:]) - 1
-        c = int(question[6][1:]) - 1
+        r, c = (int(x) - 1 for x in question[3][1:].split("c"))
         v = g[r][c]
         return ["none"] if v < 0 else [NAMES[v]]
     if question[0] == "where":
@@ -55,7 +57,7 @@ def expected_answer(grid: torch.Tensor, question: list[str]) -> list[str]:
         hits = [(r, c) for r, c, v in cells if v == d]
         assert len(hits) == 1, "'where' asked about a digit that is not unique"
         r, c = hits[0]
-        return ["row", f"r{r + 1}", "column", f"c{c + 1}"]
+        return [f"r{r + 1}c{c + 1}"]
     if question[0] == "how":
         return [f"n{sum(v >= 0 for _, _, v in cells)}"]
     if question[:3] == ["is", "there", "a"]:
@@ -82,7 +84,7 @@ def test_vocab_is_fixed_and_roundtrips():
     assert len(set(VOCAB)) == len(VOCAB)
     assert list(VOCAB[: len(SPECIAL_TOKENS)]) == ["<pad>", "<bos>", "<eos>", "<image>", "<sep>"]
     assert (PAD_ID, BOS_ID, EOS_ID, IMAGE_ID, SEP_ID) == (0, 1, 2, 3, 4)
-    words = ["what", "is", "at", "row", "r2", "column", "c3", "?", "three", "n5", "yes"]
+    words = ["what", "is", "at", "r2c3", "three", "n5", "yes"]
     assert decode(encode(words)) == words
     assert decode(torch.tensor([BOS_ID, *encode(words), EOS_ID]), skip_special=True) == words
     with pytest.raises(KeyError, match="banana"):
@@ -91,10 +93,12 @@ def test_vocab_is_fixed_and_roundtrips():
 
 def test_roles_use_separate_words():
     digits = set(NAMES)
-    rows = {w for w in VOCAB if w.startswith("r") and w[1:].isdigit()}
-    cols = {w for w in VOCAB if w.startswith("c") and w[1:].isdigit()}
+    cells = {f"r{r}c{c}" for r in range(1, 9) for c in range(1, 9)}
     counts = {w for w in VOCAB if w.startswith("n") and w[1:].isdigit()}
-    groups = [digits, rows, cols, counts]
+    assert cell_word(1, 2) == "r2c3" and cell_word(7, 0) == "r8c1"
+    with pytest.raises(ValueError, match="outside"):
+        cell_word(8, 0)
+    groups = [digits, cells, counts]
     for i, a in enumerate(groups):
         assert a <= set(VOCAB)
         for b in groups[i + 1 :]:
@@ -266,7 +270,7 @@ def test_collate_layout(seed, batch, n_image):
         assert mask[i, : ids.shape[1] - n].eq(0).all() and mask[i, ids.shape[1] - n :].eq(1).all()
         assert ids[i, : ids.shape[1] - n].eq(PAD_ID).all()
         row = ids[i, ids.shape[1] - n :].tolist()
-        prompt = [BOS_ID] + [IMAGE_ID] * n_image + [SEP_ID] + encode(ep.question) + [SEP_ID]
+        prompt = [BOS_ID] + [IMAGE_ID] * n_image + [SEP_ID] + encode(ep.question)
         assert row == prompt + encode(ep.answer) + [EOS_ID]
         # labels: -100 everywhere but the answer and <eos>
         lab = labels[i]
@@ -284,15 +288,79 @@ def test_collate_prompts_ends_at_the_answer_slot(seed, batch):
     eps = EpisodeStream(seed, "heldout").take(batch)
     out = collate_prompts(eps, 256)
     assert "labels" not in out
-    assert out["input_ids"][:, -1].eq(SEP_ID).all()
+    last = [encode(ep.question)[-1] for ep in eps]  # the answer follows the question's last word
+    assert out["input_ids"][:, -1].tolist() == last
     assert out["attention_mask"][:, -1].eq(1).all()
     for i, ep in enumerate(eps):
         n = int(out["attention_mask"][i].sum())
         row = out["input_ids"][i, -n:].tolist()
-        assert row == [BOS_ID] + [IMAGE_ID] * 256 + [SEP_ID] + encode(ep.question) + [SEP_ID]
+        assert row == [BOS_ID] + [IMAGE_ID] * 256 + [SEP_ID] + encode(ep.question)
     assert int((out["input_ids"] == IMAGE_ID).sum()) == 256 * batch
 
 
 def test_collate_rejects_empty_batch():
     with pytest.raises(ValueError):
         collate([], 4)
+
+
+# --------------------------------------------------------------------------- glyphs and scenes
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=seeds, glyphs=st.sampled_from(["font", "colour"]))
+def test_synthetic_glyphs_draw_every_occupied_cell(seed, glyphs):
+    cfg = GridConfig(glyphs=glyphs)
+    ep = make_episode(random.Random(seed), "heldout", config=cfg)
+    assert ep.answer == expected_answer(ep.grid, ep.question)
+    # font/colour glyphs record the class in the index map
+    assert torch.equal(ep.digit_index, ep.grid)
+    img, k = ep.image, cfg.cell
+    for r in range(cfg.grid):
+        for c in range(cfg.grid):
+            tile = img[:, r * k:(r + 1) * k, c * k:(c + 1) * k]
+            if ep.grid[r, c] >= 0:
+                assert float(tile.max()) > 0.5  # ink
+            else:
+                assert float(tile.max()) <= cfg.noise + 1e-6  # background only
+
+
+def test_colour_glyphs_show_their_class_in_every_patch():
+    cfg = GridConfig(glyphs="colour")
+    ep = make_episode(random.Random(5), "heldout", "what", cfg)
+    hues = {}
+    for r, c in (ep.grid >= 0).nonzero().tolist():
+        tile = ep.image[:, r * cfg.cell + 1:(r + 1) * cfg.cell - 1, c * cfg.cell + 1:(c + 1) * cfg.cell - 1]
+        dominant = tile.mean((1, 2))
+        hues.setdefault(int(ep.grid[r, c]), []).append(dominant / dominant.max())
+    for cls, colours in hues.items():  # the same class has the same hue in every cell
+        for other in colours[1:]:
+            assert torch.allclose(colours[0], other, atol=0.05), cls
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=seeds, n=st.integers(1, 5))
+def test_scene_questions_share_one_image_and_are_right(seed, n):
+    scene = make_scene(random.Random(seed), "train", n, GridConfig(glyphs="colour"))
+    assert len(scene) == n
+    for ep in scene:
+        assert ep.image is scene[0].image
+        assert ep.answer == expected_answer(ep.grid, ep.question)
+
+
+def test_collate_scenes_first_question_matches_collate():
+    cfg = GridConfig(glyphs="colour")
+    scenes = [make_scene(random.Random(s), "train", 3, cfg) for s in range(4)]
+    batch = collate_scenes(scenes, 16)
+    for i, scene in enumerate(scenes):
+        row = batch["input_ids"][i][batch["attention_mask"][i].bool()].tolist()
+        single = collate([scene[0]], 16)["input_ids"][0].tolist()
+        assert row[:len(single)] == single  # the first turn is exactly a single-question row
+        labels = batch["labels"][i][batch["attention_mask"][i].bool()].tolist()
+        expected = []
+        for ep in scene:
+            expected += encode(ep.answer) + [EOS_ID]
+        assert [t for t in labels if t != IGNORE_INDEX] == expected
+    with pytest.raises(ValueError, match="at least one"):
+        collate_scenes([], 16)
+    with pytest.raises(ValueError, match="glyphs"):
+        GridConfig(glyphs="emoji")

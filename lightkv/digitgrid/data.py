@@ -1,29 +1,32 @@
 """DigitGrid-VQA: synthetic visual question answering whose answers depend on one image region.
 
 An image is a ``G x G`` grid of square cells on a seeded noisy background. Between
-``min_digits`` and ``max_digits`` cells each hold a handwritten digit from
-``sklearn.datasets.load_digits`` (8x8, values 0-16), upscaled by nearest neighbour and
-placed in its cell. Questions are word-level templates:
+``min_digits`` and ``max_digits`` cells each hold a digit glyph (`GridConfig.glyphs`):
+a handwritten digit from ``sklearn.datasets.load_digits`` (8x8, values 0-16), a digit of a
+small bitmap font, or that font digit on a tile in the class's own colour; glyphs are
+upscaled by nearest neighbour and placed in their cell. Questions are word-level templates:
 
-=========  =========================================  ==============================
-qtype      question                                   answer
-=========  =========================================  ==============================
-what       what is at row r2 column c3 ?              three | none
-where      where is the digit three ?                 row r2 column c3
-count      how many digits ?                          n5
-exists     is there a three ?                         yes | no
-=========  =========================================  ==============================
+=========  ==============================  ==============
+qtype      question                        answer
+=========  ==============================  ==============
+what       what is at r2c3                 three | none
+where      where is the digit three        r2c3
+count      how many digits                 n5
+exists     is there a three                yes | no
+=========  ==============================  ==============
 
-Digit names (``zero``..``nine``), row words (``r1``..), column words (``c1``..) and count
-words (``n0``..) are separate vocabularies so that no word is shared between roles.
+Digit names (``zero``..``nine``), cell words (``r1c1``.., row then column, 1-based) and
+count words (``n0``..) are separate vocabularies so that no word is shared between roles.
 ``where`` is only asked for digits that occur exactly once; ``exists`` is yes/no 50/50 and
 ``what`` asks an occupied cell with probability ``what_occupied_p``.
 
-The ``"train"`` split draws digit images only from sklearn indices ``< 1400``, the
+The ``"train"`` split draws handwritten digits only from sklearn indices ``< 1400``, the
 ``"heldout"`` split only from indices ``>= 1400``; ``Episode.digit_index`` records the index
-used in each cell.
+used in each cell. (Font and colour glyphs share their shapes between splits; held-out
+episodes then differ by layout, strokes and noise only.)
 
-Sequences (see `collate`) are ``<bos> <image>*n <sep> question <sep> [answer <eos>]``,
+Sequences (see `collate`) are ``<bos> <image>*n <sep> question [answer <eos>]``: the answer
+follows the question's last word, which names what is asked (a cell, a digit). Rows are
 left-padded, with ``labels`` equal to ``input_ids`` on the answer and ``<eos>`` and -100
 elsewhere (the model shifts labels itself, as ``LlavaForConditionalGeneration`` does).
 """
@@ -39,7 +42,7 @@ import torch
 
 __all__ = [
     "BOS_ID",
-    "COL_WORDS",
+    "CELL_WORDS",
     "COUNT_WORDS",
     "DIGIT_WORDS",
     "EOS_ID",
@@ -47,7 +50,6 @@ __all__ = [
     "IMAGE_ID",
     "PAD_ID",
     "QTYPES",
-    "ROW_WORDS",
     "SEP_ID",
     "SPECIAL_TOKENS",
     "SPLIT_BOUNDARY",
@@ -55,15 +57,19 @@ __all__ = [
     "WORD_TO_ID",
     "Episode",
     "EpisodeStream",
+    "GLYPHS",
     "GridConfig",
     "answer_for",
+    "cell_word",
     "collate",
     "collate_prompts",
+    "collate_scenes",
     "decode",
     "digit_pool",
     "encode",
     "make_episode",
     "make_grid",
+    "make_scene",
     "num_image_tokens",
     "render_image",
 ]
@@ -74,24 +80,26 @@ SPLIT_BOUNDARY = 1400
 SPLITS = ("train", "heldout")
 QTYPES = ("what", "where", "count", "exists")
 
+GLYPHS = ("handwritten", "font", "colour")
+
 MAX_GRID = 8
-"""Largest supported grid side (the vocabulary holds row/column words up to this)."""
+"""Largest supported grid side (the vocabulary holds cell words up to this)."""
 MAX_COUNT = 16
 """Largest supported number of digits per image (the vocabulary holds ``n0``..``n16``)."""
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<image>", "<sep>")
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
-ROW_WORDS = tuple(f"r{i}" for i in range(1, MAX_GRID + 1))
-COL_WORDS = tuple(f"c{i}" for i in range(1, MAX_GRID + 1))
+CELL_WORDS = tuple(f"r{r}c{c}" for r in range(1, MAX_GRID + 1) for c in range(1, MAX_GRID + 1))
+"""``r{row}c{column}`` (1-based): one word names one cell, row-major."""
 COUNT_WORDS = tuple(f"n{i}" for i in range(MAX_COUNT + 1))
 TEMPLATE_WORDS = (
-    "what", "is", "at", "row", "column", "?", "where", "the", "digit",
+    "what", "is", "at", "where", "the", "digit",
     "how", "many", "digits", "there", "a",
 )
 ANSWER_WORDS = ("none", "yes", "no")
 
 VOCAB: tuple[str, ...] = (
-    SPECIAL_TOKENS + TEMPLATE_WORDS + ANSWER_WORDS + DIGIT_WORDS + ROW_WORDS + COL_WORDS
+    SPECIAL_TOKENS + TEMPLATE_WORDS + ANSWER_WORDS + DIGIT_WORDS + CELL_WORDS
     + COUNT_WORDS
 )
 """The fixed word vocabulary; a word's id is its index. Special tokens come first."""
@@ -140,6 +148,11 @@ class GridConfig:
     """0 gives grey images; > 0 scales each channel by a random factor in ``[1 - tint, 1]``."""
     what_occupied_p: float = 0.5
     """Probability that a ``what`` question asks an occupied cell (else an empty one)."""
+    glyphs: str = "handwritten"
+    """``"handwritten"``: sklearn digits (split by index); ``"font"``: a 5x7 bitmap font with
+    per-instance stroke intensity and placement (both splits share the glyph shapes);
+    ``"colour"``: the font digit on a tile, both in the class's own hue (``k / 10`` of the
+    colour wheel), so every patch of an occupied cell shows its class."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.grid <= MAX_GRID:
@@ -157,6 +170,8 @@ class GridConfig:
             raise ValueError("noise and tint must be in [0, 1]")
         if not 0.0 <= self.what_occupied_p <= 1.0:
             raise ValueError("what_occupied_p must be in [0, 1]")
+        if self.glyphs not in GLYPHS:
+            raise ValueError(f"glyphs must be one of {GLYPHS}, got {self.glyphs!r}")
 
     @property
     def image_size(self) -> int:
@@ -175,7 +190,8 @@ class Episode:
     grid: torch.Tensor
     """int64 ``[G, G]``: digit class per cell, -1 where empty."""
     digit_index: torch.Tensor
-    """int64 ``[G, G]``: sklearn ``load_digits`` index drawn in each cell, -1 where empty."""
+    """int64 ``[G, G]``: sklearn ``load_digits`` index drawn in each cell (the class, for font
+    glyphs), -1 where empty."""
     question: list[str]
     answer: list[str]
     qtype: str
@@ -200,6 +216,66 @@ def _digits() -> tuple[torch.Tensor, torch.Tensor]:
     images = torch.as_tensor(d.images, dtype=torch.float32) / 16.0
     targets = torch.as_tensor(d.target, dtype=torch.int64)
     return images, targets
+
+
+# A 5x7 bitmap font (our own drawing): '#' is ink.
+_FONT = {
+    0: (".###.", "#...#", "#..##", "#.#.#", "##..#", "#...#", ".###."),
+    1: ("..#..", ".##..", "..#..", "..#..", "..#..", "..#..", ".###."),
+    2: (".###.", "#...#", "....#", "...#.", "..#..", ".#...", "#####"),
+    3: ("####.", "....#", "....#", ".###.", "....#", "....#", "####."),
+    4: ("...#.", "..##.", ".#.#.", "#..#.", "#####", "...#.", "...#."),
+    5: ("#####", "#....", "####.", "....#", "....#", "#...#", ".###."),
+    6: ("..##.", ".#...", "#....", "####.", "#...#", "#...#", ".###."),
+    7: ("#####", "....#", "...#.", "..#..", ".#...", ".#...", ".#..."),
+    8: (".###.", "#...#", "#...#", ".###.", "#...#", "#...#", ".###."),
+    9: (".###.", "#...#", "#...#", ".####", "....#", "...#.", ".##.."),
+}
+
+
+@lru_cache(maxsize=1)
+def _font() -> torch.Tensor:
+    """``[10, 7, 5]`` ink masks of the bitmap font."""
+    return torch.tensor(
+        [[[ch == "#" for ch in row] for row in _FONT[d]] for d in range(10)], dtype=torch.float32
+    )
+
+
+def _font_glyph(cls: int, rng: random.Random, gen: torch.Generator) -> torch.Tensor:
+    """An 8x8 font digit: random placement in the 8x8 box, ink strength and stroke texture."""
+    glyph = torch.zeros(8, 8)
+    y, x = rng.randint(0, 1), rng.randint(0, 3)
+    ink = 0.55 + 0.45 * rng.random()
+    texture = 0.7 + 0.3 * torch.rand((7, 5), generator=gen)
+    glyph[y : y + 7, x : x + 5] = _font()[cls] * texture * ink
+    return glyph
+
+
+def _hue(cls: int) -> torch.Tensor:
+    """Fully saturated RGB of hue ``cls / 10`` (HSV with S = V = 1)."""
+    h = cls / 10 * 6
+    x = 1 - abs(h % 2 - 1)
+    table = [(1, x, 0), (x, 1, 0), (0, 1, x), (0, x, 1), (x, 0, 1), (1, 0, x)]
+    return torch.tensor(table[int(h) % 6], dtype=torch.float32)
+
+
+def _colour_tiles(image: torch.Tensor, digit_index: torch.Tensor, config: "GridConfig",
+                  rng: random.Random) -> torch.Tensor:
+    """Colour every occupied cell in its class hue: a dim tile (1-pixel margin) under the
+    grey glyph, which takes the hue at full strength."""
+    cell = config.cell
+    out = image.clone()
+    for r in range(config.grid):
+        for c in range(config.grid):
+            cls = int(digit_index[r, c])
+            if cls < 0:
+                continue
+            hue = _hue(cls)[:, None, None]
+            ys, xs = slice(r * cell + 1, (r + 1) * cell - 1), slice(c * cell + 1, (c + 1) * cell - 1)
+            grey = image[0, ys, xs]
+            tile = 0.3 + 0.15 * rng.random()
+            out[:, ys, xs] = hue * torch.maximum(grey, torch.full_like(grey, tile))
+    return out
 
 
 @lru_cache(maxsize=2)
@@ -232,7 +308,8 @@ def make_grid(
     for c in cells:
         cls = rng.randrange(10)
         grid[c // g, c % g] = cls
-        index[c // g, c % g] = rng.choice(pools[cls])
+        # font glyphs have no sklearn image: the index map then holds the class
+        index[c // g, c % g] = cls if config.glyphs != "handwritten" else rng.choice(pools[cls])
     return grid, index
 
 
@@ -240,7 +317,7 @@ def render_image(
     rng: random.Random, digit_index: torch.Tensor, config: GridConfig = DEFAULT_CONFIG
 ) -> torch.Tensor:
     """Draw the ``[3, H, W]`` image for a ``digit_index`` map (background noise seeded by ``rng``)."""
-    images, _ = _digits()
+    images = _digits()[0] if config.glyphs == "handwritten" else None
     gen = torch.Generator().manual_seed(rng.getrandbits(63))
     size, cell, g = config.image_size, config.cell, config.grid
     canvas = torch.rand((size, size), generator=gen) * config.noise
@@ -250,7 +327,8 @@ def render_image(
             i = int(digit_index[r, c])
             if i < 0:
                 continue
-            glyph = images[i].repeat_interleave(config.scale, 0).repeat_interleave(config.scale, 1)
+            base = _font_glyph(i, rng, gen) if images is None else images[i]
+            glyph = base.repeat_interleave(config.scale, 0).repeat_interleave(config.scale, 1)
             dy = dx = 0
             if config.jitter:
                 dy = rng.randint(-config.jitter, config.jitter)
@@ -267,6 +345,8 @@ def render_image(
             region = canvas[r * cell + cy0 : r * cell + cy1, c * cell + cx0 : c * cell + cx1]
             torch.maximum(region, patch, out=region)
     image = canvas.unsqueeze(0).repeat(3, 1, 1)
+    if config.glyphs == "colour":
+        image = _colour_tiles(image, digit_index, config, rng)
     if config.tint > 0:
         factors = 1.0 - config.tint * torch.rand((3, 1, 1), generator=gen)
         image = image * factors
@@ -276,8 +356,11 @@ def render_image(
 # --------------------------------------------------------------------------- questions
 
 
-def _pos_words(row: int, col: int) -> list[str]:
-    return ["row", ROW_WORDS[row], "column", COL_WORDS[col]]
+def cell_word(row: int, col: int) -> str:
+    """The word naming cell ``(row, col)`` (0-based), e.g. ``cell_word(1, 2) == "r2c3"``."""
+    if not (0 <= row < MAX_GRID and 0 <= col < MAX_GRID):
+        raise ValueError(f"cell ({row}, {col}) is outside an {MAX_GRID}x{MAX_GRID} grid")
+    return CELL_WORDS[row * MAX_GRID + col]
 
 
 def answer_for(grid: torch.Tensor, qtype: str, meta: dict) -> list[str]:
@@ -289,7 +372,7 @@ def answer_for(grid: torch.Tensor, qtype: str, meta: dict) -> list[str]:
         hits = (grid == meta["digit"]).nonzero().tolist()
         if len(hits) != 1:
             raise ValueError(f"'where' needs a digit that occurs exactly once, got {len(hits)}")
-        return _pos_words(*hits[0])
+        return [cell_word(*hits[0])]
     if qtype == "count":
         return [COUNT_WORDS[int((grid >= 0).sum())]]
     if qtype == "exists":
@@ -299,13 +382,13 @@ def answer_for(grid: torch.Tensor, qtype: str, meta: dict) -> list[str]:
 
 def _question(qtype: str, meta: dict) -> list[str]:
     if qtype == "what":
-        return ["what", "is", "at", *_pos_words(meta["row"], meta["col"]), "?"]
+        return ["what", "is", "at", cell_word(meta["row"], meta["col"])]
     if qtype == "where":
-        return ["where", "is", "the", "digit", DIGIT_WORDS[meta["digit"]], "?"]
+        return ["where", "is", "the", "digit", DIGIT_WORDS[meta["digit"]]]
     if qtype == "count":
-        return ["how", "many", "digits", "?"]
+        return ["how", "many", "digits"]
     if qtype == "exists":
-        return ["is", "there", "a", DIGIT_WORDS[meta["digit"]], "?"]
+        return ["is", "there", "a", DIGIT_WORDS[meta["digit"]]]
     raise ValueError(f"qtype must be one of {QTYPES}, got {qtype!r}")
 
 
@@ -382,6 +465,34 @@ def make_episode(
     )
 
 
+def make_scene(
+    rng: random.Random,
+    split: str = "train",
+    n_questions: int = 4,
+    config: GridConfig = DEFAULT_CONFIG,
+    qtypes: Sequence[str] = QTYPES,
+) -> list[Episode]:
+    """``n_questions`` episodes about one image (they share ``image``, ``grid``, ...).
+
+    Each question's type is drawn from ``qtypes``; a type this grid cannot host (e.g. no
+    unique digit for ``where``) is redrawn. Used to pack several questions per image when
+    training (see `collate_scenes`).
+    """
+    if n_questions < 1:
+        raise ValueError("n_questions must be >= 1")
+    grid, index = make_grid(rng, split, config)
+    image = render_image(rng, index, config)
+    out: list[Episode] = []
+    while len(out) < n_questions:
+        qtype = rng.choice(tuple(qtypes))
+        meta = _choose_meta(rng, grid, qtype, config)
+        if meta is None:
+            continue
+        out.append(Episode(image=image, grid=grid, digit_index=index, question=_question(qtype, meta),
+                           answer=answer_for(grid, qtype, meta), qtype=qtype, split=split, meta=meta))
+    return out
+
+
 class EpisodeStream:
     """An endless, seed-deterministic stream of episodes.
 
@@ -427,7 +538,7 @@ def num_image_tokens(config: GridConfig = DEFAULT_CONFIG, patch: int = 4) -> int
 
 
 def _prompt_ids(ep: Episode, n_image: int) -> list[int]:
-    return [BOS_ID] + [IMAGE_ID] * n_image + [SEP_ID] + encode(ep.question) + [SEP_ID]
+    return [BOS_ID] + [IMAGE_ID] * n_image + [SEP_ID] + encode(ep.question)
 
 
 def collate(
@@ -435,7 +546,7 @@ def collate(
 ) -> dict[str, torch.Tensor]:
     """Batch episodes for a LLaVA-style model.
 
-    Each row is ``<bos> <image>*num_image_tokens <sep> question <sep>`` followed, when
+    Each row is ``<bos> <image>*num_image_tokens <sep> question`` followed, when
     ``with_answer``, by ``answer <eos>``; rows are left-padded with ``<pad>`` (mask 0).
     Returns ``input_ids`` and ``attention_mask`` ``[B, L]`` (int64), ``pixel_values``
     ``[B, 3, H, W]`` and, when ``with_answer``, ``labels`` ``[B, L]``: ``input_ids`` on the
@@ -474,12 +585,45 @@ def collate(
     return batch
 
 
+def collate_scenes(scenes: Sequence[Sequence[Episode]], num_image_tokens: int) -> dict[str, torch.Tensor]:
+    """Batch scenes (several questions about one image) as one sequence per image.
+
+    A row is ``<bos> <image>*n <sep> q1 a1 <eos> q2 a2 <eos> ...``: its first
+    question looks exactly like a `collate` row, so training on scenes teaches the
+    single-question format while amortising the image tokens over several answers.
+    """
+    if not scenes or any(not s for s in scenes):
+        raise ValueError("collate_scenes needs at least one scene, each with at least one episode")
+    rows, label_rows = [], []
+    for scene in scenes:
+        row = [BOS_ID] + [IMAGE_ID] * num_image_tokens + [SEP_ID]
+        lab = [IGNORE_INDEX] * len(row)
+        for ep in scene:
+            q = encode(ep.question)
+            a = encode(ep.answer) + [EOS_ID]
+            row += q + a
+            lab += [IGNORE_INDEX] * len(q) + a
+        rows.append(row)
+        label_rows.append(lab)
+    length = max(len(r) for r in rows)
+    b = len(rows)
+    input_ids = torch.full((b, length), PAD_ID, dtype=torch.int64)
+    attention_mask = torch.zeros((b, length), dtype=torch.int64)
+    labels = torch.full((b, length), IGNORE_INDEX, dtype=torch.int64)
+    for i, (row, lab) in enumerate(zip(rows, label_rows)):
+        input_ids[i, length - len(row):] = torch.tensor(row)
+        attention_mask[i, length - len(row):] = 1
+        labels[i, length - len(row):] = torch.tensor(lab)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
+            "pixel_values": torch.stack([scene[0].image for scene in scenes])}
+
+
 def collate_prompts(
     episodes: Sequence[Episode], num_image_tokens: int
 ) -> dict[str, torch.Tensor]:
     """Prompt-only batch for evaluation/generation (no answer, no ``labels``).
 
-    Rows end with the second ``<sep>``, so with left padding every row's next token is
+    Rows end with the question's last word, so with left padding every row's next token is
     the first answer word; compare generations with ``episode.answer``.
     """
     return collate(episodes, num_image_tokens, with_answer=False)

@@ -1,0 +1,178 @@
+"""The DigitGrid LVLM: an unmodified ``LlavaForConditionalGeneration`` sized for a CPU.
+
+`build_model` makes a CLIP vision tower + LLaVA projector + Llama decoder from a
+`ModelSpec`; `build_processor` a word-level tokenizer and a ``LlavaProcessor`` whose
+image processor only rescales (pixels in ``[0, 1]``, as the training images are);
+`save` writes a normal Hugging Face directory (config, safetensors, tokenizer, processor)
+plus ``digitgrid.json`` with the `GridConfig` the model was trained on, and `load` reads
+it back offline.
+
+`alignment_targets` gives, for every vision token, the sum of the decoder's input word
+embeddings of its cell's content (a digit name or ``none``) and of the cell's name:
+the auxiliary target that teaches the projector to speak the decoder's vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .data import (
+    BOS_ID,
+    CELL_WORDS,
+    MAX_GRID,
+    DIGIT_WORDS,
+    EOS_ID,
+    IMAGE_ID,
+    PAD_ID,
+    VOCAB,
+    WORD_TO_ID,
+    GridConfig,
+)
+
+__all__ = ["BUNDLED_MODEL", "ModelSpec", "alignment_targets", "build_model", "build_processor",
+           "build_tokenizer", "load", "read_grid_config", "save"]
+
+BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "digitgrid-llava"
+"""Where the trained model ships inside the package."""
+
+GRID_FILE = "digitgrid.json"
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %} <image> <sep>{% elif item['type'] == 'text' %} {{ item['text'] }}"
+    "{% endif %}{% endfor %}{% endfor %}"
+)
+"""One user turn, image first: ``<bos> <image> <sep> question``, the training format."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Sizes of the tower, projector and decoder."""
+
+    patch: int = 4
+    vision_width: int = 96
+    vision_layers: int = 3
+    vision_heads: int = 4
+    text_width: int = 128
+    text_layers: int = 6
+    text_heads: int = 4
+    text_ffn: int = 512
+
+
+def build_model(spec: ModelSpec = ModelSpec(), grid: GridConfig = GridConfig(), seed: int = 0):
+    """A freshly initialised ``LlavaForConditionalGeneration`` (word embeddings ~ N(0, 1),
+    tied with the output head)."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    if grid.image_size % spec.patch or grid.cell % spec.patch:
+        raise ValueError(f"patch {spec.patch} must divide the cell ({grid.cell}) and image ({grid.image_size})")
+    vision = CLIPVisionConfig(
+        hidden_size=spec.vision_width, intermediate_size=4 * spec.vision_width,
+        num_hidden_layers=spec.vision_layers, num_attention_heads=spec.vision_heads,
+        image_size=grid.image_size, patch_size=spec.patch, num_channels=3,
+    )
+    text = LlamaConfig(
+        vocab_size=len(VOCAB), hidden_size=spec.text_width, intermediate_size=spec.text_ffn,
+        num_hidden_layers=spec.text_layers, num_attention_heads=spec.text_heads,
+        num_key_value_heads=spec.text_heads, max_position_embeddings=1024,
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, tie_word_embeddings=True,
+    )
+    config = LlavaConfig(
+        vision_config=vision, text_config=text, image_token_id=IMAGE_ID,
+        vision_feature_layer=-1, vision_feature_select_strategy="default",
+        projector_hidden_act="gelu", tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.normal_(0.0, 1.0)
+    model.tie_weights()
+    model.generation_config.pad_token_id = PAD_ID
+    model.generation_config.eos_token_id = EOS_ID
+    model.generation_config.bos_token_id = BOS_ID
+    return model
+
+
+def build_tokenizer():
+    """A whitespace word-level ``PreTrainedTokenizerFast`` over `VOCAB` (ids = VOCAB order)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel(vocab=dict(WORD_TO_ID), unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+        unk_token="<pad>", padding_side="left", extra_special_tokens={"image_token": "<image>"},
+    )
+    tok.add_bos_token = False
+    return tok
+
+
+def build_processor(grid: GridConfig = GridConfig(), spec: ModelSpec = ModelSpec()):
+    """A ``LlavaProcessor`` whose chat template writes the training format
+    ``<bos> <image> <sep> question``; ``<image>`` expands to the tower's tokens."""
+    from transformers import CLIPImageProcessorPil, LlavaProcessor
+
+    images = CLIPImageProcessorPil(
+        do_resize=True, size={"height": grid.image_size, "width": grid.image_size},
+        do_center_crop=False, do_rescale=True, rescale_factor=1 / 255, do_normalize=False,
+        do_convert_rgb=True,
+    )
+    return LlavaProcessor(
+        image_processor=images, tokenizer=build_tokenizer(), patch_size=spec.patch,
+        vision_feature_select_strategy="default", image_token="<image>", num_additional_image_tokens=1,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def alignment_targets(model, grid: torch.Tensor, patch: int, cell: int) -> torch.Tensor:
+    """``[B, N, D]`` targets for the projected vision tokens of grids ``[B, G, G]``.
+
+    Token ``(y, x)`` of the patch grid lies in cell ``(y // k, x // k)`` with ``k = cell /
+    patch``; its target is ``E[<image>] + E[content] + E[cell word]`` with ``E`` the
+    decoder's input embeddings and content the digit name or ``none``.
+    """
+    emb = model.get_input_embeddings().weight.detach()
+    b, g, _ = grid.shape
+    k = cell // patch
+    content_ids = torch.tensor([WORD_TO_ID[w] for w in DIGIT_WORDS] + [WORD_TO_ID["none"]])
+    cells = content_ids[torch.where(grid >= 0, grid, 10)]  # [B, G, G]
+    names = torch.tensor([[WORD_TO_ID[CELL_WORDS[r * MAX_GRID + c]] for c in range(g)] for r in range(g)])
+    per_cell = emb[cells] + emb[names][None] + emb[IMAGE_ID]
+    per_token = per_cell.repeat_interleave(k, 1).repeat_interleave(k, 2)  # [B, G*k, G*k, D]
+    return per_token.reshape(b, (g * k) ** 2, -1)
+
+
+def save(model, path: str | Path, grid: GridConfig, spec: ModelSpec, extra: dict | None = None) -> Path:
+    """Write a Hugging Face directory (weights as safetensors) with the processor and
+    ``digitgrid.json``."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    build_processor(grid, spec).save_pretrained(path)
+    meta = {"grid": asdict(grid), "spec": asdict(spec), **(extra or {})}
+    (path / GRID_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return path
+
+
+def read_grid_config(path: str | Path = BUNDLED_MODEL) -> GridConfig:
+    """The `GridConfig` a saved DigitGrid model was trained on."""
+    meta_file = Path(path) / GRID_FILE
+    if not meta_file.exists():
+        raise FileNotFoundError(f"{path} is not a DigitGrid model directory (no {GRID_FILE})")
+    return GridConfig(**json.loads(meta_file.read_text())["grid"])
+
+
+def load(path: str | Path = BUNDLED_MODEL, dtype: torch.dtype = torch.float32):
+    """``(model, processor, grid_config)`` from a directory written by `save` (offline)."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    path = Path(path)
+    grid = read_grid_config(path)
+    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=dtype, local_files_only=True).eval()
+    processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+    return model, processor, grid

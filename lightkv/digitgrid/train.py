@@ -1,0 +1,307 @@
+"""Train the DigitGrid LVLM (``python -m lightkv.digitgrid.train``).
+
+Two stages, each resumable from its checkpoint (``--out/<stage>.pt``, written every
+``--ckpt-every`` steps and at the end; a rerun with the same ``--out`` continues):
+
+1. ``align``: the vision tower and projector alone learn to map every vision token to
+   ``E[<image>] + E[content] + E[row] + E[column]`` (mean squared error; ``E`` is the
+   decoder's frozen, N(0, 1) input embedding, see `alignment_targets`). The decoder does not
+   run, so this stage is cheap; it also reports the cell-level read-out accuracy on held-out
+   images.
+2. ``qa``: tower, projector and word embeddings frozen; the decoder learns to answer, with
+   several questions packed per image (`collate_scenes`). ``--mimetic`` initialises each
+   attention layer's query/key and value/output projections near scaled identities
+   (mimetic initialisation, Trockman & Kolter, ICML 2023): a generic prior that attention
+   compares like with like and copies what it reads; no attention map is ever supervised.
+
+``--export DIR`` writes the Hugging Face directory after ``qa`` (or, with the ``export``
+stage, from the last ``qa`` checkpoint). Everything is seeded: same arguments, same model.
+
+The bundled model was made with::
+
+    python -m lightkv.digitgrid.train align --glyphs colour --out runs/dg --steps 300 --lr 2e-3 --warmup 30
+    python -m lightkv.digitgrid.train qa --glyphs colour --out runs/dg --steps STEPS --batch 16 \
+        --questions 4 --lr 1e-3 --warmup 100 --mimetic --text-ffn 256
+    python -m lightkv.digitgrid.train export --out runs/dg --export lightkv/assets/digitgrid-llava
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .data import GLYPHS, QTYPES, GridConfig, collate_prompts, collate_scenes, make_episode, make_grid, make_scene, num_image_tokens, render_image
+from .model import ModelSpec, alignment_targets, build_model, save
+
+__all__ = ["evaluate_qa", "main"]
+
+
+def _image_batch(rng: random.Random, split: str, n: int, grid: GridConfig):
+    grids, images = [], []
+    for _ in range(n):
+        g, index = make_grid(rng, split, grid)
+        grids.append(g)
+        images.append(render_image(rng, index, grid))
+    return torch.stack(grids), torch.stack(images)
+
+
+def _projected(model, pixel_values: torch.Tensor) -> torch.Tensor:
+    out = model.model.get_image_features(pixel_values=pixel_values)
+    return torch.stack(list(out.pooler_output))
+
+
+@torch.no_grad()
+def evaluate_align(model, spec: ModelSpec, grid: GridConfig, n: int = 256, seed: int = 1234) -> dict:
+    """Cell read-out accuracy of the projected tokens on held-out images (nearest content word
+    embedding, averaged over the cell's tokens)."""
+    from .data import DIGIT_WORDS, WORD_TO_ID
+
+    model.eval()
+    rng = random.Random(f"align-eval:{seed}")
+    grids, images = _image_batch(rng, "heldout", n, grid)
+    feats = _projected(model, images)  # [B, N, D]
+    emb = model.get_input_embeddings().weight
+    content = emb[[WORD_TO_ID[w] for w in DIGIT_WORDS] + [WORD_TO_ID["none"]]]
+    k = grid.cell // spec.patch
+    side = grid.grid * k
+    logits = (feats @ content.T).reshape(n, side, side, 11)
+    per_cell = logits.reshape(n, grid.grid, k, grid.grid, k, 11).mean((2, 4)).argmax(-1)
+    truth = torch.where(grids >= 0, grids, 10)
+    occ = grids >= 0
+    model.train()
+    return {"cell_acc": float((per_cell == truth).float().mean()),
+            "occupied_acc": float((per_cell == truth)[occ].float().mean()),
+            "grid_exact": float((per_cell == truth).all(-1).all(-1).float().mean())}
+
+
+@torch.no_grad()
+def evaluate_qa(model, grid: GridConfig, n_per_type: int = 64, seed: int = 4321, batch: int = 64,
+                split: str = "heldout") -> dict:
+    """Greedy exact-match accuracy per question type on ``n_per_type`` held-out episodes each."""
+    model.eval()
+    n_img = num_image_tokens(grid, model.config.vision_config.patch_size)
+    result = {}
+    for qtype in QTYPES:
+        rng = random.Random(f"qa-eval:{seed}:{qtype}")
+        eps = [make_episode(rng, split, qtype, grid) for _ in range(n_per_type)]
+        right = 0
+        for i in range(0, len(eps), batch):
+            chunk = eps[i:i + batch]
+            inputs = collate_prompts(chunk, n_img)
+            out = model.generate(**inputs, max_new_tokens=5, do_sample=False)
+            new = out[:, inputs["input_ids"].shape[1]:]
+            for ep, row in zip(chunk, new.tolist()):
+                words = _answer_words(row)
+                right += words == ep.answer
+        result[qtype] = right / len(eps)
+    model.train()
+    return result
+
+
+def _answer_words(ids: list[int]) -> list[str]:
+    from .data import EOS_ID, PAD_ID, VOCAB
+
+    words = []
+    for i in ids:
+        if i in (EOS_ID, PAD_ID):
+            break
+        words.append(VOCAB[i])
+    return words
+
+
+def _content_ce(model, feats: torch.Tensor, grids: torch.Tensor, spec: ModelSpec, grid: GridConfig) -> torch.Tensor:
+    """Cross-entropy of every token's content read-out (dot products with the content word
+    embeddings): a sharper signal for the hard part of the target than the squared error."""
+    from .data import DIGIT_WORDS, WORD_TO_ID
+
+    emb = model.get_input_embeddings().weight.detach()
+    content = emb[[WORD_TO_ID[w] for w in DIGIT_WORDS] + [WORD_TO_ID["none"]]]
+    k = grid.cell // spec.patch
+    truth = torch.where(grids >= 0, grids, 10).repeat_interleave(k, 1).repeat_interleave(k, 2).flatten(1)
+    logits = feats @ content.T / content.shape[1] ** 0.5
+    return F.cross_entropy(logits.flatten(0, 1), truth.flatten())
+
+
+def _mimetic_init(model, qk: float = 1.5, vo: float = 0.7, noise: float = 0.02, seed: int = 0) -> None:
+    """Query/key projections near ``qk * I`` (attention compares like with like) and value/
+    output projections near ``vo * I`` (heads copy what they read), plus N(0, noise) noise."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.model.language_model.layers:
+            attn = layer.self_attn
+            for proj, scale in ((attn.q_proj, qk), (attn.k_proj, qk), (attn.v_proj, vo), (attn.o_proj, vo)):
+                w = proj.weight
+                eye = torch.eye(w.shape[0], w.shape[1])
+                w.copy_(scale * eye + noise * torch.randn(w.shape, generator=gen))
+
+
+def _trainable(model, stage: str) -> list[torch.nn.Parameter]:
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if stage == "align":
+        mods = [model.model.vision_tower, model.model.multi_modal_projector]
+    else:
+        mods = [model.model.language_model]
+    params = []
+    for m in mods:
+        for p in m.parameters():
+            params.append(p)
+    emb = model.get_input_embeddings().weight
+    params = [p for p in params if p is not emb]
+    for p in params:
+        p.requires_grad_(True)
+    return params
+
+
+def _spec(args) -> tuple[GridConfig, ModelSpec]:
+    grid = GridConfig(glyphs=args.glyphs, jitter=args.jitter)
+    spec = ModelSpec(text_width=args.text_width, text_layers=args.text_layers,
+                     text_ffn=args.text_ffn or 4 * args.text_width,
+                     vision_width=args.vision_width, vision_layers=args.vision_layers)
+    return grid, spec
+
+
+def export(args) -> Path:
+    """Write the Hugging Face directory from ``--out/qa.pt`` (sizes from the checkpoint)."""
+    state = torch.load(Path(args.out) / "qa.pt", weights_only=False)
+    saved = argparse.Namespace(**state["args"])
+    grid, spec = _spec(saved)
+    model = build_model(spec, grid, seed=saved.seed)
+    model.load_state_dict(state["model"])
+    path = save(model, args.export, grid, spec,
+                extra={"train": state["args"], "step": state["step"], "log": state["log"][-1:]})
+    print(f"exported step {state['step']} to {path}")
+    return path
+
+
+def run_stage(args) -> None:
+    from tqdm import tqdm
+
+    if args.stage == "export":
+        if not args.export:
+            raise SystemExit("export needs --export DIR")
+        export(args)
+        return
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    grid, spec = _spec(args)
+    model = build_model(spec, grid, seed=args.seed)
+    ckpt = out / f"{args.stage}.pt"
+    step = 0
+    prev = out / "align.pt"
+    if args.stage == "qa" and prev.exists():
+        aligned = torch.load(prev, weights_only=False)["model"]
+        keep = ("model.vision_tower.", "model.multi_modal_projector.", "model.language_model.embed_tokens.",
+                "lm_head.")
+        missing, unexpected = model.load_state_dict(
+            {k: v for k, v in aligned.items() if k.startswith(keep)}, strict=False)
+        assert not unexpected and not any(k.startswith(keep) for k in missing), (missing, unexpected)
+        if args.mimetic:
+            _mimetic_init(model, seed=args.seed)
+    params = _trainable(model, args.stage)
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.98))
+    rng = random.Random(f"train:{args.seed}:{args.stage}")
+    log = []
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        rng.setstate(state["rng"])
+        torch.set_rng_state(state["torch_rng"])
+        step, log = state["step"], state["log"]
+        print(f"resumed {ckpt} at step {step}")
+
+    def schedule(s: int) -> float:
+        warm = min(1.0, (s + 1) / args.warmup)
+        return warm * (0.1 + 0.9 * max(0.0, 1 - s / args.steps)) if args.decay else warm
+
+    def checkpoint() -> None:
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "rng": rng.getstate(),
+                    "torch_rng": torch.get_rng_state(), "step": step, "log": log, "args": vars(args)}, ckpt)
+
+    n_img = num_image_tokens(grid, spec.patch)
+    model.train()
+    bar = tqdm(total=args.steps, initial=step, desc=args.stage, mininterval=5, dynamic_ncols=True)
+    t0 = time.time()
+    running = None
+    while step < args.steps:
+        for g in opt.param_groups:
+            g["lr"] = args.lr * schedule(step)
+        if args.stage == "align":
+            grids, images = _image_batch(rng, "train", args.batch, grid)
+            feats = _projected(model, images)
+            target = alignment_targets(model, grids, spec.patch, grid.cell)
+            loss = F.mse_loss(feats, target) + _content_ce(model, feats, grids, spec, grid)
+        else:
+            scenes = [make_scene(rng, "train", args.questions, grid) for _ in range(args.batch)]
+            batch = collate_scenes(scenes, n_img)
+            loss = model(**batch).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        value = float(loss.detach())
+        running = value if running is None else 0.98 * running + 0.02 * value
+        bar.update(1)
+        bar.set_postfix(loss=f"{running:.4f}")
+        if step % args.eval_every == 0 or step == args.steps:
+            if args.stage == "align":
+                ev = evaluate_align(model, spec, grid)
+            else:
+                ev = evaluate_qa(model, grid, n_per_type=args.eval_n)
+            entry = {"step": step, "loss": running, "minutes": (time.time() - t0) / 60, **ev}
+            log.append(entry)
+            bar.write(json.dumps(entry))
+        if step % args.ckpt_every == 0 or step == args.steps:
+            checkpoint()
+    bar.close()
+    if args.export and args.stage == "qa":
+        save(model, args.export, grid, spec, extra={"train": vars(args), "step": step, "log": log[-1:]})
+        print(f"exported to {args.export}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m lightkv.digitgrid.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("stage", choices=("align", "qa", "export"),
+                   help="align: tower + projector; qa: decoder; export: --out/qa.pt to --export DIR")
+    p.add_argument("--out", default="runs/digitgrid", help="checkpoint directory (resumes from it)")
+    p.add_argument("--export", default=None, help="write the Hugging Face model here after qa")
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--questions", type=int, default=4, help="questions packed per image (qa)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--decay", action="store_true", help="linear decay to 10%% of lr")
+    p.add_argument("--mimetic", action="store_true", help="near-identity query/key init (qa)")
+    p.add_argument("--glyphs", default="handwritten", choices=GLYPHS)
+    p.add_argument("--jitter", type=int, default=0)
+    p.add_argument("--text-width", type=int, default=128)
+    p.add_argument("--text-layers", type=int, default=6)
+    p.add_argument("--text-ffn", type=int, default=None, help="decoder MLP width (default 4 x width)")
+    p.add_argument("--vision-width", type=int, default=96)
+    p.add_argument("--vision-layers", type=int, default=3)
+    p.add_argument("--eval-every", type=int, default=200)
+    p.add_argument("--eval-n", type=int, default=64)
+    p.add_argument("--ckpt-every", type=int, default=100)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    run_stage(args)
+
+
+if __name__ == "__main__":
+    main()

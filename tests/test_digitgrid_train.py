@@ -1,0 +1,71 @@
+"""The DigitGrid training script: seeded, resumable, exports a loadable model (tiny sizes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("tqdm")
+
+from lightkv.digitgrid import model as dg
+from lightkv.digitgrid.train import main
+
+TINY = ["--text-width", "32", "--text-layers", "2", "--text-ffn", "64", "--vision-width", "32",
+        "--vision-layers", "1", "--batch", "2", "--questions", "2", "--eval-n", "1", "--threads", "1",
+        "--glyphs", "colour", "--warmup", "1", "--eval-every", "1000"]
+
+
+def _weights(path):
+    return torch.load(path, weights_only=False)["model"]
+
+
+def _same(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_training_is_seeded_and_resumes_exactly(tmp_path, capsys):
+    main(["align", "--out", str(tmp_path / "a"), "--steps", "2", *TINY])
+    main(["align", "--out", str(tmp_path / "b"), "--steps", "2", *TINY])
+    assert _same(_weights(tmp_path / "a" / "align.pt"), _weights(tmp_path / "b" / "align.pt"))
+
+    # 2 steps, then resume to 3 == 3 steps straight
+    main(["align", "--out", str(tmp_path / "b"), "--steps", "3", *TINY])
+    assert "resumed" in capsys.readouterr().out
+    main(["align", "--out", str(tmp_path / "c"), "--steps", "3", *TINY])
+    assert _same(_weights(tmp_path / "b" / "align.pt"), _weights(tmp_path / "c" / "align.pt"))
+    assert not _same(_weights(tmp_path / "a" / "align.pt"), _weights(tmp_path / "c" / "align.pt"))
+
+
+def test_qa_stage_keeps_the_aligned_tower_and_exports(tmp_path):
+    out = tmp_path / "run"
+    main(["align", "--out", str(out), "--steps", "1", *TINY])
+    export = tmp_path / "model"
+    main(["qa", "--out", str(out), "--steps", "2", "--mimetic", "--export", str(export), *TINY])
+    aligned = _weights(out / "align.pt")
+    trained = _weights(out / "qa.pt")
+    frozen = [k for k in aligned if k.startswith(("model.vision_tower.", "model.multi_modal_projector.",
+                                                    "model.language_model.embed_tokens."))]
+    assert frozen and all(torch.equal(aligned[k], trained[k]) for k in frozen)
+    decoder = [k for k in trained if k.startswith("model.language_model.layers.")]
+    assert any(not torch.equal(aligned[k], trained[k]) for k in decoder)
+
+    model, processor, grid = dg.load(export)
+    assert grid.glyphs == "colour"
+    assert all(torch.equal(model.state_dict()[k], trained[k]) for k in decoder)
+    assert processor.tokenizer.convert_tokens_to_ids("<image>") == model.config.image_token_id
+
+
+def test_alignment_targets_name_each_cell():
+    from lightkv.digitgrid.data import WORD_TO_ID
+
+    model = dg.build_model(dg.ModelSpec(text_width=32, text_layers=1, text_ffn=32, vision_width=32, vision_layers=1))
+    grid = torch.tensor([[[3, -1], [-1, 0]]])  # 2x2 cells
+    t = alignment = dg.alignment_targets(model, grid, patch=4, cell=8)  # 2x2 tokens per cell
+    assert alignment.shape == (1, 16, 32)
+    e = model.get_input_embeddings().weight
+    img = e[WORD_TO_ID["<image>"]]
+    t = t.reshape(4, 4, 32)
+    assert torch.allclose(t[0, 0], img + e[WORD_TO_ID["three"]] + e[WORD_TO_ID["r1c1"]])
+    assert torch.allclose(t[1, 3], img + e[WORD_TO_ID["none"]] + e[WORD_TO_ID["r1c2"]])
+    assert torch.allclose(t[3, 3], img + e[WORD_TO_ID["zero"]] + e[WORD_TO_ID["r2c2"]])
+    assert torch.equal(t[2, 2], t[3, 3])  # all tokens of a cell share its target
