@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.lightkv-installed
 
-.PHONY: install test test-scatter scatter demo bench bench-quick lint clean
+.PHONY: install test test-scatter scatter demo bench bench-quick bench-quality digitgrid-model lint clean
 
 install: $(STAMP)
 
@@ -41,6 +41,20 @@ bench: install
 
 bench-quick: install
 	$(PY) benchmarks/efficiency.py --quick
+
+bench-quality: install
+	$(PY) benchmarks/quality.py
+
+# Retrain the bundled DigitGrid model from its seed (~40 min on 2 CPU cores) into
+# runs/digitgrid, then export it over lightkv/assets/digitgrid-llava.
+DG_TRAIN = $(PY) -m lightkv.digitgrid.train
+DG_ARGS = --glyphs colour --out runs/digitgrid
+DG_QA = --batch 16 --questions 4 --warmup 100 --mimetic --text-ffn 256
+digitgrid-model: install
+	$(DG_TRAIN) align $(DG_ARGS) --steps 300 --lr 2e-3 --warmup 30
+	$(DG_TRAIN) qa $(DG_ARGS) $(DG_QA) --steps 1550 --lr 1e-3
+	$(DG_TRAIN) qa $(DG_ARGS) $(DG_QA) --steps 2000 --lr 6e-4 --decay
+	$(DG_TRAIN) export --out runs/digitgrid --export lightkv/assets/digitgrid-llava
 
 lint: install
 	$(PY) -m ruff check lightkv tests benchmarks

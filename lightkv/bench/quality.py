@@ -109,7 +109,7 @@ def method_pipeline(name: str, num_layers: int, target: float):
     pipe = Pipeline.from_preset(name)
     sched = pipe.scheduler
     if not isinstance(sched, ExplicitSchedule):
-        raise ValueError(f"preset {name!r} has no explicit schedule to scale")
+        raise TypeError(f"preset {name!r} has no explicit schedule to scale")
     layers = scale_layers(sched.layers, REF_DEPTH, num_layers)
     schedule, ok = budget_schedule(layers, num_layers, target, MAX_RATIO.get(name, 0.5),
                                    windows_per_side=sched.windows_per_side, window_size=sched.window_size)
@@ -182,9 +182,10 @@ def markdown_table(result: dict[str, Any]) -> str:
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     rel = result.get("relevance_mass")
     if rel:
-        lines += ["", f"Share of the image's relevance mass on the asked cell vs another occupied cell "
-                  f"('what' questions about occupied cells, {rel['episodes']} episodes; area share of a cell "
-                  f"{rel['area_share']:.3f}):", "",
+        intro = (f"Share of the image's relevance mass on the asked cell vs another occupied cell "
+                 f"('what' questions about occupied cells, {rel['episodes']} episodes; area share of a cell "
+                 f"{rel['area_share']:.3f}):")
+        lines += ["", intro, "",
                   "| after layer | query-axis ξ: asked | control | last-token attention: asked | control |",
                   "|---|---|---|---|---|"]
         for layer, d in rel["layers"].items():
@@ -248,7 +249,9 @@ def provenance_picture(path: Path, model_dir: str | None = None, seed: int = 3, 
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
-    from ..digitgrid import data, evaluate as ev, model as dg
+    from ..digitgrid import data
+    from ..digitgrid import evaluate as ev
+    from ..digitgrid import model as dg
     from ..graph.layout import TokenKind
 
     model, _, grid = dg.load(model_dir or dg.BUNDLED_MODEL)

@@ -5,6 +5,6 @@ Needs scikit-learn (the ``demo`` extra) for the handwritten digits.
 """
 
 from lightkv.digitgrid import data
-from lightkv.digitgrid.data import *  # noqa: F403  (the public names listed in data.__all__)
+from lightkv.digitgrid.data import *
 
 __all__ = list(data.__all__)

@@ -46,6 +46,7 @@ __all__ = [
     "COUNT_WORDS",
     "DIGIT_WORDS",
     "EOS_ID",
+    "GLYPHS",
     "IGNORE_INDEX",
     "IMAGE_ID",
     "PAD_ID",
@@ -57,7 +58,6 @@ __all__ = [
     "WORD_TO_ID",
     "Episode",
     "EpisodeStream",
-    "GLYPHS",
     "GridConfig",
     "answer_for",
     "cell_word",
@@ -259,7 +259,7 @@ def _hue(cls: int) -> torch.Tensor:
     return torch.tensor(table[int(h) % 6], dtype=torch.float32)
 
 
-def _colour_tiles(image: torch.Tensor, digit_index: torch.Tensor, config: "GridConfig",
+def _colour_tiles(image: torch.Tensor, digit_index: torch.Tensor, config: GridConfig,
                   rng: random.Random) -> torch.Tensor:
     """Colour every occupied cell in its class hue: a dim tile (1-pixel margin) under the
     grey glyph, which takes the hue at full strength."""

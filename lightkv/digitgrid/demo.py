@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the demo; ``argv`` as on the command line."""
     from ..bench.quality import provenance_picture
     from ..pipeline import Pipeline
-    from . import data, evaluate, model as dg
+    from . import data, evaluate
+    from . import model as dg
 
     args = build_parser().parse_args(argv)
     if args.questions < 1:

@@ -23,12 +23,23 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .data import EOS_ID, PAD_ID, QTYPES, VOCAB, Episode, GridConfig, collate_prompts, make_episode, num_image_tokens
+from .data import (
+    DEFAULT_CONFIG,
+    EOS_ID,
+    PAD_ID,
+    QTYPES,
+    VOCAB,
+    Episode,
+    GridConfig,
+    collate_prompts,
+    make_episode,
+    num_image_tokens,
+)
 
 __all__ = ["EvalResult", "answer", "evaluate", "heldout_episodes", "relevance_mass"]
 
 
-def heldout_episodes(n: int, seed: int = 0, grid: GridConfig = GridConfig(),
+def heldout_episodes(n: int, seed: int = 0, grid: GridConfig = DEFAULT_CONFIG,
                      qtypes: Sequence[str] = QTYPES, split: str = "heldout") -> list[Episode]:
     """``n`` held-out episodes, question types in equal shares (round-robin), seeded."""
     rng = random.Random(f"digitgrid-eval:{seed}")
@@ -45,7 +56,7 @@ def _words(ids: list[int]) -> list[str]:
 
 
 @torch.no_grad()
-def answer(model, episodes: Sequence[Episode], grid: GridConfig, max_new_tokens: int = 5) -> list[list[str]]:
+def answer(model, episodes: Sequence[Episode], grid: GridConfig, max_new_tokens: int = 3) -> list[list[str]]:
     """Greedy answers (word lists) for one batch of episodes."""
     inputs = collate_prompts(episodes, num_image_tokens(grid, model.config.vision_config.patch_size))
     inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)

@@ -23,10 +23,11 @@ import torch
 from .data import (
     BOS_ID,
     CELL_WORDS,
-    MAX_GRID,
+    DEFAULT_CONFIG,
     DIGIT_WORDS,
     EOS_ID,
     IMAGE_ID,
+    MAX_GRID,
     PAD_ID,
     VOCAB,
     WORD_TO_ID,
@@ -63,10 +64,18 @@ class ModelSpec:
     text_ffn: int = 512
 
 
-def build_model(spec: ModelSpec = ModelSpec(), grid: GridConfig = GridConfig(), seed: int = 0):
+DEFAULT_SPEC = ModelSpec()
+
+
+def build_model(spec: ModelSpec = DEFAULT_SPEC, grid: GridConfig = DEFAULT_CONFIG, seed: int = 0):
     """A freshly initialised ``LlavaForConditionalGeneration`` (word embeddings ~ N(0, 1),
     tied with the output head)."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
 
     if grid.image_size % spec.patch or grid.cell % spec.patch:
         raise ValueError(f"patch {spec.patch} must divide the cell ({grid.cell}) and image ({grid.image_size})")
@@ -112,7 +121,7 @@ def build_tokenizer():
     return tok
 
 
-def build_processor(grid: GridConfig = GridConfig(), spec: ModelSpec = ModelSpec()):
+def build_processor(grid: GridConfig = DEFAULT_CONFIG, spec: ModelSpec = DEFAULT_SPEC):
     """A ``LlavaProcessor`` whose chat template writes the training format
     ``<bos> <image> <sep> question``; ``<image>`` expands to the tower's tokens."""
     from transformers import CLIPImageProcessorPil, LlavaProcessor

@@ -1,0 +1,128 @@
+"""The bundled DigitGrid LVLM: loads offline, answers held-out questions, keeps answering
+under LightKV at about 55% of the vision KV cache; the demo and `lightkv generate` use it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("sklearn")
+
+from lightkv.bench.quality import method_pipeline
+from lightkv.digitgrid import evaluate as ev
+from lightkv.digitgrid import model as dg
+from lightkv.pipeline import Pipeline
+
+# Floors well under what the shipped model measures (see benchmarks/results/quality.md),
+# so that only a real regression (adapters, policies, data, weights) trips them.
+UNCOMPRESSED_FLOOR = 0.9
+LIGHTKV_FLOOR = 0.85
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return dg.load()
+
+
+@pytest.fixture(scope="module")
+def episodes(bundled):
+    _, _, grid = bundled
+    return ev.heldout_episodes(96, seed=11, grid=grid)  # 24 per question type
+
+
+def test_bundled_model_is_a_small_offline_llava(monkeypatch, bundled):
+    from transformers import LlavaForConditionalGeneration
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, _, grid = dg.load()  # from the package directory, no network
+    assert isinstance(model, LlavaForConditionalGeneration)
+    assert model.config.text_config.num_hidden_layers >= 6
+    patch = model.config.vision_config.patch_size
+    assert (grid.image_size // patch) ** 2 >= 256
+    size = sum(f.stat().st_size for f in dg.BUNDLED_MODEL.iterdir())
+    assert size <= 20 * 2**20
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "processor_config.json"):
+        assert (dg.BUNDLED_MODEL / name).exists(), name
+
+
+def test_processor_builds_the_training_format(bundled):
+    from PIL import Image
+
+    from lightkv.digitgrid import data
+
+    model, processor, grid = bundled
+    ep = ev.heldout_episodes(1, seed=3, grid=grid)[0]
+    pixels = (ep.image.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": " ".join(ep.question)}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(images=Image.fromarray(pixels), text=text, return_tensors="pt")
+    expected = data.collate_prompts([ep], data.num_image_tokens(grid, model.config.vision_config.patch_size))
+    assert torch.equal(inputs["input_ids"], expected["input_ids"])
+    # 8-bit quantisation of the image is the only difference from the training tensors
+    assert torch.allclose(inputs["pixel_values"], expected["pixel_values"], atol=1 / 255)
+
+
+def test_uncompressed_accuracy_floor(bundled, episodes):
+    model, _, grid = bundled
+    res = ev.evaluate(model, episodes, grid, None, batch=48)
+    assert res.kept_fraction == 1.0
+    assert min(res.accuracy.values()) >= UNCOMPRESSED_FLOOR, res.accuracy
+
+
+def test_lightkv_at_55_percent_keeps_answering(bundled, episodes):
+    model, _, grid = bundled
+    pipe, reachable = method_pipeline("lightkv", model.config.text_config.num_hidden_layers, 0.55)
+    assert reachable
+    res = ev.evaluate(model, episodes, grid, pipe, batch=48)
+    assert 0.5 <= res.kept_fraction <= 0.6
+    assert res.kv_bytes_vision < 0.62 * res.kv_bytes_vision_baseline
+    assert res.overall >= LIGHTKV_FLOOR, res.accuracy
+    assert min(res.accuracy.values()) >= LIGHTKV_FLOOR - 0.1, res.accuracy
+
+
+def test_empty_schedule_reproduces_uncompressed_answers(bundled, episodes):
+    model, _, grid = bundled
+    base = ev.evaluate(model, episodes[:32], grid, None)
+    budget = Pipeline.from_preset("lightkv-budget")
+    from dataclasses import replace
+
+    from lightkv.policies.schedulers import KeptFractionSchedule
+
+    full = ev.evaluate(model, episodes[:32], grid, replace(budget, scheduler=KeptFractionSchedule(target=1.0)))
+    assert full.answers == base.answers
+    assert full.kept_fraction == 1.0
+
+
+def test_relevance_mass_is_reported(bundled, episodes):
+    model, _, grid = bundled
+    out = ev.relevance_mass(model, episodes, grid, layers=[1])
+    assert out["episodes"] > 0 and out["area_share"] == 1 / 16
+    for policy in ("query_softmax", "last_token"):
+        share = out["layers"]["1"][policy]
+        assert 0.0 <= share["asked"] <= 1.0 and 0.0 <= share["control"] <= 1.0
+
+
+def test_demo_runs_end_to_end(tmp_path, capsys):
+    from lightkv.cli import main
+
+    assert main(["demo", "--questions", "4", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "correct:" in out and "lightkv-budget" in out
+    assert (tmp_path / "lightkv-demo-provenance.png").stat().st_size > 0
+
+
+def test_demo_rejects_a_model_that_is_not_there(tmp_path, capsys):
+    from lightkv.digitgrid.demo import main
+
+    assert main(["--model", str(tmp_path / "nope"), "--no-png"]) == 2
+    assert "cannot load the DigitGrid model" in capsys.readouterr().err
+
+
+def test_generate_defaults_to_the_bundled_model(capsys):
+    from lightkv.cli import main
+
+    assert main(["generate", "--max-new-tokens", "3", "--compare"]) == 0
+    out = capsys.readouterr().out
+    assert "expected answer" in out and "answer (lightkv)" in out
+    expected = out.split("expected answer: ", 1)[1].split(")", 1)[0].strip("'")
+    assert f"answer (baseline): {expected!r}" in out
