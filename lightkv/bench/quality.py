@@ -6,9 +6,10 @@ targets; its schedule is first scaled from the reference 32-layer depth to the m
 (`lightkv.bench.efficiency.scale_layers`), then one common per-stage ratio is chosen so that
 the vision KV kept on average over layers hits the target (`budget_schedule`). Where a
 method cannot remove that much (a merge stage with a parity split removes at most half of
-its window; 2x2 pooling at most three quarters), its stages move earlier, and if even that
-is not enough the method runs at its smallest reachable fraction and the result says so
-(``reachable: false``). 100% is the uncompressed model, shared by all methods.
+its window; 2x2 pooling at most three quarters), its stages move earlier, then it gets a
+stage after every layer (``how: "extra stages"``), and if even that is not enough it runs
+at its smallest reachable fraction (``how: "min"``). 100% is the uncompressed model, shared
+by all methods.
 
 Measured per (method, target): accuracy per question type and overall, the kept fraction
 actually realised (from the session report, averaged over layers and episodes), vision KV
@@ -62,46 +63,56 @@ class AccuracyConfig:
 
 def budget_schedule(layers: Sequence[int], num_layers: int, target: float, max_ratio: float = 0.5,
                     windows_per_side: Sequence[int] | None = None, window_size=None, tolerance: float = 0.02):
-    """``(ExplicitSchedule, reachable)`` keeping about ``target`` of the vision KV.
+    """``(ExplicitSchedule, how)`` keeping about ``target`` of the vision KV.
 
-    ``layers`` (already at the model's depth) get one common ratio ``<= max_ratio``, found
-    by bisection on `average_kept_fraction`; if ``max_ratio`` keeps more than ``target +
-    tolerance``, every stage moves earlier by the same number of layers (spacing kept) until
-    the target is within reach; failing that, the earliest placement at ``max_ratio`` is
-    returned with ``reachable`` False. (The tolerance keeps e.g. LightKV's own 0.5 ratio at
-    its scaled layers for a 55% target on 6 layers, 56.25%, rather than moving it.)
+    Placements are tried in order: ``layers`` (already at the model's depth), then the same
+    stages moved earlier by 1, 2, ... layers (spacing kept), then a stage after every layer
+    but the last (the deepest compression a method with this per-stage ``max_ratio`` can
+    make; per-stage windows repeat their last entry). The first placement that can keep
+    ``target + tolerance`` or less gets one common ratio ``<= max_ratio`` by bisection on
+    `average_kept_fraction`. ``how`` is ``"scaled"`` (the method's own stages), ``"extra
+    stages"`` (a stage after every layer) or ``"min"`` (out of reach: the deepest placement
+    at ``max_ratio``). The tolerance keeps e.g. LightKV's own 0.5 ratio at its scaled layers
+    for a 55% target on 6 layers (56.25%) rather than moving it.
     """
     from ..policies.schedulers import ExplicitSchedule, StageSpec, average_kept_fraction
 
     if not 0.0 < target <= 1.0:
         raise ValueError(f"target must be in (0, 1], got {target}")
+    if target >= 1.0:
+        return ExplicitSchedule(layers=(), ratios=(), windows_per_side=None), "scaled"
     layers = list(layers)
+    placements = [(tuple(l - shift for l in layers), "scaled") for shift in range(layers[0] + 1)]
+    placements.append((tuple(range(num_layers - 1)), "extra stages"))
 
-    def kept(p: float, shift: int) -> float:
-        return average_kept_fraction([StageSpec(l - shift, p, windows_per_side=1) for l in layers], num_layers)
+    def kept(p: float, at: tuple[int, ...]) -> float:
+        return average_kept_fraction([StageSpec(l, p, windows_per_side=1) for l in at], num_layers)
 
-    def build(p: float, shift: int):
+    def per_stage(values, n: int):
+        values = [tuple(v) if isinstance(v, (list, tuple)) else v for v in values]
+        return tuple(values[:n]) + (values[-1],) * max(0, n - len(values))
+
+    def build(p: float, at: tuple[int, ...]):
         extra: dict[str, Any] = {"windows_per_side": None}
         if window_size is not None:
-            extra["window_size"] = tuple(tuple(w) for w in window_size)
+            extra["window_size"] = per_stage(window_size, len(at))
         elif windows_per_side is not None:
-            extra["windows_per_side"] = tuple(windows_per_side)
-        return ExplicitSchedule(layers=tuple(l - shift for l in layers), ratios=(p,), **extra)
+            extra["windows_per_side"] = per_stage(windows_per_side, len(at))
+        return ExplicitSchedule(layers=at, ratios=(p,), **extra)
 
-    if target >= 1.0:
-        return ExplicitSchedule(layers=(), ratios=(), windows_per_side=None), True
-    shift = next((s for s in range(layers[0] + 1) if kept(max_ratio, s) <= target + tolerance), None)
-    if shift is None:
-        return build(max_ratio, layers[0]), False
-    lo, hi = 0.0, max_ratio
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if kept(mid, shift) > target else (lo, mid)
-    return build(round(hi, 4), shift), True
+    for at, how in placements:
+        if kept(max_ratio, at) <= target + tolerance:
+            lo, hi = 0.0, max_ratio
+            for _ in range(50):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if kept(mid, at) > target else (lo, mid)
+            return build(round(hi, 4), at), how
+    return build(max_ratio, placements[-1][0]), "min"
 
 
 def method_pipeline(name: str, num_layers: int, target: float):
-    """``(pipeline, reachable)``: preset ``name`` scaled to ``num_layers`` at ``target``."""
+    """``(pipeline, how)``: preset ``name`` scaled to ``num_layers`` at ``target`` (see
+    `budget_schedule` for ``how``)."""
     from ..pipeline import Pipeline
     from ..policies.schedulers import ExplicitSchedule
     from .efficiency import scale_layers
@@ -111,9 +122,9 @@ def method_pipeline(name: str, num_layers: int, target: float):
     if not isinstance(sched, ExplicitSchedule):
         raise TypeError(f"preset {name!r} has no explicit schedule to scale")
     layers = scale_layers(sched.layers, REF_DEPTH, num_layers)
-    schedule, ok = budget_schedule(layers, num_layers, target, MAX_RATIO.get(name, 0.5),
-                                   windows_per_side=sched.windows_per_side, window_size=sched.window_size)
-    return replace(pipe, scheduler=schedule), ok
+    schedule, how = budget_schedule(layers, num_layers, target, MAX_RATIO.get(name, 0.5),
+                                    windows_per_side=sched.windows_per_side, window_size=sched.window_size)
+    return replace(pipe, scheduler=schedule), how
 
 
 def run(config: AccuracyConfig = AccuracyConfig(), progress: bool = True) -> dict[str, Any]:
@@ -138,12 +149,12 @@ def run(config: AccuracyConfig = AccuracyConfig(), progress: bool = True) -> dic
     for name in config.methods:
         for target in config.targets:
             if target >= 1.0:
-                rows.append({"method": name, "target": 1.0, "reachable": True, "schedule": None, **base.to_dict()})
+                rows.append({"method": name, "target": 1.0, "how": "scaled", "schedule": None, **base.to_dict()})
                 continue
-            pipe, ok = method_pipeline(name, num_layers, target)
+            pipe, how = method_pipeline(name, num_layers, target)
             res = ev.evaluate(model, episodes, grid, pipe, batch=config.batch)
             sched = pipe.scheduler
-            rows.append({"method": name, "target": target, "reachable": ok,
+            rows.append({"method": name, "target": target, "how": how,
                          "schedule": {"layers": list(sched.layers), "ratios": list(sched.ratios)}, **res.to_dict()})
             log(f"{name:22s} target {target:.2f} kept {res.kept_fraction:.3f} acc {res.overall:.4f} "
                 + " ".join(f"{q}={a:.3f}" for q, a in res.accuracy.items()))
@@ -177,7 +188,7 @@ def markdown_table(result: dict[str, Any]) -> str:
             if r is None:
                 cells.append("")
                 continue
-            flag = "" if r["reachable"] else " (min)"
+            flag = {"scaled": "", "extra stages": " (+stages)", "min": " (min)"}[r["how"]]
             cells.append(f"{r['overall']:.3f} @ {r['kept_fraction']:.2f}{flag}")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     rel = result.get("relevance_mass")

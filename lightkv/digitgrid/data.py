@@ -565,24 +565,25 @@ def collate(
             label_rows.append([IGNORE_INDEX] * len(prompt) + target)
         else:
             rows.append(prompt)
+    batch = _left_pad(rows, label_rows if with_answer else None)
+    batch["pixel_values"] = torch.stack([ep.image for ep in episodes])
+    return batch
+
+
+def _left_pad(rows: list[list[int]], label_rows: list[list[int]] | None) -> dict[str, torch.Tensor]:
+    """``input_ids``, ``attention_mask`` (and ``labels``) ``[B, L]``, left-padded."""
     length = max(len(r) for r in rows)
     b = len(rows)
-    input_ids = torch.full((b, length), PAD_ID, dtype=torch.int64)
-    attention_mask = torch.zeros((b, length), dtype=torch.int64)
-    labels = torch.full((b, length), IGNORE_INDEX, dtype=torch.int64)
+    out = {"input_ids": torch.full((b, length), PAD_ID, dtype=torch.int64),
+           "attention_mask": torch.zeros((b, length), dtype=torch.int64)}
+    if label_rows is not None:
+        out["labels"] = torch.full((b, length), IGNORE_INDEX, dtype=torch.int64)
     for i, row in enumerate(rows):
-        input_ids[i, length - len(row) :] = torch.tensor(row)
-        attention_mask[i, length - len(row) :] = 1
-        if with_answer:
-            labels[i, length - len(row) :] = torch.tensor(label_rows[i])
-    batch = {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "pixel_values": torch.stack([ep.image for ep in episodes]),
-    }
-    if with_answer:
-        batch["labels"] = labels
-    return batch
+        out["input_ids"][i, length - len(row):] = torch.tensor(row)
+        out["attention_mask"][i, length - len(row):] = 1
+        if label_rows is not None:
+            out["labels"][i, length - len(row):] = torch.tensor(label_rows[i])
+    return out
 
 
 def collate_scenes(scenes: Sequence[Sequence[Episode]], num_image_tokens: int) -> dict[str, torch.Tensor]:
@@ -605,17 +606,9 @@ def collate_scenes(scenes: Sequence[Sequence[Episode]], num_image_tokens: int) -
             lab += [IGNORE_INDEX] * len(q) + a
         rows.append(row)
         label_rows.append(lab)
-    length = max(len(r) for r in rows)
-    b = len(rows)
-    input_ids = torch.full((b, length), PAD_ID, dtype=torch.int64)
-    attention_mask = torch.zeros((b, length), dtype=torch.int64)
-    labels = torch.full((b, length), IGNORE_INDEX, dtype=torch.int64)
-    for i, (row, lab) in enumerate(zip(rows, label_rows)):
-        input_ids[i, length - len(row):] = torch.tensor(row)
-        attention_mask[i, length - len(row):] = 1
-        labels[i, length - len(row):] = torch.tensor(lab)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
-            "pixel_values": torch.stack([scene[0].image for scene in scenes])}
+    batch = _left_pad(rows, label_rows)
+    batch["pixel_values"] = torch.stack([scene[0].image for scene in scenes])
+    return batch
 
 
 def collate_prompts(

@@ -45,7 +45,6 @@ from .data import (
     GLYPHS,
     QTYPES,
     GridConfig,
-    collate_prompts,
     collate_scenes,
     make_episode,
     make_grid,
@@ -100,35 +99,17 @@ def evaluate_align(model, spec: ModelSpec, grid: GridConfig, n: int = 256, seed:
 def evaluate_qa(model, grid: GridConfig, n_per_type: int = 64, seed: int = 4321, batch: int = 64,
                 split: str = "heldout") -> dict:
     """Greedy exact-match accuracy per question type on ``n_per_type`` held-out episodes each."""
+    from .evaluate import answer
+
     model.eval()
-    n_img = num_image_tokens(grid, model.config.vision_config.patch_size)
     result = {}
     for qtype in QTYPES:
         rng = random.Random(f"qa-eval:{seed}:{qtype}")
         eps = [make_episode(rng, split, qtype, grid) for _ in range(n_per_type)]
-        right = 0
-        for i in range(0, len(eps), batch):
-            chunk = eps[i:i + batch]
-            inputs = collate_prompts(chunk, n_img)
-            out = model.generate(**inputs, max_new_tokens=5, do_sample=False)
-            new = out[:, inputs["input_ids"].shape[1]:]
-            for ep, row in zip(chunk, new.tolist()):
-                words = _answer_words(row)
-                right += words == ep.answer
-        result[qtype] = right / len(eps)
+        got = [words for i in range(0, len(eps), batch) for words in answer(model, eps[i:i + batch], grid)]
+        result[qtype] = sum(g == ep.answer for g, ep in zip(got, eps)) / len(eps)
     model.train()
     return result
-
-
-def _answer_words(ids: list[int]) -> list[str]:
-    from .data import EOS_ID, PAD_ID, VOCAB
-
-    words = []
-    for i in ids:
-        if i in (EOS_ID, PAD_ID):
-            break
-        words.append(VOCAB[i])
-    return words
 
 
 def _content_ce(model, feats: torch.Tensor, grids: torch.Tensor, spec: ModelSpec, grid: GridConfig) -> torch.Tensor:
