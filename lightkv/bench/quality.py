@@ -230,7 +230,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         for ax, key in zip(axes, ("overall", "what")):
             ys = [r["overall"] if key == "overall" else r["accuracy"]["what"] for r in rs]
             ax.plot([r["kept_fraction"] for r in rs], ys, style, marker="o", label=m, lw=2 if m == "lightkv" else 1.2)
-    for ax, title in zip(axes, ("all questions", "'what is at row r column c' questions")):
+    for ax, title in zip(axes, ("all questions", "'what is at rXcY' (cell) questions")):
         ax.set_xlabel("kept vision KV fraction (average over layers)")
         ax.set_ylabel("held-out accuracy")
         ax.set_title(title)
