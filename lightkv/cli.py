@@ -489,18 +489,14 @@ def _digitgrid_example():
     """A held-out DigitGrid image (PIL) and a cell question about it, for the bundled model."""
     import random
 
-    import torch
-    from PIL import Image
-
     from .digitgrid import data
     from .digitgrid.model import BUNDLED_MODEL, read_grid_config
 
     grid = read_grid_config(BUNDLED_MODEL)
     ep = data.make_episode(random.Random("generate-example"), "heldout", "what", grid)
-    pixels = (ep.image.permute(1, 2, 0) * 255).round().to(dtype=torch.uint8).numpy()
     cells = " / ".join(" ".join("." if v < 0 else str(v) for v in row) for row in ep.grid.tolist())
-    return Image.fromarray(pixels), {"question": " ".join(ep.question), "answer": " ".join(ep.answer),
-                                     "grid": f"cells by row: {cells}"}
+    return data.to_pil(ep.image), {"question": " ".join(ep.question), "answer": " ".join(ep.answer),
+                                   "grid": f"cells by row: {cells}"}
 
 
 # ---------------------------------------------------------------------------- entry point

@@ -327,7 +327,7 @@ def save_png(path: Path, reports: list[PresetReport], inputs: DemoInputs) -> Pat
 
 # ---------------------------------------------------------------------- CLI
 def build_parser(prog: str = "python -m lightkv.demo") -> argparse.ArgumentParser:
-    """The demo's command-line options (shared with ``lightkv demo``)."""
+    """The demo's command-line options (shared with ``lightkv stages-demo``)."""
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Compress the vision tokens of a real image with lightkv presets (no model needed).",

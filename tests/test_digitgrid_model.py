@@ -46,16 +46,13 @@ def test_bundled_model_is_a_small_offline_llava(monkeypatch, bundled):
 
 
 def test_processor_builds_the_training_format(bundled):
-    from PIL import Image
-
     from lightkv.digitgrid import data
 
     model, processor, grid = bundled
     ep = ev.heldout_episodes(1, seed=3, grid=grid)[0]
-    pixels = (ep.image.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": " ".join(ep.question)}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    inputs = processor(images=Image.fromarray(pixels), text=text, return_tensors="pt")
+    inputs = processor(images=data.to_pil(ep.image), text=text, return_tensors="pt")
     expected = data.collate_prompts([ep], data.num_image_tokens(grid, model.config.vision_config.patch_size))
     assert torch.equal(inputs["input_ids"], expected["input_ids"])
     # 8-bit quantisation of the image is the only difference from the training tensors

@@ -75,7 +75,12 @@ def budget_schedule(layers: Sequence[int], num_layers: int, target: float, max_r
     at ``max_ratio``). The tolerance keeps e.g. LightKV's own 0.5 ratio at its scaled layers
     for a 55% target on 6 layers (56.25%) rather than moving it.
     """
-    from ..policies.schedulers import ExplicitSchedule, StageSpec, average_kept_fraction
+    from ..policies.schedulers import (
+        ExplicitSchedule,
+        StageSpec,
+        average_kept_fraction,
+        ratio_for_target,
+    )
 
     if not 0.0 < target <= 1.0:
         raise ValueError(f"target must be in (0, 1], got {target}")
@@ -102,11 +107,7 @@ def budget_schedule(layers: Sequence[int], num_layers: int, target: float, max_r
 
     for at, how in placements:
         if kept(max_ratio, at) <= target + tolerance:
-            lo, hi = 0.0, max_ratio
-            for _ in range(50):
-                mid = (lo + hi) / 2
-                lo, hi = (mid, hi) if kept(mid, at) > target else (lo, mid)
-            return build(round(hi, 4), at), how
+            return build(round(ratio_for_target(lambda p, at=at: kept(p, at), target, max_ratio), 4), at), how
     return build(max_ratio, placements[-1][0]), "min"
 
 
@@ -322,7 +323,8 @@ def provenance_picture(path: Path, model_dir: str | None = None, seed: int = 3, 
         outline(ax, 1)
         asked = g2[r * k:(r + 1) * k, c * k:(c + 1) * k]
         left = int(groups.max()) + 1
-        ax.set_title(f"{name} at {trace_kept(session):.0%} kept: '{' '.join(got)}'\n"
+        kept = session.report().kept_vision_fraction
+        ax.set_title(f"{name} at {kept:.0%} kept: '{' '.join(got)}'\n"
                      f"{left} tokens left; the asked cell's 16 -> {len(torch.unique(asked))}", fontsize=9)
         drawn["methods"][name] = {"answer": " ".join(got), "tokens_left": left,
                                   "asked_cell_tokens": len(torch.unique(asked))}
@@ -333,12 +335,6 @@ def provenance_picture(path: Path, model_dir: str | None = None, seed: int = 3, 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return drawn
-
-
-def trace_kept(session) -> float:
-    """Kept vision fraction (average over layers) of a session's last prefill."""
-    frac = session.report().kept_vision_fraction
-    return 1.0 if frac is None else frac
 
 
 def write_outputs(result: dict[str, Any], out: Path, model_dir: str | None = None) -> list[Path]:

@@ -72,6 +72,7 @@ __all__ = [
     "make_scene",
     "num_image_tokens",
     "render_image",
+    "to_pil",
 ]
 
 SPLIT_BOUNDARY = 1400
@@ -351,6 +352,14 @@ def render_image(
         factors = 1.0 - config.tint * torch.rand((3, 1, 1), generator=gen)
         image = image * factors
     return image.clamp_(0.0, 1.0)
+
+
+def to_pil(image: torch.Tensor):
+    """A ``[3, H, W]`` image in ``[0, 1]`` as an 8-bit RGB PIL image (what a processor reads)."""
+    from PIL import Image
+
+    pixels = (image.clamp(0, 1).permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
+    return Image.fromarray(pixels)
 
 
 # --------------------------------------------------------------------------- questions

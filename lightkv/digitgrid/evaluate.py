@@ -19,7 +19,7 @@ import random
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -150,6 +150,7 @@ def relevance_mass(model, episodes: Sequence[Episode], grid: GridConfig, layers:
     """
     from ..graph.layout import TokenKind
     from ..pipeline import Pipeline
+    from ..policies.relevance import Relevance
     from ..policies.schedulers import ExplicitSchedule
 
     eps = [e for e in episodes if e.qtype == "what" and e.answer != ["none"]]
@@ -170,9 +171,9 @@ def relevance_mass(model, episodes: Sequence[Episode], grid: GridConfig, layers:
     out: dict = {"episodes": len(eps), "area_share": 1 / grid.grid**2, "layers": {}}
     for policy in ("query_softmax", "last_token"):
         for layer in layers:
-            pipe = Pipeline.from_preset("lightkv")
-            pipe = pipe.with_scheduler(ExplicitSchedule(layers=(layer,), ratios=(0.01,), windows_per_side=(1,)))
-            pipe = _with_relevance(pipe, policy)
+            # a stage that barely merges, only so that the session records ξ at this layer
+            pipe = replace(Pipeline.from_preset("lightkv"), relevance=Relevance.create(policy),
+                           scheduler=ExplicitSchedule(layers=(layer,), ratios=(0.01,), windows_per_side=(1,)))
             asked_sum = control_sum = 0.0
             n_control = 0
             for i in range(0, len(eps), batch):
@@ -196,11 +197,3 @@ def relevance_mass(model, episodes: Sequence[Episode], grid: GridConfig, layers:
             out["layers"].setdefault(str(layer), {})[policy] = {
                 "asked": asked_sum / len(eps), "control": control_sum / max(1, n_control)}
     return out
-
-
-def _with_relevance(pipe, name: str):
-    import dataclasses
-
-    from ..policies.relevance import Relevance
-
-    return dataclasses.replace(pipe, relevance=Relevance.create(name))

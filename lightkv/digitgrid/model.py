@@ -34,13 +34,27 @@ from .data import (
     GridConfig,
 )
 
-__all__ = ["BUNDLED_MODEL", "ModelSpec", "alignment_targets", "build_model", "build_processor",
-           "build_tokenizer", "load", "read_grid_config", "save"]
+__all__ = [
+    "BUNDLED_MODEL",
+    "CONTENT_IDS",
+    "ModelSpec",
+    "alignment_targets",
+    "build_model",
+    "build_processor",
+    "build_tokenizer",
+    "content_class",
+    "load",
+    "read_grid_config",
+    "save",
+]
 
 BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "digitgrid-llava"
 """Where the trained model ships inside the package."""
 
 GRID_FILE = "digitgrid.json"
+
+CONTENT_IDS = tuple(WORD_TO_ID[w] for w in (*DIGIT_WORDS, "none"))
+"""Word ids of a cell's possible contents: the ten digit names, then ``none`` (class 10)."""
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{% for item in message['content'] %}"
@@ -148,12 +162,16 @@ def alignment_targets(model, grid: torch.Tensor, patch: int, cell: int) -> torch
     emb = model.get_input_embeddings().weight.detach()
     b, g, _ = grid.shape
     k = cell // patch
-    content_ids = torch.tensor([WORD_TO_ID[w] for w in DIGIT_WORDS] + [WORD_TO_ID["none"]])
-    cells = content_ids[torch.where(grid >= 0, grid, 10)]  # [B, G, G]
+    cells = torch.tensor(CONTENT_IDS)[content_class(grid)]  # [B, G, G]
     names = torch.tensor([[WORD_TO_ID[CELL_WORDS[r * MAX_GRID + c]] for c in range(g)] for r in range(g)])
     per_cell = emb[cells] + emb[names][None] + emb[IMAGE_ID]
     per_token = per_cell.repeat_interleave(k, 1).repeat_interleave(k, 2)  # [B, G*k, G*k, D]
     return per_token.reshape(b, (g * k) ** 2, -1)
+
+
+def content_class(grid: torch.Tensor) -> torch.Tensor:
+    """A grid's cells as content classes: the digit, or 10 for an empty cell (see `CONTENT_IDS`)."""
+    return torch.where(grid >= 0, grid, len(CONTENT_IDS) - 1)
 
 
 def save(model, path: str | Path, grid: GridConfig, spec: ModelSpec, extra: dict | None = None) -> Path:

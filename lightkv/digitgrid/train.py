@@ -52,7 +52,7 @@ from .data import (
     num_image_tokens,
     render_image,
 )
-from .model import ModelSpec, alignment_targets, build_model, save
+from .model import CONTENT_IDS, ModelSpec, alignment_targets, build_model, content_class, save
 
 __all__ = ["evaluate_qa", "main"]
 
@@ -75,19 +75,16 @@ def _projected(model, pixel_values: torch.Tensor) -> torch.Tensor:
 def evaluate_align(model, spec: ModelSpec, grid: GridConfig, n: int = 256, seed: int = 1234) -> dict:
     """Cell read-out accuracy of the projected tokens on held-out images (nearest content word
     embedding, averaged over the cell's tokens)."""
-    from .data import DIGIT_WORDS, WORD_TO_ID
-
     model.eval()
     rng = random.Random(f"align-eval:{seed}")
     grids, images = _image_batch(rng, "heldout", n, grid)
     feats = _projected(model, images)  # [B, N, D]
-    emb = model.get_input_embeddings().weight
-    content = emb[[WORD_TO_ID[w] for w in DIGIT_WORDS] + [WORD_TO_ID["none"]]]
+    content = model.get_input_embeddings().weight[list(CONTENT_IDS)]
     k = grid.cell // spec.patch
-    side = grid.grid * k
-    logits = (feats @ content.T).reshape(n, side, side, 11)
-    per_cell = logits.reshape(n, grid.grid, k, grid.grid, k, 11).mean((2, 4)).argmax(-1)
-    truth = torch.where(grids >= 0, grids, 10)
+    c = len(CONTENT_IDS)
+    logits = (feats @ content.T).reshape(n, grid.grid, k, grid.grid, k, c)
+    per_cell = logits.mean((2, 4)).argmax(-1)
+    truth = content_class(grids)
     occ = grids >= 0
     model.train()
     return {"cell_acc": float((per_cell == truth).float().mean()),
@@ -115,12 +112,9 @@ def evaluate_qa(model, grid: GridConfig, n_per_type: int = 64, seed: int = 4321,
 def _content_ce(model, feats: torch.Tensor, grids: torch.Tensor, spec: ModelSpec, grid: GridConfig) -> torch.Tensor:
     """Cross-entropy of every token's content read-out (dot products with the content word
     embeddings): a sharper signal for the hard part of the target than the squared error."""
-    from .data import DIGIT_WORDS, WORD_TO_ID
-
-    emb = model.get_input_embeddings().weight.detach()
-    content = emb[[WORD_TO_ID[w] for w in DIGIT_WORDS] + [WORD_TO_ID["none"]]]
+    content = model.get_input_embeddings().weight.detach()[list(CONTENT_IDS)]
     k = grid.cell // spec.patch
-    truth = torch.where(grids >= 0, grids, 10).repeat_interleave(k, 1).repeat_interleave(k, 2).flatten(1)
+    truth = content_class(grids).repeat_interleave(k, 1).repeat_interleave(k, 2).flatten(1)
     logits = feats @ content.T / content.shape[1] ** 0.5
     return F.cross_entropy(logits.flatten(0, 1), truth.flatten())
 
@@ -196,7 +190,9 @@ def run_stage(args) -> None:
                 "lm_head.")
         missing, unexpected = model.load_state_dict(
             {k: v for k, v in aligned.items() if k.startswith(keep)}, strict=False)
-        assert not unexpected and not any(k.startswith(keep) for k in missing), (missing, unexpected)
+        if unexpected or any(k.startswith(keep) for k in missing):
+            raise ValueError(f"{prev} does not match this model's sizes (missing {missing}, unexpected "
+                             f"{unexpected}); train qa with the align stage's --vision-* sizes")
         if args.mimetic:
             _mimetic_init(model, seed=args.seed)
     params = _trainable(model, args.stage)

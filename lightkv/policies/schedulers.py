@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
 from ..graph.windows import check_window_spec
 from .base import Policy
 
-__all__ = ["StageSpec", "Scheduler", "ExplicitSchedule", "KeptFractionSchedule", "average_kept_fraction"]
+__all__ = [
+    "ExplicitSchedule",
+    "KeptFractionSchedule",
+    "Scheduler",
+    "StageSpec",
+    "average_kept_fraction",
+    "ratio_for_target",
+]
 
 
 @dataclass(frozen=True)
@@ -121,6 +129,19 @@ def average_kept_fraction(stages: list[StageSpec], num_layers: int) -> float:
     return total / num_layers
 
 
+def ratio_for_target(kept: Callable[[float], float], target: float, max_ratio: float) -> float:
+    """The smallest common ratio ``p <= max_ratio`` with ``kept(p) <= target``, by bisection.
+
+    ``kept`` maps a ratio to the kept fraction it gives (non-increasing, e.g.
+    `average_kept_fraction` of fixed stages); returns ``max_ratio`` when even that keeps more.
+    """
+    lo, hi = 0.0, max_ratio
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if kept(mid) > target else (lo, mid)
+    return hi
+
+
 @Scheduler.register("kept_fraction")
 @dataclass
 class KeptFractionSchedule(Scheduler):
@@ -171,9 +192,5 @@ class KeptFractionSchedule(Scheduler):
                 f"with ratio {self.max_ratio} per stage still keeps {kept(self.max_ratio, base[0]):.3f}; "
                 "add stages (relative_layers) or use a partitioner that removes more (max_ratio)"
             )
-        lo, hi = 0.0, self.max_ratio
-        for _ in range(60):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if kept(mid, shift) > self.target else (lo, mid)
-        p = round(hi, 6)
+        p = round(ratio_for_target(lambda r: kept(r, shift), self.target, self.max_ratio), 6)
         return self._validate([] if p == 0 else make(p, shift), num_layers)
