@@ -6,7 +6,7 @@ lightkv config show NAME|FILE [--num-layers N]     print a pipeline as canonical
 lightkv config validate NAME|FILE [--num-layers N] [--grid HxW]
 lightkv config schema                              JSON Schema of pipeline files
 lightkv bench efficiency [--quick] [--models ...] [--presets ...] [--out DIR] [--repeats N]
-lightkv bench quality [--episodes N] [--methods ...] [--targets ...] [--out DIR]
+lightkv bench quality [--model digitgrid|symbolgrid|DIR] [--episodes N] [--methods ...] [--targets ...]
 lightkv generate [--model DIR|ID] [--image FILE] [--prompt TEXT] [--preset NAME | --config FILE] [--compare]
 lightkv demo [--preset NAME] [--questions N]       the bundled DigitGrid LVLM, with and without LightKV
 lightkv stages-demo [--preset NAME]                the pure core on a real image, no model
@@ -180,16 +180,22 @@ def build_parser() -> argparse.ArgumentParser:
     eff.set_defaults(func=_cmd_bench_efficiency)
     qual = bsub.add_parser(
         "quality",
-        help="accuracy vs kept vision KV on DigitGrid-VQA with the bundled model, every method",
+        help="accuracy and fidelity vs kept vision KV with a bundled model (digitgrid, symbolgrid), every method",
         description="Every method (preset) at kept vision-KV targets of about 100/75/55/40/25%, its schedule "
-        "scaled to the bundled DigitGrid model's depth, on held-out episodes: accuracy per question type, realised "
-        "kept fraction and vision KV bytes. Writes quality.json, quality.md, quality.png and quality-provenance.png.",
+        "scaled to the model's depth, on held-out conversations (a question, then a follow-up about another "
+        "region): exact match per question type, KL to the uncompressed answer distribution, log-probability "
+        "drop, paired bootstrap intervals vs lightkv, an ablation table at 55%, realised kept fraction and vision "
+        "KV bytes. Writes quality-<task>.json, .md, .png and quality-<task>-provenance.png.",
         formatter_class=fmt,
     )
-    qual.add_argument("--episodes", type=_depth, default=2000, metavar="N", help="held-out episodes (default: 2000)")
+    qual.add_argument("--episodes", type=_depth, default=600, metavar="N",
+                      help="held-out conversations (default: 600)")
     qual.add_argument("--methods", nargs="+", metavar="PRESET", help="presets (default: all eight)")
     qual.add_argument("--targets", nargs="+", type=float, metavar="F", help="kept fractions (default: 1 .75 .55 .4 .25)")
-    qual.add_argument("--model", metavar="DIR", help="DigitGrid model directory (default: the bundled one)")
+    qual.add_argument("--model", metavar="NAME|DIR", default="digitgrid",
+                      help="a bundled model (digitgrid, symbolgrid) or a model directory (default: digitgrid)")
+    qual.add_argument("--no-ablations", action="store_true", help="skip the ablation table")
+    qual.add_argument("--no-followup", action="store_true", help="no follow-up questions")
     qual.add_argument("--batch", type=_depth, default=100, metavar="N", help="episodes per batch (default: 100)")
     qual.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results)")
     qual.add_argument("--threads", type=_depth, metavar="N", help="torch CPU threads (default: torch's)")
@@ -377,6 +383,7 @@ def _cmd_bench_quality(args: argparse.Namespace) -> int:
     if bad:
         raise _UsageError(f"--targets must be kept fractions in (0, 1], got {bad[0]}")
     cfg = q.AccuracyConfig(model=args.model, episodes=args.episodes, batch=args.batch, threads=args.threads,
+                           ablations=not args.no_ablations, followup=not args.no_followup,
                            **({"methods": tuple(args.methods)} if args.methods else {}),
                            **({"targets": tuple(args.targets)} if args.targets else {}))
     try:

@@ -1,31 +1,37 @@
-"""Accuracy vs kept vision KV on DigitGrid-VQA, for every method, with the bundled model.
+"""Quality vs kept vision KV on the bundled synthetic LVLMs, for every method, with fidelity metrics.
 
-The bundled DigitGrid LVLM (`lightkv.digitgrid.model`) answers held-out questions whose
-answer lives in one image region. Each method (preset) runs at several kept-fraction
-targets; its schedule is first scaled from the reference 32-layer depth to the model's
-(`lightkv.bench.efficiency.scale_layers`), then one common per-stage ratio is chosen so that
-the vision KV kept on average over layers hits the target (`budget_schedule`). Where a
-method cannot remove that much (a merge stage with a parity split removes at most half of
-its window; 2x2 pooling at most three quarters), its stages move earlier, then it gets a
-stage after every layer (``how: "extra stages"``), and if even that is not enough it runs
-at its smallest reachable fraction (``how: "min"``). 100% is the uncompressed model, shared
-by all methods.
+Two models ship in the package (`lightkv.digitgrid.model.BUNDLED_MODELS`): ``digitgrid``
+(DigitGrid-VQA, answers in one 4x4-cell region) and ``symbolgrid`` (SymbolGrid-VQA, answers
+in single vision tokens, multi-token reads during decoding, rare-symbol counting). Each
+method (preset) runs at several kept-fraction targets; its schedule is first scaled from the
+reference 32-layer depth to the model's (`lightkv.bench.efficiency.scale_layers`), then one
+common per-stage ratio is chosen so that the vision KV kept on average over layers hits the
+target (`budget_schedule`). Where a method cannot remove that much (a merge stage with a
+parity split removes at most half of its window; 2x2 pooling at most three quarters), its
+stages move earlier, then it gets a stage after every layer (``how: "extra stages"``), and if
+even that is not enough it runs at its smallest reachable fraction (``how: "min"``). 100% is
+the uncompressed model, shared by all methods.
 
-Measured per (method, target): accuracy per question type and overall, the kept fraction
-actually realised (from the session report, averaged over layers and episodes), vision KV
-bytes per episode. Writes ``quality.json``, ``quality.md`` (tables), ``quality.png``
-(accuracy vs kept fraction, one line per method) and ``quality-provenance.png`` (one cell
-question: which tokens merged into which, with and without prompt relevance).
+Every method sees the same held-out conversations in the same batches (a first question,
+then a follow-up about another region answered from the cache compressed for the first), scored
+teacher-forced (`lightkv.digitgrid.scoring`): exact match per question type and for the
+follow-up, KL(p_uncompressed || p_compressed) per answer token, the drop in log-probability
+of the reference answer, and paired bootstrap 95% intervals of the differences to lightkv and
+to the uncompressed model. At 55% an ablation table swaps one part of LightKV at a time
+(relevance off, random merge partners, l2 instead of cosine). Writes
+``quality-<model>.json``, ``.md``, ``.png`` (accuracy and KL vs kept fraction) and
+``quality-<model>-provenance.png``.
 
 ```python
 from lightkv.bench.quality import AccuracyConfig, run
-result = run(AccuracyConfig(episodes=200, methods=("lightkv", "fastv"), targets=(1.0, 0.55)))
+result = run(AccuracyConfig(model="symbolgrid", episodes=40, methods=("lightkv", "fastv"), targets=(1.0, 0.55),
+                            ablations=False, relevance_episodes=0))
 ```
 """
 
 from __future__ import annotations
 
-import json
+import math
 import platform
 import time
 from collections.abc import Sequence
@@ -35,8 +41,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["METHODS", "TARGETS", "AccuracyConfig", "budget_schedule", "markdown_table", "method_pipeline",
-           "run", "write_outputs"]
+__all__ = ["ABLATIONS", "METHODS", "TARGETS", "AccuracyConfig", "ablation_pipeline", "budget_schedule",
+           "markdown_table", "method_pipeline", "run", "write_outputs"]
 
 METHODS = ("lightkv", "lightkv-paper", "lightkv-no-relevance", "tome", "fastv", "pdrop", "random", "pool")
 TARGETS = (1.0, 0.75, 0.55, 0.40, 0.25)
@@ -47,17 +53,35 @@ MAX_RATIO = {"fastv": 0.95, "pdrop": 0.95, "random": 0.95, "pool": 0.75}
 """The most a stage of each method can remove; 0.5 (a parity split) for the others."""
 
 
+ABLATIONS = {
+    "relevance off": {"relevance": ("uniform", {})},
+    "random merge": {"scorer": ("random", {})},
+    "scorer l2": {"scorer": ("l2", {})},
+}
+"""LightKV with one part swapped (policy family -> (registered name, parameters)), at 55% kept."""
+ABLATION_TARGET = 0.55
+
+
 @dataclass(frozen=True)
 class AccuracyConfig:
     """What to run."""
 
     model: str | None = None
-    """Model directory (default: the bundled DigitGrid model)."""
-    episodes: int = 2000
+    """A bundled model's name (``digitgrid``, ``symbolgrid``) or a model directory (default:
+    ``digitgrid``)."""
+    episodes: int = 600
+    """Held-out conversations (question types in equal shares)."""
     methods: tuple[str, ...] = METHODS
     targets: tuple[float, ...] = TARGETS
+    ablations: bool = True
+    """Also run `ABLATIONS` at 55% kept."""
+    followup: bool = True
+    """Ask a follow-up question about another region after each first answer."""
+    relevance_episodes: int = 64
+    """``what`` episodes for the relevance-mass table (0: skip it)."""
     batch: int = 100
     seed: int = 0
+    bootstrap: int = 2000
     threads: int | None = None
 
 
@@ -128,222 +152,161 @@ def method_pipeline(name: str, num_layers: int, target: float):
     return replace(pipe, scheduler=schedule), how
 
 
+def ablation_pipeline(name: str, num_layers: int, target: float = ABLATION_TARGET):
+    """``(pipeline, how)``: the ``lightkv`` preset at ``target`` with `ABLATIONS` ``[name]`` swapped in."""
+    from ..policies import EdgeScorer, Relevance
+
+    families = {"scorer": EdgeScorer, "relevance": Relevance}
+    pipe, how = method_pipeline("lightkv", num_layers, target)
+    swaps = {family: families[family].create(policy, **params) for family, (policy, params) in ABLATIONS[name].items()}
+    return replace(pipe, name=f"lightkv ({name})", **swaps), how
+
+
 def run(config: AccuracyConfig = AccuracyConfig(), progress: bool = True) -> dict[str, Any]:
-    """Run the benchmark; returns the JSON-able result."""
+    """Run the benchmark; returns the JSON-able result (rows of per-type metrics)."""
     from ..digitgrid import evaluate as ev
     from ..digitgrid import model as dg
+    from ..digitgrid import scoring as sc
 
     if config.threads:
         torch.set_num_threads(config.threads)
-    model, _, grid = dg.load(config.model or dg.BUNDLED_MODEL)
+    path = dg.resolve_model(config.model)
+    model, _, grid = dg.load(path)
+    task = dg.read_task(path)
     num_layers = model.config.text_config.num_hidden_layers
-    episodes = ev.heldout_episodes(config.episodes, seed=config.seed, grid=grid)
-    rows: list[dict[str, Any]] = []
+    convs = sc.conversations(config.episodes, grid, seed=config.seed, followup=config.followup)
     t0 = time.time()
 
     def log(msg: str) -> None:
         if progress:
             print(f"[{time.time() - t0:6.0f}s] {msg}", flush=True)
 
-    base = ev.evaluate(model, episodes, grid, None, batch=config.batch)
-    log(f"uncompressed: {base.overall:.4f} {base.accuracy}")
+    base = sc.score(model, convs, grid, None, batch=config.batch)
+    log(f"uncompressed: {base.accuracy()}")
+    runs: list[tuple[str, float, str, Any, Any]] = []  # method, target, how, schedule, score
     for name in config.methods:
         for target in config.targets:
             if target >= 1.0:
-                rows.append({"method": name, "target": 1.0, "how": "scaled", "schedule": None, **base.to_dict()})
+                runs.append((name, 1.0, "scaled", None, base))
                 continue
             pipe, how = method_pipeline(name, num_layers, target)
-            res = ev.evaluate(model, episodes, grid, pipe, batch=config.batch)
-            sched = pipe.scheduler
-            rows.append({"method": name, "target": target, "how": how,
-                         "schedule": {"layers": list(sched.layers), "ratios": list(sched.ratios)}, **res.to_dict()})
-            log(f"{name:22s} target {target:.2f} kept {res.kept_fraction:.3f} acc {res.overall:.4f} "
-                + " ".join(f"{q}={a:.3f}" for q, a in res.accuracy.items()))
-    relevance = ev.relevance_mass(model, episodes, grid)
-    log(f"relevance mass on the asked cell: {relevance['layers']}")
+            res = sc.score(model, convs, grid, pipe, batch=config.batch)
+            runs.append((name, target, how, pipe.scheduler, res))
+            log(f"{name:22s} target {target:.2f} kept {res.kept_fraction:.3f} {_fmt(res.accuracy())}")
+    ablations = []
+    if config.ablations:
+        for name in ABLATIONS:
+            pipe, how = ablation_pipeline(name, num_layers)
+            res = sc.score(model, convs, grid, pipe, batch=config.batch)
+            ablations.append((pipe.name, ABLATION_TARGET, how, pipe.scheduler, res))
+            log(f"{pipe.name:22s} target {ABLATION_TARGET:.2f} kept {res.kept_fraction:.3f} {_fmt(res.accuracy())}")
+    lightkv_at = {t: r for m, t, _, _, r in runs if m == "lightkv"}
+    rows = [_row(m, t, how, sched, res, base, lightkv_at.get(t), config) for m, t, how, sched, res in runs]
+    ablation_rows = [_row(m, t, how, sched, res, base, lightkv_at.get(t) or _lightkv_at(model, convs, grid, config),
+                          config) for m, t, how, sched, res in ablations]
+    relevance = None
+    if config.relevance_episodes:
+        what = [e for e in ev.heldout_episodes(4 * config.relevance_episodes, seed=config.seed + 1, grid=grid)
+                if e.qtype == "what"][: config.relevance_episodes]
+        relevance = ev.relevance_mass(model, what, grid)
+        log(f"relevance mass on the asked cell: {relevance['layers']}")
     return {
-        "benchmark": "digitgrid-quality",
+        "benchmark": f"{task.name}-quality",
         "relevance_mass": relevance,
         "config": asdict(config),
-        "model": {"path": str(config.model or dg.BUNDLED_MODEL), "layers": num_layers,
-                  "vision_tokens": (grid.image_size // model.config.vision_config.patch_size) ** 2},
+        "model": {"name": config.model or "digitgrid", "task": task.name, "layers": num_layers,
+                  "vision_tokens": task.data.num_image_tokens(grid, model.config.vision_config.patch_size)},
         "grid": asdict(grid),
-        "uncompressed": base.to_dict(),
+        "qtypes": list(task.qtypes),
+        "detail_qtypes": list(getattr(task.data, "DETAIL_QTYPES", ("what",))),
+        "uncompressed": _row("uncompressed", 1.0, "scaled", None, base, base, None, config),
         "rows": rows,
+        "ablations": ablation_rows,
         "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
         "seconds": time.time() - t0,
     }
 
 
+def _lightkv_at(model, convs, grid, config):
+    from ..digitgrid import scoring as sc
+
+    pipe, _ = method_pipeline("lightkv", model.config.text_config.num_hidden_layers, ABLATION_TARGET)
+    return sc.score(model, convs, grid, pipe, batch=config.batch)
+
+
+def _fmt(acc: dict[str, float]) -> str:
+    return " ".join(f"{q}={a:.3f}" for q, a in acc.items())
+
+
+def _by_type(res, values: torch.Tensor, followup_values: torch.Tensor | None) -> dict[str, float]:
+    out = {}
+    for q in dict.fromkeys(res.qtypes):
+        sel = torch.tensor([t == q for t in res.qtypes])
+        out[q] = float(values[sel].double().nanmean())
+    out["overall"] = float(values.double().nanmean())
+    if followup_values is not None:
+        out["followup"] = float(followup_values.double().nanmean())
+    return out
+
+
+def _intervals(res, x: torch.Tensor, y: torch.Tensor, fx, fy, config) -> dict[str, list[float]]:
+    """Paired bootstrap ``[mean(x - y), low, high]`` per question type, overall and follow-up."""
+    from ..digitgrid.scoring import paired_bootstrap
+
+    out = {}
+    for q in dict.fromkeys(res.qtypes):
+        sel = torch.tensor([t == q for t in res.qtypes])
+        out[q] = list(paired_bootstrap(x[sel], y[sel], config.bootstrap, config.seed))
+    out["overall"] = list(paired_bootstrap(x, y, config.bootstrap, config.seed))
+    if fx is not None and fy is not None:
+        out["followup"] = list(paired_bootstrap(fx, fy, config.bootstrap, config.seed))
+    return out
+
+
+def _row(method, target, how, schedule, res, base, lightkv, config) -> dict[str, Any]:
+    """Per-type metrics of one run, with intervals vs the uncompressed model and vs lightkv."""
+    from ..digitgrid.scoring import kl
+
+    fup = res.followup_correct is not None
+    kl1 = kl(base, res)
+    kl2 = kl(base, res, followup=True) if fup else None
+    # log-probability drop of the reference answer, on episodes the uncompressed model gets right
+    right = base.correct
+    drop = (base.logp - res.logp)
+    row: dict[str, Any] = {
+        "method": method, "target": target, "how": how,
+        "schedule": None if schedule is None else {"layers": list(schedule.layers), "ratios": list(schedule.ratios)},
+        "kept_fraction": res.kept_fraction, "kv_bytes_vision": res.kv_bytes_vision,
+        "kv_bytes_vision_baseline": res.kv_bytes_vision_baseline,
+        "accuracy": _by_type(res, res.correct.double(), res.followup_correct.double() if fup else None),
+        "kl": _by_type(res, kl1, kl2),
+        # per type; None where the uncompressed model got no episode of that type right
+        "logp_drop": {k: (None if math.isnan(v) else v)
+                      for k, v in _by_type(res, torch.where(right, drop, torch.nan), None).items()},
+    }
+    acc, bacc = res.correct.double(), base.correct.double()
+    facc = res.followup_correct.double() if fup else None
+    fbacc = base.followup_correct.double() if fup else None
+    row["vs_uncompressed"] = {"accuracy": _intervals(res, acc, bacc, facc, fbacc, config)}
+    if lightkv is not None and lightkv is not res:
+        lacc = lightkv.correct.double()
+        flacc = lightkv.followup_correct.double() if fup else None
+        lkl1 = kl(base, lightkv)
+        lkl2 = kl(base, lightkv, followup=True) if fup else None
+        row["vs_lightkv"] = {"accuracy": _intervals(res, lacc, acc, flacc, facc, config),
+                             "kl": _intervals(res, lkl1, kl1, lkl2, kl2, config)}
+    return row
+
+
 def markdown_table(result: dict[str, Any]) -> str:
-    """Accuracy per method (rows) and target (columns), with realised kept fractions."""
-    rows = result["rows"]
-    targets = sorted({r["target"] for r in rows}, reverse=True)
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    head = "| method | " + " | ".join(f"{t:.0%} target" for t in targets) + " |"
-    lines = [head, "|---" * (len(targets) + 1) + "|"]
-    for m in methods:
-        cells = []
-        for t in targets:
-            r = next((r for r in rows if r["method"] == m and r["target"] == t), None)
-            if r is None:
-                cells.append("")
-                continue
-            flag = {"scaled": "", "extra stages": " (+stages)", "min": " (min)"}[r["how"]]
-            cells.append(f"{r['overall']:.3f} @ {r['kept_fraction']:.2f}{flag}")
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    rel = result.get("relevance_mass")
-    if rel:
-        intro = (f"Share of the image's relevance mass on the asked cell vs another occupied cell "
-                 f"('what' questions about occupied cells, {rel['episodes']} episodes; area share of a cell "
-                 f"{rel['area_share']:.3f}):")
-        lines += ["", intro, "",
-                  "| after layer | query-axis ξ: asked | control | last-token attention: asked | control |",
-                  "|---|---|---|---|---|"]
-        for layer, d in rel["layers"].items():
-            q, t = d["query_softmax"], d["last_token"]
-            lines.append(f"| {layer} | {q['asked']:.3f} | {q['control']:.3f} | {t['asked']:.3f} | {t['control']:.3f} |")
-    lines.append("")
-    lines.append("Per question type (accuracy what / where / count / exists):")
-    lines.append("")
-    lines.append("| method | target | kept | what | where | count | exists | vision KV / episode |")
-    lines.append("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        a = r["accuracy"]
-        lines.append(f"| {r['method']} | {r['target']:.2f} | {r['kept_fraction']:.3f} | "
-                     + " | ".join(f"{a.get(q, float('nan')):.3f}" for q in ("what", "where", "count", "exists"))
-                     + f" | {r['kv_bytes_vision'] / 1024:.0f} KiB |")
-    return "\n".join(lines) + "\n"
+    """The result as Markdown tables (see `lightkv.bench.quality_report.markdown_table`)."""
+    from .quality_report import markdown_table as table
+
+    return table(result)
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
-    """Accuracy vs kept fraction, one line per method (overall and ``what`` questions)."""
-    import matplotlib
+def write_outputs(result: dict[str, Any], out: Path, model: str | None = None) -> list[Path]:
+    """JSON, Markdown, plot and provenance picture (see `lightkv.bench.quality_report.write_outputs`)."""
+    from .quality_report import write_outputs as write
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
-    methods = list(dict.fromkeys(r["method"] for r in result["rows"]))
-    for m in methods:
-        rs = sorted((r for r in result["rows"] if r["method"] == m), key=lambda r: -r["kept_fraction"])
-        style = "-" if m.startswith("lightkv") else "--"
-        for ax, key in zip(axes, ("overall", "what")):
-            ys = [r["overall"] if key == "overall" else r["accuracy"]["what"] for r in rs]
-            ax.plot([r["kept_fraction"] for r in rs], ys, style, marker="o", label=m, lw=2 if m == "lightkv" else 1.2)
-    for ax, title in zip(axes, ("all questions", "'what is at rXcY' (cell) questions")):
-        ax.set_xlabel("kept vision KV fraction (average over layers)")
-        ax.set_ylabel("held-out accuracy")
-        ax.set_title(title)
-        ax.invert_xaxis()
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    n = result["config"]["episodes"]
-    fig.suptitle(f"DigitGrid-VQA, {n} held-out episodes, {result['model']['vision_tokens']} vision tokens, "
-                 f"{result['model']['layers']} decoder layers")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def provenance_picture(path: Path, model_dir: str | None = None, seed: int = 3, target: float = 0.55,
-                       methods: Sequence[str] = ("lightkv", "tome")) -> dict[str, Any]:
-    """One held-out ``what`` question about an occupied cell, in ``2 + len(methods)`` panels:
-    the image; the prompt relevance ξ lightkv computes at its first stage (the model's own
-    vision-query x text-key score); then for each method the final provenance, every
-    original patch painted with the mean colour of the group of patches its surviving token
-    stands for (the asked cell outlined in red). Returns what was drawn."""
-    import random
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Rectangle
-
-    from ..digitgrid import data
-    from ..digitgrid import evaluate as ev
-    from ..digitgrid import model as dg
-    from ..graph.layout import TokenKind
-
-    model, _, grid = dg.load(model_dir or dg.BUNDLED_MODEL)
-    rng = random.Random(f"provenance:{seed}")
-    while True:
-        ep = data.make_episode(rng, "heldout", "what", grid)
-        if ep.answer != ["none"]:
-            break
-    patch = model.config.vision_config.patch_size
-    side = grid.image_size // patch
-    k = grid.cell // patch
-    n_img = side * side
-    first_vision = 1  # <bos>, then the image tokens
-    colours = ep.image.reshape(3, side, patch, side, patch).mean((2, 4)).permute(1, 2, 0)  # [side, side, 3]
-    r, c = ep.meta["row"], ep.meta["col"]
-    fig, axes = plt.subplots(1, 2 + len(methods), figsize=(3.6 * (2 + len(methods)), 4.0))
-    axes[0].imshow(ep.image.permute(1, 2, 0).numpy(), interpolation="nearest")
-    axes[0].set_title(f"'{' '.join(ep.question)}' -> {' '.join(ep.answer)}", fontsize=9)
-    drawn: dict[str, Any] = {"question": " ".join(ep.question), "answer": " ".join(ep.answer), "methods": {}}
-
-    def outline(ax, scale: int) -> None:
-        ax.add_patch(Rectangle((c * k * scale - 0.5, r * k * scale - 0.5), k * scale, k * scale,
-                               fill=False, lw=2.5, ec="red"))
-
-    outline(axes[0], patch)
-    num_layers = model.config.text_config.num_hidden_layers
-    for i, name in enumerate(methods):
-        pipe, _ = method_pipeline(name, num_layers, target)
-        with pipe.apply(model, record=True) as session:
-            got = ev.answer(model, [ep], grid)[0]
-            trace = session.last_prefill
-        if i == 0:
-            rec = trace.stages[0]
-            vision = rec.layout.kind[0] == int(TokenKind.VISION)
-            xi = rec.relevance[0][vision].float().reshape(side, side)
-            axes[1].imshow(xi.numpy(), cmap="magma", interpolation="nearest")
-            outline(axes[1], 1)
-            share = float(xi[r * k:(r + 1) * k, c * k:(c + 1) * k].sum() / xi.sum())
-            axes[1].set_title(f"{name} relevance ξ after layer {rec.layer}\n"
-                              f"{share:.0%} of it on the asked cell (area {1 / grid.grid ** 2:.0%})", fontsize=9)
-            drawn["relevance_share_asked"] = share
-        owner = trace.provenance.owner[0, first_vision:first_vision + n_img]
-        groups = torch.unique(owner, return_inverse=True)[1]
-        sums = torch.zeros(int(groups.max()) + 1, 3).index_add_(0, groups, colours.reshape(-1, 3))
-        sizes = torch.bincount(groups).unsqueeze(1)
-        painted = (sums / sizes)[groups].reshape(side, side, 3)
-        ax = axes[2 + i]
-        ax.imshow(painted.clamp(0, 1).numpy(), interpolation="nearest")
-        # group borders
-        g2 = groups.reshape(side, side)
-        for y in range(side):
-            for x in range(side):
-                if x + 1 < side and g2[y, x] != g2[y, x + 1]:
-                    ax.plot([x + 0.5, x + 0.5], [y - 0.5, y + 0.5], color="white", lw=0.4)
-                if y + 1 < side and g2[y, x] != g2[y + 1, x]:
-                    ax.plot([x - 0.5, x + 0.5], [y + 0.5, y + 0.5], color="white", lw=0.4)
-        outline(ax, 1)
-        asked = g2[r * k:(r + 1) * k, c * k:(c + 1) * k]
-        left = int(groups.max()) + 1
-        kept = session.report().kept_vision_fraction
-        ax.set_title(f"{name} at {kept:.0%} kept: '{' '.join(got)}'\n"
-                     f"{left} tokens left; the asked cell's 16 -> {len(torch.unique(asked))}", fontsize=9)
-        drawn["methods"][name] = {"answer": " ".join(got), "tokens_left": left,
-                                  "asked_cell_tokens": len(torch.unique(asked))}
-    for ax in axes:
-        ax.set_xticks([])
-        ax.set_yticks([])
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return drawn
-
-
-def write_outputs(result: dict[str, Any], out: Path, model_dir: str | None = None) -> list[Path]:
-    """JSON, Markdown, the accuracy plot and the provenance picture under ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "quality.json", out / "quality.md", out / "quality.png", out / "quality-provenance.png"]
-    result = dict(result)
-    result["provenance_example"] = provenance_picture(paths[3], model_dir)
-    paths[0].write_text(json.dumps(result, indent=1) + "\n")
-    paths[1].write_text(markdown_table(result))
-    plot(result, paths[2])
-    return paths
+    return write(result, out, model)

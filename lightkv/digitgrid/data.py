@@ -43,6 +43,7 @@ import torch
 __all__ = [
     "BOS_ID",
     "CELL_WORDS",
+    "CONTENT_IDS",
     "COUNT_WORDS",
     "DIGIT_WORDS",
     "EOS_ID",
@@ -67,6 +68,7 @@ __all__ = [
     "decode",
     "digit_pool",
     "encode",
+    "left_pad",
     "make_episode",
     "make_grid",
     "make_scene",
@@ -108,6 +110,8 @@ WORD_TO_ID: dict[str, int] = {w: i for i, w in enumerate(VOCAB)}
 assert len(WORD_TO_ID) == len(VOCAB), "duplicate word in VOCAB"
 
 PAD_ID, BOS_ID, EOS_ID, IMAGE_ID, SEP_ID = (WORD_TO_ID[t] for t in SPECIAL_TOKENS)
+CONTENT_IDS = tuple(WORD_TO_ID[w] for w in (*DIGIT_WORDS, "none"))
+"""Word ids of a cell's possible contents: the ten digit names, then ``none`` (class 10)."""
 IGNORE_INDEX = -100
 
 
@@ -574,16 +578,16 @@ def collate(
             label_rows.append([IGNORE_INDEX] * len(prompt) + target)
         else:
             rows.append(prompt)
-    batch = _left_pad(rows, label_rows if with_answer else None)
+    batch = left_pad(rows, label_rows if with_answer else None)
     batch["pixel_values"] = torch.stack([ep.image for ep in episodes])
     return batch
 
 
-def _left_pad(rows: list[list[int]], label_rows: list[list[int]] | None) -> dict[str, torch.Tensor]:
-    """``input_ids``, ``attention_mask`` (and ``labels``) ``[B, L]``, left-padded."""
+def left_pad(rows: list[list[int]], label_rows: list[list[int]] | None, pad_id: int = PAD_ID) -> dict[str, torch.Tensor]:
+    """``input_ids``, ``attention_mask`` (and ``labels``) ``[B, L]``, left-padded with ``pad_id``."""
     length = max(len(r) for r in rows)
     b = len(rows)
-    out = {"input_ids": torch.full((b, length), PAD_ID, dtype=torch.int64),
+    out = {"input_ids": torch.full((b, length), pad_id, dtype=torch.int64),
            "attention_mask": torch.zeros((b, length), dtype=torch.int64)}
     if label_rows is not None:
         out["labels"] = torch.full((b, length), IGNORE_INDEX, dtype=torch.int64)
@@ -615,7 +619,7 @@ def collate_scenes(scenes: Sequence[Sequence[Episode]], num_image_tokens: int) -
             lab += [IGNORE_INDEX] * len(q) + a
         rows.append(row)
         label_rows.append(lab)
-    batch = _left_pad(rows, label_rows)
+    batch = left_pad(rows, label_rows)
     batch["pixel_values"] = torch.stack([scene[0].image for scene in scenes])
     return batch
 

@@ -52,7 +52,7 @@ def _prefill_ms(model, inputs, session=None, repeats: int = 3) -> float:
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; ``argv`` as on the command line."""
-    from ..bench.quality import provenance_picture
+    from ..bench.quality_report import provenance_picture
     from ..pipeline import Pipeline
     from . import data, evaluate
     from . import model as dg

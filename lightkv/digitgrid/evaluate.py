@@ -27,42 +27,46 @@ from .data import (
     DEFAULT_CONFIG,
     EOS_ID,
     PAD_ID,
-    QTYPES,
     VOCAB,
     Episode,
     GridConfig,
-    collate_prompts,
-    make_episode,
-    num_image_tokens,
 )
+from .tasks import task_for
 
 __all__ = ["EvalResult", "answer", "evaluate", "heldout_episodes", "relevance_mass"]
 
 
 def heldout_episodes(n: int, seed: int = 0, grid: GridConfig = DEFAULT_CONFIG,
-                     qtypes: Sequence[str] = QTYPES, split: str = "heldout") -> list[Episode]:
+                     qtypes: Sequence[str] | None = None, split: str = "heldout") -> list[Episode]:
     """``n`` held-out episodes, question types in equal shares (round-robin), seeded."""
+    data = task_for(grid).data
+    qtypes = data.QTYPES if qtypes is None else qtypes
     rng = random.Random(f"digitgrid-eval:{seed}")
-    return [make_episode(rng, split, qtypes[i % len(qtypes)], grid) for i in range(n)]
+    return [data.make_episode(rng, split, qtypes[i % len(qtypes)], grid) for i in range(n)]
 
 
-def _words(ids: list[int]) -> list[str]:
+def _words(ids: list[int], vocab: Sequence[str] = VOCAB) -> list[str]:
     out = []
     for i in ids:
         if i in (EOS_ID, PAD_ID):
             break
-        out.append(VOCAB[i])
+        out.append(vocab[i])
     return out
 
 
 @torch.no_grad()
-def answer(model, episodes: Sequence[Episode], grid: GridConfig, max_new_tokens: int = 3) -> list[list[str]]:
-    """Greedy answers (word lists) for one batch of episodes."""
-    inputs = collate_prompts(episodes, num_image_tokens(grid, model.config.vision_config.patch_size))
+def answer(model, episodes: Sequence[Episode], grid: GridConfig, max_new_tokens: int | None = None) -> list[list[str]]:
+    """Greedy answers (word lists) for one batch of episodes (of the task ``grid`` belongs to;
+    by default up to two words more than its longest answer)."""
+    task = task_for(grid)
+    n_img = task.data.num_image_tokens(grid, model.config.vision_config.patch_size)
+    inputs = task.data.collate_prompts(episodes, n_img)
     inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
+    if max_new_tokens is None:
+        max_new_tokens = task.answer_length(grid) + 2
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
                          pad_token_id=PAD_ID, eos_token_id=EOS_ID)
-    return [_words(row) for row in out[:, inputs["input_ids"].shape[1]:].tolist()]
+    return [_words(row, task.vocab) for row in out[:, inputs["input_ids"].shape[1]:].tolist()]
 
 
 @dataclass
@@ -119,9 +123,10 @@ def evaluate(model, episodes: Sequence[Episode], grid: GridConfig, pipeline=None
             right[ep.qtype] += words == ep.answer
         answers += got
     n = max(1, len(episodes))
+    qtypes = task_for(grid).qtypes
     return EvalResult(
-        accuracy={q: right[q] / count[q] for q in QTYPES if count[q]},
-        count={q: count[q] for q in QTYPES if count[q]},
+        accuracy={q: right[q] / count[q] for q in qtypes if count[q]},
+        count={q: count[q] for q in qtypes if count[q]},
         kept_fraction=kept_sum / n, kv_bytes_vision=bytes_sum / n, kv_bytes_vision_baseline=base_sum / n,
         seconds=time.perf_counter() - t0, answers=answers,
     )
@@ -137,37 +142,43 @@ def _identity_pipeline():
 @torch.no_grad()
 def relevance_mass(model, episodes: Sequence[Episode], grid: GridConfig, layers: Sequence[int] | None = None,
                    batch: int = 32) -> dict:
-    """Where relevance goes for ``what`` questions about occupied cells.
+    """Where relevance goes for ``what`` questions (about occupied cells, for DigitGrid).
 
     For every layer ``l`` in ``layers`` (default: all but the last) a one-stage pipeline
     after ``l`` records the relevance ξ that lightkv's policies compute from that layer's
     own projections: ``query_softmax`` (the paper's vision-query x text-key score, softmax
     over the query axis) and ``last_token`` (FastV's attention of the last prompt token).
     Reported per layer and policy, averaged over episodes: the share of the image's
-    relevance mass on the asked cell, on another occupied cell (a control picked at random),
-    and the area share of one cell (``1 / G^2``). A model that reads the asked region puts
-    clearly more than the area share on it, and more than on the control.
+    relevance mass on the asked cell, on another cell (a control picked at random; an
+    occupied one for DigitGrid), and the area share of one cell (``1 / G^2``). A model that
+    reads the asked region puts clearly more than the area share on it, and more than on
+    the control.
     """
     from ..graph.layout import TokenKind
     from ..pipeline import Pipeline
     from ..policies.relevance import Relevance
     from ..policies.schedulers import ExplicitSchedule
 
+    task = task_for(grid)
+    data = task.data
     eps = [e for e in episodes if e.qtype == "what" and e.answer != ["none"]]
     if not eps:
-        raise ValueError("relevance_mass needs 'what' episodes about occupied cells")
+        raise ValueError("relevance_mass needs 'what' episodes (about occupied cells)")
     num_layers = model.config.text_config.num_hidden_layers
     layers = list(range(num_layers - 1)) if layers is None else list(layers)
     patch = model.config.vision_config.patch_size
-    k = grid.cell // patch
-    side = grid.grid * k
-    cell_of = (torch.arange(side)[:, None] // k * grid.grid + torch.arange(side)[None, :] // k).flatten()  # [N]
+    n_img = data.num_image_tokens(grid, patch)
+    _, cell_of = task.token_words(eps[0].grid[None], grid.cell // patch)  # [N] word id of each token's cell
     rng = random.Random("relevance-control")
     controls = []
     for e in eps:
-        occupied = [(r, c) for r in range(grid.grid) for c in range(grid.grid)
-                    if e.grid[r, c] >= 0 and (r, c) != (e.meta["row"], e.meta["col"])]
-        controls.append(rng.choice(occupied) if occupied else None)
+        others = [(r, c) for r in range(grid.grid) for c in range(grid.grid)
+                  if e.grid[r, c] >= 0 and (r, c) != (e.meta["row"], e.meta["col"])]
+        controls.append(rng.choice(others) if others else None)
+
+    def cell_id(r: int, c: int) -> int:
+        return data.WORD_TO_ID[data.cell_word(r, c)]
+
     out: dict = {"episodes": len(eps), "area_share": 1 / grid.grid**2, "layers": {}}
     for policy in ("query_softmax", "last_token"):
         for layer in layers:
@@ -178,21 +189,18 @@ def relevance_mass(model, episodes: Sequence[Episode], grid: GridConfig, layers:
             n_control = 0
             for i in range(0, len(eps), batch):
                 chunk, ctrl = eps[i:i + batch], controls[i:i + batch]
-                inputs = collate_prompts(chunk, side * side)
+                inputs = data.collate_prompts(chunk, n_img)
                 with pipe.apply(model, record=True) as session:
                     model(**inputs)
                 rec = session.last_prefill.stages[0]
-                layout = rec.layout
                 xi = rec.relevance.float()  # [B, L]
-                vision = layout.kind == int(TokenKind.VISION)
+                vision = rec.layout.kind == int(TokenKind.VISION)
                 for b, (e, cc) in enumerate(zip(chunk, ctrl)):
-                    v = vision[b]
-                    mass = xi[b][v]
+                    mass = xi[b][vision[b]]
                     mass = mass / mass.sum().clamp_min(1e-30)
-                    asked = cell_of == (e.meta["row"] * grid.grid + e.meta["col"])
-                    asked_sum += float(mass[asked].sum())
+                    asked_sum += float(mass[cell_of == cell_id(e.meta["row"], e.meta["col"])].sum())
                     if cc is not None:
-                        control_sum += float(mass[cell_of == (cc[0] * grid.grid + cc[1])].sum())
+                        control_sum += float(mass[cell_of == cell_id(*cc)].sum())
                         n_control += 1
             out["layers"].setdefault(str(layer), {})[policy] = {
                 "asked": asked_sum / len(eps), "control": control_sum / max(1, n_control)}

@@ -22,20 +22,18 @@ import torch
 
 from .data import (
     BOS_ID,
-    CELL_WORDS,
+    CONTENT_IDS,
     DEFAULT_CONFIG,
-    DIGIT_WORDS,
     EOS_ID,
     IMAGE_ID,
-    MAX_GRID,
     PAD_ID,
-    VOCAB,
-    WORD_TO_ID,
     GridConfig,
 )
+from .tasks import Task, get_task
 
 __all__ = [
     "BUNDLED_MODEL",
+    "BUNDLED_MODELS",
     "CONTENT_IDS",
     "ModelSpec",
     "alignment_targets",
@@ -45,16 +43,27 @@ __all__ = [
     "content_class",
     "load",
     "read_grid_config",
+    "read_task",
+    "resolve_model",
     "save",
 ]
 
-BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "digitgrid-llava"
-"""Where the trained model ships inside the package."""
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+BUNDLED_MODEL = ASSETS / "digitgrid-llava"
+"""Where the trained DigitGrid model ships inside the package."""
+BUNDLED_MODELS = {"digitgrid": BUNDLED_MODEL, "symbolgrid": ASSETS / "symbolgrid-llava"}
+"""The models that ship inside the package, by name (``--model NAME`` on the command line)."""
+
+
+def resolve_model(name_or_path: str | Path | None) -> Path:
+    """A bundled model's directory by name (``digitgrid``, ``symbolgrid``), or a path as given
+    (None: the DigitGrid model)."""
+    if name_or_path is None:
+        return BUNDLED_MODEL
+    return BUNDLED_MODELS.get(str(name_or_path), Path(name_or_path))
 
 GRID_FILE = "digitgrid.json"
 
-CONTENT_IDS = tuple(WORD_TO_ID[w] for w in (*DIGIT_WORDS, "none"))
-"""Word ids of a cell's possible contents: the ten digit names, then ``none`` (class 10)."""
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{% for item in message['content'] %}"
@@ -81,9 +90,10 @@ class ModelSpec:
 DEFAULT_SPEC = ModelSpec()
 
 
-def build_model(spec: ModelSpec = DEFAULT_SPEC, grid: GridConfig = DEFAULT_CONFIG, seed: int = 0):
-    """A freshly initialised ``LlavaForConditionalGeneration`` (word embeddings ~ N(0, 1),
-    tied with the output head)."""
+def build_model(spec: ModelSpec = DEFAULT_SPEC, grid: GridConfig = DEFAULT_CONFIG, seed: int = 0,
+                task: str = "digitgrid"):
+    """A freshly initialised ``LlavaForConditionalGeneration`` over ``task``'s vocabulary
+    (word embeddings ~ N(0, 1), tied with the output head)."""
     from transformers import (
         CLIPVisionConfig,
         LlamaConfig,
@@ -99,7 +109,7 @@ def build_model(spec: ModelSpec = DEFAULT_SPEC, grid: GridConfig = DEFAULT_CONFI
         image_size=grid.image_size, patch_size=spec.patch, num_channels=3,
     )
     text = LlamaConfig(
-        vocab_size=len(VOCAB), hidden_size=spec.text_width, intermediate_size=spec.text_ffn,
+        vocab_size=len(get_task(task).vocab), hidden_size=spec.text_width, intermediate_size=spec.text_ffn,
         num_hidden_layers=spec.text_layers, num_attention_heads=spec.text_heads,
         num_key_value_heads=spec.text_heads, max_position_embeddings=1024,
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, tie_word_embeddings=True,
@@ -120,12 +130,14 @@ def build_model(spec: ModelSpec = DEFAULT_SPEC, grid: GridConfig = DEFAULT_CONFI
     return model
 
 
-def build_tokenizer():
-    """A whitespace word-level ``PreTrainedTokenizerFast`` over `VOCAB` (ids = VOCAB order)."""
+def build_tokenizer(task: str = "digitgrid"):
+    """A whitespace word-level ``PreTrainedTokenizerFast`` over ``task``'s vocabulary (ids =
+    vocabulary order; the special tokens have the same ids in every task)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    core = Tokenizer(models.WordLevel(vocab=dict(WORD_TO_ID), unk_token="<pad>"))
+    vocab = {w: i for i, w in enumerate(get_task(task).vocab)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
@@ -135,7 +147,7 @@ def build_tokenizer():
     return tok
 
 
-def build_processor(grid: GridConfig = DEFAULT_CONFIG, spec: ModelSpec = DEFAULT_SPEC):
+def build_processor(grid: GridConfig = DEFAULT_CONFIG, spec: ModelSpec = DEFAULT_SPEC, task: str = "digitgrid"):
     """A ``LlavaProcessor`` whose chat template writes the training format
     ``<bos> <image> <sep> question``; ``<image>`` expands to the tower's tokens."""
     from transformers import CLIPImageProcessorPil, LlavaProcessor
@@ -146,27 +158,26 @@ def build_processor(grid: GridConfig = DEFAULT_CONFIG, spec: ModelSpec = DEFAULT
         do_convert_rgb=True,
     )
     return LlavaProcessor(
-        image_processor=images, tokenizer=build_tokenizer(), patch_size=spec.patch,
+        image_processor=images, tokenizer=build_tokenizer(task), patch_size=spec.patch,
         vision_feature_select_strategy="default", image_token="<image>", num_additional_image_tokens=1,
         chat_template=CHAT_TEMPLATE,
     )
 
 
-def alignment_targets(model, grid: torch.Tensor, patch: int, cell: int) -> torch.Tensor:
+def alignment_targets(model, grid: torch.Tensor, patch: int, cell: int, *,
+                      task: str | Task = "digitgrid") -> torch.Tensor:
     """``[B, N, D]`` targets for the projected vision tokens of grids ``[B, G, G]``.
 
     Token ``(y, x)`` of the patch grid lies in cell ``(y // k, x // k)`` with ``k = cell /
     patch``; its target is ``E[<image>] + E[content] + E[cell word]`` with ``E`` the
-    decoder's input embeddings and content the digit name or ``none``.
+    decoder's input embeddings and content the word of what the cell shows (for DigitGrid
+    a digit name or ``none``).
     """
+    task = get_task(task) if isinstance(task, str) else task
     emb = model.get_input_embeddings().weight.detach()
-    b, g, _ = grid.shape
-    k = cell // patch
-    cells = torch.tensor(CONTENT_IDS)[content_class(grid)]  # [B, G, G]
-    names = torch.tensor([[WORD_TO_ID[CELL_WORDS[r * MAX_GRID + c]] for c in range(g)] for r in range(g)])
-    per_cell = emb[cells] + emb[names][None] + emb[IMAGE_ID]
-    per_token = per_cell.repeat_interleave(k, 1).repeat_interleave(k, 2)  # [B, G*k, G*k, D]
-    return per_token.reshape(b, (g * k) ** 2, -1)
+    content, cells = task.token_words(grid, cell // patch)
+    ids = torch.tensor(task.content_ids())
+    return emb[ids[content]] + emb[cells][None] + emb[IMAGE_ID]
 
 
 def content_class(grid: torch.Tensor) -> torch.Tensor:
@@ -174,31 +185,41 @@ def content_class(grid: torch.Tensor) -> torch.Tensor:
     return torch.where(grid >= 0, grid, len(CONTENT_IDS) - 1)
 
 
-def save(model, path: str | Path, grid: GridConfig, spec: ModelSpec, extra: dict | None = None) -> Path:
+def save(model, path: str | Path, grid, spec: ModelSpec, extra: dict | None = None,
+         task: str = "digitgrid") -> Path:
     """Write a Hugging Face directory (weights as safetensors) with the processor and
-    ``digitgrid.json``."""
+    ``digitgrid.json`` (task name, grid config, sizes)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
-    build_processor(grid, spec).save_pretrained(path)
-    meta = {"grid": asdict(grid), "spec": asdict(spec), **(extra or {})}
+    build_processor(grid, spec, task).save_pretrained(path)
+    meta = {"task": task, "grid": asdict(grid), "spec": asdict(spec), **(extra or {})}
     (path / GRID_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     return path
 
 
-def read_grid_config(path: str | Path = BUNDLED_MODEL) -> GridConfig:
-    """The `GridConfig` a saved DigitGrid model was trained on."""
-    meta_file = Path(path) / GRID_FILE
+def _meta(path: str | Path) -> dict:
+    meta_file = resolve_model(path) / GRID_FILE
     if not meta_file.exists():
-        raise FileNotFoundError(f"{path} is not a DigitGrid model directory (no {GRID_FILE})")
-    return GridConfig(**json.loads(meta_file.read_text())["grid"])
+        raise FileNotFoundError(f"{path} is not a DigitGrid/SymbolGrid model directory (no {GRID_FILE})")
+    return json.loads(meta_file.read_text())
+
+
+def read_task(path: str | Path = BUNDLED_MODEL) -> Task:
+    """The `Task` a saved model was trained on (directories without a task name are DigitGrid's)."""
+    return get_task(_meta(path).get("task", "digitgrid"))
+
+
+def read_grid_config(path: str | Path = BUNDLED_MODEL):
+    """The `GridConfig` (of the model's task) a saved model was trained on."""
+    return read_task(path).grid_config(**_meta(path)["grid"])
 
 
 def load(path: str | Path = BUNDLED_MODEL, dtype: torch.dtype = torch.float32):
     """``(model, processor, grid_config)`` from a directory written by `save` (offline)."""
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-    path = Path(path)
+    path = resolve_model(path)
     grid = read_grid_config(path)
     model = LlavaForConditionalGeneration.from_pretrained(path, dtype=dtype, local_files_only=True).eval()
     processor = AutoProcessor.from_pretrained(path, local_files_only=True)

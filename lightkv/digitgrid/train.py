@@ -41,29 +41,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .data import (
-    GLYPHS,
-    QTYPES,
-    GridConfig,
-    collate_scenes,
-    make_episode,
-    make_grid,
-    make_scene,
-    num_image_tokens,
-    render_image,
-)
-from .model import CONTENT_IDS, ModelSpec, alignment_targets, build_model, content_class, save
+from .data import GLYPHS
+from .model import ModelSpec, alignment_targets, build_model, save
+from .tasks import TASKS, Task, get_task, task_for
 
 __all__ = ["evaluate_qa", "main"]
-
-
-def _image_batch(rng: random.Random, split: str, n: int, grid: GridConfig):
-    grids, images = [], []
-    for _ in range(n):
-        g, index = make_grid(rng, split, grid)
-        grids.append(g)
-        images.append(render_image(rng, index, grid))
-    return torch.stack(grids), torch.stack(images)
 
 
 def _projected(model, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -72,19 +54,21 @@ def _projected(model, pixel_values: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate_align(model, spec: ModelSpec, grid: GridConfig, n: int = 256, seed: int = 1234) -> dict:
+def evaluate_align(model, spec: ModelSpec, grid, n: int = 256, seed: int = 1234) -> dict:
     """Cell read-out accuracy of the projected tokens on held-out images (nearest content word
     embedding, averaged over the cell's tokens)."""
     model.eval()
+    task = task_for(grid)
     rng = random.Random(f"align-eval:{seed}")
-    grids, images = _image_batch(rng, "heldout", n, grid)
+    grids, images = task.image_batch(rng, "heldout", n, grid)
     feats = _projected(model, images)  # [B, N, D]
-    content = model.get_input_embeddings().weight[list(CONTENT_IDS)]
+    ids = list(task.content_ids())
+    content = model.get_input_embeddings().weight[ids]
     k = grid.cell // spec.patch
-    c = len(CONTENT_IDS)
+    c = len(ids)
     logits = (feats @ content.T).reshape(n, grid.grid, k, grid.grid, k, c)
     per_cell = logits.mean((2, 4)).argmax(-1)
-    truth = content_class(grids)
+    truth = torch.where(grids >= 0, grids, c - 1)
     occ = grids >= 0
     model.train()
     return {"cell_acc": float((per_cell == truth).float().mean()),
@@ -93,39 +77,48 @@ def evaluate_align(model, spec: ModelSpec, grid: GridConfig, n: int = 256, seed:
 
 
 @torch.no_grad()
-def evaluate_qa(model, grid: GridConfig, n_per_type: int = 64, seed: int = 4321, batch: int = 64,
+def evaluate_qa(model, grid, n_per_type: int = 64, seed: int = 4321, batch: int = 64,
                 split: str = "heldout") -> dict:
     """Greedy exact-match accuracy per question type on ``n_per_type`` held-out episodes each."""
     from .evaluate import answer
 
     model.eval()
+    data = task_for(grid).data
     result = {}
-    for qtype in QTYPES:
+    for qtype in data.QTYPES:
         rng = random.Random(f"qa-eval:{seed}:{qtype}")
-        eps = [make_episode(rng, split, qtype, grid) for _ in range(n_per_type)]
+        eps = [data.make_episode(rng, split, qtype, grid) for _ in range(n_per_type)]
         got = [words for i in range(0, len(eps), batch) for words in answer(model, eps[i:i + batch], grid)]
         result[qtype] = sum(g == ep.answer for g, ep in zip(got, eps)) / len(eps)
     model.train()
     return result
 
 
-def _content_ce(model, feats: torch.Tensor, grids: torch.Tensor, spec: ModelSpec, grid: GridConfig) -> torch.Tensor:
+def _content_ce(model, feats: torch.Tensor, grids: torch.Tensor, spec: ModelSpec, grid) -> torch.Tensor:
     """Cross-entropy of every token's content read-out (dot products with the content word
     embeddings): a sharper signal for the hard part of the target than the squared error."""
-    content = model.get_input_embeddings().weight.detach()[list(CONTENT_IDS)]
-    k = grid.cell // spec.patch
-    truth = content_class(grids).repeat_interleave(k, 1).repeat_interleave(k, 2).flatten(1)
+    task = task_for(grid)
+    content = model.get_input_embeddings().weight.detach()[list(task.content_ids())]
+    truth, _ = task.token_words(grids, grid.cell // spec.patch)
     logits = feats @ content.T / content.shape[1] ** 0.5
     return F.cross_entropy(logits.flatten(0, 1), truth.flatten())
 
 
-def _mimetic_init(model, qk: float = 1.5, vo: float = 0.7, noise: float = 0.02, seed: int = 0) -> None:
+def _mimetic_init(model, qk: float = 1.5, vo: float = 0.7, noise: float = 0.02, seed: int = 0,
+                  first: int = 0) -> None:
     """Query/key projections near ``qk * I`` (attention compares like with like) and value/
-    output projections near ``vo * I`` (heads copy what they read), plus N(0, noise) noise."""
+    output projections near ``vo * I`` (heads copy what they read), plus N(0, noise) noise,
+    in layers ``first`` and later. Layers before ``first`` start as no-ops (zero attention
+    output and MLP down projections): the prior for reading the image sits in the later
+    layers, so the early ones learn only what the later ones cannot do."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for layer in model.model.language_model.layers:
+        for i, layer in enumerate(model.model.language_model.layers):
             attn = layer.self_attn
+            if i < first:
+                attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+                continue
             for proj, scale in ((attn.q_proj, qk), (attn.k_proj, qk), (attn.v_proj, vo), (attn.o_proj, vo)):
                 w = proj.weight
                 eye = torch.eye(w.shape[0], w.shape[1])
@@ -147,9 +140,19 @@ def _trainable(model, stage: str) -> list[torch.nn.Parameter]:
     return params
 
 
-def _spec(args) -> tuple[GridConfig, ModelSpec]:
-    grid = GridConfig(glyphs=args.glyphs, jitter=args.jitter)
-    spec = ModelSpec(text_width=args.text_width, text_layers=args.text_layers,
+def _task(args) -> Task:
+    return get_task(getattr(args, "task", "digitgrid"))
+
+
+def _spec(args):
+    task = _task(args)
+    if task.name == "digitgrid":
+        grid = task.grid_config(glyphs=args.glyphs, jitter=args.jitter)
+        patch = ModelSpec.patch
+    else:
+        grid = task.grid_config()
+        patch = grid.cell
+    spec = ModelSpec(patch=patch, text_width=args.text_width, text_layers=args.text_layers,
                      text_ffn=args.text_ffn or 4 * args.text_width,
                      vision_width=args.vision_width, vision_layers=args.vision_layers)
     return grid, spec
@@ -160,9 +163,9 @@ def export(args) -> Path:
     state = torch.load(Path(args.out) / "qa.pt", weights_only=False)
     saved = argparse.Namespace(**state["args"])
     grid, spec = _spec(saved)
-    model = build_model(spec, grid, seed=saved.seed)
+    model = build_model(spec, grid, seed=saved.seed, task=_task(saved).name)
     model.load_state_dict(state["model"])
-    path = save(model, args.export, grid, spec,
+    path = save(model, args.export, grid, spec, task=_task(saved).name,
                 extra={"train": state["args"], "step": state["step"], "log": state["log"][-1:]})
     print(f"exported step {state['step']} to {path}")
     return path
@@ -180,7 +183,8 @@ def run_stage(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     grid, spec = _spec(args)
-    model = build_model(spec, grid, seed=args.seed)
+    task = _task(args)
+    model = build_model(spec, grid, seed=args.seed, task=task.name)
     ckpt = out / f"{args.stage}.pt"
     step = 0
     prev = out / "align.pt"
@@ -194,7 +198,7 @@ def run_stage(args) -> None:
             raise ValueError(f"{prev} does not match this model's sizes (missing {missing}, unexpected "
                              f"{unexpected}); train qa with the align stage's --vision-* sizes")
         if args.mimetic:
-            _mimetic_init(model, seed=args.seed)
+            _mimetic_init(model, seed=args.seed, first=args.mimetic_from)
     params = _trainable(model, args.stage)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.98))
     rng = random.Random(f"train:{args.seed}:{args.stage}")
@@ -216,7 +220,7 @@ def run_stage(args) -> None:
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "rng": rng.getstate(),
                     "torch_rng": torch.get_rng_state(), "step": step, "log": log, "args": vars(args)}, ckpt)
 
-    n_img = num_image_tokens(grid, spec.patch)
+    n_img = task.data.num_image_tokens(grid, spec.patch)
     model.train()
     bar = tqdm(total=args.steps, initial=step, desc=args.stage, mininterval=5, dynamic_ncols=True)
     t0 = time.time()
@@ -225,13 +229,13 @@ def run_stage(args) -> None:
         for g in opt.param_groups:
             g["lr"] = args.lr * schedule(step)
         if args.stage == "align":
-            grids, images = _image_batch(rng, "train", args.batch, grid)
+            grids, images = task.image_batch(rng, "train", args.batch, grid)
             feats = _projected(model, images)
-            target = alignment_targets(model, grids, spec.patch, grid.cell)
+            target = alignment_targets(model, grids, spec.patch, grid.cell, task=task)
             loss = F.mse_loss(feats, target) + _content_ce(model, feats, grids, spec, grid)
         else:
-            scenes = [make_scene(rng, "train", args.questions, grid) for _ in range(args.batch)]
-            batch = collate_scenes(scenes, n_img)
+            scenes = [task.data.make_scene(rng, "train", args.questions, grid) for _ in range(args.batch)]
+            batch = task.data.collate_scenes(scenes, n_img)
             loss = model(**batch).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -254,7 +258,7 @@ def run_stage(args) -> None:
             checkpoint()
     bar.close()
     if args.export and args.stage == "qa":
-        save(model, args.export, grid, spec, extra={"train": vars(args), "step": step, "log": log[-1:]})
+        save(model, args.export, grid, spec, task=task.name, extra={"train": vars(args), "step": step, "log": log[-1:]})
         print(f"exported to {args.export}")
 
 
@@ -271,7 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--decay", action="store_true", help="linear decay to 10%% of lr")
+    p.add_argument("--task", default="digitgrid", choices=tuple(TASKS), help="which synthetic task")
     p.add_argument("--mimetic", action="store_true", help="near-identity query/key init (qa)")
+    p.add_argument("--mimetic-from", type=int, default=0,
+                   help="with --mimetic: layers before this one start as no-ops instead (qa)")
     p.add_argument("--glyphs", default="handwritten", choices=GLYPHS)
     p.add_argument("--jitter", type=int, default=0)
     p.add_argument("--text-width", type=int, default=128)

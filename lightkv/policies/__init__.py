@@ -11,13 +11,32 @@
 """
 
 from .base import ENTRY_POINT_GROUP, Policy
-from .partitioners import GlobalPartitioner, GridPartitioner, Partition, Partitioner, PseudoSquarePartitioner
-from .pooling import AnchorPartitioner, StridedPartitioner
+from .partitioners import (
+    GlobalPartitioner,
+    GridPartitioner,
+    Partition,
+    Partitioner,
+    PseudoSquarePartitioner,
+)
 from .passers import DropMessages, MessagePasser, RelevanceWeightedMean, SizeWeightedMean
-from .pruners import LowestRelevance, PruneInputs, Pruner, RandomPruner, RelevanceAwareDivergence, SmallestDivergence
+from .pooling import AnchorPartitioner, StridedPartitioner
+from .pruners import (
+    LowestRelevance,
+    PruneInputs,
+    Pruner,
+    RandomPruner,
+    RelevanceAwareDivergence,
+    SmallestDivergence,
+)
 from .relevance import LastTokenAttention, QueryAxisSoftmax, Relevance, UniformRelevance
-from .schedulers import ExplicitSchedule, KeptFractionSchedule, Scheduler, StageSpec, average_kept_fraction
-from .scorers import CosineDivergence, EdgeScorer, L2Divergence
+from .schedulers import (
+    ExplicitSchedule,
+    KeptFractionSchedule,
+    Scheduler,
+    StageSpec,
+    average_kept_fraction,
+)
+from .scorers import CosineDivergence, EdgeScorer, L2Divergence, RandomDivergence
 
 FAMILIES = {
     "partitioner": Partitioner,
@@ -31,9 +50,8 @@ FAMILIES = {
 
 __all__ = [
     "ENTRY_POINT_GROUP",
-    "AnchorPartitioner",
-    "StridedPartitioner",
     "FAMILIES",
+    "AnchorPartitioner",
     "CosineDivergence",
     "DropMessages",
     "EdgeScorer",
@@ -52,6 +70,7 @@ __all__ = [
     "Pruner",
     "PseudoSquarePartitioner",
     "QueryAxisSoftmax",
+    "RandomDivergence",
     "RandomPruner",
     "Relevance",
     "RelevanceAwareDivergence",
@@ -60,6 +79,7 @@ __all__ = [
     "SizeWeightedMean",
     "SmallestDivergence",
     "StageSpec",
+    "StridedPartitioner",
     "UniformRelevance",
     "average_kept_fraction",
 ]

@@ -10,8 +10,9 @@ import torch
 
 from ..graph.bipartite import BipartiteGraph
 from .base import Policy
+from .hashing import seeded_uniform
 
-__all__ = ["EdgeScorer", "CosineDivergence", "L2Divergence"]
+__all__ = ["CosineDivergence", "EdgeScorer", "L2Divergence", "RandomDivergence"]
 
 Features = Literal["hidden", "keys"]
 
@@ -102,3 +103,24 @@ class L2Divergence(EdgeScorer):
 
     def divergence(self, src, dst):
         return torch.cdist(src, dst)
+
+
+@EdgeScorer.register("random")
+@dataclass
+class RandomDivergence(EdgeScorer):
+    """Random merge partners, blind to content: an ablation floor for the edge scorer.
+
+    The divergence of A slot ``i`` and B slot ``j`` of a window is a fixed hash of ``(i, j)``
+    and ``seed``, the same in every window, so a row gets the same partners alone or in a
+    batch, and which token goes where says nothing about the features.
+
+    Attributes:
+        seed: changes the draw.
+    """
+
+    seed: int = 0
+
+    def divergence(self, src, dst):
+        k, a, b = src.shape[0], src.shape[1], dst.shape[1]
+        slots = torch.arange(a, device=src.device)[:, None] * (b + 1) + torch.arange(b, device=src.device)[None, :]
+        return seeded_uniform(slots, self.seed).to(src.dtype).expand(k, a, b)

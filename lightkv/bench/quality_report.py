@@ -1,0 +1,240 @@
+"""Tables, plots and the provenance picture of the quality benchmark (`lightkv.bench.quality`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["detail_accuracy", "markdown_table", "plot", "provenance_picture", "write_outputs"]
+
+FLAGS = {"scaled": "", "extra stages": " (+stages)", "min": " (min)"}
+
+
+def detail_accuracy(row: dict[str, Any], result: dict[str, Any]) -> float:
+    """Mean accuracy over the detail question types (answers in single tokens or cells)."""
+    qs = result["detail_qtypes"]
+    return sum(row["accuracy"][q] for q in qs) / len(qs)
+
+
+def _ci(v: Sequence[float] | None, scale: float = 100.0, fmt: str = "{:+.1f}") -> str:
+    if not v:
+        return ""
+    m, lo, hi = (x * scale for x in v)
+    return f"{fmt.format(m)} [{fmt.format(lo)}, {fmt.format(hi)}]"
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    """Accuracy per method and target; per-type accuracy, KL and log-probability drop; the
+    ablation table at 55%; the relevance-mass table."""
+    rows = result["rows"]
+    qtypes = result["qtypes"]
+    detail = result["detail_qtypes"]
+    model = result["model"]
+    n = result["config"]["episodes"]
+    targets = sorted({r["target"] for r in rows}, reverse=True)
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    intro = (f"Model `{model['name']}` ({model['task']}, {model['vision_tokens']} vision tokens, {model['layers']} "
+             f"decoder layers), {n} held-out conversations. Cells: overall accuracy / detail accuracy "
+             f"({', '.join(detail)}) @ realised kept fraction.")
+    lines = [intro, ""]
+    lines += ["| method | " + " | ".join(f"{t:.0%} target" for t in targets) + " |",
+              "|---" * (len(targets) + 1) + "|"]
+    for m in methods:
+        cells = []
+        for t in targets:
+            r = next((r for r in rows if r["method"] == m and r["target"] == t), None)
+            cells.append("" if r is None else f"{r['accuracy']['overall']:.3f} / {detail_accuracy(r, result):.3f} @ "
+                         f"{r['kept_fraction']:.2f}{FLAGS[r['how']]}")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    has_f = "followup" in result["uncompressed"]["accuracy"]
+    cols = qtypes + (["followup"] if has_f else [])
+    per_type = ("Per question type: accuracy; KL(p_uncompressed || p_compressed) per answer token (nats, "
+                "overall); log-probability drop of the reference answer (overall, episodes the uncompressed model "
+                "answers right); lightkv minus this method in detail accuracy, points with a paired bootstrap 95% "
+                "interval (positive: lightkv better).")
+    header = ("| method | target | kept | " + " | ".join(cols)
+              + f" | KL | logp drop | lightkv - this, {detail[0]} | vision KV / episode |")
+    lines += ["", per_type, "", header, "|---" * (len(cols) + 7) + "|"]
+    for r in [result["uncompressed"]] + [r for r in rows if r["target"] < 1.0]:
+        lines.append(_type_line(r, cols, detail[0]))
+    if result.get("ablations"):
+        intro = (f"Ablations at {result['ablations'][0]['target']:.0%} kept: LightKV with one part swapped. "
+                 "Last columns: lightkv minus the variant, points, paired bootstrap 95% interval.")
+        header = ("| variant | kept | " + " | ".join(cols) + " | KL | "
+                  + " | ".join(f"lightkv - this, {q}" for q in cols) + " |")
+        lines += ["", intro, "", header, "|---" * (2 * len(cols) + 3) + "|"]
+        light = next((r for r in rows if r["method"] == "lightkv" and r["target"] == result["ablations"][0]["target"]),
+                     None)
+        for r in ([light] if light else []) + result["ablations"]:
+            vs = r.get("vs_lightkv", {}).get("accuracy", {})
+            lines.append(f"| {r['method']} | {r['kept_fraction']:.3f} | "
+                         + " | ".join(f"{r['accuracy'][q]:.3f}" for q in cols)
+                         + f" | {r['kl']['overall']:.2e} | " + " | ".join(_ci(vs.get(q)) or "-" for q in cols) + " |")
+    rel = result.get("relevance_mass")
+    if rel:
+        intro = (f"Share of the image's relevance mass on the asked cell vs another cell ('what' questions, "
+                 f"{rel['episodes']} episodes; area share of a cell {rel['area_share']:.4f}):")
+        lines += ["", intro, "",
+                  "| after layer | query-axis ξ: asked | control | last-token attention: asked | control |",
+                  "|---|---|---|---|---|"]
+        for layer, d in rel["layers"].items():
+            q, t = d["query_softmax"], d["last_token"]
+            lines.append(f"| {layer} | {q['asked']:.3f} | {q['control']:.3f} | {t['asked']:.3f} | {t['control']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _type_line(r: dict[str, Any], cols: list[str], detail: str) -> str:
+    vs = r.get("vs_lightkv", {}).get("accuracy", {}).get(detail)
+    drop = r["logp_drop"].get("overall") if r["logp_drop"] else None
+    return (f"| {r['method']} | {r['target']:.2f} | {r['kept_fraction']:.3f} | "
+            + " | ".join(f"{r['accuracy'][q]:.3f}" for q in cols)
+            + f" | {r['kl']['overall']:.2e} | {'' if drop is None else f'{drop:.3f}'} | {_ci(vs) or '-'} | "
+            f"{r['kv_bytes_vision'] / 1024:.0f} KiB |")
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Overall accuracy, detail accuracy and KL vs kept fraction, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4), sharex=True)
+    methods = list(dict.fromkeys(r["method"] for r in result["rows"]))
+    for m in methods:
+        rs = sorted((r for r in result["rows"] if r["method"] == m), key=lambda r: -r["kept_fraction"])
+        xs = [r["kept_fraction"] for r in rs]
+        style = {"ls": "-" if m.startswith("lightkv") else "--", "marker": "o", "label": m,
+                 "lw": 2.2 if m == "lightkv" else 1.2}
+        axes[0].plot(xs, [r["accuracy"]["overall"] for r in rs], **style)
+        axes[1].plot(xs, [detail_accuracy(r, result) for r in rs], **style)
+        pts = [(x, r["kl"]["overall"]) for x, r in zip(xs, rs) if r["kl"]["overall"] > 0]
+        if pts:
+            axes[2].plot(*zip(*pts), **style)
+    titles = ("all questions (first turn)", f"detail questions ({', '.join(result['detail_qtypes'])})",
+              "KL(uncompressed || compressed) per answer token")
+    for ax, title in zip(axes, titles):
+        ax.set_xlabel("kept vision KV fraction (average over layers)")
+        ax.set_title(title, fontsize=10)
+        ax.invert_xaxis()
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("held-out exact match")
+    axes[2].set_ylabel("nats")
+    axes[2].set_yscale("log")
+    axes[0].legend(fontsize=8)
+    m = result["model"]
+    fig.suptitle(f"{m['task']}: {result['config']['episodes']} held-out conversations, {m['vision_tokens']} vision "
+                 f"tokens, {m['layers']} decoder layers")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def provenance_picture(path: Path, model_dir: str | None = None, seed: int = 3, target: float = 0.55,
+                       methods: Sequence[str] = ("lightkv", "tome")) -> dict[str, Any]:
+    """One held-out ``what`` question, in ``2 + len(methods)`` panels: the image; the prompt
+    relevance ξ lightkv computes at its first stage (the model's own vision-query x text-key
+    score); then for each method the final provenance, every original patch painted with the
+    mean colour of the group of patches its surviving token stands for (the asked cell
+    outlined in red). Returns what was drawn."""
+    import random
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    from ..digitgrid import evaluate as ev
+    from ..digitgrid import model as dg
+    from ..graph.layout import TokenKind
+    from .quality import method_pipeline
+
+    path_ = dg.resolve_model(model_dir)
+    model, _, grid = dg.load(path_)
+    data = dg.read_task(path_).data
+    rng = random.Random(f"provenance:{seed}")
+    while True:
+        ep = data.make_episode(rng, "heldout", "what", grid)
+        if ep.answer != ["none"]:
+            break
+    patch = model.config.vision_config.patch_size
+    side = grid.image_size // patch
+    k = grid.cell // patch
+    n_img = side * side
+    first_vision = 1  # <bos>, then the image tokens
+    colours = ep.image.reshape(3, side, patch, side, patch).mean((2, 4)).permute(1, 2, 0)  # [side, side, 3]
+    r, c = ep.meta["row"], ep.meta["col"]
+    fig, axes = plt.subplots(1, 2 + len(methods), figsize=(3.6 * (2 + len(methods)), 4.0))
+    axes[0].imshow(ep.image.permute(1, 2, 0).numpy(), interpolation="nearest")
+    axes[0].set_title(f"'{' '.join(ep.question)}' -> {' '.join(ep.answer)}", fontsize=9)
+    drawn: dict[str, Any] = {"question": " ".join(ep.question), "answer": " ".join(ep.answer), "methods": {}}
+
+    def outline(ax, scale: int) -> None:
+        ax.add_patch(Rectangle((c * k * scale - 0.5, r * k * scale - 0.5), k * scale, k * scale,
+                               fill=False, lw=2.5, ec="red"))
+
+    outline(axes[0], patch)
+    num_layers = model.config.text_config.num_hidden_layers
+    for i, name in enumerate(methods):
+        pipe, _ = method_pipeline(name, num_layers, target)
+        with pipe.apply(model, record=True) as session:
+            got = ev.answer(model, [ep], grid)[0]
+            trace = session.last_prefill
+        if i == 0:
+            rec = trace.stages[0]
+            vision = rec.layout.kind[0] == int(TokenKind.VISION)
+            xi = rec.relevance[0][vision].float().reshape(side, side)
+            axes[1].imshow(xi.numpy(), cmap="magma", interpolation="nearest")
+            outline(axes[1], 1)
+            share = float(xi[r * k:(r + 1) * k, c * k:(c + 1) * k].sum() / xi.sum())
+            axes[1].set_title(f"{name} relevance ξ after layer {rec.layer}\n"
+                              f"{share:.0%} of it on the asked cell (area {1 / grid.grid ** 2:.1%})", fontsize=9)
+            drawn["relevance_share_asked"] = share
+        owner = trace.provenance.owner[0, first_vision:first_vision + n_img]
+        groups = torch.unique(owner, return_inverse=True)[1]
+        sums = torch.zeros(int(groups.max()) + 1, 3).index_add_(0, groups, colours.reshape(-1, 3))
+        sizes = torch.bincount(groups).unsqueeze(1)
+        painted = (sums / sizes)[groups].reshape(side, side, 3)
+        ax = axes[2 + i]
+        ax.imshow(painted.clamp(0, 1).numpy(), interpolation="nearest")
+        g2 = groups.reshape(side, side)
+        for y in range(side):  # group borders
+            for x in range(side):
+                if x + 1 < side and g2[y, x] != g2[y, x + 1]:
+                    ax.plot([x + 0.5, x + 0.5], [y - 0.5, y + 0.5], color="white", lw=0.4)
+                if y + 1 < side and g2[y, x] != g2[y + 1, x]:
+                    ax.plot([x - 0.5, x + 0.5], [y + 0.5, y + 0.5], color="white", lw=0.4)
+        outline(ax, 1)
+        asked = g2[r * k:(r + 1) * k, c * k:(c + 1) * k]
+        own = int(asked.flatten()[0])
+        left = int(groups.max()) + 1
+        kept = session.report().kept_vision_fraction
+        ax.set_title(f"{name} at {kept:.0%} kept: '{' '.join(got)}'\n"
+                     f"{left} tokens left; the asked cell's token stands for {int(sizes[own])}", fontsize=9)
+        drawn["methods"][name] = {"answer": " ".join(got), "tokens_left": left,
+                                  "asked_cell_tokens": len(torch.unique(asked)), "asked_group_size": int(sizes[own])}
+    for ax in axes:
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return drawn
+
+
+def write_outputs(result: dict[str, Any], out: Path, model: str | None = None) -> list[Path]:
+    """``quality-<model>.json``, ``.md``, ``.png`` and ``quality-<model>-provenance.png`` under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"quality-{result['model']['task']}"
+    paths = [out / f"{stem}.json", out / f"{stem}.md", out / f"{stem}.png", out / f"{stem}-provenance.png"]
+    result = dict(result)
+    result["provenance_example"] = provenance_picture(paths[3], model)
+    paths[0].write_text(json.dumps(result, indent=1) + "\n")
+    paths[1].write_text(markdown_table(result))
+    plot(result, paths[2])
+    return paths
