@@ -325,7 +325,7 @@ def test_unknown_policy_name_lists_the_registered_ones():
 
 def test_bad_parameters_name_the_field_value_and_allowed():
     msg = problems(_error({"partitioner": {"name": "grid", "params": {"splitt": "parity"}}}))["partitioner.params.splitt"]
-    assert "has no parameter 'splitt' (did you mean 'split'?); its parameters are: seed, split, src_parity" in msg
+    assert "has no parameter 'splitt' (did you mean 'split'?); its parameters are: bands, min_tokens_per_window, seed, split, src_parity" in msg
     msg = problems(_error({"partitioner": {"name": "grid", "params": {"split": "zigzag"}}}))["partitioner.params.split"]
     assert "'parity', 'checkerboard', 'random' or 'all_src'" in msg and "'zigzag'" in msg
     msg = problems(_error({"scorer": {"name": "cosine", "params": {"eps": "abc"}}}))["scorer.params.eps"]

@@ -869,4 +869,5 @@ class CompressionSession:
         k_cols = n if cols == "all" else (int(layout.text_mask.sum(1).max()) if cols == "text" else 0)
         flops += 2.0 * b * probe.heads * d * q_rows * k_cols
         self._state.trace.relevance_flops += flops
-        return rel.score(queries, keys, layout).float()
+        xi = rel.score(queries, keys, layout)
+        return xi.to(torch.promote_types(xi.dtype, torch.float32))
