@@ -400,7 +400,7 @@ def test_layer_beyond_the_model_depth_names_the_depth():
 
 
 def test_yaml_level_errors():
-    with pytest.raises(ConfigError, match=r"f.yaml: not valid YAML: line 3, column 1: expected ',' or ']'"):
+    with pytest.raises(ConfigError, match=r"f.yaml: not valid YAML: line 3, column 1: (did not find )?expected ',' or ']'"):
         PipelineConfig.from_yaml_text("name: x\nschedule: [1\n", source="f.yaml")
     with pytest.raises(ConfigError, match=r"duplicate key 'name' \(line 2, column 1\)"):
         PipelineConfig.from_yaml_text("name: x\nname: y\n")
