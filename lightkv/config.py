@@ -133,10 +133,34 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+_KEYS = ("qwertyuiop", "asdfghjkl", "zxcvbnm")
+
+
+def _adjacent(a: str, b: str) -> bool:
+    """Whether two letters are neighbours on a QWERTY keyboard (a likely slip)."""
+    pos = {ch: (r, i) for r, row in enumerate(_KEYS) for i, ch in enumerate(row)}
+    if a not in pos or b not in pos:
+        return False
+    (ra, ia), (rb, ib) = pos[a], pos[b]
+    if ra == rb:
+        return abs(ia - ib) == 1
+    if rb == ra + 1:  # each row sits half a key to the right of the one above
+        return ib in (ia - 1, ia)
+    if rb == ra - 1:
+        return ib in (ia, ia + 1)
+    return False
+
+
 def _did_you_mean(word: Any, choices: Iterable[str], paren: bool = False) -> str:
     if not isinstance(word, str):
         return ""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    choices = list(choices)
+    # A slipped key in what starts a longer name ('windowz' for 'windows_per_side') beats
+    # difflib's overall similarity, which prefers the shorter 'window_size'.
+    slips = [c for c in choices if len(word) >= 4 and len(c) >= len(word) and c != word
+             and sum(x != y for x, y in zip(word, c)) == 1
+             and all(x == y or _adjacent(x, y) for x, y in zip(word, c))]
+    close = slips[:1] or difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
     if not close:
         return ""
     return f" (did you mean {close[0]!r}?)" if paren else f"; did you mean {close[0]!r}?"

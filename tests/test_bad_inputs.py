@@ -120,3 +120,13 @@ def test_presets_still_load_through_the_checks():
 
     for name, preset in PRESETS.items():
         assert PipelineConfig.from_yaml_text(preset.config.to_yaml()) == preset.config
+
+
+def test_a_slipped_key_suggests_the_field_it_starts():
+    from lightkv.config import _did_you_mean
+
+    with pytest.raises(ConfigError, match="unknown field 'windowz'; did you mean 'windows_per_side'"):
+        PipelineConfig.from_dict({"schedule": {"layers": [1], "ratios": [0.5], "windowz": [2]}})
+    assert "'split'" in _did_you_mean("splitt", ["split", "seed"])
+    assert "'grid'" in _did_you_mean("gird", ["grid", "global", "pseudo_square"])
+    assert "'window_size'" in _did_you_mean("window_sise", ["window_size", "windows_per_side"])

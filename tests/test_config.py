@@ -417,9 +417,10 @@ def test_unregistered_policy_objects_cannot_be_described():
     pipe = Pipeline(partitioner=Local())
     with pytest.raises(ConfigError, match="Local is not a registered policy"):
         config_from_pipeline(pipe)
-    broken = Pipeline(scheduler=ExplicitSchedule(layers=(2,)))  # 3 default windows for 1 layer
-    with pytest.raises(ConfigError, match="schedule.windows_per_side: windows_per_side has 3 entries for 1 layers"):
-        config_from_pipeline(broken)
+    # the class default (4, 2, 1) fits three layers only: refused at construction, naming it
+    with pytest.raises(ValueError, match=r"windows_per_side defaults to \(4, 2, 1\), one entry per default layer"):
+        ExplicitSchedule(layers=(2,), ratios=(0.75,))
+    assert ExplicitSchedule(layers=(2,), window_size=((2, 2),)).windows_per_side is None
 
 
 # ---------------------------------------------------------------------------- JSON Schema
