@@ -627,6 +627,12 @@ class PipelineConfig(BaseModel):
     stage_overrides: dict[int, dict[StageField, PolicySpec | None]] = Field(
         default_factory=dict, description="Per-stage replacements: {stage index: {field: policy}}."
     )
+    layout: Literal["native", "reference"] = Field(
+        "native",
+        description="How an adapter lays out the vision tokens: 'native' (lightkv: every grid on its own, "
+        "structural tokens protected) or 'reference' (the authors' code: on LLaVA-NeXT the whole anyres "
+        "sequence of an image, base grid, high-resolution grid and row newlines, is one span).",
+    )
 
     @field_validator("summary")
     @classmethod
@@ -719,6 +725,7 @@ class PipelineConfig(BaseModel):
             scheduler=cfg.schedule.build(),
             stage_overrides=overrides,
             name=cfg.name,
+            layout=cfg.layout,
             **cfg._policies(),  # type: ignore[arg-type]
         )
 
@@ -791,6 +798,8 @@ class PipelineConfig(BaseModel):
                 i: {f: None if s is None else s.to_yaml_value() for f, s in fields.items()}
                 for i, fields in self.stage_overrides.items()
             }
+        if self.layout != "native":
+            out["layout"] = self.layout
         return out
 
     # ------------------------------------------------------------------ YAML
@@ -1025,6 +1034,7 @@ def config_from_pipeline(pipeline: Pipeline, *, summary: str = "", description: 
         i: {f: None if p is None else _spec_of(p, f"stage_overrides.{i}.{f}") for f, p in fields.items()}
         for i, fields in pipeline.stage_overrides.items()
     }
+    data["layout"] = pipeline.layout
     try:
         return PipelineConfig.model_validate(data)
     except ValidationError as e:

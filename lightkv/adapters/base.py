@@ -84,6 +84,8 @@ class Adapter:
     family: ClassVar[str] = ""
     model_types: ClassVar[tuple[str, ...]] = ()
     options_allowed: ClassVar[tuple[str, ...]] = ()
+    layout_mode: str = "native"
+    """The session's `lightkv.Pipeline.layout` (``native`` or ``reference``)."""
 
     def __init__(self, model: nn.Module, **options: Any):
         unknown = set(options) - set(self.options_allowed)
@@ -570,6 +572,7 @@ class CompressionSession:
         else:
             self.adapter = get_adapter(model, family=adapter, **adapter_options)
         self.pipeline = pipeline
+        self.adapter.layout_mode = pipeline.layout  # read by adapters with a reference layout (LLaVA-NeXT)
         self.model = model
         self.record = record
         self._mm = self.adapter.multimodal_module()
