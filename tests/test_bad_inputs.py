@@ -130,3 +130,45 @@ def test_a_slipped_key_suggests_the_field_it_starts():
     assert "'split'" in _did_you_mean("splitt", ["split", "seed"])
     assert "'grid'" in _did_you_mean("gird", ["grid", "global", "pseudo_square"])
     assert "'window_size'" in _did_you_mean("window_sise", ["window_size", "windows_per_side"])
+
+
+def test_a_decompression_bomb_image_is_one_line(tmp_path, monkeypatch):
+    from PIL import Image
+
+    from lightkv import generate as g
+
+    path = tmp_path / "huge.png"
+    Image.new("RGB", (40, 40)).save(path)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # 1,600 pixels is then a "bomb", as 20000 x 20000 is
+    with pytest.raises(g.GenerateError, match="too large to decode safely"):
+        g.load_image(path)
+
+
+def test_generate_refuses_an_empty_prompt_and_its_help_is_right(capsys):
+    code, line = _one_line(capsys, "generate", "--prompt", "")
+    assert code == 2 and "--prompt is empty" in line
+    assert main(["generate", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split()).replace("- ", "-")  # argparse wraps at hyphens
+    assert "default: lightkv-budget with the bundled model" in out
+    assert main(["--help"]) == 0
+    assert "llava-hf/llava-1.5-7b-hf" in capsys.readouterr().out
+
+
+def test_stages_demo_checks_out_before_any_output(tmp_path, capsys):
+    target = tmp_path / "taken.png"
+    target.write_text("x")
+    with pytest.raises(SystemExit) as info:
+        main(["stages-demo", "--out", str(target)])
+    out, err = capsys.readouterr()
+    assert info.value.code == 2 and out == "" and "is a file" in err and "Traceback" not in err
+
+
+def test_a_missing_extra_is_named_in_one_line(capsys, monkeypatch):
+    import lightkv.cli as cli
+
+    def needs_skimage(args):
+        raise ModuleNotFoundError("No module named 'skimage'", name="skimage")
+
+    monkeypatch.setattr(cli, "_cmd_presets", needs_skimage)
+    code, line = _one_line(capsys, "presets")
+    assert code == 2 and "pip install 'lightkv[demo]'" in line
