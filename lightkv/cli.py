@@ -43,10 +43,14 @@ examples:
   lightkv config validate mine.yaml --num-layers 28
   lightkv config schema > lightkv.schema.json   for editor completion and checks
   lightkv bench efficiency --quick              prefill FLOPs, KV bytes, TTFT, memory, overhead
-  lightkv generate --model llava-1.5-7b-hf --image cat.png --prompt "What is this?" --compare
+  lightkv generate --model llava-hf/llava-1.5-7b-hf --image cat.png --prompt "What is this?" --compare
 
 exit status: 0 ok, 1 invalid configuration, 2 usage error (bad arguments, missing file,
 unknown preset)."""
+
+
+_EXTRAS = {"skimage": "demo", "sklearn": "demo", "matplotlib": "bench", "tqdm": "bench", "torch_scatter": "scatter"}
+"""Top-level module -> the extra of lightkv that installs it (for one-line errors)."""
 
 
 class _UsageError(Exception):
@@ -219,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", metavar="TEXT", default=None,
                      help="the question or instruction (default with the bundled model: a question about that image)")
     which = gen.add_mutually_exclusive_group()
-    which.add_argument("--preset", metavar="NAME", help="a preset (see `lightkv presets`; default: lightkv)")
+    which.add_argument("--preset", metavar="NAME", help="a preset (see `lightkv presets`; default: lightkv-budget "
+                       "with the bundled model, lightkv with --model)")
     which.add_argument("--config", metavar="FILE", help="a pipeline YAML file")
     gen.add_argument("--compare", action="store_true", help="also generate without compression and compare")
     gen.add_argument("--max-new-tokens", type=_depth, default=32, metavar="N", help="tokens to generate (default: 32)")
@@ -448,6 +453,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
     from . import generate as g
+    from .config import ConfigError
 
     if args.preset and ("/" in args.preset or os.sep in args.preset or args.preset.endswith((".yaml", ".yml"))):
         raise _UsageError(f"--preset takes a preset name; use --config for the file {args.preset!r}")
@@ -457,8 +463,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     model_path = str(BUNDLED_MODEL) if bundled else args.model
     if not bundled and (args.image is None or args.prompt is None):
         raise _UsageError("--image and --prompt are required with --model (they default only for the bundled model)")
+    if args.prompt is not None and not args.prompt.strip():
+        raise _UsageError("--prompt is empty; give a question, or leave --prompt out for the bundled model's default")
     # the bundled model has 6 layers: the 32-layer 'lightkv' schedule does not fit it
-    cfg = _load(args.config if args.config else (args.preset or ("lightkv-budget" if bundled else "lightkv")))
+    target = args.config if args.config else (args.preset or ("lightkv-budget" if bundled else "lightkv"))
+    cfg = _load(target)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     hub_log = logging.getLogger("huggingface_hub")
@@ -481,6 +490,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         result = g.run(loaded, inputs, cfg.build(), compare=args.compare, max_new_tokens=args.max_new_tokens)
     except g.GenerateError as e:
         raise _UsageError(str(e)) from None
+    except ConfigError as e:  # e.g. a schedule deeper than the model: name the file or preset
+        raise (e if e.source else e.with_source(target if args.config else f"preset {target}")) from None
     finally:
         hub_log.setLevel(hub_level)
         if quiet:
@@ -550,6 +561,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in str(e).splitlines():
             print(f"{PROG}: error: {line}", file=sys.stderr)
         return EXIT_INVALID
+    except ModuleNotFoundError as e:  # an optional dependency: name the extra that brings it
+        extra = _EXTRAS.get((e.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"{PROG}: error: this command needs {e.name}, which is not installed: pip install 'lightkv[{extra}]'",
+              file=sys.stderr)
+        return EXIT_USAGE
     except BrokenPipeError:  # e.g. `lightkv config schema | head`
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

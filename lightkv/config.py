@@ -39,6 +39,9 @@ import functools
 import json
 import math
 import os
+import reprlib
+import stat
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -73,6 +76,8 @@ __all__ = [
     "load_config",
     "pipeline_from_yaml",
     "pipeline_to_yaml",
+    "read_config_text",
+    "MAX_CONFIG_BYTES",
 ]
 
 STAGE_FIELDS: tuple[str, ...] = ("partitioner", "scorer", "pruner", "passer", "relevance")
@@ -96,9 +101,15 @@ class ConfigError(ValueError):
         self.source = source
         super().__init__(self._render())
 
+    MAX_LINES: ClassVar[int] = 10
+    """At most this many problems are rendered (the rest are counted)."""
+
     def _render(self) -> str:
         prefix = f"{self.source}: " if self.source else ""
-        lines = [f"{prefix}{loc}: {msg}" if loc else f"{prefix}{msg}" for loc, msg in self.problems]
+        shown = self.problems[: self.MAX_LINES]
+        lines = [f"{prefix}{loc}: {msg}" if loc else f"{prefix}{msg}" for loc, msg in shown]
+        if len(self.problems) > len(shown):
+            lines.append(f"{prefix}... and {len(self.problems) - len(shown)} more problem(s)")
         return "\n".join(lines)
 
     def with_source(self, source: str) -> ConfigError:
@@ -110,15 +121,46 @@ def _dotted(loc: Iterable[Any]) -> str:
     return ".".join(str(p) for p in loc)
 
 
+_REPR = reprlib.Repr()
+# reprlib walks only what it shows: a value expanded from YAML aliases (or a huge list)
+# costs a few dozen elements to describe, never its full size.
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict, _REPR.maxset = 2, 4, 4, 4, 4
+_REPR.maxstring, _REPR.maxother, _REPR.maxlong = 60, 60, 40
+
+
 def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
+    text = _REPR.repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_KEYS = ("qwertyuiop", "asdfghjkl", "zxcvbnm")
+
+
+def _adjacent(a: str, b: str) -> bool:
+    """Whether two letters are neighbours on a QWERTY keyboard (a likely slip)."""
+    pos = {ch: (r, i) for r, row in enumerate(_KEYS) for i, ch in enumerate(row)}
+    if a not in pos or b not in pos:
+        return False
+    (ra, ia), (rb, ib) = pos[a], pos[b]
+    if ra == rb:
+        return abs(ia - ib) == 1
+    if rb == ra + 1:  # each row sits half a key to the right of the one above
+        return ib in (ia - 1, ia)
+    if rb == ra - 1:
+        return ib in (ia, ia + 1)
+    return False
 
 
 def _did_you_mean(word: Any, choices: Iterable[str], paren: bool = False) -> str:
     if not isinstance(word, str):
         return ""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    choices = list(choices)
+    # A slipped key in what starts a longer name ('windowz' for 'windows_per_side') beats
+    # difflib's overall similarity, which prefers the shorter 'window_size'.
+    slips = [c for c in choices if len(word) >= 4 and len(c) >= len(word) and c != word
+             and sum(x != y for x, y in zip(word, c)) == 1
+             and all(x == y or _adjacent(x, y) for x, y in zip(word, c))]
+    close = slips[:1] or difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
     if not close:
         return ""
     return f" (did you mean {close[0]!r}?)" if paren else f"; did you mean {close[0]!r}?"
@@ -585,6 +627,12 @@ class PipelineConfig(BaseModel):
     stage_overrides: dict[int, dict[StageField, PolicySpec | None]] = Field(
         default_factory=dict, description="Per-stage replacements: {stage index: {field: policy}}."
     )
+    layout: Literal["native", "reference"] = Field(
+        "native",
+        description="How an adapter lays out the vision tokens: 'native' (lightkv: every grid on its own, "
+        "structural tokens protected) or 'reference' (the authors' code: on LLaVA-NeXT the whole anyres "
+        "sequence of an image, base grid, high-resolution grid and row newlines, is one span).",
+    )
 
     @field_validator("summary")
     @classmethod
@@ -677,6 +725,7 @@ class PipelineConfig(BaseModel):
             scheduler=cfg.schedule.build(),
             stage_overrides=overrides,
             name=cfg.name,
+            layout=cfg.layout,
             **cfg._policies(),  # type: ignore[arg-type]
         )
 
@@ -749,6 +798,8 @@ class PipelineConfig(BaseModel):
                 i: {f: None if s is None else s.to_yaml_value() for f, s in fields.items()}
                 for i, fields in self.stage_overrides.items()
             }
+        if self.layout != "native":
+            out["layout"] = self.layout
         return out
 
     # ------------------------------------------------------------------ YAML
@@ -766,14 +817,10 @@ class PipelineConfig(BaseModel):
         """Read and validate a YAML file.
 
         Raises:
-            FileNotFoundError: no such file.
-            ConfigError: invalid YAML or an invalid config.
+            FileNotFoundError: no such file, or a directory.
+            ConfigError: too large, invalid YAML or an invalid config.
         """
-        p = Path(path)
-        if not p.is_file():
-            what = "is a directory, not a file" if p.is_dir() else "does not exist"
-            raise FileNotFoundError(f"{path}: {what}")
-        return cls.from_yaml_text(p.read_text(encoding="utf-8"), str(path))
+        return cls.from_yaml_text(read_config_text(path), "<stdin>" if os.fspath(path) == "-" else str(path))
 
     def to_yaml(self, path: str | os.PathLike | None = None) -> str:
         """The canonical YAML text (``from_yaml_text(to_yaml())`` gives an equal config);
@@ -791,8 +838,96 @@ def _canonical_params(given: dict[str, Any], coerced: dict[str, Any]) -> dict[st
 
 
 # ---------------------------------------------------------------------------- YAML I/O
-class _Loader(yaml.SafeLoader):
+MAX_CONFIG_BYTES = 64 * 1024
+"""Largest pipeline file read (a preset is about 1.5 KB)."""
+MAX_YAML_NODES = 10_000
+"""Most YAML nodes a document may hold once its aliases are expanded."""
+MAX_YAML_DEPTH = 32
+"""Deepest nesting of YAML collections accepted."""
+
+
+def read_config_text(path: str | os.PathLike) -> str:
+    """The text of a config file (``-``: standard input), at most `MAX_CONFIG_BYTES`.
+
+    Raises:
+        FileNotFoundError: no such file, or a directory (the message says which).
+        ConfigError: too large, or not UTF-8 text.
+    """
+    name = os.fspath(path)
+    if name == "-":
+        return _read_capped(sys.stdin.buffer, "<stdin>")
+    try:
+        info = os.stat(name)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{name}: does not exist") from None
+    except NotADirectoryError:
+        raise FileNotFoundError(f"{name}: does not exist (a part of the path is not a directory)") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise FileNotFoundError(f"{name}: is a directory, not a file")
+    if stat.S_ISREG(info.st_mode) and info.st_size > MAX_CONFIG_BYTES:
+        raise ConfigError([("", f"the file is {info.st_size:,} bytes; a pipeline config is at most "
+                                f"{MAX_CONFIG_BYTES // 1024} KiB")], name)
+    if stat.S_ISFIFO(info.st_mode):
+        # Opening a FIFO blocks until a writer appears: open without blocking, then read;
+        # with no writer the read ends at once (an empty document), never hangs.
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK)
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb") as f:
+            return _read_capped(f, name)
+    with open(name, "rb") as f:  # regular files and devices such as /dev/null
+        return _read_capped(f, name)
+
+
+def _read_capped(stream, name: str) -> str:
+    data = stream.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError([("", f"more than {MAX_CONFIG_BYTES // 1024} KiB of input; a pipeline config is "
+                                f"at most {MAX_CONFIG_BYTES // 1024} KiB")], name)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError([("", f"not UTF-8 text (byte {e.start}); a pipeline config is a YAML text file")], name) from None
+
+
+_Base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when available: 20x faster
+
+
+class _Loader(_Base):  # type: ignore[misc, valid-type]
     """Safe loader that rejects duplicate keys (PyYAML silently keeps the last one)."""
+
+
+def _check_events(text: str) -> str | None:
+    """What makes ``text`` too costly to load (None if nothing): nesting deeper than
+    `MAX_YAML_DEPTH`, more than `MAX_YAML_NODES` nodes once aliases are expanded (a
+    'billion laughs' document), or a recursive alias. One pass over the parser's events,
+    without building anything."""
+    sizes: dict[str, int] = {}
+    open_anchors: list[str | None] = []
+    counts = [0]
+    for event in yaml.parse(text, Loader=_Loader):
+        if isinstance(event, yaml.AliasEvent):
+            if event.anchor in open_anchors:
+                return f"the alias *{event.anchor} refers to a collection that contains it (a recursive document)"
+            counts[-1] += sizes.get(event.anchor, 1)
+        elif isinstance(event, yaml.ScalarEvent):
+            counts[-1] += 1
+            if event.anchor:
+                sizes[event.anchor] = 1
+        elif isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+            open_anchors.append(event.anchor)
+            counts.append(1)
+            if len(counts) - 1 > MAX_YAML_DEPTH:
+                return f"collections nested more than {MAX_YAML_DEPTH} deep; a pipeline config needs a few levels"
+        elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+            size = counts.pop()
+            anchor = open_anchors.pop()
+            if anchor:
+                sizes[anchor] = size
+            counts[-1] += size
+        if counts[-1] > MAX_YAML_NODES or sum(counts) > MAX_YAML_NODES:
+            return (f"more than {MAX_YAML_NODES:,} values once aliases (*name) are expanded; "
+                    "a pipeline config has a few dozen")
+    return None
 
 
 def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dict:
@@ -809,7 +944,7 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = Fal
         if key in out:
             mark = key_node.start_mark
             raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r} (line {mark.line + 1}, column {mark.column + 1})", mark
+                None, None, f"duplicate key {_short(key)} (line {mark.line + 1}, column {mark.column + 1})", mark
             )
         out[key] = loader.construct_object(value_node, deep=deep)
     return out
@@ -819,8 +954,16 @@ _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _constru
 
 
 def _load_yaml(text: str, source: str | None) -> Any:
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError([("", f"the text is {len(text):,} characters; a pipeline config is at most "
+                                f"{MAX_CONFIG_BYTES // 1024} KiB")], source)
     try:
+        problem = _check_events(text)
+        if problem:
+            raise ConfigError([("", f"refused: {problem}")], source)
         return yaml.load(text, Loader=_Loader)
+    except RecursionError:
+        raise ConfigError([("", "not valid YAML: nested too deeply")], source) from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
@@ -891,6 +1034,7 @@ def config_from_pipeline(pipeline: Pipeline, *, summary: str = "", description: 
         i: {f: None if p is None else _spec_of(p, f"stage_overrides.{i}.{f}") for f, p in fields.items()}
         for i, fields in pipeline.stage_overrides.items()
     }
+    data["layout"] = pipeline.layout
     try:
         return PipelineConfig.model_validate(data)
     except ValidationError as e:
@@ -910,8 +1054,10 @@ def pipeline_to_yaml(pipeline: Pipeline, path: str | os.PathLike | None = None) 
 def load_config(name_or_path: str | os.PathLike) -> PipelineConfig:
     """A preset by name, or a YAML file by path.
 
-    A string that names an existing file, or ends in ``.yaml``/``.yml``, or contains a path
-    separator, is read as a file; anything else must be a preset name.
+    A string that names an existing path other than a directory, or ends in ``.yaml``/``.yml``, or contains a path
+    separator, is read as a file (``-`` reads standard input); anything else must be a
+    preset name. Files are read through `read_config_text`: at most `MAX_CONFIG_BYTES`,
+    and documents that nest too deeply or expand aliases too far are refused at once.
 
     Raises:
         FileNotFoundError: a path that does not exist.
@@ -922,7 +1068,7 @@ def load_config(name_or_path: str | os.PathLike) -> PipelineConfig:
 
     text = os.fspath(name_or_path)
     looks_like_path = (
-        Path(text).is_file() or text.endswith((".yaml", ".yml")) or os.sep in text or "/" in text
+        text == "-" or (Path(text).exists() and not Path(text).is_dir()) or text.endswith((".yaml", ".yml")) or os.sep in text or "/" in text
     )
     if not looks_like_path:
         if text in PRESETS:

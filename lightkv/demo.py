@@ -347,8 +347,12 @@ def build_parser(prog: str = "python -m lightkv.demo") -> argparse.ArgumentParse
 
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; ``argv`` as on the command line (see `build_parser`)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     presets = args.preset or list(DEFAULT_PRESETS)
+    out_dir = Path(args.out)
+    if not args.no_png and out_dir.exists() and not out_dir.is_dir():  # checked before any output
+        parser.error(f"--out {args.out}: is a file; --out names a directory for lightkv-demo.png")
 
     inputs = build_inputs()
     print(
@@ -367,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_maps(rep, inputs))
         print()
     if not args.no_png:
-        out = Path(args.out)
+        out = out_dir
         out.mkdir(parents=True, exist_ok=True)
         path = save_png(out / "lightkv-demo.png", reports, inputs)
         views = ", ".join(f"{r.name}: group mean colour, colour its token carries" for r in reports)

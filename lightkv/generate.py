@@ -231,6 +231,11 @@ def load_image(path: str | os.PathLike):
     try:
         with Image.open(p) as img:
             return img.convert("RGB")
+    except Image.DecompressionBombError:  # Pillow's guard against images of hundreds of megapixels
+        raise GenerateError(
+            f"{path}: the image is too large to decode safely (over {Image.MAX_IMAGE_PIXELS * 2:,} pixels); "
+            "resize it first"
+        ) from None
     except (UnidentifiedImageError, OSError) as e:
         raise GenerateError(f"{path}: cannot read the image ({_first_line(e)})") from None
 

@@ -234,6 +234,10 @@ class Pipeline:
         relevance: how ξ is computed inside a model.
         stage_overrides: ``{stage index: {field: policy}}``.
         name: a label (the preset name, for reports).
+        layout: how adapters lay out vision tokens: ``native`` (every grid on its own,
+            structural tokens such as LLaVA-NeXT's row newlines protected) or ``reference``
+            (the authors' code: on LLaVA-NeXT an image's whole anyres sequence, newlines
+            included, is one span; other families are the same either way).
     """
 
     scheduler: Scheduler = field(default_factory=ExplicitSchedule)
@@ -244,6 +248,11 @@ class Pipeline:
     relevance: Relevance = field(default_factory=QueryAxisSoftmax)
     stage_overrides: dict[int, dict[str, object]] = field(default_factory=dict)
     name: str = "custom"
+    layout: str = "native"
+
+    def __post_init__(self) -> None:
+        if self.layout not in ("native", "reference"):
+            raise ValueError(f"unknown layout {self.layout!r}; choose 'native' (lightkv) or 'reference' (authors' code)")
 
     @classmethod
     def from_preset(cls, name: str) -> "Pipeline":

@@ -1,6 +1,7 @@
 """A slow, obviously-correct LightKV stage: Python loops per row, image and window, and
 networkx for the bipartite structure. Independent of lightkv's tensor core (it reads
-only the layout's plain per-token fields)."""
+only the layout's plain per-token fields): windows come from band lengths written out
+from the rules in words (never from `lightkv.graph.windows`' formulas)."""
 
 from __future__ import annotations
 
@@ -11,17 +12,45 @@ import networkx as nx
 VISION = 1
 
 
-def window_of(r: int, c: int, h: int, w: int, windows_per_side: int) -> tuple[int, int]:
-    """True 2-D window of cell (r, c) on an h x w grid: near-equal bands per side."""
-    n_r, n_c = min(windows_per_side, h), min(windows_per_side, w)
-    return (r * n_r // h, c * n_c // w)
+def band_lengths(s: int, windows: int, rule: str) -> list[int]:
+    """Lengths of the bands a side of ``s`` cells is cut into, first to last.
+
+    * ``leading`` (the reference code): ``windows`` bands of ``s // windows`` cells, the
+      first ``s % windows`` of them one longer; empty bands are dropped.
+    * ``proportional`` (lightkv): band ``k`` starts at the first cell ``>= k * s / n``
+      with ``n = min(windows, s)`` bands, i.e. at ``ceil(k * s / n)``.
+    """
+    if rule == "leading":
+        base, extra = divmod(s, windows)
+        lengths = [base + 1] * extra + [base] * (windows - extra)
+        return [n for n in lengths if n > 0]
+    n = min(windows, s)
+    starts = [-(-k * s // n) for k in range(n)] + [s]
+    return [starts[k + 1] - starts[k] for k in range(n)]
 
 
-def pseudo_square_window(k: int, n: int, windows_per_side: int) -> tuple[int, int]:
-    side = math.isqrt(n)
-    if side * side < n:
+def band_of(index: int, lengths: list[int]) -> int:
+    """Which band (0-based) cell ``index`` falls into, walking the band lengths."""
+    end = 0
+    for band, n in enumerate(lengths):
+        end += n
+        if index < end:
+            return band
+    raise AssertionError(f"cell {index} is beyond the side ({end} cells)")
+
+
+def window_of(r: int, c: int, h: int, w: int, windows_per_side: int, rule: str = "proportional") -> tuple[int, int]:
+    """True 2-D window of cell (r, c) on an h x w grid."""
+    return band_of(r, band_lengths(h, windows_per_side, rule)), band_of(c, band_lengths(w, windows_per_side, rule))
+
+
+def pseudo_square_window(k: int, n: int, windows_per_side: int, rule: str = "leading") -> tuple[int, int]:
+    """The k-th of n tokens laid row-major into the smallest square that holds them."""
+    side = 1
+    while side * side < n:
         side += 1
-    return ((k // side) * windows_per_side // side, (k % side) * windows_per_side // side)
+    lengths = band_lengths(side, windows_per_side, rule)
+    return band_of(k // side, lengths), band_of(k % side, lengths)
 
 
 def cosine_divergence(a: list[float], b: list[float]) -> float:
@@ -31,9 +60,18 @@ def cosine_divergence(a: list[float], b: list[float]) -> float:
     return 1.0 - dot / (max(na, 1e-12) * max(nb, 1e-12))
 
 
-def oracle_stage(hidden, layout, relevance, ratio, windows_per_side, pseudo_square=False):
+def oracle_stage(
+    hidden, layout, relevance, ratio, windows_per_side, pseudo_square=False, bands=None, cap="sources", min_tokens=0
+):
     """Returns, per row, (kept positions in the input sequence, new features as a list of
-    lists, {kept position: sorted list of absorbed input positions})."""
+    lists, {kept position: sorted list of absorbed input positions}).
+
+    ``bands``: the band rule (default: ``proportional`` on the grid, ``leading`` on the
+    pseudo-square); ``cap``: ``sources`` (at most the window's A side) or ``half`` (at most
+    half the window, rounded down); ``min_tokens``: a row is left alone when one of its
+    images has fewer than ``min_tokens * windows_per_side**2`` vision tokens."""
+    if bands is None:
+        bands = "leading" if pseudo_square else "proportional"
     kind = layout.kind.tolist()
     image = layout.image.tolist()
     coords = layout.coords.tolist()
@@ -48,13 +86,17 @@ def oracle_stage(hidden, layout, relevance, ratio, windows_per_side, pseudo_squa
         for i, k in enumerate(kind[b]):
             if k == VISION:
                 per_image.setdefault(image[b][i], []).append(i)
+        if min_tokens and any(len(m) < min_tokens * windows_per_side**2 for m in per_image.values()):
+            kept = list(range(len(kind[b])))
+            rows.append((kept, [x[i] for i in kept], {i: [i] for i in kept}))
+            continue
         for img, members in per_image.items():
             h, w = grids[img]
             for rank, i in enumerate(members):
                 if pseudo_square:
-                    win = pseudo_square_window(rank, len(members), windows_per_side)
+                    win = pseudo_square_window(rank, len(members), windows_per_side, bands)
                 else:
-                    win = window_of(coords[b][i][0], coords[b][i][1], h, w, windows_per_side)
+                    win = window_of(coords[b][i][0], coords[b][i][1], h, w, windows_per_side, bands)
                 windows.setdefault((img, win), []).append(i)
         removed, absorbed = set(), {i: [i] for i in range(len(kind[b]))}
         new_x = dict(x)
@@ -75,6 +117,8 @@ def oracle_stage(hidden, layout, relevance, ratio, windows_per_side, pseudo_squa
                     best[a] = (edges[0][2], edges[0][1])
             n = len(members)
             r = min(math.floor(ratio * n), len(a_side)) if b_side else 0
+            if cap == "half":
+                r = min(r, n // 2)
             chosen = sorted(best, key=lambda a: (best[a][0], a_side.index(a)))[:r]
             receivers: dict[int, list[int]] = {}
             for a in chosen:

@@ -157,3 +157,14 @@ def test_figure_script_runs(tmp_path, one_thread):
     committed = sorted(p.name for p in (DOCS / "assets").glob("*.png"))
     assert made and set(made) <= set(committed), f"figures not committed to docs/assets: {set(made) - set(committed)}"
     assert sum(p.stat().st_size for p in (DOCS / "assets").glob("*.png")) < 300_000
+
+
+def test_readme_python_snippets_run_when_pasted_in_order():
+    """Every ``python`` block of README.md, in order, in one fresh namespace (issue 13)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+    assert blocks
+    namespace: dict = {"__name__": "readme"}
+    with contextlib.redirect_stdout(io.StringIO()), torch.no_grad():
+        for block in blocks:
+            exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102

@@ -27,6 +27,7 @@ layers and follow ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_
 from __future__ import annotations
 
 import functools
+import gc
 import inspect
 import weakref
 from collections.abc import Mapping, Sequence
@@ -83,6 +84,8 @@ class Adapter:
     family: ClassVar[str] = ""
     model_types: ClassVar[tuple[str, ...]] = ()
     options_allowed: ClassVar[tuple[str, ...]] = ()
+    layout_mode: str = "native"
+    """The session's `lightkv.Pipeline.layout` (``native`` or ``reference``)."""
 
     def __init__(self, model: nn.Module, **options: Any):
         unknown = set(options) - set(self.options_allowed)
@@ -486,6 +489,42 @@ def _cache_of(kwargs: Mapping[str, Any]):
 # ---------------------------------------------------------------------------------------
 # The session
 # ---------------------------------------------------------------------------------------
+_COMPILED = (
+    "lightkv cannot compress a torch.compile'd model: compiled code does not run the hooks lightkv installs, "
+    "so nothing would be compressed. "
+)
+
+
+def _refuse_compiled(model: nn.Module, modules: Sequence[nn.Module] = ()) -> None:
+    """Raise when ``model`` (or one of ``modules``) is compiled or wrapped by
+    ``torch.compile``: a compiled graph skips module hooks, so a session would silently
+    compress nothing."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except Exception:  # noqa: BLE001  (a torch without dynamo cannot compile either)
+        return
+    if isinstance(model, OptimizedModule):
+        raise TypeError(_COMPILED + "Apply lightkv to the uncompiled model (compiled._orig_mod) and call that one "
+                        "inside the with block.")
+    targets = [model, *modules]
+    for m in targets:
+        if getattr(m, "_compiled_call_impl", None) is not None:
+            raise TypeError(_COMPILED + f"{type(m).__name__} was compiled in place (module.compile()); set its "
+                            "_compiled_call_impl to None, or load the model again, before applying lightkv.")
+    if modules:
+        # A wrapper made by torch.compile(model) keeps the model as its `_orig_mod`: calling the
+        # wrapper inside the session would run the compiled graph, without hooks.
+        def wrapped() -> bool:
+            return any(isinstance(ref, dict) and any(ref.get("_orig_mod") is t for t in targets)
+                       for ref in gc.get_referrers(*targets))
+
+        if wrapped():
+            gc.collect()  # a deleted wrapper may only wait for the cycle collector
+            if wrapped():
+                raise TypeError(_COMPILED + "A torch.compile wrapper of this model exists; delete it "
+                                "and call the uncompiled model inside the with block.")
+
+
 class CompressionSession:
     """Compress vision tokens during prefill of one model, for the duration of a ``with``.
 
@@ -525,6 +564,7 @@ class CompressionSession:
 
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"expected a lightkv.Pipeline, got {type(pipeline).__name__}")
+        _refuse_compiled(model)
         if isinstance(adapter, Adapter):
             if adapter_options:
                 raise TypeError("pass adapter options to the Adapter instance, not to the session")
@@ -532,11 +572,13 @@ class CompressionSession:
         else:
             self.adapter = get_adapter(model, family=adapter, **adapter_options)
         self.pipeline = pipeline
+        self.adapter.layout_mode = pipeline.layout  # read by adapters with a reference layout (LLaVA-NeXT)
         self.model = model
         self.record = record
         self._mm = self.adapter.multimodal_module()
         self._lm = self.adapter.language_model()
         self.layers = list(self.adapter.decoder_layers())
+        _refuse_compiled(model, [self._mm, self._lm, *self.layers])
         self.num_layers = len(self.layers)
         self.stages = pipeline.stages(self.num_layers)
         self._stage_at = {s.spec.layer: s for s in self.stages}
@@ -670,10 +712,24 @@ class CompressionSession:
         cache = _cache_of(inputs)
         if cache is not None and not isinstance(cache, Cache):
             raise TypeError("lightkv supports transformers Cache objects only (legacy tuple caches are not supported)")
+        if cache is not None:
+            # before the mask check: with a static cache transformers prepares a 4-D mask itself
+            bad = next((layer for layer in getattr(cache, "layers", ())
+                        if type(layer) is not DynamicLayer and not isinstance(layer, MaskedCacheLayer)), None)
+            if bad is not None:
+                raise TypeError(
+                    f"lightkv supports the default dynamic cache only; this {type(cache).__name__} has "
+                    f"{type(bad).__name__} layers (static, sliding-window, quantized and offloaded caches are not "
+                    "supported): drop cache_implementation= or past_key_values="
+                )
         past = cache.get_seq_length() if cache is not None else 0
         mask2d = inputs.get("attention_mask")
         if mask2d is not None and (not isinstance(mask2d, torch.Tensor) or mask2d.dim() != 2):
-            raise ValueError("lightkv needs a 2-D attention_mask [batch, sequence] (or none); got a prepared 4-D mask")
+            raise ValueError(
+                f"lightkv needs a 2-D attention_mask [batch, sequence] (or none); got a {mask2d.dim()}-D mask. Pass the "
+                "processor's attention_mask as it is" if isinstance(mask2d, torch.Tensor) else
+                f"lightkv needs a 2-D attention_mask [batch, sequence] (or none); got {type(mask2d).__name__}"
+            )
         new_valid = (
             mask2d[:, -q:].bool() if mask2d is not None else torch.ones(b, q, dtype=torch.bool, device=ref.device)
         )
@@ -869,4 +925,5 @@ class CompressionSession:
         k_cols = n if cols == "all" else (int(layout.text_mask.sum(1).max()) if cols == "text" else 0)
         flops += 2.0 * b * probe.heads * d * q_rows * k_cols
         self._state.trace.relevance_flops += flops
-        return rel.score(queries, keys, layout).float()
+        xi = rel.score(queries, keys, layout)
+        return xi.to(torch.promote_types(xi.dtype, torch.float32))

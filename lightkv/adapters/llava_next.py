@@ -12,6 +12,16 @@ The grid shapes come from ``image_sizes`` with the model's own helpers
 ``generate()`` encodes images before the prefill and passes ``mm_encoder_outputs``
 instead of ``image_sizes``; then each image's grid is read from its packed features,
 where every row ends with a copy of the model's ``image_newline`` vector.
+
+Extreme aspect ratios (e.g. 8 x 120 pixels) un-pad to a high-resolution grid without rows
+or columns: such an image is its base grid alone (and, without columns, its row newlines
+stay text-like, outside any grid).
+
+With a pipeline's ``layout: reference`` (the ``lightkv-paper`` preset) the adapter lays
+out an image as the authors' code does: its whole anyres sequence (base grid,
+high-resolution grid and row newlines, ``base + rows * (cols + 1)`` tokens, e.g. 2,928
+for a 672 x 672 image) is one span of vision tokens, newlines included, which the
+pseudo-square partitioner re-packs (2928 -> 1465 -> 733 -> 367 at 4/2/1 windows).
 """
 
 from __future__ import annotations
@@ -56,6 +66,8 @@ class LlavaNextAdapter(Adapter):
         side = _side(self.config.vision_config)
         newline = self.multimodal_module().image_newline
         hi = feature[side * side :]
+        if hi.shape[0] == 0:  # an extreme aspect ratio un-pads to no rows at all
+            return (side, side), (0, 0)
         is_newline = (hi == newline.to(hi.device, hi.dtype)).all(dim=-1)
         rows = int(is_newline.sum())
         if rows == 0 or hi.shape[0] % rows:
@@ -84,9 +96,14 @@ class LlavaNextAdapter(Adapter):
             raise ValueError("LLaVA-NeXT inputs with image tokens need image_sizes (or mm_encoder_outputs)")
         counts = [b[0] * b[1] + h * (w + 1) for b, (h, w) in grids]
         segments = []
-        for (row, offset), (base, (h, w)) in zip(place_images(placeholders, counts), grids):
+        reference = getattr(self, "layout_mode", "native") == "reference"
+        for (row, offset), (base, (h, w)), count in zip(place_images(placeholders, counts), grids, counts):
+            if reference:  # the authors' code: one span, newlines included (see the module docstring)
+                segments.append(ImageSegment(row=row, offset=offset, grid=(1, count)))
+                continue
             segments.append(ImageSegment(row=row, offset=offset, grid=base))
-            segments.append(
-                ImageSegment(row=row, offset=offset + base[0] * base[1], grid=(h, w), newline_every=w)
-            )
+            if h > 0 and w > 0:
+                segments.append(
+                    ImageSegment(row=row, offset=offset + base[0] * base[1], grid=(h, w), newline_every=w)
+                )
         return self.layout_from_segments(input_ids, segments, padding)

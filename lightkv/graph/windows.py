@@ -11,19 +11,61 @@ Two geometries:
   (576 -> 288 -> 145 -> 73 for LLaVA-1.5 at 4/2/1 windows per side) but its windows are
   only approximately spatial after the first stage or on non-square grids.
 
-Both return window ids that are unique across the whole batch (``-1`` for tokens that are
+Both cut a side of ``s`` rows (or columns) into ``W`` bands with one of two rules
+(``bands``):
+
+* ``"proportional"`` (lightkv's default): row ``r`` goes to band ``floor(r * W / s)``, which
+  spreads the longer bands over the side (s = 32, W = 6: 6, 5, 5, 6, 5, 5);
+* ``"leading"`` (the reference code's): ``W`` bands of ``floor(s / W)`` rows, the *first*
+  ``s mod W`` of them one row longer (s = 32, W = 6: 6, 6, 5, 5, 5, 5).
+
+Both give the same band lengths, only in another order, so token counts agree while the
+windows themselves differ. Both return window ids that are unique across the whole batch (``-1`` for tokens that are
 not vision tokens) and compact (``0 .. num_windows - 1``, in order of first appearance by
 image, then by window position).
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from .layout import VisionLayout
 from .scatter import scatter_sum, segment_rank
 
-__all__ = ["grid_windows", "pseudo_square_windows", "check_window_spec"]
+__all__ = ["BANDS", "Bands", "band_index", "check_bands", "grid_windows", "pseudo_square_windows", "check_window_spec"]
+
+Bands = Literal["proportional", "leading"]
+BANDS: tuple[str, ...] = ("proportional", "leading")
+"""The band rules (see the module docstring)."""
+
+
+def check_bands(bands: str) -> None:
+    """Raise a clear error for an unknown band rule."""
+    if bands not in BANDS:
+        raise ValueError(f"unknown bands rule {bands!r}; choose 'proportional' (lightkv) or 'leading' (reference code)")
+
+
+def band_index(r: torch.Tensor, size: torch.Tensor, bands: int, rule: str = "proportional") -> torch.Tensor:
+    """Band of each index ``r`` on a side of ``size`` cells cut into ``min(bands, size)`` bands.
+
+    Args:
+        r: int64 indices in ``[0, size)``.
+        size: int64 side lengths (broadcast with ``r``), at least 1.
+        bands: bands per side (``W``).
+        rule: ``"proportional"`` or ``"leading"`` (see the module docstring).
+    """
+    check_bands(rule)
+    if rule == "proportional":
+        n = size.clamp(max=bands)
+        return torch.div(r * n, size, rounding_mode="floor")
+    q = torch.div(size, bands, rounding_mode="floor")
+    rem = size - q * bands
+    cut = rem * (q + 1)  # rows covered by the longer leading bands
+    # q == 0 (a side shorter than W): every index is before the cut, one band per cell.
+    return torch.where(r < cut, torch.div(r, q + 1, rounding_mode="floor"),
+                       rem + torch.div(r - cut, q.clamp_min(1), rounding_mode="floor"))
 
 
 def check_window_spec(windows_per_side: int | None, window_size: tuple[int, int] | None) -> None:
@@ -50,12 +92,14 @@ def grid_windows(
     layout: VisionLayout,
     windows_per_side: int | None = None,
     window_size: tuple[int, int] | None = None,
+    bands: str = "proportional",
 ) -> torch.Tensor:
     """True 2-D windows on each image's grid.
 
     With ``windows_per_side=W`` an ``h x w`` grid is cut into ``min(W, h)`` window rows and
-    ``min(W, w)`` window columns of near-equal size (token row ``r`` goes to window row
-    ``floor(r * W_r / h)``); so a small image simply gets fewer windows. With
+    ``min(W, w)`` window columns of near-equal size by the ``bands`` rule (``proportional``:
+    token row ``r`` goes to window row ``floor(r * W_r / h)``; ``leading``: the reference
+    code's, longer bands first); so a small image simply gets fewer windows. With
     ``window_size=(s_r, s_c)`` windows are ``s_r x s_c`` tokens (the last ones may be
     smaller).
 
@@ -69,6 +113,7 @@ def grid_windows(
         ValueError: a bad specification, or a window size larger than an image's grid.
     """
     check_window_spec(windows_per_side, window_size)
+    check_bands(bands)
     vision = layout.vision_mask
     if not vision.any():
         return torch.full_like(layout.image, -1)
@@ -77,10 +122,9 @@ def grid_windows(
     w = layout.image_grid[:, 1][img]
     r, c = layout.coords[..., 0].clamp_min(0), layout.coords[..., 1].clamp_min(0)
     if windows_per_side is not None:
-        n_r = h.clamp(max=windows_per_side)
         n_c = w.clamp(max=windows_per_side)
-        wr = torch.div(r * n_r, h, rounding_mode="floor")
-        wc = torch.div(c * n_c, w, rounding_mode="floor")
+        wr = band_index(r, h, windows_per_side, bands)
+        wc = band_index(c, w, windows_per_side, bands)
     else:
         s_r, s_c = window_size  # type: ignore[misc]
         grid = layout.image_grid
@@ -99,18 +143,20 @@ def grid_windows(
     return _compact(img * span + local, vision)
 
 
-def pseudo_square_windows(layout: VisionLayout, windows_per_side: int) -> torch.Tensor:
+def pseudo_square_windows(layout: VisionLayout, windows_per_side: int, bands: str = "leading") -> torch.Tensor:
     """The reference code's windows: re-pack each image's current vision tokens into a
     pseudo-square, then cut it into ``windows_per_side`` windows per side.
 
     Token ``k`` (0-based, in sequence order among the image's current vision tokens, ``n``
     of them) gets pseudo-coordinates ``(k // s, k % s)`` with ``s = ceil(sqrt(n))``, and
-    window ``(row * W // s, col * W // s)``.
+    window ``(band(row), band(col))`` with the ``bands`` rule on a side of ``s`` (the
+    reference code's rule, ``leading``, by default).
 
     Returns:
         ``[B, N]`` int64 window id per token, ``-1`` for non-vision tokens.
     """
     check_window_spec(windows_per_side, None)
+    check_bands(bands)
     vision = layout.vision_mask
     flat_img = layout.image[vision]  # row-major over (b, n): sequence order within an image
     out = torch.full_like(layout.image, -1)
@@ -122,8 +168,8 @@ def pseudo_square_windows(layout: VisionLayout, windows_per_side: int) -> torch.
     side = torch.where(side * side < n, side + 1, side)  # guard against sqrt rounding
     pr = torch.div(k, side, rounding_mode="floor")
     pc = k - pr * side
-    wr = torch.div(pr * windows_per_side, side, rounding_mode="floor")
-    wc = torch.div(pc * windows_per_side, side, rounding_mode="floor")
+    wr = band_index(pr, side, windows_per_side, bands)
+    wc = band_index(pc, side, windows_per_side, bands)
     key = (flat_img * windows_per_side + wr) * windows_per_side + wc
     out[vision] = key
     return _compact(out, vision)

@@ -12,8 +12,8 @@ from typing import ClassVar, Literal
 import torch
 
 from ..graph.layout import VisionLayout
-from ..graph.scatter import segment_rank
-from ..graph.windows import grid_windows, pseudo_square_windows
+from ..graph.scatter import scatter_sum, segment_rank
+from ..graph.windows import Bands, check_bands, grid_windows, pseudo_square_windows
 from .base import Policy
 from .hashing import seeded_uniform, token_identity
 
@@ -62,6 +62,26 @@ class Partitioner(Policy):
         """
         raise NotImplementedError
 
+    @staticmethod
+    def _skip_small(layout: VisionLayout, window: torch.Tensor, windows_per_side: int | None, min_tokens: int) -> torch.Tensor:
+        """Take every vision token of a row out of the graph when one of the row's images has
+        fewer than ``min_tokens * windows_per_side**2`` current vision tokens (the reference
+        code's skip rule; it runs one row at a time, so the rule is per row here too)."""
+        if not min_tokens or windows_per_side is None or not layout.num_images:
+            return window
+        if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
+            raise ValueError(f"min_tokens_per_window must be a non-negative integer, got {min_tokens!r}")
+        vision = layout.vision_mask
+        count = scatter_sum(vision.long()[vision], layout.image[vision], layout.num_images)
+        small = count < min_tokens * windows_per_side**2
+        # images without any current vision token (e.g. all merged away) do not count
+        small &= count > 0
+        if not bool(small.any()):
+            return window
+        rows = torch.zeros(layout.batch_size, dtype=torch.bool, device=window.device)
+        rows[layout.image_row[small]] = True
+        return window.masked_fill(rows.unsqueeze(1), -1)
+
     def _split(self, layout: VisionLayout, window: torch.Tensor, split: Split, src_parity: int, seed: int) -> torch.Tensor:
         inside = window >= 0
         is_src = torch.zeros_like(inside)
@@ -85,6 +105,11 @@ class GridPartitioner(Partitioner):
     """True 2-D windows on each image's grid (lightkv default), then an A/B split.
 
     Attributes:
+        bands: how a side is cut into bands: ``proportional`` (lightkv: longer bands spread
+            over the side) or ``leading`` (the reference code: longer bands first).
+        min_tokens_per_window: if set, a row is left alone when one of its images has fewer
+            than ``min_tokens_per_window * W**2`` vision tokens (the reference code uses 8);
+            0 never skips.
         split: ``parity`` (A = even window-local index, as the LightKV reference code),
             ``checkerboard`` (A where ``row + col`` has parity ``src_parity``), ``random``
             (a fixed hash of each token's position and ``seed``) or ``all_src``.
@@ -95,9 +120,15 @@ class GridPartitioner(Partitioner):
     split: Split = "parity"
     src_parity: int = 0
     seed: int = 0
+    bands: Bands = "proportional"
+    min_tokens_per_window: int = 0
+
+    def __post_init__(self) -> None:
+        check_bands(self.bands)
 
     def partition(self, layout, windows_per_side=None, window_size=None):
-        window = grid_windows(layout, windows_per_side, window_size)
+        window = grid_windows(layout, windows_per_side, window_size, bands=self.bands)
+        window = self._skip_small(layout, window, windows_per_side, self.min_tokens_per_window)
         return Partition(window, self._split(layout, window, self.split, self.src_parity, self.seed))
 
 
@@ -109,16 +140,29 @@ class PseudoSquarePartitioner(Partitioner):
 
     Reproduces the token counts of the authors' release of LightKV (Chen, Guo, Zimmermann,
     TMLR 2026, arXiv:2605.00789): 576 -> 288 -> 145 -> 73 on LLaVA-1.5.
+
+    Attributes:
+        bands: band rule on the pseudo-square's side; ``leading`` (default) is the reference
+            code's (longer bands first), ``proportional`` lightkv's.
+        min_tokens_per_window: skip a row at a stage when one of its images has fewer than
+            ``min_tokens_per_window * W**2`` vision tokens (the reference code: 8; 0 never
+            skips).
     """
 
     split: Split = "parity"
     src_parity: int = 0
     seed: int = 0
+    bands: Bands = "leading"
+    min_tokens_per_window: int = 0
+
+    def __post_init__(self) -> None:
+        check_bands(self.bands)
 
     def partition(self, layout, windows_per_side=None, window_size=None):
         if window_size is not None or windows_per_side is None:
             raise ValueError("the pseudo_square partitioner needs windows_per_side (it has no window_size form)")
-        window = pseudo_square_windows(layout, windows_per_side)
+        window = pseudo_square_windows(layout, windows_per_side, bands=self.bands)
+        window = self._skip_small(layout, window, windows_per_side, self.min_tokens_per_window)
         return Partition(window, self._split(layout, window, self.split, self.src_parity, self.seed))
 
 

@@ -4,14 +4,17 @@ A pruner ranks the A tokens of every window by a removal key (lower leaves first
 removes the ``r`` lowest per window. The budget is LightKV's
 ``r = min(floor(P * n_w), |A_w|)``, where ``n_w`` counts the window's A and B tokens; for
 pruners that merge into a partner (``needs_partner``), a window without B tokens removes
-nothing.
+nothing. The divergence pruners can instead cap at ``floor(n_w / 2)`` (``cap: half``), the
+reference code's rule: with a parity split ``|A_w| = ceil(n_w / 2)``, so the two differ only
+for odd windows at ``P > 0.5`` (288 tokens at P = 0.75: 145 left with ``sources``, 143 with
+``half``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
@@ -60,10 +63,16 @@ class Pruner(Policy):
         raise NotImplementedError
 
     def budget(self, graph: BipartiteGraph, ratio: float) -> torch.Tensor:
-        """``[K]`` tokens to remove per window: ``min(floor(ratio * n_w), |A_w|)``."""
+        """``[K]`` tokens to remove per window: ``min(floor(ratio * n_w), |A_w|)``, or with
+        ``cap == "half"`` ``min(floor(ratio * n_w), |A_w|, floor(n_w / 2))``."""
         n = graph.window_size.double()
         r = torch.floor(n * ratio).long()
         r = torch.minimum(r, graph.src_count)
+        cap = getattr(self, "cap", "sources")
+        if cap == "half":
+            r = torch.minimum(r, torch.div(graph.window_size, 2, rounding_mode="floor"))
+        elif cap != "sources":
+            raise ValueError(f"unknown cap {cap!r}; choose 'sources' (|A| per window) or 'half' (floor(n/2), reference code)")
         if self.needs_partner:
             r = torch.where(graph.dst_count > 0, r, torch.zeros_like(r))
         return r
@@ -86,7 +95,13 @@ class SmallestDivergence(Pruner):
 
     LightKV's candidate set (Chen, Guo, Zimmermann, TMLR 2026, arXiv:2605.00789) and
     ToMe's bipartite soft matching (Bolya et al., ICLR 2023, arXiv:2210.09461).
+
+    Attributes:
+        cap: the most a window loses: ``sources`` (all of side A) or ``half``
+            (``floor(n_w / 2)``, the reference code's cap).
     """
+
+    cap: Literal["sources", "half"] = "sources"
 
     def key(self, inputs):
         return inputs.divergence
@@ -102,9 +117,11 @@ class RelevanceAwareDivergence(Pruner):
 
     Attributes:
         weight: how much relevance counts next to divergence (0 = `SmallestDivergence`).
+        cap: as `SmallestDivergence`.
     """
 
     weight: float = 0.5
+    cap: Literal["sources", "half"] = "sources"
 
     def key(self, inputs):
         xi = inputs.relevance.to(torch.float64)

@@ -30,6 +30,12 @@ def _match_heads(keys: torch.Tensor, heads: int) -> torch.Tensor:
     return keys.repeat_interleave(heads // keys.shape[1], dim=1)
 
 
+def _accumulator(t: torch.Tensor) -> torch.dtype:
+    """At least float32, never below the input (float64 stays float64): half-precision
+    softmax over thousands of queries loses the small relevance differences that rank tokens."""
+    return torch.promote_types(t.dtype, torch.float32) if t.is_floating_point() else torch.float32
+
+
 class Relevance(Policy):
     """Family: prompt relevance ξ per vision token. Override `score`."""
 
@@ -49,7 +55,8 @@ class Relevance(Policy):
             layout: the batch layout.
 
         Returns:
-            ``[B, N]`` non-negative float32, zero outside vision tokens.
+            ``[B, N]`` non-negative, at least float32 (float64 for float64 inputs), zero
+            outside vision tokens.
         """
         raise NotImplementedError
 
@@ -86,7 +93,8 @@ class QueryAxisSoftmax(Relevance):
         h, d = queries.shape[1], queries.shape[-1]
         k = _match_heads(keys, h)
         k_text = k.gather(2, text_pos[:, None, :, None].expand(-1, h, -1, d))
-        logits = torch.matmul(queries.float(), k_text.float().transpose(-1, -2)) / math.sqrt(d)  # [B,H,N,T]
+        acc = _accumulator(queries)
+        logits = torch.matmul(queries.to(acc), k_text.to(acc).transpose(-1, -2)) / math.sqrt(d)  # [B,H,N,T]
         logits = logits.masked_fill(~layout.valid_mask[:, None, :, None], float("-inf"))
         attn = torch.softmax(logits, dim=2)
         attn = attn.masked_fill(~text_valid[:, None, None, :], 0.0)
@@ -115,7 +123,8 @@ class LastTokenAttention(Relevance):
         h, d = queries.shape[1], queries.shape[-1]
         q_last = queries.gather(2, last[:, None, None, None].expand(-1, h, 1, d))  # [B,H,1,d]
         k = _match_heads(keys, h)
-        logits = torch.matmul(q_last.float(), k.float().transpose(-1, -2)) / math.sqrt(d)  # [B,H,1,N]
+        acc = _accumulator(queries)
+        logits = torch.matmul(q_last.to(acc), k.to(acc).transpose(-1, -2)) / math.sqrt(d)  # [B,H,1,N]
         logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
         xi = torch.softmax(logits, dim=-1).mean(dim=1)[:, 0]
         return torch.where(layout.vision_mask, xi, torch.zeros_like(xi))

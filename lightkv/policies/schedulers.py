@@ -79,14 +79,35 @@ class ExplicitSchedule(Scheduler):
     Attributes:
         layers: 0-based layers Λ, increasing.
         ratios: removal ratio per stage (one value is broadcast).
-        windows_per_side: windows per side per stage (one value is broadcast), or
-        window_size: one ``(rows, cols)`` per stage (one value is broadcast).
+        windows_per_side: windows per side per stage (one value is broadcast); the default
+            ``(4, 2, 1)`` fits the three default layers only (other layers must give their
+            own), or
+        window_size: one ``(rows, cols)`` per stage (one value is broadcast); replaces the
+            default ``windows_per_side``.
+
+    Raises:
+        ValueError: at construction, for lengths that do not match ``layers`` or bad values.
     """
 
     layers: tuple[int, ...] = (12, 18, 24)
     ratios: tuple[float, ...] = (0.5,)
     windows_per_side: tuple[int, ...] | None = (4, 2, 1)
     window_size: tuple[tuple[int, int], ...] | None = None
+
+    def __post_init__(self) -> None:
+        # The default (4, 2, 1) belongs to the three default layers: say so at construction,
+        # not as a length mismatch at apply(); an explicit window_size replaces it.
+        n = len(tuple(self.layers))
+        if tuple(self.windows_per_side or ()) == (4, 2, 1):
+            if self.window_size is not None:
+                self.windows_per_side = None
+            elif n != 3:
+                raise ValueError(
+                    f"ExplicitSchedule(layers={tuple(self.layers)}): windows_per_side defaults to (4, 2, 1), one entry "
+                    f"per default layer; give windows_per_side with 1 or {n} entries (e.g. windows_per_side=(1,)) "
+                    "or window_size"
+                )
+        self.stages()  # any other length or value problem, at construction too
 
     def stages(self) -> list[StageSpec]:
         """The stages, independent of depth (not yet checked against a model)."""

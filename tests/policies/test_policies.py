@@ -131,7 +131,9 @@ def test_registries_list_name_and_create_policies():
     assert {"cosine", "l2"} <= set(EdgeScorer.registered())
     for family in FAMILIES.values():
         assert len(family.registered()) >= 2, family.family  # LightKV + at least one alternative
-    assert Partitioner.create("grid", split="checkerboard").params() == {"split": "checkerboard", "src_parity": 0, "seed": 0}
+    assert Partitioner.create("grid", split="checkerboard").params() == {
+        "split": "checkerboard", "src_parity": 0, "seed": 0, "bands": "proportional", "min_tokens_per_window": 0
+    }
     with pytest.raises(ValueError, match="unknown partitioner 'hexagonal'; registered partitioners: .*global, grid, pseudo_square"):
         Partitioner.lookup("hexagonal")
     with pytest.raises(ValueError, match="has no parameter"):

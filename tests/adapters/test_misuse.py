@@ -1,0 +1,59 @@
+"""Misuse of a session meets a clear error, never a silent no-op (issue 13, part B)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from lightkv.adapters import apply
+from lightkv.testing import FAMILIES
+
+from .conftest import get_model, tiny_lightkv
+
+
+def _fresh_llava():
+    return FAMILIES["llava"].build()
+
+
+def test_a_compiled_wrapper_is_refused():
+    model = _fresh_llava()
+    fam = FAMILIES["llava"]
+    compiled = torch.compile(model, backend="eager")
+    compiled(**fam.collate(fam.examples(model)[:1]))
+    with pytest.raises(TypeError, match="torch.compile'd model.*_orig_mod"):
+        apply(tiny_lightkv(), compiled)
+    with pytest.raises(TypeError, match="torch.compile wrapper of this model exists"):
+        apply(tiny_lightkv(), model)
+    del compiled
+    gc.collect()
+    with apply(tiny_lightkv(), model) as session:  # without the wrapper the model compresses
+        model(**fam.collate(fam.examples(model)[:1]))
+    assert session.last_prefill is not None and session.records
+
+
+def test_a_model_compiled_in_place_is_refused():
+    model = _fresh_llava()
+    model.model.language_model.layers[1].compile(backend="eager")
+    with pytest.raises(TypeError, match="compiled in place"):
+        apply(tiny_lightkv(), model)
+
+
+def test_a_static_cache_on_a_padded_batch_names_the_cache_not_the_mask():
+    model = get_model("llava")
+    fam = FAMILIES["llava"]
+    batch = fam.collate(fam.examples(model)[:2])
+    assert not bool(batch["attention_mask"].all())  # padded
+    with apply(tiny_lightkv(), model), pytest.raises(TypeError, match="default dynamic cache only.*Static"):
+        model.generate(**batch, max_new_tokens=2, do_sample=False, cache_implementation="static")
+
+
+def test_a_4d_mask_is_named_as_such():
+    model = get_model("llava")
+    fam = FAMILIES["llava"]
+    batch = fam.collate(fam.examples(model)[:1])
+    n = batch["input_ids"].shape[1]
+    batch["attention_mask"] = torch.ones(1, 1, n, n)
+    with apply(tiny_lightkv(), model), pytest.raises(ValueError, match="got a 4-D mask"):
+        model(**batch)
