@@ -41,6 +41,7 @@ from lightkv.digitgrid.data import _digits
 NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 seeds = st.integers(min_value=0, max_value=2**32 - 1)
 splits = st.sampled_from(["train", "heldout"])
+HANDWRITTEN = GridConfig(glyphs="handwritten")  # the split hygiene of sklearn digits
 qtypes = st.sampled_from(list(QTYPES))
 
 
@@ -150,7 +151,7 @@ def test_digit_pools_are_disjoint_and_cover_all_classes():
 def test_episodes_draw_only_from_their_split(seed, qtype):
     _, targets = _digits()
     for split in ("train", "heldout"):
-        ep = make_episode(random.Random(seed), split, qtype)
+        ep = make_episode(random.Random(seed), split, qtype, HANDWRITTEN)
         used = ep.digit_index[ep.digit_index >= 0]
         if split == "train":
             assert bool((used < SPLIT_BOUNDARY).all())
@@ -162,8 +163,10 @@ def test_episodes_draw_only_from_their_split(seed, qtype):
 
 
 def test_stream_pools_disjoint_over_many_episodes():
-    train = {int(i) for ep in EpisodeStream(3, "train").take(60) for i in ep.digit_index.flatten() if i >= 0}
-    held = {int(i) for ep in EpisodeStream(3, "heldout").take(60) for i in ep.digit_index.flatten() if i >= 0}
+    train = {int(i) for ep in EpisodeStream(3, "train", config=HANDWRITTEN).take(60)
+             for i in ep.digit_index.flatten() if i >= 0}
+    held = {int(i) for ep in EpisodeStream(3, "heldout", config=HANDWRITTEN).take(60)
+            for i in ep.digit_index.flatten() if i >= 0}
     assert train and held and not train & held
 
 
@@ -304,6 +307,12 @@ def test_collate_rejects_empty_batch():
 
 
 # --------------------------------------------------------------------------- glyphs and scenes
+
+
+def test_the_default_config_is_the_bundled_models():
+    from lightkv.digitgrid.model import read_grid_config
+
+    assert read_grid_config("digitgrid") == GridConfig()
 
 
 @settings(max_examples=15, deadline=None)

@@ -112,7 +112,7 @@ def test_demo_rejects_a_model_that_is_not_there(tmp_path, capsys):
     from lightkv.digitgrid.demo import main
 
     assert main(["--model", str(tmp_path / "nope"), "--no-png"]) == 2
-    assert "cannot load the DigitGrid model" in capsys.readouterr().err
+    assert "cannot load the model" in capsys.readouterr().err
 
 
 def test_generate_defaults_to_the_bundled_model(capsys):

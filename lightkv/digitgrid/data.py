@@ -153,11 +153,12 @@ class GridConfig:
     """0 gives grey images; > 0 scales each channel by a random factor in ``[1 - tint, 1]``."""
     what_occupied_p: float = 0.5
     """Probability that a ``what`` question asks an occupied cell (else an empty one)."""
-    glyphs: str = "handwritten"
-    """``"handwritten"``: sklearn digits (split by index); ``"font"``: a 5x7 bitmap font with
-    per-instance stroke intensity and placement (both splits share the glyph shapes);
-    ``"colour"``: the font digit on a tile, both in the class's own hue (``k / 10`` of the
-    colour wheel), so every patch of an occupied cell shows its class."""
+    glyphs: str = "colour"
+    """``"colour"`` (the default, what the bundled model was trained on): the font digit on a
+    tile, both in the class's own hue (``k / 10`` of the colour wheel), so every patch of an
+    occupied cell shows its class; ``"font"``: a 5x7 bitmap font with per-instance stroke
+    intensity and placement (both splits share the glyph shapes); ``"handwritten"``: sklearn
+    digits (split by index)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.grid <= MAX_GRID:

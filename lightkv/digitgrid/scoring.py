@@ -150,7 +150,7 @@ def score(model, convs: Sequence[Conversation], grid, pipeline=None, batch: int 
             out = model(input_ids=prompt["input_ids"], attention_mask=pmask, position_ids=ppos,
                         pixel_values=prompt["pixel_values"].to(model.dtype), use_cache=True)
             nxt = model(input_ids=cont, attention_mask=torch.cat([pmask, cmask], 1), position_ids=cpos,
-                        cache=out.past_key_values, use_cache=True)
+                        cache=_cache(out), use_cache=True)
         rep = session.report()
         kept_sum += (rep.kept_vision_fraction if rep.kept_vision_fraction is not None else 1.0) * len(chunk)
         bytes_sum += rep.kv_bytes_vision
@@ -175,6 +175,12 @@ def score(model, convs: Sequence[Conversation], grid, pipeline=None, batch: int 
         followup_logprobs=f_logprobs if with_followup else None,
         kept_fraction=kept_sum / n, kv_bytes_vision=bytes_sum / n, kv_bytes_vision_baseline=base_sum / n,
     )
+
+
+def _cache(out):
+    # transformers 5 names the returned cache `cache` (`past_key_values` is deprecated)
+    c = getattr(out, "cache", None)
+    return c if c is not None else out.past_key_values
 
 
 def kl(reference: ScoreResult, other: ScoreResult, followup: bool = False) -> torch.Tensor:

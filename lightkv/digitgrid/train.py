@@ -55,8 +55,9 @@ def _projected(model, pixel_values: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate_align(model, spec: ModelSpec, grid, n: int = 256, seed: int = 1234) -> dict:
-    """Cell read-out accuracy of the projected tokens on held-out images (nearest content word
-    embedding, averaged over the cell's tokens)."""
+    """Read-out accuracy of the projected tokens on held-out images: each cell's content
+    (nearest content word embedding, averaged over the cell's tokens) and each token's
+    position (``position_acc``: the nearest cell word is its own cell's)."""
     model.eval()
     task = task_for(grid)
     rng = random.Random(f"align-eval:{seed}")
@@ -70,8 +71,12 @@ def evaluate_align(model, spec: ModelSpec, grid, n: int = 256, seed: int = 1234)
     per_cell = logits.mean((2, 4)).argmax(-1)
     truth = torch.where(grids >= 0, grids, c - 1)
     occ = grids >= 0
+    _, cells = task.token_words(grids[:1], k)
+    names = torch.unique(cells)
+    nearest = names[(feats @ model.get_input_embeddings().weight[names].T).argmax(-1)]  # [B, N] word ids
+    where = nearest == cells  # the nearest cell word is the token's own
     model.train()
-    return {"cell_acc": float((per_cell == truth).float().mean()),
+    return {"cell_acc": float((per_cell == truth).float().mean()), "position_acc": float(where.float().mean()),
             "occupied_acc": float((per_cell == truth)[occ].float().mean()),
             "grid_exact": float((per_cell == truth).all(-1).all(-1).float().mean())}
 
@@ -102,6 +107,16 @@ def _content_ce(model, feats: torch.Tensor, grids: torch.Tensor, spec: ModelSpec
     truth, _ = task.token_words(grids, grid.cell // spec.patch)
     logits = feats @ content.T / content.shape[1] ** 0.5
     return F.cross_entropy(logits.flatten(0, 1), truth.flatten())
+
+
+def _cell_ce(model, feats: torch.Tensor, grids: torch.Tensor, spec: ModelSpec, grid) -> torch.Tensor:
+    """Cross-entropy of every token's cell read-out (dot products with the grid's cell word
+    embeddings): where a cell is one token, the squared error alone leaves positions blurred."""
+    _, cells = task_for(grid).token_words(grids[:1], grid.cell // spec.patch)  # [N] cell word ids
+    names, truth = torch.unique(cells, return_inverse=True)
+    emb = model.get_input_embeddings().weight.detach()[names]
+    logits = feats @ emb.T / emb.shape[1] ** 0.5
+    return F.cross_entropy(logits.flatten(0, 1), truth.repeat(feats.shape[0]))
 
 
 def _mimetic_init(model, qk: float = 1.5, vo: float = 0.7, noise: float = 0.02, seed: int = 0,
@@ -233,6 +248,8 @@ def run_stage(args) -> None:
             feats = _projected(model, images)
             target = alignment_targets(model, grids, spec.patch, grid.cell, task=task)
             loss = F.mse_loss(feats, target) + _content_ce(model, feats, grids, spec, grid)
+            if args.cell_ce:
+                loss = loss + _cell_ce(model, feats, grids, spec, grid)
         else:
             scenes = [task.data.make_scene(rng, "train", args.questions, grid) for _ in range(args.batch)]
             batch = task.data.collate_scenes(scenes, n_img)
@@ -276,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--decay", action="store_true", help="linear decay to 10%% of lr")
     p.add_argument("--task", default="digitgrid", choices=tuple(TASKS), help="which synthetic task")
+    p.add_argument("--cell-ce", action="store_true", help="align: also a cross-entropy on each token's cell word")
     p.add_argument("--mimetic", action="store_true", help="near-identity query/key init (qa)")
     p.add_argument("--mimetic-from", type=int, default=0,
                    help="with --mimetic: layers before this one start as no-ops instead (qa)")
