@@ -59,8 +59,8 @@ digitgrid-model: install
 
 # Retrain the bundled SymbolGrid model from its seed (~45 min on 2 CPU cores) into
 # runs/symbolgrid, then export it over lightkv/assets/symbolgrid-llava.
-SG_ARGS = --task symbolgrid --out runs/symbolgrid --vision-layers 2 --text-layers 8
-SG_QA = --batch 16 --questions 4 --warmup 100 --mimetic --mimetic-from 2 --text-ffn 256
+SG_ARGS = --task symbolgrid --out runs/symbolgrid --vision-layers 2 --text-layers 8 --rope-theta 1e6 --translate
+SG_QA = --batch 16 --questions 4 --warmup 100 --mimetic --mimetic-from 2 --lookup-heads 3 --lookup-qk 4 --text-ffn 256
 symbolgrid-model: install
 	$(DG_TRAIN) align $(SG_ARGS) --steps 500 --lr 2e-3 --warmup 30 --batch 32 --cell-ce
 	$(DG_TRAIN) qa $(SG_ARGS) $(SG_QA) --steps 1400 --lr 1e-3

@@ -85,6 +85,8 @@ class ModelSpec:
     text_layers: int = 6
     text_heads: int = 4
     text_ffn: int = 512
+    rope_theta: float = 10000.0
+    """RoPE base; a large one keeps query-key matches intact across the whole image."""
 
 
 DEFAULT_SPEC = ModelSpec()
@@ -111,7 +113,7 @@ def build_model(spec: ModelSpec = DEFAULT_SPEC, grid: GridConfig = DEFAULT_CONFI
     text = LlamaConfig(
         vocab_size=len(get_task(task).vocab), hidden_size=spec.text_width, intermediate_size=spec.text_ffn,
         num_hidden_layers=spec.text_layers, num_attention_heads=spec.text_heads,
-        num_key_value_heads=spec.text_heads, max_position_embeddings=1024,
+        num_key_value_heads=spec.text_heads, max_position_embeddings=1024, rope_theta=spec.rope_theta,
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, tie_word_embeddings=True,
     )
     config = LlavaConfig(
@@ -165,19 +167,25 @@ def build_processor(grid: GridConfig = DEFAULT_CONFIG, spec: ModelSpec = DEFAULT
 
 
 def alignment_targets(model, grid: torch.Tensor, patch: int, cell: int, *,
-                      task: str | Task = "digitgrid") -> torch.Tensor:
+                      task: str | Task = "digitgrid", translate: torch.Tensor | None = None) -> torch.Tensor:
     """``[B, N, D]`` targets for the projected vision tokens of grids ``[B, G, G]``.
 
     Token ``(y, x)`` of the patch grid lies in cell ``(y // k, x // k)`` with ``k = cell /
     patch``; its target is ``E[<image>] + E[content] + E[cell word]`` with ``E`` the
     decoder's input embeddings and content the word of what the cell shows (for DigitGrid
-    a digit name or ``none``).
+    a digit name or ``none``). With ``translate`` (an orthogonal ``[D, D]`` matrix ``M``),
+    content and cell are written as ``M E[word]``: "vision words", which a query ``E[word]``
+    finds through a query projection ``M`` without matching itself (see the trainer's
+    ``--translate``).
     """
     task = get_task(task) if isinstance(task, str) else task
     emb = model.get_input_embeddings().weight.detach()
     content, cells = task.token_words(grid, cell // patch)
     ids = torch.tensor(task.content_ids())
-    return emb[ids[content]] + emb[cells][None] + emb[IMAGE_ID]
+    words = emb[ids[content]] + emb[cells][None]
+    if translate is not None:
+        words = words @ translate.T
+    return words + emb[IMAGE_ID]
 
 
 def content_class(grid: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,8 @@ def _projected(model, pixel_values: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate_align(model, spec: ModelSpec, grid, n: int = 256, seed: int = 1234) -> dict:
+def evaluate_align(model, spec: ModelSpec, grid, n: int = 256, seed: int = 1234,
+                   translate: torch.Tensor | None = None) -> dict:
     """Read-out accuracy of the projected tokens on held-out images: each cell's content
     (nearest content word embedding, averaged over the cell's tokens) and each token's
     position (``position_acc``: the nearest cell word is its own cell's)."""
@@ -64,7 +65,7 @@ def evaluate_align(model, spec: ModelSpec, grid, n: int = 256, seed: int = 1234)
     grids, images = task.image_batch(rng, "heldout", n, grid)
     feats = _projected(model, images)  # [B, N, D]
     ids = list(task.content_ids())
-    content = model.get_input_embeddings().weight[ids]
+    content = _vision_words(model, ids, translate)
     k = grid.cell // spec.patch
     c = len(ids)
     logits = (feats @ content.T).reshape(n, grid.grid, k, grid.grid, k, c)
@@ -73,7 +74,7 @@ def evaluate_align(model, spec: ModelSpec, grid, n: int = 256, seed: int = 1234)
     occ = grids >= 0
     _, cells = task.token_words(grids[:1], k)
     names = torch.unique(cells)
-    nearest = names[(feats @ model.get_input_embeddings().weight[names].T).argmax(-1)]  # [B, N] word ids
+    nearest = names[(feats @ _vision_words(model, names, translate).T).argmax(-1)]  # [B, N] word ids
     where = nearest == cells  # the nearest cell word is the token's own
     model.train()
     return {"cell_acc": float((per_cell == truth).float().mean()), "position_acc": float(where.float().mean()),
@@ -99,28 +100,44 @@ def evaluate_qa(model, grid, n_per_type: int = 64, seed: int = 4321, batch: int 
     return result
 
 
-def _content_ce(model, feats: torch.Tensor, grids: torch.Tensor, spec: ModelSpec, grid) -> torch.Tensor:
+def _content_ce(model, feats: torch.Tensor, grids: torch.Tensor, spec: ModelSpec, grid,
+                translate: torch.Tensor | None = None) -> torch.Tensor:
     """Cross-entropy of every token's content read-out (dot products with the content word
     embeddings): a sharper signal for the hard part of the target than the squared error."""
     task = task_for(grid)
-    content = model.get_input_embeddings().weight.detach()[list(task.content_ids())]
+    content = _vision_words(model, list(task.content_ids()), translate)
     truth, _ = task.token_words(grids, grid.cell // spec.patch)
     logits = feats @ content.T / content.shape[1] ** 0.5
     return F.cross_entropy(logits.flatten(0, 1), truth.flatten())
 
 
-def _cell_ce(model, feats: torch.Tensor, grids: torch.Tensor, spec: ModelSpec, grid) -> torch.Tensor:
+def translation(width: int, seed: int) -> torch.Tensor:
+    """The seeded orthogonal ``[D, D]`` matrix ``M`` of ``--translate``."""
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    q, r = torch.linalg.qr(torch.randn(width, width, generator=gen))
+    return q * torch.sign(torch.diagonal(r))
+
+
+def _vision_words(model, ids, translate: torch.Tensor | None) -> torch.Tensor:
+    """``[len(ids), D]``: word embeddings as vision tokens carry them (``M E`` with ``--translate``)."""
+    emb = model.get_input_embeddings().weight.detach()[ids]
+    return emb if translate is None else emb @ translate.T
+
+
+def _cell_ce(model, feats: torch.Tensor, grids: torch.Tensor, spec: ModelSpec, grid,
+             translate: torch.Tensor | None = None) -> torch.Tensor:
     """Cross-entropy of every token's cell read-out (dot products with the grid's cell word
     embeddings): where a cell is one token, the squared error alone leaves positions blurred."""
     _, cells = task_for(grid).token_words(grids[:1], grid.cell // spec.patch)  # [N] cell word ids
     names, truth = torch.unique(cells, return_inverse=True)
-    emb = model.get_input_embeddings().weight.detach()[names]
+    emb = _vision_words(model, names, translate)
     logits = feats @ emb.T / emb.shape[1] ** 0.5
     return F.cross_entropy(logits.flatten(0, 1), truth.repeat(feats.shape[0]))
 
 
 def _mimetic_init(model, qk: float = 1.5, vo: float = 0.7, noise: float = 0.02, seed: int = 0,
-                  first: int = 0) -> None:
+                  first: int = 0, translate: torch.Tensor | None = None, lookup_heads: int = 0,
+                  lookup_qk: float = 3.0) -> None:
     """Query/key projections near ``qk * I`` (attention compares like with like) and value/
     output projections near ``vo * I`` (heads copy what they read), plus N(0, noise) noise,
     in layers ``first`` and later. Layers before ``first`` start as no-ops (zero attention
@@ -138,6 +155,11 @@ def _mimetic_init(model, qk: float = 1.5, vo: float = 0.7, noise: float = 0.02, 
                 w = proj.weight
                 eye = torch.eye(w.shape[0], w.shape[1])
                 w.copy_(scale * eye + noise * torch.randn(w.shape, generator=gen))
+            if translate is not None and lookup_heads:
+                rows = slice(0, lookup_heads * attn.head_dim)
+                attn.q_proj.weight[rows] = lookup_qk * translate[rows] + noise * torch.randn_like(attn.q_proj.weight[rows])
+                out = attn.o_proj.weight
+                out[:, rows] = vo * translate.T[:, rows] + noise * torch.randn_like(out[:, rows])
 
 
 def _trainable(model, stage: str) -> list[torch.nn.Parameter]:
@@ -167,7 +189,7 @@ def _spec(args):
     else:
         grid = task.grid_config()
         patch = grid.cell
-    spec = ModelSpec(patch=patch, text_width=args.text_width, text_layers=args.text_layers,
+    spec = ModelSpec(patch=patch, rope_theta=getattr(args, "rope_theta", 10000.0), text_width=args.text_width, text_layers=args.text_layers,
                      text_ffn=args.text_ffn or 4 * args.text_width,
                      vision_width=args.vision_width, vision_layers=args.vision_layers)
     return grid, spec
@@ -200,6 +222,7 @@ def run_stage(args) -> None:
     grid, spec = _spec(args)
     task = _task(args)
     model = build_model(spec, grid, seed=args.seed, task=task.name)
+    translate = translation(spec.text_width, args.seed) if getattr(args, "translate", False) else None
     ckpt = out / f"{args.stage}.pt"
     step = 0
     prev = out / "align.pt"
@@ -213,7 +236,8 @@ def run_stage(args) -> None:
             raise ValueError(f"{prev} does not match this model's sizes (missing {missing}, unexpected "
                              f"{unexpected}); train qa with the align stage's --vision-* sizes")
         if args.mimetic:
-            _mimetic_init(model, seed=args.seed, first=args.mimetic_from)
+            _mimetic_init(model, seed=args.seed, first=args.mimetic_from, translate=translate,
+                          lookup_heads=args.lookup_heads, lookup_qk=args.lookup_qk)
     params = _trainable(model, args.stage)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.98))
     rng = random.Random(f"train:{args.seed}:{args.stage}")
@@ -246,10 +270,10 @@ def run_stage(args) -> None:
         if args.stage == "align":
             grids, images = task.image_batch(rng, "train", args.batch, grid)
             feats = _projected(model, images)
-            target = alignment_targets(model, grids, spec.patch, grid.cell, task=task)
-            loss = F.mse_loss(feats, target) + _content_ce(model, feats, grids, spec, grid)
+            target = alignment_targets(model, grids, spec.patch, grid.cell, task=task, translate=translate)
+            loss = F.mse_loss(feats, target) + _content_ce(model, feats, grids, spec, grid, translate)
             if args.cell_ce:
-                loss = loss + _cell_ce(model, feats, grids, spec, grid)
+                loss = loss + _cell_ce(model, feats, grids, spec, grid, translate)
         else:
             scenes = [task.data.make_scene(rng, "train", args.questions, grid) for _ in range(args.batch)]
             batch = task.data.collate_scenes(scenes, n_img)
@@ -265,7 +289,7 @@ def run_stage(args) -> None:
         bar.set_postfix(loss=f"{running:.4f}")
         if step % args.eval_every == 0 or step == args.steps:
             if args.stage == "align":
-                ev = evaluate_align(model, spec, grid)
+                ev = evaluate_align(model, spec, grid, translate=translate)
             else:
                 ev = evaluate_qa(model, grid, n_per_type=args.eval_n)
             entry = {"step": step, "loss": running, "minutes": (time.time() - t0) / 60, **ev}
@@ -294,6 +318,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decay", action="store_true", help="linear decay to 10%% of lr")
     p.add_argument("--task", default="digitgrid", choices=tuple(TASKS), help="which synthetic task")
     p.add_argument("--cell-ce", action="store_true", help="align: also a cross-entropy on each token's cell word")
+    p.add_argument("--translate", action="store_true",
+                   help="vision tokens carry M E[word] (M: seeded orthogonal) instead of E[word] (align and qa)")
+    p.add_argument("--lookup-heads", type=int, default=0,
+                   help="with --mimetic --translate: heads per layer that start as text-to-vision lookups (qa)")
+    p.add_argument("--lookup-qk", type=float, default=3.0, help="query scale of the lookup heads (qa)")
+    p.add_argument("--rope-theta", type=float, default=10000.0, help="RoPE base of the decoder")
     p.add_argument("--mimetic", action="store_true", help="near-identity query/key init (qa)")
     p.add_argument("--mimetic-from", type=int, default=0,
                    help="with --mimetic: layers before this one start as no-ops instead (qa)")
