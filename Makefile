@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.lightkv-installed
 
-.PHONY: install test test-scatter scatter demo bench bench-quick bench-quality digitgrid-model symbolgrid-model lint clean
+.PHONY: install test test-scatter scatter demo bench bench-quick bench-quality digitgrid-model lint clean
 
 install: $(STAMP)
 
@@ -43,7 +43,6 @@ bench-quick: install
 	$(PY) benchmarks/efficiency.py --quick
 
 bench-quality: install
-	$(PY) benchmarks/quality.py --model symbolgrid
 	$(PY) benchmarks/quality.py --model digitgrid
 
 # Retrain the bundled DigitGrid model from its seed (~40 min on 2 CPU cores) into
@@ -56,15 +55,6 @@ digitgrid-model: install
 	$(DG_TRAIN) qa $(DG_ARGS) $(DG_QA) --steps 1550 --lr 1e-3
 	$(DG_TRAIN) qa $(DG_ARGS) $(DG_QA) --steps 2000 --lr 6e-4 --decay
 	$(DG_TRAIN) export --out runs/digitgrid --export lightkv/assets/digitgrid-llava
-
-# Retrain the bundled SymbolGrid model from its seed (~45 min on 2 CPU cores) into
-# runs/symbolgrid, then export it over lightkv/assets/symbolgrid-llava.
-SG_ARGS = --task symbolgrid --out runs/symbolgrid --vision-layers 2 --text-layers 8 --rope-theta 1e6 --translate
-SG_QA = --batch 16 --questions 4 --warmup 100 --mimetic --mimetic-from 2 --lookup-heads 3 --lookup-qk 4 --text-ffn 256
-symbolgrid-model: install
-	$(DG_TRAIN) align $(SG_ARGS) --steps 500 --lr 2e-3 --warmup 30 --batch 32 --cell-ce
-	$(DG_TRAIN) qa $(SG_ARGS) $(SG_QA) --steps 1400 --lr 1e-3
-	$(DG_TRAIN) export --out runs/symbolgrid --export lightkv/assets/symbolgrid-llava
 
 lint: install
 	$(PY) -m ruff check lightkv tests benchmarks

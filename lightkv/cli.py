@@ -6,7 +6,7 @@ lightkv config show NAME|FILE [--num-layers N]     print a pipeline as canonical
 lightkv config validate NAME|FILE [--num-layers N] [--grid HxW]
 lightkv config schema                              JSON Schema of pipeline files
 lightkv bench efficiency [--quick] [--models ...] [--presets ...] [--out DIR] [--repeats N]
-lightkv bench quality [--model digitgrid|symbolgrid|DIR] [--episodes N] [--methods ...] [--targets ...]
+lightkv bench quality [--model digitgrid|DIR] [--episodes N] [--methods ...] [--targets ...]
 lightkv generate [--model DIR|ID] [--image FILE] [--prompt TEXT] [--preset NAME | --config FILE] [--compare]
 lightkv demo [--preset NAME] [--questions N]       the bundled DigitGrid LVLM, with and without LightKV
 lightkv stages-demo [--preset NAME]                the pure core on a real image, no model
@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     eff.set_defaults(func=_cmd_bench_efficiency)
     qual = bsub.add_parser(
         "quality",
-        help="accuracy and fidelity vs kept vision KV with a bundled model (digitgrid, symbolgrid), every method",
+        help="accuracy and fidelity vs kept vision KV with the bundled model, every method",
         description="Every method (preset) at kept vision-KV targets of about 100/75/55/40/25%, its schedule "
         "scaled to the model's depth, on held-out conversations (a question, then a follow-up about another "
         "region): exact match per question type, KL to the uncompressed answer distribution, log-probability "
@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     qual.add_argument("--methods", nargs="+", metavar="PRESET", help="presets (default: all eight)")
     qual.add_argument("--targets", nargs="+", type=float, metavar="F", help="kept fractions (default: 1 .75 .55 .4 .25)")
     qual.add_argument("--model", metavar="NAME|DIR", default="digitgrid",
-                      help="a bundled model (digitgrid, symbolgrid) or a model directory (default: digitgrid)")
+                      help="a bundled model (digitgrid) or a DigitGrid/SymbolGrid model directory (default: digitgrid)")
     qual.add_argument("--no-ablations", action="store_true", help="skip the ablation table")
     qual.add_argument("--no-followup", action="store_true", help="no follow-up questions")
     qual.add_argument("--batch", type=_depth, default=100, metavar="N", help="episodes per batch (default: 100)")

@@ -102,10 +102,21 @@ def test_relevance_mass_is_reported(bundled, episodes):
 def test_demo_runs_end_to_end(tmp_path, capsys):
     from lightkv.cli import main
 
-    assert main(["demo", "--questions", "4", "--out", str(tmp_path)]) == 0
+    assert main(["demo", "--questions", "4", "--contrast", "8", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "correct:" in out and "lightkv-budget" in out
+    assert "the first of 8 held-out questions" in out  # the contrast search states its rule
     assert (tmp_path / "lightkv-demo-provenance.png").stat().st_size > 0
+
+
+def test_demo_refuses_a_file_as_out_before_any_output(tmp_path, capsys):
+    from lightkv.digitgrid.demo import main
+
+    target = tmp_path / "taken"
+    target.write_text("x")
+    assert main(["--out", str(target)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "is a file" in captured.err
 
 
 def test_demo_rejects_a_model_that_is_not_there(tmp_path, capsys):

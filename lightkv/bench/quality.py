@@ -1,8 +1,9 @@
-"""Quality vs kept vision KV on the bundled synthetic LVLMs, for every method, with fidelity metrics.
+"""Quality vs kept vision KV on a synthetic LVLM, for every method, with fidelity metrics.
 
-Two models ship in the package (`lightkv.digitgrid.model.BUNDLED_MODELS`): ``digitgrid``
-(DigitGrid-VQA, answers in one 4x4-cell region) and ``symbolgrid`` (SymbolGrid-VQA, answers
-in single vision tokens, multi-token reads during decoding, rare-symbol counting). Each
+The model is the bundled DigitGrid model (`lightkv.digitgrid.model.BUNDLED_MODELS`, answers
+in one 4x4-token cell) or any model directory the trainer writes, for DigitGrid-VQA or
+SymbolGrid-VQA (`lightkv.symbolgrid`: answers in single vision tokens, multi-token reads
+during decoding, rare-symbol counting). Each
 method (preset) runs at several kept-fraction targets; its schedule is first scaled from the
 reference 32-layer depth to the model's (`lightkv.bench.efficiency.scale_layers`), then one
 common per-stage ratio is chosen so that the vision KV kept on average over layers hits the
@@ -24,7 +25,7 @@ to the uncompressed model. At 55% an ablation table swaps one part of LightKV at
 
 ```python
 from lightkv.bench.quality import AccuracyConfig, run
-result = run(AccuracyConfig(model="symbolgrid", episodes=40, methods=("lightkv", "fastv"), targets=(1.0, 0.55),
+result = run(AccuracyConfig(model="digitgrid", episodes=40, methods=("lightkv", "fastv"), targets=(1.0, 0.55),
                             ablations=False, relevance_episodes=0))
 ```
 """
@@ -67,8 +68,7 @@ class AccuracyConfig:
     """What to run."""
 
     model: str | None = None
-    """A bundled model's name (``digitgrid``, ``symbolgrid``) or a model directory (default:
-    ``digitgrid``)."""
+    """A bundled model's name (``digitgrid``) or a model directory (default: ``digitgrid``)."""
     episodes: int = 600
     """Held-out conversations (question types in equal shares)."""
     methods: tuple[str, ...] = METHODS

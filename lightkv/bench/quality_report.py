@@ -54,26 +54,28 @@ def markdown_table(result: dict[str, Any]) -> str:
     cols = qtypes + (["followup"] if has_f else [])
     per_type = ("Per question type: accuracy; KL(p_uncompressed || p_compressed) per answer token (nats, "
                 "overall); log-probability drop of the reference answer (overall, episodes the uncompressed model "
-                "answers right); lightkv minus this method in detail accuracy, points with a paired bootstrap 95% "
-                "interval (positive: lightkv better).")
+                "answers right); lightkv minus this method in detail accuracy (points) and in KL (nats, "
+                "negative: lightkv more faithful), each with a paired bootstrap 95% interval.")
     header = ("| method | target | kept | " + " | ".join(cols)
-              + f" | KL | logp drop | lightkv - this, {detail[0]} | vision KV / episode |")
-    lines += ["", per_type, "", header, "|---" * (len(cols) + 7) + "|"]
+              + f" | KL | logp drop | lightkv - this, {detail[0]} | lightkv - this, KL | vision KV / episode |")
+    lines += ["", per_type, "", header, "|---" * (len(cols) + 8) + "|"]
     for r in [result["uncompressed"]] + [r for r in rows if r["target"] < 1.0]:
         lines.append(_type_line(r, cols, detail[0]))
     if result.get("ablations"):
         intro = (f"Ablations at {result['ablations'][0]['target']:.0%} kept: LightKV with one part swapped. "
                  "Last columns: lightkv minus the variant, points, paired bootstrap 95% interval.")
         header = ("| variant | kept | " + " | ".join(cols) + " | KL | "
-                  + " | ".join(f"lightkv - this, {q}" for q in cols) + " |")
-        lines += ["", intro, "", header, "|---" * (2 * len(cols) + 3) + "|"]
+                  + " | ".join(f"lightkv - this, {q}" for q in cols) + " | lightkv - this, KL |")
+        lines += ["", intro, "", header, "|---" * (2 * len(cols) + 4) + "|"]
         light = next((r for r in rows if r["method"] == "lightkv" and r["target"] == result["ablations"][0]["target"]),
                      None)
         for r in ([light] if light else []) + result["ablations"]:
             vs = r.get("vs_lightkv", {}).get("accuracy", {})
+            vkl = r.get("vs_lightkv", {}).get("kl", {}).get("overall")
             lines.append(f"| {r['method']} | {r['kept_fraction']:.3f} | "
                          + " | ".join(f"{r['accuracy'][q]:.3f}" for q in cols)
-                         + f" | {r['kl']['overall']:.2e} | " + " | ".join(_ci(vs.get(q)) or "-" for q in cols) + " |")
+                         + f" | {r['kl']['overall']:.2e} | " + " | ".join(_ci(vs.get(q)) or "-" for q in cols)
+                         + f" | {_ci(vkl, 1.0, '{:+.1e}') or '-'} |")
     rel = result.get("relevance_mass")
     if rel:
         intro = (f"Share of the image's relevance mass on the asked cell vs another cell ('what' questions, "
@@ -89,11 +91,12 @@ def markdown_table(result: dict[str, Any]) -> str:
 
 def _type_line(r: dict[str, Any], cols: list[str], detail: str) -> str:
     vs = r.get("vs_lightkv", {}).get("accuracy", {}).get(detail)
+    vkl = r.get("vs_lightkv", {}).get("kl", {}).get("overall")
     drop = r["logp_drop"].get("overall") if r["logp_drop"] else None
     return (f"| {r['method']} | {r['target']:.2f} | {r['kept_fraction']:.3f} | "
             + " | ".join(f"{r['accuracy'][q]:.3f}" for q in cols)
             + f" | {r['kl']['overall']:.2e} | {'' if drop is None else f'{drop:.3f}'} | {_ci(vs) or '-'} | "
-            f"{r['kv_bytes_vision'] / 1024:.0f} KiB |")
+            f"{_ci(vkl, 1.0, '{:+.1e}') or '-'} | {r['kv_bytes_vision'] / 1024:.0f} KiB |")
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

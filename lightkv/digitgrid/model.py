@@ -51,13 +51,13 @@ __all__ = [
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUNDLED_MODEL = ASSETS / "digitgrid-llava"
 """Where the trained DigitGrid model ships inside the package."""
-BUNDLED_MODELS = {"digitgrid": BUNDLED_MODEL, "symbolgrid": ASSETS / "symbolgrid-llava"}
+BUNDLED_MODELS = {"digitgrid": BUNDLED_MODEL}
 """The models that ship inside the package, by name (``--model NAME`` on the command line)."""
 
 
 def resolve_model(name_or_path: str | Path | None) -> Path:
-    """A bundled model's directory by name (``digitgrid``, ``symbolgrid``), or a path as given
-    (None: the DigitGrid model)."""
+    """A bundled model's directory by name (``digitgrid``), or a path as given (None: the
+    DigitGrid model)."""
     if name_or_path is None:
         return BUNDLED_MODEL
     return BUNDLED_MODELS.get(str(name_or_path), Path(name_or_path))

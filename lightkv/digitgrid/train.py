@@ -28,6 +28,16 @@ The bundled model was made with (`make digitgrid-model` runs the same)::
 
 (about 4 + 33 minutes on 2 CPU cores; the second ``qa`` call resumes from the checkpoint and
 decays the learning rate linearly over the remaining steps, which steadied ``count``).
+
+``--task symbolgrid`` trains on SymbolGrid-VQA (`lightkv.symbolgrid`), where a cell is one
+vision token. No SymbolGrid model ships yet: on 2 CPU cores no recipe tried so far learned
+the single-token lookup within 1,000 ``qa`` steps. The options written for it stay
+available: ``--cell-ce`` (a cross-entropy on each token's cell word in ``align``; without
+it the cell identity of single tokens stayed blurred, 43% read-out), ``--translate`` with
+``--lookup-heads`` / ``--lookup-qk`` (vision tokens carry ``M E[word]`` and some heads start
+as text-to-vision lookups, so a query does not match itself, as a plain mimetic
+initialisation makes it do), ``--freeze-lookup``, ``--lookup-from``, ``--slow-layers`` and
+``--rope-theta``.
 """
 
 from __future__ import annotations
@@ -137,7 +147,7 @@ def _cell_ce(model, feats: torch.Tensor, grids: torch.Tensor, spec: ModelSpec, g
 
 def _mimetic_init(model, qk: float = 1.5, vo: float = 0.7, noise: float = 0.02, seed: int = 0,
                   first: int = 0, translate: torch.Tensor | None = None, lookup_heads: int = 0,
-                  lookup_qk: float = 3.0) -> None:
+                  lookup_qk: float = 3.0, lookup_from: int = 0) -> None:
     """Query/key projections near ``qk * I`` (attention compares like with like) and value/
     output projections near ``vo * I`` (heads copy what they read), plus N(0, noise) noise,
     in layers ``first`` and later. Layers before ``first`` start as no-ops (zero attention
@@ -155,11 +165,27 @@ def _mimetic_init(model, qk: float = 1.5, vo: float = 0.7, noise: float = 0.02, 
                 w = proj.weight
                 eye = torch.eye(w.shape[0], w.shape[1])
                 w.copy_(scale * eye + noise * torch.randn(w.shape, generator=gen))
-            if translate is not None and lookup_heads:
+            if translate is not None and lookup_heads and i >= lookup_from:
                 rows = slice(0, lookup_heads * attn.head_dim)
                 attn.q_proj.weight[rows] = lookup_qk * translate[rows] + noise * torch.randn_like(attn.q_proj.weight[rows])
                 out = attn.o_proj.weight
                 out[:, rows] = vo * translate.T[:, rows] + noise * torch.randn_like(out[:, rows])
+
+
+def _freeze_lookup(model, first: int, heads: int) -> None:
+    """Keep the query and key rows of the lookup heads (layers ``first`` on) at their
+    initial values: their gradients are zeroed, so Adam never moves them (weight decay
+    aside). The heads stay text-to-vision retrieval heads; what they bring back, and
+    everything else, is learned."""
+    for layer in list(model.model.language_model.layers)[first:]:
+        attn = layer.self_attn
+        rows = heads * attn.head_dim
+        for proj in (attn.q_proj, attn.k_proj):
+            def hook(grad, rows=rows):
+                grad = grad.clone()
+                grad[:rows] = 0
+                return grad
+            proj.weight.register_hook(hook)
 
 
 def _trainable(model, stage: str) -> list[torch.nn.Parameter]:
@@ -237,9 +263,19 @@ def run_stage(args) -> None:
                              f"{unexpected}); train qa with the align stage's --vision-* sizes")
         if args.mimetic:
             _mimetic_init(model, seed=args.seed, first=args.mimetic_from, translate=translate,
-                          lookup_heads=args.lookup_heads, lookup_qk=args.lookup_qk)
+                          lookup_heads=args.lookup_heads, lookup_qk=args.lookup_qk, lookup_from=args.lookup_from)
     params = _trainable(model, args.stage)
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.98))
+    if args.stage == "qa" and getattr(args, "freeze_lookup", False):
+        _freeze_lookup(model, max(args.mimetic_from, args.lookup_from), args.lookup_heads)
+    groups = [{"params": params, "base_lr": args.lr}]
+    slow = getattr(args, "slow_layers", 0)
+    if args.stage == "qa" and slow:
+        # the first layers learn at a fraction of the rate: what they write into the residual
+        # stream moves slowly, so the lookups of the layers after them keep their inputs
+        early = {id(p) for layer in list(model.model.language_model.layers)[:slow] for p in layer.parameters()}
+        groups = [{"params": [p for p in params if id(p) not in early], "base_lr": args.lr},
+                  {"params": [p for p in params if id(p) in early], "base_lr": args.lr * args.slow_lr}]
+    opt = torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.98))
     rng = random.Random(f"train:{args.seed}:{args.stage}")
     log = []
     if ckpt.exists():
@@ -266,7 +302,7 @@ def run_stage(args) -> None:
     running = None
     while step < args.steps:
         for g in opt.param_groups:
-            g["lr"] = args.lr * schedule(step)
+            g["lr"] = g["base_lr"] * schedule(step)
         if args.stage == "align":
             grids, images = task.image_batch(rng, "train", args.batch, grid)
             feats = _projected(model, images)
@@ -322,6 +358,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vision tokens carry M E[word] (M: seeded orthogonal) instead of E[word] (align and qa)")
     p.add_argument("--lookup-heads", type=int, default=0,
                    help="with --mimetic --translate: heads per layer that start as text-to-vision lookups (qa)")
+    p.add_argument("--freeze-lookup", action="store_true",
+                   help="with --lookup-heads: keep those heads' query and key projections fixed (qa)")
+    p.add_argument("--slow-layers", type=int, default=0, help="qa: the first N decoder layers learn at --slow-lr x lr")
+    p.add_argument("--slow-lr", type=float, default=0.05)
+    p.add_argument("--lookup-from", type=int, default=0, help="first layer with lookup heads (qa)")
     p.add_argument("--lookup-qk", type=float, default=3.0, help="query scale of the lookup heads (qa)")
     p.add_argument("--rope-theta", type=float, default=10000.0, help="RoPE base of the decoder")
     p.add_argument("--mimetic", action="store_true", help="near-identity query/key init (qa)")
