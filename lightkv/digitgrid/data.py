@@ -34,7 +34,7 @@ elsewhere (the model shifts labels itself, as ``LlavaForConditionalGeneration`` 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -551,12 +551,9 @@ def num_image_tokens(config: GridConfig = DEFAULT_CONFIG, patch: int = 4) -> int
     return (config.image_size // patch) ** 2
 
 
-def _prompt_ids(ep: Episode, n_image: int) -> list[int]:
-    return [BOS_ID] + [IMAGE_ID] * n_image + [SEP_ID] + encode(ep.question)
-
-
 def collate(
-    episodes: Sequence[Episode], num_image_tokens: int, *, with_answer: bool = True
+    episodes: Sequence[Episode], num_image_tokens: int, *, with_answer: bool = True,
+    encoder: Callable[[Sequence[str]], list[int]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Batch episodes for a LLaVA-style model.
 
@@ -564,17 +561,20 @@ def collate(
     ``with_answer``, by ``answer <eos>``; rows are left-padded with ``<pad>`` (mask 0).
     Returns ``input_ids`` and ``attention_mask`` ``[B, L]`` (int64), ``pixel_values``
     ``[B, 3, H, W]`` and, when ``with_answer``, ``labels`` ``[B, L]``: ``input_ids`` on the
-    answer and ``<eos>`` tokens, -100 elsewhere (unshifted; the model shifts).
+    answer and ``<eos>`` tokens, -100 elsewhere (unshifted; the model shifts). ``encoder``
+    maps words to ids (default: this vocabulary's `encode`; another task passes its own,
+    with the same special-token ids).
     """
+    encode_ = encoder or encode
     if not episodes:
         raise ValueError("collate needs at least one episode")
     if num_image_tokens < 0:
         raise ValueError("num_image_tokens must be >= 0")
     rows, label_rows = [], []
     for ep in episodes:
-        prompt = _prompt_ids(ep, num_image_tokens)
+        prompt = [BOS_ID] + [IMAGE_ID] * num_image_tokens + [SEP_ID] + encode_(ep.question)
         if with_answer:
-            target = encode(ep.answer) + [EOS_ID]
+            target = encode_(ep.answer) + [EOS_ID]
             rows.append(prompt + target)
             label_rows.append([IGNORE_INDEX] * len(prompt) + target)
         else:
@@ -600,13 +600,16 @@ def left_pad(rows: list[list[int]], label_rows: list[list[int]] | None, pad_id: 
     return out
 
 
-def collate_scenes(scenes: Sequence[Sequence[Episode]], num_image_tokens: int) -> dict[str, torch.Tensor]:
+def collate_scenes(scenes: Sequence[Sequence[Episode]], num_image_tokens: int,
+                   encoder: Callable[[Sequence[str]], list[int]] | None = None) -> dict[str, torch.Tensor]:
     """Batch scenes (several questions about one image) as one sequence per image.
 
     A row is ``<bos> <image>*n <sep> q1 a1 <eos> q2 a2 <eos> ...``: its first
     question looks exactly like a `collate` row, so training on scenes teaches the
     single-question format while amortising the image tokens over several answers.
+    ``encoder`` as in `collate`.
     """
+    encode_ = encoder or encode
     if not scenes or any(not s for s in scenes):
         raise ValueError("collate_scenes needs at least one scene, each with at least one episode")
     rows, label_rows = [], []
@@ -614,8 +617,8 @@ def collate_scenes(scenes: Sequence[Sequence[Episode]], num_image_tokens: int) -
         row = [BOS_ID] + [IMAGE_ID] * num_image_tokens + [SEP_ID]
         lab = [IGNORE_INDEX] * len(row)
         for ep in scene:
-            q = encode(ep.question)
-            a = encode(ep.answer) + [EOS_ID]
+            q = encode_(ep.question)
+            a = encode_(ep.answer) + [EOS_ID]
             row += q + a
             lab += [IGNORE_INDEX] * len(q) + a
         rows.append(row)
@@ -626,11 +629,12 @@ def collate_scenes(scenes: Sequence[Sequence[Episode]], num_image_tokens: int) -
 
 
 def collate_prompts(
-    episodes: Sequence[Episode], num_image_tokens: int
+    episodes: Sequence[Episode], num_image_tokens: int,
+    encoder: Callable[[Sequence[str]], list[int]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Prompt-only batch for evaluation/generation (no answer, no ``labels``).
 
     Rows end with the question's last word, so with left padding every row's next token is
     the first answer word; compare generations with ``episode.answer``.
     """
-    return collate(episodes, num_image_tokens, with_answer=False)
+    return collate(episodes, num_image_tokens, with_answer=False, encoder=encoder)

@@ -38,7 +38,8 @@ from functools import lru_cache
 
 import torch
 
-from ..digitgrid.data import IGNORE_INDEX, left_pad, to_pil
+from ..digitgrid import data as _dg
+from ..digitgrid.data import IGNORE_INDEX, to_pil
 
 __all__ = [
     "BOS_ID",
@@ -101,6 +102,8 @@ WORD_TO_ID: dict[str, int] = {w: i for i, w in enumerate(VOCAB)}
 assert len(WORD_TO_ID) == len(VOCAB), "duplicate word in VOCAB"
 
 PAD_ID, BOS_ID, EOS_ID, IMAGE_ID, SEP_ID = (WORD_TO_ID[t] for t in SPECIAL_TOKENS)
+assert (PAD_ID, BOS_ID, EOS_ID, IMAGE_ID, SEP_ID) == (_dg.PAD_ID, _dg.BOS_ID, _dg.EOS_ID, _dg.IMAGE_ID, _dg.SEP_ID), (
+    "SymbolGrid shares DigitGrid's special-token ids (one collation, one tokenizer layout)")
 CONTENT_IDS = tuple(WORD_TO_ID[w] for w in SYMBOL_WORDS)
 
 
@@ -385,21 +388,9 @@ def num_image_tokens(config: GridConfig = DEFAULT_CONFIG, patch: int | None = No
 
 
 def collate(episodes: Sequence[Episode], num_image_tokens: int, *, with_answer: bool = True) -> dict[str, torch.Tensor]:
-    """Batch episodes for a LLaVA-style model (see `lightkv.digitgrid.data.collate`)."""
-    if not episodes:
-        raise ValueError("collate needs at least one episode")
-    rows, label_rows = [], []
-    for ep in episodes:
-        prompt = [BOS_ID] + [IMAGE_ID] * num_image_tokens + [SEP_ID] + encode(ep.question)
-        if with_answer:
-            target = encode(ep.answer) + [EOS_ID]
-            rows.append(prompt + target)
-            label_rows.append([IGNORE_INDEX] * len(prompt) + target)
-        else:
-            rows.append(prompt)
-    batch = left_pad(rows, label_rows if with_answer else None, PAD_ID)
-    batch["pixel_values"] = torch.stack([ep.image for ep in episodes])
-    return batch
+    """Batch episodes for a LLaVA-style model (`lightkv.digitgrid.data.collate` with this
+    vocabulary)."""
+    return _dg.collate(episodes, num_image_tokens, with_answer=with_answer, encoder=encode)
 
 
 def collate_prompts(episodes: Sequence[Episode], num_image_tokens: int) -> dict[str, torch.Tensor]:
@@ -409,18 +400,4 @@ def collate_prompts(episodes: Sequence[Episode], num_image_tokens: int) -> dict[
 
 def collate_scenes(scenes: Sequence[Sequence[Episode]], num_image_tokens: int) -> dict[str, torch.Tensor]:
     """One row per image: ``<bos> <image>*n <sep> q1 a1 <eos> q2 a2 <eos> ...``."""
-    if not scenes or any(not s for s in scenes):
-        raise ValueError("collate_scenes needs at least one scene, each with at least one episode")
-    rows, label_rows = [], []
-    for scene in scenes:
-        row = [BOS_ID] + [IMAGE_ID] * num_image_tokens + [SEP_ID]
-        lab = [IGNORE_INDEX] * len(row)
-        for ep in scene:
-            q, a = encode(ep.question), encode(ep.answer) + [EOS_ID]
-            row += q + a
-            lab += [IGNORE_INDEX] * len(q) + a
-        rows.append(row)
-        label_rows.append(lab)
-    batch = left_pad(rows, label_rows, PAD_ID)
-    batch["pixel_values"] = torch.stack([scene[0].image for scene in scenes])
-    return batch
+    return _dg.collate_scenes(scenes, num_image_tokens, encoder=encode)
