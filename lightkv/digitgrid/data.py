@@ -74,6 +74,7 @@ __all__ = [
     "make_scene",
     "num_image_tokens",
     "render_image",
+    "sample_image",
     "to_pil",
 ]
 
@@ -257,12 +258,17 @@ def _font_glyph(cls: int, rng: random.Random, gen: torch.Generator) -> torch.Ten
     return glyph
 
 
-def _hue(cls: int) -> torch.Tensor:
-    """Fully saturated RGB of hue ``cls / 10`` (HSV with S = V = 1)."""
-    h = cls / 10 * 6
+def hue_rgb(fraction: float) -> torch.Tensor:
+    """Fully saturated RGB ``[3]`` of hue ``fraction`` of the colour wheel (HSV, S = V = 1)."""
+    h = fraction * 6
     x = 1 - abs(h % 2 - 1)
     table = [(1, x, 0), (x, 1, 0), (0, 1, x), (0, x, 1), (x, 0, 1), (1, 0, x)]
     return torch.tensor(table[int(h) % 6], dtype=torch.float32)
+
+
+def _hue(cls: int) -> torch.Tensor:
+    """The hue of digit class ``cls``: ``cls / 10`` of the wheel."""
+    return hue_rgb(cls / 10)
 
 
 def _colour_tiles(image: torch.Tensor, digit_index: torch.Tensor, config: GridConfig,
@@ -317,6 +323,12 @@ def make_grid(
         # font glyphs have no sklearn image: the index map then holds the class
         index[c // g, c % g] = cls if config.glyphs != "handwritten" else rng.choice(pools[cls])
     return grid, index
+
+
+def sample_image(rng: random.Random, split: str, config: GridConfig = DEFAULT_CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grid, image)`` of one fresh image (what the trainer's align stage draws)."""
+    grid, index = make_grid(rng, split, config)
+    return grid, render_image(rng, index, config)
 
 
 def render_image(

@@ -53,11 +53,7 @@ class Task:
 
     def image_batch(self, rng: random.Random, split: str, n: int, config) -> tuple[torch.Tensor, torch.Tensor]:
         """``(grids [B, G, G], images [B, 3, H, W])`` of ``n`` fresh images."""
-        grids, images = [], []
-        for _ in range(n):
-            g, extra = self.data.make_grid(rng, split, config)
-            grids.append(g)
-            images.append(self.data.render_image(rng, extra if self.name == "digitgrid" else g, config))
+        grids, images = zip(*(self.data.sample_image(rng, split, config) for _ in range(n)))
         return torch.stack(grids), torch.stack(images)
 
     def token_words(self, grids: torch.Tensor, k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -71,6 +71,7 @@ __all__ = [
     "make_scene",
     "num_image_tokens",
     "render_image",
+    "sample_image",
     "symbol_word",
     "to_pil",
 ]
@@ -199,13 +200,7 @@ def _shapes() -> torch.Tensor:
 @lru_cache(maxsize=1)
 def _colours() -> torch.Tensor:
     """``[8, 3]`` fully saturated RGB of hues ``k / 8``."""
-    out = []
-    for k in range(len(COLOURS)):
-        h = k / len(COLOURS) * 6
-        x = 1 - abs(h % 2 - 1)
-        table = [(1, x, 0), (x, 1, 0), (0, 1, x), (0, x, 1), (x, 0, 1), (1, 0, x)]
-        out.append(table[int(h) % 6])
-    return torch.tensor(out, dtype=torch.float32)
+    return torch.stack([_dg.hue_rgb(k / len(COLOURS)) for k in range(len(COLOURS))])
 
 
 def symbol_word(k: int) -> str:
@@ -236,6 +231,12 @@ def make_grid(rng: random.Random, split: str, config: GridConfig = DEFAULT_CONFI
         for _ in range(rng.randint(0, config.max_rare)):
             cells[free.pop()] = k
     return torch.tensor(cells, dtype=torch.int64).reshape(g, g), rare
+
+
+def sample_image(rng: random.Random, split: str, config: GridConfig = DEFAULT_CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grid, image)`` of one fresh image (what the trainer's align stage draws)."""
+    grid, _ = make_grid(rng, split, config)
+    return grid, render_image(rng, grid, config)
 
 
 def render_image(rng: random.Random, grid: torch.Tensor, config: GridConfig = DEFAULT_CONFIG) -> torch.Tensor:
