@@ -16,6 +16,7 @@ from .graph.bipartite import BipartiteGraph
 from .graph.layout import VisionLayout
 from .graph.provenance import Provenance
 from .policies.hashing import token_identity
+from .policies.inputs import StageInputs
 from .policies.partitioners import GridPartitioner, Partitioner
 from .policies.passers import MessagePasser, RelevanceWeightedMean
 from .policies.pruners import PruneInputs, Pruner, SmallestDivergence
@@ -84,27 +85,15 @@ class Stage:
                 f"message passer {self.passer.name!r} merges tokens and needs an edge scorer; use passer 'drop'"
             )
 
-    # ------------------------------------------------------------------ checks
-    def _validate(
-        self, hidden: torch.Tensor, layout: VisionLayout, relevance: torch.Tensor | None, keys: torch.Tensor | None
-    ) -> None:
-        if not isinstance(hidden, torch.Tensor) or not isinstance(layout, VisionLayout):
-            raise TypeError("Stage expects (hidden: torch.Tensor [B, N, D], layout: VisionLayout, ...)")
-        if hidden.dim() != 3:
-            raise ValueError(f"hidden states must be [B, N, D], got shape {tuple(hidden.shape)}")
-        if tuple(hidden.shape[:2]) != (layout.batch_size, layout.seq_len):
-            raise ValueError(
-                f"hidden states {tuple(hidden.shape)} do not match the layout [B={layout.batch_size}, "
-                f"N={layout.seq_len}]"
-            )
-        if not hidden.is_floating_point():
-            raise TypeError(f"hidden states must be floating point, got {hidden.dtype}")
-        if relevance is not None and tuple(relevance.shape) != tuple(hidden.shape[:2]):
-            raise ValueError(f"relevance must be [B, N] = {tuple(hidden.shape[:2])}, got {tuple(relevance.shape)}")
-        if keys is not None and tuple(keys.shape[:2]) != tuple(hidden.shape[:2]):
-            raise ValueError(f"keys must be [B, N, Dk] with B, N = {tuple(hidden.shape[:2])}, got {tuple(keys.shape)}")
-        if self.scorer is not None and self.scorer.features == "keys" and keys is None:
-            raise ValueError(f"edge scorer {self.scorer.name!r} compares keys: pass keys=[B, N, Dk]")
+    @property
+    def needs(self) -> frozenset[str]:
+        """Names of the `StageInputs` features this stage's policies read (e.g. ``{"keys"}``);
+        an adapter computes keys only when they are needed."""
+        out: frozenset[str] = frozenset()
+        for policy in (self.partitioner, self.scorer, self.pruner, self.passer):
+            if policy is not None:
+                out |= policy.needs
+        return out
 
     # ------------------------------------------------------------------ the stage
     def __call__(
@@ -122,21 +111,36 @@ class Stage:
             layout: their layout.
             relevance: ``[B, N]`` ξ (non-negative); None means uniform.
             provenance: provenance up to this stage (None: the input is original).
-            keys: ``[B, N, Dk]`` features for key-space edge scorers.
+            keys: ``[B, N, H_kv, d]`` the layer's keys, for policies that need them.
 
         Returns:
             a `StageResult`.
         """
-        self._validate(hidden, layout, relevance, keys)
+        if not isinstance(hidden, torch.Tensor) or not isinstance(layout, VisionLayout):
+            raise TypeError("Stage expects (hidden: torch.Tensor [B, N, D], layout: VisionLayout, ...)")
+        return self.run(StageInputs(layout, self.spec, hidden, relevance, keys, provenance))
+
+    def run(self, inputs: StageInputs) -> StageResult:
+        """Run the stage on prepared `StageInputs` (``inputs.spec`` is replaced by this
+        stage's spec; ``inputs.hidden`` is required)."""
+        if inputs.spec != self.spec:
+            inputs = replace(inputs, spec=self.spec)
+        if inputs.hidden is None:
+            raise ValueError("a stage needs hidden states: StageInputs(hidden=[B, N, D], ...)")
+        inputs.check()
+        for name in sorted(self.needs):
+            inputs.features(name)  # a clear error now, not deep inside a policy
+        hidden, layout, relevance, provenance = inputs.hidden, inputs.layout, inputs.relevance, inputs.provenance
         b, n, _ = hidden.shape
         if provenance is None:
             provenance = Provenance.identity(b, n, hidden.device)
+            inputs = replace(inputs, provenance=provenance)
         elif provenance.current_len != n or provenance.owner.shape[0] != b:
             raise ValueError("provenance does not describe the current sequence (length or batch size differ)")
         if self.spec.ratio == 0.0:
             return self._identity(hidden, layout, provenance)
 
-        part = self.partitioner.partition(layout, self.spec.windows_per_side, self.spec.window_size)
+        part = self.partitioner.partition(inputs)
         graph = BipartiteGraph.build(part.window, part.is_src)
         if graph.num_nodes == 0:  # e.g. a text-only batch: nothing to compress
             return self._identity(hidden, layout, provenance)
@@ -153,19 +157,19 @@ class Stage:
         size = graph.gather(provenance.sizes())
 
         if self.scorer is not None:
-            feats = x if self.scorer.features == "hidden" else graph.gather(keys)
-            best_dst, best_div = self.scorer.best_edges(graph, feats)
+            best_dst, best_div = self.scorer.match(inputs, graph)
         else:
             best_dst = torch.full_like(graph.src_slots, -1)
             best_div = torch.zeros(graph.src_slots.shape, dtype=acc, device=hidden.device)
         pad = graph.src_slots < 0
-        inputs = PruneInputs(
+        prune = PruneInputs(
             graph=graph,
             divergence=best_div,
             relevance=graph.blocks(xi, "src"),
             identity=graph.blocks(graph.gather(token_identity(layout)), "src").masked_fill(pad, -1),
+            stage=inputs,
         )
-        removed = self.pruner.select(inputs, self.spec.ratio)
+        removed = self.pruner.select(prune, self.spec.ratio)
         src = graph.src_slots[removed]
         dst = best_dst[removed]
 

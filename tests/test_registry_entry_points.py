@@ -66,7 +66,7 @@ def research_package(tmp_path, monkeypatch):
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {PACKAGE}\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\nmy_divergence = {PACKAGE}:MyDivergence\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(Policy, "_entry_points_loaded", False)  # entry points are read once per process
+    monkeypatch.setattr(Policy, "_entry_points", {})  # each entry point is tried once per process
     assert "my_divergence" not in EdgeScorer._registry
     yield tmp_path
     EdgeScorer._registry.pop("my_divergence", None)
@@ -111,7 +111,7 @@ def test_entry_point_parameters_are_validated(research_package):
 
 
 def test_without_the_package_the_name_is_unknown(monkeypatch):
-    monkeypatch.setattr(Policy, "_entry_points_loaded", False)
+    monkeypatch.setattr(Policy, "_entry_points", {})
     with pytest.raises(ConfigError, match=r"unknown edge_scorer 'my_divergence'; registered edge_scorers: cosine, l2"):
         PipelineConfig.from_yaml_text(YAML)
 
@@ -122,9 +122,10 @@ def test_decorator_registration_is_enough_for_yaml():
     class Columns(Partitioner):
         """One window per image column; even rows are sources."""
 
-        def partition(self, layout, windows_per_side=None, window_size=None):
+        def partition(self, inputs):
             from lightkv.policies import Partition
 
+            layout = inputs.layout
             inside = layout.vision_mask
             col = layout.coords[..., 1]
             window = torch.where(inside, layout.image.clamp_min(0) * 10_000 + col, torch.full_like(col, -1))

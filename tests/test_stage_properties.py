@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from lightkv import Pipeline, Stage, TokenKind
 from lightkv.policies import (
+    StageInputs,
     CosineDivergence,
     DropMessages,
     GlobalPartitioner,
@@ -80,7 +81,7 @@ def test_provenance_partitions_vision_tokens_within_windows(variant, case, ratio
     # every original token is represented by exactly one current token (owner is a function)
     assert (owner >= 0).all()
     # each current token's sources: itself included, same kind, same image, same window, same row
-    windows = stage.partitioner.partition(lay, wps).window
+    windows = stage.partitioner.partition(StageInputs.of(lay, windows_per_side=wps)).window
     for b in range(lay.batch_size):
         for j in range(result.kept_index.shape[1]):
             src = result.provenance.sources(b, j)

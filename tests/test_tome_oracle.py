@@ -28,7 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightkv import ImageSegment, VisionLayout, get_preset
-from lightkv.policies import StageSpec
+from lightkv.policies import StageInputs, StageSpec
 from lightkv.policies.pooling import StridedPartitioner
 
 merge_mod = pytest.importorskip("tomesd.merge", reason="tomesd is a test-only dependency: pip install tomesd")
@@ -101,7 +101,7 @@ def tomesd_destinations(h, w, sx, sy):
 
 def lightkv_destinations(h, w, partitioner=None):
     layout = VisionLayout.from_segments(1, h * w, [ImageSegment(row=0, offset=0, grid=(h, w))])
-    part = (partitioner or get_preset("tome").partitioner).partition(layout, windows_per_side=1)
+    part = (partitioner or get_preset("tome").partitioner).partition(StageInputs.of(layout, windows_per_side=1))
     return set((~part.is_src[0]).nonzero().flatten().tolist())
 
 

@@ -4,7 +4,8 @@ A layout describes one batch of token sequences ``[B, N]``. Every token has a *k
 (text, vision, structural, padding); every vision or structural token belongs to one
 *image* (an image, a tile or a video frame: anything with its own 2-D grid) and has
 ``(row, col)`` coordinates on that image's grid. Images are numbered across the whole
-batch, so one image table serves every row.
+batch, so one image table serves every row. The frames of one video are images that share
+a video id and carry their temporal index, so spatio-temporal policies can group them.
 
 Layouts are immutable. Compression stages return a new layout for the shorter sequence;
 survivors keep their original coordinates and their original sequence index (``origin``),
@@ -14,7 +15,7 @@ so later windows are true spatial regions and positions stay consistent.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -46,12 +47,17 @@ class ImageSegment:
         newline_every: if set, the image is stored row by row with one structural token
             after every ``newline_every`` vision tokens (LLaVA-NeXT, Fuyu). Then the
             segment spans ``rows * (cols + 1)`` sequence positions; otherwise ``rows * cols``.
+        video: segments of one batch row with the same ``video`` label are the frames of
+            one video (any hashable label; None: a still image or a tile).
+        frame: the segment's temporal index inside its video (0 for still images).
     """
 
     row: int
     offset: int
     grid: tuple[int, int]
     newline_every: int | None = None
+    video: object | None = None
+    frame: int = 0
 
     @property
     def length(self) -> int:
@@ -77,6 +83,10 @@ class VisionLayout:
             sequence, ``-1`` for holes created by compression. Position ids follow it.
         image_grid: ``[S, 2]`` int64, ``(rows, cols)`` of each of the ``S`` images.
         image_row: ``[S]`` int64, the batch row that holds each image.
+        image_video: ``[S]`` int64, the video each image is a frame of (numbered across
+            the batch, ``0 .. V-1``), ``-1`` for still images and tiles. Default: all ``-1``.
+        image_frame: ``[S]`` int64, each image's temporal index in its video (0 for still
+            images). Default: all 0.
     """
 
     kind: torch.Tensor
@@ -85,8 +95,15 @@ class VisionLayout:
     origin: torch.Tensor
     image_grid: torch.Tensor
     image_row: torch.Tensor
+    image_video: torch.Tensor = field(default=None)  # type: ignore[assignment]
+    image_frame: torch.Tensor = field(default=None)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
+        s = self.image_row.shape[0] if self.image_row.dim() == 1 else 0
+        if self.image_video is None:
+            object.__setattr__(self, "image_video", torch.full((s,), -1, dtype=torch.long, device=self.image_row.device))
+        if self.image_frame is None:
+            object.__setattr__(self, "image_frame", torch.zeros(s, dtype=torch.long, device=self.image_row.device))
         if self.kind.dim() != 2:
             raise ValueError(f"layout.kind must be [B, N], got shape {tuple(self.kind.shape)}")
         shape = tuple(self.kind.shape)
@@ -102,6 +119,9 @@ class VisionLayout:
             raise ValueError("layout.image_grid must be [S, 2] (rows, cols) per image")
         if self.image_row.shape != self.image_grid.shape[:1]:
             raise ValueError("layout.image_row must have one entry per image in layout.image_grid")
+        for name in ("image_video", "image_frame"):
+            if getattr(self, name).shape != self.image_grid.shape[:1]:
+                raise ValueError(f"layout.{name} must have one entry per image in layout.image_grid")
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -139,7 +159,8 @@ class VisionLayout:
                     f"padding_mask has shape {tuple(padding_mask.shape)}, expected {(batch_size, seq_len)}"
                 )
             kind[padding_mask.bool().cpu()] = int(TokenKind.PAD)
-        grids, rows = [], []
+        grids, rows, videos, frames = [], [], [], []
+        video_ids: dict[tuple[int, object], int] = {}
         for index, seg in enumerate(segments):
             h, w = seg.grid
             if h <= 0 or w <= 0:
@@ -167,19 +188,30 @@ class VisionLayout:
             image[seg.row, span] = index
             coords[seg.row, span, 0] = r
             coords[seg.row, span, 1] = c
+            if isinstance(seg.frame, bool) or not isinstance(seg.frame, int) or seg.frame < 0:
+                raise ValueError(f"image segment {index}: frame must be a non-negative integer, got {seg.frame!r}")
+            if seg.video is None and seg.frame:
+                raise ValueError(f"image segment {index} has frame {seg.frame} but no video; give video=<label>")
             grids.append((h, w))
             rows.append(seg.row)
+            videos.append(-1 if seg.video is None else video_ids.setdefault((seg.row, seg.video), len(video_ids)))
+            frames.append(seg.frame)
         origin = torch.arange(seq_len).expand(batch_size, seq_len).clone()
         image_grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 2)
         image_row = torch.tensor(rows, dtype=torch.long)
-        return cls(kind, image, coords, origin, image_grid, image_row).to(device)
+        image_video = torch.tensor(videos, dtype=torch.long)
+        image_frame = torch.tensor(frames, dtype=torch.long)
+        return cls(kind, image, coords, origin, image_grid, image_row, image_video, image_frame).to(device)
 
     def to(self, device: torch.device | str) -> "VisionLayout":
         """The same layout on another device."""
         return VisionLayout(*(t.to(device) for t in self._tensors()))
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.kind, self.image, self.coords, self.origin, self.image_grid, self.image_row)
+        return (
+            self.kind, self.image, self.coords, self.origin,
+            self.image_grid, self.image_row, self.image_video, self.image_frame,
+        )
 
     # ------------------------------------------------------------------ views
     @property
@@ -196,6 +228,26 @@ class VisionLayout:
     def num_images(self) -> int:
         """``S``, the number of images (tiles, frames) across the batch."""
         return self.image_grid.shape[0]
+
+    @property
+    def num_videos(self) -> int:
+        """``V``, the number of videos across the batch."""
+        return int(self.image_video.max()) + 1 if self.num_images else 0
+
+    @property
+    def frame(self) -> torch.Tensor:
+        """``[B, N]`` int64: the temporal index of each token's image in its video (0 for
+        still images), ``-1`` for tokens outside images."""
+        if not self.num_images:
+            return torch.full_like(self.image, -1)
+        return torch.where(self.image >= 0, self.image_frame[self.image.clamp_min(0)], -1)
+
+    @property
+    def video(self) -> torch.Tensor:
+        """``[B, N]`` int64: the video each token belongs to, ``-1`` outside videos."""
+        if not self.num_images:
+            return torch.full_like(self.image, -1)
+        return torch.where(self.image >= 0, self.image_video[self.image.clamp_min(0)], -1)
 
     @property
     def device(self) -> torch.device:
@@ -244,6 +296,8 @@ class VisionLayout:
             origin=take(self.origin, -1),
             image_grid=self.image_grid,
             image_row=self.image_row,
+            image_video=self.image_video,
+            image_frame=self.image_frame,
         )
 
     def row(self, b: int) -> "VisionLayout":
@@ -255,6 +309,11 @@ class VisionLayout:
         image = self.image[b : b + 1]
         if self.num_images:
             image = torch.where(image >= 0, new_id[image.clamp_min(0)], image)
+        video = self.image_video[keep]
+        if video.numel() and bool((video >= 0).any()):
+            _, compact = torch.unique(video[video >= 0], sorted=True, return_inverse=True)
+            video = video.clone()
+            video[video >= 0] = compact
         return VisionLayout(
             kind=self.kind[b : b + 1],
             image=image,
@@ -262,6 +321,8 @@ class VisionLayout:
             origin=self.origin[b : b + 1],
             image_grid=self.image_grid[keep],
             image_row=torch.zeros(int(keep.sum()), dtype=torch.long, device=self.device),
+            image_video=video,
+            image_frame=self.image_frame[keep],
         )
 
     def __eq__(self, other: object) -> bool:

@@ -93,6 +93,7 @@ def grid_windows(
     windows_per_side: int | None = None,
     window_size: tuple[int, int] | None = None,
     bands: str = "proportional",
+    partial: bool = False,
 ) -> torch.Tensor:
     """True 2-D windows on each image's grid.
 
@@ -105,12 +106,15 @@ def grid_windows(
 
     Args:
         layout: the batch layout.
+        partial: allow a ``window_size`` larger than an image, which then gets partial
+            windows (as ceil-mode pooling); otherwise that is an error.
 
     Returns:
         ``[B, N]`` int64 window id per token, ``-1`` for non-vision tokens.
 
     Raises:
-        ValueError: a bad specification, or a window size larger than an image's grid.
+        ValueError: a bad specification, or (without ``partial``) a window size larger
+            than an image's grid.
     """
     check_window_spec(windows_per_side, window_size)
     check_bands(bands)
@@ -128,7 +132,7 @@ def grid_windows(
     else:
         s_r, s_c = window_size  # type: ignore[misc]
         grid = layout.image_grid
-        if layout.num_images and ((grid[:, 0] < s_r) | (grid[:, 1] < s_c)).any():
+        if not partial and layout.num_images and ((grid[:, 0] < s_r) | (grid[:, 1] < s_c)).any():
             small = grid[(grid[:, 0] < s_r) | (grid[:, 1] < s_c)][0].tolist()
             raise ValueError(
                 f"window_size {tuple(window_size)} is larger than an image grid of {tuple(small)} tokens; "

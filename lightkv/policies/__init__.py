@@ -11,6 +11,8 @@
 """
 
 from .base import ENTRY_POINT_GROUP, Policy
+from .inputs import Features, StageInputs
+from .plugins import EntryPointStatus, PluginError
 from .partitioners import (
     GlobalPartitioner,
     GridPartitioner,
@@ -55,6 +57,8 @@ __all__ = [
     "CosineDivergence",
     "DropMessages",
     "EdgeScorer",
+    "EntryPointStatus",
+    "Features",
     "ExplicitSchedule",
     "GlobalPartitioner",
     "GridPartitioner",
@@ -65,6 +69,7 @@ __all__ = [
     "MessagePasser",
     "Partition",
     "Partitioner",
+    "PluginError",
     "Policy",
     "PruneInputs",
     "Pruner",
@@ -78,6 +83,7 @@ __all__ = [
     "Scheduler",
     "SizeWeightedMean",
     "SmallestDivergence",
+    "StageInputs",
     "StageSpec",
     "StridedPartitioner",
     "UniformRelevance",

@@ -18,19 +18,20 @@ class MyDivergence(EdgeScorer):
 ```
 
 Third-party packages can also expose policies through the ``lightkv.policies`` entry-point
-group (``name = "package.module:Class"``); they are loaded the first time a name is looked
-up and not found.
+group (``my_divergence = "package.module:MyDivergence"``, the entry-point name equal to the
+registered name); each is loaded on its own the first time a name is looked up and not
+found (see `lightkv.policies.plugins`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from importlib import metadata
 from typing import Any, Callable, ClassVar, TypeVar
+
+from .plugins import ENTRY_POINT_GROUP, EntryPointStatus, PluginError, load_entry_points
 
 __all__ = ["Policy", "ENTRY_POINT_GROUP"]
 
-ENTRY_POINT_GROUP = "lightkv.policies"
 P = TypeVar("P", bound=type)
 
 
@@ -43,7 +44,8 @@ class Policy:
     family: ClassVar[str] = "policy"
     name: ClassVar[str] = ""
     _registry: ClassVar[dict[str, type]]
-    _entry_points_loaded: ClassVar[bool] = False
+    _entry_points: ClassVar[dict[str, EntryPointStatus]] = {}
+    """Entry points tried so far in this process (shared by every family)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -82,15 +84,23 @@ class Policy:
         """The class registered under ``name``.
 
         Raises:
-            ValueError: no such name; the message lists the registered names.
+            ValueError: no such name; the message lists the registered names and the plugins
+                that failed to load. `PluginError` (a ValueError) when ``name`` is a plugin's
+                entry point that failed to load.
         """
         if name not in cls._registry:
-            cls._load_entry_points()
-        try:
+            cls._load_entry_points(first=name, done=lambda: name in cls._registry)
+        if name in cls._registry:
             return cls._registry[name]
-        except KeyError:
-            known = ", ".join(sorted(cls._registry)) or "(none)"
-            raise ValueError(f"unknown {cls.family} {name!r}; registered {cls.family}s: {known}") from None
+        failed = [s for s in Policy._entry_points.values() if s.error is not None]
+        own = [s for s in failed if s.name == name]
+        if own:
+            raise PluginError(f"{cls.family} {name!r} comes from a plugin that failed to load: {own[0].describe()}")
+        known = ", ".join(sorted(cls._registry)) or "(none)"
+        message = f"unknown {cls.family} {name!r}; registered {cls.family}s: {known}"
+        if failed:
+            message += "; plugins that failed to load: " + "; ".join(s.describe() for s in failed)
+        raise ValueError(message)
 
     @classmethod
     def create(cls, name: str, **params: Any) -> "Policy":
@@ -116,10 +126,12 @@ class Policy:
             return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
         return {}
 
+    @property
+    def needs(self) -> frozenset[str]:
+        """Names of the `lightkv.policies.StageInputs` features this policy reads beyond the
+        hidden states and the layout (e.g. ``{"keys"}``); adapters compute only these."""
+        return frozenset()
+
     @classmethod
-    def _load_entry_points(cls) -> None:
-        if Policy._entry_points_loaded:
-            return
-        Policy._entry_points_loaded = True
-        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-            ep.load()  # importing the module runs its @register decorators
+    def _load_entry_points(cls, first: str | None = None, done: Callable[[], bool] = lambda: False) -> None:
+        load_entry_points(Policy._entry_points, Policy, first, done)

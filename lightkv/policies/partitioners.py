@@ -16,6 +16,7 @@ from ..graph.scatter import scatter_sum, segment_rank
 from ..graph.windows import Bands, check_bands, grid_windows, pseudo_square_windows
 from .base import Policy
 from .hashing import seeded_uniform, token_identity
+from .inputs import StageInputs
 
 __all__ = [
     "Partition",
@@ -47,18 +48,17 @@ class Partitioner(Policy):
 
     family: ClassVar[str] = "partitioner"
 
-    def partition(
-        self, layout: VisionLayout, windows_per_side: int | None = None, window_size: tuple[int, int] | None = None
-    ) -> Partition:
+    def partition(self, inputs: StageInputs) -> Partition:
         """Assign windows and sides.
 
         Args:
-            layout: the batch layout (``[B, N]`` tokens).
-            windows_per_side: windows per image side from the schedule, or
-            window_size: window ``(rows, cols)`` in tokens from the schedule.
+            inputs: the stage's inputs: ``inputs.layout`` (``[B, N]`` tokens),
+                ``inputs.spec.windows_per_side`` / ``inputs.spec.window_size`` from the
+                schedule, and the features and relevance for content-driven splits.
 
         Returns:
-            a `Partition` with ``[B, N]`` tensors.
+            a `Partition` with ``[B, N]`` tensors; window ids compact (``0 .. K-1``),
+            ``-1`` for tokens outside the graph (never text, padding or structural tokens).
         """
         raise NotImplementedError
 
@@ -126,8 +126,9 @@ class GridPartitioner(Partitioner):
     def __post_init__(self) -> None:
         check_bands(self.bands)
 
-    def partition(self, layout, windows_per_side=None, window_size=None):
-        window = grid_windows(layout, windows_per_side, window_size, bands=self.bands)
+    def partition(self, inputs):
+        layout, windows_per_side = inputs.layout, inputs.spec.windows_per_side
+        window = grid_windows(layout, windows_per_side, inputs.spec.window_size, bands=self.bands)
         window = self._skip_small(layout, window, windows_per_side, self.min_tokens_per_window)
         return Partition(window, self._split(layout, window, self.split, self.src_parity, self.seed))
 
@@ -158,8 +159,9 @@ class PseudoSquarePartitioner(Partitioner):
     def __post_init__(self) -> None:
         check_bands(self.bands)
 
-    def partition(self, layout, windows_per_side=None, window_size=None):
-        if window_size is not None or windows_per_side is None:
+    def partition(self, inputs):
+        layout, windows_per_side = inputs.layout, inputs.spec.windows_per_side
+        if inputs.spec.window_size is not None or windows_per_side is None:
             raise ValueError("the pseudo_square partitioner needs windows_per_side (it has no window_size form)")
         window = pseudo_square_windows(layout, windows_per_side, bands=self.bands)
         window = self._skip_small(layout, window, windows_per_side, self.min_tokens_per_window)
@@ -182,7 +184,8 @@ class GlobalPartitioner(Partitioner):
     src_parity: int = 0
     seed: int = 0
 
-    def partition(self, layout, windows_per_side=None, window_size=None):
+    def partition(self, inputs):
+        layout = inputs.layout
         if self.scope not in ("image", "row"):
             raise ValueError(f"unknown scope {self.scope!r}; choose 'image' or 'row'")
         vision = layout.vision_mask

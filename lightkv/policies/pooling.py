@@ -21,34 +21,11 @@ from typing import Literal
 
 import torch
 
-from ..graph.layout import VisionLayout
 from ..graph.scatter import segment_rank
-from ..graph.windows import check_window_spec, grid_windows
+from ..graph.windows import grid_windows
 from .partitioners import GlobalPartitioner, Partition, Partitioner
 
 __all__ = ["AnchorPartitioner", "StridedPartitioner"]
-
-
-def _ceil_windows(
-    layout: VisionLayout, windows_per_side: int | None, window_size: tuple[int, int] | None
-) -> torch.Tensor:
-    """`grid_windows`, except that a ``window_size`` larger than an image is allowed: such
-    an image simply gets partial windows (as ceil-mode pooling)."""
-    if window_size is None:
-        return grid_windows(layout, windows_per_side, None)
-    check_window_spec(None, window_size)
-    vision = layout.vision_mask
-    out = torch.full_like(layout.image, -1)
-    if not vision.any():
-        return out
-    s_r, s_c = window_size
-    img = layout.image[vision]
-    r, c = layout.coords[..., 0][vision], layout.coords[..., 1][vision]
-    cols = torch.div(layout.image_grid[:, 1][img] + s_c - 1, s_c, rounding_mode="floor")
-    local = torch.div(r, s_r, rounding_mode="floor") * cols + torch.div(c, s_c, rounding_mode="floor")
-    span = int((layout.image_grid[:, 0] * layout.image_grid[:, 1]).max())
-    out[vision] = torch.unique(img * span + local, sorted=True, return_inverse=True)[1]
-    return out
 
 
 @Partitioner.register("anchor")
@@ -63,8 +40,8 @@ class AnchorPartitioner(Partitioner):
     a ``window_size`` larger than an image is fine: its windows are just partial.
     """
 
-    def partition(self, layout, windows_per_side=None, window_size=None):
-        window = _ceil_windows(layout, windows_per_side, window_size)
+    def partition(self, inputs):
+        window = grid_windows(inputs.layout, inputs.spec.windows_per_side, inputs.spec.window_size, partial=True)
         inside = window >= 0
         is_src = torch.zeros_like(inside)
         is_src[inside] = segment_rank(window[inside]) > 0
@@ -98,8 +75,9 @@ class StridedPartitioner(Partitioner):
             raise ValueError(f"stride must be two positive integers (sy, sx), got {self.stride!r}")
         self.stride = stride  # type: ignore[assignment]
 
-    def partition(self, layout, windows_per_side=None, window_size=None):
-        window = GlobalPartitioner(scope=self.scope, split="all_src").partition(layout).window
+    def partition(self, inputs):
+        layout = inputs.layout
+        window = GlobalPartitioner(scope=self.scope, split="all_src").partition(inputs).window
         inside = window >= 0
         sy, sx = self.stride
         img = layout.image.clamp_min(0)

@@ -21,6 +21,7 @@ import torch
 from ..graph.bipartite import BipartiteGraph
 from .base import Policy
 from .hashing import seeded_uniform
+from .inputs import StageInputs
 
 __all__ = [
     "Pruner",
@@ -42,12 +43,16 @@ class PruneInputs:
         relevance: prompt relevance ξ of each A token.
         identity: int64 identity of each A token, independent of the rest of the batch
             (see `lightkv.policies.hashing.token_identity`), for random policies.
+        stage: the stage's `StageInputs` (features, sizes, layout) for pruners that need
+            more; ``graph.blocks(graph.gather(t), "src")`` turns a ``[B, N, ...]`` tensor
+            into A-slot blocks. None when a pruner is called on its own.
     """
 
     graph: BipartiteGraph
     divergence: torch.Tensor
     relevance: torch.Tensor
     identity: torch.Tensor
+    stage: StageInputs | None = None
 
 
 class Pruner(Policy):

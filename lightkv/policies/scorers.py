@@ -4,51 +4,64 @@ best (least divergent) B partner."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import torch
 
 from ..graph.bipartite import BipartiteGraph
 from .base import Policy
 from .hashing import seeded_uniform
+from .inputs import Features, StageInputs
 
 __all__ = ["CosineDivergence", "EdgeScorer", "L2Divergence", "RandomDivergence"]
-
-Features = Literal["hidden", "keys"]
 
 
 class EdgeScorer(Policy):
     """Family: how dissimilar two tokens are (lower = better merge partners).
 
-    Override `divergence`; `best_edges` batches it over all windows at once.
+    Override `divergence`; `best_edges` batches it over all windows at once. A scorer that
+    needs more than two feature blocks (relevance, sizes, the layout) overrides `match`.
 
     Attributes:
-        features: which per-token features to compare: ``"hidden"`` (the residual stream,
-            as LightKV) or ``"keys"`` (the layer's attention keys, when the caller
-            provides them).
+        features: which per-token features to compare: ``"hidden"`` (the residual stream
+            ``[D]`` per token, as LightKV) or ``"keys"`` (the layer's attention keys,
+            ``[H_kv, d]`` per token, computed by the adapter when a scorer asks for them).
     """
 
     family: ClassVar[str] = "edge_scorer"
     features: Features = "hidden"
 
+    @property
+    def needs(self) -> frozenset[str]:
+        return frozenset({self.features}) - {"hidden"}
+
     def divergence(self, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
         """Pairwise divergence inside each window.
 
         Args:
-            src: ``[K, a, D]`` features of the A tokens of ``K`` windows (zero padding).
-            dst: ``[K, b, D]`` features of the B tokens.
+            src: ``[K, a, *F]`` features of the A tokens of ``K`` windows (zero padding):
+                ``[K, a, D]`` for hidden states, ``[K, a, H_kv, d]`` for keys.
+            dst: ``[K, b, *F]`` features of the B tokens.
 
         Returns:
             ``[K, a, b]`` divergences; padding entries are ignored by the caller.
         """
         raise NotImplementedError
 
+    def match(self, inputs: StageInputs, graph: BipartiteGraph) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each A node's best partner for a stage: `best_edges` on ``inputs.features(self.features)``.
+
+        Returns:
+            ``(dst [K, a_max], divergence [K, a_max])`` as `best_edges`.
+        """
+        return self.best_edges(graph, graph.gather(inputs.features(self.features)))
+
     def best_edges(self, graph: BipartiteGraph, node_features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each A node's least divergent B node in its window.
 
         Args:
             graph: the batched graph.
-            node_features: ``[M, D]`` per-node features.
+            node_features: ``[M, *F]`` per-node features.
 
         Returns:
             ``(dst [K, a_max], divergence [K, a_max])``: node index of the best partner
@@ -88,6 +101,7 @@ class CosineDivergence(EdgeScorer):
     eps: float = 1e-12
 
     def divergence(self, src, dst):
+        src, dst = src.flatten(2), dst.flatten(2)  # keys: all heads of a token as one vector
         # Same as normalising src and dst first, without two normalised [K, *, D] copies.
         ns = src.norm(dim=-1).clamp_min(self.eps)
         nd = dst.norm(dim=-1).clamp_min(self.eps)
@@ -102,7 +116,7 @@ class L2Divergence(EdgeScorer):
     features: Features = "hidden"
 
     def divergence(self, src, dst):
-        return torch.cdist(src, dst)
+        return torch.cdist(src.flatten(2), dst.flatten(2))
 
 
 @EdgeScorer.register("random")

@@ -88,9 +88,9 @@ def test_pseudo_square_windows_follow_the_reference_packing():
 
 @given(case=batches(), wps=st.integers(1, 3))
 def test_bipartite_graph_blocks_and_networkx_export(case, wps):
-    from lightkv.policies import GridPartitioner
+    from lightkv.policies import GridPartitioner, StageInputs
 
-    part = GridPartitioner().partition(case.layout, wps)
+    part = GridPartitioner().partition(StageInputs.of(case.layout, windows_per_side=wps))
     g = BipartiteGraph.build(part.window, part.is_src)
     assert g.num_nodes == int(case.layout.vision_mask.sum())
     assert int(g.window_size.sum()) == g.num_nodes

@@ -1,0 +1,142 @@
+"""`StageInputs`: everything a stage knows, handed to every policy that wants it.
+
+A stage builds one `StageInputs` and gives it to its partitioner (``partition``), its edge
+scorer (``score``) and, through `PruneInputs.stage`, its pruner. A policy reads what it
+needs and ignores the rest, so a relevance-driven split or a key-space divergence is a
+policy, not a copy of the stage:
+
+```python
+from lightkv.policies import StageInputs
+inputs = StageInputs.of(layout, windows_per_side=2)        # layout-only, e.g. in a test
+inputs.features("keys")                                     # [B, N, H_kv, d] or a clear error
+```
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..graph.layout import VisionLayout
+from ..graph.provenance import Provenance
+from .schedulers import StageSpec
+
+__all__ = ["Features", "StageInputs"]
+
+Features = Literal["hidden", "keys"]
+"""Per-token features a policy can ask for: the residual stream or the layer's keys."""
+
+FEATURES: tuple[str, ...] = ("hidden", "keys")
+
+
+@dataclass(frozen=True)
+class StageInputs:
+    """The inputs of one compression stage.
+
+    Attributes:
+        layout: the batch layout (``[B, N]`` tokens).
+        spec: the stage's schedule entry (layer, ratio, windows).
+        hidden: ``[B, N, D]`` hidden states after the stage's layer (None only when the
+            inputs describe a layout alone, e.g. to call a partitioner in a test).
+        relevance: ``[B, N]`` prompt relevance ξ (non-negative), or None for uniform.
+        keys: ``[B, N, H_kv, d]`` the layer's attention keys (before RoPE), when the
+            adapter computed them (it does when a policy `needs` them), else None.
+        provenance: which current token represents each original token (None: the
+            sequence is original).
+    """
+
+    layout: VisionLayout
+    spec: StageSpec
+    hidden: torch.Tensor | None = None
+    relevance: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
+    provenance: Provenance | None = None
+
+    @classmethod
+    def of(
+        cls,
+        layout: VisionLayout,
+        hidden: torch.Tensor | None = None,
+        *,
+        windows_per_side: int | None = None,
+        window_size: tuple[int, int] | None = None,
+        ratio: float = 0.5,
+        layer: int = 0,
+        **tensors: torch.Tensor | Provenance | None,
+    ) -> "StageInputs":
+        """Inputs for a stage built from a layout and window settings, without a scheduler.
+
+        ``tensors`` are the other fields (``relevance``, ``keys``, ``provenance``).
+        """
+        spec = StageSpec(layer, ratio, windows_per_side=windows_per_side, window_size=window_size)
+        return cls(layout=layout, spec=spec, hidden=hidden, **tensors)  # type: ignore[arg-type]
+
+    @property
+    def batch_size(self) -> int:
+        """``B``."""
+        return self.layout.batch_size
+
+    @property
+    def seq_len(self) -> int:
+        """``N``."""
+        return self.layout.seq_len
+
+    @property
+    def sizes(self) -> torch.Tensor:
+        """``[B, N]`` int64: how many original tokens each current token represents."""
+        if self.provenance is None:
+            return torch.ones(self.layout.kind.shape, dtype=torch.long, device=self.layout.device)
+        return self.provenance.sizes()
+
+    def features(self, kind: str) -> torch.Tensor:
+        """Per-token features by name: ``"hidden"`` ``[B, N, D]`` or ``"keys"`` ``[B, N, H_kv, d]``.
+
+        This is the one place that maps a policy's ``features`` setting to a tensor.
+
+        Raises:
+            ValueError: an unknown name, or features the caller did not provide.
+        """
+        if kind not in FEATURES:
+            raise ValueError(f"unknown features {kind!r}; choose one of {', '.join(FEATURES)}")
+        value = self.hidden if kind == "hidden" else self.keys
+        if value is None:
+            how = (
+                "pass hidden=[B, N, D]"
+                if kind == "hidden"
+                else "pass keys=[B, N, H_kv, d] to the stage (adapters do when a policy needs them)"
+            )
+            raise ValueError(f"this stage has no {kind} features: {how}")
+        return value
+
+    def check(self) -> None:
+        """Shape checks that name the problem (the stage calls this once).
+
+        Raises:
+            TypeError, ValueError: a tensor of the wrong kind or shape.
+        """
+        b, n = self.layout.batch_size, self.layout.seq_len
+        if self.hidden is not None:
+            if not isinstance(self.hidden, torch.Tensor) or self.hidden.dim() != 3:
+                shape = tuple(self.hidden.shape) if isinstance(self.hidden, torch.Tensor) else type(self.hidden).__name__
+                raise ValueError(f"hidden states must be [B, N, D], got shape {shape}")
+            if tuple(self.hidden.shape[:2]) != (b, n):
+                raise ValueError(
+                    f"hidden states {tuple(self.hidden.shape)} do not match the layout [B={b}, N={n}]"
+                )
+            if not self.hidden.is_floating_point():
+                raise TypeError(f"hidden states must be floating point, got {self.hidden.dtype}")
+        if self.relevance is not None and tuple(self.relevance.shape) != (b, n):
+            raise ValueError(f"relevance must be [B, N] = {(b, n)}, got {tuple(self.relevance.shape)}")
+        if self.keys is not None:
+            if self.keys.dim() not in (3, 4) or tuple(self.keys.shape[:2]) != (b, n):
+                raise ValueError(
+                    f"keys must be [B, N, H_kv, d] (or [B, N, d] for one head) with B, N = {(b, n)}, "
+                    f"got {tuple(self.keys.shape)}"
+                )
+
+    def __post_init__(self) -> None:
+        # One shape for every policy: a [B, N, d] key tensor is one head.
+        if isinstance(self.keys, torch.Tensor) and self.keys.dim() == 3:
+            object.__setattr__(self, "keys", self.keys.unsqueeze(2))

@@ -1,0 +1,28 @@
+"""Testing helpers for lightkv and for packages that extend it.
+
+* `check_policy`: the policy contract as a reusable test (`lightkv.testing.contract`).
+* Tiny random models of every supported family and prompt batches for them
+  (`lightkv.testing.models`): ``FAMILIES[name].build()``, ``.row(model)``, ``.collate(rows)``.
+"""
+
+from .contract import check_policy, contract_batch
+from .models import FAMILIES, IMAGE, NEWLINE, PAD, VIDEO, VOCAB, Family, Row, left_pad, text_ids
+from .models import build_llava, build_llava_next, llava_next_tokens
+
+__all__ = [
+    "FAMILIES",
+    "IMAGE",
+    "NEWLINE",
+    "PAD",
+    "VIDEO",
+    "VOCAB",
+    "Family",
+    "Row",
+    "build_llava",
+    "build_llava_next",
+    "check_policy",
+    "contract_batch",
+    "left_pad",
+    "llava_next_tokens",
+    "text_ids",
+]

@@ -1,0 +1,89 @@
+"""Every built-in policy keeps the contract that `lightkv.testing.check_policy` checks, and
+the check catches policies that break it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from lightkv.policies import FAMILIES, EdgeScorer, MessagePasser, Partitioner, Pruner, SmallestDivergence
+from lightkv.testing import check_policy
+
+BUILT_IN = [(family, name) for family, base in FAMILIES.items() for name in sorted(base._registry)]
+# Policies whose defaults do not fit the contract batch get parameters that do.
+PARAMS = {("scheduler", "explicit"): {"layers": (2, 4, 5)}}
+
+
+@pytest.mark.parametrize("family,name", BUILT_IN, ids=[f"{f}:{n}" for f, n in BUILT_IN])
+def test_built_in_policy_keeps_the_contract(family, name):
+    cls = FAMILIES[family]._registry[name]
+    check_policy(cls, **PARAMS.get((family, name), {}))
+
+
+def test_every_family_has_a_contract_check():
+    assert {"partitioner", "scorer", "pruner", "passer", "relevance", "scheduler"} == set(FAMILIES)
+    assert len(BUILT_IN) >= 20
+
+
+@dataclass
+class LeakyScorer(EdgeScorer):
+    """Divergence times noise drawn from the number of windows in the batch: a row's
+    partners depend on the other rows."""
+
+    def divergence(self, src, dst):
+        d = torch.cdist(src.flatten(2), dst.flatten(2))
+        noise = torch.rand(d.shape, generator=torch.Generator().manual_seed(d.shape[0]), dtype=d.dtype)
+        return d * noise
+
+
+@dataclass
+class GreedyPruner(SmallestDivergence):
+    """Removes every A token, ignoring the budget."""
+
+    def select(self, inputs, ratio):
+        return inputs.graph.src_slots >= 0
+
+
+@dataclass
+class TextPartitioner(Partitioner):
+    """Puts every valid token (text too) into one window per row."""
+
+    def partition(self, inputs):
+        from lightkv.policies import Partition
+
+        lay = inputs.layout
+        window = torch.where(lay.valid_mask, torch.arange(lay.batch_size).unsqueeze(1).expand_as(lay.kind), -1)
+        return Partition(window, lay.valid_mask & (torch.arange(lay.seq_len) % 2 == 0))
+
+
+@dataclass
+class NoisyPasser(MessagePasser):
+    """Changes every node, receivers or not."""
+
+    def weight(self, relevance, size):
+        return torch.ones_like(relevance)
+
+    def __call__(self, x, relevance, size, src, dst):
+        return torch.arange(x.shape[0]), x + 1
+
+
+@pytest.mark.parametrize("cls,rule", [
+    (LeakyScorer, "not independent|differ in the batch"),
+    (GreedyPruner, "removed tokens|budget"),
+    (TextPartitioner, "text, padding or structural"),
+    (NoisyPasser, "nothing removed some node changed"),
+])
+def test_the_contract_catches_broken_policies(cls, rule):
+    with pytest.raises(AssertionError, match=rule):
+        check_policy(cls)
+
+
+def test_the_contract_refuses_what_is_not_a_policy():
+    with pytest.raises(TypeError, match="not a lightkv policy"):
+        check_policy(dict)
+
+
+def test_pruner_family_is_checked_through_a_stage():
+    assert isinstance(check_policy(Pruner.lookup("random")), Pruner)
