@@ -8,6 +8,11 @@ print(session.report())
 ```
 
 Supported families: see `SUPPORTED_FAMILIES`.
+
+Modules: to add a model family read `base` (the `Adapter` class) and one family module
+(e.g. `llava`), and register it in `registry`. The rest is internals of the hooks:
+`session` (`CompressionSession`), `cache`, `masks`, `features`, `guards` and `probes`;
+`trace` and `report` hold what a session recorded.
 """
 
 from __future__ import annotations
@@ -16,8 +21,11 @@ from typing import Any
 
 from torch import nn
 
-from .base import Adapter, CompressionSession, MaskedCacheLayer, PrefillTrace, StageRecord
+from .base import Adapter
+from .cache import MaskedCacheLayer
 from .registry import SUPPORTED_FAMILIES, detect_family, get_adapter
+from .session import CompressionSession
+from .trace import PrefillTrace, StageRecord
 
 __all__ = [
     "SUPPORTED_FAMILIES",

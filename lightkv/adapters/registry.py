@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
-if TYPE_CHECKING:  # annotations only: base.py looks adapters up here, not the other way round
-    from .base import Adapter
+from .base import Adapter
 
 __all__ = ["SUPPORTED_FAMILIES", "adapter_class", "detect_family", "get_adapter"]
 

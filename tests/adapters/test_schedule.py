@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightkv.adapters import apply
-from lightkv.adapters.base import MaskedCacheLayer
+from lightkv.adapters.cache import MaskedCacheLayer
 from lightkv.graph.layout import TokenKind
 from lightkv.testing import FAMILIES
 

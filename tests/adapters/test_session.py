@@ -8,7 +8,7 @@ import torch
 from lightkv import Pipeline
 from lightkv.policies import ExplicitSchedule
 from lightkv.adapters import SUPPORTED_FAMILIES, apply
-from lightkv.adapters.base import MaskedCacheLayer
+from lightkv.adapters.cache import MaskedCacheLayer
 from lightkv.testing import FAMILIES
 
 from .conftest import get_model, tiny_lightkv

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from lightkv.adapters import apply
-from lightkv.adapters.base import drop_padding
+from lightkv.adapters.masks import drop_padding
 from lightkv.testing import FAMILIES
 
 from .conftest import get_model, tiny_lightkv

@@ -1,0 +1,81 @@
+"""`MaskedCacheLayer`: the cache layer of a compressed decoder layer, which remembers
+which of its entries are holes.
+
+Internals of `lightkv.adapters.session` (an adapter author does not need it); read it to
+see how the hole masks follow the cache through beam search and why cropping is refused.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+__all__ = ["MaskedCacheLayer"]
+
+
+class _Token:
+    """Shared open/closed flag of one session."""
+
+    def __init__(self) -> None:
+        self.open = True
+
+
+class MaskedCacheLayer(DynamicLayer):
+    """A `DynamicLayer` of a compressed decoder layer: shorter than the prompt, possibly
+    with holes (rows that kept fewer tokens, input padding), recorded in ``valid``.
+
+    ``valid`` (``[B, L]`` bool, True for real entries) follows the cache through beam
+    search (`reorder_cache`), `batch_select_indices` and `batch_repeat_interleave`.
+    Cropping is refused: compressed layers hold different numbers of entries, so "remove
+    the last k tokens" has no single meaning (assisted decoding is not supported).
+    """
+
+    is_croppable = False
+
+    def __init__(self, token: _Token | None = None):
+        super().__init__()
+        self.valid: torch.Tensor | None = None
+        self.pending: torch.Tensor | None = None
+        self._token = token or _Token()
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self._token.open:
+            raise RuntimeError(
+                "this cache was compressed by a lightkv session that has ended; its compressed layers need the "
+                "session's masks: decode inside the `with pipeline.apply(model):` block"
+            )
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        new = self.pending
+        if new is None:
+            new = torch.ones(key_states.shape[0], key_states.shape[-2], dtype=torch.bool, device=key_states.device)
+        self.pending = None
+        new = new.to(keys.device)
+        self.valid = new if self.valid is None else torch.cat([self.valid, new], dim=1)
+        return keys, values
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.valid is not None:
+            self.valid = self.valid.index_select(0, beam_idx.to(self.valid.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.valid is not None:
+            self.valid = self.valid.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.valid is not None:
+            self.valid = self.valid[indices]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove == 0:
+            return
+        raise NotImplementedError(
+            "a lightkv-compressed cache cannot be cropped (compressed layers hold fewer entries than the prompt); "
+            "assisted / speculative decoding and cache rollback are not supported inside a compression session"
+        )
+
+    def reset(self) -> None:
+        super().reset()
+        self.valid = self.pending = None

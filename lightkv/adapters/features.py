@@ -1,0 +1,88 @@
+"""What a scheduled layer's stage reads besides the hidden states: prompt relevance ξ and,
+for key-space scorers, the layer's keys, computed from the layer's own projections.
+
+Internals of `lightkv.adapters.session` (it calls these from a decoder layer's forward
+pre-hook); an adapter author does not need them. `relevance` projects only the query rows
+and key columns the relevance policy declares it reads, never an ``N x N`` matrix.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..graph.layout import VisionLayout
+from ..graph.scatter import pack_rows
+from ..pipeline import Stage
+from .masks import _batch, _last_valid, gather_tokens
+from .probes import AttentionProbe
+
+__all__ = ["relevance", "scorer_keys"]
+
+
+def relevance(
+    probe: AttentionProbe,
+    stage: Stage,
+    hidden: torch.Tensor,
+    pos: tuple[torch.Tensor, torch.Tensor] | None,
+    layout: VisionLayout,
+    layer: int,
+) -> tuple[torch.Tensor, float]:
+    """ξ ``[B, N]`` at a layer from the layer's input, projecting only the rows and
+    columns the relevance policy reads.
+
+    Args:
+        probe: the layer's attention probe (norm, projections, rotary embedding).
+        stage: the stage scheduled after the layer (its ``relevance`` policy is used).
+        hidden: the layer's input hidden states ``[B, N, D]``.
+        pos: the layer's ``(cos, sin)`` position embeddings.
+        layout: the layout of ``hidden``.
+        layer: the layer's index (for error messages).
+
+    Returns:
+        ``(xi, flops)``: ξ (at least float32) and the FLOPs the projections and scores cost.
+    """
+    rel = stage.relevance
+    rows, cols = rel.query_rows, rel.key_cols
+    if rows == "none" and cols == "none":
+        return rel.score(None, None, layout).float(), 0.0
+    b, n = layout.batch_size, layout.seq_len
+    if pos is None:
+        raise RuntimeError(f"layer {layer} received no position_embeddings; cannot compute relevance")
+    cos, sin = _batch(pos[0], b), _batch(pos[1], b)
+    x = probe.normed(hidden)
+    d = probe.head_dim
+    flops = 0.0
+
+    def project(fn, index: torch.Tensor, heads: int) -> torch.Tensor:
+        nonlocal flops
+        out = fn(gather_tokens(x, index), gather_tokens(cos, index), gather_tokens(sin, index))
+        flops += 2.0 * index.numel() * probe.hidden * heads * d
+        full = out.new_zeros(b, heads, n, out.shape[-1])
+        return full.scatter(2, index[:, None, :, None].expand(-1, heads, -1, out.shape[-1]), out)
+
+    all_rows = torch.arange(n, device=x.device).expand(b, n)
+    if rows == "all":
+        queries = project(probe.queries, all_rows, probe.heads)
+    elif rows == "last":
+        queries = project(probe.queries, _last_valid(layout.valid_mask).unsqueeze(1), probe.heads)
+    else:
+        queries = None
+    if cols == "all":
+        keys = project(probe.keys, all_rows, probe.kv_heads)
+    elif cols == "text":
+        text_pos, _ = pack_rows(layout.text_mask)
+        keys = project(probe.keys, text_pos, probe.kv_heads)
+    else:
+        keys = None
+    q_rows = n if rows == "all" else (1 if rows == "last" else 0)
+    k_cols = n if cols == "all" else (int(layout.text_mask.sum(1).max()) if cols == "text" else 0)
+    flops += 2.0 * b * probe.heads * d * q_rows * k_cols
+    xi = rel.score(queries, keys, layout)
+    return xi.to(torch.promote_types(xi.dtype, torch.float32)), flops
+
+
+def scorer_keys(probe: AttentionProbe, hidden: torch.Tensor) -> torch.Tensor:
+    """The layer's keys of every token, pre-RoPE, heads concatenated: ``[B, N, Hkv * d]``
+    (what a scorer with ``features == "keys"`` reads)."""
+    k = probe.keys(probe.normed(hidden), None, None)  # [B, Hkv, N, d], pre-RoPE
+    return k.transpose(1, 2).flatten(2)

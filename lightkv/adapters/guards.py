@@ -1,0 +1,111 @@
+"""What a `CompressionSession` refuses up front, with a clear error, because its hooks
+could not work on it: a ``torch.compile``'d model (compiled code skips module hooks),
+attention implementations that ignore a custom 4-D mask, caches other than the default
+dynamic one, and attention masks that are not 2-D.
+
+Internals of `lightkv.adapters.session`; an adapter author does not need them (a family's
+own configuration checks go in `lightkv.adapters.base.Adapter.check_config`).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, DynamicLayer
+
+from .cache import MaskedCacheLayer
+
+__all__ = [
+    "SUPPORTED_ATTENTION",
+    "attention_implementation",
+    "check_attention_mask",
+    "check_cache",
+    "refuse_compiled",
+]
+
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+"""Attention implementations the hooks support (a custom 4-D mask must reach the kernel)."""
+
+
+def attention_implementation(config: Any) -> str:
+    """The decoder's attention implementation (``config._attn_implementation``, default
+    ``"eager"``).
+
+    Raises:
+        ValueError: it is not in `SUPPORTED_ATTENTION`.
+    """
+    impl = getattr(config, "_attn_implementation", None) or "eager"
+    if impl not in SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"lightkv needs attn_implementation in {SUPPORTED_ATTENTION} (the compressed layers need a custom "
+            f"4-D mask); this model uses {impl!r}. Load it with attn_implementation='sdpa'."
+        )
+    return impl
+
+
+def check_cache(cache: Any) -> None:
+    """Refuse a cache the session cannot mask: a legacy tuple cache, or a `Cache` with
+    layers other than `DynamicLayer` / `MaskedCacheLayer` (static, sliding-window,
+    quantized, offloaded). ``None`` (no cache yet) passes."""
+    if cache is not None and not isinstance(cache, Cache):
+        raise TypeError("lightkv supports transformers Cache objects only (legacy tuple caches are not supported)")
+    if cache is not None:
+        bad = next((layer for layer in getattr(cache, "layers", ())
+                    if type(layer) is not DynamicLayer and not isinstance(layer, MaskedCacheLayer)), None)
+        if bad is not None:
+            raise TypeError(
+                f"lightkv supports the default dynamic cache only; this {type(cache).__name__} has "
+                f"{type(bad).__name__} layers (static, sliding-window, quantized and offloaded caches are not "
+                "supported): drop cache_implementation= or past_key_values="
+            )
+
+
+def check_attention_mask(mask2d: Any) -> None:
+    """Refuse an ``attention_mask`` that is not a 2-D ``[batch, sequence]`` tensor (``None``
+    passes)."""
+    if mask2d is not None and (not isinstance(mask2d, torch.Tensor) or mask2d.dim() != 2):
+        raise ValueError(
+            f"lightkv needs a 2-D attention_mask [batch, sequence] (or none); got a {mask2d.dim()}-D mask. Pass the "
+            "processor's attention_mask as it is" if isinstance(mask2d, torch.Tensor) else
+            f"lightkv needs a 2-D attention_mask [batch, sequence] (or none); got {type(mask2d).__name__}"
+        )
+
+
+_COMPILED = (
+    "lightkv cannot compress a torch.compile'd model: compiled code does not run the hooks lightkv installs, "
+    "so nothing would be compressed. "
+)
+
+
+def refuse_compiled(model: nn.Module, modules: Sequence[nn.Module] = ()) -> None:
+    """Raise when ``model`` (or one of ``modules``) is compiled or wrapped by
+    ``torch.compile``: a compiled graph skips module hooks, so a session would silently
+    compress nothing."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except Exception:  # noqa: BLE001  (a torch without dynamo cannot compile either)
+        return
+    if isinstance(model, OptimizedModule):
+        raise TypeError(_COMPILED + "Apply lightkv to the uncompiled model (compiled._orig_mod) and call that one "
+                        "inside the with block.")
+    targets = [model, *modules]
+    for m in targets:
+        if getattr(m, "_compiled_call_impl", None) is not None:
+            raise TypeError(_COMPILED + f"{type(m).__name__} was compiled in place (module.compile()); set its "
+                            "_compiled_call_impl to None, or load the model again, before applying lightkv.")
+    if modules:
+        # A wrapper made by torch.compile(model) keeps the model as its `_orig_mod`: calling the
+        # wrapper inside the session would run the compiled graph, without hooks.
+        def wrapped() -> bool:
+            return any(isinstance(ref, dict) and any(ref.get("_orig_mod") is t for t in targets)
+                       for ref in gc.get_referrers(*targets))
+
+        if wrapped():
+            gc.collect()  # a deleted wrapper may only wait for the cycle collector
+            if wrapped():
+                raise TypeError(_COMPILED + "A torch.compile wrapper of this model exists; delete it "
+                                "and call the uncompiled model inside the with block.")

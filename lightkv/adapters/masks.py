@@ -1,0 +1,136 @@
+"""Attention masks and token gathers for a compressed sequence: the 4-D prefill and decode
+masks, `gather_tokens` / `gather_position_ids` (position embeddings and ids of the
+surviving tokens) and `drop_padding` (trim the padding columns a `Stage` keeps).
+
+Internals of `lightkv.adapters.session`; an adapter author does not need them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..graph.provenance import Provenance
+from ..pipeline import StageResult
+
+__all__ = ["decode_mask", "drop_padding", "gather_position_ids", "gather_tokens", "prefill_mask"]
+
+
+def _finish_mask(allowed: torch.Tensor, impl: str, dtype: torch.dtype) -> torch.Tensor:
+    allowed = allowed.unsqueeze(1)
+    if impl == "sdpa":
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def prefill_mask(origin: torch.Tensor, valid: torch.Tensor, impl: str, dtype: torch.dtype) -> torch.Tensor | None:
+    """The 4-D mask of a compressed sequence: causal by original order, holes hidden.
+
+    Args:
+        origin: ``[B, N]`` original index of each token (``-1`` holes).
+        valid: ``[B, N]`` bool, False for holes and padding.
+        impl: ``"sdpa"`` (bool mask, or None when a plain causal mask is exact) or
+            ``"eager"`` (additive float mask).
+        dtype: dtype of the additive mask.
+
+    Returns:
+        ``[B, 1, N, N]``; an invalid query row attends to itself only, so hole states
+        stay finite.
+    """
+    if impl == "sdpa" and bool(valid.all()):
+        return None
+    n = origin.shape[1]
+    allowed = (origin.unsqueeze(1) <= origin.unsqueeze(2)) & valid.unsqueeze(1) & valid.unsqueeze(2)
+    allowed |= torch.eye(n, dtype=torch.bool, device=origin.device)
+    return _finish_mask(allowed, impl, dtype)
+
+
+def decode_mask(valid: torch.Tensor, q_len: int, impl: str, dtype: torch.dtype) -> torch.Tensor | None:
+    """The 4-D mask of ``q_len`` new tokens over a compressed layer's cache.
+
+    Args:
+        valid: ``[B, L]`` validity of the cached entries followed by the new tokens
+            (``L`` includes the ``q_len`` new ones).
+
+    Returns:
+        ``[B, 1, q_len, L]`` (None under sdpa for one valid token over a hole-free cache).
+    """
+    total = valid.shape[1]
+    if impl == "sdpa" and q_len == 1 and bool(valid.all()):
+        return None
+    past = total - q_len
+    k = torch.arange(total, device=valid.device)
+    qpos = past + torch.arange(q_len, device=valid.device)
+    allowed = valid.unsqueeze(1) & (k.unsqueeze(0) <= qpos.unsqueeze(1)).unsqueeze(0)
+    allowed |= (k.unsqueeze(0) == qpos.unsqueeze(1)).unsqueeze(0)
+    return _finish_mask(allowed, impl, dtype)
+
+
+def _batch(t: torch.Tensor, b: int) -> torch.Tensor:
+    """``t`` ``[1 or B, ...]`` expanded to batch size ``b``."""
+    return t.expand(b, *t.shape[1:]) if t.shape[0] != b else t
+
+
+def gather_tokens(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``t`` ``[B or 1, N, ...]`` gathered along the token axis by ``index`` ``[B, M]``."""
+    b, m = index.shape
+    t = _batch(t, b)
+    idx = index.reshape(b, m, *([1] * (t.dim() - 2))).expand(b, m, *t.shape[2:])
+    return t.gather(1, idx)
+
+
+def gather_position_ids(p: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
+    """Position ids ``[B or 1, N]`` or ``[k, B or 1, N]`` (M-RoPE) gathered by ``index``."""
+    if p is None:
+        return None
+    if p.dim() == 1:
+        p = p.unsqueeze(0)
+    if p.dim() == 2:
+        return gather_tokens(p, index)
+    if p.dim() == 3:
+        k, b = p.shape[0], index.shape[0]
+        p = p.expand(k, b, p.shape[2]) if p.shape[1] != b else p
+        return p.gather(2, index.unsqueeze(0).expand(k, -1, -1))
+    raise ValueError(f"unsupported position_ids shape {tuple(p.shape)}")
+
+
+def drop_padding(result: StageResult) -> StageResult:
+    """The same result without padding columns it does not need.
+
+    A `Stage` keeps every non-removed token, including input padding and holes left by
+    earlier stages (kind PAD), so a padded row keeps the batch as wide as the prompt. This
+    drops PAD tokens and re-aligns each row's real tokens to the right (holes on the left,
+    as few as the longest row needs). Only gathers: hidden states are not changed. A no-op
+    when the result has no removable padding.
+    """
+    keep = result.layout.valid_mask
+    b, n = keep.shape
+    count = keep.sum(dim=1)
+    width = int(count.max()) if b else 0
+    if width == n:
+        return result
+    col = (width - count).unsqueeze(1) + keep.long().cumsum(dim=1) - 1
+    col = torch.where(keep, col, torch.full_like(col, -1))  # old column -> new column
+    rows = torch.arange(b, device=keep.device).unsqueeze(1).expand(b, n)
+    index = torch.full((b, width), -1, dtype=torch.long, device=keep.device)
+    index[rows[keep], col[keep]] = torch.arange(n, device=keep.device).expand(b, n)[keep]
+    hole = index < 0
+    hidden = gather_tokens(result.hidden, index.clamp_min(0)).masked_fill(hole.unsqueeze(-1), 0)
+    kept_index = result.kept_index.gather(1, index.clamp_min(0)).masked_fill(hole, -1)
+
+    def through(t: torch.Tensor) -> torch.Tensor:
+        return torch.where(t >= 0, col.gather(1, t.clamp_min(0)), t)
+
+    owner = through(result.provenance.owner)
+    return StageResult(
+        hidden=hidden,
+        layout=result.layout.select(index),
+        kept_index=kept_index,
+        provenance=Provenance(owner, width),
+        remap=through(result.remap),
+    )
+
+
+def _last_valid(valid: torch.Tensor) -> torch.Tensor:
+    """``[B]`` column of the last True in each row of ``valid`` ``[B, N]``."""
+    n = valid.shape[1]
+    return (valid.long() * torch.arange(1, n + 1, device=valid.device)).argmax(dim=1)

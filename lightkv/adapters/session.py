@@ -1,0 +1,413 @@
+"""The compression session: compress vision tokens inside the prefill of an unmodified
+``transformers`` vision-language model.
+
+Internals (an adapter author reads `lightkv.adapters.base` instead): the hooks, built on
+``cache`` (holes), ``masks``, ``features`` (relevance, keys) and ``guards`` (refusals).
+
+`CompressionSession` is a context manager. On entry it installs hooks on *one* model
+instance (nothing is patched at class level, nothing happens at import); on exit, also
+when an exception escapes, it removes them. While it is active, every forward of the model
+(a plain ``model(...)`` call or each step of ``model.generate(...)``) goes through:
+
+* a forward pre-hook on the multimodal core (e.g. ``LlavaModel``): reads the inputs
+  (``input_ids``, ``attention_mask``, image sizes / grids) and, for a prefill (empty
+  cache), asks the family `Adapter` for the batch's `VisionLayout`;
+* a forward pre-hook on every decoder layer: after a compression stage has run it hands
+  the layer hidden states, position embeddings (1-D RoPE or Qwen's 3-D M-RoPE), position
+  ids and a 4-D attention mask that all describe the *shorter* sequence, and gives the
+  layer's cache a `MaskedCacheLayer` that remembers which entries are holes. At a
+  scheduled layer it computes prompt relevance ξ from the layer's own projections, for
+  only the rows and columns the relevance policy reads (never an ``N x N`` matrix);
+* a forward hook on every scheduled layer: runs the pure `lightkv.Stage` on the layer's
+  output and returns the stage's shorter hidden states in its place.
+
+During decoding each compressed layer gets a mask built from its own cache (holes hidden);
+positions come from the model as usual (the original prompt length onwards), so every
+layer continues consistently. Beam search works because the hole masks live in the cache
+layers and follow ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, DynamicLayer
+
+from ..graph.layout import TokenKind, VisionLayout
+from ..graph.provenance import Provenance
+from ..pipeline import Pipeline
+from . import features
+from .base import Adapter
+from .cache import MaskedCacheLayer, _Token
+from .guards import attention_implementation, check_attention_mask, check_cache, refuse_compiled
+from .masks import decode_mask, drop_padding, gather_position_ids, gather_tokens, prefill_mask
+from .probes import AttentionProbe, LayerShape, probe_for_layer
+from .registry import get_adapter
+from .report import SessionReport
+from .trace import LayerStat, PrefillTrace, StageRecord
+
+__all__ = ["CompressionSession"]
+
+_ACTIVE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""Language models that currently have an active session (one session per model)."""
+
+
+@dataclass
+class _Forward:
+    """Per-forward state."""
+
+    mode: str  # "prefill" | "decode"
+    impl: str
+    layout: VisionLayout | None = None
+    new_valid: torch.Tensor | None = None
+    provenance: Provenance | None = None
+    compressed: bool = False
+    full_pos: tuple[torch.Tensor, torch.Tensor] | None = None
+    full_pos_ids: torch.Tensor | None = None
+    pos: tuple[torch.Tensor, torch.Tensor] | None = None
+    pos_ids: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    pending_relevance: torch.Tensor | None = None
+    pending_keys: torch.Tensor | None = None
+    trace: PrefillTrace | None = None
+
+
+def _cache_of(kwargs: Mapping[str, Any]):
+    cache = kwargs.get("cache")
+    return cache if cache is not None else kwargs.get("past_key_values")
+
+
+class CompressionSession:
+    """Compress vision tokens during prefill of one model, for the duration of a ``with``.
+
+    ```python
+    with lightkv.adapters.apply(pipeline, model) as session:
+        out = model.generate(**inputs, max_new_tokens=32)
+    print(session.report())
+    ```
+
+    Args:
+        pipeline: what to do (schedule + policies).
+        model: a supported transformers vision-language model (see
+            `lightkv.adapters.registry.SUPPORTED_FAMILIES`).
+        adapter: a family name or an `Adapter` instance (default: detected from
+            ``model.config.model_type``).
+        record: keep every stage's exact inputs in `records` (for tests and debugging).
+        **adapter_options: family-specific options (e.g. Fuyu's ``newline_token_id``).
+
+    Notes:
+        * Output sequences of a plain forward are *compressed*: ``logits`` has one column
+          per surviving token (right-aligned, holes on the left);
+          ``session.last_prefill.final_layout.origin`` maps columns to prompt positions.
+        * Only a forward that starts from an empty cache is compressed; continuing a cache
+          that this session compressed works (the hole masks are in the cache).
+    """
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        model: nn.Module,
+        *,
+        adapter: str | Adapter | None = None,
+        record: bool = False,
+        **adapter_options: Any,
+    ):
+        if not isinstance(pipeline, Pipeline):
+            raise TypeError(f"expected a lightkv.Pipeline, got {type(pipeline).__name__}")
+        refuse_compiled(model)
+        if isinstance(adapter, Adapter):
+            if adapter_options:
+                raise TypeError("pass adapter options to the Adapter instance, not to the session")
+            self.adapter = adapter
+        else:
+            self.adapter = get_adapter(model, family=adapter, **adapter_options)
+        self.pipeline = pipeline
+        self.adapter.layout_mode = pipeline.layout  # read by adapters with a reference layout (LLaVA-NeXT)
+        self.model = model
+        self.record = record
+        self._mm = self.adapter.multimodal_module()
+        self._lm = self.adapter.language_model()
+        self.layers = list(self.adapter.decoder_layers())
+        refuse_compiled(model, [self._mm, self._lm, *self.layers])
+        self.num_layers = len(self.layers)
+        self.stages = pipeline.stages(self.num_layers)
+        self._stage_at = {s.spec.layer: s for s in self.stages}
+        self._probes: list[AttentionProbe] = [probe_for_layer(layer) for layer in self.layers]
+        self.layer_shapes: list[LayerShape] = [p.shape() for p in self._probes]
+        self._signature = inspect.signature(self._mm.forward)
+        self._attn_impl()  # fail early on unsupported attention
+        self._handles: list[Any] = []
+        self._owner = False
+        self._token = _Token()
+        self._token.open = False
+        self._state: _Forward | None = None
+        self.last_prefill: PrefillTrace | None = None
+        self.num_prefills = 0
+        self.num_forwards = 0
+
+    # ---------------------------------------------------------------- context manager
+    @property
+    def active(self) -> bool:
+        """True inside the ``with`` block."""
+        return bool(self._handles)
+
+    def __enter__(self) -> CompressionSession:
+        if self._lm in _ACTIVE:
+            raise RuntimeError(
+                f"a lightkv compression session is already active on this {type(self.model).__name__}; "
+                "exit it before applying another pipeline"
+            )
+        try:
+            self._handles.append(self._mm.register_forward_pre_hook(self._on_model_pre, with_kwargs=True))
+            self._handles.append(
+                self._mm.register_forward_hook(self._on_model_post, with_kwargs=True, always_call=True)
+            )
+            for i, layer in enumerate(self.layers):
+                self._handles.append(
+                    layer.register_forward_pre_hook(functools.partial(self._on_layer_pre, i), with_kwargs=True)
+                )
+                if i in self._stage_at:
+                    self._handles.append(
+                        layer.register_forward_hook(functools.partial(self._on_layer_post, i), with_kwargs=True)
+                    )
+        except BaseException:
+            self._remove()
+            raise
+        self._token = _Token()
+        _ACTIVE.add(self._lm)
+        self._owner = True
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._remove()
+
+    def close(self) -> None:
+        """Remove the hooks (what leaving the ``with`` block does)."""
+        self._remove()
+
+    def _remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._token.open = False
+        self._state = None
+        if self._owner:
+            _ACTIVE.discard(self._lm)
+            self._owner = False
+
+    # ---------------------------------------------------------------- results
+    @property
+    def records(self) -> list[StageRecord]:
+        """The stages of the last prefill."""
+        return list(self.last_prefill.stages) if self.last_prefill else []
+
+    def to_prompt_positions(self, t: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """Put a per-token output of the last prefill (``[B, N', ...]``, e.g. ``logits``)
+        back at the prompt positions its tokens came from: ``[B, N0, ...]``, ``fill`` where
+        a prompt token no longer has its own column (merged, dropped or padding)."""
+        trace = self.last_prefill
+        if trace is None:
+            raise RuntimeError("no prefill has run in this session")
+        layout = trace.final_layout
+        if layout is None:
+            return t
+        origin = layout.origin
+        if t.shape[:2] != origin.shape:
+            raise ValueError(f"expected [B, N'] = {tuple(origin.shape)} leading dims, got {tuple(t.shape)}")
+        out = t.new_full((t.shape[0], trace.input_len, *t.shape[2:]), fill)
+        b, n = origin.shape
+        rows = torch.arange(b, device=origin.device).unsqueeze(1).expand(b, n)
+        keep = origin >= 0
+        out[rows[keep], origin[keep]] = t[keep]
+        return out
+
+    def report(self) -> SessionReport:
+        """A `lightkv.adapters.report.SessionReport` of the last prefill."""
+        return SessionReport.from_session(self)
+
+    # ---------------------------------------------------------------- helpers
+    def _attn_impl(self) -> str:
+        return attention_implementation(self._lm.config)
+
+    def _bind(self, args, kwargs) -> dict[str, Any]:
+        try:
+            bound = self._signature.bind_partial(*args, **kwargs)
+        except TypeError:
+            return dict(kwargs)
+        out = dict(bound.arguments)
+        extra = out.pop("kwargs", None)
+        if isinstance(extra, dict):
+            out.update(extra)
+        return out
+
+    # ---------------------------------------------------------------- model hooks
+    def _on_model_pre(self, module, args, kwargs):
+        self._state = None
+        inputs = self._bind(args, kwargs)
+        input_ids = inputs.get("input_ids")
+        embeds = inputs.get("inputs_embeds")
+        ref = input_ids if input_ids is not None else embeds
+        if ref is None:
+            return
+        b, q = ref.shape[:2]
+        impl = self._attn_impl()
+        cache = _cache_of(inputs)
+        check_cache(cache)  # before the mask check: with a static cache transformers prepares a 4-D mask
+        past = cache.get_seq_length() if cache is not None else 0
+        mask2d = inputs.get("attention_mask")
+        check_attention_mask(mask2d)
+        new_valid = (
+            mask2d[:, -q:].bool() if mask2d is not None else torch.ones(b, q, dtype=torch.bool, device=ref.device)
+        )
+        self.num_forwards += 1
+        if past > 0:
+            self._state = _Forward(mode="decode", impl=impl, new_valid=new_valid)
+            return
+        layout = None
+        if input_ids is not None:
+            padding = ~new_valid if mask2d is not None and not bool(new_valid.all()) else None
+            layout = self.adapter.build_layout(inputs, padding)
+        elif any(inputs.get(k) is not None for k in ("pixel_values", "pixel_values_videos")):
+            raise ValueError(
+                "lightkv needs input_ids to find the vision tokens; call the model with input_ids, not inputs_embeds"
+            )
+        if layout is not None and not bool(layout.vision_mask.any()):
+            layout = None
+        trace = PrefillTrace(batch_size=b, input_len=q, layout=layout, input_valid=new_valid)
+        self._state = _Forward(mode="prefill", impl=impl, layout=layout, new_valid=new_valid, trace=trace)
+        self.num_prefills += 1
+        return
+
+    def _on_model_post(self, module, args, kwargs, output):
+        st = self._state
+        self._state = None
+        if st is not None and st.mode == "prefill" and st.trace is not None:
+            st.trace.final_layout = st.layout
+            st.trace.provenance = st.provenance
+            self.last_prefill = st.trace
+
+    # ---------------------------------------------------------------- layer hooks
+    def _on_layer_pre(self, i: int, module, args, kwargs):
+        st = self._state
+        if st is None:
+            return None
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        cache = _cache_of(kwargs)
+        if st.mode == "decode":
+            if cache is None or len(cache.layers) <= i or not isinstance(cache.layers[i], MaskedCacheLayer):
+                return None
+            layer_cache = cache.layers[i]
+            if layer_cache.valid is None:
+                return None
+            valid = torch.cat([layer_cache.valid, st.new_valid.to(layer_cache.valid.device)], dim=1)
+            kwargs["attention_mask"] = decode_mask(valid, hidden.shape[1], st.impl, hidden.dtype)
+            layer_cache.pending = st.new_valid
+            return args, kwargs
+
+        # ---- prefill
+        trace = st.trace
+        if trace.kv_dtype is None:
+            trace.kv_dtype = hidden.dtype
+        layout = st.layout
+        if layout is None:
+            valid = st.new_valid
+            zeros = torch.zeros(hidden.shape[0], dtype=torch.long, device=hidden.device)
+            trace.layers.append(LayerStat(i, hidden.shape[1], valid.sum(1), zeros, zeros))
+            return None
+        if hidden.shape[1] != layout.seq_len:
+            raise RuntimeError(
+                f"layer {i} received {hidden.shape[1]} tokens but the layout has {layout.seq_len}; "
+                "the model's forward does not match what the adapter expects"
+            )
+        kind = layout.kind
+        trace.layers.append(
+            LayerStat(
+                i,
+                layout.seq_len,
+                layout.valid_mask.sum(1),
+                (kind == TokenKind.VISION).sum(1),
+                (kind == TokenKind.STRUCTURAL).sum(1),
+            )
+        )
+        if not st.compressed:
+            st.full_pos = kwargs.get("position_embeddings")
+            st.full_pos_ids = kwargs.get("position_ids")
+        else:
+            kwargs["attention_mask"] = st.mask
+            if st.pos is not None:
+                kwargs["position_embeddings"] = st.pos
+            if kwargs.get("position_ids") is not None:
+                kwargs["position_ids"] = st.pos_ids
+            if cache is not None:
+                self._masked_layer(cache, i).pending = layout.valid_mask
+        stage = self._stage_at.get(i)
+        if stage is not None:
+            with torch.no_grad():
+                probe = self._probes[i]
+                st.pending_relevance, flops = features.relevance(
+                    probe, stage, hidden, kwargs.get("position_embeddings"), layout, i
+                )
+                trace.relevance_flops += flops
+                st.pending_keys = None
+                if stage.scorer is not None and stage.scorer.features == "keys":
+                    st.pending_keys = features.scorer_keys(probe, hidden)
+        return args, kwargs
+
+    def _on_layer_post(self, i: int, module, args, kwargs, output):
+        st = self._state
+        if st is None or st.mode != "prefill" or st.layout is None:
+            return None
+        stage = self._stage_at[i]
+        hidden = output[0] if isinstance(output, tuple) else output
+        layout, provenance = st.layout, st.provenance
+        relevance, keys = st.pending_relevance, st.pending_keys
+        result = drop_padding(stage(hidden, layout, relevance, provenance, keys))
+        record = StageRecord(layer=i, stage=stage, result=result)
+        if self.record:
+            record.hidden, record.layout, record.relevance = hidden, layout, relevance
+            record.provenance, record.keys = provenance, keys
+        st.trace.stages.append(record)
+        st.layout, st.provenance = result.layout, result.provenance
+        st.pending_relevance = st.pending_keys = None
+        st.compressed = True
+        self._refresh(st, hidden.dtype)
+        if isinstance(output, tuple):
+            return (result.hidden,) + tuple(output[1:])
+        return result.hidden
+
+    # ---------------------------------------------------------------- internals
+    def _refresh(self, st: _Forward, dtype: torch.dtype) -> None:
+        """Position embeddings, position ids and mask of the current (compressed) sequence."""
+        origin, valid = st.layout.origin, st.layout.valid_mask
+        index = origin.clamp_min(0)
+        if st.full_pos is not None:
+            cos, sin = st.full_pos
+            st.pos = (gather_tokens(cos, index), gather_tokens(sin, index))
+        st.pos_ids = gather_position_ids(st.full_pos_ids, index)
+        st.mask = prefill_mask(origin, valid, st.impl, dtype)
+
+    def _masked_layer(self, cache: Cache, i: int) -> MaskedCacheLayer:
+        layers = cache.layers
+        new = MaskedCacheLayer(self._token)
+        if len(layers) > i:
+            old = layers[i]
+            if type(old) is not DynamicLayer and not isinstance(old, MaskedCacheLayer):
+                raise TypeError(
+                    f"lightkv supports DynamicCache full-attention layers only; cache layer {i} is "
+                    f"{type(old).__name__} (static, sliding-window, quantized and offloaded caches are not supported)"
+                )
+            if old.get_seq_length() > 0:
+                raise RuntimeError(f"cache layer {i} is not empty at prefill")
+            layers[i] = new
+        elif len(layers) == i and getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:
+            layers.append(new)
+        else:
+            raise TypeError(f"unexpected cache structure at layer {i} ({type(cache).__name__})")
+        return new
