@@ -35,6 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import lightkv
 from lightkv import Pipeline
 from lightkv.adapters import apply
 from lightkv.policies import ExplicitSchedule
@@ -46,7 +47,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def lightkv_pipeline(num_layers: int) -> Pipeline:
     """The LightKV preset with its schedule scaled to ``num_layers``."""
     layers = tuple(round(f * num_layers) for f in (12 / 32, 18 / 32, 24 / 32))
-    return Pipeline.from_preset("lightkv").with_scheduler(
+    return lightkv.load("lightkv").with_scheduler(
         ExplicitSchedule(layers=layers, windows_per_side=(4, 2, 1), ratios=(0.5,))
     )
 

@@ -42,7 +42,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lightkv import ImageSegment, Pipeline, VisionLayout
+import lightkv
+from lightkv import ImageSegment, VisionLayout
 from lightkv.graph import scatter
 
 HIDDEN = 4096
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         else [Shape("llava-1.5", 1), Shape("llava-1.5", 8), Shape("llava-next", 1)]
     )
     output = args.output or RESULTS / ("stage_cost-quick.json" if args.quick else "stage_cost.json")
-    stages = Pipeline.from_preset("lightkv").stages(32)
+    stages = lightkv.load("lightkv").stages(32)
     timed = {"first (4x4 windows)": stages[0], "last (global window)": stages[-1]}
     layer = DecoderLayer()
     backends = scatter.available_backends()

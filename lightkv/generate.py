@@ -4,7 +4,7 @@
 from lightkv.generate import load_model, build_inputs, run
 loaded = load_model("path/to/llava-1.5-7b-hf", dtype="bfloat16", device="cuda")
 inputs = build_inputs(loaded, "cat.png", "What is in the image?")
-result = run(loaded, inputs, lightkv.Pipeline.from_preset("lightkv"), compare=True)
+result = run(loaded, inputs, lightkv.load("lightkv"), compare=True)
 print(result.format())
 ```
 
@@ -311,10 +311,11 @@ def run(loaded: Loaded, inputs: dict[str, Any], pipeline, *, compare: bool = Fal
         GenerateError: the pipeline does not fit the model (e.g. a schedule deeper than
             the decoder), or the model family cannot be compressed.
     """
+    from .adapters import apply
     from .config import ConfigError
 
     try:  # fail before generating anything
-        session = pipeline.apply(loaded.model)
+        session = apply(pipeline, loaded.model)
     except ConfigError:
         raise
     except (ValueError, TypeError) as e:

@@ -1,5 +1,9 @@
 """`Stage` (one composed compression step) and `Pipeline` (a schedule of stages).
 
+This layer is pure: it imports the graph and the policies only. Loading pipelines from
+presets or YAML and applying them to a model are `lightkv.load`, `lightkv.to_yaml` and
+`lightkv.apply` (`lightkv.api`).
+
 A `Stage` is a pure function of tensors: hidden states ``[B, N, D]``, a `VisionLayout`,
 relevance ``[B, N]`` and (optionally) the provenance so far, in; shorter hidden states, the
 new layout, the kept indices and the updated provenance, out. Adapters call it inside a
@@ -257,53 +261,6 @@ class Pipeline:
     def __post_init__(self) -> None:
         if self.layout not in ("native", "reference"):
             raise ValueError(f"unknown layout {self.layout!r}; choose 'native' (lightkv) or 'reference' (authors' code)")
-
-    @classmethod
-    def from_preset(cls, name: str) -> "Pipeline":
-        """A shipped preset by name (see `lightkv.presets.PRESETS`)."""
-        from .presets import get_preset
-
-        return get_preset(name)
-
-    @classmethod
-    def from_yaml(cls, path) -> "Pipeline":
-        """Read, validate and build a YAML pipeline file (see `lightkv.config`)."""
-        from .config import pipeline_from_yaml
-
-        return pipeline_from_yaml(path)
-
-    @classmethod
-    def from_config(cls, config) -> "Pipeline":
-        """Build a `lightkv.config.PipelineConfig`."""
-        return config.build()
-
-    def to_config(self):
-        """This pipeline as a `lightkv.config.PipelineConfig` (its policies must be registered)."""
-        from .config import config_from_pipeline
-
-        return config_from_pipeline(self)
-
-    def to_yaml(self, path=None) -> str:
-        """Canonical YAML of this pipeline (also written to ``path`` if given)."""
-        from .config import pipeline_to_yaml
-
-        return pipeline_to_yaml(self, path)
-
-    def apply(self, model, **options):
-        """Compress ``model``'s prefill inside a ``with`` block.
-
-        ```python
-        with pipe.apply(model) as session:
-            out = model.generate(**inputs, max_new_tokens=32)
-        print(session.report())
-        ```
-
-        Hooks are installed on this model instance only and removed on exit (also after an
-        exception). See `lightkv.adapters.apply` for the options.
-        """
-        from .adapters import apply
-
-        return apply(self, model, **options)
 
     def stages(self, num_layers: int) -> list[Stage]:
         """The stages for a decoder of ``num_layers`` layers, in layer order.

@@ -8,10 +8,10 @@ import torch
 
 pytest.importorskip("sklearn")
 
+import lightkv
 from lightkv.bench.quality import method_pipeline
 from lightkv.digitgrid import evaluate as ev
 from lightkv.digitgrid import model as dg
-from lightkv.pipeline import Pipeline
 
 # Floors well under what the shipped model measures (see benchmarks/results/quality.md),
 # so that only a real regression (adapters, policies, data, weights) trips them.
@@ -80,7 +80,7 @@ def test_lightkv_at_55_percent_keeps_answering(bundled, episodes):
 def test_empty_schedule_reproduces_uncompressed_answers(bundled, episodes):
     model, _, grid = bundled
     base = ev.evaluate(model, episodes[:32], grid, None)
-    budget = Pipeline.from_preset("lightkv-budget")
+    budget = lightkv.load("lightkv-budget")
     from dataclasses import replace
 
     from lightkv.policies.schedulers import KeptFractionSchedule

@@ -3,8 +3,12 @@
 Blocks of one page run in order in one namespace, as a reader would paste them. Besides
 the visible blocks, a page may hold hidden checks in an HTML comment that starts with
 ``<!-- docs-test`` (they run at their place in the page and usually assert what the visible
-example prints). A block right after ``<!-- docs-test: skip -->`` is not run. ``lightkv ...``
-command lines in ``bash`` blocks are parsed with the real argument parser (not run).
+example prints). A block right after ``<!-- docs-test: skip -->`` is not run. A block with a
+file name (```` ```python title="my_ext/scorer.py" ````, how the site shows a file of an
+example package) is written to that path under a fresh directory on ``sys.path`` instead of
+run, so a guide can show a complete external package and then import it; the page's
+namespace gets that directory as ``docs_files``. ``lightkv ...`` command lines in ``bash``
+blocks are parsed with the real argument parser (not run).
 """
 
 from __future__ import annotations
@@ -25,13 +29,14 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PAGES = sorted(p for p in DOCS.rglob("*.md") if "reference" not in p.relative_to(DOCS).parts)
 SKIP = "<!-- docs-test: skip -->"
-FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<lang>[\w+-]*)")
+FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<lang>[\w+-]*)(?P<rest>.*)$")
+TITLE = re.compile(r'title="(?P<title>[^"]+)"')
 HIDDEN = re.compile(r"^<!--\s*docs-test\s*$")
 
 
 def blocks(path: Path) -> list[tuple[int, str, str]]:
     """``(line number, language, code)`` of every fenced block and hidden check of a page;
-    skipped blocks are left out."""
+    skipped blocks are left out. A block with a ``title="..."`` has language ``file:<title>``."""
     lines = path.read_text(encoding="utf-8").splitlines()
     out: list[tuple[int, str, str]] = []
     i, previous = 0, ""
@@ -49,8 +54,10 @@ def blocks(path: Path) -> list[tuple[int, str, str]]:
                 j for j in range(i + 1, len(lines)) if lines[j].strip().startswith(fence) and not lines[j].strip().strip(fence[0])
             )
             body = [ln[len(indent) :] if ln.startswith(indent) else ln.lstrip() for ln in lines[i + 1 : end]]
+            title = TITLE.search(m.group("rest"))
+            lang = f"file:{title.group('title')}" if title else m.group("lang").lower()
             if previous.strip() != SKIP:
-                out.append((i + 1, m.group("lang").lower(), textwrap.dedent("\n".join(body))))
+                out.append((i + 1, lang, textwrap.dedent("\n".join(body))))
             i, previous = end + 1, ""
             continue
         if line.strip():
@@ -88,12 +95,19 @@ def one_thread():
 
 
 @pytest.mark.parametrize("page", _python_pages(), ids=lambda p: p.relative_to(DOCS).as_posix())
-def test_python_examples_run(page: Path, one_thread, clean_registries):
+def test_python_examples_run(page: Path, one_thread, clean_registries, tmp_path):
     # A real module, so that dataclasses and pickling defined in examples work.
     module = types.ModuleType("docs_example_" + re.sub(r"\W", "_", page.relative_to(DOCS).with_suffix("").as_posix()))
     sys.modules[module.__name__] = module
+    module.docs_files = tmp_path
+    sys.path.insert(0, str(tmp_path))
     try:
         for line, lang, code in blocks(page):
+            if lang.startswith("file:"):
+                target = tmp_path / lang.removeprefix("file:")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(code + "\n", encoding="utf-8")
+                continue
             if lang not in ("python", "py"):
                 continue
             try:
@@ -103,6 +117,10 @@ def test_python_examples_run(page: Path, one_thread, clean_registries):
                 raise AssertionError(f"{page.relative_to(ROOT)}, block at line {line} failed: {e!r}\n{code}") from e
     finally:
         del sys.modules[module.__name__]
+        sys.path.remove(str(tmp_path))
+        for name, mod in list(sys.modules.items()):  # the example package goes with its directory
+            if str(getattr(mod, "__file__", "") or "").startswith(str(tmp_path)):
+                del sys.modules[name]
 
 
 def _command_lines() -> list[tuple[str, str]]:

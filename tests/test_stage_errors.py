@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightkv import ImageSegment, Pipeline, Stage, VisionLayout
+import lightkv
+from lightkv import ImageSegment, Stage, VisionLayout
 from lightkv.graph import Provenance
 from lightkv.policies import DropMessages, GlobalPartitioner, LowestRelevance, StageSpec
 
@@ -65,7 +66,7 @@ def test_empty_layout_and_text_only_batches():
         VisionLayout.from_segments(1, 0, [])
     text_only = VisionLayout.from_segments(2, 5, [])
     x = torch.randn(2, 5, 3)
-    for result in Pipeline.from_preset("lightkv").run(x, text_only, num_layers=32):
+    for result in lightkv.load("lightkv").run(x, text_only, num_layers=32):
         assert torch.equal(result.hidden, x)
 
 

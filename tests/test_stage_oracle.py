@@ -7,7 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lightkv import Pipeline, Stage
+import lightkv
+from lightkv import Stage
 from lightkv.policies import PseudoSquarePartitioner, StageSpec
 from tests.oracle import oracle_stage
 from tests.strategies import batches
@@ -44,8 +45,8 @@ def test_pseudo_square_stage_matches_oracle(case, ratio, wps):
 
 
 def test_two_stages_match_oracle_applied_twice():
-    from tests.strategies import Case  # noqa: F401  (documented type)
     from lightkv import ImageSegment, VisionLayout
+    from tests.strategies import Case  # noqa: F401  (documented type)
 
     layout = VisionLayout.from_segments(2, 40, [ImageSegment(0, 2, (5, 6)), ImageSegment(1, 1, (4, 4)), ImageSegment(1, 18, (3, 5))])
     gen = torch.Generator().manual_seed(0)
@@ -87,7 +88,7 @@ def test_paper_preset_reproduces_reference_token_counts(grid, schedule, expected
 
     n = grid[0] * grid[1] + 10
     layout = VisionLayout.from_segments(1, n, [ImageSegment(0, 4, grid)])
-    pipe = Pipeline.from_preset("lightkv-paper")
+    pipe = lightkv.load("lightkv-paper")
     pipe.scheduler = ExplicitSchedule(layers=schedule[0], windows_per_side=schedule[1], ratios=(0.5,))
     results = pipe.run(torch.randn(1, n, 8), layout, num_layers=32)
     assert [int(r.layout.vision_counts()) for r in results] == expected

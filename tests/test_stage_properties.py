@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightkv import Pipeline, Stage, TokenKind
+import lightkv
+from lightkv import Stage, TokenKind
 from lightkv.policies import (
-    StageInputs,
     CosineDivergence,
     DropMessages,
     GlobalPartitioner,
@@ -21,6 +21,7 @@ from lightkv.policies import (
     RandomPruner,
     RelevanceAwareDivergence,
     SizeWeightedMean,
+    StageInputs,
     StageSpec,
 )
 from tests.oracle import window_of
@@ -193,7 +194,7 @@ def test_lightkv_preset_runs_three_stages_with_growing_windows():
     from lightkv import ImageSegment, VisionLayout
 
     layout = VisionLayout.from_segments(1, 590, [ImageSegment(0, 5, (24, 24))])
-    results = Pipeline.from_preset("lightkv").run(torch.randn(1, 590, 16), layout, num_layers=32)
+    results = lightkv.load("lightkv").run(torch.randn(1, 590, 16), layout, num_layers=32)
     assert [int(r.layout.vision_counts()) for r in results] == [288, 144, 72]
     sizes = results[-1].sizes[0][results[-1].layout.vision_mask[0]]
     assert int(sizes.sum()) == 576

@@ -2,7 +2,7 @@
 
 ```python
 from lightkv.adapters import apply
-with apply(pipeline, model) as session:          # or pipeline.apply(model)
+with apply(pipeline, model) as session:          # or lightkv.apply(pipeline, model)
     out = model.generate(**inputs, max_new_tokens=32)
 print(session.report())
 ```

@@ -42,7 +42,7 @@ class MaskedCacheLayer(DynamicLayer):
         if not self._token.open:
             raise RuntimeError(
                 "this cache was compressed by a lightkv session that has ended; its compressed layers need the "
-                "session's masks: decode inside the `with pipeline.apply(model):` block"
+                "session's masks: decode inside the `with lightkv.apply(pipeline, model):` block"
             )
         keys, values = super().update(key_states, value_states, *args, **kwargs)
         new = self.pending

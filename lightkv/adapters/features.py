@@ -16,7 +16,7 @@ from ..pipeline import Stage
 from .masks import _batch, _last_valid, gather_tokens
 from .probes import AttentionProbe
 
-__all__ = ["relevance", "scorer_keys"]
+__all__ = ["relevance", "stage_keys"]
 
 
 def relevance(
@@ -81,8 +81,8 @@ def relevance(
     return xi.to(torch.promote_types(xi.dtype, torch.float32)), flops
 
 
-def scorer_keys(probe: AttentionProbe, hidden: torch.Tensor) -> torch.Tensor:
-    """The layer's keys of every token, pre-RoPE, heads concatenated: ``[B, N, Hkv * d]``
-    (what a scorer with ``features == "keys"`` reads)."""
-    k = probe.keys(probe.normed(hidden), None, None)  # [B, Hkv, N, d], pre-RoPE
-    return k.transpose(1, 2).flatten(2)
+def stage_keys(probe: AttentionProbe, hidden: torch.Tensor) -> torch.Tensor:
+    """The layer's keys of every token, pre-RoPE, per head: ``[B, N, H_kv, d]`` (what
+    `lightkv.policies.StageInputs.keys` holds for policies that need ``"keys"``)."""
+    k = probe.keys(probe.normed(hidden), None, None)  # [B, H_kv, N, d], pre-RoPE
+    return k.transpose(1, 2)

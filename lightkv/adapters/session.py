@@ -356,8 +356,8 @@ class CompressionSession:
                 )
                 trace.relevance_flops += flops
                 st.pending_keys = None
-                if stage.scorer is not None and stage.scorer.features == "keys":
-                    st.pending_keys = features.scorer_keys(probe, hidden)
+                if "keys" in stage.needs:
+                    st.pending_keys = features.stage_keys(probe, hidden)
         return args, kwargs
 
     def _on_layer_post(self, i: int, module, args, kwargs, output):

@@ -31,6 +31,8 @@ from .data import (
     Episode,
     GridConfig,
 )
+from ..adapters import apply
+from ..presets import get_preset
 from .tasks import task_for
 
 __all__ = ["EvalResult", "answer", "evaluate", "heldout_episodes", "relevance_mass"]
@@ -109,7 +111,7 @@ def evaluate(model, episodes: Sequence[Episode], grid: GridConfig, pipeline=None
     answers: list[list[str]] = []
     kept_sum = bytes_sum = base_sum = 0.0
     t0 = time.perf_counter()
-    session = pipe.apply(model)
+    session = apply(pipe, model)
     for i in range(0, len(episodes), batch):
         chunk = list(episodes[i:i + batch])
         with session:
@@ -136,7 +138,7 @@ def _identity_pipeline():
     from ..pipeline import Pipeline
     from ..policies.schedulers import ExplicitSchedule
 
-    return Pipeline.from_preset("lightkv").with_scheduler(ExplicitSchedule(layers=(), ratios=(), windows_per_side=None))
+    return get_preset("lightkv").with_scheduler(ExplicitSchedule(layers=(), ratios=(), windows_per_side=None))
 
 
 @torch.no_grad()
@@ -183,14 +185,14 @@ def relevance_mass(model, episodes: Sequence[Episode], grid: GridConfig, layers:
     for policy in ("query_softmax", "last_token"):
         for layer in layers:
             # a stage that barely merges, only so that the session records ξ at this layer
-            pipe = replace(Pipeline.from_preset("lightkv"), relevance=Relevance.create(policy),
+            pipe = replace(get_preset("lightkv"), relevance=Relevance.create(policy),
                            scheduler=ExplicitSchedule(layers=(layer,), ratios=(0.01,), windows_per_side=(1,)))
             asked_sum = control_sum = 0.0
             n_control = 0
             for i in range(0, len(eps), batch):
                 chunk, ctrl = eps[i:i + batch], controls[i:i + batch]
                 inputs = data.collate_prompts(chunk, n_img)
-                with pipe.apply(model, record=True) as session:
+                with apply(pipe, model, record=True) as session:
                     model(**inputs)
                 rec = session.last_prefill.stages[0]
                 xi = rec.relevance.float()  # [B, L]

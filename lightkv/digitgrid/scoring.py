@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..adapters import apply
 from .data import EOS_ID, PAD_ID
 from .tasks import task_for
 
@@ -121,7 +122,7 @@ def score(model, convs: Sequence[Conversation], grid, pipeline=None, batch: int 
     correct, logp, logprobs = [], [], []
     f_correct, f_logp, f_logprobs = [], [], []
     kept_sum = bytes_sum = base_sum = 0.0
-    session = pipe.apply(model)
+    session = apply(pipe, model)
     for i in range(0, len(convs), batch):
         chunk = list(convs[i:i + batch])
         prompt = data.collate_prompts([c.first for c in chunk], n_img)

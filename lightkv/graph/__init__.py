@@ -6,7 +6,7 @@ Nothing here knows about models; everything works on plain tensors.
 from .bipartite import BipartiteGraph
 from .layout import ImageSegment, TokenKind, VisionLayout
 from .provenance import Provenance
-from .scatter import available_backends, get_backend, use_backend
+from .scatter import available_backends, get_backend, scatter_sum, segment_rank, use_backend
 from .windows import grid_windows, pseudo_square_windows
 
 __all__ = [
@@ -19,5 +19,7 @@ __all__ = [
     "get_backend",
     "grid_windows",
     "pseudo_square_windows",
+    "scatter_sum",
+    "segment_rank",
     "use_backend",
 ]

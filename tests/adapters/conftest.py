@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import lightkv
 from lightkv import Pipeline
 from lightkv.policies import ExplicitSchedule
 from lightkv.testing import FAMILIES
@@ -28,7 +29,7 @@ def identity_pipeline() -> Pipeline:
 
 def tiny_lightkv() -> Pipeline:
     """The LightKV preset's policies on a 4-layer schedule: half of each 2x2-window, then global."""
-    pipe = Pipeline.from_preset("lightkv")
+    pipe = lightkv.load("lightkv")
     return pipe.with_scheduler(ExplicitSchedule(layers=(1, 2), windows_per_side=(2, 1), ratios=(0.5,)))
 
 

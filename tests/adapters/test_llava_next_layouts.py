@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import lightkv
 from lightkv import Pipeline
 from lightkv.adapters import apply
 from lightkv.adapters.llava_next import LlavaNextAdapter
@@ -55,7 +56,7 @@ def test_reference_layout_is_one_span_and_reproduces_the_paper_counts():
     adapter.layout_mode = "reference"
     ref = adapter.build_layout(inputs, None)
     assert ref.num_images == 1 and int(ref.vision_mask.sum()) == 2928
-    pipe = Pipeline.from_preset("lightkv-paper")
+    pipe = lightkv.load("lightkv-paper")
     assert pipe.layout == "reference"
     results = pipe.run(torch.randn(1, ids.shape[1], 8), ref, num_layers=32)
     assert [int(r.layout.vision_counts()) for r in results] == [1465, 733, 367]

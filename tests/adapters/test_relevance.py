@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import lightkv
 from lightkv import Pipeline
 from lightkv.adapters import apply
 from lightkv.policies import ExplicitSchedule, QueryAxisSoftmax
@@ -17,7 +18,7 @@ from .conftest import get_model
 
 
 def _fastv(layer: int = 1) -> Pipeline:
-    return Pipeline.from_preset("fastv").with_scheduler(
+    return lightkv.load("fastv").with_scheduler(
         ExplicitSchedule(layers=(layer,), windows_per_side=(1,), ratios=(0.5,))
     )
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+import lightkv
 from lightkv import Pipeline
-from lightkv.policies import ExplicitSchedule
 from lightkv.adapters import SUPPORTED_FAMILIES, apply
 from lightkv.adapters.cache import MaskedCacheLayer
+from lightkv.policies import ExplicitSchedule
 from lightkv.testing import FAMILIES
 
 from .conftest import get_model, tiny_lightkv
@@ -191,5 +192,5 @@ def test_full_feature_strategy_is_refused_with_a_clear_error(family):
     model = FAMILIES[family].build()
     model.config.vision_feature_select_strategy = "full"
     with pytest.raises(NotImplementedError, match=f"the {family} adapter supports vision_feature_select_strategy='default'"):
-        with Pipeline.from_preset("lightkv").with_scheduler(ExplicitSchedule(layers=(1,), windows_per_side=(1,))).apply(model):
+        with lightkv.apply(lightkv.load("lightkv").with_scheduler(ExplicitSchedule(layers=(1,), windows_per_side=(1,))), model):
             pass

@@ -7,8 +7,16 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import lightkv
 from lightkv.graph import scatter
-from lightkv.graph.scatter import scatter_max, scatter_mean, scatter_min, scatter_sum, segment_rank, use_backend
+from lightkv.graph.scatter import (
+    scatter_max,
+    scatter_mean,
+    scatter_min,
+    scatter_sum,
+    segment_rank,
+    use_backend,
+)
 
 
 @st.composite
@@ -99,12 +107,12 @@ def test_torch_scatter_backend_agrees_with_native(torch_scatter_available, data)
 
 @pytest.mark.scatter
 def test_stage_results_do_not_depend_on_the_backend(torch_scatter_available):
-    from lightkv import ImageSegment, Pipeline, VisionLayout
+    from lightkv import ImageSegment, VisionLayout
 
     layout = VisionLayout.from_segments(2, 60, [ImageSegment(0, 3, (6, 7)), ImageSegment(1, 10, (5, 5))])
     gen = torch.Generator().manual_seed(0)
     hidden, xi = torch.randn(2, 60, 8, generator=gen), torch.rand(2, 60, generator=gen)
-    pipe = Pipeline.from_preset("lightkv")
+    pipe = lightkv.load("lightkv")
     out = {}
     for backend in ("native", "torch_scatter"):
         with use_backend(backend):

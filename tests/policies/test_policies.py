@@ -9,7 +9,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lightkv import ImageSegment, Pipeline, Stage, VisionLayout
+import lightkv
+from lightkv import ImageSegment, Stage, VisionLayout
 from lightkv.policies import (
     FAMILIES,
     EdgeScorer,
@@ -164,4 +165,4 @@ def test_register_decorator_adds_a_user_policy_usable_in_a_stage():
 
 def test_unknown_preset_lists_the_available_ones():
     with pytest.raises(ValueError, match="unknown preset 'lightkvv'; available presets: .*lightkv"):
-        Pipeline.from_preset("lightkvv")
+        lightkv.load("lightkvv")

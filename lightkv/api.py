@@ -1,0 +1,62 @@
+"""The facade: load a pipeline, save it, apply it to a model.
+
+These are free functions at the top of the house (they import the config layer, the
+presets and the adapters), so `lightkv.pipeline.Pipeline` itself imports nothing above
+the policies.
+
+```python
+import lightkv
+pipe = lightkv.load("lightkv")                # a preset name, or a YAML file's path
+text = lightkv.to_yaml(pipe)                  # canonical YAML (also written to a path if given)
+with lightkv.apply(pipe, model) as session:   # hooks on this model instance only
+    out = model.generate(**inputs, max_new_tokens=32)
+print(session.report())
+```
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .config import config_from_pipeline
+from .pipeline import Pipeline
+from .config import load_config  # TODO(B): presets
+
+__all__ = ["apply", "load", "to_yaml"]
+
+
+def load(name_or_path: str | os.PathLike) -> Pipeline:
+    """A shipped preset by name, or a YAML pipeline file by path, built.
+
+    See `lightkv.presets.load_config` for how a string is read as a name or a path.
+
+    Raises:
+        FileNotFoundError: a path that does not exist.
+        ValueError: an unknown preset (the message lists the presets).
+        lightkv.config.ConfigError: an invalid file.
+    """
+    return load_config(name_or_path).build()
+
+
+def to_yaml(pipeline: Pipeline, path: str | os.PathLike | None = None) -> str:
+    """Canonical YAML of ``pipeline`` (also written to ``path`` if given); its policies
+    must be registered."""
+    return config_from_pipeline(pipeline).to_yaml(path)
+
+
+def apply(pipeline: Pipeline | str | os.PathLike, model: Any, **options: Any):
+    """Compress ``model``'s prefill with ``pipeline`` inside a ``with`` block.
+
+    ``pipeline`` may also be a preset name or a YAML path (see `load`). Hooks are installed
+    on this model instance only and removed on exit (also after an exception). The options
+    are those of `lightkv.adapters.apply` (``adapter``, ``record``, family options).
+
+    Returns:
+        a `lightkv.adapters.CompressionSession` (a context manager).
+    """
+    from .adapters import apply as apply_to_model  # transformers: only when a model is hooked
+
+    if not isinstance(pipeline, Pipeline):
+        pipeline = load(pipeline)
+    return apply_to_model(pipeline, model, **options)
