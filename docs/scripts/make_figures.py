@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from lightkv import ImageSegment, Pipeline, VisionLayout, vis
+from lightkv import ImageSegment, Pipeline, VisionLayout
 from lightkv.graph import BipartiteGraph
 from lightkv.policies import CosineDivergence, GridPartitioner, PruneInputs, SmallestDivergence
+from lightkv.vis import group_mean, outline_groups, paint_patches
 
 GRID, PATCH = 24, 21
 TEXT_BEFORE, TEXT_AFTER = 5, 9
@@ -72,9 +73,9 @@ def inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, VisionLayout, tor
 
 def panel(colours: torch.Tensor, owner: torch.Tensor | None, windows: int | None) -> Image.Image:
     """A ``24*CELL`` square: patch colours, dark group borders (`lightkv.vis`), blue window lines."""
-    img = vis.paint_patches(colours, (GRID, GRID), CELL)
+    img = paint_patches(colours, (GRID, GRID), CELL)
     if owner is not None:
-        img = vis.outline_groups(img, owner, (GRID, GRID), CELL)
+        img = outline_groups(img, owner, (GRID, GRID), CELL)
     out = Image.fromarray(img.numpy())
     if windows:
         draw = ImageDraw.Draw(out)
@@ -110,7 +111,7 @@ def stages_figure(out: Path) -> None:
         until = specs[i + 1].layer if i + 1 < len(specs) else NUM_LAYERS - 1
         panels.append(
             (
-                panel(vis.group_mean(owner, rgb), owner, w),
+                panel(group_mean(owner, rgb), owner, w),
                 f"after layer {spec.layer}: {count} tokens",
                 f"{windows}; layers {spec.layer + 1}-{until} cache {count}",
             )
