@@ -164,7 +164,7 @@ def test_stages_demo_checks_out_before_any_output(tmp_path, capsys):
 
 
 def test_a_missing_extra_is_named_in_one_line(capsys, monkeypatch):
-    import lightkv.cli as cli
+    import lightkv.cli.configs as cli
 
     def needs_skimage(args):
         raise ModuleNotFoundError("No module named 'skimage'", name="skimage")

@@ -52,7 +52,7 @@ NAV_SECTION = "API reference"
 SKIP_MODULES = {"__main__"}
 # Reading order inside a package; modules not listed follow alphabetically.
 PREFERRED_ORDER = {
-    "lightkv": ["graph", "policies", "pipeline", "config", "presets", "adapters", "cli", "demo", "testing"],
+    "lightkv": ["graph", "policies", "pipeline", "config", "presets", "adapters", "vis", "cli", "stages_demo", "testing"],
     "lightkv.graph": ["layout", "windows", "bipartite", "scatter", "provenance"],
     "lightkv.policies": [
         "base",

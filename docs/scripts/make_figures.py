@@ -30,6 +30,7 @@ from PIL import Image, ImageDraw, ImageFont
 from lightkv import ImageSegment, Pipeline, VisionLayout
 from lightkv.graph import BipartiteGraph
 from lightkv.policies import CosineDivergence, GridPartitioner, PruneInputs, SmallestDivergence
+from lightkv.vis import group_mean, outline_groups, paint_patches
 
 GRID, PATCH = 24, 21
 TEXT_BEFORE, TEXT_AFTER = 5, 9
@@ -70,30 +71,11 @@ def inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, VisionLayout, tor
     return image, rgb.float(), layout, hidden.float()
 
 
-def group_colours(owner: torch.Tensor, rgb: torch.Tensor) -> torch.Tensor:
-    """``[576, 3]``: every patch gets the mean colour of the patches with the same owner."""
-    idx = owner.clamp_min(0)
-    n = int(idx.max()) + 1
-    total = torch.zeros(n, 3).index_add_(0, idx, rgb)
-    count = torch.zeros(n).index_add_(0, idx, torch.ones(len(idx)))
-    return (total / count.clamp_min(1).unsqueeze(1))[idx]
-
-
 def panel(colours: torch.Tensor, owner: torch.Tensor | None, windows: int | None) -> Image.Image:
-    """A ``24*CELL`` square: patch colours, dark group borders, orange window lines."""
-    grid = (colours.clamp(0, 1).reshape(GRID, GRID, 3) * 255).round().to(torch.uint8)
-    img = grid.repeat_interleave(CELL, 0).repeat_interleave(CELL, 1)
+    """A ``24*CELL`` square: patch colours, dark group borders (`lightkv.vis`), blue window lines."""
+    img = paint_patches(colours, (GRID, GRID), CELL)
     if owner is not None:
-        own = owner.reshape(GRID, GRID)
-        dark = img.clone() // 3
-        for r, c in (own[1:, :] != own[:-1, :]).nonzero().tolist():
-            img[(r + 1) * CELL - 1 : (r + 1) * CELL + 1, c * CELL : (c + 1) * CELL] = dark[
-                (r + 1) * CELL - 1 : (r + 1) * CELL + 1, c * CELL : (c + 1) * CELL
-            ]
-        for r, c in (own[:, 1:] != own[:, :-1]).nonzero().tolist():
-            img[r * CELL : (r + 1) * CELL, (c + 1) * CELL - 1 : (c + 1) * CELL + 1] = dark[
-                r * CELL : (r + 1) * CELL, (c + 1) * CELL - 1 : (c + 1) * CELL + 1
-            ]
+        img = outline_groups(img, owner, (GRID, GRID), CELL)
     out = Image.fromarray(img.numpy())
     if windows:
         draw = ImageDraw.Draw(out)
@@ -129,7 +111,7 @@ def stages_figure(out: Path) -> None:
         until = specs[i + 1].layer if i + 1 < len(specs) else NUM_LAYERS - 1
         panels.append(
             (
-                panel(group_colours(owner, rgb), owner, w),
+                panel(group_mean(owner, rgb), owner, w),
                 f"after layer {spec.layer}: {count} tokens",
                 f"{windows}; layers {spec.layer + 1}-{until} cache {count}",
             )

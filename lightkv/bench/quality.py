@@ -19,9 +19,9 @@ teacher-forced (`lightkv.digitgrid.scoring`): exact match per question type and 
 follow-up, KL(p_uncompressed || p_compressed) per answer token, the drop in log-probability
 of the reference answer, and paired bootstrap 95% intervals of the differences to lightkv and
 to the uncompressed model. At 55% an ablation table swaps one part of LightKV at a time
-(relevance off, random merge partners, l2 instead of cosine). Writes
-``quality-<model>.json``, ``.md``, ``.png`` (accuracy and KL vs kept fraction) and
-``quality-<model>-provenance.png``.
+(relevance off, random merge partners, l2 instead of cosine). `lightkv.bench.quality_report`
+writes ``quality-<model>.json``, ``.md``, ``.png`` (accuracy and KL vs kept fraction) and
+``quality-<model>-provenance.png``; it imports this module, never the other way round.
 
 ```python
 from lightkv.bench.quality import AccuracyConfig, run
@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 __all__ = ["ABLATIONS", "METHODS", "TARGETS", "AccuracyConfig", "ablation_pipeline", "budget_schedule",
-           "markdown_table", "method_pipeline", "run", "write_outputs"]
+           "method_pipeline", "run"]
 
 METHODS = ("lightkv", "lightkv-paper", "lightkv-no-relevance", "tome", "fastv", "pdrop", "random", "pool")
 TARGETS = (1.0, 0.75, 0.55, 0.40, 0.25)
@@ -296,17 +296,3 @@ def _row(method, target, how, schedule, res, base, lightkv, config) -> dict[str,
         row["vs_lightkv"] = {"accuracy": _intervals(res, lacc, acc, flacc, facc, config),
                              "kl": _intervals(res, lkl1, kl1, lkl2, kl2, config)}
     return row
-
-
-def markdown_table(result: dict[str, Any]) -> str:
-    """The result as Markdown tables (see `lightkv.bench.quality_report.markdown_table`)."""
-    from .quality_report import markdown_table as table
-
-    return table(result)
-
-
-def write_outputs(result: dict[str, Any], out: Path, model: str | None = None) -> list[Path]:
-    """JSON, Markdown, plot and provenance picture (see `lightkv.bench.quality_report.write_outputs`)."""
-    from .quality_report import write_outputs as write
-
-    return write(result, out, model)

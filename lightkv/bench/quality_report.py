@@ -1,4 +1,7 @@
-"""Tables, plots and the provenance picture of the quality benchmark (`lightkv.bench.quality`)."""
+"""Tables, plots and the provenance picture of the quality benchmark (`lightkv.bench.quality`).
+
+This module imports `lightkv.bench.quality` (for the methods' pipelines), never the other
+way round; pictures are drawn with `lightkv.vis`."""
 
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from .. import vis
 
 __all__ = ["detail_accuracy", "markdown_table", "plot", "provenance_picture", "write_outputs"]
 
@@ -101,11 +106,7 @@ def _type_line(r: dict[str, Any], cols: list[str], detail: str) -> str:
 
 def plot(result: dict[str, Any], path: Path) -> None:
     """Overall accuracy, detail accuracy and KL vs kept fraction, one line per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = vis.pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.4), sharex=True)
     methods = list(dict.fromkeys(r["method"] for r in result["rows"]))
     for m in methods:
@@ -132,9 +133,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     m = result["model"]
     fig.suptitle(f"{m['task']}: {result['config']['episodes']} held-out conversations, {m['vision_tokens']} vision "
                  f"tokens, {m['layers']} decoder layers")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    vis.save_figure(fig, path)
 
 
 def provenance_picture(path: Path, model_dir: str | None = None, seed: int = 3, target: float = 0.55,
@@ -146,17 +145,12 @@ def provenance_picture(path: Path, model_dir: str | None = None, seed: int = 3, 
     outlined in red). Returns what was drawn."""
     import random
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Rectangle
-
     from ..digitgrid import evaluate as ev
     from ..digitgrid import model as dg
     from ..graph.layout import TokenKind
     from .quality import method_pipeline
 
+    plt = vis.pyplot()
     path_ = dg.resolve_model(model_dir)
     model, _, grid = dg.load(path_)
     data = dg.read_task(path_).data
@@ -173,13 +167,12 @@ def provenance_picture(path: Path, model_dir: str | None = None, seed: int = 3, 
     colours = ep.image.reshape(3, side, patch, side, patch).mean((2, 4)).permute(1, 2, 0)  # [side, side, 3]
     r, c = ep.meta["row"], ep.meta["col"]
     fig, axes = plt.subplots(1, 2 + len(methods), figsize=(3.6 * (2 + len(methods)), 4.0))
-    axes[0].imshow(ep.image.permute(1, 2, 0).numpy(), interpolation="nearest")
+    vis.show(axes[0], ep.image.permute(1, 2, 0))
     axes[0].set_title(f"'{' '.join(ep.question)}' -> {' '.join(ep.answer)}", fontsize=9)
     drawn: dict[str, Any] = {"question": " ".join(ep.question), "answer": " ".join(ep.answer), "methods": {}}
 
-    def outline(ax, scale: int) -> None:
-        ax.add_patch(Rectangle((c * k * scale - 0.5, r * k * scale - 0.5), k * scale, k * scale,
-                               fill=False, lw=2.5, ec="red"))
+    def outline(ax, scale: int) -> None:  # the asked cell, in red
+        vis.outline_box(ax, c * k * scale, r * k * scale, k * scale)
 
     outline(axes[0], patch)
     num_layers = model.config.text_config.num_hidden_layers
@@ -192,7 +185,7 @@ def provenance_picture(path: Path, model_dir: str | None = None, seed: int = 3, 
             rec = trace.stages[0]
             vision = rec.layout.kind[0] == int(TokenKind.VISION)
             xi = rec.relevance[0][vision].float().reshape(side, side)
-            axes[1].imshow(xi.numpy(), cmap="magma", interpolation="nearest")
+            vis.heatmap(axes[1], xi)
             outline(axes[1], 1)
             share = float(xi[r * k:(r + 1) * k, c * k:(c + 1) * k].sum() / xi.sum())
             axes[1].set_title(f"{name} relevance ξ after layer {rec.layer}\n"
@@ -200,20 +193,13 @@ def provenance_picture(path: Path, model_dir: str | None = None, seed: int = 3, 
             drawn["relevance_share_asked"] = share
         owner = trace.provenance.owner[0, first_vision:first_vision + n_img]
         groups = torch.unique(owner, return_inverse=True)[1]
-        sums = torch.zeros(int(groups.max()) + 1, 3).index_add_(0, groups, colours.reshape(-1, 3))
-        sizes = torch.bincount(groups).unsqueeze(1)
-        painted = (sums / sizes)[groups].reshape(side, side, 3)
+        sizes = torch.bincount(groups)
+        painted = vis.group_mean(owner, colours.reshape(-1, 3)).reshape(side, side, 3)
         ax = axes[2 + i]
-        ax.imshow(painted.clamp(0, 1).numpy(), interpolation="nearest")
-        g2 = groups.reshape(side, side)
-        for y in range(side):  # group borders
-            for x in range(side):
-                if x + 1 < side and g2[y, x] != g2[y, x + 1]:
-                    ax.plot([x + 0.5, x + 0.5], [y - 0.5, y + 0.5], color="white", lw=0.4)
-                if y + 1 < side and g2[y, x] != g2[y + 1, x]:
-                    ax.plot([x - 0.5, x + 0.5], [y + 0.5, y + 0.5], color="white", lw=0.4)
+        vis.show(ax, painted.clamp(0, 1))
+        vis.draw_group_borders(ax, owner, (side, side))
         outline(ax, 1)
-        asked = g2[r * k:(r + 1) * k, c * k:(c + 1) * k]
+        asked = groups.reshape(side, side)[r * k:(r + 1) * k, c * k:(c + 1) * k]
         own = int(asked.flatten()[0])
         left = int(groups.max()) + 1
         kept = session.report().kept_vision_fraction
@@ -221,12 +207,7 @@ def provenance_picture(path: Path, model_dir: str | None = None, seed: int = 3, 
                      f"{left} tokens left; the asked cell's token stands for {int(sizes[own])}", fontsize=9)
         drawn["methods"][name] = {"answer": " ".join(got), "tokens_left": left,
                                   "asked_cell_tokens": len(torch.unique(asked)), "asked_group_size": int(sizes[own])}
-    for ax in axes:
-        ax.set_xticks([])
-        ax.set_yticks([])
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    vis.save_figure(fig, path, ticks=False)
     return drawn
 
 

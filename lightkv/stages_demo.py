@@ -1,4 +1,4 @@
-"""End-to-end demo of the pure core on a real image (``python -m lightkv.demo``).
+"""End-to-end demo of the pure core on a real image (``lightkv stages-demo``, ``python -m lightkv.stages_demo``).
 
 No model is involved. The demo turns ``skimage.data.astronaut()`` into the kind of sequence
 an LVLM prefill sees, with a stand-in for every model quantity:
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from . import ImageSegment, Pipeline, StageResult, VisionLayout
+from . import ImageSegment, Pipeline, StageResult, VisionLayout, vis
 from .policies import average_kept_fraction
 from .presets import PRESETS
 
@@ -268,49 +268,27 @@ def format_maps(report: PresetReport, inputs: DemoInputs) -> str:
 
 
 # ---------------------------------------------------------------------- image
-def _paint(values: torch.Tensor) -> torch.Tensor:
-    """``[576, 3]`` per-patch colours in [0, 1] -> ``[504, 504, 3]`` uint8."""
-    grid = values.clamp(0, 1).reshape(GRID, GRID, 3)
-    img = grid.repeat_interleave(PATCH, dim=0).repeat_interleave(PATCH, dim=1)
-    return (img * 255).round().to(torch.uint8)
-
-
-def _outline(img: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
-    """Darken patch borders between different provenance groups."""
-    grid = owner.reshape(GRID, GRID)
-    out = img.clone()
-    edge_r = grid[1:, :] != grid[:-1, :]  # border below patch (r, c)
-    edge_c = grid[:, 1:] != grid[:, :-1]  # border right of patch (r, c)
-    for r, c in edge_r.nonzero().tolist():
-        out[(r + 1) * PATCH - 1 : (r + 1) * PATCH + 1, c * PATCH : (c + 1) * PATCH] //= 3
-    for r, c in edge_c.nonzero().tolist():
-        out[r * PATCH : (r + 1) * PATCH, (c + 1) * PATCH - 1 : (c + 1) * PATCH + 1] //= 3
-    return out
-
-
 def merged_views(report: PresetReport, inputs: DemoInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Two "merged image" views of a preset's final provenance.
 
     Returns:
         ``(group_mean, token_colour)``, each ``[504, 504, 3]`` uint8: every patch painted
         with the plain mean colour of its provenance group, and with the colour its
-        surviving token actually carries (hidden channels 0..2, a relevance-weighted mix).
+        surviving token actually carries (hidden channels 0..2, a relevance-weighted mix),
+        group borders darkened (`lightkv.vis`).
     """
     owner = report.owner
     valid = owner >= 0
-    n = int(owner.max()) + 1 if valid.any() else 1
     idx = owner.clamp_min(0)
-    total = torch.zeros(n, 3).index_add_(0, idx[valid], inputs.patch_rgb[valid])
-    count = torch.zeros(n).index_add_(0, idx[valid], torch.ones(int(valid.sum())))
-    mean = total / count.clamp_min(1).unsqueeze(1)
-    group_mean = torch.where(valid.unsqueeze(1), mean[idx], torch.zeros(1, 3))
     if report.results:
         hidden = report.results[-1].hidden[0, idx, :3]
     else:
         hidden = inputs.hidden[0, idx, :3]
     carried = hidden * inputs.colour_std + inputs.colour_mean
     carried = torch.where(valid.unsqueeze(1), carried, torch.zeros(1, 3))
-    return _outline(_paint(group_mean), owner), _outline(_paint(carried), owner)
+    grid = (GRID, GRID)
+    token_colour = vis.outline_groups(vis.paint_patches(carried, grid, PATCH), owner, grid, PATCH)
+    return vis.merged_view(owner, inputs.patch_rgb, grid, PATCH), token_colour
 
 
 def save_png(path: Path, reports: list[PresetReport], inputs: DemoInputs) -> Path:
@@ -326,7 +304,7 @@ def save_png(path: Path, reports: list[PresetReport], inputs: DemoInputs) -> Pat
 
 
 # ---------------------------------------------------------------------- CLI
-def build_parser(prog: str = "python -m lightkv.demo") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m lightkv.stages_demo") -> argparse.ArgumentParser:
     """The demo's command-line options (shared with ``lightkv stages-demo``)."""
     parser = argparse.ArgumentParser(
         prog=prog,

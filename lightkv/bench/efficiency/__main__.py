@@ -1,0 +1,10 @@
+"""The memory child process: ``python -m lightkv.bench.efficiency --memory-child PAYLOAD``
+(started by `lightkv.bench.efficiency.measure.measure_peaks_in_child`)."""
+
+import sys
+
+from .measure import memory_child_main
+
+if len(sys.argv) == 3 and sys.argv[1] == "--memory-child":
+    raise SystemExit(memory_child_main(sys.argv[2]))
+raise SystemExit("use `lightkv bench efficiency` or benchmarks/efficiency.py")

@@ -1,0 +1,211 @@
+"""The efficiency benchmark's outputs: summary rows, the issue's targets, the Markdown
+table, bar charts and the files (``efficiency.json``, ``efficiency.md``, PNGs)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from ... import vis
+from .shapes import UNCOMPRESSED
+
+__all__ = ["check_targets", "markdown_table", "plots", "summary_rows", "write_outputs"]
+
+
+def summary_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One flat record per model and preset (the docs table)."""
+    rows = []
+    for name, m in result["models"].items():
+        unc = m["variants"][UNCOMPRESSED]
+        for variant, rec in m["variants"].items():
+            if variant == UNCOMPRESSED:
+                continue
+            r = rec["ratios"]
+            rows.append({
+                "model": name,
+                "preset": variant,
+                "vision_tokens": m["vision_tokens"],
+                "kept_vision": rec.get("kept_vision_fraction"),
+                "kept_vision_ref_depth": rec.get("kept_vision_fraction_reference_depth"),
+                "vision_kv_ratio": r.get("kv_bytes_vision"),
+                "kv_ratio": r["kv_bytes"],
+                "flops_ratio": r["flops"],
+                "flops_ratio_ref_shape": rec.get("flops_ratio_reference_shape"),
+                "ttft_ratio": r["ttft"],
+                "ttft_ms": rec["ttft_ms_median"],
+                "ttft_ms_uncompressed": unc["ttft_ms_median"],
+                "peak_mem_ratio": r.get("peak_memory"),
+                "overhead_share": rec.get("overhead_share"),
+                "overhead_share_ref_est": rec.get("overhead_share_reference_estimate"),
+            })
+    return rows
+
+
+def check_targets(result: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets, checked on what was measured (None where not measured)."""
+    models = result["models"]
+    out: dict[str, Any] = {}
+    kept = {n: m["variants"]["lightkv"].get("kept_vision_fraction_reference_depth")
+            for n, m in models.items() if "lightkv" in m["variants"] and m["reference_decoder"]["layers"] == 32}
+    out["lightkv_vision_kv_le_60pct_at_32_layers"] = (all(v is not None and v <= 0.60 for v in kept.values())
+                                                     if kept else None)
+    out["lightkv_vision_kv_at_32_layers"] = kept
+    gaps = {f"{n}/{v}": rec["ttft_minus_flops_pp"] for n, m in models.items()
+            for v, rec in m["variants"].items() if v != UNCOMPRESSED}
+    out["ttft_within_5pp_of_flops"] = all(abs(g) <= 5 for g in gaps.values()) if gaps else None
+    out["ttft_minus_flops_pp"] = gaps
+    nxt = models.get("llava_next", {}).get("variants", {}).get("lightkv", {})
+    out["overhead_le_3pct_llava_next"] = nxt["overhead_share"] <= 0.03 if "overhead_share" in nxt else None
+    out["overhead_share_llava_next"] = nxt.get("overhead_share")
+    est = nxt.get("overhead_share_reference_estimate")
+    out["overhead_le_3pct_llava_next_reference_estimate"] = est <= 0.03 if est is not None else None
+    out["overhead_share_llava_next_reference_estimate"] = est
+    peaks = {n: m["variants"]["lightkv"].get("ratios", {}).get("peak_memory")
+             for n, m in models.items() if "lightkv" in m["variants"]}
+    peaks = {k: v for k, v in peaks.items() if v is not None}
+    out["lightkv_peak_le_uncompressed"] = all(v <= 1.0 for v in peaks.values()) if peaks else None
+    out["lightkv_peak_ratio"] = peaks
+    spikes = {n: m["eager_reference"].get("peak_ratio_vs_uncompressed") for n, m in models.items()
+              if "eager_reference" in m and m["eager_reference"].get("peak_ratio_vs_uncompressed") is not None}
+    out["eager_reference_spike_above_uncompressed"] = any(v > 1.0 for v in spikes.values()) if spikes else None
+    out["eager_reference_peak_ratio"] = spikes
+    return out
+
+
+# ---------------------------------------------------------------------------- outputs
+def _f(v, fmt="{:.3f}") -> str:
+    return "n/a" if v is None else fmt.format(v)
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    """The summary as Markdown (ratios are compressed / uncompressed)."""
+    dev = result["machine"]["device"]
+    lines = [
+        (f"Measured on {dev} ({result['machine']['device_name'] or 'unknown'}, {result['machine']['threads']} threads), "
+        f"torch {result['machine']['torch']}. Ratios are preset / uncompressed; TTFT is the median of "
+        f"{result['config']['repeats']} prefills after {result['config']['warmup']} warm-up(s)."),
+        "",
+        f"*Reduced decoders:* {result['reductions']}",
+        "",
+        ("| model | preset | vision tokens | vision KV (reduced) | vision KV (ref. depth) | KV total | FLOPs | "
+        "FLOPs (ref. shape) | TTFT | TTFT ms (uncompr.) | peak mem | overhead | overhead (7B est.) |"),
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["summary"]:
+        lines.append(
+            f"| {r['model']} | {r['preset']} | {r['vision_tokens']:,} | {_f(r['vision_kv_ratio'])} | "
+            f"{_f(r['kept_vision_ref_depth'])} | {_f(r['kv_ratio'])} | {_f(r['flops_ratio'])} | "
+            f"{_f(r['flops_ratio_ref_shape'])} | {_f(r['ttft_ratio'])} | "
+            f"{_f(r['ttft_ms'], '{:.0f}')} ({_f(r['ttft_ms_uncompressed'], '{:.0f}')}) | "
+            f"{_f(r['peak_mem_ratio'])} | {_f(r['overhead_share'], '{:.1%}')} | "
+            f"{_f(r['overhead_share_ref_est'], '{:.1%}')} |"
+        )
+    eager = [(n, m["eager_reference"]) for n, m in result["models"].items() if "eager_reference" in m]
+    if eager:
+        lines += [
+            "",
+            "Reference-style relevance (full `H x N x N` attention at each merge layer) vs ours (`N x T`, sdpa):",
+            "",
+            ("| model | reference scoring ms | our relevance ms | time ratio | H x N x N bytes (reduced / 7B) | "
+            "peak: lightkv | peak: + reference scoring | vs uncompressed |"),
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for n, e in eager:
+            lines.append(
+                f"| {n} | {_f(e.get('reference_scoring_ms'), '{:.1f}')} | {_f(e.get('lightkv_relevance_ms'), '{:.1f}')} | "
+                f"{_f(e.get('time_ratio'), '{:.1f}x')} | {_mib(e.get('matrix_bytes'))} / "
+                f"{_mib(e.get('matrix_bytes_reference_decoder'))} | {_mib(e.get('peak_bytes_lightkv'))} | "
+                f"{_mib(e.get('peak_bytes_with_reference_scoring'))} | {_f(e.get('peak_ratio_vs_uncompressed'))} |"
+            )
+    ref = result["lightkv_reference_schedule"]
+    lines += [
+        "",
+        (f"LightKV's reference schedule (layers {ref['layers_of_32']} of 32, 4/2/1 windows, half per stage) keeps "
+        f"{ref['kept_vision_fraction_analytic']:.1%} of the vision KV analytically. *vision KV (ref. depth)* and "
+        "*FLOPs (ref. shape)* apply each preset's unscaled schedule and this run's per-stage token counts to the "
+        "full-size decoder. *overhead*: the compression's own hooks (layout, relevance, graph + merge, masks) as a "
+        "share of the compressed prefill; *overhead (7B est.)* rescales it to the full-size decoder at this "
+        "machine's FLOP rate (relevance x width ratio^2, stage x width ratio)."),
+        "",
+        "Targets: " + ", ".join(f"{k}: {v}" for k, v in result["targets"].items() if isinstance(v, bool) or v is None),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _mib(v) -> str:
+    return "n/a" if v is None else f"{v / 2**20:,.1f} MiB"
+
+
+def plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Bar charts (PNG); returns the files written, or [] without matplotlib."""
+    try:
+        plt = vis.pyplot()
+    except ImportError:
+        print("matplotlib is not installed: skipping plots (pip install 'lightkv[bench]')", file=sys.stderr)
+        return []
+    rows = result["summary"]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    presets = list(dict.fromkeys(r["preset"] for r in rows))
+    by = {(r["model"], r["preset"]): r for r in rows}
+    written = []
+    metrics = [("ttft_ratio", "TTFT"), ("vision_kv_ratio", "vision KV bytes"), ("kv_ratio", "total KV bytes"),
+               ("flops_ratio", "prefill FLOPs (analytic)")]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.6), sharey=True)
+    width = 0.8 / max(1, len(presets))
+    for ax, (key, title) in zip(axes, metrics):
+        for j, p in enumerate(presets):
+            vals = [by.get((m, p), {}).get(key) or 0 for m in models]
+            ax.bar([i + j * width for i in range(len(models))], vals, width, label=p)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xticks([i + width * (len(presets) - 1) / 2 for i in range(len(models))], models, rotation=20)
+        ax.set_title(title + " (preset / uncompressed)", fontsize=9)
+    axes[0].set_ylabel("ratio")
+    axes[0].legend(fontsize=8)
+    written.append(vis.save_figure(fig, out_dir / "efficiency-ratios.png"))
+
+    parts = ["layout", "relevance", "stage", "bookkeeping"]
+    labels, stacks = [], {k: [] for k in parts}
+    for name, m in result["models"].items():
+        for p, rec in m["variants"].items():
+            if "overhead_share_parts" in rec:
+                labels.append(f"{name}\n{p}")
+                for k in parts:
+                    stacks[k].append(100 * rec["overhead_share_parts"].get(k, 0.0))
+    if labels:
+        fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(labels)), 3.6))
+        bottom = [0.0] * len(labels)
+        for k in parts:
+            ax.bar(range(len(labels)), stacks[k], bottom=bottom, label=k)
+            bottom = [b + v for b, v in zip(bottom, stacks[k])]
+        ax.axhline(3.0, color="grey", lw=0.8, ls="--")
+        ax.set_xticks(range(len(labels)), labels, fontsize=7)
+        ax.set_ylabel("% of compressed prefill")
+        ax.set_title("compression overhead breakdown", fontsize=9)
+        ax.legend(fontsize=8)
+        written.append(vis.save_figure(fig, out_dir / "efficiency-overhead.png"))
+    return written
+
+
+def write_outputs(result: dict[str, Any], out_dir: Path, with_plots: bool = True) -> list[Path]:
+    """``efficiency.json``, ``efficiency.md`` and the PNGs in ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = [out_dir / "efficiency.json", out_dir / "efficiency.md"]
+    files[0].write_text(json.dumps(_jsonable(result), indent=2) + "\n")
+    files[1].write_text(markdown_table(result))
+    if with_plots:
+        files += plots(result, out_dir)
+    return files
+
+
+def _jsonable(v):
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
+        return None
+    return v
+

@@ -1,0 +1,229 @@
+"""Benchmarked model shapes, the benchmark's configuration, and the reduced models.
+
+`MODELS` holds the shapes of LLaVA-1.5-7B, LLaVA-NeXT-7B, Qwen2.5-VL-7B and InternVL3-8B
+(real vision-token counts and head dimension, reduced decoder); `BenchConfig` says what
+`lightkv.bench.efficiency.run` measures; `scale_layers` moves a preset's schedule to the
+reduced depth; `build_model` builds a random-weight model with a one-row prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["DEFAULT_PRESETS", "MODELS", "BenchConfig", "ModelSpec", "build_model", "preset_pipeline", "quick_config",
+           "scale_layers", "scaled_pipeline", "text_after_image"]
+
+HEAD_DIM = 128
+PRE_TEXT, POST_TEXT = 20, 15
+RESULTS = Path(__file__).resolve().parents[3] / "benchmarks" / "results"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+UNCOMPRESSED = "uncompressed"
+EAGER_REF = "lightkv+eager-scores"
+
+
+# ---------------------------------------------------------------------------- shapes
+@dataclass(frozen=True)
+class ModelSpec:
+    """One benchmarked model shape.
+
+    Attributes:
+        name: key (``--models``).
+        title: the real model this imitates.
+        family: `lightkv.testing.FAMILIES` key.
+        ref: the real decoder: layers, hidden, heads, kv_heads, intermediate.
+        heads, kv_heads: reduced attention heads (head_dim 128 kept); width = heads x 128.
+        lightkv_preset: what the preset name ``lightkv`` means for this model.
+        image: builder arguments giving the real vision-token count.
+    """
+
+    name: str
+    title: str
+    family: str
+    ref: dict[str, int]
+    heads: int
+    kv_heads: int
+    lightkv_preset: str
+    build_kwargs: dict[str, Any]
+    image: Any
+    image_note: str
+
+    def reduced(self, layers: int, heads: int | None = None) -> dict[str, int]:
+        heads = heads or self.heads
+        kv = max(1, heads * self.ref["kv_heads"] // self.ref["heads"])
+        hidden = heads * HEAD_DIM
+        inter = round(hidden * self.ref["intermediate"] / self.ref["hidden"] / 16) * 16
+        return {"layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv, "intermediate": inter}
+
+
+MODELS: dict[str, ModelSpec] = {
+    "llava": ModelSpec(
+        "llava", "LLaVA-1.5-7B", "llava",
+        {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 32, "intermediate": 11008},
+        heads=4, kv_heads=4, lightkv_preset="lightkv",
+        build_kwargs={"image_size": 48, "patch_size": 2}, image=1,
+        image_note="one 24x24 image (576 tokens)",
+    ),
+    "llava_next": ModelSpec(
+        "llava_next", "LLaVA-NeXT-7B (Vicuna)", "llava_next",
+        {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 32, "intermediate": 11008},
+        heads=4, kv_heads=4, lightkv_preset="lightkv",
+        build_kwargs={"image_size": 48, "patch_size": 2, "pinpoints": ((96, 96), (48, 96), (96, 48))},
+        image=[(96, 96)],
+        image_note="a 2x2-tile image: 24x24 base grid + 48x48 high-res grid with 48 row newlines (2,928 tokens)",
+    ),
+    "qwen2_5_vl": ModelSpec(
+        "qwen2_5_vl", "Qwen2.5-VL-7B", "qwen2_5_vl",
+        {"layers": 28, "hidden": 3584, "heads": 28, "kv_heads": 4, "intermediate": 18944},
+        heads=7, kv_heads=1, lightkv_preset="lightkv-qwen2_5_vl",
+        build_kwargs={"patch_size": 2}, image=[(1, 64, 64)],
+        image_note="a 64x64-patch image, 2x2 merge: 32x32 grid (1,024 tokens)",
+    ),
+    "internvl": ModelSpec(
+        "internvl", "InternVL3-8B (Qwen2.5-7B decoder)", "internvl",
+        {"layers": 28, "hidden": 3584, "heads": 28, "kv_heads": 4, "intermediate": 18944},
+        heads=7, kv_heads=1, lightkv_preset="lightkv",
+        build_kwargs={"image_size": 64, "patch_size": 2}, image=[5],
+        image_note="5 tiles of 16x16 (2x2 tiles + thumbnail, 1,280 tokens)",
+    ),
+}
+DEFAULT_PRESETS = ("lightkv", "tome", "fastv", "pdrop")
+
+
+@dataclass
+class BenchConfig:
+    """What `run` measures.
+
+    Attributes:
+        models: keys of `MODELS`.
+        presets: preset names (``lightkv`` means each model's LightKV preset).
+        layers: reduced decoder depth (schedules are scaled to it, see `scale_layers`).
+        heads: reduced query heads (None: each model's default); width = heads x 128.
+        internvl_tiles: tiles of the InternVL image (256 tokens each).
+        repeats, warmup: timed and untimed prefills per variant.
+        memory: measure peak memory (CPU: one child process per model).
+        eager_reference: time the reference-style H x N x N scoring.
+        eager_repeats: prefills with the reference-style scoring.
+        device, dtype, threads: where and how (threads: torch intra-op threads; None: default).
+        progress: show a progress bar (tqdm when installed, else plain lines).
+        quick: a short run (set by `quick_config`).
+    """
+
+    models: tuple[str, ...] = tuple(MODELS)
+    presets: tuple[str, ...] = DEFAULT_PRESETS
+    layers: int = 8
+    heads: int | None = None
+    internvl_tiles: int = 5
+    repeats: int = 5
+    warmup: int = 1
+    memory: bool = True
+    eager_reference: bool = True
+    eager_repeats: int = 3
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int | None = None
+    progress: bool = True
+    quick: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.models if m not in MODELS]
+        if unknown:
+            raise ValueError(f"unknown model(s) {unknown}; choose from {sorted(MODELS)}")
+        if not self.models:
+            raise ValueError("no models to benchmark")
+        if self.layers < 2:
+            raise ValueError(f"layers must be at least 2, got {self.layers}")
+        if self.repeats < 1 or self.warmup < 0:
+            raise ValueError("repeats must be >= 1 and warmup >= 0")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose from {sorted(DTYPES)}")
+        from ...presets import PRESETS
+
+        bad = [p for p in self.presets if p not in PRESETS]
+        if bad:
+            raise ValueError(f"unknown preset(s) {bad}; see `lightkv presets`")
+        self.models, self.presets = tuple(self.models), tuple(self.presets)
+
+
+def quick_config(**over: Any) -> BenchConfig:
+    """A short run (about 2 minutes on 2 idle CPU cores): 6 layers of one 128-wide head,
+    one InternVL tile, lightkv and fastv, 3 timed prefills. Token counts stay real; the
+    ratios of so narrow a decoder say little about time (overheads dominate)."""
+    base = {"layers": 6, "heads": 1, "internvl_tiles": 1, "presets": ("lightkv", "fastv"), "repeats": 3, "warmup": 1,
+                "eager_repeats": 1, "quick": True}
+    base.update(over)
+    cfg = BenchConfig(**base)
+    return cfg
+
+
+# ---------------------------------------------------------------------------- schedules
+def scale_layers(layers: Sequence[int], ref_depth: int, depth: int) -> tuple[int, ...]:
+    """Stage layers of a ``ref_depth``-layer schedule moved to a ``depth``-layer decoder.
+
+    A stage after 0-based layer ``l`` leaves ``l + 1`` layers uncompressed by it; that
+    count is scaled by ``depth / ref_depth`` and rounded (at least 1, strictly increasing,
+    the last stage before the last layer), so each level of the KV step keeps about the
+    same share of the layers. 12/18/24 of 32 -> 2/4/5 of 8 (LLaVA), 12/17/22 of 28 ->
+    3/4/6 of 8 (Qwen2.5-VL).
+    """
+    out: list[int] = []
+    for l in layers:
+        kept = max(1, round((l + 1) * depth / ref_depth))
+        if out:
+            kept = max(kept, out[-1] + 2)
+        out.append(kept - 1)
+    if out and out[-1] > depth - 2:
+        raise ValueError(f"schedule {list(layers)} of {ref_depth} layers does not fit {depth} layers")
+    return tuple(out)
+
+
+def preset_pipeline(name: str, spec: ModelSpec):
+    from ...pipeline import Pipeline
+
+    return Pipeline.from_preset(spec.lightkv_preset if name == "lightkv" else name)
+
+
+def scaled_pipeline(name: str, spec: ModelSpec, depth: int):
+    """The preset for ``spec`` with its explicit schedule scaled from the reference depth."""
+    from ...policies import ExplicitSchedule
+
+    pipe = preset_pipeline(name, spec)
+    sched = pipe.scheduler
+    if isinstance(sched, ExplicitSchedule) and depth != spec.ref["layers"]:
+        pipe = pipe.with_scheduler(replace(sched, layers=scale_layers(sched.layers, spec.ref["layers"], depth)))
+    return pipe
+
+
+# ---------------------------------------------------------------------------- models
+def build_model(spec: ModelSpec, cfg: BenchConfig, attn: str = "sdpa"):
+    """``(model, inputs, sizes)``: the reduced model on the device and a one-row prompt."""
+    from ...testing import FAMILIES
+
+    sizes = spec.reduced(cfg.layers, cfg.heads)
+    fam = FAMILIES[spec.family]
+    model = fam.build(attn_implementation=attn, num_layers=sizes["layers"], hidden_size=sizes["hidden"],
+                      intermediate_size=sizes["intermediate"], num_heads=sizes["heads"],
+                      num_kv_heads=sizes["kv_heads"], **spec.build_kwargs)
+    image = [cfg.internvl_tiles] if spec.family == "internvl" else spec.image
+    row = fam.row(model, image, pre=PRE_TEXT, post=POST_TEXT, seed=0)
+    inputs = fam.collate([row])
+    device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
+    model = model.to(device=device, dtype=dtype)
+    inputs = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) if isinstance(v, torch.Tensor)
+              else v for k, v in inputs.items()}
+    return model, inputs, sizes
+
+
+
+def text_after_image(inputs) -> int:
+    """Text columns after the image (everything after the last vision token)."""
+    from ...testing import IMAGE
+
+    ids = inputs["input_ids"][0]
+    pos = (ids == IMAGE).nonzero()
+    return int(ids.shape[0] - 1 - pos[-1]) if pos.numel() else POST_TEXT
+

@@ -1,0 +1,125 @@
+"""The ``lightkv`` command line.
+
+```
+lightkv presets [-v]                               list the shipped presets
+lightkv config show NAME|FILE [--num-layers N]     print a pipeline as canonical YAML
+lightkv config validate NAME|FILE [--num-layers N] [--grid HxW]
+lightkv config schema                              JSON Schema of pipeline files
+lightkv bench efficiency [--quick] [--models ...] [--presets ...] [--out DIR] [--repeats N]
+lightkv bench quality [--model digitgrid|DIR] [--episodes N] [--methods ...] [--targets ...]
+lightkv generate [--model DIR|ID] [--image FILE] [--prompt TEXT] [--preset NAME | --config FILE] [--compare]
+lightkv demo [--preset NAME] [--questions N]       the bundled DigitGrid LVLM, with and without LightKV
+lightkv stages-demo [--preset NAME]                the pure core on a real image, no model
+```
+
+Exit status: 0 on success, 1 when a configuration is invalid, 2 on a usage error (bad
+arguments, a missing file, an unknown preset). Errors are printed as one line each on
+stderr, without a traceback.
+
+The package: `lightkv.cli.common` (exit codes, errors, argument types), one module per
+command group (`lightkv.cli.configs`, `lightkv.cli.bench`, `lightkv.cli.generate`,
+`lightkv.cli.demos`), and here the parser and the entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from . import bench, configs, demos, generate
+from .common import EXIT_INVALID, EXIT_OK, EXIT_USAGE, PROG, Parser, UsageError
+
+__all__ = ["build_parser", "main", "parse_args"]
+
+_DESCRIPTION = """\
+Make the KV cache of vision-language models lighter: merge or drop vision tokens during
+prefill with pipelines composed of small policies (LightKV, FastV, ToMe, PyramidDrop, ...).
+Pipelines are YAML files or shipped presets."""
+
+_EPILOG = """\
+examples:
+  lightkv presets                               list the presets
+  lightkv config show lightkv > mine.yaml       start a pipeline from a preset
+  lightkv config validate mine.yaml --num-layers 28
+  lightkv config schema > lightkv.schema.json   for editor completion and checks
+  lightkv bench efficiency --quick              prefill FLOPs, KV bytes, TTFT, memory, overhead
+  lightkv generate --model llava-hf/llava-1.5-7b-hf --image cat.png --prompt "What is this?" --compare
+
+exit status: 0 ok, 1 invalid configuration, 2 usage error (bad arguments, missing file,
+unknown preset)."""
+
+
+_EXTRAS = {"skimage": "demo", "sklearn": "demo", "matplotlib": "bench", "tqdm": "bench", "torch_scatter": "scatter"}
+"""Top-level module -> the extra of lightkv that installs it (for one-line errors)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for documentation tools)."""
+    from .. import __version__
+
+    parser = Parser(
+        prog=PROG, description=_DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands", parser_class=Parser)
+    for group in (configs, bench, generate, demos):
+        group.add_commands(commands)
+    return parser
+
+
+# ---------------------------------------------------------------------------- entry point
+def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """Parse a command line as `main` does (raises SystemExit on --help or a usage error).
+
+    ``lightkv demo`` and ``lightkv stages-demo`` forward their options to the demos' own
+    parsers (`lightkv.digitgrid.demo.build_parser`, `lightkv.stages_demo.build_parser`).
+    """
+    parser = parser or build_parser()
+    args, forwarded = parser.parse_known_args(argv)
+    forward_to = getattr(args, "forward_to", None)
+    if forward_to is not None:
+        forward_to().parse_args(forwarded)  # validates (and serves --help)
+    elif forwarded:
+        parser.parse_args(argv)  # argparse's own error for unknown arguments
+    args.forwarded = forwarded
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0 ok, 1 invalid config, 2 usage)."""
+    parser = build_parser()
+    try:
+        args = parse_args(argv, parser)
+    except SystemExit as e:  # --help, --version, usage errors
+        return int(e.code or 0) if not isinstance(e.code, str) else EXIT_USAGE
+    if not getattr(args, "func", None):
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    from ..config import ConfigError
+
+    try:
+        return args.func(args)
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except ConfigError as e:
+        for line in str(e).splitlines():
+            print(f"{PROG}: error: {line}", file=sys.stderr)
+        return EXIT_INVALID
+    except ModuleNotFoundError as e:  # an optional dependency: name the extra that brings it
+        extra = _EXTRAS.get((e.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"{PROG}: error: this command needs {e.name}, which is not installed: pip install 'lightkv[{extra}]'",
+              file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:  # e.g. `lightkv config schema | head`
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""``lightkv bench efficiency`` and ``lightkv bench quality``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .common import EXIT_OK, Parser, UsageError, depth, missing_action
+
+__all__ = ["add_commands"]
+
+
+def add_commands(commands) -> None:
+    """Add ``bench`` and its benchmarks to the top-level subparsers."""
+    fmt = argparse.HelpFormatter
+    bench = commands.add_parser(
+        "bench",
+        help="run the shipped benchmarks",
+        description="Efficiency on random-weight models with real vision-token counts; quality with the "
+        "bundled DigitGrid model.",
+        formatter_class=fmt,
+    )
+    bsub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", title="benchmarks", parser_class=Parser)
+    eff = bsub.add_parser(
+        "efficiency",
+        help="prefill FLOPs, KV bytes, TTFT, peak memory and overhead: uncompressed vs presets",
+        description="Uncompressed vs each preset on LLaVA-1.5, LLaVA-NeXT, Qwen2.5-VL and InternVL shapes "
+        "(real vision-token counts, reduced decoders): analytic FLOPs, KV bytes from the cache, time to first "
+        "token, peak prefill memory, compression overhead and the cost of reference-style H x N x N scoring. "
+        "Writes efficiency.json, efficiency.md and PNG plots.",
+        formatter_class=fmt,
+    )
+    eff.add_argument("--quick", action="store_true", help="a short run (~2 min on CPU): 6 layers of width 128, 2 presets, 3 repeats")
+    eff.add_argument("--models", nargs="+", metavar="MODEL", help="llava, llava_next, qwen2_5_vl, internvl (default: all)")
+    eff.add_argument("--presets", nargs="+", metavar="PRESET", help="presets to compare (default: lightkv tome fastv pdrop)")
+    eff.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results, "
+                     "benchmarks/results/quick with --quick)")
+    eff.add_argument("--repeats", type=depth, metavar="N", help="timed prefills per variant (default: 5; 3 with --quick)")
+    eff.add_argument("--layers", type=depth, metavar="N", help="reduced decoder depth (default: 8; 6 with --quick)")
+    eff.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    eff.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                     help="default: float32 on CPU, bfloat16 on CUDA")
+    eff.add_argument("--threads", type=depth, metavar="N", help="torch CPU threads (default: torch's)")
+    eff.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    eff.add_argument("--no-plots", action="store_true", help="write JSON and Markdown only")
+    eff.add_argument("--no-progress", action="store_true", help="no progress bar")
+    eff.set_defaults(func=_cmd_bench_efficiency)
+    qual = bsub.add_parser(
+        "quality",
+        help="accuracy and fidelity vs kept vision KV with the bundled model, every method",
+        description="Every method (preset) at kept vision-KV targets of about 100/75/55/40/25%, its schedule "
+        "scaled to the model's depth, on held-out conversations (a question, then a follow-up about another "
+        "region): exact match per question type, KL to the uncompressed answer distribution, log-probability "
+        "drop, paired bootstrap intervals vs lightkv, an ablation table at 55%, realised kept fraction and vision "
+        "KV bytes. Writes quality-<task>.json, .md, .png and quality-<task>-provenance.png.",
+        formatter_class=fmt,
+    )
+    qual.add_argument("--episodes", type=depth, default=600, metavar="N",
+                      help="held-out conversations (default: 600)")
+    qual.add_argument("--methods", nargs="+", metavar="PRESET", help="presets (default: all eight)")
+    qual.add_argument("--targets", nargs="+", type=float, metavar="F", help="kept fractions (default: 1 .75 .55 .4 .25)")
+    qual.add_argument("--model", metavar="NAME|DIR", default="digitgrid",
+                      help="a bundled model (digitgrid) or a DigitGrid/SymbolGrid model directory (default: digitgrid)")
+    qual.add_argument("--no-ablations", action="store_true", help="skip the ablation table")
+    qual.add_argument("--no-followup", action="store_true", help="no follow-up questions")
+    qual.add_argument("--batch", type=depth, default=100, metavar="N", help="episodes per batch (default: 100)")
+    qual.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results)")
+    qual.add_argument("--threads", type=depth, metavar="N", help="torch CPU threads (default: torch's)")
+    qual.set_defaults(func=_cmd_bench_quality)
+    bench.set_defaults(func=lambda args: missing_action(bench))
+
+
+def _cmd_bench_quality(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..bench import quality as q
+    from ..bench import quality_report as report
+    from ..presets import PRESETS
+
+    unknown = [m for m in args.methods or () if m not in PRESETS]
+    if unknown:
+        raise UsageError(f"unknown preset {unknown[0]!r}; choose from: {', '.join(sorted(PRESETS))}")
+    bad = [t for t in args.targets or () if not 0.0 < t <= 1.0]
+    if bad:
+        raise UsageError(f"--targets must be kept fractions in (0, 1], got {bad[0]}")
+    cfg = q.AccuracyConfig(model=args.model, episodes=args.episodes, batch=args.batch, threads=args.threads,
+                           ablations=not args.no_ablations, followup=not args.no_followup,
+                           **({"methods": tuple(args.methods)} if args.methods else {}),
+                           **({"targets": tuple(args.targets)} if args.targets else {}))
+    try:
+        result = q.run(cfg)
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(str(e).splitlines()[0]) from None
+    out = Path(args.out) if args.out else q.RESULTS
+    files = report.write_outputs(result, out, args.model)
+    sys.stdout.write(report.markdown_table(result))
+    for f in files:
+        print(f"wrote {f}")
+    return EXIT_OK
+
+
+def _cmd_bench_efficiency(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from ..bench import efficiency as eff
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    over = {k: v for k, v in {
+        "models": tuple(args.models) if args.models else None,
+        "presets": tuple(args.presets) if args.presets else None,
+        "repeats": args.repeats, "layers": args.layers, "threads": args.threads,
+    }.items() if v is not None}
+    over.update(device=device, dtype=args.dtype or ("bfloat16" if device == "cuda" else "float32"),
+                memory=not args.no_memory, progress=not args.no_progress)
+    try:
+        cfg = eff.quick_config(**over) if args.quick else eff.BenchConfig(**over)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    out = Path(args.out) if args.out else eff.RESULTS / ("quick" if args.quick else "")
+    try:
+        result = eff.run(cfg)
+    except (ValueError, RuntimeError) as e:
+        raise UsageError(str(e).splitlines()[0]) from None
+    files = eff.write_outputs(result, out, with_plots=not args.no_plots)
+    sys.stdout.write(eff.markdown_table(result))
+    for f in files:
+        print(f"wrote {f}")
+    return EXIT_OK

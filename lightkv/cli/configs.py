@@ -1,0 +1,178 @@
+"""``lightkv presets`` and ``lightkv config show|validate|schema``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+
+from .common import (
+    EXIT_INVALID,
+    EXIT_OK,
+    PROG,
+    Parser,
+    depth,
+    grid,
+    load_config_or_preset,
+    missing_action,
+)
+
+__all__ = ["add_commands"]
+
+
+def add_commands(commands) -> None:
+    """Add ``presets`` and ``config`` to the top-level subparsers."""
+    fmt = argparse.HelpFormatter
+    p = commands.add_parser(
+        "presets",
+        help="list the shipped presets with one-line descriptions",
+        description="List the shipped presets: LightKV with per-model schedules, and baselines "
+        "(FastV, ToMe, PyramidDrop, pooling, random) built from the same policies.",
+        formatter_class=fmt,
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="also print each description and source")
+    p.set_defaults(func=_cmd_presets)
+
+    cfg = commands.add_parser(
+        "config",
+        help="show, validate or describe pipeline configurations",
+        description="Work with pipeline configurations: presets by name or YAML files by path.",
+        formatter_class=fmt,
+    )
+    sub = cfg.add_subparsers(dest="config_command", metavar="ACTION", title="actions", parser_class=Parser)
+    target_help = "a preset name (see `lightkv presets`) or a YAML file"
+    depth_help = "decoder depth of the target model: check the schedule against it and show its stages"
+
+    show = sub.add_parser(
+        "show",
+        help="print a preset or file as canonical YAML",
+        description="Print a pipeline as canonical YAML (a good starting point for your own file).",
+        formatter_class=fmt,
+    )
+    show.add_argument("target", metavar="NAME|FILE", help=target_help)
+    show.add_argument("--num-layers", type=depth, metavar="N", help=depth_help)
+    show.add_argument("--format", choices=("yaml", "json"), default="yaml", help="output format (default: yaml)")
+    show.set_defaults(func=_cmd_show)
+
+    val = sub.add_parser(
+        "validate",
+        help="check a pipeline file and dry-run it on a synthetic image",
+        description="Validate a pipeline file: its fields, policy names and parameters, the "
+        "schedule against a model depth, and a dry run on random hidden states.",
+        formatter_class=fmt,
+    )
+    val.add_argument("target", metavar="FILE", help="a YAML file (or a preset name)")
+    val.add_argument("--num-layers", type=depth, metavar="N", help=depth_help + " (default: 32)")
+    val.add_argument("--grid", type=grid, default=(24, 24), metavar="HxW", help="image grid of the dry run (default: 24x24)")
+    val.set_defaults(func=_cmd_validate)
+
+    schema = sub.add_parser(
+        "schema",
+        help="print the JSON Schema of pipeline files",
+        description="Print the JSON Schema of pipeline files, including every registered "
+        "policy name and its parameters (third-party policies too, once installed).",
+        formatter_class=fmt,
+    )
+    schema.add_argument("--indent", type=int, default=2, help="JSON indentation (default: 2)")
+    schema.set_defaults(func=_cmd_schema)
+    cfg.set_defaults(func=lambda args: missing_action(cfg))
+
+
+def _cmd_presets(args: argparse.Namespace) -> int:
+    from ..presets import PRESETS
+
+    width = max(len(n) for n in PRESETS) + 2
+    for name, preset in PRESETS.items():
+        print(f"{name:<{width}}{preset.summary}")
+        if args.verbose:
+            wrap = textwrap.TextWrapper(width=92, initial_indent="    ", subsequent_indent="    ")
+            print(wrap.fill(preset.description))
+            if preset.source:
+                print(wrap.fill(f"Source: {preset.source}"))
+            print()
+    return EXIT_OK
+
+
+
+def _plan_lines(cfg, num_layers: int, target: str) -> list[str]:
+    from ..config import ConfigError
+
+    try:
+        stages = cfg.validate_for_model(num_layers)
+    except ConfigError as e:
+        raise e.with_source(target) from None
+    if not stages:
+        return [f"on a {num_layers}-layer model: no stages (nothing is compressed)"]
+    lines = [f"on a {num_layers}-layer model, {len(stages)} stage(s):"]
+    for i, s in enumerate(stages):
+        windows = (
+            f"windows_per_side {s.windows_per_side}" if s.windows_per_side is not None
+            else f"window_size {s.window_size[0]}x{s.window_size[1]}"  # type: ignore[index]
+        )
+        lines.append(f"  stage {i}: after layer {s.layer}, removal ratio {s.ratio:g}, {windows}")
+    lines.append(f"vision KV kept on average over layers: {cfg.average_kept_fraction(num_layers):.1%}")
+    return lines
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    cfg = load_config_or_preset(args.target)
+    plan = _plan_lines(cfg, args.num_layers, args.target) if args.num_layers else []
+    if args.format == "json":
+        print(json.dumps(cfg.to_dict(), indent=2, ensure_ascii=False))
+        for line in plan:
+            print(line, file=sys.stderr)
+    else:
+        sys.stdout.write(cfg.to_yaml())
+        for line in plan:
+            print(f"# {line}")
+    return EXIT_OK
+
+
+def _default_depth(cfg) -> int:
+    layers = cfg.schedule.layers
+    return max(32, layers[-1] + 1) if layers else 32
+
+
+def _dry_run(cfg, num_layers: int, grid: tuple[int, int]) -> str:
+    import torch
+
+    from ..graph import ImageSegment, VisionLayout
+
+    pipe = cfg.build()
+    scorers = [pipe.scorer] + [o.get("scorer") for o in pipe.stage_overrides.values()]
+    if any(s is not None and getattr(s, "features", "hidden") == "keys" for s in scorers):
+        return "dry run skipped: the edge scorer compares attention keys, which only a model provides"
+    h, w = grid
+    n = h * w + 16
+    layout = VisionLayout.from_segments(1, n, [ImageSegment(row=0, offset=8, grid=(h, w))])
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, n, 32, generator=gen)
+    relevance = torch.rand(1, n, generator=gen)
+    results = pipe.run(hidden, layout, num_layers=num_layers, relevance=relevance)
+    counts = [h * w] + [int(r.layout.vision_counts()[0]) for r in results]
+    return f"dry run on one {h}x{w} image: " + " -> ".join(map(str, counts)) + " vision tokens"
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    cfg = load_config_or_preset(args.target)
+    depth = args.num_layers or _default_depth(cfg)
+    lines = _plan_lines(cfg, depth, args.target)
+    if not args.num_layers:
+        lines[0] += " (assumed; pass --num-layers for your model)"
+    try:
+        lines.append(_dry_run(cfg, depth, args.grid))
+    except ValueError as e:
+        print(f"{PROG}: error: {args.target}: dry run failed: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    print(f"{args.target}: valid pipeline {cfg.name!r}")
+    for line in lines:
+        print(f"  {line}")
+    return EXIT_OK
+
+
+def _cmd_schema(args: argparse.Namespace) -> int:
+    from ..config import json_schema
+
+    print(json.dumps(json_schema(), indent=args.indent or None, ensure_ascii=False))
+    return EXIT_OK
