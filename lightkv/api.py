@@ -19,9 +19,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .config import config_from_pipeline
+from .config import (
+    config_from_pipeline,
+    load_config,  # TODO(B): presets
+)
 from .pipeline import Pipeline
-from .config import load_config  # TODO(B): presets
 
 __all__ = ["apply", "load", "to_yaml"]
 

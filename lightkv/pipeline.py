@@ -290,20 +290,28 @@ class Pipeline:
         layout: VisionLayout,
         num_layers: int,
         relevance: torch.Tensor | None = None,
+        keys: torch.Tensor | None = None,
     ) -> list[StageResult]:
         """Apply every stage in turn to the same hidden states, without a model.
 
         Useful to inspect what a schedule does to a layout (demo, docs, tests). ``relevance``
-        (``[B, N]`` for the input sequence) is carried along: each survivor keeps its own.
+        (``[B, N]`` for the input sequence) and ``keys`` (``[B, N, H_kv, d]``, for
+        key-space policies) are carried along: each survivor keeps its own.
 
         Returns:
             one `StageResult` per stage (provenance accumulates across stages).
         """
         results, provenance = [], None
         for stage in self.stages(num_layers):
-            res = stage(hidden, layout, relevance, provenance)
+            res = stage(hidden, layout, relevance, provenance, keys)
+            hole = res.kept_index < 0
             if relevance is not None:
-                relevance = relevance.gather(1, res.kept_index.clamp_min(0)).masked_fill(res.kept_index < 0, 0)
+                relevance = relevance.gather(1, res.kept_index.clamp_min(0)).masked_fill(hole, 0)
+            if keys is not None:
+                index = res.kept_index.clamp_min(0).view(*hole.shape, *([1] * (keys.dim() - 2)))
+                keys = keys.gather(1, index.expand(-1, -1, *keys.shape[2:])).masked_fill(
+                    hole.view(*hole.shape, *([1] * (keys.dim() - 2))), 0
+                )
             hidden, layout, provenance = res.hidden, res.layout, res.provenance
             results.append(res)
         return results

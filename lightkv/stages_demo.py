@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from . import ImageSegment, Pipeline, StageResult, VisionLayout, vis
+from . import ImageSegment, StageResult, VisionLayout, vis
 from .policies import average_kept_fraction
-from .presets import PRESETS
+from .presets import PRESETS, get_preset
 
 __all__ = ["DemoInputs", "PresetReport", "build_inputs", "main", "run_preset"]
 
@@ -149,7 +149,7 @@ def build_inputs(seed: int = SEED) -> DemoInputs:
 
 def run_preset(name: str, inputs: DemoInputs, num_layers: int = NUM_LAYERS) -> PresetReport:
     """Run preset ``name``'s whole schedule on the demo sequence."""
-    pipe = Pipeline.from_preset(name)
+    pipe = get_preset(name)
     specs = pipe.scheduler.plan(num_layers)
     results = pipe.run(
         inputs.hidden, inputs.layout, num_layers=num_layers, relevance=inputs.relevance

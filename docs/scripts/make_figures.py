@@ -27,9 +27,16 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from lightkv import ImageSegment, Pipeline, VisionLayout
+import lightkv
+from lightkv import ImageSegment, VisionLayout
 from lightkv.graph import BipartiteGraph
-from lightkv.policies import CosineDivergence, GridPartitioner, PruneInputs, SmallestDivergence
+from lightkv.policies import (
+    CosineDivergence,
+    GridPartitioner,
+    PruneInputs,
+    SmallestDivergence,
+    StageInputs,
+)
 from lightkv.vis import group_mean, outline_groups, paint_patches
 
 GRID, PATCH = 24, 21
@@ -96,7 +103,7 @@ def save(img: Image.Image, path: Path, colours: int = 128) -> None:
 
 def stages_figure(out: Path) -> None:
     image, rgb, layout, hidden = inputs()
-    pipe = Pipeline.from_preset("lightkv")
+    pipe = lightkv.load("lightkv")
     specs = pipe.scheduler.plan(NUM_LAYERS)
     results = pipe.run(hidden, layout, num_layers=NUM_LAYERS)
     vis = slice(TEXT_BEFORE, TEXT_BEFORE + GRID * GRID)
@@ -136,7 +143,7 @@ def window_figure(out: Path, window_row: int = 1, window_col: int = 1, ratio: fl
     """
     _, rgb, layout, hidden = inputs()
     size = GRID // 4
-    part = GridPartitioner().partition(layout, windows_per_side=4)
+    part = GridPartitioner().partition(StageInputs.of(layout, windows_per_side=4))
     graph = BipartiteGraph.build(part.window, part.is_src)
     x = graph.gather(hidden)
     best_dst, best_div = CosineDivergence().best_edges(graph, x)
@@ -216,7 +223,7 @@ def kv_steps_figure(out: Path, presets: tuple[str, ...] = ("lightkv", "fastv", "
     colours = [(63, 81, 181), (230, 81, 0), (0, 150, 136), (156, 39, 176)]
     series = []
     for name in presets:
-        pipe = Pipeline.from_preset(name)
+        pipe = lightkv.load(name)
         specs = pipe.scheduler.plan(NUM_LAYERS)
         counts = [int(r.layout.vision_counts()[0]) for r in pipe.run(hidden, layout, num_layers=NUM_LAYERS)]
         per_layer, current, k = [], GRID * GRID, 0

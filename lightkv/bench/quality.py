@@ -138,11 +138,11 @@ def budget_schedule(layers: Sequence[int], num_layers: int, target: float, max_r
 def method_pipeline(name: str, num_layers: int, target: float):
     """``(pipeline, how)``: preset ``name`` scaled to ``num_layers`` at ``target`` (see
     `budget_schedule` for ``how``)."""
-    from ..pipeline import Pipeline
     from ..policies.schedulers import ExplicitSchedule
+    from ..presets import get_preset
     from .efficiency import scale_layers
 
-    pipe = Pipeline.from_preset(name)
+    pipe = get_preset(name)
     sched = pipe.scheduler
     if not isinstance(sched, ExplicitSchedule):
         raise TypeError(f"preset {name!r} has no explicit schedule to scale")

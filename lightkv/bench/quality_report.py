@@ -145,6 +145,7 @@ def provenance_picture(path: Path, model_dir: str | None = None, seed: int = 3, 
     outlined in red). Returns what was drawn."""
     import random
 
+    from ..adapters import apply
     from ..digitgrid import evaluate as ev
     from ..digitgrid import model as dg
     from ..graph.layout import TokenKind
@@ -178,7 +179,7 @@ def provenance_picture(path: Path, model_dir: str | None = None, seed: int = 3, 
     num_layers = model.config.text_config.num_hidden_layers
     for i, name in enumerate(methods):
         pipe, _ = method_pipeline(name, num_layers, target)
-        with pipe.apply(model, record=True) as session:
+        with apply(pipe, model, record=True) as session:
             got = ev.answer(model, [ep], grid)[0]
             trace = session.last_prefill
         if i == 0:

@@ -140,16 +140,14 @@ def _dry_run(cfg, num_layers: int, grid: tuple[int, int]) -> str:
     from ..graph import ImageSegment, VisionLayout
 
     pipe = cfg.build()
-    scorers = [pipe.scorer] + [o.get("scorer") for o in pipe.stage_overrides.values()]
-    if any(s is not None and getattr(s, "features", "hidden") == "keys" for s in scorers):
-        return "dry run skipped: the edge scorer compares attention keys, which only a model provides"
     h, w = grid
     n = h * w + 16
     layout = VisionLayout.from_segments(1, n, [ImageSegment(row=0, offset=8, grid=(h, w))])
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(1, n, 32, generator=gen)
     relevance = torch.rand(1, n, generator=gen)
-    results = pipe.run(hidden, layout, num_layers=num_layers, relevance=relevance)
+    keys = torch.randn(1, n, 2, 16, generator=gen)  # for key-space policies: 2 heads of 16
+    results = pipe.run(hidden, layout, num_layers=num_layers, relevance=relevance, keys=keys)
     counts = [h * w] + [int(r.layout.vision_counts()[0]) for r in results]
     return f"dry run on one {h}x{w} image: " + " -> ".join(map(str, counts)) + " vision tokens"
 

@@ -58,8 +58,9 @@ def _prefill_ms(model, inputs, session=None, repeats: int = 3) -> float:
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; ``argv`` as on the command line."""
+    from ..adapters import apply
     from ..bench.quality_report import provenance_picture
-    from ..pipeline import Pipeline
+    from ..presets import get_preset
     from . import evaluate
     from . import model as dg
 
@@ -80,10 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lightkv demo: cannot load the model from {path}: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
-    pipe = Pipeline.from_preset(args.preset)
+    pipe = get_preset(args.preset)
     num_layers = model.config.text_config.num_hidden_layers
     try:
-        session = pipe.apply(model)
+        session = apply(pipe, model)
     except ValueError as e:
         print(f"lightkv demo: preset {args.preset!r} does not fit this {num_layers}-layer model: {e}",
               file=sys.stderr)
@@ -141,6 +142,7 @@ def _contrast(model, grid, num_layers: int, args) -> None:
     """The first of ``args.contrast`` held-out questions (seed ``args.seed + 1``) that lightkv
     answers right and tome or random gets wrong, at 55% kept each (their schedules as the
     quality benchmark builds them)."""
+    from ..adapters import apply
     from ..bench.quality import method_pipeline
     from . import evaluate, scoring
 
@@ -161,7 +163,7 @@ def _contrast(model, grid, num_layers: int, args) -> None:
     print(f"  question #{hits[0]}: '{' '.join(ep.question)}' -> {' '.join(ep.answer)}")
     for m in ("lightkv", *CONTRAST_METHODS):
         pipe, _ = method_pipeline(m, num_layers, 0.55)
-        with pipe.apply(model) as session:
+        with apply(pipe, model) as session:
             got = evaluate.answer(model, [ep], grid)[0]
         ok = "ok" if got == ep.answer else "WRONG"
         print(f"  {m:8s} ({session.report().kept_vision_fraction:.0%} kept): {' '.join(got)} {ok}")

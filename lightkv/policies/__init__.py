@@ -12,7 +12,6 @@
 
 from .base import ENTRY_POINT_GROUP, Policy
 from .inputs import Features, StageInputs
-from .plugins import EntryPointStatus, PluginError
 from .partitioners import (
     GlobalPartitioner,
     GridPartitioner,
@@ -21,6 +20,7 @@ from .partitioners import (
     PseudoSquarePartitioner,
 )
 from .passers import DropMessages, MessagePasser, RelevanceWeightedMean, SizeWeightedMean
+from .plugins import EntryPointStatus, PluginError
 from .pooling import AnchorPartitioner, StridedPartitioner
 from .pruners import (
     LowestRelevance,

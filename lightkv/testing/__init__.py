@@ -6,8 +6,21 @@
 """
 
 from .contract import check_policy, contract_batch
-from .models import FAMILIES, IMAGE, NEWLINE, PAD, VIDEO, VOCAB, Family, Row, left_pad, text_ids
-from .models import build_llava, build_llava_next, llava_next_tokens
+from .models import (
+    FAMILIES,
+    IMAGE,
+    NEWLINE,
+    PAD,
+    VIDEO,
+    VOCAB,
+    Family,
+    Row,
+    build_llava,
+    build_llava_next,
+    left_pad,
+    llava_next_tokens,
+    text_ids,
+)
 
 __all__ = [
     "FAMILIES",

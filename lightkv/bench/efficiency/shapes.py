@@ -182,9 +182,9 @@ def scale_layers(layers: Sequence[int], ref_depth: int, depth: int) -> tuple[int
 
 
 def preset_pipeline(name: str, spec: ModelSpec):
-    from ...pipeline import Pipeline
+    from ...presets import get_preset
 
-    return Pipeline.from_preset(spec.lightkv_preset if name == "lightkv" else name)
+    return get_preset(spec.lightkv_preset if name == "lightkv" else name)
 
 
 def scaled_pipeline(name: str, spec: ModelSpec, depth: int):
