@@ -30,11 +30,17 @@ from .pruners import (
 )
 from .relevance import LastTokenAttention, QueryAxisSoftmax, Relevance, UniformRelevance
 from .schedulers import (
+    BudgetSchedule,
     ExplicitSchedule,
     KeptFractionSchedule,
+    ScaledSchedule,
+    ScheduleError,
     Scheduler,
     StageSpec,
     average_kept_fraction,
+    budget_schedule,
+    ratio_for_target,
+    scale_layers,
 )
 from .scorers import CosineDivergence, EdgeScorer, L2Divergence, RandomDivergence
 
@@ -52,6 +58,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "FAMILIES",
     "AnchorPartitioner",
+    "BudgetSchedule",
     "CosineDivergence",
     "DropMessages",
     "EdgeScorer",
@@ -75,6 +82,8 @@ __all__ = [
     "Relevance",
     "RelevanceAwareDivergence",
     "RelevanceWeightedMean",
+    "ScaledSchedule",
+    "ScheduleError",
     "Scheduler",
     "SizeWeightedMean",
     "SmallestDivergence",
@@ -82,4 +91,7 @@ __all__ = [
     "StridedPartitioner",
     "UniformRelevance",
     "average_kept_fraction",
+    "budget_schedule",
+    "ratio_for_target",
+    "scale_layers",
 ]
