@@ -36,7 +36,8 @@ Modules: `errors` (ConfigError and message helpers), `specs` (policies by name),
 (reading and writing YAML), `schema` (JSON Schema).
 """
 
-from .errors import ConfigError, _did_you_mean
+from .errors import ConfigError
+from .errors import _did_you_mean as _did_you_mean  # suggestions in the same words (used by tests)
 from .pipeline import (
     PipelineConfig,
     config_from_pipeline,
@@ -67,5 +68,3 @@ __all__ = [
     "read_config_text",
     "register_presets",
 ]
-
-_did_you_mean = _did_you_mean  # re-exported for callers that suggest names the same way

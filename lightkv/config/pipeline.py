@@ -15,7 +15,15 @@ from ..pipeline import Pipeline, Stage
 from ..policies import FAMILIES, Policy, StageSpec, average_kept_fraction
 from .errors import ConfigError, _did_you_mean, _fail, _from_validation_error
 from .schedule import ScheduleConfig
-from .specs import STAGE_FIELDS, PolicySpec, StageField, _canonical_params, _coerce_params, _instantiate, _spec_of
+from .specs import (
+    STAGE_FIELDS,
+    PolicySpec,
+    StageField,
+    _canonical_params,
+    _coerce_params,
+    _instantiate,
+    _spec_of,
+)
 from .yaml_io import _load_yaml, dump_yaml, read_config_text
 
 __all__ = [

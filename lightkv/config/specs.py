@@ -7,7 +7,15 @@ import dataclasses
 import functools
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from ..policies import FAMILIES, Policy
 from ..policies import pooling as _pooling  # noqa: F401  (registers the "anchor" and "strided" partitioners)

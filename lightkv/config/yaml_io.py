@@ -42,8 +42,8 @@ def read_config_text(path: str | os.PathLike) -> str:
     if stat.S_ISDIR(info.st_mode):
         raise FileNotFoundError(f"{name}: is a directory, not a file")
     if stat.S_ISREG(info.st_mode) and info.st_size > MAX_CONFIG_BYTES:
-        raise ConfigError([("", f"the file is {info.st_size:,} bytes; a pipeline config is at most "
-                                f"{MAX_CONFIG_BYTES // 1024} KiB")], name)
+        raise ConfigError([("", (f"the file is {info.st_size:,} bytes; a pipeline config is at most "
+                                 f"{MAX_CONFIG_BYTES // 1024} KiB"))], name)
     if stat.S_ISFIFO(info.st_mode):
         # Opening a FIFO blocks until a writer appears: open without blocking, then read;
         # with no writer the read ends at once (an empty document), never hangs.
@@ -58,8 +58,8 @@ def read_config_text(path: str | os.PathLike) -> str:
 def _read_capped(stream, name: str) -> str:
     data = stream.read(MAX_CONFIG_BYTES + 1)
     if len(data) > MAX_CONFIG_BYTES:
-        raise ConfigError([("", f"more than {MAX_CONFIG_BYTES // 1024} KiB of input; a pipeline config is "
-                                f"at most {MAX_CONFIG_BYTES // 1024} KiB")], name)
+        raise ConfigError([("", (f"more than {MAX_CONFIG_BYTES // 1024} KiB of input; a pipeline config is "
+                                 f"at most {MAX_CONFIG_BYTES // 1024} KiB"))], name)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -132,8 +132,8 @@ _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _constru
 
 def _load_yaml(text: str, source: str | None) -> Any:
     if len(text) > MAX_CONFIG_BYTES:
-        raise ConfigError([("", f"the text is {len(text):,} characters; a pipeline config is at most "
-                                f"{MAX_CONFIG_BYTES // 1024} KiB")], source)
+        raise ConfigError([("", (f"the text is {len(text):,} characters; a pipeline config is at most "
+                                 f"{MAX_CONFIG_BYTES // 1024} KiB"))], source)
     try:
         problem = _check_events(text)
         if problem:

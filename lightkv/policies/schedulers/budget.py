@@ -6,7 +6,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .core import ScheduleError, Scheduler, StageSpec, average_kept_fraction, check_fraction, ratio_for_target
+from .core import (
+    ScheduleError,
+    Scheduler,
+    StageSpec,
+    average_kept_fraction,
+    check_fraction,
+    ratio_for_target,
+)
 from .explicit import ExplicitSchedule
 from .scaled import check_reference, reference_layers
 
@@ -37,11 +44,11 @@ def budget_schedule(layers: Sequence[int], num_layers: int, target: float, max_r
     if target >= 1.0:
         return ExplicitSchedule(layers=(), ratios=(), windows_per_side=None), "scaled"
     layers = list(layers)
-    placements = [(tuple(l - shift for l in layers), "scaled") for shift in range(layers[0] + 1)]  # noqa: E741
+    placements = [(tuple(l - shift for l in layers), "scaled") for shift in range(layers[0] + 1)]
     placements.append((tuple(range(num_layers - 1)), "extra stages"))
 
     def kept(p: float, at: tuple[int, ...]) -> float:
-        return average_kept_fraction([StageSpec(l, p, windows_per_side=1) for l in at], num_layers)  # noqa: E741
+        return average_kept_fraction([StageSpec(l, p, windows_per_side=1) for l in at], num_layers)
 
     def per_stage(values, n: int):
         values = [tuple(v) if isinstance(v, (list, tuple)) else v for v in values]

@@ -24,7 +24,7 @@ def scale_layers(layers: Sequence[int], ref_depth: int, depth: int) -> tuple[int
         ValueError: the scaled stages do not fit ``depth`` layers.
     """
     out: list[int] = []
-    for l in layers:  # noqa: E741
+    for l in layers:
         kept = max(1, round((l + 1) * depth / ref_depth))
         if out:
             kept = max(kept, out[-1] + 2)
