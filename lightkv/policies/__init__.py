@@ -32,11 +32,17 @@ from .pruners import (
 )
 from .relevance import LastTokenAttention, QueryAxisSoftmax, Relevance, UniformRelevance
 from .schedulers import (
+    BudgetSchedule,
     ExplicitSchedule,
     KeptFractionSchedule,
+    ScaledSchedule,
+    ScheduleError,
     Scheduler,
     StageSpec,
     average_kept_fraction,
+    budget_schedule,
+    ratio_for_target,
+    scale_layers,
 )
 from .scorers import CosineDivergence, EdgeScorer, L2Divergence, RandomDivergence
 
@@ -54,6 +60,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "FAMILIES",
     "AnchorPartitioner",
+    "BudgetSchedule",
     "CosineDivergence",
     "DropMessages",
     "EdgeScorer",
@@ -80,6 +87,8 @@ __all__ = [
     "Relevance",
     "RelevanceAwareDivergence",
     "RelevanceWeightedMean",
+    "ScaledSchedule",
+    "ScheduleError",
     "Scheduler",
     "SizeWeightedMean",
     "SmallestDivergence",
@@ -88,4 +97,7 @@ __all__ = [
     "StridedPartitioner",
     "UniformRelevance",
     "average_kept_fraction",
+    "budget_schedule",
+    "ratio_for_target",
+    "scale_layers",
 ]

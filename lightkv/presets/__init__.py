@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 
-from ..config import ConfigError, PipelineConfig
+from ..config import ConfigError, PipelineConfig, register_presets
 from ..pipeline import Pipeline
 
 __all__ = ["PRESETS", "Preset", "get_preset", "get_preset_config"]
@@ -71,6 +71,8 @@ def _load() -> dict[str, Preset]:
 
 PRESETS: dict[str, Preset] = _load()
 """Every shipped preset by name, in listing order."""
+
+register_presets(lambda: {name: p.config for name, p in PRESETS.items() if p.config is not None})
 
 
 def _unknown(name: str) -> ValueError:

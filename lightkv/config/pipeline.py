@@ -1,0 +1,355 @@
+"""`PipelineConfig`: a whole pipeline as validated data, to and from YAML, and the
+conversions between configs, pipeline objects and files."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from ..pipeline import Pipeline, Stage
+from ..policies import FAMILIES, Policy, StageSpec, average_kept_fraction
+from .errors import ConfigError, _did_you_mean, _fail, _from_validation_error
+from .schedule import ScheduleConfig
+from .specs import (
+    STAGE_FIELDS,
+    PolicySpec,
+    StageField,
+    _canonical_params,
+    _coerce_params,
+    _instantiate,
+    _spec_of,
+)
+from .yaml_io import _load_yaml, dump_yaml, read_config_text
+
+__all__ = [
+    "PipelineConfig",
+    "config_from_pipeline",
+    "load_config",
+    "pipeline_from_yaml",
+    "pipeline_to_yaml",
+    "register_presets",
+]
+
+
+class PipelineConfig(BaseModel):
+    """A whole pipeline: description, schedule and the policies of every stage.
+
+    Every stage uses the top-level policies unless ``stage_overrides`` replaces some of
+    them for one stage (by 0-based stage index). ``scorer: null`` means no edge scorer
+    (pure pruning).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("custom", description="A label (preset name) for reports.")
+    summary: str = Field("", description="One line for `lightkv presets`.")
+    description: str = Field("", description="One paragraph: what the pipeline does and why.")
+    source: str = Field("", description="The paper or code the pipeline reproduces.")
+    schedule: ScheduleConfig = Field(
+        default_factory=lambda: ScheduleConfig(name="explicit"),  # 12/18/24, 0.5, 4/2/1 windows
+        description="Where to compress, with which windows and ratios.",
+    )
+    partitioner: PolicySpec = Field(default_factory=lambda: PolicySpec(name="grid"))
+    scorer: PolicySpec | None = Field(default_factory=lambda: PolicySpec(name="cosine"))
+    pruner: PolicySpec = Field(default_factory=lambda: PolicySpec(name="divergence"))
+    passer: PolicySpec = Field(default_factory=lambda: PolicySpec(name="relevance_mean"))
+    relevance: PolicySpec = Field(default_factory=lambda: PolicySpec(name="query_softmax"))
+    stage_overrides: dict[int, dict[StageField, PolicySpec | None]] = Field(
+        default_factory=dict, description="Per-stage replacements: {stage index: {field: policy}}."
+    )
+    layout: Literal["native", "reference"] = Field(
+        "native",
+        description="How an adapter lays out the vision tokens: 'native' (lightkv: every grid on its own, "
+        "structural tokens protected) or 'reference' (the authors' code: on LLaVA-NeXT the whole anyres "
+        "sequence of an image, base grid, high-resolution grid and row newlines, is one span).",
+    )
+
+    @field_validator("summary")
+    @classmethod
+    def _one_line(cls, summary: str) -> str:
+        if "\n" in summary.strip():
+            raise _fail("summary", "the summary is one line (put the details in description)")
+        return summary
+
+    @field_validator("partitioner", "scorer", "pruner", "passer", "relevance")
+    @classmethod
+    def _known_policy(cls, spec: PolicySpec | None, info) -> PolicySpec | None:
+        if spec is None:  # only scorer is Optional; pydantic rejects None for the others
+            return None
+        params = _coerce_params(FAMILIES[info.field_name], spec)
+        _instantiate(FAMILIES[info.field_name], spec)
+        return PolicySpec(name=spec.name, params=_canonical_params(spec.params, params))
+
+    @field_validator("stage_overrides")
+    @classmethod
+    def _known_overrides(cls, overrides: dict[int, dict[str, PolicySpec | None]]) -> dict:
+        out: dict[int, dict[str, PolicySpec | None]] = {}
+        for index in sorted(overrides):
+            if index < 0:
+                raise _fail("stage_index", f"stage indices are 0-based and must be >= 0, got {index}", (index,))
+            fields = {}
+            for field in STAGE_FIELDS:  # canonical order
+                if field not in overrides[index]:
+                    continue
+                spec = overrides[index][field]
+                if spec is None:
+                    if field != "scorer":
+                        raise _fail("required", f"only scorer may be null, not {field}", (index, field))
+                    fields[field] = None
+                    continue
+                try:
+                    params = _coerce_params(FAMILIES[field], spec)
+                    _instantiate(FAMILIES[field], spec)
+                except PydanticCustomError as e:
+                    ctx = e.context or {}
+                    raise _fail(e.type.removeprefix("lightkv_"), ctx.get("message", e.message()),
+                                (index, field) + tuple(ctx.get("subloc", ()))) from None
+                fields[field] = PolicySpec(name=spec.name, params=_canonical_params(spec.params, params))
+            out[index] = fields
+        return out
+
+    @model_validator(mode="after")
+    def _check_composition(self) -> PipelineConfig:
+        limit = self.schedule.max_stages()
+        for index in self.stage_overrides:
+            if limit is not None and index >= limit:
+                raise _fail(
+                    "stage_index",
+                    f"stage index {index} is beyond the schedule, which has {limit} stage(s) (indices 0..{limit - 1})",
+                    ("stage_overrides", index),
+                )
+        base = self._policies()
+        indices = [None] + sorted(self.stage_overrides)
+        for index in indices:
+            policies = dict(base)
+            if index is not None:
+                policies.update({f: None if s is None else _instantiate(FAMILIES[f], s)
+                                 for f, s in self.stage_overrides[index].items()})
+            try:
+                Stage(spec=StageSpec(0, 0.0, windows_per_side=1), **policies)
+            except ValueError as e:
+                where = ("scorer",) if index is None else ("stage_overrides", index)
+                raise _fail("composition", str(e), where) from None
+        return self
+
+    # ------------------------------------------------------------------ building
+    def _policies(self) -> dict[str, Policy | None]:
+        return {
+            f: None if getattr(self, f) is None else _instantiate(FAMILIES[f], getattr(self, f))
+            for f in STAGE_FIELDS
+        }
+
+    def build(self) -> Pipeline:
+        """A fresh `lightkv.Pipeline` (new policy objects on every call).
+
+        Raises:
+            ConfigError: the config was edited into an invalid state after loading
+                (fields are checked again here).
+        """
+        cfg = type(self).from_dict(self.model_dump())
+        overrides = {
+            i: {f: None if s is None else _instantiate(FAMILIES[f], s) for f, s in fields.items()}
+            for i, fields in cfg.stage_overrides.items()
+        }
+        return Pipeline(
+            scheduler=cfg.schedule.build(),
+            stage_overrides=overrides,
+            name=cfg.name,
+            layout=cfg.layout,
+            **cfg._policies(),  # type: ignore[arg-type]
+        )
+
+    def validate_for_model(self, num_layers: int) -> list[StageSpec]:
+        """Check the schedule against a decoder of ``num_layers`` layers.
+
+        Returns:
+            the stages the pipeline runs on such a model.
+
+        Raises:
+            ConfigError: a layer at or beyond the model's depth (the message gives the
+                depth), or a stage override for a stage the model does not get.
+        """
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ConfigError([("num_layers", f"the model depth must be a positive integer, got {num_layers!r}")])
+        try:
+            stages = self.schedule.build().plan(num_layers)
+        except ValueError as e:
+            loc = "schedule.layers" if self.schedule.name == "explicit" else "schedule"
+            raise ConfigError([(loc, str(e))]) from None
+        for index in self.stage_overrides:
+            if index >= len(stages):
+                msg = (
+                    f"stage {index} does not exist: on a model with {num_layers} layers the schedule has "
+                    f"{len(stages)} stage(s)"
+                )
+                raise ConfigError([(f"stage_overrides.{index}", msg)])
+        return stages
+
+    def average_kept_fraction(self, num_layers: int) -> float:
+        """Vision-KV fraction kept, averaged over the layers of a ``num_layers`` model
+        (ignoring rounding)."""
+        return average_kept_fraction(self.validate_for_model(num_layers), num_layers)
+
+    @classmethod
+    def from_pipeline(cls, pipeline: Pipeline, **info: str) -> PipelineConfig:
+        """The config of a pipeline object (see `config_from_pipeline`)."""
+        return config_from_pipeline(pipeline, **info)
+
+    # ------------------------------------------------------------------ plain data
+    @classmethod
+    def from_dict(cls, data: Any, source: str | None = None) -> PipelineConfig:
+        """Validate plain data (as loaded from YAML or JSON).
+
+        Raises:
+            ConfigError: what is wrong, field by field.
+        """
+        if not isinstance(data, dict):
+            kind = "an empty document" if data is None else f"a {type(data).__name__}"
+            raise ConfigError([("", f"a pipeline config must be a mapping of fields, got {kind}")], source)
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            err = _from_validation_error(e)
+            raise (err.with_source(source) if source else err) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Canonical plain data: empty text fields and overrides left out, policies
+        without parameters as bare names."""
+        out: dict[str, Any] = {"name": self.name}
+        for f in ("summary", "description", "source"):
+            if getattr(self, f):
+                out[f] = getattr(self, f)
+        out["schedule"] = self.schedule.to_yaml_value()
+        for f in STAGE_FIELDS:
+            spec = getattr(self, f)
+            out[f] = None if spec is None else spec.to_yaml_value()
+        if self.stage_overrides:
+            out["stage_overrides"] = {
+                i: {f: None if s is None else s.to_yaml_value() for f, s in fields.items()}
+                for i, fields in self.stage_overrides.items()
+            }
+        if self.layout != "native":
+            out["layout"] = self.layout
+        return out
+
+    # ------------------------------------------------------------------ YAML
+    @classmethod
+    def from_yaml_text(cls, text: str, source: str | None = None) -> PipelineConfig:
+        """Parse and validate YAML text.
+
+        Raises:
+            ConfigError: invalid YAML (with line and column) or an invalid config.
+        """
+        return cls.from_dict(_load_yaml(text, source), source)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> PipelineConfig:
+        """Read and validate a YAML file.
+
+        Raises:
+            FileNotFoundError: no such file, or a directory.
+            ConfigError: too large, invalid YAML or an invalid config.
+        """
+        return cls.from_yaml_text(read_config_text(path), "<stdin>" if os.fspath(path) == "-" else str(path))
+
+    def to_yaml(self, path: str | os.PathLike | None = None) -> str:
+        """The canonical YAML text (``from_yaml_text(to_yaml())`` gives an equal config);
+        also written to ``path`` if given."""
+        text = dump_yaml(self.to_dict())
+        if path is not None:
+            Path(path).write_text(text, encoding="utf-8")
+        return text
+
+
+def config_from_pipeline(pipeline: Pipeline, *, summary: str = "", description: str = "", source: str = "") -> PipelineConfig:
+    """The `PipelineConfig` of a pipeline object.
+
+    Every policy must be registered; parameters equal to a policy's defaults are left out,
+    so ``config_from_pipeline(cfg.build())`` equals ``cfg`` up to the text fields.
+
+    Raises:
+        ConfigError: a policy or scheduler that is not registered under a name.
+    """
+    try:
+        schedule = ScheduleConfig.from_scheduler(pipeline.scheduler)
+    except ValidationError as e:
+        raise ConfigError([(f"schedule.{p}" if p else "schedule", m) for p, m in _from_validation_error(e).problems]) from None
+    data: dict[str, Any] = {
+        "name": pipeline.name,
+        "summary": summary,
+        "description": description,
+        "source": source,
+        "schedule": schedule,
+    }
+    for f in STAGE_FIELDS:
+        policy = getattr(pipeline, f)
+        data[f] = None if policy is None else _spec_of(policy, f)
+    data["stage_overrides"] = {
+        i: {f: None if p is None else _spec_of(p, f"stage_overrides.{i}.{f}") for f, p in fields.items()}
+        for i, fields in pipeline.stage_overrides.items()
+    }
+    data["layout"] = pipeline.layout
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as e:
+        raise _from_validation_error(e) from None
+
+
+def pipeline_from_yaml(path: str | os.PathLike) -> Pipeline:
+    """``Pipeline.from_yaml``: read, validate and build a YAML pipeline file."""
+    return PipelineConfig.from_yaml(path).build()
+
+
+def pipeline_to_yaml(pipeline: Pipeline, path: str | os.PathLike | None = None) -> str:
+    """``Pipeline.to_yaml``: the canonical YAML of a pipeline object."""
+    return config_from_pipeline(pipeline).to_yaml(path)
+
+
+_PRESETS: list[Callable[[], Mapping[str, PipelineConfig]]] = []
+
+
+def register_presets(presets: Callable[[], Mapping[str, PipelineConfig]]) -> None:
+    """Let `load_config` resolve names with ``presets()`` (name -> config). `lightkv.presets`
+    registers the shipped presets when it is imported (``import lightkv`` does), so this
+    layer never imports the presets itself."""
+    if presets not in _PRESETS:
+        _PRESETS.append(presets)
+
+
+def _preset_configs() -> dict[str, PipelineConfig]:
+    out: dict[str, PipelineConfig] = {}
+    for presets in _PRESETS:
+        out.update(presets())
+    return out
+
+
+def load_config(name_or_path: str | os.PathLike) -> PipelineConfig:
+    """A preset by name, or a YAML file by path.
+
+    A string that names an existing path other than a directory, or ends in ``.yaml``/``.yml``, or contains a path
+    separator, is read as a file (``-`` reads standard input); anything else must be a
+    preset name. Files are read through `read_config_text`: at most `MAX_CONFIG_BYTES`,
+    and documents that nest too deeply or expand aliases too far are refused at once.
+
+    Raises:
+        FileNotFoundError: a path that does not exist.
+        ValueError: an unknown preset (the message lists the presets).
+        ConfigError: an invalid file.
+    """
+    text = os.fspath(name_or_path)
+    looks_like_path = (
+        text == "-" or (Path(text).exists() and not Path(text).is_dir()) or text.endswith((".yaml", ".yml")) or os.sep in text or "/" in text
+    )
+    if not looks_like_path:
+        presets = _preset_configs()
+        if text in presets:
+            return presets[text].model_copy(deep=True)
+        raise ValueError(
+            f"no preset or file named {text!r}{_did_you_mean(text, presets)}; presets: {', '.join(presets)}"
+        )
+    return PipelineConfig.from_yaml(text)

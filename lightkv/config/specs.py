@@ -1,0 +1,179 @@
+"""Policies by registered name: `PolicySpec`, parameter coercion to the policy's field types,
+instantiation, and the spec of a policy object."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from ..policies import FAMILIES, Policy
+from ..policies import pooling as _pooling  # noqa: F401  (registers the "anchor" and "strided" partitioners)
+from .errors import ConfigError, _did_you_mean, _fail, _plain, _short
+
+__all__ = ["STAGE_FIELDS", "PolicySpec"]
+
+STAGE_FIELDS: tuple[str, ...] = ("partitioner", "scorer", "pruner", "passer", "relevance")
+"""The policy fields of a stage, in config order."""
+
+StageField = Literal["partitioner", "scorer", "pruner", "passer", "relevance"]
+
+
+def _error_loc(error: BaseException | None) -> tuple[Any, ...]:
+    """Where inside the parameters an error raised by a policy points: a `ScheduleError`
+    (or any error with ``param`` / ``index`` attributes) names its field and entry."""
+    param = getattr(error, "param", None)
+    if not isinstance(param, str):
+        return ()
+    index = getattr(error, "index", None)
+    return (param,) if index is None else (param, index)
+
+
+class PolicySpec(BaseModel):
+    """One policy by registered name, with its parameters.
+
+    In YAML a policy without parameters can be written as its bare name
+    (``scorer: cosine``); otherwise ``{name: ..., params: {...}}``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="The policy's registered name (see `lightkv.policies.FAMILIES`).")
+    params: dict[str, Any] = Field(
+        default_factory=dict, description="Constructor parameters (the policy dataclass's fields)."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        if isinstance(data, str):
+            return {"name": data}
+        if isinstance(data, Policy):
+            raise _fail("policy_object", "give a policy by name ({name: ..., params: ...}), not a Python object")
+        return data
+
+    @field_validator("params")
+    @classmethod
+    def _plain_params(cls, params: dict[str, Any]) -> dict[str, Any]:
+        return {str(k): _plain(v, str(k)) for k, v in params.items()}
+
+    def to_yaml_value(self) -> str | dict[str, Any]:
+        """The canonical YAML form: the bare name when there are no parameters."""
+        return {"name": self.name, "params": dict(self.params)} if self.params else self.name
+
+
+@functools.cache
+def _adapter(impl: type) -> TypeAdapter | None:
+    if not dataclasses.is_dataclass(impl):
+        return None
+    try:
+        return TypeAdapter(impl)
+    except Exception:  # noqa: BLE001  (a third-party dataclass pydantic cannot describe: names only)
+        return None
+
+
+def _coerce_params(family: type[Policy], spec: PolicySpec, prefix: bool = True) -> dict[str, Any]:
+    """Check ``spec`` against ``family``'s registry and the policy's parameter types.
+
+    Returns the parameters converted to the types the policy declares (e.g. YAML lists
+    to tuples), ready for ``family.create``. Messages about values start with the family
+    and name (``scheduler 'explicit': ...``) unless ``prefix`` is false.
+
+    Raises:
+        PydanticCustomError: unknown name, unknown parameter or a badly typed value.
+    """
+    try:
+        impl = family.lookup(spec.name)
+    except ValueError as e:
+        raise _fail("unknown_policy", f"{e}{_did_you_mean(spec.name, family.registered())}", ("name",)) from None
+    params = dict(spec.params)
+    if not dataclasses.is_dataclass(impl):
+        return params
+    fields = {f.name: f for f in dataclasses.fields(impl) if f.init}
+    bad = [k for k in params if k not in fields]
+    if bad:
+        allowed = ", ".join(sorted(fields)) or "(none)"
+        raise _fail(
+            "unknown_param",
+            f"{family.family} {spec.name!r} has no parameter {bad[0]!r}{_did_you_mean(bad[0], fields, paren=True)}; "
+            f"its parameters are: {allowed}",
+            ("params", bad[0]),
+        )
+    adapter = _adapter(impl)
+    if adapter is None or not params:
+        return params
+    label = f"{family.family} {spec.name!r}: " if prefix else ""
+    try:
+        validated = adapter.validate_python(params)
+    except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        where = tuple(first["loc"])
+        if first["type"] == "value_error":  # raised by the policy's own checks
+            error = (first.get("ctx") or {}).get("error")
+            detail = str(error if error is not None else first["msg"])
+            where += _error_loc(error)
+        else:
+            detail = f"{first['msg']}, got {_short(first.get('input'))}"
+        raise _fail("param_value", f"{label}{detail}", ("params",) + where) from None
+    except (ValueError, TypeError) as e:  # raised by the policy's own __post_init__
+        raise _fail("param_value", f"{label}{e}", ("params",) + _error_loc(e)) from None
+    return {k: getattr(validated, k) for k in params}
+
+
+def _instantiate(family: type[Policy], spec: PolicySpec, prefix: bool = True) -> Policy:
+    params = _coerce_params(family, spec, prefix)
+    try:
+        return family.create(spec.name, **params)
+    except (ValueError, TypeError) as e:
+        label = f"{family.family} {spec.name!r}: " if prefix else ""
+        raise _fail("param_value", f"{label}{e}", ("params",) + _error_loc(e)) from None
+
+
+def _spec_of(policy: Policy, where: str) -> PolicySpec:
+    """The `PolicySpec` of a policy object: its registered name and non-default parameters."""
+    name = type(policy).name
+    family = next((f for f in FAMILIES.values() if isinstance(policy, f)), None)
+    if not name or family is None or family._registry.get(name) is not type(policy):
+        raise ConfigError(
+            [(where, (f"{type(policy).__qualname__} is not a registered policy; register it with "
+                      "@<Family>.register('name') to describe it in a config"))]
+        )
+    params = {}
+    if dataclasses.is_dataclass(policy):
+        for f in dataclasses.fields(policy):
+            if not f.init:
+                continue
+            value = getattr(policy, f.name)
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+                default = f.default_factory()  # type: ignore[misc]
+            else:
+                default = dataclasses.MISSING
+            if default is dataclasses.MISSING or _jsonable(value) != _jsonable(default):
+                params[f.name] = _jsonable(value)
+    return PolicySpec(name=name, params=params)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    return value
+
+
+def _canonical_params(given: dict[str, Any], coerced: dict[str, Any]) -> dict[str, Any]:
+    """Parameters as stored in a config: the coerced values (so ``"1e-12"`` becomes a float)
+    as plain data, in the order given."""
+    return {k: _plain(coerced.get(k, v), k) for k, v in given.items()}

@@ -1,0 +1,30 @@
+"""Schedulers: at which decoder layers to compress, with which windows and ratios.
+
+| name | class | stages |
+|---|---|---|
+| ``explicit`` | `ExplicitSchedule` | fixed layers, ratios and windows |
+| ``kept_fraction`` | `KeptFractionSchedule` | relative depths, one ratio fitted to a target kept fraction |
+| ``scaled`` | `ScaledSchedule` | an explicit schedule for ``ref_depth`` layers, moved to the model's depth |
+| ``budget`` | `BudgetSchedule` | a scaled schedule placed and fitted to a target kept fraction |
+"""
+
+from .budget import BudgetSchedule, Placement, budget_schedule
+from .core import ScheduleError, Scheduler, StageSpec, average_kept_fraction, ratio_for_target
+from .explicit import ExplicitSchedule
+from .kept_fraction import KeptFractionSchedule
+from .scaled import ScaledSchedule, scale_layers
+
+__all__ = [
+    "BudgetSchedule",
+    "ExplicitSchedule",
+    "KeptFractionSchedule",
+    "Placement",
+    "ScaledSchedule",
+    "ScheduleError",
+    "Scheduler",
+    "StageSpec",
+    "average_kept_fraction",
+    "budget_schedule",
+    "ratio_for_target",
+    "scale_layers",
+]

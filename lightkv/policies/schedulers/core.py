@@ -1,0 +1,159 @@
+"""The scheduler family, its stage record and the kept-fraction arithmetic every scheduler shares."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ...graph.windows import check_window_spec
+from ..base import Policy
+
+__all__ = [
+    "ScheduleError",
+    "Scheduler",
+    "StageSpec",
+    "average_kept_fraction",
+    "per_stage",
+    "ratio_for_target",
+]
+
+
+class ScheduleError(ValueError):
+    """A scheduler parameter with a bad value.
+
+    Attributes:
+        param: the dataclass field at fault (None: the scheduler as a whole).
+        index: the entry of that field at fault, for a sequence (None: the whole field).
+
+    Configs use both to point at the offending YAML entry (e.g. ``schedule.ratios.1``).
+    """
+
+    def __init__(self, message: str, param: str | None = None, index: int | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.index = index
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One scheduled stage.
+
+    Attributes:
+        layer: 0-based decoder layer after which the stage runs.
+        ratio: removal ratio ``P`` in ``[0, 1)``.
+        windows_per_side: windows per image side, or
+        window_size: window ``(rows, cols)`` in tokens.
+    """
+
+    layer: int
+    ratio: float
+    windows_per_side: int | None = None
+    window_size: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layer, int) or self.layer < 0:
+            raise ValueError(f"stage layer must be a non-negative integer, got {self.layer!r}")
+        if not (0.0 <= float(self.ratio) < 1.0):
+            raise ValueError(f"stage ratio must be in [0, 1), got {self.ratio!r}")
+        check_window_spec(self.windows_per_side, self.window_size)
+
+
+class Scheduler(Policy):
+    """Family: turns a model depth into a list of `StageSpec`. Override `plan`."""
+
+    family: ClassVar[str] = "scheduler"
+
+    def plan(self, num_layers: int) -> list[StageSpec]:
+        """Stages for a decoder of ``num_layers`` layers, sorted by layer.
+
+        Raises:
+            ValueError: the schedule does not fit the model (a layer ``>= num_layers``).
+        """
+        raise NotImplementedError
+
+    def max_stages(self) -> int | None:
+        """How many stages `plan` gives at most, whatever the depth (None: it depends on the
+        depth). Configs use it to refuse stage overrides beyond the schedule."""
+        return None
+
+    @staticmethod
+    def _validate(stages: list[StageSpec], num_layers: int) -> list[StageSpec]:
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        layers = [s.layer for s in stages]
+        if layers != sorted(set(layers)):
+            raise ValueError(f"stage layers must be strictly increasing, got {layers}")
+        if layers and layers[-1] >= num_layers:
+            raise ValueError(
+                f"the schedule compresses after layer {layers[-1]}, but the model has only {num_layers} "
+                f"layers (0..{num_layers - 1}); use layers below {num_layers} or a kept_fraction schedule"
+            )
+        return stages
+
+
+def per_stage(values: Sequence, n: int, name: str, what: str = "layers") -> tuple:
+    """``values`` for ``n`` stages: one value is broadcast, otherwise exactly ``n``.
+
+    Raises:
+        ScheduleError: another count (``param`` is ``name``).
+    """
+    values = tuple(values)
+    if len(values) == 1:
+        return values * n
+    if len(values) != n:
+        raise ScheduleError(f"{name} has {len(values)} entries for {n} {what}; give 1 or {n}", name)
+    return values
+
+
+def average_kept_fraction(stages: list[StageSpec], num_layers: int) -> float:
+    """Kept vision fraction averaged over layers, ignoring rounding.
+
+    A layer at or before the first stage keeps everything (compression happens after the
+    layer has cached its keys/values); later layers keep ``prod(1 - P)`` of the stages
+    before them.
+    """
+    total, kept, start = 0.0, 1.0, 0
+    for s in stages:
+        total += (s.layer + 1 - start) * kept
+        kept *= 1.0 - s.ratio
+        start = s.layer + 1
+    total += (num_layers - start) * kept
+    return total / num_layers
+
+
+def ratio_for_target(kept: Callable[[float], float], target: float, max_ratio: float) -> float:
+    """The smallest common ratio ``p <= max_ratio`` with ``kept(p) <= target``, by bisection.
+
+    ``kept`` maps a ratio to the kept fraction it gives (non-increasing, e.g.
+    `average_kept_fraction` of fixed stages); returns ``max_ratio`` when even that keeps more.
+    """
+    lo, hi = 0.0, max_ratio
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if kept(mid) > target else (lo, mid)
+    return hi
+
+
+def check_windows(windows_per_side, window_size) -> None:
+    """Per-entry checks of a scheduler's window fields (either may be None).
+
+    Raises:
+        ScheduleError: a window count below 1 or a window side below 1, with its index.
+    """
+    for i, w in enumerate(windows_per_side or ()):
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            raise ScheduleError(f"windows per side must be a positive integer, got {w!r}", "windows_per_side", i)
+    for i, size in enumerate(window_size or ()):
+        pair = tuple(size) if isinstance(size, (list, tuple)) else (size,)
+        if len(pair) != 2 or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in pair):
+            raise ScheduleError(f"window (rows, cols) must be two positive integers, got {list(pair)}", "window_size", i)
+
+
+def check_fraction(value, name: str, low_open: bool, high_open: bool, what: str) -> None:
+    """``value`` within ``(0|[0, 1)|1]``, else a `ScheduleError` for ``name``."""
+    v = float(value)
+    ok = (v > 0.0 if low_open else v >= 0.0) and (v < 1.0 if high_open else v <= 1.0)
+    if not ok:
+        interval = f"{'(' if low_open else '['}0, 1{')' if high_open else ']'}"
+        raise ScheduleError(f"{what} must be in {interval}, got {value!r}", name)

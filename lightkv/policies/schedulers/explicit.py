@@ -1,0 +1,85 @@
+"""`ExplicitSchedule` (``explicit``): fixed layers, ratios and windows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .core import ScheduleError, Scheduler, StageSpec, check_windows, per_stage
+
+__all__ = ["ExplicitSchedule"]
+
+
+@Scheduler.register("explicit")
+@dataclass
+class ExplicitSchedule(Scheduler):
+    """Fixed layers, windows and ratios (the reference code's schedules).
+
+    Attributes:
+        layers: 0-based layers Λ, increasing.
+        ratios: removal ratio per stage (one value is broadcast).
+        windows_per_side: windows per side per stage (one value is broadcast); the default
+            ``(4, 2, 1)`` fits the three default layers only (other layers must give their
+            own), or
+        window_size: one ``(rows, cols)`` per stage (one value is broadcast); replaces the
+            default ``windows_per_side``.
+
+    Raises:
+        ScheduleError: at construction, for lengths that do not match ``layers`` or bad
+            values (a `ValueError` that names the field and entry at fault).
+    """
+
+    layers: tuple[int, ...] = (12, 18, 24)
+    ratios: tuple[float, ...] = (0.5,)
+    windows_per_side: tuple[int, ...] | None = (4, 2, 1)
+    window_size: tuple[tuple[int, int], ...] | None = None
+
+    def __post_init__(self) -> None:
+        # The default (4, 2, 1) belongs to the three default layers: say so at construction,
+        # not as a length mismatch at apply(); an explicit window_size replaces it.
+        n = len(tuple(self.layers))
+        if tuple(self.windows_per_side or ()) == (4, 2, 1):
+            if self.window_size is not None:
+                self.windows_per_side = None
+            elif n != 3:
+                raise ScheduleError(
+                    f"ExplicitSchedule(layers={tuple(self.layers)}): windows_per_side defaults to (4, 2, 1), one entry "
+                    f"per default layer; give windows_per_side with 1 or {n} entries (e.g. windows_per_side=(1,)) "
+                    "or window_size",
+                    "windows_per_side",
+                )
+        self.stages()  # any other length or value problem, at construction too
+
+    def max_stages(self) -> int:
+        return len(self.layers)
+
+    def _check_values(self) -> None:
+        layers = list(self.layers)
+        for i, layer in enumerate(layers):
+            if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+                raise ScheduleError(f"layer indices are 0-based and must be >= 0, got {layer!r}", "layers", i)
+            if i and layer <= layers[i - 1]:
+                raise ScheduleError(f"layers must be strictly increasing, got {layers}", "layers", i)
+        for i, r in enumerate(self.ratios):
+            if not (0.0 <= float(r) < 1.0):
+                raise ScheduleError(f"removal ratio must be in [0, 1) (0 keeps every token), got {r!r}", "ratios", i)
+        check_windows(self.windows_per_side, self.window_size)
+
+    def stages(self) -> list[StageSpec]:
+        """The stages, independent of depth (not yet checked against a model).
+
+        Raises:
+            ScheduleError: a bad value or a field whose length does not match ``layers``.
+        """
+        self._check_values()
+        n = len(self.layers)
+        ratios = per_stage(self.ratios, n, "ratios")
+        if self.windows_per_side is not None and self.window_size is not None:
+            raise ScheduleError("give windows_per_side or window_size, not both", "window_size")
+        if self.window_size is not None:
+            sizes = per_stage([tuple(s) for s in self.window_size], n, "window_size")
+            return [StageSpec(int(at), float(r), window_size=s) for at, r, s in zip(self.layers, ratios, sizes)]
+        wps = per_stage(self.windows_per_side or (1,), n, "windows_per_side")
+        return [StageSpec(int(at), float(r), windows_per_side=int(w)) for at, r, w in zip(self.layers, ratios, wps)]
+
+    def plan(self, num_layers):
+        return self._validate(self.stages(), num_layers)
