@@ -19,11 +19,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .config import (
-    config_from_pipeline,
-    load_config,  # TODO(B): presets
-)
+from .config import config_from_pipeline
 from .pipeline import Pipeline
+from .presets import get_preset, is_config_path, load_config
 
 __all__ = ["apply", "load", "to_yaml"]
 
@@ -31,14 +29,16 @@ __all__ = ["apply", "load", "to_yaml"]
 def load(name_or_path: str | os.PathLike) -> Pipeline:
     """A shipped preset by name, or a YAML pipeline file by path, built.
 
-    See `lightkv.presets.load_config` for how a string is read as a name or a path.
+    See `lightkv.presets.is_config_path` for how a string is read as a name or a path.
 
     Raises:
         FileNotFoundError: a path that does not exist.
         ValueError: an unknown preset (the message lists the presets).
         lightkv.config.ConfigError: an invalid file.
     """
-    return load_config(name_or_path).build()
+    if is_config_path(name_or_path):
+        return load_config(name_or_path).build()
+    return get_preset(os.fspath(name_or_path))
 
 
 def to_yaml(pipeline: Pipeline, path: str | os.PathLike | None = None) -> str:

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from lightkv.cli import main
-from lightkv.config import MAX_CONFIG_BYTES, ConfigError, PipelineConfig, load_config
+from lightkv.config import MAX_CONFIG_BYTES, ConfigError, PipelineConfig
+from lightkv.presets import load_config
 
 VALID = "name: mine\nschedule: {layers: [1], ratios: [0.5]}\n"
 

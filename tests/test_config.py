@@ -21,12 +21,12 @@ from lightkv.config import (
     ScheduleConfig,
     config_from_pipeline,
     json_schema,
-    load_config,
     pipeline_from_yaml,
     pipeline_to_yaml,
 )
 from lightkv.policies import (
     FAMILIES,
+    StageInputs,
     CosineDivergence,
     ExplicitSchedule,
     GlobalPartitioner,
@@ -34,7 +34,7 @@ from lightkv.policies import (
     L2Divergence,
 )
 from lightkv.policies.pooling import AnchorPartitioner, StridedPartitioner
-from lightkv.presets import PRESETS, Preset, get_preset, get_preset_config
+from lightkv.presets import PRESETS, Preset, get_preset, get_preset_config, load_config
 
 PRESET_NAMES = list(PRESETS)
 REQUIRED = {"lightkv", "lightkv-paper", "fastv", "tome", "pdrop", "random", "pool", "lightkv-qwen2_5_vl"}
@@ -102,7 +102,7 @@ def test_every_preset_runs_on_a_llava_layout(name):
     layout = llava_layout()
     hidden = torch.randn(1, layout.seq_len, 64, generator=torch.Generator().manual_seed(0))
     relevance = torch.rand(1, layout.seq_len, generator=torch.Generator().manual_seed(1))
-    pipe = Pipeline.from_preset(name)
+    pipe = lightkv.load(name)
     for rel in (None, relevance):
         results = pipe.run(hidden, layout, num_layers=32, relevance=rel)
         assert results, name
@@ -211,7 +211,7 @@ def test_random_preset_is_deterministic():
 # ---------------------------------------------------------------------------- new partitioners
 def test_anchor_partitioner_has_one_destination_per_window():
     layout = llava_layout((5, 7))
-    part = AnchorPartitioner().partition(layout, window_size=(2, 2))
+    part = AnchorPartitioner().partition(StageInputs.of(layout, window_size=(2, 2)))
     inside = part.window >= 0
     dst = inside & ~part.is_src
     n_windows = int(part.window.max()) + 1
@@ -222,7 +222,7 @@ def test_anchor_partitioner_has_one_destination_per_window():
 
 def test_strided_partitioner_matches_a_stride_lattice():
     layout = llava_layout((5, 7))
-    part = StridedPartitioner(stride=(2, 3)).partition(layout)
+    part = StridedPartitioner(stride=(2, 3)).partition(StageInputs.of(layout, windows_per_side=1))
     dst = (part.window >= 0) & ~part.is_src
     got = sorted(tuple(c) for c in layout.coords[dst].tolist())
     assert got == [(r, c) for r in (0, 2) for c in (0, 3)]  # rows < 4, cols < 6 (full blocks only)

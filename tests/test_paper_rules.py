@@ -10,6 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import lightkv
 from lightkv import ImageSegment, Pipeline, Stage, VisionLayout
 from lightkv.graph import grid_windows, pseudo_square_windows
 from lightkv.policies import (
@@ -100,7 +101,7 @@ def test_budget_cap_above_one_half(cap, left):
 def _counts(preset, grid, layers=28, schedule=None):
     n = grid[0] * grid[1] + 10
     layout = VisionLayout.from_segments(1, n, [ImageSegment(0, 4, grid)])
-    pipe = Pipeline.from_preset(preset)
+    pipe = lightkv.load(preset)
     if schedule is not None:
         pipe.scheduler = schedule
     return [int(r.layout.vision_counts()) for r in pipe.run(torch.randn(1, n, 8), layout, num_layers=layers)]

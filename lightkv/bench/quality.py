@@ -5,9 +5,9 @@ in one 4x4-token cell) or any model directory the trainer writes, for DigitGrid-
 SymbolGrid-VQA (`lightkv.symbolgrid`: answers in single vision tokens, multi-token reads
 during decoding, rare-symbol counting). Each
 method (preset) runs at several kept-fraction targets; its schedule is first scaled from the
-reference 32-layer depth to the model's (`lightkv.bench.efficiency.scale_layers`), then one
+reference 32-layer depth to the model's (`lightkv.policies.scale_layers`), then one
 common per-stage ratio is chosen so that the vision KV kept on average over layers hits the
-target (`budget_schedule`). Where a method cannot remove that much (a merge stage with a
+target (`lightkv.policies.budget_schedule`, the `budget` scheduler). Where a method cannot remove that much (a merge stage with a
 parity split removes at most half of its window; 2x2 pooling at most three quarters), its
 stages move earlier, then it gets a stage after every layer (``how: "extra stages"``), and if
 even that is not enough it runs at its smallest reachable fraction (``how: "min"``). 100% is
@@ -35,12 +35,13 @@ from __future__ import annotations
 import math
 import platform
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from ..policies.schedulers import budget_schedule
 
 __all__ = ["ABLATIONS", "METHODS", "TARGETS", "AccuracyConfig", "ablation_pipeline", "budget_schedule",
            "method_pipeline", "run"]
@@ -85,62 +86,12 @@ class AccuracyConfig:
     threads: int | None = None
 
 
-def budget_schedule(layers: Sequence[int], num_layers: int, target: float, max_ratio: float = 0.5,
-                    windows_per_side: Sequence[int] | None = None, window_size=None, tolerance: float = 0.02):
-    """``(ExplicitSchedule, how)`` keeping about ``target`` of the vision KV.
-
-    Placements are tried in order: ``layers`` (already at the model's depth), then the same
-    stages moved earlier by 1, 2, ... layers (spacing kept), then a stage after every layer
-    but the last (the deepest compression a method with this per-stage ``max_ratio`` can
-    make; per-stage windows repeat their last entry). The first placement that can keep
-    ``target + tolerance`` or less gets one common ratio ``<= max_ratio`` by bisection on
-    `average_kept_fraction`. ``how`` is ``"scaled"`` (the method's own stages), ``"extra
-    stages"`` (a stage after every layer) or ``"min"`` (out of reach: the deepest placement
-    at ``max_ratio``). The tolerance keeps e.g. LightKV's own 0.5 ratio at its scaled layers
-    for a 55% target on 6 layers (56.25%) rather than moving it.
-    """
-    from ..policies.schedulers import (
-        ExplicitSchedule,
-        StageSpec,
-        average_kept_fraction,
-        ratio_for_target,
-    )
-
-    if not 0.0 < target <= 1.0:
-        raise ValueError(f"target must be in (0, 1], got {target}")
-    if target >= 1.0:
-        return ExplicitSchedule(layers=(), ratios=(), windows_per_side=None), "scaled"
-    layers = list(layers)
-    placements = [(tuple(l - shift for l in layers), "scaled") for shift in range(layers[0] + 1)]
-    placements.append((tuple(range(num_layers - 1)), "extra stages"))
-
-    def kept(p: float, at: tuple[int, ...]) -> float:
-        return average_kept_fraction([StageSpec(l, p, windows_per_side=1) for l in at], num_layers)
-
-    def per_stage(values, n: int):
-        values = [tuple(v) if isinstance(v, (list, tuple)) else v for v in values]
-        return tuple(values[:n]) + (values[-1],) * max(0, n - len(values))
-
-    def build(p: float, at: tuple[int, ...]):
-        extra: dict[str, Any] = {"windows_per_side": None}
-        if window_size is not None:
-            extra["window_size"] = per_stage(window_size, len(at))
-        elif windows_per_side is not None:
-            extra["windows_per_side"] = per_stage(windows_per_side, len(at))
-        return ExplicitSchedule(layers=at, ratios=(p,), **extra)
-
-    for at, how in placements:
-        if kept(max_ratio, at) <= target + tolerance:
-            return build(round(ratio_for_target(lambda p, at=at: kept(p, at), target, max_ratio), 4), at), how
-    return build(max_ratio, placements[-1][0]), "min"
-
 
 def method_pipeline(name: str, num_layers: int, target: float):
     """``(pipeline, how)``: preset ``name`` scaled to ``num_layers`` at ``target`` (see
     `budget_schedule` for ``how``)."""
-    from ..policies.schedulers import ExplicitSchedule
+    from ..policies.schedulers import ExplicitSchedule, scale_layers
     from ..presets import get_preset
-    from .efficiency import scale_layers
 
     pipe = get_preset(name)
     sched = pipe.scheduler

@@ -57,7 +57,7 @@ def missing_action(parser: argparse.ArgumentParser) -> int:
 def load_config_or_preset(target: str):
     """A preset by name or a pipeline file, as a `lightkv.config.PipelineConfig`; unreadable
     files and unknown names raise `UsageError`, invalid contents `lightkv.config.ConfigError`."""
-    from ..config import load_config
+    from ..presets import load_config
 
     try:
         return load_config(target)

@@ -41,10 +41,8 @@ from .errors import _did_you_mean as _did_you_mean  # suggestions in the same wo
 from .pipeline import (
     PipelineConfig,
     config_from_pipeline,
-    load_config,
     pipeline_from_yaml,
     pipeline_to_yaml,
-    register_presets,
 )
 from .schedule import ScheduleConfig
 from .schema import json_schema
@@ -62,9 +60,7 @@ __all__ = [
     "ScheduleConfig",
     "config_from_pipeline",
     "json_schema",
-    "load_config",
     "pipeline_from_yaml",
     "pipeline_to_yaml",
     "read_config_text",
-    "register_presets",
 ]

@@ -9,7 +9,6 @@ import reprlib
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticCustomError
 
 __all__ = ["ConfigError"]
@@ -92,58 +91,6 @@ def _did_you_mean(word: Any, choices: Iterable[str], paren: bool = False) -> str
     if not close:
         return ""
     return f" (did you mean {close[0]!r}?)" if paren else f"; did you mean {close[0]!r}?"
-
-
-def _model_at(loc: tuple[Any, ...]) -> type[BaseModel]:
-    """The model whose field set applies at ``loc`` (for 'unknown field' messages)."""
-    from .pipeline import PipelineConfig
-    from .schedule import ScheduleConfig
-    from .specs import PolicySpec
-
-    if not loc:
-        return PipelineConfig
-    if loc[0] == "schedule":
-        return ScheduleConfig if len(loc) == 1 else PolicySpec
-    return PolicySpec
-
-
-def _is_policy_loc(loc: tuple[Any, ...]) -> bool:
-    from .specs import STAGE_FIELDS
-
-    return bool(loc) and (
-        (len(loc) == 1 and loc[0] in STAGE_FIELDS) or (len(loc) == 3 and loc[0] == "stage_overrides")
-    )
-
-
-def _from_validation_error(err: ValidationError) -> ConfigError:
-    """One ``(location, message)`` problem per pydantic error, in lightkv's words."""
-    from .specs import STAGE_FIELDS
-
-    problems = []
-    for e in err.errors(include_url=False):
-        ctx = e.get("ctx") or {}
-        loc = tuple(e["loc"]) + tuple(ctx.get("subloc", ()))
-        kind = e["type"]
-        if loc and loc[-1] == "[key]":
-            loc = loc[:-1]
-            msg = f"unknown field {loc[-1]!r}{_did_you_mean(loc[-1], STAGE_FIELDS)} (allowed: {', '.join(STAGE_FIELDS)})"
-            if loc[0] == "stage_overrides" and len(loc) == 2:
-                msg = f"stage index must be an integer, got {loc[-1]!r}"
-        elif kind == "extra_forbidden":
-            allowed = list(_model_at(loc[:-1]).model_fields)
-            msg = f"unknown field {loc[-1]!r}{_did_you_mean(loc[-1], allowed)} (allowed: {', '.join(allowed)})"
-        elif kind == "missing":
-            msg = "this field is required"
-        elif kind in ("model_type", "model_attributes_type", "dict_type") and _is_policy_loc(loc):
-            msg = f"expected a registered policy name or {{name: ..., params: {{...}}}}, got {_short(e.get('input'))}"
-        elif kind in ("model_type", "model_attributes_type", "dict_type"):
-            msg = f"expected a mapping of fields, got {_short(e.get('input'))}"
-        elif kind.startswith("lightkv_"):
-            msg = e["msg"]
-        else:
-            msg = f"{e['msg']}, got {_short(e.get('input'))}"
-        problems.append((_dotted(loc), msg))
-    return ConfigError(problems)
 
 
 def _fail(kind: str, message: str, subloc: tuple[Any, ...] = ()) -> PydanticCustomError:

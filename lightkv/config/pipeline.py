@@ -13,7 +13,7 @@ from pydantic_core import PydanticCustomError
 
 from ..pipeline import Pipeline, Stage
 from ..policies import FAMILIES, Policy, StageSpec, average_kept_fraction
-from .errors import ConfigError, _did_you_mean, _fail, _from_validation_error
+from .errors import ConfigError, _did_you_mean, _dotted, _fail, _short
 from .schedule import ScheduleConfig
 from .specs import (
     STAGE_FIELDS,
@@ -29,10 +29,8 @@ from .yaml_io import _load_yaml, dump_yaml, read_config_text
 __all__ = [
     "PipelineConfig",
     "config_from_pipeline",
-    "load_config",
     "pipeline_from_yaml",
     "pipeline_to_yaml",
-    "register_presets",
 ]
 
 
@@ -301,55 +299,55 @@ def config_from_pipeline(pipeline: Pipeline, *, summary: str = "", description: 
 
 
 def pipeline_from_yaml(path: str | os.PathLike) -> Pipeline:
-    """``Pipeline.from_yaml``: read, validate and build a YAML pipeline file."""
+    """Read, validate and build a YAML pipeline file."""
     return PipelineConfig.from_yaml(path).build()
 
 
 def pipeline_to_yaml(pipeline: Pipeline, path: str | os.PathLike | None = None) -> str:
-    """``Pipeline.to_yaml``: the canonical YAML of a pipeline object."""
+    """The canonical YAML of a pipeline object (also written to ``path`` if given)."""
     return config_from_pipeline(pipeline).to_yaml(path)
 
 
-_PRESETS: list[Callable[[], Mapping[str, PipelineConfig]]] = []
+# ---------------------------------------------------------------------------- pydantic errors
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel]:
+    """The model whose field set applies at ``loc`` (for 'unknown field' messages)."""
+    if not loc:
+        return PipelineConfig
+    if loc[0] == "schedule":
+        return ScheduleConfig if len(loc) == 1 else PolicySpec
+    return PolicySpec
 
 
-def register_presets(presets: Callable[[], Mapping[str, PipelineConfig]]) -> None:
-    """Let `load_config` resolve names with ``presets()`` (name -> config). `lightkv.presets`
-    registers the shipped presets when it is imported (``import lightkv`` does), so this
-    layer never imports the presets itself."""
-    if presets not in _PRESETS:
-        _PRESETS.append(presets)
-
-
-def _preset_configs() -> dict[str, PipelineConfig]:
-    out: dict[str, PipelineConfig] = {}
-    for presets in _PRESETS:
-        out.update(presets())
-    return out
-
-
-def load_config(name_or_path: str | os.PathLike) -> PipelineConfig:
-    """A preset by name, or a YAML file by path.
-
-    A string that names an existing path other than a directory, or ends in ``.yaml``/``.yml``, or contains a path
-    separator, is read as a file (``-`` reads standard input); anything else must be a
-    preset name. Files are read through `read_config_text`: at most `MAX_CONFIG_BYTES`,
-    and documents that nest too deeply or expand aliases too far are refused at once.
-
-    Raises:
-        FileNotFoundError: a path that does not exist.
-        ValueError: an unknown preset (the message lists the presets).
-        ConfigError: an invalid file.
-    """
-    text = os.fspath(name_or_path)
-    looks_like_path = (
-        text == "-" or (Path(text).exists() and not Path(text).is_dir()) or text.endswith((".yaml", ".yml")) or os.sep in text or "/" in text
+def _is_policy_loc(loc: tuple[Any, ...]) -> bool:
+    return bool(loc) and (
+        (len(loc) == 1 and loc[0] in STAGE_FIELDS) or (len(loc) == 3 and loc[0] == "stage_overrides")
     )
-    if not looks_like_path:
-        presets = _preset_configs()
-        if text in presets:
-            return presets[text].model_copy(deep=True)
-        raise ValueError(
-            f"no preset or file named {text!r}{_did_you_mean(text, presets)}; presets: {', '.join(presets)}"
-        )
-    return PipelineConfig.from_yaml(text)
+
+
+def _from_validation_error(err: ValidationError) -> ConfigError:
+    """One ``(location, message)`` problem per pydantic error, in lightkv's words."""
+    problems = []
+    for e in err.errors(include_url=False):
+        ctx = e.get("ctx") or {}
+        loc = tuple(e["loc"]) + tuple(ctx.get("subloc", ()))
+        kind = e["type"]
+        if loc and loc[-1] == "[key]":
+            loc = loc[:-1]
+            msg = f"unknown field {loc[-1]!r}{_did_you_mean(loc[-1], STAGE_FIELDS)} (allowed: {', '.join(STAGE_FIELDS)})"
+            if loc[0] == "stage_overrides" and len(loc) == 2:
+                msg = f"stage index must be an integer, got {loc[-1]!r}"
+        elif kind == "extra_forbidden":
+            allowed = list(_model_at(loc[:-1]).model_fields)
+            msg = f"unknown field {loc[-1]!r}{_did_you_mean(loc[-1], allowed)} (allowed: {', '.join(allowed)})"
+        elif kind == "missing":
+            msg = "this field is required"
+        elif kind in ("model_type", "model_attributes_type", "dict_type") and _is_policy_loc(loc):
+            msg = f"expected a registered policy name or {{name: ..., params: {{...}}}}, got {_short(e.get('input'))}"
+        elif kind in ("model_type", "model_attributes_type", "dict_type"):
+            msg = f"expected a mapping of fields, got {_short(e.get('input'))}"
+        elif kind.startswith("lightkv_"):
+            msg = e["msg"]
+        else:
+            msg = f"{e['msg']}, got {_short(e.get('input'))}"
+        problems.append((_dotted(loc), msg))
+    return ConfigError(problems)

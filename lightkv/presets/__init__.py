@@ -8,14 +8,17 @@ prints one.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
+from pathlib import Path
 
-from ..config import ConfigError, PipelineConfig, register_presets
+from ..config import ConfigError, PipelineConfig
+from ..config.errors import _did_you_mean
 from ..pipeline import Pipeline
 
-__all__ = ["PRESETS", "Preset", "get_preset", "get_preset_config"]
+__all__ = ["PRESETS", "Preset", "get_preset", "get_preset_config", "is_config_path", "load_config"]
 
 _ORDER = (
     "lightkv",
@@ -72,9 +75,6 @@ def _load() -> dict[str, Preset]:
 PRESETS: dict[str, Preset] = _load()
 """Every shipped preset by name, in listing order."""
 
-register_presets(lambda: {name: p.config for name, p in PRESETS.items() if p.config is not None})
-
-
 def _unknown(name: str) -> ValueError:
     return ValueError(f"unknown preset {name!r}; available presets: {', '.join(PRESETS)}")
 
@@ -103,3 +103,36 @@ def get_preset_config(name: str) -> PipelineConfig:
         raise _unknown(name) from None
     assert cfg is not None
     return cfg.model_copy(deep=True)
+
+
+def is_config_path(name_or_path: str | os.PathLike) -> bool:
+    """Whether `load_config` reads ``name_or_path`` as a file rather than a preset name: an
+    existing path other than a directory, a name ending in ``.yaml``/``.yml``, one with a
+    path separator, or ``-`` (standard input)."""
+    text = os.fspath(name_or_path)
+    return (
+        text == "-"
+        or (Path(text).exists() and not Path(text).is_dir())
+        or text.endswith((".yaml", ".yml"))
+        or os.sep in text
+        or "/" in text
+    )
+
+
+def load_config(name_or_path: str | os.PathLike) -> PipelineConfig:
+    """A preset's configuration by name (a copy), or a YAML file's by path (see
+    `is_config_path`). Files are read through `lightkv.config.read_config_text`: at most
+    `lightkv.config.MAX_CONFIG_BYTES`, and documents that nest too deeply or expand aliases
+    too far are refused at once.
+
+    Raises:
+        FileNotFoundError: a path that does not exist.
+        ValueError: an unknown preset (the message lists the presets).
+        ConfigError: an invalid file.
+    """
+    text = os.fspath(name_or_path)
+    if is_config_path(text):
+        return PipelineConfig.from_yaml(text)
+    if text in PRESETS:
+        return get_preset_config(text)
+    raise ValueError(f"no preset or file named {text!r}{_did_you_mean(text, PRESETS)}; presets: {', '.join(PRESETS)}")

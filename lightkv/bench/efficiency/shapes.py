@@ -8,12 +8,13 @@ reduced depth; `build_model` builds a random-weight model with a one-row prompt.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from ...policies.schedulers import scale_layers
 
 __all__ = ["DEFAULT_PRESETS", "MODELS", "BenchConfig", "ModelSpec", "build_model", "preset_pipeline", "quick_config",
            "scale_layers", "scaled_pipeline", "text_after_image"]
@@ -161,25 +162,6 @@ def quick_config(**over: Any) -> BenchConfig:
 
 
 # ---------------------------------------------------------------------------- schedules
-def scale_layers(layers: Sequence[int], ref_depth: int, depth: int) -> tuple[int, ...]:
-    """Stage layers of a ``ref_depth``-layer schedule moved to a ``depth``-layer decoder.
-
-    A stage after 0-based layer ``l`` leaves ``l + 1`` layers uncompressed by it; that
-    count is scaled by ``depth / ref_depth`` and rounded (at least 1, strictly increasing,
-    the last stage before the last layer), so each level of the KV step keeps about the
-    same share of the layers. 12/18/24 of 32 -> 2/4/5 of 8 (LLaVA), 12/17/22 of 28 ->
-    3/4/6 of 8 (Qwen2.5-VL).
-    """
-    out: list[int] = []
-    for l in layers:
-        kept = max(1, round((l + 1) * depth / ref_depth))
-        if out:
-            kept = max(kept, out[-1] + 2)
-        out.append(kept - 1)
-    if out and out[-1] > depth - 2:
-        raise ValueError(f"schedule {list(layers)} of {ref_depth} layers does not fit {depth} layers")
-    return tuple(out)
-
 
 def preset_pipeline(name: str, spec: ModelSpec):
     from ...presets import get_preset

@@ -132,4 +132,5 @@ class BudgetSchedule(Scheduler):
         return self._placed(num_layers)[1]
 
     def plan(self, num_layers):
+        self._check_depth(num_layers)
         return self._placed(num_layers)[0].plan(num_layers)

@@ -78,9 +78,14 @@ class Scheduler(Policy):
         return None
 
     @staticmethod
+    def _check_depth(num_layers: int) -> None:
+        """A clear error for a depth no schedule fits (before any arithmetic on it)."""
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
+
+    @staticmethod
     def _validate(stages: list[StageSpec], num_layers: int) -> list[StageSpec]:
-        if num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        Scheduler._check_depth(num_layers)
         layers = [s.layer for s in stages]
         if layers != sorted(set(layers)):
             raise ValueError(f"stage layers must be strictly increasing, got {layers}")

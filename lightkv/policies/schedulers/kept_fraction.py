@@ -69,6 +69,7 @@ class KeptFractionSchedule(Scheduler):
             )
 
     def plan(self, num_layers):
+        self._check_depth(num_layers)
         self._check()
         base = sorted({min(num_layers - 1, round(f * num_layers)) for f in self.relative_layers})
 

@@ -106,4 +106,5 @@ class ScaledSchedule(Scheduler):
                                 window_size=self.window_size)
 
     def plan(self, num_layers):
+        self._check_depth(num_layers)
         return self.explicit(num_layers).plan(num_layers)
