@@ -36,7 +36,7 @@ from lightkv.digitgrid import (
     make_scene,
     num_image_tokens,
 )
-from lightkv.digitgrid.data import _digits
+from lightkv.digitgrid.images import _digits
 
 NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 seeds = st.integers(min_value=0, max_value=2**32 - 1)

@@ -23,17 +23,11 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from .data import (
-    DEFAULT_CONFIG,
-    EOS_ID,
-    PAD_ID,
-    VOCAB,
-    Episode,
-    GridConfig,
-)
 from ..adapters import apply
 from ..presets import get_preset
+from .config import DEFAULT_CONFIG, Episode, GridConfig
 from .tasks import task_for
+from .vocab import EOS_ID, PAD_ID, VOCAB
 
 __all__ = ["EvalResult", "answer", "evaluate", "heldout_episodes", "relevance_mass"]
 
@@ -135,7 +129,6 @@ def evaluate(model, episodes: Sequence[Episode], grid: GridConfig, pipeline=None
 
 
 def _identity_pipeline():
-    from ..pipeline import Pipeline
     from ..policies.schedulers import ExplicitSchedule
 
     return get_preset("lightkv").with_scheduler(ExplicitSchedule(layers=(), ratios=(), windows_per_side=None))
@@ -157,7 +150,6 @@ def relevance_mass(model, episodes: Sequence[Episode], grid: GridConfig, layers:
     the control.
     """
     from ..graph.layout import TokenKind
-    from ..pipeline import Pipeline
     from ..policies.relevance import Relevance
     from ..policies.schedulers import ExplicitSchedule
 

@@ -20,16 +20,9 @@ from pathlib import Path
 
 import torch
 
-from .data import (
-    BOS_ID,
-    CONTENT_IDS,
-    DEFAULT_CONFIG,
-    EOS_ID,
-    IMAGE_ID,
-    PAD_ID,
-    GridConfig,
-)
+from .config import DEFAULT_CONFIG, GridConfig
 from .tasks import Task, get_task
+from .vocab import BOS_ID, CONTENT_IDS, EOS_ID, IMAGE_ID, PAD_ID
 
 __all__ = [
     "BUNDLED_MODEL",

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..adapters import apply
-from .data import EOS_ID, PAD_ID
 from .tasks import task_for
+from .vocab import EOS_ID, PAD_ID
 
 __all__ = ["Conversation", "ScoreResult", "conversations", "kl", "paired_bootstrap", "score"]
 

@@ -51,9 +51,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .data import GLYPHS
 from .model import ModelSpec, alignment_targets, build_model, save
 from .tasks import TASKS, Task, get_task, task_for
+from .vocab import GLYPHS
 
 __all__ = ["evaluate_qa", "main"]
 
