@@ -19,6 +19,7 @@ import torch
 from .graph.bipartite import BipartiteGraph
 from .graph.layout import VisionLayout
 from .graph.provenance import Provenance
+from .graph.scatter import right_align
 from .policies.hashing import token_identity
 from .policies.inputs import StageInputs
 from .policies.partitioners import GridPartitioner, Partitioner
@@ -194,15 +195,8 @@ class Stage:
     @staticmethod
     def _assemble(hidden, layout, provenance, keep, src, dst, receivers, new, graph) -> StageResult:
         b, n, d = hidden.shape
-        count = keep.sum(dim=1)
-        width = int(count.max())
-        # Right-align each row's survivors (holes on the left): generation reads the last
-        # column and appends there, so every row must end at the same place.
-        col = (width - count).unsqueeze(1) + keep.long().cumsum(dim=1) - 1
-        col = torch.where(keep, col, torch.full_like(col, -1))
-        rows = torch.arange(b, device=hidden.device).unsqueeze(1).expand(b, n)
-        kept_index = torch.full((b, width), -1, dtype=torch.long, device=hidden.device)
-        kept_index[rows[keep], col[keep]] = torch.arange(n, device=hidden.device).expand(b, n)[keep]
+        kept_index, col = right_align(keep)  # holes on the left, every row ends at column W-1
+        width = kept_index.shape[1]
         # One row copy per survivor: gather with an expanded index reads an index per element.
         flat = kept_index.clamp_min(0) + torch.arange(b, device=hidden.device).unsqueeze(1) * n
         out = hidden.reshape(b * n, d).index_select(0, flat.reshape(-1)).view(b, width, d)

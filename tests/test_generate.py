@@ -64,10 +64,10 @@ def _processor(model):
 def assets(tmp_path_factory):
     from PIL import Image
 
-    from lightkv.testing import FAMILIES, IMAGE
+    from lightkv.testing import TINY_MODELS, IMAGE
 
     root = tmp_path_factory.mktemp("generate")
-    model = FAMILIES["llava"].build()
+    model = TINY_MODELS["llava"].build()
     proc = _processor(model)
     model_dir = root / "tiny-llava"
     model.save_pretrained(model_dir)

@@ -95,7 +95,7 @@ def test_asking_for_a_broken_plugin_names_it_and_its_exception(install):
     install("broken_dist", {"plugin_broken": ("lkv_broken_mod", BROKEN)})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(PluginError, match=r"edge_scorer 'plugin_broken' comes from a plugin that failed to load: "
+        with pytest.raises(PluginError, match=r"scorer 'plugin_broken' comes from a plugin that failed to load: "
                            r"plugin_broken = lkv_broken_mod:Anything \(ModuleNotFoundError: No module named "
                            r"'a_module_that_does_not_exist_anywhere'\)"):
             EdgeScorer.lookup("plugin_broken")
@@ -105,7 +105,7 @@ def test_an_unknown_name_lists_the_plugins_that_failed(install):
     install("broken_dist", {"plugin_broken": ("lkv_broken_mod", BROKEN)})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(ValueError, match=r"unknown edge_scorer 'nope'; registered edge_scorers: .*cosine.*; "
+        with pytest.raises(ValueError, match=r"unknown scorer 'nope'; registered scorers: .*cosine.*; "
                            r"plugins that failed to load: plugin_broken = lkv_broken_mod:Anything"):
             EdgeScorer.lookup("nope")
         with pytest.raises(ConfigError, match="plugins that failed to load: plugin_broken"):
@@ -124,15 +124,15 @@ def test_only_the_asked_entry_point_is_loaded_when_it_has_the_name(install):
 def test_an_undecorated_class_is_registered_under_its_entry_point_name_with_a_warning(install):
     install("plain_dist", {"plugin_plain": ("lkv_plain_mod", UNDECORATED)})
     with pytest.warns(UserWarning, match=r"Plain is not decorated with @EdgeScorer.register\(\.\.\.\); registered it as "
-                      r"edge_scorer 'plugin_plain'"):
+                      r"scorer 'plugin_plain'"):
         cls = EdgeScorer.lookup("plugin_plain")
     assert cls.__name__ == "Plain" and cls.name == "plugin_plain"
 
 
 def test_an_entry_point_named_unlike_its_policy_warns(install):
     install("alias_dist", {"plugin_alias": ("lkv_alias_mod", RENAMED)})
-    with pytest.warns(UserWarning, match="registers Renamed as edge_scorer 'plugin_real_name', not 'plugin_alias'"):
-        with pytest.raises(ValueError, match="unknown edge_scorer 'plugin_alias'"):
+    with pytest.warns(UserWarning, match="registers Renamed as scorer 'plugin_real_name', not 'plugin_alias'"):
+        with pytest.raises(ValueError, match="unknown scorer 'plugin_alias'"):
             EdgeScorer.lookup("plugin_alias")
     assert EdgeScorer.lookup("plugin_real_name").__name__ == "Renamed"
 

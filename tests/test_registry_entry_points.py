@@ -105,14 +105,14 @@ def test_entry_point_parameters_are_validated(research_package):
     with pytest.raises(ConfigError) as info:
         PipelineConfig.from_yaml_text(bad, source="research.yaml")
     assert str(info.value) == (
-        "research.yaml: scorer.params.temp: edge_scorer 'my_divergence' has no parameter 'temp'; "
+        "research.yaml: scorer.params.temp: scorer 'my_divergence' has no parameter 'temp'; "
         "its parameters are: temperature"
     )
 
 
 def test_without_the_package_the_name_is_unknown(monkeypatch):
     monkeypatch.setattr(Policy, "_entry_points", {})
-    with pytest.raises(ConfigError, match=r"unknown edge_scorer 'my_divergence'; registered edge_scorers: cosine, l2"):
+    with pytest.raises(ConfigError, match=r"unknown scorer 'my_divergence'; registered scorers: cosine, l2"):
         PipelineConfig.from_yaml_text(YAML)
 
 

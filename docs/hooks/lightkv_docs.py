@@ -52,10 +52,12 @@ NAV_SECTION = "API reference"
 SKIP_MODULES = {"__main__"}
 # Reading order inside a package; modules not listed follow alphabetically.
 PREFERRED_ORDER = {
-    "lightkv": ["graph", "policies", "pipeline", "config", "presets", "adapters", "vis", "cli", "stages_demo", "testing"],
+    "lightkv": ["graph", "policies", "pipeline", "config", "presets", "adapters", "api", "testing", "vis", "cli",
+                "stages_demo"],
     "lightkv.graph": ["layout", "windows", "bipartite", "scatter", "provenance"],
     "lightkv.policies": [
         "base",
+        "inputs",
         "partitioners",
         "pooling",
         "scorers",
@@ -64,8 +66,12 @@ PREFERRED_ORDER = {
         "relevance",
         "schedulers",
         "hashing",
+        "plugins",
     ],
-    "lightkv.adapters": ["base", "registry", "report", "probes"],
+    "lightkv.adapters": ["base", "registry", "session", "trace", "report", "cache", "masks", "features", "guards",
+                         "probes"],
+    "lightkv.config": ["pipeline", "schedule", "specs", "errors", "yaml_io", "schema"],
+    "lightkv.testing": ["contract", "models"],
 }
 RESULT_SUFFIXES = (".json", ".md", ".csv", ".png", ".svg")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..graph.provenance import Provenance
+from ..graph.scatter import right_align
 from ..pipeline import StageResult
 
 __all__ = ["decode_mask", "drop_padding", "gather_position_ids", "gather_tokens", "prefill_mask"]
@@ -103,16 +104,10 @@ def drop_padding(result: StageResult) -> StageResult:
     when the result has no removable padding.
     """
     keep = result.layout.valid_mask
-    b, n = keep.shape
-    count = keep.sum(dim=1)
-    width = int(count.max()) if b else 0
-    if width == n:
+    if int(keep.sum(dim=1).max()) == keep.shape[1]:
         return result
-    col = (width - count).unsqueeze(1) + keep.long().cumsum(dim=1) - 1
-    col = torch.where(keep, col, torch.full_like(col, -1))  # old column -> new column
-    rows = torch.arange(b, device=keep.device).unsqueeze(1).expand(b, n)
-    index = torch.full((b, width), -1, dtype=torch.long, device=keep.device)
-    index[rows[keep], col[keep]] = torch.arange(n, device=keep.device).expand(b, n)[keep]
+    index, col = right_align(keep)  # new column -> old, old column -> new
+    width = index.shape[1]
     hole = index < 0
     hidden = gather_tokens(result.hidden, index.clamp_min(0)).masked_fill(hole.unsqueeze(-1), 0)
     kept_index = result.kept_index.gather(1, index.clamp_min(0)).masked_fill(hole, -1)

@@ -1,15 +1,28 @@
-"""Family name -> adapter, and detection from ``model.config.model_type``."""
+"""Family name -> adapter, and detection from ``model.config.model_type``.
+
+Besides the shipped families, packages can add adapters through the ``lightkv.adapters``
+entry-point group (``vipllava = "my_package.adapter:VipLlavaAdapter"``, the entry-point
+name equal to the adapter's ``family``); they are loaded, each on its own, the first time a
+family or a model type is not found among the shipped ones.
+"""
 
 from __future__ import annotations
 
 import importlib
+import warnings
+from importlib import metadata
 from typing import Any
 
 from torch import nn
 
 from .base import Adapter
 
-__all__ = ["SUPPORTED_FAMILIES", "adapter_class", "detect_family", "get_adapter"]
+__all__ = ["ENTRY_POINT_GROUP", "SUPPORTED_FAMILIES", "adapter_class", "detect_family", "get_adapter", "plugin_adapters"]
+
+ENTRY_POINT_GROUP = "lightkv.adapters"
+_PLUGINS: dict[tuple[str, str], type[Adapter] | str] = {}
+"""(entry-point name, target) -> adapter class, or why it failed to load; each entry point
+is loaded at most once per process."""
 
 SUPPORTED_FAMILIES: dict[str, str] = {
     "llava": "lightkv.adapters.llava:LlavaAdapter",
@@ -31,20 +44,59 @@ MODEL_TYPES: dict[str, str] = {
 """``config.model_type`` -> family."""
 
 
+def _load_plugin(ep: Any) -> type[Adapter] | str:
+    try:
+        cls = ep.load()
+    except Exception as exc:  # a plugin may raise anything on import; report it, never hide others
+        return f"{ep.name} = {ep.value} failed to load: {type(exc).__name__}: {exc}"
+    if not (isinstance(cls, type) and issubclass(cls, Adapter)):
+        return f"{ep.name} = {ep.value} is not a lightkv.adapters.Adapter subclass"
+    if cls.family != ep.name:
+        warnings.warn(
+            f"lightkv adapter plugin {ep.name} = {ep.value} has family {cls.family!r}; "
+            f"it is used under the entry-point name {ep.name!r}",
+            stacklevel=3,
+        )
+    return cls
+
+
+def plugin_adapters() -> dict[str, type[Adapter] | str]:
+    """Adapters from the ``lightkv.adapters`` entry points: name -> class, or the reason it
+    failed to load (each failure is also a warning)."""
+    found = {}
+    for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        key = (ep.name, ep.value)
+        if key not in _PLUGINS:
+            _PLUGINS[key] = _load_plugin(ep)
+            if isinstance(_PLUGINS[key], str):
+                warnings.warn(f"lightkv adapter plugin {_PLUGINS[key]}", stacklevel=2)
+        found[ep.name] = _PLUGINS[key]
+    return found
+
+
+def _known() -> str:
+    plugins = plugin_adapters()
+    names = list(SUPPORTED_FAMILIES) + [n for n, c in plugins.items() if not isinstance(c, str)]
+    failed = [c for c in plugins.values() if isinstance(c, str)]
+    return ", ".join(names) + ("; plugins that failed to load: " + "; ".join(failed) if failed else "")
+
+
 def adapter_class(family: str) -> type[Adapter]:
-    """The adapter class of a family.
+    """The adapter class of a family (shipped, or from an entry point).
 
     Raises:
-        ValueError: unknown family (the message lists the supported ones).
+        ValueError: unknown family (the message lists the supported ones and the plugins
+            that failed to load).
     """
-    try:
-        target = SUPPORTED_FAMILIES[family]
-    except KeyError:
-        raise ValueError(
-            f"unknown model family {family!r}; supported families: {', '.join(SUPPORTED_FAMILIES)}"
-        ) from None
-    module, name = target.split(":")
-    return getattr(importlib.import_module(module), name)
+    if family in SUPPORTED_FAMILIES:
+        module, name = SUPPORTED_FAMILIES[family].split(":")
+        return getattr(importlib.import_module(module), name)
+    found = plugin_adapters().get(family)
+    if isinstance(found, str):
+        raise ValueError(f"adapter plugin {found}")
+    if found is None:
+        raise ValueError(f"unknown model family {family!r}; supported families: {_known()}")
+    return found
 
 
 def detect_family(model: nn.Module) -> str:
@@ -56,9 +108,12 @@ def detect_family(model: nn.Module) -> str:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     family = MODEL_TYPES.get(model_type)
     if family is None:
+        plugins = {n: c for n, c in plugin_adapters().items() if not isinstance(c, str)}
+        family = next((n for n, c in plugins.items() if model_type in c.model_types), None)
+    if family is None:
         raise ValueError(
             f"lightkv has no adapter for {type(model).__name__} (model_type={model_type!r}); supported families: "
-            f"{', '.join(SUPPORTED_FAMILIES)} (model types: {', '.join(MODEL_TYPES)})"
+            f"{_known()} (model types: {', '.join(MODEL_TYPES)})"
         )
     return family
 

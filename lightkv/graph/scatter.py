@@ -31,6 +31,7 @@ __all__ = [
     "scatter_min",
     "segment_rank",
     "pack_rows",
+    "right_align",
 ]
 
 Backend = Literal["auto", "native", "torch_scatter"]
@@ -211,3 +212,27 @@ def segment_rank(group: torch.Tensor) -> torch.Tensor:
     rank = torch.empty_like(group)
     rank[order] = position - start
     return rank
+
+
+def right_align(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack each row's kept columns to the right, in order: generation reads the last
+    column and appends there, so every row must end at the same place.
+
+    Args:
+        keep: ``[B, N]`` bool.
+
+    Returns:
+        ``(index [B, W], column [B, N])`` with ``W`` the largest kept count: ``index`` maps
+        each new column to its old one (``-1`` for holes on the left), ``column`` each old
+        column to its new one (``-1`` where not kept).
+    """
+    b, n = keep.shape
+    count = keep.sum(dim=1)
+    width = int(count.max()) if b else 0
+    column = (width - count).unsqueeze(1) + keep.long().cumsum(dim=1) - 1
+    column = torch.where(keep, column, torch.full_like(column, -1))
+    rows = torch.arange(b, device=keep.device).unsqueeze(1).expand(b, n)
+    index = torch.full((b, width), -1, dtype=torch.long, device=keep.device)
+    index[rows[keep], column[keep]] = torch.arange(n, device=keep.device).expand(b, n)[keep]
+    return index, column
+

@@ -46,15 +46,9 @@ from .schedulers import (
 )
 from .scorers import CosineDivergence, EdgeScorer, L2Divergence, RandomDivergence
 
-FAMILIES = {
-    "partitioner": Partitioner,
-    "scorer": EdgeScorer,
-    "pruner": Pruner,
-    "passer": MessagePasser,
-    "relevance": Relevance,
-    "scheduler": Scheduler,
-}
-"""Pipeline config key -> family base class."""
+FAMILIES = {family.family: family for family in (Partitioner, EdgeScorer, Pruner, MessagePasser, Relevance, Scheduler)}
+"""Family name -> family base class. A family's name is its key in pipeline files and in
+error messages (``scorer: cosine``; "unknown scorer 'x'")."""
 
 __all__ = [
     "ENTRY_POINT_GROUP",

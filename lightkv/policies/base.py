@@ -38,7 +38,8 @@ P = TypeVar("P", bound=type)
 class Policy:
     """Base of all policies: a small dataclass whose fields are its hyper-parameters.
 
-    Subclasses that start a family set ``family`` and get their own registry.
+    Subclasses that start a family set ``family`` (the family's one name: its key in
+    pipeline files and error messages) and get their own registry.
     """
 
     family: ClassVar[str] = "policy"

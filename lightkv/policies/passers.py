@@ -32,7 +32,7 @@ class MessagePasser(Policy):
     with ``w`` from `weight`. Where all weights of a group are 0, the plain mean is used.
     """
 
-    family: ClassVar[str] = "message_passer"
+    family: ClassVar[str] = "passer"
     merges: ClassVar[bool] = True
     """False for passers that just drop removed tokens."""
 

@@ -28,7 +28,7 @@ class EdgeScorer(Policy):
             ``[H_kv, d]`` per token, computed by the adapter when a scorer asks for them).
     """
 
-    family: ClassVar[str] = "edge_scorer"
+    family: ClassVar[str] = "scorer"
     features: Features = "hidden"
 
     @property

@@ -2,19 +2,19 @@
 
 * `check_policy`: the policy contract as a reusable test (`lightkv.testing.contract`).
 * Tiny random models of every supported family and prompt batches for them
-  (`lightkv.testing.models`): ``FAMILIES[name].build()``, ``.row(model)``, ``.collate(rows)``.
+  (`lightkv.testing.models`): ``TINY_MODELS[name].build()``, ``.row(model)``, ``.collate(rows)``.
 """
 
 from .contract import check_policy, contract_batch
 from .models import (
-    FAMILIES,
     IMAGE,
     NEWLINE,
     PAD,
+    TINY_MODELS,
     VIDEO,
     VOCAB,
-    Family,
     Row,
+    TinyModel,
     build_llava,
     build_llava_next,
     left_pad,
@@ -23,13 +23,13 @@ from .models import (
 )
 
 __all__ = [
-    "FAMILIES",
+    "TINY_MODELS",
     "IMAGE",
     "NEWLINE",
     "PAD",
     "VIDEO",
     "VOCAB",
-    "Family",
+    "TinyModel",
     "Row",
     "build_llava",
     "build_llava_next",

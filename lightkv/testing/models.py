@@ -8,8 +8,8 @@ suite, the benchmarks and the CLI demo. Every family has:
 * ``collate(rows)`` -> the keyword arguments of a left-padded batch.
 
 ```python
-from lightkv.testing import FAMILIES
-fam = FAMILIES["llava"]
+from lightkv.testing import TINY_MODELS
+fam = TINY_MODELS["llava"]
 model = fam.build()
 batch = fam.collate([fam.row(model, images=1, seed=0), fam.row(model, images=2, seed=1)])
 model.generate(**batch, max_new_tokens=5)
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FAMILIES", "Family", "Row", "left_pad", "text_ids"]
+__all__ = ["TINY_MODELS", "TinyModel", "Row", "left_pad", "text_ids"]
 
 PAD = 0
 VOCAB = 128
@@ -381,7 +381,7 @@ def examples_fuyu(model) -> list[Row]:
 
 # ----------------------------------------------------------------------------- registry
 @dataclass(frozen=True)
-class Family:
+class TinyModel:
     """Builders of one family."""
 
     name: str
@@ -398,12 +398,12 @@ def examples_llava(model) -> list[Row]:
     return [row_llava(model, 1, seed=0), row_llava(model, 2, pre=2, seed=1), row_llava(model, 0, seed=2)]
 
 
-FAMILIES: dict[str, Family] = {
-    "llava": Family("llava", build_llava, row_llava, collate_llava, examples_llava),
-    "llava_next": Family("llava_next", build_llava_next, row_llava_next, collate_llava_next, examples_llava_next),
-    "qwen2_5_vl": Family("qwen2_5_vl", build_qwen2_5_vl, row_qwen2_5_vl, collate_qwen2_5_vl, examples_qwen2_5_vl),
-    "internvl": Family("internvl", build_internvl, row_internvl, collate_llava, examples_internvl),
-    "fuyu": Family("fuyu", build_fuyu, row_fuyu, collate_fuyu, examples_fuyu,
+TINY_MODELS: dict[str, TinyModel] = {
+    "llava": TinyModel("llava", build_llava, row_llava, collate_llava, examples_llava),
+    "llava_next": TinyModel("llava_next", build_llava_next, row_llava_next, collate_llava_next, examples_llava_next),
+    "qwen2_5_vl": TinyModel("qwen2_5_vl", build_qwen2_5_vl, row_qwen2_5_vl, collate_qwen2_5_vl, examples_qwen2_5_vl),
+    "internvl": TinyModel("internvl", build_internvl, row_internvl, collate_llava, examples_internvl),
+    "fuyu": TinyModel("fuyu", build_fuyu, row_fuyu, collate_fuyu, examples_fuyu,
                    adapter_options={"newline_token_id": NEWLINE},
                    beam_search="transformers does not expand Fuyu's pre-encoded patches for beams "
                    "(the unhooked model fails with 'Image features and image tokens do not match')"),

@@ -8,9 +8,9 @@ import torch
 import lightkv
 from lightkv import Pipeline
 from lightkv.policies import ExplicitSchedule
-from lightkv.testing import FAMILIES
+from lightkv.testing import TINY_MODELS
 
-FAMILY_NAMES = list(FAMILIES)
+FAMILY_NAMES = list(TINY_MODELS)
 
 _MODELS: dict = {}
 
@@ -18,7 +18,7 @@ _MODELS: dict = {}
 def get_model(family: str, attn: str = "sdpa", dtype: torch.dtype = torch.float32):
     key = (family, attn, dtype)
     if key not in _MODELS:
-        _MODELS[key] = FAMILIES[family].build(attn_implementation=attn, dtype=dtype)
+        _MODELS[key] = TINY_MODELS[family].build(attn_implementation=attn, dtype=dtype)
     return _MODELS[key]
 
 

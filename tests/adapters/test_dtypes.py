@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from lightkv.adapters import apply
-from lightkv.testing import FAMILIES
+from lightkv.testing import TINY_MODELS
 
 from .conftest import get_model, identity_pipeline, tiny_lightkv
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_half_precision(family, dtype):
-    fam = FAMILIES[family]
+    fam = TINY_MODELS[family]
     model = get_model(family, "sdpa", dtype)
     batch = fam.collate(fam.examples(model))
     batch = {k: v.to(dtype) if torch.is_floating_point(v) else v for k, v in batch.items()}

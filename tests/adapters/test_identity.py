@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightkv.adapters import apply
-from lightkv.testing import FAMILIES
+from lightkv.testing import TINY_MODELS
 
 from .conftest import get_model, identity_pipeline, tiny_lightkv
 
@@ -14,7 +14,7 @@ GEN = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in
 
 
 def _batch(family, model, size):
-    fam = FAMILIES[family]
+    fam = TINY_MODELS[family]
     rows = fam.examples(model)
     return fam.collate(rows[:1] if size == 1 else rows)
 
@@ -23,7 +23,7 @@ def _batch(family, model, size):
 @pytest.mark.parametrize("size", [1, 3])
 def test_identity_prefill_and_generation(family, attn, size):
     model = get_model(family, attn)
-    fam = FAMILIES[family]
+    fam = TINY_MODELS[family]
     batch = _batch(family, model, size)
     ref = model(**batch).logits
     with apply(identity_pipeline(), model, **fam.adapter_options) as session:
@@ -44,7 +44,7 @@ def test_identity_prefill_and_generation(family, attn, size):
 def test_text_only_prompts_are_untouched(family):
     """No vision tokens: the LightKV pipeline must leave the model exactly as it is."""
     model = get_model(family)
-    fam = FAMILIES[family]
+    fam = TINY_MODELS[family]
     rows = [r for r in fam.examples(model) if not r.images]
     batch = fam.collate(rows + [fam.row(model, images=0, pre=2, post=3, seed=7)])
     ref = model(**batch).logits

@@ -9,7 +9,7 @@ from lightkv import Pipeline
 from lightkv.adapters import apply, get_adapter
 from lightkv.graph.layout import TokenKind
 from lightkv.policies import ExplicitSchedule
-from lightkv.testing import FAMILIES, IMAGE, NEWLINE, VIDEO
+from lightkv.testing import TINY_MODELS, IMAGE, NEWLINE, VIDEO
 
 from .conftest import get_model, tiny_lightkv
 
@@ -17,7 +17,7 @@ NOTHING = Pipeline(scheduler=ExplicitSchedule(layers=(), windows_per_side=()), n
 
 
 def _layout(model, family, batch, generate=False):
-    fam = FAMILIES[family]
+    fam = TINY_MODELS[family]
     with apply(NOTHING, model, **fam.adapter_options) as session:
         if generate:
             model.generate(**batch, max_new_tokens=1)
@@ -30,14 +30,14 @@ def test_layout_is_the_same_for_forward_and_generate(family):
     """generate() pre-encodes images and drops image_sizes / grids from the forward; the
     layout read from what it passes instead must be the same."""
     model = get_model(family)
-    fam = FAMILIES[family]
+    fam = TINY_MODELS[family]
     batch = fam.collate(fam.examples(model))
     assert _layout(model, family, batch) == _layout(model, family, batch, generate=True)
 
 
 def test_vision_tokens_are_the_placeholders(family):
     model = get_model(family)
-    fam = FAMILIES[family]
+    fam = TINY_MODELS[family]
     batch = fam.collate(fam.examples(model))
     layout = _layout(model, family, batch)
     image_like = (batch["input_ids"] == IMAGE) | (batch["input_ids"] == VIDEO)
@@ -50,7 +50,7 @@ def test_vision_tokens_are_the_placeholders(family):
 
 def test_llava_next_newlines_are_the_models_newline_embedding():
     model = get_model("llava_next")
-    fam = FAMILIES["llava_next"]
+    fam = TINY_MODELS["llava_next"]
     batch = fam.collate(fam.examples(model))
     seen = {}
     hook = model.model.language_model.layers[0].register_forward_pre_hook(lambda m, a: seen.__setitem__("x", a[0]))
@@ -71,7 +71,7 @@ def test_qwen_grids_follow_mrope_positions():
     """Every vision token's (row, col) is its M-RoPE (h, w) minus the image's origin;
     video frames are separate grids with increasing temporal positions."""
     model = get_model("qwen2_5_vl")
-    fam = FAMILIES["qwen2_5_vl"]
+    fam = TINY_MODELS["qwen2_5_vl"]
     batch = fam.collate(fam.examples(model))
     layout = _layout(model, "qwen2_5_vl", batch)
     pos, _ = model.model.get_rope_index(
@@ -90,7 +90,7 @@ def test_qwen_grids_follow_mrope_positions():
 
 def test_internvl_one_grid_per_tile():
     model = get_model("internvl")
-    fam = FAMILIES["internvl"]
+    fam = TINY_MODELS["internvl"]
     batch = fam.collate(fam.examples(model))
     layout = _layout(model, "internvl", batch)
     assert layout.num_images == batch["pixel_values"].shape[0]  # 1 + (3 + 1) tiles
@@ -100,7 +100,7 @@ def test_internvl_one_grid_per_tile():
 
 def test_fuyu_rows_end_with_structural_newlines():
     model = get_model("fuyu")
-    fam = FAMILIES["fuyu"]
+    fam = TINY_MODELS["fuyu"]
     batch = fam.collate(fam.examples(model))
     layout = _layout(model, "fuyu", batch)
     assert torch.equal(layout.kind == TokenKind.STRUCTURAL, batch["input_ids"] == NEWLINE)
@@ -114,7 +114,7 @@ def test_surviving_tokens_keep_their_positions(family):
     """After compression every layer receives, for each surviving token, exactly the
     rotary embedding of its original position (3-D M-RoPE for Qwen2.5-VL)."""
     model = get_model(family)
-    fam = FAMILIES[family]
+    fam = TINY_MODELS[family]
     batch = fam.collate(fam.examples(model))
     layers = model.model.language_model.layers
     seen = {}

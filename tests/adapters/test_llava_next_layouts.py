@@ -10,7 +10,7 @@ from lightkv import Pipeline
 from lightkv.adapters import apply
 from lightkv.adapters.llava_next import LlavaNextAdapter
 from lightkv.graph import TokenKind
-from lightkv.testing import FAMILIES, IMAGE, build_llava_next, llava_next_tokens
+from lightkv.testing import TINY_MODELS, IMAGE, build_llava_next, llava_next_tokens
 
 from .conftest import get_model, tiny_lightkv
 
@@ -20,7 +20,7 @@ EXTREME = [(8, 120), (120, 8), (4, 64), (64, 4)]
 @pytest.mark.parametrize("size", EXTREME)
 def test_extreme_aspect_ratios_compress_inside_a_session(size):
     model = get_model("llava_next")
-    fam = FAMILIES["llava_next"]
+    fam = TINY_MODELS["llava_next"]
     batch = fam.collate([fam.row(model, [size])])
     ref = model(**batch).logits
     with apply(tiny_lightkv(), model) as session:
@@ -32,7 +32,7 @@ def test_extreme_aspect_ratios_compress_inside_a_session(size):
 
 def test_extreme_aspect_ratios_in_a_mixed_batch():
     model = get_model("llava_next")
-    fam = FAMILIES["llava_next"]
+    fam = TINY_MODELS["llava_next"]
     batch = fam.collate([fam.row(model, [(8, 120), (20, 30)]), fam.row(model, [(64, 4)], seed=1)])
     with apply(tiny_lightkv(), model) as session:
         model.generate(**batch, max_new_tokens=2, do_sample=False)
@@ -64,7 +64,7 @@ def test_reference_layout_is_one_span_and_reproduces_the_paper_counts():
 
 def test_the_session_hands_the_pipeline_layout_to_the_adapter():
     model = get_model("llava_next")
-    fam = FAMILIES["llava_next"]
+    fam = TINY_MODELS["llava_next"]
     batch = fam.collate([fam.row(model, [(20, 30)])])
     pipe = tiny_lightkv()
     pipe.layout = "reference"

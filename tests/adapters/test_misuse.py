@@ -8,18 +8,18 @@ import pytest
 import torch
 
 from lightkv.adapters import apply
-from lightkv.testing import FAMILIES
+from lightkv.testing import TINY_MODELS
 
 from .conftest import get_model, tiny_lightkv
 
 
 def _fresh_llava():
-    return FAMILIES["llava"].build()
+    return TINY_MODELS["llava"].build()
 
 
 def test_a_compiled_wrapper_is_refused():
     model = _fresh_llava()
-    fam = FAMILIES["llava"]
+    fam = TINY_MODELS["llava"]
     compiled = torch.compile(model, backend="eager")
     compiled(**fam.collate(fam.examples(model)[:1]))
     with pytest.raises(TypeError, match="torch.compile'd model.*_orig_mod"):
@@ -42,7 +42,7 @@ def test_a_model_compiled_in_place_is_refused():
 
 def test_a_static_cache_on_a_padded_batch_names_the_cache_not_the_mask():
     model = get_model("llava")
-    fam = FAMILIES["llava"]
+    fam = TINY_MODELS["llava"]
     batch = fam.collate(fam.examples(model)[:2])
     assert not bool(batch["attention_mask"].all())  # padded
     with apply(tiny_lightkv(), model), pytest.raises(TypeError, match="default dynamic cache only.*Static"):
@@ -51,7 +51,7 @@ def test_a_static_cache_on_a_padded_batch_names_the_cache_not_the_mask():
 
 def test_a_4d_mask_is_named_as_such():
     model = get_model("llava")
-    fam = FAMILIES["llava"]
+    fam = TINY_MODELS["llava"]
     batch = fam.collate(fam.examples(model)[:1])
     n = batch["input_ids"].shape[1]
     batch["attention_mask"] = torch.ones(1, 1, n, n)

@@ -12,7 +12,7 @@ import lightkv
 from lightkv import Pipeline
 from lightkv.adapters import apply
 from lightkv.policies import ExplicitSchedule, QueryAxisSoftmax
-from lightkv.testing import FAMILIES
+from lightkv.testing import TINY_MODELS
 
 from .conftest import get_model
 
@@ -31,7 +31,7 @@ def _kept_vision(record) -> list[list[int]]:
 def test_fastv_through_sdpa_equals_eager_attention_weights(family):
     """FastV top-k from our sdpa-side relevance keeps exactly the tokens that the last
     token's eager attention weights (averaged over heads) rank highest."""
-    fam = FAMILIES[family]
+    fam = TINY_MODELS[family]
     sdpa = get_model(family, "sdpa")
     eager = get_model(family, "eager")
     eager.load_state_dict(sdpa.state_dict())
@@ -60,7 +60,7 @@ def test_query_softmax_relevance_matches_captured_projections(family):
     """ξ (LightKV's relevance) equals the policy applied to the queries and keys the
     layer itself computes (captured from its projections)."""
     model = get_model(family)
-    fam = FAMILIES[family]
+    fam = TINY_MODELS[family]
     layer_idx = 1
     layer = model.model.language_model.layers[layer_idx]
     attn = layer.self_attn

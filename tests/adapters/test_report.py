@@ -7,14 +7,14 @@ import json
 import pytest
 
 from lightkv.adapters import apply
-from lightkv.testing import FAMILIES
+from lightkv.testing import TINY_MODELS
 
 from .conftest import get_model, tiny_lightkv
 
 
 def test_report_matches_the_cache(family):
     model = get_model(family)
-    fam = FAMILIES[family]
+    fam = TINY_MODELS[family]
     batch = fam.collate(fam.examples(model))
     with apply(tiny_lightkv(), model, **fam.adapter_options) as session:
         out = model(**batch, use_cache=True)

@@ -9,7 +9,7 @@ import torch
 from lightkv.adapters import apply
 from lightkv.adapters.cache import MaskedCacheLayer
 from lightkv.graph.layout import TokenKind
-from lightkv.testing import FAMILIES
+from lightkv.testing import TINY_MODELS
 
 from .conftest import get_model, tiny_lightkv
 from .promise import promised_vision
@@ -24,7 +24,7 @@ def _row_grids(layout, row: int) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_cache_lengths_match_the_schedule(family, attn):
     model = get_model(family, attn)
-    fam = FAMILIES[family]
+    fam = TINY_MODELS[family]
     rows = fam.examples(model)
     batch = fam.collate(rows)
     with apply(tiny_lightkv(), model, **fam.adapter_options) as session:
@@ -52,7 +52,7 @@ def test_cache_lengths_match_the_schedule(family, attn):
 
 def test_single_row_cache_is_exactly_the_promised_length(family):
     model = get_model(family)
-    fam = FAMILIES[family]
+    fam = TINY_MODELS[family]
     batch = fam.collate(fam.examples(model)[:1])
     with apply(tiny_lightkv(), model, **fam.adapter_options) as session:
         out = model(**batch, use_cache=True)
@@ -67,7 +67,7 @@ def test_single_row_cache_is_exactly_the_promised_length(family):
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_row_alone_equals_row_in_padded_batch(family, attn):
     model = get_model(family, attn)
-    fam = FAMILIES[family]
+    fam = TINY_MODELS[family]
     rows = fam.examples(model)
     with apply(tiny_lightkv(), model, **fam.adapter_options):
         together = model.generate(**fam.collate(rows), **GEN)
@@ -80,7 +80,7 @@ def test_row_alone_equals_row_in_padded_batch(family, attn):
 
 def test_beam_search_and_sampling(family):
     model = get_model(family)
-    fam = FAMILIES[family]
+    fam = TINY_MODELS[family]
     if fam.beam_search:
         pytest.skip(fam.beam_search)
     rows = fam.examples(model)
@@ -99,7 +99,7 @@ def test_beam_search_and_sampling(family):
 
 def test_beam_search_with_identity_pipeline_equals_model(family):
     model = get_model(family)
-    fam = FAMILIES[family]
+    fam = TINY_MODELS[family]
     if fam.beam_search:
         pytest.skip(fam.beam_search)
     batch = fam.collate(fam.examples(model))

@@ -10,7 +10,7 @@ from lightkv import Pipeline
 from lightkv.adapters import SUPPORTED_FAMILIES, apply
 from lightkv.adapters.cache import MaskedCacheLayer
 from lightkv.policies import ExplicitSchedule
-from lightkv.testing import FAMILIES
+from lightkv.testing import TINY_MODELS
 
 from .conftest import get_model, tiny_lightkv
 
@@ -21,7 +21,7 @@ def _hook_count(model) -> int:
 
 def test_hooks_removed_on_exit_and_on_exception():
     model = get_model("llava")
-    fam = FAMILIES["llava"]
+    fam = TINY_MODELS["llava"]
     model(**fam.collate(fam.examples(model)[:1]))  # transformers installs its own output hooks once
     before = _hook_count(model)
     with apply(tiny_lightkv(), model) as session:
@@ -83,7 +83,7 @@ def test_unsupported_attention_implementation(monkeypatch):
 def test_compressed_cache_needs_the_session():
     """Decoding a compressed cache after the session ended would silently be wrong: refused."""
     model = get_model("llava")
-    fam = FAMILIES["llava"]
+    fam = TINY_MODELS["llava"]
     batch = fam.collate(fam.examples(model)[:1])
     with apply(tiny_lightkv(), model):
         out = model(**batch, use_cache=True)
@@ -98,7 +98,7 @@ def test_compressed_cache_needs_the_session():
 def test_plain_forward_decodes_step_by_step_inside_the_session():
     """A hand-written decode loop (prefill, then one token at a time) equals generate()."""
     model = get_model("llava")
-    fam = FAMILIES["llava"]
+    fam = TINY_MODELS["llava"]
     batch = fam.collate(fam.examples(model))
     with apply(tiny_lightkv(), model):
         ref = model.generate(**batch, max_new_tokens=4, do_sample=False)
@@ -117,7 +117,7 @@ def test_plain_forward_decodes_step_by_step_inside_the_session():
 
 def test_crop_is_refused():
     model = get_model("llava")
-    fam = FAMILIES["llava"]
+    fam = TINY_MODELS["llava"]
     with apply(tiny_lightkv(), model):
         out = model(**fam.collate(fam.examples(model)[:1]), use_cache=True)
         with pytest.raises(NotImplementedError, match="crop"):
@@ -141,7 +141,7 @@ def test_several_new_tokens_at_once_continue_a_compressed_cache(family):
     """Feeding k tokens in one forward after a compressed prefill equals feeding them one
     by one (the compressed layers get a causal mask over their own holey cache)."""
     model = get_model(family)
-    fam = FAMILIES[family]
+    fam = TINY_MODELS[family]
     batch = fam.collate(fam.examples(model))
     extra = torch.randint(3, 90, (batch["input_ids"].shape[0], 3), generator=torch.Generator().manual_seed(0))
     pos0 = batch["attention_mask"].long().cumsum(-1) - 1
@@ -167,7 +167,7 @@ def test_several_new_tokens_at_once_continue_a_compressed_cache(family):
 
 def test_output_hidden_states_inside_the_session():
     model = get_model("llava")
-    fam = FAMILIES["llava"]
+    fam = TINY_MODELS["llava"]
     batch = fam.collate(fam.examples(model))
     with apply(tiny_lightkv(), model) as session:
         out = model(**batch, output_hidden_states=True)
@@ -187,9 +187,9 @@ def test_placeholder_mismatch_has_a_clear_message():
 
 @pytest.mark.parametrize("family", ["llava", "llava_next", "internvl"])
 def test_full_feature_strategy_is_refused_with_a_clear_error(family):
-    from lightkv.testing import FAMILIES
+    from lightkv.testing import TINY_MODELS
 
-    model = FAMILIES[family].build()
+    model = TINY_MODELS[family].build()
     model.config.vision_feature_select_strategy = "full"
     with pytest.raises(NotImplementedError, match=f"the {family} adapter supports vision_feature_select_strategy='default'"):
         with lightkv.apply(lightkv.load("lightkv").with_scheduler(ExplicitSchedule(layers=(1,), windows_per_side=(1,))), model):

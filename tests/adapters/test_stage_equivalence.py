@@ -7,14 +7,14 @@ import torch
 
 from lightkv.adapters import apply
 from lightkv.adapters.masks import drop_padding
-from lightkv.testing import FAMILIES
+from lightkv.testing import TINY_MODELS
 
 from .conftest import get_model, tiny_lightkv
 
 
 def test_merges_equal_pure_stage_on_captured_states(family):
     model = get_model(family)
-    fam = FAMILIES[family]
+    fam = TINY_MODELS[family]
     layers = model.model.language_model.layers
     outputs, inputs = {}, {}
     hooks = []

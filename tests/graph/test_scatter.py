@@ -121,3 +121,20 @@ def test_stage_results_do_not_depend_on_the_backend(torch_scatter_available):
         assert torch.equal(a.kept_index, b.kept_index)
         assert torch.equal(a.provenance.owner, b.provenance.owner)
         torch.testing.assert_close(a.hidden, b.hidden, rtol=1e-6, atol=1e-6)
+
+
+@given(keep=st.lists(st.lists(st.booleans(), min_size=6, max_size=6), min_size=1, max_size=4))
+def test_right_align_packs_kept_columns_to_the_right_in_order(keep):
+    from lightkv.graph.scatter import right_align
+
+    mask = torch.tensor(keep)
+    index, column = right_align(mask)
+    width = max(sum(r) for r in keep)
+    assert index.shape == (len(keep), width)
+    for b, row in enumerate(keep):
+        kept = [j for j, k in enumerate(row) if k]
+        assert index[b].tolist() == [-1] * (width - len(kept)) + kept  # oracle: pad left, keep order
+        for new, old in enumerate(index[b].tolist()):
+            if old >= 0:
+                assert column[b, old] == new
+        assert all(column[b, j] == -1 for j, k in enumerate(row) if not k)

@@ -8,7 +8,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from lightkv.policies import FAMILIES, EdgeScorer, MessagePasser, Partitioner, Pruner, SmallestDivergence
+from lightkv.policies import (
+    FAMILIES,
+    EdgeScorer,
+    MessagePasser,
+    Partitioner,
+    Pruner,
+    SmallestDivergence,
+)
 from lightkv.testing import check_policy
 
 BUILT_IN = [(family, name) for family, base in FAMILIES.items() for name in sorted(base._registry)]

@@ -35,7 +35,7 @@ class ModelSpec:
     Attributes:
         name: key (``--models``).
         title: the real model this imitates.
-        family: `lightkv.testing.FAMILIES` key.
+        family: `lightkv.testing.TINY_MODELS` key.
         ref: the real decoder: layers, hidden, heads, kv_heads, intermediate.
         heads, kv_heads: reduced attention heads (head_dim 128 kept); width = heads x 128.
         lightkv_preset: what the preset name ``lightkv`` means for this model.
@@ -183,10 +183,10 @@ def scaled_pipeline(name: str, spec: ModelSpec, depth: int):
 # ---------------------------------------------------------------------------- models
 def build_model(spec: ModelSpec, cfg: BenchConfig, attn: str = "sdpa"):
     """``(model, inputs, sizes)``: the reduced model on the device and a one-row prompt."""
-    from ...testing import FAMILIES
+    from ...testing import TINY_MODELS
 
     sizes = spec.reduced(cfg.layers, cfg.heads)
-    fam = FAMILIES[spec.family]
+    fam = TINY_MODELS[spec.family]
     model = fam.build(attn_implementation=attn, num_layers=sizes["layers"], hidden_size=sizes["hidden"],
                       intermediate_size=sizes["intermediate"], num_heads=sizes["heads"],
                       num_kv_heads=sizes["kv_heads"], **spec.build_kwargs)
