@@ -43,7 +43,7 @@ import torch
 
 from ..policies.schedulers import budget_schedule
 
-__all__ = ["ABLATIONS", "METHODS", "TARGETS", "AccuracyConfig", "ablation_pipeline", "budget_schedule",
+__all__ = ["ABLATIONS", "METHODS", "TARGETS", "AccuracyConfig", "ablation_pipeline",
            "method_pipeline", "run"]
 
 METHODS = ("lightkv", "lightkv-paper", "lightkv-no-relevance", "tome", "fastv", "pdrop", "random", "pool")

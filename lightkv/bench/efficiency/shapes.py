@@ -17,7 +17,7 @@ import torch
 from ...policies.schedulers import scale_layers
 
 __all__ = ["DEFAULT_PRESETS", "MODELS", "BenchConfig", "ModelSpec", "build_model", "preset_pipeline", "quick_config",
-           "scale_layers", "scaled_pipeline", "text_after_image"]
+           "scaled_pipeline", "text_after_image"]
 
 HEAD_DIM = 128
 PRE_TEXT, POST_TEXT = 20, 15
