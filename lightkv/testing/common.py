@@ -1,0 +1,95 @@
+"""What every tiny model family shares: token ids, `Row`, `TinyModel`, padding, the text config.
+
+A family module (`lightkv.testing.models` for the shipped five, or one module per newer
+family) builds on these and adds itself to `lightkv.testing.models.TINY_MODELS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["IMAGE", "NEWLINE", "PAD", "VIDEO", "VOCAB", "Row", "TinyModel", "left_pad", "text_ids"]
+
+PAD = 0
+VOCAB = 128
+TEXT_LOW, TEXT_HIGH = 3, 90  # ordinary text token ids
+IMAGE = 100  # image placeholder id
+VIDEO = 101  # video placeholder id (Qwen2.5-VL)
+VISION_START, VISION_END = 102, 103  # Qwen2.5-VL frame markers
+NEWLINE = 104  # Fuyu row newline
+IMG_START, IMG_END = 105, 106  # InternVL image markers
+
+
+@dataclass
+class Row:
+    """One prompt: ``input_ids`` ``[L]`` and the row's image inputs by name."""
+
+    input_ids: torch.Tensor
+    images: dict[str, Any] = field(default_factory=dict)
+    mm_token_type_ids: torch.Tensor | None = None
+
+
+def text_ids(n: int, gen: torch.Generator) -> torch.Tensor:
+    """``n`` random ordinary text token ids."""
+    return torch.randint(TEXT_LOW, TEXT_HIGH, (n,), generator=gen)
+
+
+def left_pad(seqs: Sequence[torch.Tensor], value: int = PAD) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad 1-D sequences: ``(ids [B, L], attention_mask [B, L])``."""
+    width = max(int(s.shape[0]) for s in seqs)
+    ids = torch.full((len(seqs), width), value, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - s.shape[0] :] = s
+        mask[i, width - s.shape[0] :] = 1
+    return ids, mask
+
+
+def _text_config(**over) -> dict:
+    cfg = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        pad_token_id=PAD,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    cfg.update(over)
+    return cfg
+
+
+def _finish(model, dtype: torch.dtype):
+    model = model.eval()
+    return model.to(dtype) if dtype != torch.float32 else model
+
+
+def _batch_ids(rows: Sequence[Row]) -> dict[str, torch.Tensor]:
+    ids, mask = left_pad([r.input_ids for r in rows])
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _seq(*parts: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    return torch.cat([p if isinstance(p, torch.Tensor) else torch.tensor(list(p), dtype=torch.long) for p in parts])
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """Builders of one family."""
+
+    name: str
+    build: Callable[..., Any]
+    row: Callable[..., Row]
+    collate: Callable[[Sequence[Row]], dict]
+    examples: Callable[[Any], list[Row]]
+    adapter_options: dict = field(default_factory=dict)
+    beam_search: str | None = None
+    """Why beam search with images cannot run on this family's model (None: it can)."""
