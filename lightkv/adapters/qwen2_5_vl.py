@@ -61,11 +61,15 @@ class Qwen25VLAdapter(Adapter):
 
     def _segments_from_grids(self, placeholders, thw: torch.Tensor, what: str) -> list[ImageSegment]:
         m = self._merge()
-        frames = []
-        for t, h, w in thw.tolist():
-            frames += [(int(h) // m, int(w) // m)] * int(t)
-        places = place_images(placeholders, [h * w for h, w in frames], what)
-        return [ImageSegment(row=r, offset=o, grid=g) for (r, o), g in zip(places, frames)]
+        frames = []  # (grid, video label, frame index)
+        for v, (t, h, w) in enumerate(thw.tolist()):
+            label = (what, v) if what == "video" else None
+            frames += [((int(h) // m, int(w) // m), label, k if label else 0) for k in range(int(t))]
+        places = place_images(placeholders, [h * w for (h, w), _, _ in frames], what)
+        return [
+            ImageSegment(row=r, offset=o, grid=g, video=label, frame=k)
+            for (r, o), (g, label, k) in zip(places, frames)
+        ]
 
     @staticmethod
     def _segments_from_positions(placeholders, positions: torch.Tensor, what: str) -> list[ImageSegment]:
@@ -73,7 +77,9 @@ class Qwen25VLAdapter(Adapter):
         if pos.shape[1] != placeholders.shape[0]:
             pos = pos.expand(-1, placeholders.shape[0], -1)
         segments = []
-        for row, start, length in token_runs(placeholders):
+        for run, (row, start, length) in enumerate(token_runs(placeholders)):
+            label = (what, run) if what == "video" else None  # one contiguous run per video
+            frame = 0
             t, h, w = (pos[k, row, start : start + length] for k in range(3))
             cut = (torch.diff(t) != 0).nonzero().squeeze(1) + 1
             bounds = [0] + cut.tolist() + [length]
@@ -87,5 +93,7 @@ class Qwen25VLAdapter(Adapter):
                     off = a + k * rows * cols
                     if not (int(h[off]) == int(h[a:b].min()) and int(w[off]) == int(w[a:b].min())):
                         raise ValueError(f"the M-RoPE positions of a {what} are not in raster order")
-                    segments.append(ImageSegment(row=row, offset=start + off, grid=(rows, cols)))
+                    segments.append(ImageSegment(row=row, offset=start + off, grid=(rows, cols),
+                                                 video=label, frame=frame if label else 0))
+                    frame += 1
         return segments

@@ -143,7 +143,11 @@ def _scatter_extreme(
         value, arg = fn(src, index, dim=0, dim_size=dim_size)
         arg = torch.where(arg >= src.shape[0], torch.full_like(arg, -1), arg)
         return value, arg
-    fill = float("-inf") if largest else float("inf")
+    if src.is_floating_point():
+        fill = float("-inf") if largest else float("inf")
+    else:  # integer values (e.g. frame indices): the dtype's own extremes
+        info = torch.iinfo(src.dtype)
+        fill = info.min if largest else info.max
     value = src.new_full((dim_size, *src.shape[1:]), fill)
     value.scatter_reduce_(0, _expand(index, src), src, reduce="amax" if largest else "amin", include_self=True)
     # Arg: the smallest row index that attains the extreme (deterministic ties).

@@ -34,7 +34,16 @@ import torch
 from .layout import VisionLayout
 from .scatter import scatter_sum, segment_rank
 
-__all__ = ["BANDS", "Bands", "band_index", "check_bands", "grid_windows", "pseudo_square_windows", "check_window_spec"]
+__all__ = [
+    "BANDS",
+    "Bands",
+    "band_index",
+    "check_bands",
+    "check_window_spec",
+    "grid_window_local",
+    "grid_windows",
+    "pseudo_square_windows",
+]
 
 Bands = Literal["proportional", "leading"]
 BANDS: tuple[str, ...] = ("proportional", "leading")
@@ -116,6 +125,27 @@ def grid_windows(
         ValueError: a bad specification, or (without ``partial``) a window size larger
             than an image's grid.
     """
+    local = grid_window_local(layout, windows_per_side, window_size, bands, partial)
+    vision = layout.vision_mask
+    if not vision.any():
+        return torch.full_like(layout.image, -1)
+    img = layout.image.clamp_min(0)
+    # Images have at most h*w windows; a key that sorts by (image, local window) is enough.
+    span = int((layout.image_grid[:, 0] * layout.image_grid[:, 1]).max()) if layout.num_images else 1
+    return _compact(img * span + local, vision)
+
+
+def grid_window_local(
+    layout: VisionLayout,
+    windows_per_side: int | None = None,
+    window_size: tuple[int, int] | None = None,
+    bands: str = "proportional",
+    partial: bool = False,
+) -> torch.Tensor:
+    """The window of each vision token *inside its own image*, as `grid_windows` cuts it:
+    ``[B, N]`` int64 in ``[0, h*w)``, raster order of windows, ``-1`` for non-vision tokens.
+    Frames of one video with equal grids get equal local windows at equal places, which is
+    what spatio-temporal windows build on."""
     check_window_spec(windows_per_side, window_size)
     check_bands(bands)
     vision = layout.vision_mask
@@ -141,13 +171,12 @@ def grid_windows(
         n_c = torch.div(w + s_c - 1, s_c, rounding_mode="floor")
         wr = torch.div(r, s_r, rounding_mode="floor")
         wc = torch.div(c, s_c, rounding_mode="floor")
-    local = wr * n_c + wc
-    # Images have at most h*w windows; a key that sorts by (image, local window) is enough.
-    span = int((layout.image_grid[:, 0] * layout.image_grid[:, 1]).max()) if layout.num_images else 1
-    return _compact(img * span + local, vision)
+    return torch.where(vision, wr * n_c + wc, torch.full_like(wr, -1))
 
 
-def pseudo_square_windows(layout: VisionLayout, windows_per_side: int, bands: str = "leading") -> torch.Tensor:
+def pseudo_square_windows(
+    layout: VisionLayout, windows_per_side: int, bands: str = "leading", by_video: bool = False
+) -> torch.Tensor:
     """The reference code's windows: re-pack each image's current vision tokens into a
     pseudo-square, then cut it into ``windows_per_side`` windows per side.
 
@@ -156,18 +185,24 @@ def pseudo_square_windows(layout: VisionLayout, windows_per_side: int, bands: st
     window ``(band(row), band(col))`` with the ``bands`` rule on a side of ``s`` (the
     reference code's rule, ``leading``, by default).
 
+    With ``by_video`` the frames of one video are packed together, as one long image (what
+    the reference code does with a video).
+
     Returns:
         ``[B, N]`` int64 window id per token, ``-1`` for non-vision tokens.
     """
     check_window_spec(windows_per_side, None)
     check_bands(bands)
     vision = layout.vision_mask
-    flat_img = layout.image[vision]  # row-major over (b, n): sequence order within an image
+    group = layout.image
+    if by_video and layout.num_videos:
+        group = torch.where(layout.video >= 0, layout.num_images + layout.video, layout.image)
+    flat_img = group[vision]  # row-major over (b, n): sequence order within an image
     out = torch.full_like(layout.image, -1)
     if flat_img.numel() == 0:
         return out
     k = segment_rank(flat_img)
-    n = scatter_sum(torch.ones_like(flat_img), flat_img, layout.num_images)[flat_img]
+    n = scatter_sum(torch.ones_like(flat_img), flat_img, layout.num_images + layout.num_videos)[flat_img]
     side = torch.ceil(torch.sqrt(n.double())).long()
     side = torch.where(side * side < n, side + 1, side)  # guard against sqrt rounding
     pr = torch.div(k, side, rounding_mode="floor")

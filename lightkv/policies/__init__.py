@@ -45,6 +45,7 @@ from .schedulers import (
     scale_layers,
 )
 from .scorers import CosineDivergence, EdgeScorer, L2Divergence, RandomDivergence
+from .spatiotemporal import SpatioTemporalPartitioner
 
 FAMILIES = {family.family: family for family in (Partitioner, EdgeScorer, Pruner, MessagePasser, Relevance, Scheduler)}
 """Family name -> family base class. A family's name is its key in pipeline files and in
@@ -86,6 +87,7 @@ __all__ = [
     "Scheduler",
     "SizeWeightedMean",
     "SmallestDivergence",
+    "SpatioTemporalPartitioner",
     "StageInputs",
     "StageSpec",
     "StridedPartitioner",

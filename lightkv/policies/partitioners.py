@@ -63,23 +63,35 @@ class Partitioner(Policy):
         raise NotImplementedError
 
     @staticmethod
-    def _skip_small(layout: VisionLayout, window: torch.Tensor, windows_per_side: int | None, min_tokens: int) -> torch.Tensor:
-        """Take every vision token of a row out of the graph when one of the row's images has
-        fewer than ``min_tokens * windows_per_side**2`` current vision tokens (the reference
-        code's skip rule; it runs one row at a time, so the rule is per row here too)."""
+    def _skip_small(
+        layout: VisionLayout, window: torch.Tensor, windows_per_side: int | None, min_tokens: int, by_video: bool = False
+    ) -> torch.Tensor:
+        """Take every vision token of a row out of the graph when one of the row's images
+        (with ``by_video``: a video counts as one image) has fewer than
+        ``min_tokens * windows_per_side**2`` current vision tokens (the reference code's skip
+        rule; it runs one row at a time, so the rule is per row here too)."""
         if not min_tokens or windows_per_side is None or not layout.num_images:
             return window
         if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
             raise ValueError(f"min_tokens_per_window must be a non-negative integer, got {min_tokens!r}")
         vision = layout.vision_mask
-        count = scatter_sum(vision.long()[vision], layout.image[vision], layout.num_images)
+        group, groups, group_row = layout.image, layout.num_images, layout.image_row
+        if by_video and layout.num_videos:
+            group = torch.where(layout.video >= 0, layout.num_images + layout.video, layout.image)
+            groups = layout.num_images + layout.num_videos
+            video_row = torch.zeros(layout.num_videos, dtype=torch.long, device=window.device)
+            in_video = layout.image_video >= 0
+            video_row[layout.image_video[in_video]] = layout.image_row[in_video]
+            group_row = torch.cat([layout.image_row, video_row])
+        count = scatter_sum(vision.long()[vision], group[vision], groups)
         small = count < min_tokens * windows_per_side**2
-        # images without any current vision token (e.g. all merged away) do not count
+        # images without any current vision token (e.g. all merged away, or frames counted
+        # in their video) do not count
         small &= count > 0
         if not bool(small.any()):
             return window
         rows = torch.zeros(layout.batch_size, dtype=torch.bool, device=window.device)
-        rows[layout.image_row[small]] = True
+        rows[group_row[small]] = True
         return window.masked_fill(rows.unsqueeze(1), -1)
 
     def _split(self, layout: VisionLayout, window: torch.Tensor, split: Split, src_parity: int, seed: int) -> torch.Tensor:
@@ -148,6 +160,9 @@ class PseudoSquarePartitioner(Partitioner):
         min_tokens_per_window: skip a row at a stage when one of its images has fewer than
             ``min_tokens_per_window * W**2`` vision tokens (the reference code: 8; 0 never
             skips).
+        scope: ``image`` (each image and video frame packed on its own) or ``video`` (the
+            frames of a video packed together as one long image, as the reference code
+            treats a video).
     """
 
     split: Split = "parity"
@@ -155,16 +170,20 @@ class PseudoSquarePartitioner(Partitioner):
     seed: int = 0
     bands: Bands = "leading"
     min_tokens_per_window: int = 0
+    scope: Literal["image", "video"] = "image"
 
     def __post_init__(self) -> None:
         check_bands(self.bands)
+        if self.scope not in ("image", "video"):
+            raise ValueError(f"unknown scope {self.scope!r}; choose 'image' or 'video'")
 
     def partition(self, inputs):
         layout, windows_per_side = inputs.layout, inputs.spec.windows_per_side
         if inputs.spec.window_size is not None or windows_per_side is None:
             raise ValueError("the pseudo_square partitioner needs windows_per_side (it has no window_size form)")
-        window = pseudo_square_windows(layout, windows_per_side, bands=self.bands)
-        window = self._skip_small(layout, window, windows_per_side, self.min_tokens_per_window)
+        by_video = self.scope == "video"
+        window = pseudo_square_windows(layout, windows_per_side, bands=self.bands, by_video=by_video)
+        window = self._skip_small(layout, window, windows_per_side, self.min_tokens_per_window, by_video)
         return Partition(window, self._split(layout, window, self.split, self.src_parity, self.seed))
 
 

@@ -27,6 +27,8 @@ _ORDER = (
     "lightkv-paper-qwen2_5_vl",
     "lightkv-budget",
     "lightkv-no-relevance",
+    "lightkv-video",
+    "lightkv-video-paper",
     "fastv",
     "pdrop",
     "tome",

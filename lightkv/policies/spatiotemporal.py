@@ -1,0 +1,100 @@
+"""Spatio-temporal windows: a video's frames are windowed in time as well as in space.
+
+A video is a run of frames (images sharing `VisionLayout.image_video`, ordered by
+`VisionLayout.image_frame`). `SpatioTemporalPartitioner` cuts each video into windows of
+``frames x rows x cols``: the spatial cut is the schedule's (``windows_per_side`` or
+``window_size``, the same on every frame), and time is cut into as many bands as the
+schedule has windows per side (or into ``frames``-long bands). With the LLaVA schedule's
+4/2/1 windows per side a 16-frame video gets windows of 4 x (h/4) x (w/4), then
+8 x (h/2) x (w/2), then the whole video: windows grow in time and space stage by stage.
+
+Inside a window that spans several frames the later frames of each frame pair are the
+sources, the earlier ones the destinations (``split: frames``), so a token can merge into
+the same place, or a neighbour, of the previous frame when the features say they match:
+the temporal redundancy of video. Windows inside one frame and still images use the grid
+partitioner's parity split. Tokens never leave their video, their time band or their row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..graph.scatter import scatter_max, segment_rank
+from ..graph.windows import Bands, band_index, check_bands, grid_window_local
+from .inputs import StageInputs
+from .partitioners import Partition, Partitioner
+
+__all__ = ["SpatioTemporalPartitioner"]
+
+
+@Partitioner.register("spatiotemporal")
+@dataclass
+class SpatioTemporalPartitioner(Partitioner):
+    """Windows of ``frames x rows x cols`` inside each video; 2-D windows elsewhere.
+
+    Attributes:
+        frames: frames per window; 0 (default) cuts each video's frames into as many bands
+            as the schedule's ``windows_per_side`` (with ``window_size``: 0 means the whole
+            video).
+        split: ``frames`` (in multi-frame windows, odd frames of the window are sources and
+            even ones destinations; single-frame windows fall back to ``parity``) or
+            ``parity`` (alternate in sequence order, as the grid partitioner).
+        bands: how a side (and time) is cut: ``proportional`` or ``leading``.
+    """
+
+    frames: int = 0
+    split: Literal["frames", "parity"] = "frames"
+    bands: Bands = "proportional"
+
+    def __post_init__(self) -> None:
+        check_bands(self.bands)
+        if isinstance(self.frames, bool) or not isinstance(self.frames, int) or self.frames < 0:
+            raise ValueError(f"frames must be a non-negative integer (0: follow the schedule), got {self.frames!r}")
+        if self.split not in ("frames", "parity"):
+            raise ValueError(f"unknown split {self.split!r}; choose 'frames' or 'parity'")
+
+    def _time_band(self, inputs: StageInputs, frame: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+        """Band of each frame index on a video of ``length`` frames."""
+        if self.frames:
+            return torch.div(frame, self.frames, rounding_mode="floor")
+        wps = inputs.spec.windows_per_side
+        if wps is None:  # window_size: the whole video is one band in time
+            return torch.zeros_like(frame)
+        return band_index(frame, length.clamp_min(1), wps, self.bands)
+
+    def partition(self, inputs):
+        layout, spec = inputs.layout, inputs.spec
+        vision = layout.vision_mask
+        window = torch.full_like(layout.image, -1)
+        is_src = torch.zeros_like(vision)
+        if not vision.any():
+            return Partition(window, is_src)
+        local = grid_window_local(layout, spec.windows_per_side, spec.window_size, self.bands)[vision]
+        image = layout.image[vision]
+        video = layout.image_video[image]
+        frame = layout.image_frame[image]
+        s, v = layout.num_images, layout.num_videos
+        length = torch.zeros(max(v, 1), dtype=torch.long, device=image.device)
+        if v:  # frames per video: the largest frame index + 1
+            length = scatter_max(frame[video >= 0], video[video >= 0], v)[0] + 1
+        in_video = video >= 0
+        band = torch.where(in_video, self._time_band(inputs, frame, length[video.clamp_min(0)]), 0)
+        group = torch.where(in_video, s + video, image)  # a still image is its own group
+        span = int((layout.image_grid[:, 0] * layout.image_grid[:, 1]).max())
+        key = (group * (int(frame.max()) + 1) + band) * span + local
+        _, ids = torch.unique(key, sorted=True, return_inverse=True)
+        window[vision] = ids
+        k = int(ids.max()) + 1
+        # A window spans several frames when its first and last frame differ.
+        first = -scatter_max(-frame, ids, k)[0]
+        multi = (scatter_max(frame, ids, k)[0] > first)[ids]
+        parity = segment_rank(ids) % 2 == 0
+        if self.split == "frames":
+            src = torch.where(multi, (frame - first[ids]) % 2 == 1, parity)
+        else:
+            src = parity
+        is_src[vision] = src
+        return Partition(window, is_src)
