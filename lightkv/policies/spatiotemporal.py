@@ -8,10 +8,11 @@ schedule has windows per side (or into ``frames``-long bands). With the LLaVA sc
 4/2/1 windows per side a 16-frame video gets windows of 4 x (h/4) x (w/4), then
 8 x (h/2) x (w/2), then the whole video: windows grow in time and space stage by stage.
 
-Inside a window that spans several frames the later frames of each frame pair are the
-sources, the earlier ones the destinations (``split: frames``), so a token can merge into
-the same place, or a neighbour, of the previous frame when the features say they match:
-the temporal redundancy of video. Windows inside one frame and still images use the grid
+Inside a window that spans several frames, its frames alternate between destinations and
+sources (the 2nd, 4th, ... frame present in the window are sources; ``split: frames``), so
+a token can merge into the same place, or a neighbour, of the previous frame when the
+features say they match: the temporal redundancy of video. Ranks count the frames still
+present, so after a stage has merged every other frame the next stage pairs the survivors. Windows inside one frame and still images use the grid
 partitioner's parity split. Tokens never leave their video, their time band or their row.
 """
 
@@ -39,8 +40,8 @@ class SpatioTemporalPartitioner(Partitioner):
         frames: frames per window; 0 (default) cuts each video's frames into as many bands
             as the schedule's ``windows_per_side`` (with ``window_size``: 0 means the whole
             video).
-        split: ``frames`` (in multi-frame windows, odd frames of the window are sources and
-            even ones destinations; single-frame windows fall back to ``parity``) or
+        split: ``frames`` (in multi-frame windows, the 2nd, 4th, ... frame present are
+            sources, the others destinations; single-frame windows fall back to ``parity``) or
             ``parity`` (alternate in sequence order, as the grid partitioner).
         bands: how a side (and time) is cut: ``proportional`` or ``leading``.
     """
@@ -88,13 +89,13 @@ class SpatioTemporalPartitioner(Partitioner):
         _, ids = torch.unique(key, sorted=True, return_inverse=True)
         window[vision] = ids
         k = int(ids.max()) + 1
-        # A window spans several frames when its first and last frame differ.
-        first = -scatter_max(-frame, ids, k)[0]
-        multi = (scatter_max(frame, ids, k)[0] > first)[ids]
+        # Rank of each token's frame among the frames present in its window (after earlier
+        # stages some frames are gone): sources are the odd ranks.
+        f = int(frame.max()) + 1
+        pairs, pair = torch.unique(ids * f + frame, sorted=True, return_inverse=True)
+        frame_rank = segment_rank(torch.div(pairs, f, rounding_mode="floor"))[pair]
+        multi = (scatter_max(frame_rank, ids, k)[0] > 0)[ids]
         parity = segment_rank(ids) % 2 == 0
-        if self.split == "frames":
-            src = torch.where(multi, (frame - first[ids]) % 2 == 1, parity)
-        else:
-            src = parity
+        src = torch.where(multi, frame_rank % 2 == 1, parity) if self.split == "frames" else parity
         is_src[vision] = src
         return Partition(window, is_src)

@@ -40,6 +40,7 @@ class ModelSpec:
         heads, kv_heads: reduced attention heads (head_dim 128 kept); width = heads x 128.
         lightkv_preset: what the preset name ``lightkv`` means for this model.
         image: builder arguments giving the real vision-token count.
+        video: the row builder's ``videos`` argument, for video shapes (None: no video).
     """
 
     name: str
@@ -52,6 +53,7 @@ class ModelSpec:
     build_kwargs: dict[str, Any]
     image: Any
     image_note: str
+    video: Any = None
 
     def reduced(self, layers: int, heads: int | None = None) -> dict[str, int]:
         heads = heads or self.heads
@@ -90,6 +92,13 @@ MODELS: dict[str, ModelSpec] = {
         heads=7, kv_heads=1, lightkv_preset="lightkv",
         build_kwargs={"image_size": 64, "patch_size": 2}, image=[5],
         image_note="5 tiles of 16x16 (2x2 tiles + thumbnail, 1,280 tokens)",
+    ),
+    "qwen2_5_vl_video": ModelSpec(
+        "qwen2_5_vl_video", "Qwen2.5-VL-7B, video", "qwen2_5_vl",
+        {"layers": 28, "hidden": 3584, "heads": 28, "kv_heads": 4, "intermediate": 18944},
+        heads=7, kv_heads=1, lightkv_preset="lightkv-video",
+        build_kwargs={"patch_size": 2}, image=[], video=[(16, 32, 32)],
+        image_note="a 16-frame video of 32x32 patches per frame, 2x2 merge: 16 frames of 16x16 (4,096 tokens)",
     ),
 }
 DEFAULT_PRESETS = ("lightkv", "tome", "fastv", "pdrop")
@@ -191,7 +200,8 @@ def build_model(spec: ModelSpec, cfg: BenchConfig, attn: str = "sdpa"):
                       intermediate_size=sizes["intermediate"], num_heads=sizes["heads"],
                       num_kv_heads=sizes["kv_heads"], **spec.build_kwargs)
     image = [cfg.internvl_tiles] if spec.family == "internvl" else spec.image
-    row = fam.row(model, image, pre=PRE_TEXT, post=POST_TEXT, seed=0)
+    extra = {"videos": spec.video} if spec.video is not None else {}
+    row = fam.row(model, image, pre=PRE_TEXT, post=POST_TEXT, seed=0, **extra)
     inputs = fam.collate([row])
     device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
     model = model.to(device=device, dtype=dtype)
@@ -202,10 +212,10 @@ def build_model(spec: ModelSpec, cfg: BenchConfig, attn: str = "sdpa"):
 
 
 def text_after_image(inputs) -> int:
-    """Text columns after the image (everything after the last vision token)."""
-    from ...testing import IMAGE
+    """Text columns after the image or video (everything after the last vision token)."""
+    from ...testing import IMAGE, VIDEO
 
     ids = inputs["input_ids"][0]
-    pos = (ids == IMAGE).nonzero()
+    pos = ((ids == IMAGE) | (ids == VIDEO)).nonzero()
     return int(ids.shape[0] - 1 - pos[-1]) if pos.numel() else POST_TEXT
 
