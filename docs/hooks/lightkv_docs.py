@@ -311,17 +311,35 @@ def families_markdown(page_uri: str) -> str:
     model_types = _literal_dict(registry, "MODEL_TYPES")
     modules = {m.name: m for m in _tree().walk()}
     here = posixpath.dirname(page_uri)
-    rows = ["| family | `config.model_type` | adapter | how it lays out vision tokens |", "|---|---|---|---|"]
+    rows = [
+        "| family | `config.model_type` | adapter | how it lays out vision tokens | exact | refused |",
+        "|---|---|---|---|---|---|",
+    ]
     for family, target in families.items():
         module_name, _, cls = str(target).partition(":")
         types = ", ".join(f"`{t}`" for t, f in model_types.items() if f == family) or "-"
         module = modules.get(module_name)
         if module is None:
-            rows.append(f"| `{family}` | {types} | `{target}` (module not found) | |")
+            rows.append(f"| `{family}` | {types} | `{target}` (module not found) | | | |")
             continue
         link = posixpath.relpath(module.page, here)
-        rows.append(f"| `{family}` | {types} | [`{cls}`]({link}) | {_cell(module.summary())} |")
+        doc = ast.get_docstring(module.tree()) or ""
+        exact, refused = (_cell(_docstring_field(doc, k)) for k in ("Exact", "Refused"))
+        rows.append(f"| `{family}` | {types} | [`{cls}`]({link}) | {_cell(module.summary())} | {exact} | {refused} |")
     return "\n".join(rows) + "\n"
+
+
+def _docstring_field(doc: str, key: str) -> str:
+    """The text of a ``Key: ...`` paragraph of a docstring (up to the next blank line or
+    field), "" if absent: adapters state what is exact and what they refuse this way."""
+    out: list[str] = []
+    for line in doc.splitlines():
+        stripped = line.strip()
+        if out and (not stripped or stripped.split(":")[0] in ("Exact", "Refused")):
+            break
+        if stripped.startswith(f"{key}:") or out:
+            out.append(stripped.removeprefix(f"{key}:").strip())
+    return " ".join(out)
 
 
 # ---------------------------------------------------------------------------- results

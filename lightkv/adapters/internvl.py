@@ -6,6 +6,9 @@ each tile goes through the vision tower on its own and, after the pixel shuffle
 ``(image_size / patch_size * downsample_ratio)^2`` tokens (16 x 16 = 256 for InternVL2/3).
 Each tile is a separate grid in the layout (the thumbnail included): the model gets no
 record of how tiles were arranged, so windows never span tile borders.
+
+Exact: identity (nothing removed = unhooked logits, prefill and decode), batch rows alone = in a padded batch, sdpa and eager, several images (and tiles) per row, beam search.
+Refused: nothing family-specific.
 """
 
 from __future__ import annotations

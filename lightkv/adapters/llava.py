@@ -2,6 +2,9 @@
 
 Each image becomes ``(image_size / patch_size)^2`` consecutive placeholder tokens
 (``config.image_token_id``), filled in raster order (24 x 24 = 576 for LLaVA-1.5).
+
+Exact: identity (nothing removed = unhooked logits, prefill and decode), batch rows alone = in a padded batch, sdpa and eager, several images per row, beam search.
+Refused: ``vision_feature_select_strategy`` other than ``default`` (the CLS token would shift the grid).
 """
 
 from __future__ import annotations

@@ -8,7 +8,12 @@ image or frame is its own grid in the layout, so windows never mix frames.
 ``generate()`` encodes images before the prefill and passes the 3-D M-RoPE
 ``position_ids`` instead of the grids; then each frame is read from the positions of its
 tokens (temporal / height / width components), which is what the model's rotary
-embedding sees. Surviving tokens keep these 3-D positions.
+embedding sees. Surviving tokens keep these 3-D positions. The frames of a video carry
+their video and frame index (`lightkv.graph.VisionLayout.image_frame`), for
+spatio-temporal windows.
+
+Exact: identity (nothing removed = unhooked logits, prefill and decode), batch rows alone = in a padded batch, sdpa and eager, images and videos mixed in one batch, 3-D M-RoPE positions, beam search.
+Refused: sliding-window attention layers (``use_sliding_window``).
 """
 
 from __future__ import annotations
