@@ -6,12 +6,14 @@
 | ``kept_fraction`` | `KeptFractionSchedule` | relative depths, one ratio fitted to a target kept fraction |
 | ``scaled`` | `ScaledSchedule` | an explicit schedule for ``ref_depth`` layers, moved to the model's depth |
 | ``budget`` | `BudgetSchedule` | a scaled schedule placed and fitted to a target kept fraction |
+| ``pre_llm`` | `PreLLMSchedule` | one stage on the embeddings, before decoder layer 0 |
 """
 
 from .budget import BudgetSchedule, Placement, budget_schedule
 from .core import ScheduleError, Scheduler, StageSpec, average_kept_fraction, ratio_for_target
 from .explicit import ExplicitSchedule
 from .kept_fraction import KeptFractionSchedule
+from .pre_llm import PreLLMSchedule
 from .scaled import ScaledSchedule, scale_layers
 
 __all__ = [
@@ -19,6 +21,7 @@ __all__ = [
     "ExplicitSchedule",
     "KeptFractionSchedule",
     "Placement",
+    "PreLLMSchedule",
     "ScaledSchedule",
     "ScheduleError",
     "Scheduler",

@@ -44,16 +44,25 @@ class StageSpec:
         ratio: removal ratio ``P`` in ``[0, 1)``.
         windows_per_side: windows per image side, or
         window_size: window ``(rows, cols)`` in tokens.
+        before: run on the layer's *input* instead (only for layer 0: the pre-LLM mode,
+            compressing the embeddings before any decoder layer, so every layer's cache
+            is shorter; a stage before layer ``l > 0`` is the stage after layer ``l - 1``).
     """
 
     layer: int
     ratio: float
     windows_per_side: int | None = None
     window_size: tuple[int, int] | None = None
+    before: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.layer, int) or self.layer < 0:
             raise ValueError(f"stage layer must be a non-negative integer, got {self.layer!r}")
+        if self.before and self.layer != 0:
+            raise ValueError(
+                f"a stage before layer {self.layer} is the stage after layer {self.layer - 1}; "
+                "use before=True only at layer 0 (the pre-LLM mode)"
+            )
         if not (0.0 <= float(self.ratio) < 1.0):
             raise ValueError(f"stage ratio must be in [0, 1), got {self.ratio!r}")
         check_window_spec(self.windows_per_side, self.window_size)
@@ -87,7 +96,8 @@ class Scheduler(Policy):
     def _validate(stages: list[StageSpec], num_layers: int) -> list[StageSpec]:
         Scheduler._check_depth(num_layers)
         layers = [s.layer for s in stages]
-        if layers != sorted(set(layers)):
+        where = [s.layer - 0.5 if s.before else s.layer for s in stages]  # before layer 0 comes first
+        if where != sorted(set(where)):
             raise ValueError(f"stage layers must be strictly increasing, got {layers}")
         if layers and layers[-1] >= num_layers:
             raise ValueError(
@@ -116,13 +126,14 @@ def average_kept_fraction(stages: list[StageSpec], num_layers: int) -> float:
 
     A layer at or before the first stage keeps everything (compression happens after the
     layer has cached its keys/values); later layers keep ``prod(1 - P)`` of the stages
-    before them.
+    before them. A stage ``before`` layer 0 compresses every layer's cache.
     """
     total, kept, start = 0.0, 1.0, 0
     for s in stages:
-        total += (s.layer + 1 - start) * kept
+        end = s.layer if s.before else s.layer + 1
+        total += (end - start) * kept
         kept *= 1.0 - s.ratio
-        start = s.layer + 1
+        start = end
     total += (num_layers - start) * kept
     return total / num_layers
 
