@@ -29,6 +29,7 @@ _ORDER = (
     "lightkv-no-relevance",
     "lightkv-video",
     "lightkv-video-paper",
+    "lightkv-pre-llm",
     "fastv",
     "pdrop",
     "tome",
