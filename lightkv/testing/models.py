@@ -48,6 +48,8 @@ from .common import (  # noqa: F401  (re-exported: tests and docs import them fr
 )
 
 
+from . import gemma3  # noqa: E402
+
 # ----------------------------------------------------------------------------- LLaVA-1.5
 def build_llava(attn_implementation="sdpa", dtype=torch.float32, seed=0, num_layers=4, image_size=32, patch_size=4,
                 hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2):
@@ -348,4 +350,5 @@ TINY_MODELS: dict[str, TinyModel] = {
                    adapter_options={"newline_token_id": NEWLINE},
                    beam_search="transformers does not expand Fuyu's pre-encoded patches for beams "
                    "(the unhooked model fails with 'Image features and image tokens do not match')"),
+    "gemma3": TinyModel("gemma3", gemma3.build, gemma3.row, gemma3.collate, gemma3.examples),
 }
