@@ -261,7 +261,8 @@ class CompressionSession:
         b, q = ref.shape[:2]
         impl = self._attn_impl()
         cache = _cache_of(inputs)
-        check_cache(cache, self.adapter.cache_layer_types)  # before the mask check: with a static cache transformers prepares a 4-D mask
+        # before the mask check: with a static cache transformers prepares a 4-D mask
+        check_cache(cache, self.adapter.cache_layer_types)
         past = cache.get_seq_length() if cache is not None else 0
         mask2d = inputs.get("attention_mask")
         check_attention_mask(mask2d)

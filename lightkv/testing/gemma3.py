@@ -17,11 +17,11 @@ from collections.abc import Sequence
 
 import torch
 
-from .common import Row, _batch_ids, _finish, _seq, _text_config, left_pad, text_ids
+from .common import IMAGE, Row, _batch_ids, _finish, _seq, _text_config, left_pad, text_ids
 
-__all__ = ["BOI", "EOI", "GEMMA_IMAGE", "build", "collate", "examples", "row"]
+__all__ = ["BOI", "EOI", "build", "collate", "examples", "row"]
 
-GEMMA_IMAGE, BOI, EOI = 120, 121, 122  # image placeholder, <start_of_image>, <end_of_image>
+BOI, EOI = 121, 122  # <start_of_image>, <end_of_image> (the placeholder is the shared IMAGE id)
 LAYER_TYPES = ("full_attention", "full_attention", "sliding_attention", "full_attention")
 
 
@@ -30,7 +30,12 @@ def build(attn_implementation="sdpa", dtype=torch.float32, seed=0, num_layers=4,
           intermediate_size=128, num_heads=4, num_kv_heads=2):
     """Gemma-3-shaped: SigLIP (1 layer) + pooled projector + Gemma 3 decoder (q/k norms,
     local and global RoPE, ``sliding_window`` on the sliding layers)."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3TextConfig,
+        SiglipVisionConfig,
+    )
 
     torch.manual_seed(seed)
     vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -42,7 +47,7 @@ def build(attn_implementation="sdpa", dtype=torch.float32, seed=0, num_layers=4,
         query_pre_attn_scalar=head_dim, sliding_window=sliding_window,
         layer_types=list(layer_types) if layer_types is not None else None))
     cfg = Gemma3Config(vision_config=vision, text_config=text, mm_tokens_per_image=tokens_per_image,
-                       image_token_index=GEMMA_IMAGE, boi_token_index=BOI, eoi_token_index=EOI,
+                       image_token_index=IMAGE, boi_token_index=BOI, eoi_token_index=EOI,
                        tie_word_embeddings=False, attn_implementation=attn_implementation)
     model = Gemma3ForConditionalGeneration(cfg)
     with torch.no_grad():  # the projector and the RMSNorm weights are created as zeros; give them values
@@ -64,7 +69,7 @@ def row(model, images: int = 1, pre: int = 4, post: int = 5, seed: int = 0) -> R
     n = tokens_per_image(model)
     parts, types = [text_ids(pre, g)], [torch.zeros(pre, dtype=torch.long)]
     for _ in range(images):
-        parts += [torch.tensor([BOI]), torch.full((n,), GEMMA_IMAGE), torch.tensor([EOI]), text_ids(1, g)]
+        parts += [torch.tensor([BOI]), torch.full((n,), IMAGE), torch.tensor([EOI]), text_ids(1, g)]
         types += [torch.zeros(1, dtype=torch.long), torch.ones(n, dtype=torch.long), torch.zeros(2, dtype=torch.long)]
     parts.append(text_ids(post, g))
     types.append(torch.zeros(post, dtype=torch.long))

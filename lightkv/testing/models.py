@@ -25,6 +25,7 @@ import torch
 
 __all__ = ["TINY_MODELS", "TinyModel", "Row", "left_pad", "text_ids"]
 
+from . import gemma3
 from .common import (  # noqa: F401  (re-exported: tests and docs import them from here)
     IMAGE,
     IMG_END,
@@ -47,8 +48,6 @@ from .common import (  # noqa: F401  (re-exported: tests and docs import them fr
     text_ids,
 )
 
-
-from . import gemma3  # noqa: E402
 
 # ----------------------------------------------------------------------------- LLaVA-1.5
 def build_llava(attn_implementation="sdpa", dtype=torch.float32, seed=0, num_layers=4, image_size=32, patch_size=4,
