@@ -14,12 +14,12 @@ the surviving tokens: survivors of one image run still see each other both ways,
 window is measured in original columns (prompt columns, then prompt length + step while
 decoding), so a token leaves a sliding layer's window when the unhooked model's would. A
 compressed sliding layer's cache keeps all its (fewer) entries and hides those outside the
-window by the mask; uncompressed layers keep transformers' own sliding-window cache.
+window by the mask (so it is not bounded by the window: a memory cost, not an error);
+uncompressed layers keep transformers' own sliding-window cache. Relevance at a scheduled
+sliding layer is scored over the whole prompt (a policy heuristic; the window is not applied).
 
-Exact: images and pan & scan crops, the bidirectional image mask, sliding-window layers
-(window over original positions; identity is exact), local/global RoPE.
-Refused: ``use_bidirectional_attention`` text configs, layer types other than full and
-sliding attention, a non-square ``mm_tokens_per_image``.
+Exact: images and pan & scan crops, bidirectional image blocks, sliding windows (over original positions).
+Refused: ``use_bidirectional_attention`` text configs, other layer types, non-square ``mm_tokens_per_image``.
 """
 
 from __future__ import annotations
