@@ -12,13 +12,15 @@ Everything else (hooks, cache layers with holes, masks, relevance) is internal t
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicLayer
 
 from ..graph.layout import ImageSegment, VisionLayout
+from . import masks
 
 __all__ = ["Adapter", "place_images", "token_runs"]
 
@@ -39,6 +41,10 @@ class Adapter:
     family: ClassVar[str] = ""
     model_types: ClassVar[tuple[str, ...]] = ()
     options_allowed: ClassVar[tuple[str, ...]] = ()
+    cache_layer_types: ClassVar[tuple[type, ...]] = (DynamicLayer,)
+    """Cache layer classes (exact types) the session may find in the cache and replace by a
+    `MaskedCacheLayer` at a compressed layer; a family whose masks implement a layer's
+    semantics (Gemma 3's sliding window) adds that class."""
     layout_mode: str = "native"
     """The session's `lightkv.Pipeline.layout` (``native`` or ``reference``)."""
 
@@ -93,6 +99,29 @@ class Adapter:
                 f"the {self.family} adapter supports vision_feature_select_strategy='default' (CLS dropped, "
                 f"a regular grid); this model uses {strategy!r}"
             )
+
+    # ---------------------------------------------------------------- masks
+    # The masks of the layers after a compression stage. The defaults (causal by original
+    # order, holes hidden) suit a decoder whose layers all use the same plain causal mask;
+    # a family with other attention patterns (bidirectional image blocks, sliding windows)
+    # overrides them. ``origin`` is the original sequence column of each token (``-1``
+    # holes): prompt columns, then ``prompt length + step`` for generated tokens.
+    def mask_key(self, layer: int) -> Hashable:
+        """Layers with equal keys share one prefill mask (computed once per stage)."""
+        return None
+
+    def prefill_mask(self, layer: int, origin: torch.Tensor, valid: torch.Tensor, impl: str,
+                     dtype: torch.dtype) -> torch.Tensor | None:
+        """The 4-D mask of decoder layer ``layer`` over a compressed prefill sequence
+        (``origin``, ``valid`` ``[B, N]``); see `lightkv.adapters.masks.prefill_mask`."""
+        return masks.prefill_mask(origin, valid, impl, dtype)
+
+    def decode_mask(self, layer: int, origin: torch.Tensor, valid: torch.Tensor, q_len: int, impl: str,
+                    dtype: torch.dtype) -> torch.Tensor | None:
+        """The 4-D mask of ``q_len`` new tokens over compressed layer ``layer``'s cache
+        (``origin``, ``valid`` ``[B, L]``, the new tokens last); see
+        `lightkv.adapters.masks.decode_mask`."""
+        return masks.decode_mask(valid, q_len, impl, dtype)
 
     # ---------------------------------------------------------------- layout
     def build_layout(self, inputs: Mapping[str, Any], padding: torch.Tensor | None) -> VisionLayout | None:

@@ -24,7 +24,9 @@ class MaskedCacheLayer(DynamicLayer):
     """A `DynamicLayer` of a compressed decoder layer: shorter than the prompt, possibly
     with holes (rows that kept fewer tokens, input padding), recorded in ``valid``.
 
-    ``valid`` (``[B, L]`` bool, True for real entries) follows the cache through beam
+    ``valid`` (``[B, L]`` bool, True for real entries) and ``origin`` (``[B, L]`` long, the
+    original sequence column of each entry, ``-1`` for holes; what a sliding window is
+    measured in) follow the cache through beam
     search (`reorder_cache`), `batch_select_indices` and `batch_repeat_interleave`.
     Cropping is refused: compressed layers hold different numbers of entries, so "remove
     the last k tokens" has no single meaning (assisted decoding is not supported).
@@ -36,6 +38,8 @@ class MaskedCacheLayer(DynamicLayer):
         super().__init__()
         self.valid: torch.Tensor | None = None
         self.pending: torch.Tensor | None = None
+        self.origin: torch.Tensor | None = None
+        self.pending_origin: torch.Tensor | None = None
         self._token = token or _Token()
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -51,22 +55,33 @@ class MaskedCacheLayer(DynamicLayer):
         self.pending = None
         new = new.to(keys.device)
         self.valid = new if self.valid is None else torch.cat([self.valid, new], dim=1)
+        org = self.pending_origin
+        self.pending_origin = None
+        if org is not None:
+            org = org.to(keys.device)
+            self.origin = org if self.origin is None else torch.cat([self.origin, org], dim=1)
         return keys, values
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
         if self.valid is not None:
             self.valid = self.valid.index_select(0, beam_idx.to(self.valid.device))
+        if self.origin is not None:
+            self.origin = self.origin.index_select(0, beam_idx.to(self.origin.device))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
         if self.valid is not None:
             self.valid = self.valid.repeat_interleave(repeats, dim=0)
+        if self.origin is not None:
+            self.origin = self.origin.repeat_interleave(repeats, dim=0)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
         if self.valid is not None:
             self.valid = self.valid[indices]
+        if self.origin is not None:
+            self.origin = self.origin[indices]
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove == 0:
@@ -78,4 +93,4 @@ class MaskedCacheLayer(DynamicLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.valid = self.pending = None
+        self.valid = self.pending = self.origin = self.pending_origin = None

@@ -47,15 +47,16 @@ def attention_implementation(config: Any) -> str:
     return impl
 
 
-def check_cache(cache: Any) -> None:
+def check_cache(cache: Any, allowed: tuple[type, ...] = (DynamicLayer,)) -> None:
     """Refuse a cache the session cannot mask: a legacy tuple cache, or a `Cache` with
-    layers other than `DynamicLayer` / `MaskedCacheLayer` (static, sliding-window,
-    quantized, offloaded). ``None`` (no cache yet) passes."""
+    layers other than ``allowed`` (exact types; the adapter's ``cache_layer_types``) /
+    `MaskedCacheLayer` (static, sliding-window, quantized, offloaded). ``None`` (no cache
+    yet) passes."""
     if cache is not None and not isinstance(cache, Cache):
         raise TypeError("lightkv supports transformers Cache objects only (legacy tuple caches are not supported)")
     if cache is not None:
         bad = next((layer for layer in getattr(cache, "layers", ())
-                    if type(layer) is not DynamicLayer and not isinstance(layer, MaskedCacheLayer)), None)
+                    if type(layer) not in allowed and not isinstance(layer, MaskedCacheLayer)), None)
         if bad is not None:
             raise TypeError(
                 f"lightkv supports the default dynamic cache only; this {type(cache).__name__} has "

@@ -30,6 +30,7 @@ SUPPORTED_FAMILIES: dict[str, str] = {
     "qwen2_5_vl": "lightkv.adapters.qwen2_5_vl:Qwen25VLAdapter",
     "internvl": "lightkv.adapters.internvl:InternVLAdapter",
     "fuyu": "lightkv.adapters.fuyu:FuyuAdapter",
+    "gemma3": "lightkv.adapters.gemma3:Gemma3Adapter",
 }
 """Family name -> ``module:class`` of its adapter (imported on first use)."""
 
@@ -40,6 +41,7 @@ MODEL_TYPES: dict[str, str] = {
     "internvl": "internvl",
     "internvl_chat": "internvl",
     "fuyu": "fuyu",
+    "gemma3": "gemma3",
 }
 """``config.model_type`` -> family."""
 

@@ -33,7 +33,7 @@ import functools
 import inspect
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,7 +47,7 @@ from . import features
 from .base import Adapter
 from .cache import MaskedCacheLayer, _Token
 from .guards import attention_implementation, check_attention_mask, check_cache, refuse_compiled
-from .masks import decode_mask, drop_padding, gather_position_ids, gather_tokens, prefill_mask
+from .masks import drop_padding, gather_position_ids, gather_tokens
 from .probes import AttentionProbe, LayerShape, probe_for_layer
 from .registry import get_adapter
 from .report import SessionReport
@@ -67,13 +67,15 @@ class _Forward:
     impl: str
     layout: VisionLayout | None = None
     new_valid: torch.Tensor | None = None
+    past: int = 0
     provenance: Provenance | None = None
     compressed: bool = False
     full_pos: tuple[torch.Tensor, torch.Tensor] | None = None
     full_pos_ids: torch.Tensor | None = None
     pos: tuple[torch.Tensor, torch.Tensor] | None = None
     pos_ids: torch.Tensor | None = None
-    mask: torch.Tensor | None = None
+    masks: dict = field(default_factory=dict)  # adapter.mask_key(layer) -> prefill mask
+    gathered: dict = field(default_factory=dict)  # id(full position embeddings) -> (full, gathered)
     pending_relevance: torch.Tensor | None = None
     pending_keys: torch.Tensor | None = None
     trace: PrefillTrace | None = None
@@ -259,7 +261,8 @@ class CompressionSession:
         b, q = ref.shape[:2]
         impl = self._attn_impl()
         cache = _cache_of(inputs)
-        check_cache(cache)  # before the mask check: with a static cache transformers prepares a 4-D mask
+        # before the mask check: with a static cache transformers prepares a 4-D mask
+        check_cache(cache, self.adapter.cache_layer_types)
         past = cache.get_seq_length() if cache is not None else 0
         mask2d = inputs.get("attention_mask")
         check_attention_mask(mask2d)
@@ -268,7 +271,7 @@ class CompressionSession:
         )
         self.num_forwards += 1
         if past > 0:
-            self._state = _Forward(mode="decode", impl=impl, new_valid=new_valid)
+            self._state = _Forward(mode="decode", impl=impl, new_valid=new_valid, past=past)
             return
         layout = None
         if input_ids is not None:
@@ -306,9 +309,14 @@ class CompressionSession:
             layer_cache = cache.layers[i]
             if layer_cache.valid is None:
                 return None
-            valid = torch.cat([layer_cache.valid, st.new_valid.to(layer_cache.valid.device)], dim=1)
-            kwargs["attention_mask"] = decode_mask(valid, hidden.shape[1], st.impl, hidden.dtype)
+            dev = layer_cache.valid.device
+            q = hidden.shape[1]
+            valid = torch.cat([layer_cache.valid, st.new_valid.to(dev)], dim=1)
+            new_origin = (st.past + torch.arange(q, device=dev)).expand(valid.shape[0], q)
+            origin = torch.cat([layer_cache.origin, new_origin], dim=1) if layer_cache.origin is not None else None
+            kwargs["attention_mask"] = self.adapter.decode_mask(i, origin, valid, q, st.impl, hidden.dtype)
             layer_cache.pending = st.new_valid
+            layer_cache.pending_origin = new_origin
             return args, kwargs
 
         # ---- prefill
@@ -340,13 +348,24 @@ class CompressionSession:
             st.full_pos = kwargs.get("position_embeddings")
             st.full_pos_ids = kwargs.get("position_ids")
         else:
-            kwargs["attention_mask"] = st.mask
-            if st.pos is not None:
+            key = self.adapter.mask_key(i)
+            if key not in st.masks:
+                st.masks[key] = self.adapter.prefill_mask(i, layout.origin, layout.valid_mask, st.impl, hidden.dtype)
+            kwargs["attention_mask"] = st.masks[key]
+            full = kwargs.get("position_embeddings")
+            if full is not None and full is not st.full_pos and isinstance(full, tuple):
+                # this layer has its own position embeddings (Gemma 3: local and global RoPE)
+                if id(full) not in st.gathered:
+                    index = layout.origin.clamp_min(0)
+                    st.gathered[id(full)] = (full, tuple(gather_tokens(t, index) for t in full))
+                kwargs["position_embeddings"] = st.gathered[id(full)][1]
+            elif st.pos is not None:
                 kwargs["position_embeddings"] = st.pos
             if kwargs.get("position_ids") is not None:
                 kwargs["position_ids"] = st.pos_ids
             if cache is not None:
-                self._masked_layer(cache, i).pending = layout.valid_mask
+                masked = self._masked_layer(cache, i)
+                masked.pending, masked.pending_origin = layout.valid_mask, layout.origin
         stage = self._stage_at.get(i)
         if stage is not None:
             with torch.no_grad():
@@ -385,20 +404,19 @@ class CompressionSession:
     # ---------------------------------------------------------------- internals
     def _refresh(self, st: _Forward, dtype: torch.dtype) -> None:
         """Position embeddings, position ids and mask of the current (compressed) sequence."""
-        origin, valid = st.layout.origin, st.layout.valid_mask
-        index = origin.clamp_min(0)
+        index = st.layout.origin.clamp_min(0)
         if st.full_pos is not None:
             cos, sin = st.full_pos
             st.pos = (gather_tokens(cos, index), gather_tokens(sin, index))
         st.pos_ids = gather_position_ids(st.full_pos_ids, index)
-        st.mask = prefill_mask(origin, valid, st.impl, dtype)
+        st.masks, st.gathered = {}, {}
 
     def _masked_layer(self, cache: Cache, i: int) -> MaskedCacheLayer:
         layers = cache.layers
         new = MaskedCacheLayer(self._token)
         if len(layers) > i:
             old = layers[i]
-            if type(old) is not DynamicLayer and not isinstance(old, MaskedCacheLayer):
+            if type(old) not in self.adapter.cache_layer_types and not isinstance(old, MaskedCacheLayer):
                 raise TypeError(
                     f"lightkv supports DynamicCache full-attention layers only; cache layer {i} is "
                     f"{type(old).__name__} (static, sliding-window, quantized and offloaded caches are not supported)"

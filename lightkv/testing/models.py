@@ -25,6 +25,7 @@ import torch
 
 __all__ = ["TINY_MODELS", "TinyModel", "Row", "left_pad", "text_ids"]
 
+from . import gemma3
 from .common import (  # noqa: F401  (re-exported: tests and docs import them from here)
     IMAGE,
     IMG_END,
@@ -348,4 +349,5 @@ TINY_MODELS: dict[str, TinyModel] = {
                    adapter_options={"newline_token_id": NEWLINE},
                    beam_search="transformers does not expand Fuyu's pre-encoded patches for beams "
                    "(the unhooked model fails with 'Image features and image tokens do not match')"),
+    "gemma3": TinyModel("gemma3", gemma3.build, gemma3.row, gemma3.collate, gemma3.examples),
 }

@@ -86,8 +86,10 @@ def test_query_softmax_relevance_matches_captured_projections(family):
             h.remove()
     b, n, _ = captured["q"].shape
     d = attn.head_dim
-    q = captured["q"].view(b, n, -1, d).transpose(1, 2)
-    k = captured["k"].view(b, n, -1, d).transpose(1, 2)
+    q, k = captured["q"].view(b, n, -1, d), captured["k"].view(b, n, -1, d)
+    if hasattr(attn, "q_norm"):  # per-head norms after the projections (Gemma 3), as the layer applies them
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
     cos, sin = captured["pos"]
     q, k = module.apply_rotary_pos_emb(q, k, cos, sin)
     record = session.records[0]
