@@ -42,7 +42,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from ..graph.layout import TokenKind, VisionLayout
 from ..graph.provenance import Provenance
-from ..pipeline import Pipeline
+from ..pipeline import Pipeline, Stage
 from . import features
 from .base import Adapter
 from .cache import MaskedCacheLayer, _Token
@@ -140,7 +140,8 @@ class CompressionSession:
         refuse_compiled(model, [self._mm, self._lm, *self.layers])
         self.num_layers = len(self.layers)
         self.stages = pipeline.stages(self.num_layers)
-        self._stage_at = {s.spec.layer: s for s in self.stages}
+        self._stage_at = {s.spec.layer: s for s in self.stages if not s.spec.before}
+        self._before_at = {s.spec.layer: s for s in self.stages if s.spec.before}  # the pre-LLM mode
         self._probes: list[AttentionProbe] = [probe_for_layer(layer) for layer in self.layers]
         self.layer_shapes: list[LayerShape] = [p.shape() for p in self._probes]
         self._signature = inspect.signature(self._mm.forward)
@@ -334,6 +335,16 @@ class CompressionSession:
                 f"layer {i} received {hidden.shape[1]} tokens but the layout has {layout.seq_len}; "
                 "the model's forward does not match what the adapter expects"
             )
+        before = self._before_at.get(i)
+        if before is not None:  # compress the layer's input: every layer caches the shorter sequence
+            st.full_pos, st.full_pos_ids = kwargs.get("position_embeddings"), kwargs.get("position_ids")
+            self._prepare(i, before, hidden, st.full_pos, layout)
+            hidden = self._compress(i, before, hidden)
+            if args:
+                args = (hidden, *args[1:])
+            else:
+                kwargs["hidden_states"] = hidden
+            layout = st.layout
         kind = layout.kind
         trace.layers.append(
             LayerStat(
@@ -368,23 +379,22 @@ class CompressionSession:
                 masked.pending, masked.pending_origin = layout.valid_mask, layout.origin
         stage = self._stage_at.get(i)
         if stage is not None:
-            with torch.no_grad():
-                probe = self._probes[i]
-                st.pending_relevance, flops = features.relevance(
-                    probe, stage, hidden, kwargs.get("position_embeddings"), layout, i
-                )
-                trace.relevance_flops += flops
-                st.pending_keys = None
-                if "keys" in stage.needs:
-                    st.pending_keys = features.stage_keys(probe, hidden)
+            self._prepare(i, stage, hidden, kwargs.get("position_embeddings"), layout)
         return args, kwargs
 
-    def _on_layer_post(self, i: int, module, args, kwargs, output):
+    def _prepare(self, i: int, stage: Stage, hidden, position_embeddings, layout) -> None:
+        """Relevance (and keys, when a policy needs them) from layer ``i``'s own projections
+        of its input, for the stage that runs next."""
         st = self._state
-        if st is None or st.mode != "prefill" or st.layout is None:
-            return None
-        stage = self._stage_at[i]
-        hidden = output[0] if isinstance(output, tuple) else output
+        with torch.no_grad():
+            probe = self._probes[i]
+            st.pending_relevance, flops = features.relevance(probe, stage, hidden, position_embeddings, layout, i)
+            st.trace.relevance_flops += flops
+            st.pending_keys = features.stage_keys(probe, hidden) if "keys" in stage.needs else None
+
+    def _compress(self, i: int, stage: Stage, hidden: torch.Tensor) -> torch.Tensor:
+        """Run ``stage`` on ``hidden``; the session continues with the shorter sequence."""
+        st = self._state
         layout, provenance = st.layout, st.provenance
         relevance, keys = st.pending_relevance, st.pending_keys
         result = drop_padding(stage(hidden, layout, relevance, provenance, keys))
@@ -397,9 +407,16 @@ class CompressionSession:
         st.pending_relevance = st.pending_keys = None
         st.compressed = True
         self._refresh(st, hidden.dtype)
-        if isinstance(output, tuple):
-            return (result.hidden,) + tuple(output[1:])
         return result.hidden
+
+    def _on_layer_post(self, i: int, module, args, kwargs, output):
+        st = self._state
+        if st is None or st.mode != "prefill" or st.layout is None:
+            return None
+        hidden = self._compress(i, self._stage_at[i], output[0] if isinstance(output, tuple) else output)
+        if isinstance(output, tuple):
+            return (hidden,) + tuple(output[1:])
+        return hidden
 
     # ---------------------------------------------------------------- internals
     def _refresh(self, st: _Forward, dtype: torch.dtype) -> None:

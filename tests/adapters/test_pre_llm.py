@@ -1,0 +1,111 @@
+"""The pre-LLM mode inside every family: one stage on the embeddings before layer 0.
+
+Same invariants as the in-prefill stages: identity at ratio 0, every layer's cache as long
+as promised, a row alone equals the row in a padded batch; and, on LLaVA, the result equals
+the unhooked model run on only the kept embeddings at their original positions.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lightkv
+from lightkv.adapters import apply
+from lightkv.adapters.cache import MaskedCacheLayer
+from lightkv.graph.layout import TokenKind
+from lightkv.policies import MessagePasser, Partitioner, PreLLMSchedule, Pruner
+from lightkv.testing import TINY_MODELS
+
+from .conftest import get_model
+from .promise import removed_first_stage
+
+GEN = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
+
+
+def pre_llm(ratio: float = 0.5, passer: str | None = None):
+    pipe = lightkv.load("lightkv-pre-llm").with_scheduler(PreLLMSchedule(ratio=ratio, windows_per_side=2))
+    if passer is not None:
+        pipe.passer = MessagePasser.create(passer)
+    return pipe
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_identity_at_ratio_zero(family, attn):
+    model = get_model(family, attn)
+    fam = TINY_MODELS[family]
+    batch = fam.collate(fam.examples(model))
+    ref = model(**batch).logits
+    ref_gen = model.generate(**batch, **GEN)
+    with apply(pre_llm(0.0), model, **fam.adapter_options) as session:
+        out = session.to_prompt_positions(model(**batch).logits)
+        assert [r.layer for r in session.last_prefill.stages] == [0]
+        gen = model.generate(**batch, **GEN)
+    valid = batch["attention_mask"].bool()
+    assert (out - ref)[valid].abs().max().item() <= 1e-5
+    assert torch.equal(gen.sequences, ref_gen.sequences)
+
+
+def test_every_layer_caches_the_compressed_prompt(family):
+    model = get_model(family)
+    fam = TINY_MODELS[family]
+    rows = fam.examples(model)
+    batch = fam.collate(rows)
+    with apply(pre_llm(), model, **fam.adapter_options) as session:
+        out = model(**batch, use_cache=True)
+        gen = model.generate(**batch, max_new_tokens=3, do_sample=False)
+    assert gen.shape[1] == batch["input_ids"].shape[1] + 3
+    layout = session.last_prefill.layout
+    valid = batch["attention_mask"].sum(1).tolist()
+    for b in range(len(rows)):
+        grids = [tuple(g) for g, r in zip(layout.image_grid.tolist(), layout.image_row.tolist()) if r == b]
+        removed = sum(removed_first_stage(g, 2, 0.5) for g in grids)
+        lengths = [int(layer.valid[b].sum()) for layer in out.cache.layers if isinstance(layer, MaskedCacheLayer)]
+        assert lengths == [valid[b] - removed] * len(out.cache.layers), (b, lengths)
+    assert [s.layer for s in session.report().stages] == [0]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_row_alone_equals_row_in_padded_batch(family, attn):
+    model = get_model(family, attn)
+    fam = TINY_MODELS[family]
+    rows = fam.examples(model)
+    with apply(pre_llm(), model, **fam.adapter_options):
+        together = model.generate(**fam.collate(rows), **GEN)
+        for i, row in enumerate(rows):
+            alone = model.generate(**fam.collate([row]), **GEN)
+            assert torch.equal(alone.sequences[0, -5:], together.sequences[i, -5:])
+            for a, b in zip(alone.logits, together.logits):
+                assert (a[0] - b[i]).abs().max().item() <= 1e-4
+
+
+def test_llava_equals_the_model_on_the_kept_embeddings_at_their_original_positions():
+    """Oracle: dropping before layer 0 is the plain model on the surviving embeddings, each at
+    its original position (a 1-D RoPE model, so position_ids say it all)."""
+    model = get_model("llava")
+    fam = TINY_MODELS["llava"]
+    batch = fam.collate(fam.examples(model)[:1])
+    pipe = lightkv.load("lightkv-pre-llm").with_scheduler(PreLLMSchedule(ratio=0.5, windows_per_side=2))
+    pipe.scorer, pipe.pruner = None, Pruner.create("random", seed=3)
+    pipe.passer, pipe.partitioner = MessagePasser.create("drop"), Partitioner.create("grid", split="all_src")
+    with apply(pipe, model, record=True) as session:
+        logits = model(**batch).logits
+    kept = session.records[0].result.layout.origin[0]
+    kept = kept[kept >= 0]
+    assert kept.numel() < batch["input_ids"].shape[1]
+    # the model's own merged embeddings (text + projected image features), then only the kept ones
+    captured = {}
+    hook = model.model.language_model.register_forward_pre_hook(
+        lambda mod, args, kwargs: captured.update(embeds=kwargs["inputs_embeds"]), with_kwargs=True
+    )
+    try:
+        model(**batch)
+    finally:
+        hook.remove()
+    embeds = captured["embeds"][:, kept]
+    ref = model.model.language_model(inputs_embeds=embeds, position_ids=kept.unsqueeze(0)).last_hidden_state
+    ref_logits = model.lm_head(ref)
+    assert (logits[0, -1] - ref_logits[0, -1]).abs().max().item() <= 1e-5
+    assert int((session.records[0].result.layout.kind == TokenKind.VISION).sum()) == kept.numel() - (
+        batch["input_ids"].shape[1] - int((batch["input_ids"] == 100).sum())
+    )
