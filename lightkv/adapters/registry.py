@@ -30,6 +30,8 @@ SUPPORTED_FAMILIES: dict[str, str] = {
     "qwen2_5_vl": "lightkv.adapters.qwen2_5_vl:Qwen25VLAdapter",
     "internvl": "lightkv.adapters.internvl:InternVLAdapter",
     "fuyu": "lightkv.adapters.fuyu:FuyuAdapter",
+    "llava_onevision": "lightkv.adapters.llava_onevision:LlavaOnevisionAdapter",
+    "llava_next_video": "lightkv.adapters.llava_next_video:LlavaNextVideoAdapter",
 }
 """Family name -> ``module:class`` of its adapter (imported on first use)."""
 
@@ -40,6 +42,8 @@ MODEL_TYPES: dict[str, str] = {
     "internvl": "internvl",
     "internvl_chat": "internvl",
     "fuyu": "fuyu",
+    "llava_onevision": "llava_onevision",
+    "llava_next_video": "llava_next_video",
 }
 """``config.model_type`` -> family."""
 

@@ -25,6 +25,7 @@ import torch
 
 __all__ = ["TINY_MODELS", "TinyModel", "Row", "left_pad", "text_ids"]
 
+from . import llava_next_video, llava_onevision
 from .common import (  # noqa: F401  (re-exported: tests and docs import them from here)
     IMAGE,
     IMG_END,
@@ -348,4 +349,8 @@ TINY_MODELS: dict[str, TinyModel] = {
                    adapter_options={"newline_token_id": NEWLINE},
                    beam_search="transformers does not expand Fuyu's pre-encoded patches for beams "
                    "(the unhooked model fails with 'Image features and image tokens do not match')"),
+    "llava_onevision": TinyModel("llava_onevision", llava_onevision.build, llava_onevision.row,
+                                 llava_onevision.collate, llava_onevision.examples),
+    "llava_next_video": TinyModel("llava_next_video", llava_next_video.build, llava_next_video.row,
+                                  llava_next_video.collate, llava_next_video.examples),
 }
