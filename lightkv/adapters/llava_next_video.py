@@ -1,4 +1,4 @@
-"""LLaVA-NeXT-Video (``LlavaNextVideoForConditionalGeneration``): LLaVA-NeXT images, pooled video frames.
+"""LLaVA-NeXT-Video (``LlavaNextVideoForConditionalGeneration``): anyres images, pooled frames.
 
 Images are laid out as LLaVA-NeXT lays them out: the base grid (``side x side`` tokens),
 then the tiles stitched and un-padded to the image's aspect ratio, row by row, each row
@@ -16,7 +16,7 @@ The grids come from ``image_sizes`` with the model's own helpers
 (newlines are copies of ``image_newline``) and each video's frame count from its length.
 
 Exact: anyres images (degenerate un-pads included), videos, images and videos mixed in one batch.
-Refused: towers whose selected features are not a ``side x side`` grid per tile (e.g. ``full`` with a CLS token).
+Refused: features that are not a ``side x side`` grid per tile (``full`` with a CLS token).
 """
 
 from __future__ import annotations
@@ -26,7 +26,13 @@ import torch
 from ..graph.layout import ImageSegment
 from .base import Adapter, place_images
 from .llava import _side
-from .llava_onevision import check_tile_tokens, read_anyres_feature, video_frames, video_segments, with_structural
+from .llava_onevision import (
+    check_tile_tokens,
+    read_anyres_feature,
+    video_frames,
+    video_segments,
+    with_structural,
+)
 
 __all__ = ["LlavaNextVideoAdapter"]
 
@@ -42,7 +48,8 @@ class LlavaNextVideoAdapter(Adapter):
         stride = int(getattr(self.config, "spatial_pool_stride", 2))
         if stride < 1 or _side(self.config.vision_config) < stride:
             raise NotImplementedError(
-                f"the llava_next_video adapter needs 1 <= spatial_pool_stride <= the tile side, got {stride}"
+                "the llava_next_video adapter needs 1 <= spatial_pool_stride <= the tile side, "
+                f"got {stride}"
             )
 
     def image_grids(self, image_size) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -58,8 +65,12 @@ class LlavaNextVideoAdapter(Adapter):
         if isinstance(image_size, torch.Tensor):
             image_size = image_size.tolist()
         image_size = [int(v) for v in image_size]
-        tiles_h, tiles_w = get_anyres_image_grid_shape(image_size, self.config.image_grid_pinpoints, tile)
-        rows, cols = unpad_image(torch.empty(0, tiles_h * side, tiles_w * side), image_size).shape[1:]
+        tiles_h, tiles_w = get_anyres_image_grid_shape(
+            image_size, self.config.image_grid_pinpoints, tile
+        )
+        rows, cols = unpad_image(torch.empty(0, tiles_h * side, tiles_w * side), image_size).shape[
+            1:
+        ]
         return (side, side), (int(rows), int(cols))
 
     def frame_grid(self) -> tuple[int, int]:
@@ -81,19 +92,28 @@ class LlavaNextVideoAdapter(Adapter):
             encoded = (inputs.get("mm_encoder_outputs") or {}).get("image")
             if encoded is not None:
                 newline = self.multimodal_module().image_newline
-                grids = [((side, side), read_anyres_feature(f, side * side, newline, "LLaVA-NeXT-Video"))
-                         for f in encoded.pooler_output]
+                grids = [
+                    ((side, side), read_anyres_feature(f, side * side, newline, "LLaVA-NeXT-Video"))
+                    for f in encoded.pooler_output
+                ]
             elif inputs.get("image_sizes") is not None:
                 grids = [self.image_grids(size) for size in inputs["image_sizes"]]
             else:
-                raise ValueError("LLaVA-NeXT-Video inputs with image tokens need image_sizes (or mm_encoder_outputs)")
+                raise ValueError(
+                    "LLaVA-NeXT-Video inputs with image tokens need image_sizes "
+                    "(or mm_encoder_outputs)"
+                )
             counts = [b[0] * b[1] + h * (w + 1) for b, (h, w) in grids]
             for (row, offset), (base, (h, w)) in zip(place_images(images, counts), grids):
                 segments.append(ImageSegment(row=row, offset=offset, grid=base))
                 after = offset + base[0] * base[1]
                 if h > 0 and w > 0:
-                    segments.append(ImageSegment(row=row, offset=after, grid=(h, w), newline_every=w))
-                elif h > 0:  # an extreme aspect ratio un-pads to rows without columns: newlines alone
+                    segments.append(
+                        ImageSegment(row=row, offset=after, grid=(h, w), newline_every=w)
+                    )
+                elif (
+                    h > 0
+                ):  # an extreme aspect ratio un-pads to rows without columns: newlines alone
                     extras.append((row, after, h, len(segments) - 1))
         videos = input_ids == self.config.video_token_id
         if bool(videos.any()):

@@ -1,4 +1,4 @@
-"""LLaVA-OneVision (``LlavaOnevisionForConditionalGeneration``): anyres-max images, pooled video frames.
+"""LLaVA-OneVision (``LlavaOnevisionForConditionalGeneration``): anyres-max images, pooled frames.
 
 An image that is the only one of its prompt (``batch_num_images`` 1, or not given) becomes
 two grids, one after the other in the prompt:
@@ -23,8 +23,8 @@ The grids come from ``image_sizes`` with the model's own helpers
 ``mm_encoder_outputs`` instead, and then each grid is read from the packed features (the
 newline tokens are copies of the model's ``image_newline`` vector).
 
-Exact: anyres-max images (shrunk or not), multi-image prompts, videos, images and videos mixed in one batch.
-Refused: towers whose selected features are not a ``side x side`` grid per tile (e.g. ``full`` with a CLS token).
+Exact: anyres-max images (shrunk or not), multi-image prompts, videos, images and videos mixed.
+Refused: features that are not a ``side x side`` grid per tile (``full`` with a CLS token).
 """
 
 from __future__ import annotations
@@ -53,19 +53,23 @@ def check_tile_tokens(adapter: Adapter, strategy: str | None = None) -> None:
     side = _side(config.vision_config)
     if not isinstance(positions, int):
         raise NotImplementedError(
-            f"the {adapter.family} adapter cannot tell how many tokens the {type(tower).__name__} vision tower "
-            "gives per tile (no embeddings.num_positions); use a CLIP or SigLIP tower"
+            f"the {adapter.family} adapter cannot tell how many tokens the "
+            f"{type(tower).__name__} vision tower gives per tile (no embeddings.num_positions); "
+            "use a CLIP or SigLIP tower"
         )
     selected = positions - (1 if strategy == "default" else 0)
     if selected != side * side:
         raise NotImplementedError(
-            f"the {adapter.family} adapter needs {side} x {side} = {side * side} features per tile, but "
-            f"vision_feature_select_strategy={strategy!r} keeps {selected} of the {type(tower).__name__} tower's "
-            f"{positions} tokens; use 'default' for towers with a CLS token (CLIP), 'full' for towers without (SigLIP)"
+            f"the {adapter.family} adapter needs {side} x {side} = {side * side} features per "
+            f"tile, but vision_feature_select_strategy={strategy!r} keeps {selected} of the "
+            f"{type(tower).__name__} tower's {positions} tokens; use 'default' for towers with a "
+            "CLS token (CLIP), 'full' for towers without (SigLIP)"
         )
 
 
-def read_anyres_feature(feature: torch.Tensor, base: int, newline: torch.Tensor, what: str) -> tuple[int, int]:
+def read_anyres_feature(
+    feature: torch.Tensor, base: int, newline: torch.Tensor, what: str
+) -> tuple[int, int]:
     """``(rows, cols)`` of the newline-terminated part of one packed image feature ``[L, D]``
     after its ``base`` tokens (``(0, 0)`` when there is none; ``cols`` may be 0)."""
     hi = feature[base:]
@@ -79,7 +83,9 @@ def read_anyres_feature(feature: torch.Tensor, base: int, newline: torch.Tensor,
     expected = torch.zeros(rows, cols + 1, dtype=torch.bool, device=hi.device)
     expected[:, -1] = True
     if not torch.equal(is_newline, expected.flatten()):
-        raise ValueError(f"the newline tokens of a {what} image feature are not at the end of every row")
+        raise ValueError(
+            f"the newline tokens of a {what} image feature are not at the end of every row"
+        )
     return rows, cols
 
 
@@ -94,7 +100,9 @@ def with_structural(layout, extras: list[tuple[int, int, int, int]]):
         h, w = (int(v) for v in layout.image_grid[index])
         span = slice(start, start + length)
         if (kind[row, span] != int(TokenKind.TEXT)).any():
-            raise ValueError(f"a trailing newline at {start} in row {row} overlaps an image or padding")
+            raise ValueError(
+                f"a trailing newline at {start} in row {row} overlaps an image or padding"
+            )
         kind[row, span] = int(TokenKind.STRUCTURAL)
         image[row, span] = index
         coords[row, span, 0] = h - 1
@@ -112,26 +120,37 @@ def video_frames(inputs, per_frame: int, trailing: int, newline, what: str) -> l
         for feature in encoded.pooler_output:
             n = feature.shape[0] - trailing
             if n <= 0 or n % per_frame:
-                raise ValueError(f"a {what} video feature of {feature.shape[0]} tokens is not frames of {per_frame}")
-            if trailing and not bool((feature[-1] == newline.to(feature.device, feature.dtype)).all()):
+                raise ValueError(
+                    f"a {what} video feature of {feature.shape[0]} tokens is not frames of "
+                    f"{per_frame}"
+                )
+            if trailing and not bool(
+                (feature[-1] == newline.to(feature.device, feature.dtype)).all()
+            ):
                 raise ValueError(f"a {what} video feature does not end with the model's newline")
             frames.append(n // per_frame)
         return frames
     if pixels is None:
-        raise ValueError(f"{what} inputs with video tokens need pixel_values_videos (or mm_encoder_outputs)")
+        raise ValueError(
+            f"{what} inputs with video tokens need pixel_values_videos (or mm_encoder_outputs)"
+        )
     if pixels.dim() != 5:
-        raise ValueError(f"pixel_values_videos must be [videos, frames, C, H, W], got shape {tuple(pixels.shape)}")
+        raise ValueError(
+            "pixel_values_videos must be [videos, frames, C, H, W], "
+            f"got shape {tuple(pixels.shape)}"
+        )
     return [int(pixels.shape[1])] * int(pixels.shape[0])
 
 
 def video_segments(placeholders, frames: list[int], grid, trailing: int, first_index: int):
-    """Frame segments of every video and the ``with_structural`` extras for their trailing tokens."""
+    """Frame segments of every video, and ``with_structural`` extras for its trailing tokens."""
     per_frame = grid[0] * grid[1]
     places = place_images(placeholders, [t * per_frame + trailing for t in frames], "video")
     segments, extras = [], []
     for v, ((row, offset), t) in enumerate(zip(places, frames)):
         segments += [
-            ImageSegment(row=row, offset=offset + f * per_frame, grid=grid, video=v, frame=f) for f in range(t)
+            ImageSegment(row=row, offset=offset + f * per_frame, grid=grid, video=v, frame=f)
+            for f in range(t)
         ]
         if trailing:
             extras.append((row, offset + t * per_frame, trailing, first_index + len(segments) - 1))
@@ -139,7 +158,7 @@ def video_segments(placeholders, frames: list[int], grid, trailing: int, first_i
 
 
 class LlavaOnevisionAdapter(Adapter):
-    """LLaVA-OneVision: base grid + shrunk high-resolution grid with row newlines; pooled video frames."""
+    """LLaVA-OneVision: base grid + shrunk high-resolution grid with row newlines; pooled frames."""
 
     family = "llava_onevision"
     model_types = ("llava_onevision",)
@@ -155,10 +174,13 @@ class LlavaOnevisionAdapter(Adapter):
             return int(ratio.strip("anyres_max_"))
         except (AttributeError, ValueError):
             raise NotImplementedError(
-                f"the llava_onevision adapter supports vision_aspect_ratio 'anyres_max_<N>', got {ratio!r}"
+                "the llava_onevision adapter supports vision_aspect_ratio 'anyres_max_<N>', "
+                f"got {ratio!r}"
             ) from None
 
-    def image_grids(self, image_size, patched: bool = True) -> tuple[tuple[int, int], tuple[int, int]]:
+    def image_grids(
+        self, image_size, patched: bool = True
+    ) -> tuple[tuple[int, int], tuple[int, int]]:
         """``(base grid, high-resolution grid)`` of one image of size ``(height, width)``;
         ``(1, 0)`` for the single trailing newline of an image that is not ``patched``."""
         from transformers.models.llava_onevision.modeling_llava_onevision import (
@@ -174,8 +196,12 @@ class LlavaOnevisionAdapter(Adapter):
         if isinstance(image_size, torch.Tensor):
             image_size = image_size.tolist()
         image_size = [int(v) for v in image_size]
-        tiles_h, tiles_w = get_anyres_image_grid_shape(image_size, self.config.image_grid_pinpoints, tile)
-        rows, cols = unpad_image(torch.empty(0, tiles_h * side, tiles_w * side), image_size).shape[1:]
+        tiles_h, tiles_w = get_anyres_image_grid_shape(
+            image_size, self.config.image_grid_pinpoints, tile
+        )
+        rows, cols = unpad_image(torch.empty(0, tiles_h * side, tiles_w * side), image_size).shape[
+            1:
+        ]
         ratio = math.sqrt(rows * cols / (self.max_tiles() * side**2))
         if ratio > 1.1:  # the model's bilinear shrink, same arithmetic
             rows, cols = int(rows // ratio), int(cols // ratio)
@@ -186,18 +212,25 @@ class LlavaOnevisionAdapter(Adapter):
         encoded = (inputs.get("mm_encoder_outputs") or {}).get("image")
         if encoded is not None:
             newline = self.multimodal_module().image_newline
-            return [((side, side), read_anyres_feature(f, side * side, newline, "LLaVA-OneVision"))
-                    for f in encoded.pooler_output]
+            return [
+                ((side, side), read_anyres_feature(f, side * side, newline, "LLaVA-OneVision"))
+                for f in encoded.pooler_output
+            ]
         sizes = inputs.get("image_sizes")
         if sizes is None:
-            raise ValueError("LLaVA-OneVision inputs with image tokens need image_sizes (or mm_encoder_outputs)")
+            raise ValueError(
+                "LLaVA-OneVision inputs with image tokens need image_sizes (or mm_encoder_outputs)"
+            )
         per_row = inputs.get("batch_num_images")
         if per_row is None:  # the model's default: every image is patched
             patched = [True] * len(sizes)
         else:
             patched = [int(n) == 1 for n in per_row for _ in range(int(n))]
         if len(patched) != len(sizes):
-            raise ValueError(f"batch_num_images adds up to {len(patched)} images but image_sizes has {len(sizes)}")
+            raise ValueError(
+                f"batch_num_images adds up to {len(patched)} images but image_sizes has "
+                f"{len(sizes)}"
+            )
         return [self.image_grids(size, p) for size, p in zip(sizes, patched)]
 
     def build_layout(self, inputs, padding):
@@ -215,12 +248,18 @@ class LlavaOnevisionAdapter(Adapter):
                 segments.append(ImageSegment(row=row, offset=offset, grid=base))
                 after = offset + base[0] * base[1]
                 if h > 0 and w > 0:
-                    segments.append(ImageSegment(row=row, offset=after, grid=(h, w), newline_every=w))
-                elif h > 0:  # newlines without a grid: one after a lone base tile, or a degenerate un-pad
+                    segments.append(
+                        ImageSegment(row=row, offset=after, grid=(h, w), newline_every=w)
+                    )
+                elif (
+                    h > 0
+                ):  # newlines without a grid: one after a lone base tile, or a degenerate un-pad
                     extras.append((row, after, h, len(segments) - 1))
         videos = input_ids == self.config.video_token_id
         if bool(videos.any()):
-            pooled = -(-_side(self.config.vision_config) // 2)  # the model's ceil(side / 2) bilinear pooling
+            pooled = -(
+                -_side(self.config.vision_config) // 2
+            )  # the model's ceil(side / 2) bilinear pooling
             newline = self.multimodal_module().image_newline
             frames = video_frames(inputs, pooled * pooled, 1, newline, "LLaVA-OneVision")
             more, more_extras = video_segments(videos, frames, (pooled, pooled), 1, len(segments))

@@ -16,24 +16,61 @@ from .common import IMAGE, VIDEO, Row, _batch_ids, _finish, _seq, _text_config, 
 __all__ = ["build", "collate", "examples", "row", "tokens", "video_tokens"]
 
 
-def build(attn_implementation="sdpa", dtype=torch.float32, seed=0, num_layers=4, image_size=16, patch_size=4,
-          pinpoints=((16, 32), (32, 16), (32, 32)), spatial_pool_mode="average", spatial_pool_stride=2,
-          hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2):
+def build(
+    attn_implementation="sdpa",
+    dtype=torch.float32,
+    seed=0,
+    num_layers=4,
+    image_size=16,
+    patch_size=4,
+    pinpoints=((16, 32), (32, 16), (32, 32)),
+    spatial_pool_mode="average",
+    spatial_pool_stride=2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_heads=4,
+    num_kv_heads=2,
+):
     """LLaVA-NeXT-Video-shaped: ``(image_size / patch_size)^2`` base tokens per image, tiles
     from ``pinpoints``; video frames pooled by ``spatial_pool_stride``."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaNextVideoConfig, LlavaNextVideoForConditionalGeneration
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaNextVideoConfig,
+        LlavaNextVideoForConditionalGeneration,
+    )
 
     torch.manual_seed(seed)
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                              image_size=image_size, patch_size=patch_size, projection_dim=32)
-    text = LlamaConfig(**_text_config(num_hidden_layers=num_layers, hidden_size=hidden_size,
-                                      intermediate_size=intermediate_size, num_attention_heads=num_heads,
-                                      num_key_value_heads=num_kv_heads))
-    cfg = LlavaNextVideoConfig(vision_config=vision, text_config=text, image_token_index=IMAGE,
-                               video_token_index=VIDEO, image_grid_pinpoints=[list(p) for p in pinpoints],
-                               vision_feature_layer=-1, vision_feature_select_strategy="default",
-                               spatial_pool_mode=spatial_pool_mode, spatial_pool_stride=spatial_pool_stride,
-                               attn_implementation=attn_implementation)
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=image_size,
+        patch_size=patch_size,
+        projection_dim=32,
+    )
+    text = LlamaConfig(
+        **_text_config(
+            num_hidden_layers=num_layers,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+        )
+    )
+    cfg = LlavaNextVideoConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=IMAGE,
+        video_token_index=VIDEO,
+        image_grid_pinpoints=[list(p) for p in pinpoints],
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        spatial_pool_mode=spatial_pool_mode,
+        spatial_pool_stride=spatial_pool_stride,
+        attn_implementation=attn_implementation,
+    )
     model = LlavaNextVideoForConditionalGeneration(cfg)
     with torch.no_grad():  # give the newline embedding values of its own
         model.model.image_newline.normal_(generator=torch.Generator().manual_seed(seed))
@@ -41,10 +78,14 @@ def build(attn_implementation="sdpa", dtype=torch.float32, seed=0, num_layers=4,
 
 
 def _tiles(model, size) -> int:
-    from transformers.models.llava_next_video.modeling_llava_next_video import image_size_to_num_patches
+    from transformers.models.llava_next_video.modeling_llava_next_video import (
+        image_size_to_num_patches,
+    )
 
     cfg = model.config
-    return image_size_to_num_patches(list(size), cfg.image_grid_pinpoints, cfg.vision_config.image_size)
+    return image_size_to_num_patches(
+        list(size), cfg.image_grid_pinpoints, cfg.vision_config.image_size
+    )
 
 
 def tokens(model, image_size: tuple[int, int]) -> int:
@@ -52,7 +93,9 @@ def tokens(model, image_size: tuple[int, int]) -> int:
     side = model.config.vision_config.image_size
     pixels = torch.zeros(1, _tiles(model, image_size), 3, side, side, dtype=model.dtype)
     with torch.no_grad():
-        feats = model.model.get_image_features(pixels, torch.tensor([list(image_size)])).pooler_output
+        feats = model.model.get_image_features(
+            pixels, torch.tensor([list(image_size)])
+        ).pooler_output
     return int(feats[0].shape[0])
 
 
@@ -60,13 +103,21 @@ def video_tokens(model, frames: int) -> int:
     """Placeholder tokens of a video of ``frames`` frames, as the model itself pools it."""
     side = model.config.vision_config.image_size
     with torch.no_grad():
-        feats = model.model.get_video_features(torch.zeros(1, frames, 3, side, side, dtype=model.dtype)).pooler_output
+        feats = model.model.get_video_features(
+            torch.zeros(1, frames, 3, side, side, dtype=model.dtype)
+        ).pooler_output
     return int(feats.shape[1])
 
 
-def row(model, images: Sequence[tuple[int, int]] | int = ((20, 30),), videos: Sequence[int] = (), pre: int = 4,
-        post: int = 5, seed: int = 0) -> Row:
-    """Images given as ``(height, width)`` pixels, then videos given as frame counts, text around them."""
+def row(
+    model,
+    images: Sequence[tuple[int, int]] | int = ((20, 30),),
+    videos: Sequence[int] = (),
+    pre: int = 4,
+    post: int = 5,
+    seed: int = 0,
+) -> Row:
+    """Images as ``(height, width)`` pixels, then videos as frame counts, text around them."""
     if isinstance(images, int):
         images = [(20, 30)] * images
     g = torch.Generator().manual_seed(seed)
@@ -99,11 +150,15 @@ def collate(rows: Sequence[Row]) -> dict:
         for i, p in enumerate(pix):
             stacked[i, : p.shape[0]] = p
         out["pixel_values"] = stacked
-        out["image_sizes"] = torch.cat([r.images["image_sizes"] for r in rows if "image_sizes" in r.images])
+        out["image_sizes"] = torch.cat(
+            [r.images["image_sizes"] for r in rows if "image_sizes" in r.images]
+        )
     clips = [c for r in rows for c in r.images.get("pixel_values_videos", [])]
     if clips:
         if len({c.shape[0] for c in clips}) > 1:
-            raise ValueError("the videos of one LLaVA-NeXT-Video batch must have the same number of frames")
+            raise ValueError(
+                "the videos of one LLaVA-NeXT-Video batch must have the same number of frames"
+            )
         out["pixel_values_videos"] = torch.stack(clips)
     return out
 
