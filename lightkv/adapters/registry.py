@@ -31,6 +31,8 @@ SUPPORTED_FAMILIES: dict[str, str] = {
     "internvl": "lightkv.adapters.internvl:InternVLAdapter",
     "fuyu": "lightkv.adapters.fuyu:FuyuAdapter",
     "gemma3": "lightkv.adapters.gemma3:Gemma3Adapter",
+    "llava_onevision": "lightkv.adapters.llava_onevision:LlavaOnevisionAdapter",
+    "llava_next_video": "lightkv.adapters.llava_next_video:LlavaNextVideoAdapter",
 }
 """Family name -> ``module:class`` of its adapter (imported on first use)."""
 
@@ -42,6 +44,8 @@ MODEL_TYPES: dict[str, str] = {
     "internvl_chat": "internvl",
     "fuyu": "fuyu",
     "gemma3": "gemma3",
+    "llava_onevision": "llava_onevision",
+    "llava_next_video": "llava_next_video",
 }
 """``config.model_type`` -> family."""
 

@@ -26,6 +26,7 @@ import torch
 __all__ = ["TINY_MODELS", "TinyModel", "Row", "left_pad", "text_ids"]
 
 from . import gemma3
+from . import llava_next_video, llava_onevision
 from .common import (  # noqa: F401  (re-exported: tests and docs import them from here)
     IMAGE,
     IMG_END,
@@ -350,4 +351,8 @@ TINY_MODELS: dict[str, TinyModel] = {
                    beam_search="transformers does not expand Fuyu's pre-encoded patches for beams "
                    "(the unhooked model fails with 'Image features and image tokens do not match')"),
     "gemma3": TinyModel("gemma3", gemma3.build, gemma3.row, gemma3.collate, gemma3.examples),
+    "llava_onevision": TinyModel("llava_onevision", llava_onevision.build, llava_onevision.row,
+                                 llava_onevision.collate, llava_onevision.examples),
+    "llava_next_video": TinyModel("llava_next_video", llava_next_video.build, llava_next_video.row,
+                                  llava_next_video.collate, llava_next_video.examples),
 }
