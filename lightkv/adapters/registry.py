@@ -30,6 +30,8 @@ SUPPORTED_FAMILIES: dict[str, str] = {
     "qwen2_5_vl": "lightkv.adapters.qwen2_5_vl:Qwen25VLAdapter",
     "internvl": "lightkv.adapters.internvl:InternVLAdapter",
     "fuyu": "lightkv.adapters.fuyu:FuyuAdapter",
+    "qwen2_vl": "lightkv.adapters.qwen2_vl:Qwen2VLAdapter",
+    "qwen3_vl": "lightkv.adapters.qwen3_vl:Qwen3VLAdapter",
 }
 """Family name -> ``module:class`` of its adapter (imported on first use)."""
 
@@ -40,6 +42,8 @@ MODEL_TYPES: dict[str, str] = {
     "internvl": "internvl",
     "internvl_chat": "internvl",
     "fuyu": "fuyu",
+    "qwen2_vl": "qwen2_vl",
+    "qwen3_vl": "qwen3_vl",
 }
 """``config.model_type`` -> family."""
 

@@ -25,6 +25,7 @@ import torch
 
 __all__ = ["TINY_MODELS", "TinyModel", "Row", "left_pad", "text_ids"]
 
+from . import qwen2_vl, qwen3_vl  # newer families: one module each
 from .common import (  # noqa: F401  (re-exported: tests and docs import them from here)
     IMAGE,
     IMG_END,
@@ -348,4 +349,6 @@ TINY_MODELS: dict[str, TinyModel] = {
                    adapter_options={"newline_token_id": NEWLINE},
                    beam_search="transformers does not expand Fuyu's pre-encoded patches for beams "
                    "(the unhooked model fails with 'Image features and image tokens do not match')"),
+    "qwen2_vl": TinyModel("qwen2_vl", qwen2_vl.build, qwen2_vl.row, qwen2_vl.collate, qwen2_vl.examples),
+    "qwen3_vl": TinyModel("qwen3_vl", qwen3_vl.build, qwen3_vl.row, qwen3_vl.collate, qwen3_vl.examples),
 }
