@@ -68,9 +68,11 @@ def test_query_softmax_relevance_matches_captured_projections(family):
         pytest.skip("fused-QKV attention: covered by the FastV comparison with eager weights")
     captured = {}
     module = __import__(type(attn).__module__, fromlist=["apply_rotary_pos_emb"])
+    # Qwen3-style attention normalises each head after the projection: capture the norms' outputs
+    q_out, k_out = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else (attn.q_proj, attn.k_proj)
     hooks = [
-        attn.q_proj.register_forward_hook(lambda m, a, o: captured.__setitem__("q", o)),
-        attn.k_proj.register_forward_hook(lambda m, a, o: captured.__setitem__("k", o)),
+        q_out.register_forward_hook(lambda m, a, o: captured.__setitem__("q", o)),
+        k_out.register_forward_hook(lambda m, a, o: captured.__setitem__("k", o)),
         attn.register_forward_pre_hook(
             lambda m, a, kw: captured.__setitem__("pos", kw["position_embeddings"]), with_kwargs=True
         ),
@@ -84,7 +86,7 @@ def test_query_softmax_relevance_matches_captured_projections(family):
     finally:
         for h in hooks:
             h.remove()
-    b, n, _ = captured["q"].shape
+    b, n = captured["q"].shape[:2]
     d = attn.head_dim
     q = captured["q"].view(b, n, -1, d).transpose(1, 2)
     k = captured["k"].view(b, n, -1, d).transpose(1, 2)
