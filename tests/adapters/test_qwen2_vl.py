@@ -4,6 +4,7 @@ rope index), frames labelled by video, mixed batches, the generate() path."""
 from __future__ import annotations
 
 import pytest
+
 from lightkv.adapters import apply, get_adapter
 from lightkv.adapters.qwen2_vl import label_video_frames
 from lightkv.graph.layout import ImageSegment
