@@ -90,6 +90,14 @@ class Adapter:
     def check_config(self) -> None:
         """Raise a clear error for configurations the adapter cannot handle."""
 
+    def check_stages(self, stages: Sequence[Any]) -> None:
+        """Raise a clear error for a schedule this model cannot run exactly.
+
+        The session calls it once, with the pipeline's stages (`lightkv.Stage`) for this model's
+        decoder layers (``stage.spec.layer`` is the layer whose output the stage
+        compresses). Default: every schedule is accepted. Qwen3-VL refuses stages before
+        its DeepStack layers have added their visual features."""
+
     def require_default_feature_strategy(self) -> None:
         """Refuse ``vision_feature_select_strategy`` other than ``"default"`` (CLS dropped):
         with ``"full"`` the CLS token would sit in the grid and break its geometry."""

@@ -33,6 +33,8 @@ SUPPORTED_FAMILIES: dict[str, str] = {
     "gemma3": "lightkv.adapters.gemma3:Gemma3Adapter",
     "llava_onevision": "lightkv.adapters.llava_onevision:LlavaOnevisionAdapter",
     "llava_next_video": "lightkv.adapters.llava_next_video:LlavaNextVideoAdapter",
+    "qwen2_vl": "lightkv.adapters.qwen2_vl:Qwen2VLAdapter",
+    "qwen3_vl": "lightkv.adapters.qwen3_vl:Qwen3VLAdapter",
 }
 """Family name -> ``module:class`` of its adapter (imported on first use)."""
 
@@ -46,6 +48,8 @@ MODEL_TYPES: dict[str, str] = {
     "gemma3": "gemma3",
     "llava_onevision": "llava_onevision",
     "llava_next_video": "llava_next_video",
+    "qwen2_vl": "qwen2_vl",
+    "qwen3_vl": "qwen3_vl",
 }
 """``config.model_type`` -> family."""
 

@@ -140,6 +140,7 @@ class CompressionSession:
         refuse_compiled(model, [self._mm, self._lm, *self.layers])
         self.num_layers = len(self.layers)
         self.stages = pipeline.stages(self.num_layers)
+        self.adapter.check_stages(self.stages)
         self._stage_at = {s.spec.layer: s for s in self.stages if not s.spec.before}
         self._before_at = {s.spec.layer: s for s in self.stages if s.spec.before}  # the pre-LLM mode
         self._probes: list[AttentionProbe] = [probe_for_layer(layer) for layer in self.layers]

@@ -27,6 +27,7 @@ __all__ = ["TINY_MODELS", "TinyModel", "Row", "left_pad", "text_ids"]
 
 from . import gemma3
 from . import llava_next_video, llava_onevision
+from . import qwen2_vl, qwen3_vl  # newer families: one module each
 from .common import (  # noqa: F401  (re-exported: tests and docs import them from here)
     IMAGE,
     IMG_END,
@@ -355,4 +356,6 @@ TINY_MODELS: dict[str, TinyModel] = {
                                  llava_onevision.collate, llava_onevision.examples),
     "llava_next_video": TinyModel("llava_next_video", llava_next_video.build, llava_next_video.row,
                                   llava_next_video.collate, llava_next_video.examples),
+    "qwen2_vl": TinyModel("qwen2_vl", qwen2_vl.build, qwen2_vl.row, qwen2_vl.collate, qwen2_vl.examples),
+    "qwen3_vl": TinyModel("qwen3_vl", qwen3_vl.build, qwen3_vl.row, qwen3_vl.collate, qwen3_vl.examples),
 }

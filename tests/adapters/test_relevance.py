@@ -84,10 +84,10 @@ def test_query_softmax_relevance_matches_captured_projections(family):
     finally:
         for h in hooks:
             h.remove()
-    b, n, _ = captured["q"].shape
+    b, n = captured["q"].shape[:2]
     d = attn.head_dim
     q, k = captured["q"].view(b, n, -1, d), captured["k"].view(b, n, -1, d)
-    if hasattr(attn, "q_norm"):  # per-head norms after the projections (Gemma 3), as the layer applies them
+    if hasattr(attn, "q_norm"):  # per-head norms after the projections (Gemma 3, Qwen3), as the layer applies them
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
     cos, sin = captured["pos"]
