@@ -40,6 +40,7 @@ class MaskedCacheLayer(DynamicLayer):
         self.pending: torch.Tensor | None = None
         self.origin: torch.Tensor | None = None
         self.pending_origin: torch.Tensor | None = None
+        self.columns: int | None = None
         self._token = token or _Token()
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -60,7 +61,15 @@ class MaskedCacheLayer(DynamicLayer):
         if org is not None:
             org = org.to(keys.device)
             self.origin = org if self.origin is None else torch.cat([self.origin, org], dim=1)
+            self.columns = int(org.max()) + 1 if org.numel() else self.columns
         return keys, values
+
+    def get_seq_length(self) -> int:
+        """The original sequence columns seen so far (the prompt's, then one per decoded
+        token), not the entries held: the model numbers new tokens' positions from it, so
+        with every layer compressed (the pre-LLM mode) decoding continues at the right
+        position."""
+        return self.columns if self.columns is not None else super().get_seq_length()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
@@ -93,4 +102,4 @@ class MaskedCacheLayer(DynamicLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.valid = self.pending = self.origin = self.pending_origin = None
+        self.valid = self.pending = self.origin = self.pending_origin = self.columns = None

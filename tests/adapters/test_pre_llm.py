@@ -21,6 +21,17 @@ from .conftest import get_model
 from .promise import removed_first_stage
 
 GEN = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
+# Families whose adapter refuses a stage before layer 0, with the reason it gives.
+REFUSED = {"qwen3_vl": "before DeepStack has finished"}
+
+
+def refused(family, model) -> bool:
+    """True (after checking the refusal's message) when the family cannot run a pre-LLM stage."""
+    if family not in REFUSED:
+        return False
+    with pytest.raises(NotImplementedError, match=REFUSED[family]):
+        apply(pre_llm(), model, **TINY_MODELS[family].adapter_options)
+    return True
 
 
 def pre_llm(ratio: float = 0.5, passer: str | None = None):
@@ -33,6 +44,8 @@ def pre_llm(ratio: float = 0.5, passer: str | None = None):
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_identity_at_ratio_zero(family, attn):
     model = get_model(family, attn)
+    if refused(family, model):
+        return
     fam = TINY_MODELS[family]
     batch = fam.collate(fam.examples(model))
     ref = model(**batch).logits
@@ -48,6 +61,8 @@ def test_identity_at_ratio_zero(family, attn):
 
 def test_every_layer_caches_the_compressed_prompt(family):
     model = get_model(family)
+    if refused(family, model):
+        return
     fam = TINY_MODELS[family]
     rows = fam.examples(model)
     batch = fam.collate(rows)
@@ -68,13 +83,18 @@ def test_every_layer_caches_the_compressed_prompt(family):
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_row_alone_equals_row_in_padded_batch(family, attn):
     model = get_model(family, attn)
+    if refused(family, model):
+        return
     fam = TINY_MODELS[family]
     rows = fam.examples(model)
+    batch = fam.collate(rows)
     with apply(pre_llm(), model, **fam.adapter_options):
-        together = model.generate(**fam.collate(rows), **GEN)
+        together = model.generate(**batch, **GEN)
         for i, row in enumerate(rows):
-            alone = model.generate(**fam.collate([row]), **GEN)
-            assert torch.equal(alone.sequences[0, -5:], together.sequences[i, -5:])
+            single = fam.collate([row])
+            alone = model.generate(**single, **GEN)
+            new = alone.sequences[0, single["input_ids"].shape[1]:]  # shorter when it ended with EOS
+            assert torch.equal(new, together.sequences[i, batch["input_ids"].shape[1]:][: new.numel()])
             for a, b in zip(alone.logits, together.logits):
                 assert (a[0] - b[i]).abs().max().item() <= 1e-4
 
@@ -106,6 +126,16 @@ def test_llava_equals_the_model_on_the_kept_embeddings_at_their_original_positio
     ref = model.model.language_model(inputs_embeds=embeds, position_ids=kept.unsqueeze(0)).last_hidden_state
     ref_logits = model.lm_head(ref)
     assert (logits[0, -1] - ref_logits[0, -1]).abs().max().item() <= 1e-5
+    # decoding continues at the original positions: the next token sits at column n, not at len(kept)
+    with apply(pipe, model) as session:
+        gen = model.generate(**batch, max_new_tokens=2, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    n = batch["input_ids"].shape[1]
+    first = gen.sequences[0, n]
+    step = torch.cat([embeds, model.get_input_embeddings()(first.view(1, 1))], dim=1)
+    positions = torch.cat([kept, torch.tensor([n])]).unsqueeze(0)
+    ref2 = model.lm_head(model.model.language_model(inputs_embeds=step, position_ids=positions).last_hidden_state)
+    assert (gen.logits[1][0] - ref2[0, -1]).abs().max().item() <= 1e-4
     assert int((session.records[0].result.layout.kind == TokenKind.VISION).sum()) == kept.numel() - (
         batch["input_ids"].shape[1] - int((batch["input_ids"] == 100).sum())
     )
