@@ -46,6 +46,7 @@ from .common import (  # noqa: F401  (re-exported: tests and docs import them fr
     left_pad,
     text_ids,
 )
+from . import idefics3, pixtral  # noqa: E402  (families with a module each)
 
 
 # ----------------------------------------------------------------------------- LLaVA-1.5
@@ -348,4 +349,8 @@ TINY_MODELS: dict[str, TinyModel] = {
                    adapter_options={"newline_token_id": NEWLINE},
                    beam_search="transformers does not expand Fuyu's pre-encoded patches for beams "
                    "(the unhooked model fails with 'Image features and image tokens do not match')"),
+    "mistral3": TinyModel("mistral3", pixtral.build_mistral3, pixtral.row, pixtral.collate, pixtral.examples),
+    "pixtral": TinyModel("pixtral", pixtral.build_pixtral_llava, pixtral.row, pixtral.collate, pixtral.examples),
+    "idefics3": TinyModel("idefics3", idefics3.build_idefics3, idefics3.row, idefics3.collate, idefics3.examples),
+    "smolvlm": TinyModel("smolvlm", idefics3.build_smolvlm, idefics3.row, idefics3.collate, idefics3.examples),
 }
