@@ -25,6 +25,7 @@ import torch
 
 __all__ = ["TINY_MODELS", "TinyModel", "Row", "left_pad", "text_ids"]
 
+from . import idefics3, pixtral  # families with a module each
 from .common import (  # noqa: F401  (re-exported: tests and docs import them from here)
     IMAGE,
     IMG_END,
@@ -46,7 +47,6 @@ from .common import (  # noqa: F401  (re-exported: tests and docs import them fr
     left_pad,
     text_ids,
 )
-from . import idefics3, pixtral  # noqa: E402  (families with a module each)
 
 
 # ----------------------------------------------------------------------------- LLaVA-1.5
