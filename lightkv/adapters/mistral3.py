@@ -13,8 +13,10 @@ The grid is read from the prompt: the placeholders of one image form rows of equ
 separated by exactly one token. ``generate()`` encodes images before the prefill and passes
 ``mm_encoder_outputs`` instead of ``image_sizes``; then each image's token count comes from
 its features, and the rows from the prompt. With ``image_sizes`` the rows are checked
-against them. A prompt without break tokens (not the processor's layout) is read as one
-row per image unless ``image_sizes`` give the grid.
+against them; without either (Pixtral-LLaVA called without ``image_sizes``) every image is
+the whole ``pixel_values`` tensor, as the tower then encodes it. A prompt without break
+tokens (not the processor's layout) is read as one row per image unless ``image_sizes``
+give the grid.
 
 Exact: Mistral3 and Pixtral-LLaVA images of any size, several per row, break/end tokens structural.
 Refused: sliding-window decoders; Pixtral-LLaVA with vision_feature_select_strategy other than "full".
@@ -57,6 +59,9 @@ class Mistral3Adapter(Adapter):
     def _counts_and_grids(self, inputs) -> tuple[list[int], list[tuple[int, int] | None]]:
         sizes = inputs.get("image_sizes")
         encoded = (inputs.get("mm_encoder_outputs") or {}).get("image")
+        pixels = inputs.get("pixel_values")
+        if sizes is None and encoded is None and isinstance(pixels, torch.Tensor) and pixels.dim() == 4:
+            sizes = [list(pixels.shape[-2:])] * pixels.shape[0]  # the tower then takes every image whole
         if sizes is not None:
             d = self.downsample()
             sizes = sizes.tolist() if isinstance(sizes, torch.Tensor) else [list(s) for s in sizes]

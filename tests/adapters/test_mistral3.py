@@ -178,3 +178,15 @@ def test_breaks_survive_compression_in_a_mixed_batch(name):
         kept = set(final.origin[b][final.origin[b] >= 0].tolist())
         marks = ((ids[b] == IMG_BREAK) | (ids[b] == IMG_END)).nonzero().flatten().tolist()
         assert set(marks) <= kept
+
+
+def test_pixtral_llava_without_image_sizes_takes_every_image_whole():
+    """Without image_sizes the Pixtral tower encodes each padded image whole."""
+    model = get_model("pixtral")
+    fam = TINY_MODELS["pixtral"]
+    batch = fam.collate([fam.row(model, [(24, 32), (24, 32)]), fam.row(model, [(24, 32)], seed=1)])
+    del batch["image_sizes"]
+    ref = model(**batch).logits
+    with apply(NOTHING, model) as session:
+        assert torch.equal(model(**batch).logits, ref)
+    assert session.last_prefill.layout.image_grid.tolist() == [[3, 4]] * 3
