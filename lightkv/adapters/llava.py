@@ -29,6 +29,11 @@ class LlavaAdapter(Adapter):
     model_types = ("llava",)
 
     def check_config(self) -> None:
+        if getattr(self.config.vision_config, "model_type", None) == "pixtral":
+            raise NotImplementedError(
+                "this LLaVA model has a Pixtral vision tower (Pixtral-12B): its images are grids of any size with "
+                "[IMG_BREAK] row ends, not LLaVA-1.5 squares; use the 'pixtral' adapter (detected automatically)"
+            )
         self.require_default_feature_strategy()
 
     def build_layout(self, inputs, padding):

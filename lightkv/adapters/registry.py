@@ -35,6 +35,9 @@ SUPPORTED_FAMILIES: dict[str, str] = {
     "llava_next_video": "lightkv.adapters.llava_next_video:LlavaNextVideoAdapter",
     "qwen2_vl": "lightkv.adapters.qwen2_vl:Qwen2VLAdapter",
     "qwen3_vl": "lightkv.adapters.qwen3_vl:Qwen3VLAdapter",
+    "mistral3": "lightkv.adapters.mistral3:Mistral3Adapter",
+    "pixtral": "lightkv.adapters.mistral3:PixtralLlavaAdapter",
+    "idefics3": "lightkv.adapters.idefics3:Idefics3Adapter",
 }
 """Family name -> ``module:class`` of its adapter (imported on first use)."""
 
@@ -50,6 +53,9 @@ MODEL_TYPES: dict[str, str] = {
     "llava_next_video": "llava_next_video",
     "qwen2_vl": "qwen2_vl",
     "qwen3_vl": "qwen3_vl",
+    "mistral3": "mistral3",
+    "idefics3": "idefics3",
+    "smolvlm": "idefics3",
 }
 """``config.model_type`` -> family."""
 
@@ -117,6 +123,8 @@ def detect_family(model: nn.Module) -> str:
     """
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     family = MODEL_TYPES.get(model_type)
+    if family == "llava" and getattr(getattr(model.config, "vision_config", None), "model_type", None) == "pixtral":
+        family = "pixtral"  # Pixtral-12B: a LLaVA checkpoint whose images are laid out as Mistral3's
     if family is None:
         plugins = {n: c for n, c in plugin_adapters().items() if not isinstance(c, str)}
         family = next((n for n, c in plugins.items() if model_type in c.model_types), None)

@@ -28,6 +28,7 @@ __all__ = ["TINY_MODELS", "TinyModel", "Row", "left_pad", "text_ids"]
 from . import gemma3
 from . import llava_next_video, llava_onevision
 from . import qwen2_vl, qwen3_vl  # newer families: one module each
+from . import idefics3, pixtral  # families with a module each
 from .common import (  # noqa: F401  (re-exported: tests and docs import them from here)
     IMAGE,
     IMG_END,
@@ -358,4 +359,8 @@ TINY_MODELS: dict[str, TinyModel] = {
                                   llava_next_video.collate, llava_next_video.examples),
     "qwen2_vl": TinyModel("qwen2_vl", qwen2_vl.build, qwen2_vl.row, qwen2_vl.collate, qwen2_vl.examples),
     "qwen3_vl": TinyModel("qwen3_vl", qwen3_vl.build, qwen3_vl.row, qwen3_vl.collate, qwen3_vl.examples),
+    "mistral3": TinyModel("mistral3", pixtral.build_mistral3, pixtral.row, pixtral.collate, pixtral.examples),
+    "pixtral": TinyModel("pixtral", pixtral.build_pixtral_llava, pixtral.row, pixtral.collate, pixtral.examples),
+    "idefics3": TinyModel("idefics3", idefics3.build_idefics3, idefics3.row, idefics3.collate, idefics3.examples),
+    "smolvlm": TinyModel("smolvlm", idefics3.build_smolvlm, idefics3.row, idefics3.collate, idefics3.examples),
 }

@@ -22,6 +22,13 @@ def get_model(family: str, attn: str = "sdpa", dtype: torch.dtype = torch.float3
     return _MODELS[key]
 
 
+def decoder_layers(model):
+    """The model's decoder layers, found as the session finds them (the adapter's lookup)."""
+    from lightkv.adapters import get_adapter
+
+    return get_adapter(model).decoder_layers()
+
+
 def identity_pipeline() -> Pipeline:
     """Two scheduled stages that remove nothing: every hook path runs, nothing changes."""
     return Pipeline(scheduler=ExplicitSchedule(layers=(1, 2), windows_per_side=(2, 1), ratios=(0.0,)), name="identity")

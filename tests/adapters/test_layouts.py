@@ -11,7 +11,7 @@ from lightkv.graph.layout import TokenKind
 from lightkv.policies import ExplicitSchedule
 from lightkv.testing import TINY_MODELS, IMAGE, NEWLINE, VIDEO
 
-from .conftest import get_model, tiny_lightkv
+from .conftest import decoder_layers, get_model, tiny_lightkv
 
 NOTHING = Pipeline(scheduler=ExplicitSchedule(layers=(), windows_per_side=()), name="nothing")
 
@@ -116,7 +116,7 @@ def test_surviving_tokens_keep_their_positions(family):
     model = get_model(family)
     fam = TINY_MODELS[family]
     batch = fam.collate(fam.examples(model))
-    layers = model.model.language_model.layers
+    layers = decoder_layers(model)
     seen = {}
     hooks = [
         layers[i].self_attn.register_forward_pre_hook(

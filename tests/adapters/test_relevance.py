@@ -14,7 +14,7 @@ from lightkv.adapters import apply
 from lightkv.policies import ExplicitSchedule, QueryAxisSoftmax
 from lightkv.testing import TINY_MODELS
 
-from .conftest import get_model
+from .conftest import decoder_layers, get_model
 
 
 def _fastv(layer: int = 1) -> Pipeline:
@@ -62,7 +62,7 @@ def test_query_softmax_relevance_matches_captured_projections(family):
     model = get_model(family)
     fam = TINY_MODELS[family]
     layer_idx = 1
-    layer = model.model.language_model.layers[layer_idx]
+    layer = decoder_layers(model)[layer_idx]
     attn = layer.self_attn
     if not hasattr(attn, "q_proj"):
         pytest.skip("fused-QKV attention: covered by the FastV comparison with eager weights")

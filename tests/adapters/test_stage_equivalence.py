@@ -9,13 +9,13 @@ from lightkv.adapters import apply
 from lightkv.adapters.masks import drop_padding
 from lightkv.testing import TINY_MODELS
 
-from .conftest import get_model, tiny_lightkv
+from .conftest import decoder_layers, get_model, tiny_lightkv
 
 
 def test_merges_equal_pure_stage_on_captured_states(family):
     model = get_model(family)
     fam = TINY_MODELS[family]
-    layers = model.model.language_model.layers
+    layers = decoder_layers(model)
     outputs, inputs = {}, {}
     hooks = []
     for i in (1, 2):
