@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicLayer
 
-__all__ = ["MaskedCacheLayer"]
+__all__ = ["MaskedCacheLayer", "install_masked_layer"]
 
 
 class _Token:
@@ -103,3 +103,31 @@ class MaskedCacheLayer(DynamicLayer):
     def reset(self) -> None:
         super().reset()
         self.valid = self.pending = self.origin = self.pending_origin = self.columns = None
+
+
+def install_masked_layer(cache, i: int, token: _Token, allowed: tuple[type, ...]) -> MaskedCacheLayer:
+    """Put a fresh `MaskedCacheLayer` at layer ``i`` of ``cache`` at prefill, in place of an
+    empty layer of an ``allowed`` type (or appended, for a cache that grows layer by layer).
+
+    Raises:
+        TypeError: a cache layer lightkv cannot replace (static, quantized, offloaded ...).
+        RuntimeError: the layer already holds entries at prefill.
+    """
+    layers = cache.layers
+    new = MaskedCacheLayer(token)
+    if len(layers) > i:
+        old = layers[i]
+        if type(old) not in allowed and not isinstance(old, MaskedCacheLayer):
+            raise TypeError(
+                f"lightkv supports DynamicCache full-attention layers only; cache layer {i} is "
+                f"{type(old).__name__} (static, sliding-window, quantized and offloaded caches are not supported)"
+            )
+        if old.get_seq_length() > 0:
+            raise RuntimeError(f"cache layer {i} is not empty at prefill")
+        layers[i] = new
+    elif len(layers) == i and getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:
+        layers.append(new)
+    else:
+        raise TypeError(f"unexpected cache structure at layer {i} ({type(cache).__name__})")
+    return new
+

@@ -38,14 +38,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, DynamicLayer
 
 from ..graph.layout import TokenKind, VisionLayout
 from ..graph.provenance import Provenance
 from ..pipeline import Pipeline, Stage
 from . import features
 from .base import Adapter
-from .cache import MaskedCacheLayer, _Token
+from .cache import MaskedCacheLayer, _Token, install_masked_layer
 from .guards import attention_implementation, check_attention_mask, check_cache, refuse_compiled
 from .masks import drop_padding, gather_position_ids, gather_tokens
 from .probes import AttentionProbe, LayerShape, probe_for_layer
@@ -376,7 +375,7 @@ class CompressionSession:
             if kwargs.get("position_ids") is not None:
                 kwargs["position_ids"] = st.pos_ids
             if cache is not None:
-                masked = self._masked_layer(cache, i)
+                masked = install_masked_layer(cache, i, self._token, self.adapter.cache_layer_types)
                 masked.pending, masked.pending_origin = layout.valid_mask, layout.origin
         stage = self._stage_at.get(i)
         if stage is not None:
@@ -428,22 +427,3 @@ class CompressionSession:
             st.pos = (gather_tokens(cos, index), gather_tokens(sin, index))
         st.pos_ids = gather_position_ids(st.full_pos_ids, index)
         st.masks, st.gathered = {}, {}
-
-    def _masked_layer(self, cache: Cache, i: int) -> MaskedCacheLayer:
-        layers = cache.layers
-        new = MaskedCacheLayer(self._token)
-        if len(layers) > i:
-            old = layers[i]
-            if type(old) not in self.adapter.cache_layer_types and not isinstance(old, MaskedCacheLayer):
-                raise TypeError(
-                    f"lightkv supports DynamicCache full-attention layers only; cache layer {i} is "
-                    f"{type(old).__name__} (static, sliding-window, quantized and offloaded caches are not supported)"
-                )
-            if old.get_seq_length() > 0:
-                raise RuntimeError(f"cache layer {i} is not empty at prefill")
-            layers[i] = new
-        elif len(layers) == i and getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:
-            layers.append(new)
-        else:
-            raise TypeError(f"unexpected cache structure at layer {i} ({type(cache).__name__})")
-        return new

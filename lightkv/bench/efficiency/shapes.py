@@ -93,6 +93,14 @@ MODELS: dict[str, ModelSpec] = {
         build_kwargs={"image_size": 64, "patch_size": 2}, image=[5],
         image_note="5 tiles of 16x16 (2x2 tiles + thumbnail, 1,280 tokens)",
     ),
+    "llava_onevision": ModelSpec(
+        "llava_onevision", "LLaVA-OneVision-7B (Qwen2-7B decoder)", "llava_onevision",
+        {"layers": 28, "hidden": 3584, "heads": 28, "kv_heads": 4, "intermediate": 18944},
+        heads=7, kv_heads=1, lightkv_preset="lightkv",
+        build_kwargs={"image_size": 54, "patch_size": 2, "max_tiles": 3}, image=[(162, 162)],
+        image_note="an anyres-max-9 image of 3x3 tiles of 27x27: base tile (729) + 81x81 stitched grid: "
+                   "7,290 vision tokens and 81 structural row newlines",
+    ),
     "qwen2_5_vl_video": ModelSpec(
         "qwen2_5_vl_video", "Qwen2.5-VL-7B, video", "qwen2_5_vl",
         {"layers": 28, "hidden": 3584, "heads": 28, "kv_heads": 4, "intermediate": 18944},
