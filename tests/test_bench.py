@@ -72,3 +72,17 @@ def test_cli_errors(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unknown model" in err[0]
     assert main(["bench", "efficiency", "--presets", "nope"]) == 2
+
+
+def test_the_cli_names_every_benchmarked_shape():
+    import contextlib
+    import io
+
+    from lightkv.cli import build_parser
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "efficiency", "--help"])
+    text = " ".join(out.getvalue().split())
+    for name in eff.MODELS:
+        assert name in text, f"`lightkv bench efficiency --help` does not list the {name} shape"

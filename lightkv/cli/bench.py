@@ -24,14 +24,16 @@ def add_commands(commands) -> None:
     eff = bsub.add_parser(
         "efficiency",
         help="prefill FLOPs, KV bytes, TTFT, peak memory and overhead: uncompressed vs presets",
-        description="Uncompressed vs each preset on LLaVA-1.5, LLaVA-NeXT, Qwen2.5-VL and InternVL shapes "
+        description="Uncompressed vs each preset on LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, Qwen2.5-VL (image and "
+        "16-frame video) and InternVL shapes "
         "(real vision-token counts, reduced decoders): analytic FLOPs, KV bytes from the cache, time to first "
         "token, peak prefill memory, compression overhead and the cost of reference-style H x N x N scoring. "
         "Writes efficiency.json, efficiency.md and PNG plots.",
         formatter_class=fmt,
     )
     eff.add_argument("--quick", action="store_true", help="a short run (~2 min on CPU): 6 layers of width 128, 2 presets, 3 repeats")
-    eff.add_argument("--models", nargs="+", metavar="MODEL", help="llava, llava_next, qwen2_5_vl, internvl (default: all)")
+    eff.add_argument("--models", nargs="+", metavar="MODEL", help="llava, llava_next, llava_onevision, qwen2_5_vl, qwen2_5_vl_video, internvl "
+                     "(default: all)")
     eff.add_argument("--presets", nargs="+", metavar="PRESET", help="presets to compare (default: lightkv tome fastv pdrop)")
     eff.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results, "
                      "benchmarks/results/quick with --quick)")
