@@ -54,9 +54,9 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) 
     model, inputs, sizes = build_model(spec, cfg)
     ids = inputs["input_ids"]
     n0 = int(ids.shape[1])
-    from ...testing import IMAGE
+    from ...testing import IMAGE, VIDEO
 
-    n_vis = int((ids == IMAGE).sum())
+    n_vis = int(((ids == IMAGE) | (ids == VIDEO)).sum())  # image and video placeholders
     pipes = {p: scaled_pipeline(p, spec, sizes["layers"]) for p in cfg.presets}
     variants = [UNCOMPRESSED, *cfg.presets]
     times: dict[str, list[float]] = {v: [] for v in variants}
