@@ -21,12 +21,12 @@ Refused: features that are not a ``side x side`` grid per tile (``full`` with a 
 
 from __future__ import annotations
 
-import torch
-
 from ..graph.layout import ImageSegment
-from .base import Adapter, place_images
+from .base import Adapter
 from .llava import _side
+from .llava_next import LlavaNextAdapter
 from .llava_onevision import (
+    anyres_segments,
     check_tile_tokens,
     read_anyres_feature,
     video_frames,
@@ -53,25 +53,8 @@ class LlavaNextVideoAdapter(Adapter):
             )
 
     def image_grids(self, image_size) -> tuple[tuple[int, int], tuple[int, int]]:
-        """``(base grid, high-resolution grid)`` of one image of size ``(height, width)``."""
-        from transformers.models.llava_next_video.modeling_llava_next_video import (
-            get_anyres_image_grid_shape,
-            unpad_image,
-        )
-
-        vc = self.config.vision_config
-        tile = vc.image_size[0] if isinstance(vc.image_size, (list, tuple)) else vc.image_size
-        side = _side(vc)
-        if isinstance(image_size, torch.Tensor):
-            image_size = image_size.tolist()
-        image_size = [int(v) for v in image_size]
-        tiles_h, tiles_w = get_anyres_image_grid_shape(
-            image_size, self.config.image_grid_pinpoints, tile
-        )
-        rows, cols = unpad_image(torch.empty(0, tiles_h * side, tiles_w * side), image_size).shape[
-            1:
-        ]
-        return (side, side), (int(rows), int(cols))
+        """``(base grid, high-resolution grid)`` of one image: LLaVA-NeXT's anyres rule."""
+        return LlavaNextAdapter.image_grids(self, image_size)
 
     def frame_grid(self) -> tuple[int, int]:
         """``(rows, cols)`` of one pooled video frame: ``side // spatial_pool_stride`` (the
@@ -103,18 +86,7 @@ class LlavaNextVideoAdapter(Adapter):
                     "LLaVA-NeXT-Video inputs with image tokens need image_sizes "
                     "(or mm_encoder_outputs)"
                 )
-            counts = [b[0] * b[1] + h * (w + 1) for b, (h, w) in grids]
-            for (row, offset), (base, (h, w)) in zip(place_images(images, counts), grids):
-                segments.append(ImageSegment(row=row, offset=offset, grid=base))
-                after = offset + base[0] * base[1]
-                if h > 0 and w > 0:
-                    segments.append(
-                        ImageSegment(row=row, offset=after, grid=(h, w), newline_every=w)
-                    )
-                elif (
-                    h > 0
-                ):  # an extreme aspect ratio un-pads to rows without columns: newlines alone
-                    extras.append((row, after, h, len(segments) - 1))
+            anyres_segments(images, grids, segments, extras)
         videos = input_ids == self.config.video_token_id
         if bool(videos.any()):
             grid = self.frame_grid()

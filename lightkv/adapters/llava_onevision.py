@@ -110,6 +110,21 @@ def with_structural(layout, extras: list[tuple[int, int, int, int]]):
     return dataclasses.replace(layout, kind=kind, image=image, coords=coords)
 
 
+def anyres_segments(images, grids, segments: list, extras: list) -> None:
+    """Append the segments of anyres images: each a base grid, then (if any) a row-major
+    high-resolution grid with a newline after every row. Newlines without a grid (one after
+    a lone base tile, or the rows of a degenerate un-pad) go to ``extras`` as
+    ``(row, offset, count, segment index)`` for `with_structural`."""
+    counts = [b[0] * b[1] + h * (w + 1) for b, (h, w) in grids]
+    for (row, offset), (base, (h, w)) in zip(place_images(images, counts), grids):
+        segments.append(ImageSegment(row=row, offset=offset, grid=base))
+        after = offset + base[0] * base[1]
+        if h > 0 and w > 0:
+            segments.append(ImageSegment(row=row, offset=after, grid=(h, w), newline_every=w))
+        elif h > 0:
+            extras.append((row, after, h, len(segments) - 1))
+
+
 def video_frames(inputs, per_frame: int, trailing: int, newline, what: str) -> list[int]:
     """Frames of every video of the batch, from ``pixel_values_videos`` or the pre-encoded
     ``mm_encoder_outputs["video"]`` (``per_frame`` tokens a frame, ``trailing`` after the last)."""
@@ -243,18 +258,7 @@ class LlavaOnevisionAdapter(Adapter):
         images = input_ids == self.config.image_token_id
         if bool(images.any()):
             grids = self._image_grids(inputs)
-            counts = [b[0] * b[1] + h * (w + 1) for b, (h, w) in grids]
-            for (row, offset), (base, (h, w)) in zip(place_images(images, counts), grids):
-                segments.append(ImageSegment(row=row, offset=offset, grid=base))
-                after = offset + base[0] * base[1]
-                if h > 0 and w > 0:
-                    segments.append(
-                        ImageSegment(row=row, offset=after, grid=(h, w), newline_every=w)
-                    )
-                elif (
-                    h > 0
-                ):  # newlines without a grid: one after a lone base tile, or a degenerate un-pad
-                    extras.append((row, after, h, len(segments) - 1))
+            anyres_segments(images, grids, segments, extras)
         videos = input_ids == self.config.video_token_id
         if bool(videos.any()):
             pooled = -(
