@@ -36,14 +36,17 @@ test-scatter: scatter
 # torch: a plain `pip install lmms-eval` would replace it with a CUDA build. The installed
 # torch (and torchvision, if it imports) are pinned as pip constraints; a torchvision that
 # the install pulled in and that cannot run beside this torch (PyPI's CUDA wheel beside a
-# CPU torch) is removed, as transformers would otherwise fail to import its processors.
+# CPU torch) is removed, as transformers would otherwise fail to import its processors,
+# and so is timm if it then cannot import (the `accelerate` command imports it).
 LMMS_PIN := $(VENV)/.lightkv-torch-pin.txt
 lmms-eval: install
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(LMMS_PIN)
 	$(PY) -c "import torchvision; print('torchvision==' + torchvision.__version__)" >> $(LMMS_PIN) 2>/dev/null || true
 	$(PY) -m pip install -q -c $(LMMS_PIN) -e ".[lmms-eval]"
 	$(PY) -c "import torchvision" 2>/dev/null || $(PY) -m pip uninstall -q -y torchvision
-	$(PY) -c "import torch, lmms_eval; from transformers import AutoProcessor; print('lmms-eval ready, torch', torch.__version__)"
+	$(PY) -c "import timm" 2>/dev/null || $(PY) -m pip uninstall -q -y timm
+	$(PY) -c "import torch, lmms_eval, accelerate.commands.accelerate_cli; from transformers import AutoProcessor; \
+	  print('lmms-eval ready, torch', torch.__version__)"
 
 # The offline lmms-eval test (DigitGrid through `python -m lmms_eval`), with the extra installed.
 test-lmms-eval: lmms-eval
