@@ -48,9 +48,10 @@ lmms-eval: install
 	$(PY) -c "import torch, lmms_eval, accelerate.commands.accelerate_cli; from transformers import AutoProcessor; \
 	  print('lmms-eval ready, torch', torch.__version__)"
 
-# The offline lmms-eval test (DigitGrid through `python -m lmms_eval`), with the extra installed.
+# The offline lmms-eval test (DigitGrid through `python -m lmms_eval`), with the extra
+# installed; LIGHTKV_REQUIRE_LMMS_EVAL makes it fail, not skip, if lmms-eval cannot import.
 test-lmms-eval: lmms-eval
-	$(PY) -m pytest -q -rs tests/test_lmms_eval.py
+	LIGHTKV_REQUIRE_LMMS_EVAL=1 $(PY) -m pytest -q -rs tests/test_lmms_eval.py
 
 demo: install
 	$(PY) -m lightkv demo
