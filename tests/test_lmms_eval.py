@@ -5,18 +5,16 @@ lmms-eval``; CI runs this file with it installed and fails if it is skipped).
 Three runs of ``python -m lmms_eval`` (in parallel, about a minute on 2 cores): uncompressed,
 an identity pipeline given as a YAML ``config``, and ``preset=lightkv-budget`` in two processes
 (data parallel, two model copies, started the way ``accelerate launch --num_processes 2``
-starts them). Only the
-results and sample files count: ``python -m lmms_eval`` exits 0 even when it fails.
+starts them). Only the results and sample files count: ``python -m lmms_eval`` exits 0 even
+when it fails.
 """
 
 from __future__ import annotations
 
-import glob
-import json
+import contextlib
 import os
+import signal
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -25,39 +23,17 @@ if os.environ.get("LIGHTKV_REQUIRE_LMMS_EVAL"):  # `make test-lmms-eval` (CI): a
 else:
     pytest.importorskip("lmms_eval", reason="lmms-eval is not installed (`make lmms-eval` installs the extra)")
 
-from lightkv.integrations.digitgrid_task import TASK_NAME, task_episodes, write_task  # noqa: E402
+from lightkv.integrations.digitgrid_task import (
+    TASK_NAME,
+    lmms_eval_command,
+    offline_env,
+    read_run,
+    task_episodes,
+    write_task,
+)
 
 N_EPISODES = 32
 BATCH = 8
-
-
-def _env() -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    env.pop("LMMS_EVAL_PLUGINS", None)
-    return env
-
-
-def _command(task_dir: Path, out: Path, model_args: str, processes: int = 1) -> list[str]:
-    args = ["-m", "lmms_eval", "--model", "lightkv", "--model_args", model_args, "--tasks", TASK_NAME,
-            "--include_path", str(task_dir), "--batch_size", str(BATCH), "--output_path", str(out),
-            "--log_samples", "--verbosity", "WARNING"]
-    if processes == 1:
-        return [sys.executable, *args]
-    # `accelerate launch --num_processes N` starts its N processes through torch.distributed.run
-    # (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT); `accelerate launch --cpu` would start
-    # one, so the CPU stand-in calls torch.distributed.run itself (gloo process group)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-                "--master_port", str(29500 + os.getpid() % 1000)]
-    return launcher + args
-
-
-def _read(out: Path, log: str) -> tuple[dict, list[dict]]:
-    results = glob.glob(str(out / "**" / "*_results.json"), recursive=True)
-    samples = glob.glob(str(out / "**" / f"*_samples_{TASK_NAME}.jsonl"), recursive=True)
-    assert len(results) == 1 and len(samples) == 1, f"lmms-eval wrote no results; its output:\n{log[-4000:]}"
-    rows = [json.loads(line) for line in Path(samples[0]).read_text().splitlines() if line.strip()]
-    return json.loads(Path(results[0]).read_text()), sorted(rows, key=lambda r: r["doc_id"])
 
 
 @pytest.fixture(scope="module")
@@ -79,22 +55,24 @@ def runs(tmp_path_factory):
         "identity": (f"pretrained=digitgrid,dtype=float32,config={tmp / 'identity.yaml'}", 1),
         "budget": ("pretrained=digitgrid,dtype=float32,preset=lightkv-budget", 2),
     }
-    procs = {}
-    for name, (model_args, n) in specs.items():
-        log = open(tmp / f"{name}.log", "w")
-        procs[name] = (subprocess.Popen(_command(task_dir, tmp / name, model_args, n), stdout=log,
-                                        stderr=subprocess.STDOUT, env=_env(), cwd=tmp), log)
-    try:  # lightkv's own evaluator on the same episodes, meanwhile
-        own = {"uncompressed": ev.evaluate(model, episodes, grid, None, batch=BATCH),
-               "budget": ev.evaluate(model, episodes, grid, lightkv.load("lightkv-budget"), batch=BATCH)}
-        for proc, _ in procs.values():
-            proc.wait(timeout=240)
-    finally:
-        for proc, log in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-            log.close()
-    got = {name: _read(tmp / name, (tmp / f"{name}.log").read_text()) for name in specs}
+    with contextlib.ExitStack() as stack:
+        procs = {}
+        for name, (model_args, n) in specs.items():
+            log = stack.enter_context(open(tmp / f"{name}.log", "w"))
+            cmd = lmms_eval_command(task_dir, tmp / name, model_args, n, BATCH, port=29500 + os.getpid() % 1000)
+            procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=offline_env(), cwd=tmp,
+                                           start_new_session=True)  # its own process group (torchrun's workers)
+        try:  # lightkv's own evaluator on the same episodes, meanwhile
+            own = {"uncompressed": ev.evaluate(model, episodes, grid, None, batch=BATCH),
+                   "budget": ev.evaluate(model, episodes, grid, lightkv.load("lightkv-budget"), batch=BATCH)}
+            for proc in procs.values():
+                proc.wait(timeout=240)
+        finally:
+            for proc in procs.values():
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+    got = {name: read_run(tmp / name, log=(tmp / f"{name}.log").read_text()) for name in specs}
     return episodes, own, got
 
 
@@ -107,7 +85,7 @@ def _answers(samples: list[dict]) -> list[str]:
 
 
 def test_uncompressed_accuracy_equals_lightkvs_evaluator(runs):
-    episodes, own, got = runs
+    _, own, got = runs
     results, samples = got["uncompressed"]
     assert [s["doc_id"] for s in samples] == list(range(N_EPISODES))
     assert [a.split() for a in _answers(samples)] == own["uncompressed"].answers

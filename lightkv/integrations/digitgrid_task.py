@@ -21,10 +21,14 @@ processor makes of them, so lightkv's own evaluator and lmms-eval see the same i
 
 from __future__ import annotations
 
+import glob
+import json
+import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 
-__all__ = ["TASK_NAME", "task_episodes", "write_task"]
+__all__ = ["TASK_NAME", "lmms_eval_command", "offline_env", "read_run", "task_episodes", "write_task"]
 
 TASK_NAME = "digitgrid_lightkv"
 
@@ -103,3 +107,38 @@ def write_task(directory: str | Path, episodes, grid, name: str = TASK_NAME) -> 
     max_new = task_for(grid).answer_length(grid) + 2  # what lightkv's evaluator allows
     (directory / f"{name}.yaml").write_text(YAML.format(name=name, data=data.resolve(), max_new_tokens=max_new))
     return directory
+
+
+def lmms_eval_command(task_dir: str | Path, out: str | Path, model_args: str, processes: int = 1,
+                      batch_size: int = 8, port: int = 29500, task: str = TASK_NAME) -> list[str]:
+    """``python -m lmms_eval`` with the ``lightkv`` model on the task in ``task_dir``. With
+    ``processes > 1``, started through ``torch.distributed.run``, which is what ``accelerate
+    launch --num_processes N`` does on GPUs (``accelerate launch --cpu`` would start one
+    process; on the CPU the processes form a gloo group)."""
+    args = ["-m", "lmms_eval", "--model", "lightkv", "--model_args", model_args, "--tasks", task,
+            "--include_path", str(task_dir), "--batch_size", str(batch_size), "--output_path", str(out),
+            "--log_samples", "--verbosity", "WARNING"]
+    if processes == 1:
+        return [sys.executable, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+            "--master_port", str(port), *args]
+
+
+def offline_env() -> dict:
+    """The environment for offline runs (no hub, one CPU thread per process)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("LMMS_EVAL_PLUGINS", None)
+    return env
+
+
+def read_run(out: str | Path, task: str = TASK_NAME, log: str = "") -> tuple[dict, list[dict]]:
+    """``(results, samples by doc id)`` of one lmms-eval run written under ``out``; raises
+    when there are none (``python -m lmms_eval`` exits 0 even when the evaluation failed)."""
+    out = Path(out)
+    results = glob.glob(str(out / "**" / "*_results.json"), recursive=True)
+    samples = glob.glob(str(out / "**" / f"*_samples_{task}.jsonl"), recursive=True)
+    if len(results) != 1 or len(samples) != 1:
+        raise RuntimeError(f"lmms-eval wrote no single results file under {out}; its output ends:\n{log[-4000:]}")
+    rows = [json.loads(line) for line in Path(samples[0]).read_text().splitlines() if line.strip()]
+    return json.loads(Path(results[0]).read_text()), sorted(rows, key=lambda r: r["doc_id"])

@@ -44,7 +44,14 @@ import torch
 from lmms_eval.api.instance import GenerationResult, TokenCounts
 from lmms_eval.api.model import lmms
 
-from .session_log import PrefillTimer, ReportTotals, gather_totals, placement, row_reports, uncompressed_rows
+from .session_log import (
+    PrefillTimer,
+    ReportTotals,
+    gather_totals,
+    placement,
+    row_reports,
+    uncompressed_rows,
+)
 
 __all__ = ["LightKV", "LightKVTokenCounts", "load_pipeline", "manifest"]
 
@@ -88,7 +95,12 @@ def load_pipeline(preset: str | None = None, config: str | None = None):
 
 
 def _load(pretrained: str, dtype: str, device_map: Any, attn_implementation: str | None):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoProcessor,
+    )
 
     from ..adapters.registry import MODEL_TYPES, SUPPORTED_FAMILIES
     from ..digitgrid.model import BUNDLED_MODELS
@@ -100,7 +112,7 @@ def _load(pretrained: str, dtype: str, device_map: Any, attn_implementation: str
         raise ValueError(f"{pretrained}: model type {config.model_type!r} is not supported by lightkv; "
                          f"supported families: {', '.join(SUPPORTED_FAMILIES)}")
     processor = AutoProcessor.from_pretrained(path, **local)
-    kwargs = {"dtype": DTYPES[dtype] if dtype in DTYPES else dtype, **local}
+    kwargs = {"dtype": DTYPES.get(dtype, dtype), **local}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     if device_map is not None:
@@ -244,7 +256,7 @@ class LightKV(lmms):
         padding = [bool((r.metadata or {}).get("__padding_only__")) for r in requests]
 
         def key(i):
-            context, gen_kwargs, _, _, task, split = args[i]
+            _, gen_kwargs, _, _, task, split = args[i]
             return (task, split, json.dumps(gen_kwargs, sort_keys=True, default=str))
 
         order = sorted(range(len(args)), key=lambda i: (key(i), -len(args[i][0])))
@@ -258,7 +270,7 @@ class LightKV(lmms):
             batches.append(current)
         out: list = [None] * len(args)
         for batch in tqdm(batches, disable=self.rank != 0, desc="lightkv responding"):
-            context0, gen_kwargs, _, _, task, _ = args[batch[0]]
+            _, gen_kwargs, _, _, task, _ = args[batch[0]]
             images = [self._visuals(args[i][2], args[i][3], args[i][4], args[i][5]) for i in batch]
             prompts = [self._prompt(args[i][0], len(ims)) for i, ims in zip(batch, images)]
             for i, (text, n_out, row) in zip(batch, self._generate(prompts, images, gen_kwargs)):
