@@ -1,13 +1,14 @@
 """lightkv's evaluator, the scorer of ``lightkv bench quality`` and lmms-eval agree: the same held-out DigitGrid episodes, three paths, the same numbers.
 
-For each method (uncompressed, ``lightkv-budget``, ``fastv``) on the bundled DigitGrid
-model: exact match from `lightkv.digitgrid.evaluate.evaluate` (batched ``generate``), from
+For each method (uncompressed, the presets ``lightkv-budget`` and ``fastv``, and LightKV and
+FastV at ``lightkv bench quality``'s 25% target, given to lmms-eval as YAML files) on the
+bundled DigitGrid model: exact match from `lightkv.digitgrid.evaluate.evaluate` (batched ``generate``), from
 `lightkv.digitgrid.scoring.score` (the teacher-forced scorer behind ``lightkv bench
 quality``, first turn), and from ``python -m lmms_eval --model lightkv`` on a local task
 built from the same episodes (`lightkv.integrations.digitgrid_task`), with the kept vision
 fraction each path reports. Needs the lmms-eval extra (``make lmms-eval``):
 
-    python benchmarks/lmms_eval_agreement.py              # 200 episodes, ~3 min on 2 CPU cores
+    python benchmarks/lmms_eval_agreement.py              # 200 episodes, ~7 min on 2 CPU cores
     python benchmarks/lmms_eval_agreement.py --episodes 48
 
 Writes ``benchmarks/results/lmms-eval-agreement.json`` and ``lmms-eval-agreement.md``.
@@ -22,7 +23,10 @@ import tempfile
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-METHODS = {"uncompressed": None, "lightkv-budget": "lightkv-budget", "fastv": "fastv"}
+# name: a preset, or (preset, kept-fraction target) scaled the way `lightkv bench quality`
+# scales it (`lightkv.bench.quality.method_pipeline`), given to lmms-eval as a YAML config
+METHODS = {"uncompressed": None, "lightkv-budget": "lightkv-budget", "fastv": "fastv",
+           "lightkv @ 25%": ("lightkv", 0.25), "fastv @ 25%": ("fastv", 0.25)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import lightkv
+    from lightkv.bench.quality import method_pipeline
     from lightkv.digitgrid import evaluate as ev
     from lightkv.digitgrid import model as dg
     from lightkv.digitgrid.scoring import Conversation, score
@@ -52,10 +57,17 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp)
         task_dir = write_task(tmp / "task", episodes, grid)
         for name, preset in METHODS.items():
-            pipe = lightkv.load(preset) if preset else None
+            if isinstance(preset, tuple):
+                pipe, _ = method_pipeline(preset[0], model.config.text_config.num_hidden_layers, preset[1])
+                config = tmp / f"{preset[0]}-{preset[1]}.yaml"
+                lightkv.to_yaml(pipe, config)
+                extra = f",config={config}"
+            else:
+                pipe = lightkv.load(preset) if preset else None
+                extra = f",preset={preset}" if preset else ""
             own = ev.evaluate(model, episodes, grid, pipe, batch=args.batch)
             scored = score(model, [Conversation(ep) for ep in episodes], grid, pipe, batch=args.batch)
-            model_args = "pretrained=digitgrid,dtype=float32" + (f",preset={preset}" if preset else "")
+            model_args = "pretrained=digitgrid,dtype=float32" + extra
             cmd = lmms_eval_command(task_dir, tmp / name, model_args, batch_size=args.batch)
             proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=offline_env(), cwd=tmp)
             results, samples = read_run(tmp / name, log=proc.stdout + proc.stderr)
@@ -66,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                 "method": name,
                 "episodes": len(episodes),
                 "evaluator_exact_match": own.overall,
-                "scorer_exact_match": float(scored.correct.float().mean()),
+                "scorer_exact_match": float(scored.correct.double().mean()),
                 "lmms_eval_exact_match": results["results"][TASK_NAME]["exact_match,none"],
                 "evaluator_kept_fraction": own.kept_fraction,
                 "scorer_kept_fraction": scored.kept_fraction,
