@@ -150,3 +150,24 @@ def test_entry_point_registers_the_model():
     from lightkv.integrations.lmms_eval import LightKV
 
     assert get_model("lightkv") is LightKV
+
+
+def test_model_arguments_as_lmms_eval_passes_them(tmp_path):
+    """lmms-eval builds the model with ``create_from_arg_string(model_args, {batch_size,
+    max_batch_size, device})``."""
+    import lightkv
+    from lightkv.integrations.lmms_eval import LightKV, load_pipeline
+
+    extra = {"batch_size": "4", "max_batch_size": None, "device": "cpu"}
+    lm = LightKV.create_from_arg_string("pretrained=digitgrid,preset=fastv,dtype=float32", extra)
+    assert (lm.batch_size, lm.rank, lm.world_size, lm.device.type) == (4, 0, 1, "cpu")
+    assert lm.session is not None and lm.pipeline.name == "fastv"
+    assert LightKV.create_from_arg_string("pretrained=digitgrid,preset=none", extra).session is None
+    with pytest.raises(TypeError, match="unknown model_args.*bogus"):
+        LightKV.create_from_arg_string("pretrained=digitgrid,bogus=1", extra)
+    with pytest.raises(ValueError, match="not both"):
+        load_pipeline("fastv", str(tmp_path / "x.yaml"))
+    with pytest.raises(FileNotFoundError, match="no such pipeline file"):
+        load_pipeline(config=str(tmp_path / "missing.yaml"))
+    lightkv.to_yaml(lightkv.load("pool"), tmp_path / "mine.yaml")
+    assert load_pipeline(config=str(tmp_path / "mine.yaml")).name == "pool"

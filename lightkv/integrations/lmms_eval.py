@@ -15,8 +15,9 @@ Model arguments (``--model_args k=v,...``):
 - ``preset`` (a shipped preset's name) or ``config`` (a pipeline YAML file); neither (or
   ``preset=none``): uncompressed, generated without any lightkv hook.
 - ``dtype`` (``auto``, ``float16``, ``bfloat16``, ``float32``), ``device``, ``device_map``,
-  ``attn_implementation`` (default ``sdpa``), ``batch_size`` (also lmms-eval's
-  ``--batch_size``), ``max_new_tokens`` (when a task sets none; default 128).
+  ``attn_implementation`` (default ``sdpa``), ``max_new_tokens`` (when a task sets none;
+  default 128). The batch size is lmms-eval's ``--batch_size`` (lmms-eval passes it to the
+  model itself, so it cannot also be a model argument).
 
 Generation is batched (prompts of one task and one set of generation arguments, longest
 first, left padding) and greedy unless the task asks for sampling. Every sample's lightkv
@@ -135,7 +136,7 @@ class LightKV(lmms):
     def __init__(self, pretrained: str = "digitgrid", preset: str | None = None, config: str | None = None,
                  dtype: str = "auto", device: str | None = None, device_map: str | None = None,
                  attn_implementation: str | None = "sdpa", batch_size: int | str = 1,
-                 max_new_tokens: int | str = 128, **kwargs: Any) -> None:
+                 max_new_tokens: int | str = 128, max_batch_size: int | None = None, **kwargs: Any) -> None:
         super().__init__()
         if kwargs:
             raise TypeError(f"unknown model_args for --model lightkv: {', '.join(sorted(kwargs))}")
@@ -156,7 +157,8 @@ class LightKV(lmms):
         tokenizer.padding_side = "left"
         self.tokenizer = tokenizer
         self.pretrained = pretrained
-        self.batch_size_per_gpu = int(batch_size)
+        # lmms-eval's --batch_size (always passed; "auto" is not supported: one prompt a batch)
+        self.batch_size_per_gpu = int(batch_size) if str(batch_size).isdigit() else 1
         self.max_new_tokens = int(max_new_tokens)
         self.session = None
         if self.pipeline is not None:
