@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.lightkv-installed
 
-.PHONY: install test test-scatter scatter demo bench bench-quick bench-quality digitgrid-model lint clean
+.PHONY: install test test-scatter scatter demo bench bench-quick bench-quality digitgrid-model lint clean lmms-eval test-lmms-eval
 
 install: $(STAMP)
 
@@ -31,6 +31,27 @@ scatter: install
 
 test-scatter: scatter
 	$(PY) -m pytest -q -m scatter --require-scatter tests
+
+# lmms-eval (the `lmms-eval` extra: `--model lightkv`) into .venv, keeping the installed
+# torch: a plain `pip install lmms-eval` would replace it with a CUDA build. The installed
+# torch (and torchvision, if it imports) are pinned as pip constraints; a torchvision that
+# the install pulled in and that cannot run beside this torch (PyPI's CUDA wheel beside a
+# CPU torch) is removed, as transformers would otherwise fail to import its processors,
+# and so is timm if it then cannot import (the `accelerate` command imports it).
+LMMS_PIN := $(VENV)/.lightkv-torch-pin.txt
+lmms-eval: install
+	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(LMMS_PIN)
+	$(PY) -c "import torchvision; print('torchvision==' + torchvision.__version__)" >> $(LMMS_PIN) 2>/dev/null || true
+	$(PY) -m pip install -q -c $(LMMS_PIN) -e ".[lmms-eval]"
+	$(PY) -c "import torchvision" 2>/dev/null || $(PY) -m pip uninstall -q -y torchvision
+	$(PY) -c "import timm" 2>/dev/null || $(PY) -m pip uninstall -q -y timm
+	$(PY) -c "import torch, lmms_eval, accelerate.commands.accelerate_cli; from transformers import AutoProcessor; \
+	  print('lmms-eval ready, torch', torch.__version__)"
+
+# The offline lmms-eval test (DigitGrid through `python -m lmms_eval`), with the extra
+# installed; LIGHTKV_REQUIRE_LMMS_EVAL makes it fail, not skip, if lmms-eval cannot import.
+test-lmms-eval: lmms-eval
+	LIGHTKV_REQUIRE_LMMS_EVAL=1 $(PY) -m pytest -q -rs tests/test_lmms_eval.py
 
 demo: install
 	$(PY) -m lightkv demo

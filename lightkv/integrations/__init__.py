@@ -1,0 +1,10 @@
+"""lightkv inside other tools' evaluation loops.
+
+- `lightkv.integrations.lmms_eval`: the ``lightkv`` model of lmms-eval (``--model lightkv``),
+  registered through lmms-eval's ``lmms_eval.models`` entry-point group; it needs the
+  ``lmms-eval`` extra (``make lmms-eval``).
+- `lightkv.integrations.session_log`: what that model logs per sample and in aggregate
+  (per-row session reports, prefill timing, data-parallel placement); torch only.
+
+Nothing else in lightkv imports this package, and ``import lightkv`` never needs lmms-eval.
+"""
