@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from mkdocs.structure.files import File, Files
 
 log = logging.getLogger("mkdocs.hooks.lightkv_docs")
 
@@ -543,7 +542,11 @@ def on_config(config, **kwargs):
     return config
 
 
-def on_files(files: Files, config, **kwargs):
+def on_files(files, config, **kwargs):
+    # mkdocs is imported here, not at the top: the page generators above are plain
+    # functions that the test suite calls without the docs extra installed.
+    from mkdocs.structure.files import File
+
     modules = {m.name: m for m in _tree().walk()}
     for module in modules.values():
         files.append(File.generated(config, module.page, content=module_page(module, modules)))
