@@ -135,6 +135,8 @@ class SessionReport:
         b, n0 = trace.batch_size, trace.input_len
         layers, baseline = [], []
         first = trace.layers[0] if trace.layers else None
+        if first is not None:  # the cache mode compresses layer 0's cache after the layer ran
+            first = trace.uncompressed.get(first.layer, first)
         flops = flops_base = 0.0
         for stat in trace.layers:
             shape = session.layer_shapes[stat.layer]
