@@ -57,6 +57,8 @@ class CacheMode:
         self.h2o: H2OSchedule | None = sched if isinstance(sched, H2OSchedule) else None
         self.evict = set(self.h2o.evict_layers(session.num_layers)) if self.h2o is not None else set()
         self.layers = set(self.stages) | self.evict
+        self.text_too = self.h2o is not None and self.h2o.tokens == "all" and bool(self.evict)
+        """H2O over every token also evicts in a prompt without vision tokens."""
         self._pending: dict[int, torch.Tensor] = {}
         if self.layers:
             session.adapter.check_cache_layers(sorted(self.layers))

@@ -286,6 +286,9 @@ class CompressionSession:
             )
         if layout is not None and not bool(layout.vision_mask.any()):
             layout = None
+        if layout is None and input_ids is not None and self._cache_mode.text_too:  # H2O on every token
+            padding = ~new_valid if not bool(new_valid.all()) else None
+            layout = VisionLayout.from_segments(b, q, [], padding_mask=padding, device=ref.device)
         trace = PrefillTrace(batch_size=b, input_len=q, layout=layout, input_valid=new_valid)
         self._state = _Forward(mode="prefill", impl=impl, layout=layout, new_valid=new_valid, trace=trace)
         self.num_prefills += 1
