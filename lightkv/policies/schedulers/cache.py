@@ -11,8 +11,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-
 from .core import ScheduleError, Scheduler, StageSpec, check_fraction, check_windows
 
 __all__ = ["CacheSchedule", "H2OSchedule"]
@@ -119,6 +117,6 @@ class H2OSchedule(Scheduler):
 
     def counts(self, candidates):
         """``(heavy, recent)`` ``[B]`` int64 from the prompt's candidate counts ``[B]``."""
-        total = torch.floor(candidates.double() * float(self.budget) + 1e-9).long()
-        recent = torch.floor(total.double() * float(self.recent_share) + 1e-9).long()
+        total = (candidates.double() * float(self.budget) + 1e-9).floor().long()
+        recent = (total.double() * float(self.recent_share) + 1e-9).floor().long()
         return total - recent, recent
