@@ -155,7 +155,8 @@ class SessionReport:
                     int(first.structural.sum()), per_token * b * n0, per_token * vis0,
                 )
             )
-            flops += b * shape.flops(stat.length, (stat.length + 1) / 2)
+            ran = trace.uncompressed.get(stat.layer, stat).length  # the cache mode: the layer ran on all tokens
+            flops += b * shape.flops(ran, (ran + 1) / 2)
             flops_base += b * shape.flops(n0, (n0 + 1) / 2)
         flops += trace.relevance_flops
         kept = None
