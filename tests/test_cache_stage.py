@@ -16,7 +16,6 @@ import lightkv
 from lightkv import Stage
 from lightkv.cache_stage import CacheStage
 from lightkv.config import PipelineConfig
-from lightkv.presets import get_preset_config
 from lightkv.policies import (
     AccumulatedAttention,
     CacheSchedule,
@@ -31,6 +30,7 @@ from lightkv.policies import (
     average_kept_fraction,
     h2o_keep,
 )
+from lightkv.presets import get_preset_config
 from lightkv.testing import check_policy
 from tests.strategies import batches, ratios
 

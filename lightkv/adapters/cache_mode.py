@@ -25,9 +25,9 @@ from ..graph.layout import TokenKind
 from ..graph.scatter import right_align
 from ..pipeline import Stage
 from ..policies.cache_policies import accumulated_attention, h2o_keep
+from ..policies.relevance import _match_heads
 from ..policies.schedulers.cache import H2OSchedule
 from . import features
-from ..policies.relevance import _match_heads
 from .cache import MaskedCacheLayer, install_masked_layer
 from .masks import _batch, drop_padding
 from .probes import AttentionProbe
@@ -157,9 +157,9 @@ class CacheMode:
 
     def decode_post(self, i: int, layer) -> None:
         """After a decoding step of an evicting layer: evict to the budget."""
-        if i in self.evict and isinstance(layer, MaskedCacheLayer) and "scores" in layer.extra:
-            if self.h2o.tokens != "vision":
-                self._evict(layer)
+        if i in self.evict and isinstance(layer, MaskedCacheLayer) and "scores" in layer.extra \
+                and self.h2o.tokens != "vision":
+            self._evict(layer)
 
     # ---------------------------------------------------------------- eviction
     @staticmethod

@@ -25,6 +25,8 @@ During decoding each compressed layer gets a mask built from its own cache (hole
 positions come from the model as usual (the original prompt length onwards), so every
 layer continues consistently. Beam search works because the hole masks live in the cache
 layers and follow ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave``.
+The cache mode (cache stages, H2O eviction: ``cache_mode``) leaves hidden states alone and
+replaces listed layers' cache entries after the layer has run.
 """
 
 from __future__ import annotations

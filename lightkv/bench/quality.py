@@ -96,10 +96,9 @@ class AccuracyConfig:
 def method_pipeline(name: str, num_layers: int, target: float):
     """``(pipeline, how)``: preset ``name`` scaled to ``num_layers`` at ``target`` (see
     `budget_schedule` for ``how``)."""
+    from ..policies import CacheSchedule, H2OSchedule
     from ..policies.schedulers import ExplicitSchedule, scale_layers
     from ..presets import get_preset
-
-    from ..policies import CacheSchedule, H2OSchedule
 
     pipe = get_preset(name)
     sched = pipe.scheduler

@@ -14,7 +14,6 @@ from typing import ClassVar, Literal
 
 import torch
 
-from ..graph.layout import VisionLayout
 from .partitioners import GlobalPartitioner, Partition, Partitioner
 from .relevance import Relevance, _accumulator, _match_heads
 

@@ -182,7 +182,7 @@ def reference_h2o(model, batch, tokens, sched: H2OSchedule, steps: int, vision: 
     the full attention history the model's own attention weights give."""
     layers = list(decoder_layers(model))
     valid0 = batch["attention_mask"].bool()
-    b, n = valid0.shape
+    b = valid0.shape[0]
     masks: dict[int, torch.Tensor] = {}
 
     def pre(i, module, args, kwargs):
