@@ -296,7 +296,11 @@ class Pipeline:
             one `StageResult` per stage (provenance accumulates across stages).
         """
         results, provenance = [], None
-        for stage in self.stages(num_layers):
+        stages = self.stages(num_layers)
+        if any(s.spec.cache for s in stages):
+            raise ValueError("this pipeline's stages run on a layer's cached keys and values after prefill, not on "
+                             "hidden states: use lightkv.cache_stage.CacheStage (or lightkv.apply on a model)")
+        for stage in stages:
             res = stage(hidden, layout, relevance, provenance, keys)
             hole = res.kept_index < 0
             if relevance is not None:

@@ -21,7 +21,7 @@ PACKAGE = ROOT / "lightkv"
 LAYERS = [
     ("graph",),
     ("policies",),
-    ("pipeline",),
+    ("pipeline", "cache_stage"),
     ("config", "presets"),
     ("adapters",),
     ("api", "testing", "vis", "digitgrid", "symbolgrid", "generate", "stages_demo", "bench", "cli", "__main__"),

@@ -86,3 +86,31 @@ def test_the_cli_names_every_benchmarked_shape():
     text = " ".join(out.getvalue().split())
     for name in eff.MODELS:
         assert name in text, f"`lightkv bench efficiency --help` does not list the {name} shape"
+
+
+def test_cache_mode_presets_in_both_benchmarks():
+    """ElasticCache and H2O: KV bytes cut, prefill FLOPs not (the importance scores add some), and in
+    the quality benchmark at the target's kept vision KV; the first answer token comes from the
+    uncompressed prefill."""
+    from lightkv.bench.quality import AccuracyConfig, method_pipeline, run
+    from lightkv.policies import CacheSchedule, H2OSchedule
+
+    cfg = eff.quick_config(models=("llava",), presets=("elasticcache", "h2o"), layers=6, heads=1, repeats=1, warmup=0,
+                           memory=False, eager_reference=False, progress=False)
+    variants = eff.run(cfg)["models"]["llava"]["variants"]
+    for name in ("elasticcache", "h2o"):
+        rec = variants[name]
+        assert rec["kv_bytes"] == rec["kv_bytes_report"]
+        assert rec["ratios"]["kv_bytes_vision"] == pytest.approx(0.5)
+        assert rec["ratios"]["flops"] >= 1.0  # the prefill runs uncompressed
+        assert rec["kept_vision_fraction_reference_depth"] == pytest.approx(0.5)
+    pipe, how = method_pipeline("elasticcache", 8, 0.4)
+    assert pipe.scheduler == CacheSchedule(ratio=0.6) and how == "cache"
+    pipe, how = method_pipeline("h2o", 8, 0.4)
+    assert pipe.scheduler == H2OSchedule(budget=0.4) and how == "cache"
+    res = run(AccuracyConfig(episodes=8, methods=("elasticcache", "h2o"), targets=(1.0, 0.4), ablations=False,
+                             relevance_episodes=0, bootstrap=50, batch=8), progress=False)
+    rows = {(r["method"], r["target"]): r for r in res["rows"]}
+    for name in ("elasticcache", "h2o"):
+        assert rows[(name, 0.4)]["kept_fraction"] == pytest.approx(0.4, abs=0.02)
+        assert rows[(name, 0.4)]["schedule"]["name"] in ("cache", "h2o")

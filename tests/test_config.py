@@ -97,12 +97,35 @@ def test_preset_has_summary_description_and_source(name):
     assert any(str(y) in p.description + p.source for y in range(2019, 2030)) or "baseline" in p.source
 
 
+CACHE_MODE = ("elasticcache", "h2o")
+
+
+def check_cache_preset(pipe, layout, relevance):
+    from lightkv.cache_stage import CacheStage
+    from lightkv.policies import H2OSchedule
+
+    if isinstance(pipe.scheduler, H2OSchedule):  # eviction is the session's, at every decoding step
+        assert pipe.stages(32) == [] and pipe.scheduler.evict_layers(32) == list(range(32))
+        return
+    with pytest.raises(ValueError, match="CacheStage"):
+        pipe.run(torch.zeros(1, layout.seq_len, 64), layout, num_layers=32)
+    gen = torch.Generator().manual_seed(2)
+    keys, values = (torch.randn(1, 2, layout.seq_len, 8, generator=gen) for _ in range(2))
+    stages = pipe.stages(32)
+    assert len(stages) == 32 and all(s.spec.cache for s in stages)
+    out = CacheStage(stages[0])(keys, values, layout, relevance)
+    assert int(out.result.layout.vision_counts()[0]) == 288
+    assert int((out.result.layout.kind == lightkv.TokenKind.TEXT).sum()) == 14
+
+
 @pytest.mark.parametrize("name", PRESET_NAMES)
 def test_every_preset_runs_on_a_llava_layout(name):
     layout = llava_layout()
     hidden = torch.randn(1, layout.seq_len, 64, generator=torch.Generator().manual_seed(0))
     relevance = torch.rand(1, layout.seq_len, generator=torch.Generator().manual_seed(1))
     pipe = lightkv.load(name)
+    if name in CACHE_MODE:  # stages on a layer's cache, not on hidden states
+        return check_cache_preset(pipe, layout, relevance)
     for rel in (None, relevance):
         results = pipe.run(hidden, layout, num_layers=32, relevance=rel)
         assert results, name
@@ -350,7 +373,7 @@ def test_bad_parameters_name_the_field_value_and_allowed():
         ({"kept_fraction": 0.5, "relative_layers": [1.5]}, "schedule.relative_layers.0", "in [0, 1], got 1.5"),
         ({"layer": [1], "ratios": [0.5]}, "schedule.layer", "unknown field 'layer'; did you mean 'layers'?"),
         ({"layers": [True], "ratios": [0.5]}, "schedule.layers.0", "valid integer, got True"),
-        ({"name": "nope"}, "schedule.name", "unknown scheduler 'nope'; registered schedulers: budget, explicit, kept_fraction, pre_llm, scaled"),
+        ({"name": "nope"}, "schedule.name", "unknown scheduler 'nope'; registered schedulers: budget, cache, explicit, h2o, kept_fraction, pre_llm, scaled"),
     ],
 )
 def test_schedule_errors(schedule, where, fragment):

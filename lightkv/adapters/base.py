@@ -98,6 +98,11 @@ class Adapter:
         compresses). Default: every schedule is accepted. Qwen3-VL refuses stages before
         its DeepStack layers have added their visual features."""
 
+    def check_cache_layers(self, layers: Sequence[int]) -> None:
+        """Raise a clear error when the cache mode (cache stages, H2O eviction) cannot run
+        exactly on these decoder layers' caches. Default: every layer can (the mode never
+        changes hidden states). Gemma 3 refuses its sliding-window layers."""
+
     def require_default_feature_strategy(self) -> None:
         """Refuse ``vision_feature_select_strategy`` other than ``"default"`` (CLS dropped):
         with ``"full"`` the CLS token would sit in the grid and break its geometry."""

@@ -41,6 +41,9 @@ class MaskedCacheLayer(DynamicLayer):
         self.origin: torch.Tensor | None = None
         self.pending_origin: torch.Tensor | None = None
         self.columns: int | None = None
+        self.extra: dict[str, torch.Tensor] = {}
+        """``[B, ...]`` tensors of the cache mode (H2O's accumulated scores, candidates and
+        budgets) that follow the rows through beam search like ``valid``."""
         self._token = token or _Token()
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -71,26 +74,33 @@ class MaskedCacheLayer(DynamicLayer):
         position."""
         return self.columns if self.columns is not None else super().get_seq_length()
 
+    def replace(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, origin: torch.Tensor) -> None:
+        """Put a compressed cache in place (the cache mode, after the layer's prefill or a
+        decoding step): ``[B, H_kv, L', d]`` keys and values with their ``[B, L']`` validity
+        and original columns. ``columns`` (the original columns seen) does not change."""
+        if keys.shape[2] != valid.shape[1] or valid.shape != origin.shape:
+            raise ValueError("keys, valid and origin disagree on the number of entries")
+        self.keys, self.values = keys, values
+        self.valid, self.origin = valid.bool(), origin.long()
+
+    def _rows(self, fn) -> None:
+        if self.valid is not None:
+            self.valid = fn(self.valid)
+        if self.origin is not None:
+            self.origin = fn(self.origin)
+        self.extra = {k: fn(v) for k, v in self.extra.items()}
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        if self.valid is not None:
-            self.valid = self.valid.index_select(0, beam_idx.to(self.valid.device))
-        if self.origin is not None:
-            self.origin = self.origin.index_select(0, beam_idx.to(self.origin.device))
+        self._rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
-        if self.valid is not None:
-            self.valid = self.valid.repeat_interleave(repeats, dim=0)
-        if self.origin is not None:
-            self.origin = self.origin.repeat_interleave(repeats, dim=0)
+        self._rows(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
-        if self.valid is not None:
-            self.valid = self.valid[indices]
-        if self.origin is not None:
-            self.origin = self.origin[indices]
+        self._rows(lambda t: t[indices.to(t.device)])
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove == 0:
@@ -103,6 +113,7 @@ class MaskedCacheLayer(DynamicLayer):
     def reset(self) -> None:
         super().reset()
         self.valid = self.pending = self.origin = self.pending_origin = self.columns = None
+        self.extra = {}
 
 
 def install_masked_layer(cache, i: int, token: _Token, allowed: tuple[type, ...]) -> MaskedCacheLayer:

@@ -97,6 +97,16 @@ class Gemma3Adapter(Adapter):
         tc = self.text_config()
         return int(tc.sliding_window) if tc.layer_types[layer] == "sliding_attention" else None
 
+    def check_cache_layers(self, layers):
+        sliding = [i for i in layers if self._window(i) is not None]
+        if sliding:
+            full = [i for i, t in enumerate(self.text_config().layer_types) if t != "sliding_attention"]
+            raise NotImplementedError(
+                f"the cache mode (cache stages, H2O) does not support Gemma 3's sliding-window layers {sliding}: "
+                "a merged or kept entry's place in a sliding window has no single meaning; list only "
+                f"full-attention layers ({full})"
+            )
+
     def mask_key(self, layer: int):
         return self.text_config().layer_types[layer]
 

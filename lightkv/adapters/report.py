@@ -135,6 +135,8 @@ class SessionReport:
         b, n0 = trace.batch_size, trace.input_len
         layers, baseline = [], []
         first = trace.layers[0] if trace.layers else None
+        if first is not None:  # the cache mode compresses layer 0's cache after the layer ran
+            first = trace.uncompressed.get(first.layer, first)
         flops = flops_base = 0.0
         for stat in trace.layers:
             shape = session.layer_shapes[stat.layer]
@@ -153,7 +155,8 @@ class SessionReport:
                     int(first.structural.sum()), per_token * b * n0, per_token * vis0,
                 )
             )
-            flops += b * shape.flops(stat.length, (stat.length + 1) / 2)
+            ran = trace.uncompressed.get(stat.layer, stat).length  # the cache mode: the layer ran on all tokens
+            flops += b * shape.flops(ran, (ran + 1) / 2)
             flops_base += b * shape.flops(n0, (n0 + 1) / 2)
         flops += trace.relevance_flops
         kept = None

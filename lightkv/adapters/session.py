@@ -25,6 +25,8 @@ During decoding each compressed layer gets a mask built from its own cache (hole
 positions come from the model as usual (the original prompt length onwards), so every
 layer continues consistently. Beam search works because the hole masks live in the cache
 layers and follow ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave``.
+The cache mode (cache stages, H2O eviction: ``cache_mode``) leaves hidden states alone and
+replaces listed layers' cache entries after the layer has run.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from ..pipeline import Pipeline, Stage
 from . import features
 from .base import Adapter
 from .cache import MaskedCacheLayer, _Token, install_masked_layer
+from .cache_mode import CacheMode
 from .guards import attention_implementation, check_attention_mask, check_cache, refuse_compiled
 from .masks import drop_padding, gather_position_ids, gather_tokens
 from .probes import AttentionProbe, LayerShape, probe_for_layer
@@ -140,10 +143,11 @@ class CompressionSession:
         self.num_layers = len(self.layers)
         self.stages = pipeline.stages(self.num_layers)
         self.adapter.check_stages(self.stages)
-        self._stage_at = {s.spec.layer: s for s in self.stages if not s.spec.before}
+        self._stage_at = {s.spec.layer: s for s in self.stages if not s.spec.before and not s.spec.cache}
         self._before_at = {s.spec.layer: s for s in self.stages if s.spec.before}  # the pre-LLM mode
         self._probes: list[AttentionProbe] = [probe_for_layer(layer) for layer in self.layers]
         self.layer_shapes: list[LayerShape] = [p.shape() for p in self._probes]
+        self._cache_mode = CacheMode(self, self.stages)  # cache stages and H2O (no-op without them)
         self._signature = inspect.signature(self._mm.forward)
         self._attn_impl()  # fail early on unsupported attention
         self._handles: list[Any] = []
@@ -176,7 +180,7 @@ class CompressionSession:
                 self._handles.append(
                     layer.register_forward_pre_hook(functools.partial(self._on_layer_pre, i), with_kwargs=True)
                 )
-                if i in self._stage_at:
+                if i in self._stage_at or i in self._cache_mode.layers:
                     self._handles.append(
                         layer.register_forward_hook(functools.partial(self._on_layer_post, i), with_kwargs=True)
                     )
@@ -284,6 +288,9 @@ class CompressionSession:
             )
         if layout is not None and not bool(layout.vision_mask.any()):
             layout = None
+        if layout is None and input_ids is not None and self._cache_mode.text_too:  # H2O on every token
+            padding = ~new_valid if not bool(new_valid.all()) else None
+            layout = VisionLayout.from_segments(b, q, [], padding_mask=padding, device=ref.device)
         trace = PrefillTrace(batch_size=b, input_len=q, layout=layout, input_valid=new_valid)
         self._state = _Forward(mode="prefill", impl=impl, layout=layout, new_valid=new_valid, trace=trace)
         self.num_prefills += 1
@@ -316,6 +323,7 @@ class CompressionSession:
             new_origin = (st.past + torch.arange(q, device=dev)).expand(valid.shape[0], q)
             origin = torch.cat([layer_cache.origin, new_origin], dim=1) if layer_cache.origin is not None else None
             kwargs["attention_mask"] = self.adapter.decode_mask(i, origin, valid, q, st.impl, hidden.dtype)
+            self._cache_mode.decode_pre(i, st, hidden, kwargs, layer_cache)
             layer_cache.pending = st.new_valid
             layer_cache.pending_origin = new_origin
             return args, kwargs
@@ -380,6 +388,7 @@ class CompressionSession:
         stage = self._stage_at.get(i)
         if stage is not None:
             self._prepare(i, stage, hidden, kwargs.get("position_embeddings"), layout)
+        self._cache_mode.prefill_pre(i, st, hidden, kwargs, cache)
         return args, kwargs
 
     def _prepare(self, i: int, stage: Stage, hidden, position_embeddings, layout) -> None:
@@ -411,6 +420,15 @@ class CompressionSession:
 
     def _on_layer_post(self, i: int, module, args, kwargs, output):
         st = self._state
+        if st is not None and i in self._cache_mode.layers:
+            cache = _cache_of(kwargs)
+            if st.mode == "decode":
+                if cache is not None and len(cache.layers) > i:
+                    self._cache_mode.decode_post(i, cache.layers[i])
+            elif st.layout is not None:
+                self._cache_mode.prefill_post(i, st, kwargs, cache)
+            if i not in self._stage_at:
+                return None
         if st is None or st.mode != "prefill" or st.layout is None:
             return None
         hidden = self._compress(i, self._stage_at[i], output[0] if isinstance(output, tuple) else output)

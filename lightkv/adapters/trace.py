@@ -69,3 +69,5 @@ class PrefillTrace:
     provenance: Provenance | None = None
     relevance_flops: float = 0.0
     kv_dtype: torch.dtype | None = None
+    uncompressed: dict[int, LayerStat] = field(default_factory=dict)
+    """The cache mode: each compressed layer's counts before its cache was compressed."""

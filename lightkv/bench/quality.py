@@ -43,10 +43,16 @@ import torch
 
 from ..policies.schedulers import budget_schedule
 
-__all__ = ["ABLATIONS", "METHODS", "TARGETS", "AccuracyConfig", "ablation_pipeline",
+__all__ = ["ABLATIONS", "CACHE_METHODS", "METHODS", "TARGETS", "AccuracyConfig", "ablation_pipeline",
            "method_pipeline", "run"]
 
-METHODS = ("lightkv", "lightkv-paper", "lightkv-no-relevance", "tome", "fastv", "pdrop", "random", "pool")
+METHODS = ("lightkv", "lightkv-paper", "lightkv-no-relevance", "tome", "fastv", "pdrop", "random", "pool",
+           "elasticcache", "h2o")
+CACHE_METHODS = ("elasticcache", "h2o")
+"""Methods that act on every layer's cache after prefill: at a target ``t`` every layer keeps
+``t`` of its vision KV (ElasticCache merges ``1 - t`` of each image's entries, H2O keeps a
+budget of ``t`` of each row's vision entries), so the kept fraction averaged over layers is
+``t`` as for the others, while the prefill itself is never compressed."""
 TARGETS = (1.0, 0.75, 0.55, 0.40, 0.25)
 REF_DEPTH = 32
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -90,11 +96,16 @@ class AccuracyConfig:
 def method_pipeline(name: str, num_layers: int, target: float):
     """``(pipeline, how)``: preset ``name`` scaled to ``num_layers`` at ``target`` (see
     `budget_schedule` for ``how``)."""
+    from ..policies import CacheSchedule, H2OSchedule
     from ..policies.schedulers import ExplicitSchedule, scale_layers
     from ..presets import get_preset
 
     pipe = get_preset(name)
     sched = pipe.scheduler
+    if isinstance(sched, CacheSchedule):
+        return replace(pipe, scheduler=replace(sched, ratio=round(1.0 - target, 6))), "cache"
+    if isinstance(sched, H2OSchedule):
+        return replace(pipe, scheduler=replace(sched, budget=target)), "cache"
     if not isinstance(sched, ExplicitSchedule):
         raise TypeError(f"preset {name!r} has no explicit schedule to scale")
     layers = scale_layers(sched.layers, REF_DEPTH, num_layers)
@@ -226,7 +237,9 @@ def _row(method, target, how, schedule, res, base, lightkv, config) -> dict[str,
     drop = (base.logp - res.logp)
     row: dict[str, Any] = {
         "method": method, "target": target, "how": how,
-        "schedule": None if schedule is None else {"layers": list(schedule.layers), "ratios": list(schedule.ratios)},
+        "schedule": None if schedule is None else (
+            {"layers": list(schedule.layers), "ratios": list(schedule.ratios)} if hasattr(schedule, "ratios")
+            else {"name": schedule.name, **schedule.params()}),
         "kept_fraction": res.kept_fraction, "kv_bytes_vision": res.kv_bytes_vision,
         "kv_bytes_vision_baseline": res.kv_bytes_vision_baseline,
         "accuracy": _by_type(res, res.correct.double(), res.followup_correct.double() if fup else None),

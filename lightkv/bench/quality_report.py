@@ -16,7 +16,7 @@ from .. import vis
 
 __all__ = ["detail_accuracy", "markdown_table", "plot", "provenance_picture", "write_outputs"]
 
-FLAGS = {"scaled": "", "extra stages": " (+stages)", "min": " (min)"}
+FLAGS = {"scaled": "", "extra stages": " (+stages)", "min": " (min)", "cache": " (cache)"}
 
 
 def detail_accuracy(row: dict[str, Any], result: dict[str, Any]) -> float:

@@ -11,6 +11,7 @@
 """
 
 from .base import ENTRY_POINT_GROUP, Policy
+from .cache_policies import AccumulatedAttention, ImportancePartitioner, accumulated_attention, h2o_keep
 from .inputs import Features, StageInputs
 from .partitioners import (
     GlobalPartitioner,
@@ -33,7 +34,9 @@ from .pruners import (
 from .relevance import LastTokenAttention, QueryAxisSoftmax, Relevance, UniformRelevance
 from .schedulers import (
     BudgetSchedule,
+    CacheSchedule,
     ExplicitSchedule,
+    H2OSchedule,
     KeptFractionSchedule,
     PreLLMSchedule,
     ScaledSchedule,
@@ -55,7 +58,13 @@ error messages (``scorer: cosine``; "unknown scorer 'x'")."""
 __all__ = [
     "ENTRY_POINT_GROUP",
     "FAMILIES",
+    "AccumulatedAttention",
     "AnchorPartitioner",
+    "CacheSchedule",
+    "H2OSchedule",
+    "ImportancePartitioner",
+    "accumulated_attention",
+    "h2o_keep",
     "BudgetSchedule",
     "CosineDivergence",
     "DropMessages",

@@ -1,7 +1,8 @@
 """Shipped pipelines, as YAML files in this package (``lightkv/presets/*.yaml``).
 
 Each preset is a `lightkv.config.PipelineConfig`: LightKV and its per-model schedules, and
-the baselines (FastV, ToMe, PyramidDrop, random dropping, spatial pooling) as compositions
+the baselines (FastV, ToMe, PyramidDrop, random dropping, spatial pooling, and the cache-level
+ElasticCache and H2O) as compositions
 of the same policy families. ``lightkv presets`` lists them; ``lightkv config show NAME``
 prints one.
 """
@@ -35,6 +36,8 @@ _ORDER = (
     "tome",
     "pool",
     "random",
+    "elasticcache",
+    "h2o",
 )
 """Listing order; any other shipped file follows alphabetically."""
 

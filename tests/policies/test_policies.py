@@ -135,7 +135,7 @@ def test_registries_list_name_and_create_policies():
     assert Partitioner.create("grid", split="checkerboard").params() == {
         "split": "checkerboard", "src_parity": 0, "seed": 0, "bands": "proportional", "min_tokens_per_window": 0
     }
-    with pytest.raises(ValueError, match="unknown partitioner 'hexagonal'; registered partitioners: .*global, grid, pseudo_square"):
+    with pytest.raises(ValueError, match="unknown partitioner 'hexagonal'; registered partitioners: .*global, grid, importance, pseudo_square"):
         Partitioner.lookup("hexagonal")
     with pytest.raises(ValueError, match="has no parameter"):
         Partitioner.create("grid", windows=3)

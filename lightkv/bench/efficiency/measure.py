@@ -304,7 +304,16 @@ def reference_shape_flops(spec: ModelSpec, name: str, report, n0: int) -> dict[s
     ref = spec.ref
     shape = LayerShape(hidden=ref["hidden"], heads=ref["heads"], kv_heads=ref["kv_heads"], head_dim=HEAD_DIM,
                        mlp_hidden=ref["intermediate"], mlp_matrices=3)
-    plan = preset_pipeline(name, spec).scheduler.plan(ref["layers"])
+    pipe = preset_pipeline(name, spec)
+    plan = pipe.scheduler.plan(ref["layers"])
+    if hasattr(pipe.scheduler, "evict_layers") or (plan and all(p.cache for p in plan)):
+        # the cache mode: the prefill is the uncompressed one, every layer's cache is cut the same way
+        return {
+            "flops_ratio_reference_shape": 1.0,
+            "kept_vision_fraction_reference_depth": report.kept_vision_fraction,
+            "kv_ratio_reference_depth": report.kv_ratio,
+            "reference_schedule": list(range(ref["layers"])),
+        }
     stages = report.stages
     if len(plan) != len(stages):  # a depth-dependent schedule: not comparable stage by stage
         return {}

@@ -7,9 +7,12 @@
 | ``scaled`` | `ScaledSchedule` | an explicit schedule for ``ref_depth`` layers, moved to the model's depth |
 | ``budget`` | `BudgetSchedule` | a scaled schedule placed and fitted to a target kept fraction |
 | ``pre_llm`` | `PreLLMSchedule` | one stage on the embeddings, before decoder layer 0 |
+| ``cache`` | `CacheSchedule` | a stage on each listed layer's cached keys and values, after prefill |
+| ``h2o`` | `H2OSchedule` | heavy-hitter eviction of each listed layer's cache, after prefill and every decoding step |
 """
 
 from .budget import BudgetSchedule, Placement, budget_schedule
+from .cache import CacheSchedule, H2OSchedule
 from .core import ScheduleError, Scheduler, StageSpec, average_kept_fraction, ratio_for_target
 from .explicit import ExplicitSchedule
 from .kept_fraction import KeptFractionSchedule
@@ -18,6 +21,8 @@ from .scaled import ScaledSchedule, scale_layers
 
 __all__ = [
     "BudgetSchedule",
+    "CacheSchedule",
+    "H2OSchedule",
     "ExplicitSchedule",
     "KeptFractionSchedule",
     "Placement",

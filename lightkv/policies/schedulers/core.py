@@ -47,6 +47,9 @@ class StageSpec:
         before: run on the layer's *input* instead (only for layer 0: the pre-LLM mode,
             compressing the embeddings before any decoder layer, so every layer's cache
             is shorter; a stage before layer ``l > 0`` is the stage after layer ``l - 1``).
+        cache: run on the layer's *cached keys and values* after prefill instead of its
+            output hidden states (the cache mode, `lightkv.cache_stage`): only this
+            layer's cache gets shorter; the prefill itself is unchanged.
     """
 
     layer: int
@@ -54,8 +57,11 @@ class StageSpec:
     windows_per_side: int | None = None
     window_size: tuple[int, int] | None = None
     before: bool = False
+    cache: bool = False
 
     def __post_init__(self) -> None:
+        if self.cache and self.before:
+            raise ValueError("a cache stage runs on a layer's cache after the layer; it cannot also run before it")
         if not isinstance(self.layer, int) or self.layer < 0:
             raise ValueError(f"stage layer must be a non-negative integer, got {self.layer!r}")
         if self.before and self.layer != 0:
@@ -126,8 +132,14 @@ def average_kept_fraction(stages: list[StageSpec], num_layers: int) -> float:
 
     A layer at or before the first stage keeps everything (compression happens after the
     layer has cached its keys/values); later layers keep ``prod(1 - P)`` of the stages
-    before them. A stage ``before`` layer 0 compresses every layer's cache.
+    before them. A stage ``before`` layer 0 compresses every layer's cache. A ``cache``
+    stage keeps ``1 - P`` of its own layer's cache only.
     """
+    if stages and all(s.cache for s in stages):
+        at = {s.layer: 1.0 - s.ratio for s in stages}
+        return sum(at.get(layer, 1.0) for layer in range(num_layers)) / num_layers
+    if any(s.cache for s in stages):
+        raise ValueError("cache stages and hidden-state stages cannot be mixed in one schedule")
     total, kept, start = 0.0, 1.0, 0
     for s in stages:
         end = s.layer if s.before else s.layer + 1
