@@ -160,6 +160,25 @@ class Adapter:
         b, n = input_ids.shape
         return VisionLayout.from_segments(b, n, segments, padding_mask=padding, device=input_ids.device)
 
+    def square_tiles_layout(self, inputs: Mapping[str, Any], padding: torch.Tensor | None, side: int) -> VisionLayout | None:
+        """The layout of a prompt whose image placeholders are consecutive ``side x side``
+        tiles, each its own grid (InternVL, Idefics3); None without image tokens.
+
+        Raises:
+            ValueError: the placeholder count is not a whole number of tiles.
+        """
+        input_ids = inputs["input_ids"]
+        placeholders = input_ids == self.config.image_token_id
+        n = int(placeholders.sum())
+        if n == 0:
+            return None
+        per_tile = side * side
+        if n % per_tile:
+            raise ValueError(f"{n} image tokens is not a multiple of {per_tile} tokens per tile ({side}x{side})")
+        places = place_images(placeholders, [per_tile] * (n // per_tile), "tile")
+        segments = [ImageSegment(row=r, offset=o, grid=(side, side)) for r, o in places]
+        return self.layout_from_segments(input_ids, segments, padding)
+
 
 def place_images(token_mask: torch.Tensor, counts: Sequence[int], what: str = "image") -> list[tuple[int, int]]:
     """Where consecutive images sit, given the placeholder mask and each image's token count.

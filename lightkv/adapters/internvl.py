@@ -13,8 +13,7 @@ Refused: nothing family-specific.
 
 from __future__ import annotations
 
-from ..graph.layout import ImageSegment
-from .base import Adapter, place_images
+from .base import Adapter
 
 __all__ = ["InternVLAdapter"]
 
@@ -39,15 +38,4 @@ class InternVLAdapter(Adapter):
         return int(round(side * float(self.config.downsample_ratio)))
 
     def build_layout(self, inputs, padding):
-        input_ids = inputs["input_ids"]
-        placeholders = input_ids == self.config.image_token_id
-        n = int(placeholders.sum())
-        if n == 0:
-            return None
-        side = self.tile_side()
-        per_tile = side * side
-        if n % per_tile:
-            raise ValueError(f"{n} image tokens is not a multiple of {per_tile} tokens per tile ({side}x{side})")
-        places = place_images(placeholders, [per_tile] * (n // per_tile), "tile")
-        segments = [ImageSegment(row=r, offset=o, grid=(side, side)) for r, o in places]
-        return self.layout_from_segments(input_ids, segments, padding)
+        return self.square_tiles_layout(inputs, padding, self.tile_side())

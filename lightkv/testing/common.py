@@ -93,3 +93,25 @@ class TinyModel:
     adapter_options: dict = field(default_factory=dict)
     beam_search: str | None = None
     """Why beam search with images cannot run on this family's model (None: it can)."""
+
+
+def collate_tiles_and_videos(rows: Sequence[Row], family: str) -> dict:
+    """Left-padded batch for anyres families with videos (LLaVA-OneVision, LLaVA-NeXT-Video):
+    images padded to the most tiles with their ``image_sizes``, videos stacked (the model
+    takes one 5-D tensor, so every video of a batch must have the same number of frames)."""
+    out = _batch_ids(rows)
+    pix = [p for r in rows for p in r.images.get("pixel_values", [])]
+    if pix:
+        tiles = max(p.shape[0] for p in pix)
+        stacked = torch.zeros(len(pix), tiles, *pix[0].shape[1:])
+        for i, p in enumerate(pix):
+            stacked[i, : p.shape[0]] = p
+        out["pixel_values"] = stacked
+        out["image_sizes"] = torch.cat([r.images["image_sizes"] for r in rows if "image_sizes" in r.images])
+    clips = [c for r in rows for c in r.images.get("pixel_values_videos", [])]
+    if clips:
+        if len({c.shape[0] for c in clips}) > 1:
+            raise ValueError(f"the videos of one {family} batch must have the same number of frames")
+        out["pixel_values_videos"] = torch.stack(clips)
+    return out
+

@@ -13,7 +13,16 @@ from typing import Any
 
 import torch
 
-from .common import IMAGE, VIDEO, Row, _batch_ids, _finish, _seq, _text_config, text_ids
+from .common import (
+    IMAGE,
+    VIDEO,
+    Row,
+    _finish,
+    _seq,
+    _text_config,
+    collate_tiles_and_videos,
+    text_ids,
+)
 
 __all__ = ["build", "collate", "examples", "row", "tokens"]
 
@@ -144,27 +153,9 @@ def row(
 def collate(rows: Sequence[Row]) -> dict:
     """Left-padded batch: images padded to the most tiles, ``batch_num_images`` per row,
     videos stacked (every video of a batch must have the same number of frames)."""
-    out = _batch_ids(rows)
-    pix = [p for r in rows for p in r.images.get("pixel_values", [])]
-    if pix:
-        tiles = max(p.shape[0] for p in pix)
-        stacked = torch.zeros(len(pix), tiles, *pix[0].shape[1:])
-        for i, p in enumerate(pix):
-            stacked[i, : p.shape[0]] = p
-        out["pixel_values"] = stacked
-        out["image_sizes"] = torch.cat(
-            [r.images["image_sizes"] for r in rows if "image_sizes" in r.images]
-        )
-        out["batch_num_images"] = torch.tensor(
-            [len(r.images.get("pixel_values", [])) for r in rows]
-        )
-    clips = [c for r in rows for c in r.images.get("pixel_values_videos", [])]
-    if clips:
-        if len({c.shape[0] for c in clips}) > 1:
-            raise ValueError(
-                "the videos of one LLaVA-OneVision batch must have the same number of frames"
-            )
-        out["pixel_values_videos"] = torch.stack(clips)
+    out = collate_tiles_and_videos(rows, "LLaVA-OneVision")
+    if "pixel_values" in out:
+        out["batch_num_images"] = torch.tensor([len(r.images.get("pixel_values", [])) for r in rows])
     return out
 
 

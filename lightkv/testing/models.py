@@ -25,10 +25,15 @@ import torch
 
 __all__ = ["TINY_MODELS", "TinyModel", "Row", "left_pad", "text_ids"]
 
-from . import gemma3
-from . import llava_next_video, llava_onevision
-from . import qwen2_vl, qwen3_vl  # newer families: one module each
-from . import idefics3, pixtral  # families with a module each
+from . import (  # newer families: one module each  # families with a module each
+    gemma3,
+    idefics3,
+    llava_next_video,
+    llava_onevision,
+    pixtral,
+    qwen2_vl,
+    qwen3_vl,
+)
 from .common import (  # noqa: F401  (re-exported: tests and docs import them from here)
     IMAGE,
     IMG_END,
