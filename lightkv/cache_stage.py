@@ -93,8 +93,9 @@ class CacheStage:
         """Run the stage on a cache.
 
         Args:
-            keys, values: ``[B, H_kv, N, d]`` the layer's cache, one entry per token of
+            keys: ``[B, H_kv, N, d]`` the layer's cached keys, one entry per token of
                 ``layout``.
+            values: ``[B, H_kv, N, d]`` its cached values.
             layout: the tokens' layout.
             relevance: ``[B, N]`` importance (None: uniform).
             provenance: as for `Stage` (None: the entries are original tokens).

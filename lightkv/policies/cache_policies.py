@@ -142,7 +142,8 @@ def h2o_keep(
         scores: ``[B, L]`` accumulated attention per entry.
         candidate: ``[B, L]`` bool, entries that may be evicted.
         origin: ``[B, L]`` original column of each entry.
-        heavy, recent: ``[B]`` counts.
+        heavy: ``[B]`` heavy hitters to keep per row.
+        recent: ``[B]`` most recent entries to keep per row.
     """
     b, length = scores.shape
     cols = torch.arange(length, device=scores.device).expand(b, length)
