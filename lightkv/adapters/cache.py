@@ -41,6 +41,7 @@ class MaskedCacheLayer(DynamicLayer):
         self.origin: torch.Tensor | None = None
         self.pending_origin: torch.Tensor | None = None
         self.columns: int | None = None
+        self.pending_columns: int | None = None  # the prompt's original width, set at prefill
         self.extra: dict[str, torch.Tensor] = {}
         """``[B, ...]`` tensors of the cache mode (H2O's accumulated scores, candidates and
         budgets) that follow the rows through beam search like ``valid``."""
@@ -64,7 +65,12 @@ class MaskedCacheLayer(DynamicLayer):
         if org is not None:
             org = org.to(keys.device)
             self.origin = org if self.origin is None else torch.cat([self.origin, org], dim=1)
-            self.columns = int(org.max()) + 1 if org.numel() else self.columns
+        # Counted on the host (no device sync on the decode path): the prompt's width, then
+        # one column per new token.
+        if self.pending_columns is not None:
+            self.columns, self.pending_columns = self.pending_columns, None
+        elif self.columns is not None:
+            self.columns += key_states.shape[-2]
         return keys, values
 
     def get_seq_length(self) -> int:
@@ -112,7 +118,8 @@ class MaskedCacheLayer(DynamicLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.valid = self.pending = self.origin = self.pending_origin = self.columns = None
+        self.valid = self.pending = self.origin = self.pending_origin = None
+        self.columns = self.pending_columns = None
         self.extra = {}
 
 

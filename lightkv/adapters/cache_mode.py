@@ -74,6 +74,7 @@ class CacheMode:
         if not st.compressed:  # the cache mode never runs with hidden-state stages
             masked = install_masked_layer(cache, i, s._token, s.adapter.cache_layer_types)
             masked.pending, masked.pending_origin = layout.valid_mask, layout.origin
+            masked.pending_columns = layout.seq_len
         pos = kwargs.get("position_embeddings")
         probe = s._probes[i]
         with torch.no_grad():

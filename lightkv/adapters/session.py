@@ -385,6 +385,7 @@ class CompressionSession:
             if cache is not None:
                 masked = install_masked_layer(cache, i, self._token, self.adapter.cache_layer_types)
                 masked.pending, masked.pending_origin = layout.valid_mask, layout.origin
+                masked.pending_columns = st.provenance.owner.shape[1]  # the original prompt width
         stage = self._stage_at.get(i)
         if stage is not None:
             self._prepare(i, stage, hidden, kwargs.get("position_embeddings"), layout)
