@@ -179,7 +179,7 @@ def run(config: AccuracyConfig = AccuracyConfig(), progress: bool = True) -> dic
         "model": {"name": config.model or "digitgrid", "task": task.name, "layers": num_layers,
                   "vision_tokens": task.data.num_image_tokens(grid, model.config.vision_config.patch_size)},
         "grid": asdict(grid),
-        "qtypes": list(task.qtypes),
+        "qtypes": list(task.asked(grid)),
         "detail_qtypes": list(getattr(task.data, "DETAIL_QTYPES", ("what",))),
         "uncompressed": _row("uncompressed", 1.0, "scaled", None, base, base, None, config),
         "rows": rows,

@@ -35,8 +35,9 @@ __all__ = ["EvalResult", "answer", "evaluate", "heldout_episodes", "relevance_ma
 def heldout_episodes(n: int, seed: int = 0, grid: GridConfig = DEFAULT_CONFIG,
                      qtypes: Sequence[str] | None = None, split: str = "heldout") -> list[Episode]:
     """``n`` held-out episodes, question types in equal shares (round-robin), seeded."""
-    data = task_for(grid).data
-    qtypes = data.QTYPES if qtypes is None else qtypes
+    task = task_for(grid)
+    data = task.data
+    qtypes = task.asked(grid) if qtypes is None else qtypes
     rng = random.Random(f"digitgrid-eval:{seed}")
     return [data.make_episode(rng, split, qtypes[i % len(qtypes)], grid) for i in range(n)]
 
@@ -119,7 +120,7 @@ def evaluate(model, episodes: Sequence[Episode], grid: GridConfig, pipeline=None
             right[ep.qtype] += words == ep.answer
         answers += got
     n = max(1, len(episodes))
-    qtypes = task_for(grid).qtypes
+    qtypes = task_for(grid).qtypes  # reported in the task's order
     return EvalResult(
         accuracy={q: right[q] / count[q] for q in qtypes if count[q]},
         count={q: count[q] for q in qtypes if count[q]},

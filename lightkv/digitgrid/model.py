@@ -44,7 +44,7 @@ __all__ = [
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUNDLED_MODEL = ASSETS / "digitgrid-llava"
 """Where the trained DigitGrid model ships inside the package."""
-BUNDLED_MODELS = {"digitgrid": BUNDLED_MODEL}
+BUNDLED_MODELS = {"digitgrid": BUNDLED_MODEL, "symbolgrid": ASSETS / "symbolgrid-llava"}
 """The models that ship inside the package, by name (``--model NAME`` on the command line)."""
 
 
@@ -80,6 +80,8 @@ class ModelSpec:
     text_ffn: int = 512
     rope_theta: float = 10000.0
     """RoPE base; a large one keeps query-key matches intact across the whole image."""
+    text_head_dim: int | None = None
+    """Decoder head size (None: ``text_width / text_heads``)."""
 
 
 DEFAULT_SPEC = ModelSpec()
@@ -107,6 +109,7 @@ def build_model(spec: ModelSpec = DEFAULT_SPEC, grid: GridConfig = DEFAULT_CONFI
         vocab_size=len(get_task(task).vocab), hidden_size=spec.text_width, intermediate_size=spec.text_ffn,
         num_hidden_layers=spec.text_layers, num_attention_heads=spec.text_heads,
         num_key_value_heads=spec.text_heads, max_position_embeddings=1024, rope_theta=spec.rope_theta,
+        head_dim=spec.text_head_dim or spec.text_width // spec.text_heads,
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, tie_word_embeddings=True,
     )
     config = LlavaConfig(

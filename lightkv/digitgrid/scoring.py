@@ -52,9 +52,10 @@ def conversations(n: int, grid, seed: int = 0, followup: bool = True, split: str
     task = task_for(grid)
     data = task.data
     rng = random.Random(f"{task.name}-conversations:{seed}:{split}")
+    asked = task.asked(grid)
     out = []
     for i in range(n):
-        ep = data.make_episode(rng, split, data.QTYPES[i % len(data.QTYPES)], grid)
+        ep = data.make_episode(rng, split, asked[i % len(asked)], grid)
         out.append(Conversation(ep, _followup(rng, ep, grid, data) if followup else None))
     return out
 

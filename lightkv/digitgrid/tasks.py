@@ -43,6 +43,11 @@ class Task:
     def qtypes(self) -> tuple[str, ...]:
         return self.data.QTYPES
 
+    def asked(self, config) -> tuple[str, ...]:
+        """The question types evaluation asks under ``config`` (its ``asked`` field where it
+        has one, else every type)."""
+        return tuple(getattr(config, "asked", None) or self.data.QTYPES)
+
     @property
     def grid_config(self) -> type:
         return self.data.GridConfig

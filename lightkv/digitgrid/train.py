@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from . import circuit
 from .model import ModelSpec, alignment_targets, build_model, save
 from .tasks import TASKS, Task, get_task, task_for
 from .vocab import GLYPHS
@@ -188,6 +189,14 @@ def _freeze_lookup(model, first: int, heads: int) -> None:
             proj.weight.register_hook(hook)
 
 
+@torch.no_grad()
+def _vision_sample(model, task: Task, grid, n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens [n * N, D], symbols [n * N])``: projected vision tokens of ``n`` training
+    images (a seeded stream of its own) and what each shows."""
+    grids, images = task.image_batch(random.Random("circuit-probe"), "train", n, grid)
+    return _projected(model, images).flatten(0, 1), grids.flatten()
+
+
 def _trainable(model, stage: str) -> list[torch.nn.Parameter]:
     for p in model.parameters():
         p.requires_grad_(False)
@@ -215,7 +224,8 @@ def _spec(args):
     else:
         grid = task.grid_config()
         patch = grid.cell
-    spec = ModelSpec(patch=patch, rope_theta=getattr(args, "rope_theta", 10000.0), text_width=args.text_width, text_layers=args.text_layers,
+    spec = ModelSpec(patch=patch, rope_theta=getattr(args, "rope_theta", 10000.0), text_width=args.text_width,
+                     text_layers=args.text_layers, text_head_dim=getattr(args, "head_dim", None),
                      text_ffn=args.text_ffn or 4 * args.text_width,
                      vision_width=args.vision_width, vision_layers=args.vision_layers)
     return grid, spec
@@ -226,6 +236,10 @@ def export(args) -> Path:
     state = torch.load(Path(args.out) / "qa.pt", weights_only=False)
     saved = argparse.Namespace(**state["args"])
     grid, spec = _spec(saved)
+    if getattr(args, "asked", None):
+        from dataclasses import replace
+
+        grid = replace(grid, asked=tuple(args.asked))
     model = build_model(spec, grid, seed=saved.seed, task=_task(saved).name)
     model.load_state_dict(state["model"])
     path = save(model, args.export, grid, spec, task=_task(saved).name,
@@ -248,6 +262,8 @@ def run_stage(args) -> None:
     grid, spec = _spec(args)
     task = _task(args)
     model = build_model(spec, grid, seed=args.seed, task=task.name)
+    if getattr(args, "circuit", False):
+        circuit.structure_embeddings(model, task.data, args.seed)
     translate = translation(spec.text_width, args.seed) if getattr(args, "translate", False) else None
     ckpt = out / f"{args.stage}.pt"
     step = 0
@@ -264,7 +280,12 @@ def run_stage(args) -> None:
         if args.mimetic:
             _mimetic_init(model, seed=args.seed, first=args.mimetic_from, translate=translate,
                           lookup_heads=args.lookup_heads, lookup_qk=args.lookup_qk, lookup_from=args.lookup_from)
+        if getattr(args, "circuit", False):
+            heads = circuit.install(model, task.data, grid.grid, *_vision_sample(model, task, grid),
+                                    circuit.CircuitSpec(layer=args.circuit_layer))
     params = _trainable(model, args.stage)
+    if args.stage == "qa" and getattr(args, "circuit", False):
+        circuit.freeze(model, args.circuit_layer, heads)
     if args.stage == "qa" and getattr(args, "freeze_lookup", False):
         _freeze_lookup(model, max(args.mimetic_from, args.lookup_from), args.lookup_heads)
     groups = [{"params": params, "base_lr": args.lr}]
@@ -300,7 +321,8 @@ def run_stage(args) -> None:
     bar = tqdm(total=args.steps, initial=step, desc=args.stage, mininterval=5, dynamic_ncols=True)
     t0 = time.time()
     running = None
-    while step < args.steps:
+    until = min(args.steps, getattr(args, "until", None) or args.steps)
+    while step < until:
         for g in opt.param_groups:
             g["lr"] = g["base_lr"] * schedule(step)
         if args.stage == "align":
@@ -323,7 +345,7 @@ def run_stage(args) -> None:
         running = value if running is None else 0.98 * running + 0.02 * value
         bar.update(1)
         bar.set_postfix(loss=f"{running:.4f}")
-        if step % args.eval_every == 0 or step == args.steps:
+        if step % args.eval_every == 0 or step in (args.steps, until):
             if args.stage == "align":
                 ev = evaluate_align(model, spec, grid, translate=translate)
             else:
@@ -331,7 +353,7 @@ def run_stage(args) -> None:
             entry = {"step": step, "loss": running, "minutes": (time.time() - t0) / 60, **ev}
             log.append(entry)
             bar.write(json.dumps(entry))
-        if step % args.ckpt_every == 0 or step == args.steps:
+        if step % args.ckpt_every == 0 or step in (args.steps, until):
             checkpoint()
     bar.close()
     if args.export and args.stage == "qa":
@@ -345,7 +367,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="align: tower + projector; qa: decoder; export: --out/qa.pt to --export DIR")
     p.add_argument("--out", default="runs/digitgrid", help="checkpoint directory (resumes from it)")
     p.add_argument("--export", default=None, help="write the Hugging Face model here after qa")
+    p.add_argument("--asked", nargs="+", default=None, metavar="QTYPE",
+                   help="export: the question types the exported model is evaluated on (symbolgrid)")
     p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--until", type=int, default=None,
+                   help="stop after this step (checkpointed) without changing the --steps schedule")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--questions", type=int, default=4, help="questions packed per image (qa)")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -364,6 +390,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slow-lr", type=float, default=0.05)
     p.add_argument("--lookup-from", type=int, default=0, help="first layer with lookup heads (qa)")
     p.add_argument("--lookup-qk", type=float, default=3.0, help="query scale of the lookup heads (qa)")
+    p.add_argument("--circuit", action="store_true",
+                   help="symbolgrid: row + column cell embeddings and retrieval heads at init (needs --translate)")
+    p.add_argument("--circuit-layer", type=int, default=3, help="decoder layer of the --circuit heads")
+    p.add_argument("--head-dim", type=int, default=None, help="decoder head size (default width / heads)")
     p.add_argument("--rope-theta", type=float, default=10000.0, help="RoPE base of the decoder")
     p.add_argument("--mimetic", action="store_true", help="near-identity query/key init (qa)")
     p.add_argument("--mimetic-from", type=int, default=0,

@@ -140,8 +140,14 @@ class GridConfig:
     """Symbols a ``read`` question answers (its cell and the next ``read_len - 1`` to the right)."""
     noise: float = 0.2
     """Background is uniform noise in ``[0, noise]``."""
+    asked: tuple[str, ...] = QTYPES
+    """Question types the evaluation asks (held-out episodes, conversations, benchmark);
+    training always draws from all of `QTYPES`. A model records the ones it answers."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "asked", tuple(self.asked))  # JSON gives a list
+        if not self.asked or any(q not in QTYPES for q in self.asked):
+            raise ValueError(f"asked must be a non-empty subset of {QTYPES}, got {self.asked}")
         if not 2 <= self.grid <= MAX_GRID:
             raise ValueError(f"grid must be in [2, {MAX_GRID}], got {self.grid}")
         if self.cell < 4:
