@@ -20,6 +20,9 @@ from lightkv.policies import (
     LowestRelevance,
     RandomPruner,
     RelevanceAwareDivergence,
+    RelevanceBudget,
+    RelevanceSizeWeightedMean,
+    RelevanceSplit,
     SizeWeightedMean,
     StageInputs,
     StageSpec,
@@ -34,6 +37,9 @@ MERGING = {
     "l2": dict(scorer=L2Divergence()),
     "relevance-aware": dict(pruner=RelevanceAwareDivergence(weight=1.0)),
     "size-mean": dict(passer=SizeWeightedMean()),
+    "relevance-split": dict(partitioner=RelevanceSplit(sources=0.75)),
+    "relevance-budget": dict(partitioner=RelevanceSplit(sources="ratio"), pruner=RelevanceBudget()),
+    "relevance-size-mean": dict(passer=RelevanceSizeWeightedMean()),
 }
 
 
@@ -61,9 +67,20 @@ def strip(result, b):
     return result.kept_index[b][keep], result.hidden[b][keep]
 
 
+# Policies that keep the default stage's counts: the same sources per window, the same total.
+SAME_COUNTS = {
+    "lightkv": dict(),
+    "relevance-split": dict(partitioner=RelevanceSplit()),
+    "relevance-budget": dict(pruner=RelevanceBudget(strength=2.0)),
+    "relevance-size-mean": dict(passer=RelevanceSizeWeightedMean()),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(SAME_COUNTS))
 @given(case=batches(), ratio=ratios, wps=st.integers(1, 5))
-def test_counts_equal_what_the_schedule_promises(case, ratio, wps):
-    result = Stage(StageSpec(0, ratio, windows_per_side=wps))(case.hidden, case.layout, case.relevance)
+def test_counts_equal_what_the_schedule_promises(variant, case, ratio, wps):
+    stage = Stage(StageSpec(0, ratio, windows_per_side=wps), **SAME_COUNTS[variant])
+    result = stage(case.hidden, case.layout, case.relevance)
     assert int(result.layout.vision_counts().sum()) == promised_vision_count(case.layout, ratio, wps)
     # non-vision tokens all survive; the sequence is as long as the longest row
     assert torch.equal((result.layout.kind != TokenKind.VISION).sum(1) - (result.kept_index < 0).sum(1),
@@ -101,9 +118,12 @@ def test_provenance_partitions_vision_tokens_within_windows(variant, case, ratio
     assert torch.equal(result.sizes.sum(1), torch.full((lay.batch_size,), lay.seq_len))
 
 
+@pytest.mark.parametrize("variant", ["lightkv", "relevance-split", "relevance-budget", "relevance-size-mean"])
 @given(case=batches(), ratio=ratios, wps=st.integers(1, 4))
-def test_merged_features_are_relevance_weighted_convex_combinations(case, ratio, wps):
-    result = Stage(StageSpec(0, ratio, windows_per_side=wps))(case.hidden, case.layout, case.relevance)
+def test_merged_features_are_relevance_weighted_convex_combinations(variant, case, ratio, wps):
+    # (at the first stage every size is 1: relevance_size_mean is the ξ-weighted mean too)
+    stage = Stage(StageSpec(0, ratio, windows_per_side=wps), **MERGING[variant])
+    result = stage(case.hidden, case.layout, case.relevance)
     for b in range(case.layout.batch_size):
         for j in range(result.kept_index.shape[1]):
             src = result.provenance.sources(b, j)
@@ -131,19 +151,21 @@ def test_text_structural_and_padding_are_untouched(case, ratio, wps):
     assert (result.layout.origin[holes] == -1).all()
 
 
+@pytest.mark.parametrize("variant", ["lightkv", "relevance-split", "relevance-budget"])
 @given(case=batches(), wps=st.integers(1, 4))
-def test_ratio_zero_is_the_identity(case, wps):
-    result = Stage(StageSpec(0, 0.0, windows_per_side=wps))(case.hidden, case.layout, case.relevance)
+def test_ratio_zero_is_the_identity(variant, case, wps):
+    result = Stage(StageSpec(0, 0.0, windows_per_side=wps), **MERGING[variant])(case.hidden, case.layout, case.relevance)
     assert result.hidden is case.hidden or torch.equal(result.hidden, case.hidden)
     assert result.layout == case.layout
     assert torch.equal(result.kept_index, torch.arange(case.layout.seq_len).expand_as(result.kept_index))
 
 
+@pytest.mark.parametrize("variant", ["lightkv", "relevance-split", "relevance-budget"])
 @given(case=batches(max_side=4), wps=st.integers(1, 3))
-def test_a_stage_that_removes_nothing_is_bit_exact(case, wps):
+def test_a_stage_that_removes_nothing_is_bit_exact(variant, case, wps):
     # ratio small enough that floor(ratio * n_w) == 0 for every window: the full path runs
     # (graph, scores, pruning, assembly) but must hand back the input unchanged
-    result = Stage(StageSpec(0, 0.05, windows_per_side=wps))(case.hidden, case.layout, case.relevance)
+    result = Stage(StageSpec(0, 0.05, windows_per_side=wps), **MERGING[variant])(case.hidden, case.layout, case.relevance)
     assert torch.equal(result.hidden, case.hidden)
     assert result.layout == case.layout
 

@@ -19,8 +19,9 @@ from .partitioners import (
     Partition,
     Partitioner,
     PseudoSquarePartitioner,
+    RelevanceSplit,
 )
-from .passers import DropMessages, MessagePasser, RelevanceWeightedMean, SizeWeightedMean
+from .passers import DropMessages, MessagePasser, RelevanceSizeWeightedMean, RelevanceWeightedMean, SizeWeightedMean
 from .plugins import EntryPointStatus, PluginError
 from .pooling import AnchorPartitioner, StridedPartitioner
 from .pruners import (
@@ -29,9 +30,11 @@ from .pruners import (
     Pruner,
     RandomPruner,
     RelevanceAwareDivergence,
+    RelevanceBudget,
     SmallestDivergence,
+    allocate_removals,
 )
-from .relevance import LastTokenAttention, QueryAxisSoftmax, Relevance, UniformRelevance
+from .relevance import LastTokenAttention, QueryAxisSoftmax, Relevance, TextQueryAttention, UniformRelevance
 from .schedulers import (
     BudgetSchedule,
     CacheSchedule,
@@ -92,6 +95,9 @@ __all__ = [
     "RandomPruner",
     "Relevance",
     "RelevanceAwareDivergence",
+    "RelevanceBudget",
+    "RelevanceSizeWeightedMean",
+    "RelevanceSplit",
     "RelevanceWeightedMean",
     "ScaledSchedule",
     "ScheduleError",
@@ -102,7 +108,9 @@ __all__ = [
     "StageInputs",
     "StageSpec",
     "StridedPartitioner",
+    "TextQueryAttention",
     "UniformRelevance",
+    "allocate_removals",
     "average_kept_fraction",
     "budget_schedule",
     "ratio_for_target",

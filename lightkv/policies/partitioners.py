@@ -24,6 +24,7 @@ __all__ = [
     "GridPartitioner",
     "PseudoSquarePartitioner",
     "GlobalPartitioner",
+    "RelevanceSplit",
     "Split",
 ]
 
@@ -218,3 +219,74 @@ class GlobalPartitioner(Partitioner):
             window[vision] = inv
         return Partition(window, self._split(layout, window, self.split, self.src_parity, self.seed))
 
+
+
+@Partitioner.register("relevance_split")
+@dataclass
+class RelevanceSplit(Partitioner):
+    """The schedule's grid windows, split by prompt relevance: in each window the least
+    relevant tokens are the sources (A) and the most relevant the destinations (B), so the
+    tokens the prompt cares most about are never merged away; they receive.
+
+    Ties in ξ go as the ``grid`` partitioner's parity split would send them (its sources
+    first), then in sequence order; so with uniform relevance (or none) and the default
+    ``sources=0.5, src_parity=0`` this is exactly ``grid`` with ``split: parity``, and at any
+    relevance it has as many sources per window (``ceil(n_w / 2)``), so the token counts of
+    a stage do not change.
+
+    Attributes:
+        sources: how many tokens of a window of ``n_w`` are sources: a fraction ``s`` in
+            ``[0, 1]`` gives ``ceil(s · n_w)``; ``"ratio"`` gives the stage's
+            ``floor(P · n_w)`` (at most ``n_w - 1``), exactly the tokens the plain budget
+            removes, so every source leaves and the survivors are each window's most
+            relevant tokens.
+        src_parity: the parity split used to break ties.
+        bands: as `GridPartitioner`.
+        min_tokens_per_window: as `GridPartitioner`.
+    """
+
+    sources: float | Literal["ratio"] = 0.5
+    src_parity: int = 0
+    bands: Bands = "proportional"
+    min_tokens_per_window: int = 0
+
+    def __post_init__(self) -> None:
+        check_bands(self.bands)
+        if isinstance(self.sources, str):
+            if self.sources != "ratio":
+                raise ValueError(f"sources must be a fraction in [0, 1] or 'ratio', got {self.sources!r}")
+        elif isinstance(self.sources, bool) or not isinstance(self.sources, (int, float)) or not 0.0 <= self.sources <= 1.0:
+            raise ValueError(f"sources must be a fraction in [0, 1] or 'ratio', got {self.sources!r}")
+
+    def source_count(self, n: torch.Tensor, ratio: float) -> torch.Tensor:
+        """``[K]`` int64 sources per window from the window sizes ``n [K]``."""
+        if self.sources == "ratio":
+            return torch.minimum(torch.floor(n.double() * ratio).long(), n - 1).clamp_min(0)
+        return torch.ceil(n.double() * float(self.sources) - 1e-9).long().clamp(min=0).minimum(n)
+
+    def partition(self, inputs):
+        """``[B, N]`` grid windows; per window the ``source_count`` least relevant tokens are A."""
+        layout, windows_per_side = inputs.layout, inputs.spec.windows_per_side
+        window = grid_windows(layout, windows_per_side, inputs.spec.window_size, bands=self.bands)
+        window = self._skip_small(layout, window, windows_per_side, self.min_tokens_per_window)
+        inside = window >= 0
+        is_src = torch.zeros_like(inside)
+        if not bool(inside.any()):
+            return Partition(window, is_src)
+        w = window[inside]  # [V], in sequence order
+        if inputs.relevance is None:
+            xi = torch.ones(w.shape, dtype=torch.float64, device=w.device)
+        else:
+            xi = inputs.relevance[inside].to(torch.float64)
+        parity_src = segment_rank(w) % 2 == self.src_parity
+        # order by (window, ξ ascending, the parity split's sources first, sequence order)
+        order = torch.sort((~parity_src).to(torch.uint8), stable=True).indices
+        order = order[torch.sort(xi[order], stable=True).indices]
+        order = order[torch.sort(w[order], stable=True).indices]
+        k = int(w.max()) + 1
+        n = scatter_sum(torch.ones_like(w), w, k)
+        start = torch.cumsum(n, 0) - n
+        rank = torch.empty_like(w)
+        rank[order] = torch.arange(w.numel(), device=w.device) - start[w[order]]
+        is_src[inside] = rank < self.source_count(n, float(inputs.spec.ratio))[w]
+        return Partition(window, is_src)

@@ -21,7 +21,7 @@ import torch
 from ..graph.scatter import scatter_sum
 from .base import Policy
 
-__all__ = ["MessagePasser", "RelevanceWeightedMean", "SizeWeightedMean", "DropMessages"]
+__all__ = ["MessagePasser", "RelevanceWeightedMean", "SizeWeightedMean", "RelevanceSizeWeightedMean", "DropMessages"]
 
 
 class MessagePasser(Policy):
@@ -127,6 +127,43 @@ class SizeWeightedMean(MessagePasser):
 
     def weight(self, relevance, size):
         return size.to(torch.float64)
+
+
+@MessagePasser.register("relevance_size_mean")
+@dataclass
+class RelevanceSizeWeightedMean(MessagePasser):
+    """Relevance- and size-weighted mean: weight ``ξ^relevance_power · size^size_power``.
+
+    With the default powers (1, 1) a token that already holds ``s`` originals counts ``s``
+    times its relevance, so a merge is the ξ-weighted mean *over the originals*, each
+    original weighted by the relevance of the token that represents it now: a large,
+    relevant group is not diluted by a small one, as it is with ``relevance_mean``. The
+    weights are normalised over each destination and the sources merged into it, so the
+    result is a convex combination of the merged tokens (and of the originals).
+
+    ``relevance_power = 0`` is ToMe's size-weighted mean (``size_mean``, also where ξ = 0);
+    ``size_power = 0`` is LightKV's ``relevance_mean``. At the first stage every size is 1
+    and the passer equals ``relevance_mean``.
+
+    Attributes:
+        relevance_power: exponent of ξ (``>= 0``).
+        size_power: exponent of the size (``>= 0``).
+    """
+
+    relevance_power: float = 1.0
+    size_power: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("relevance_power", "size_power"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+    def weight(self, relevance, size):
+        """``ξ [M]``, ``size [M]`` -> ``[M]`` weights ``ξ^a · size^b`` (in ξ's dtype)."""
+        s = size.to(relevance.dtype)
+        xi = relevance if self.relevance_power == 1 else relevance.pow(self.relevance_power)
+        return xi * (s if self.size_power == 1 else s.pow(self.size_power))
 
 
 @MessagePasser.register("drop")

@@ -19,7 +19,28 @@ from ..graph.layout import VisionLayout
 from ..graph.scatter import pack_rows
 from .base import Policy
 
-__all__ = ["Relevance", "QueryAxisSoftmax", "LastTokenAttention", "UniformRelevance"]
+__all__ = ["Relevance", "QueryAxisSoftmax", "LastTokenAttention", "TextQueryAttention", "UniformRelevance"]
+
+Heads = Literal["sum", "mean", "max"]
+HEADS: tuple[str, ...] = ("sum", "mean", "max")
+"""How per-head relevance becomes one ξ: ``sum`` and ``mean`` differ by the factor ``H``
+only (the same rankings and the same merge weights; the scale matters only to a policy
+that compares ξ across layers or thresholds it), ``max`` takes the head that attends
+most to each token (another ranking)."""
+
+
+def _check_heads(heads: str) -> None:
+    if heads not in HEADS:
+        raise ValueError(f"unknown heads {heads!r}; choose one of {', '.join(HEADS)}")
+
+
+def _reduce_heads(x: torch.Tensor, heads: str) -> torch.Tensor:
+    """``[B, H, N]`` -> ``[B, N]``: sum, mean or max over the head axis."""
+    if heads == "sum":
+        return x.sum(dim=1)
+    if heads == "mean":
+        return x.mean(dim=1)
+    return x.amax(dim=1)
 
 
 def _match_heads(keys: torch.Tensor, heads: int) -> torch.Tensor:
@@ -83,9 +104,17 @@ class QueryAxisSoftmax(Relevance):
     Pre-mask logits ``q_i . k_t / sqrt(d)`` with every token ``i`` as query and every text
     token ``t`` as key (including the question after the image, which the causal mask would
     hide); softmax over the *query* axis (each text column normalised over all valid query
-    positions); keep the vision rows; sum over heads and text columns. Costs ``N x T`` per
-    head, never ``N x N``.
+    positions); keep the vision rows; sum over text columns, then over heads (``heads``).
+    Costs ``N x T`` per head, never ``N x N``.
+
+    Attributes:
+        heads: ``sum`` (the reference code), ``mean`` or ``max`` over query heads.
     """
+
+    heads: Heads = "sum"
+
+    def __post_init__(self) -> None:
+        _check_heads(self.heads)
 
     def score(self, queries, keys, layout):
         self._check(queries, keys, layout)
@@ -98,7 +127,7 @@ class QueryAxisSoftmax(Relevance):
         logits = logits.masked_fill(~layout.valid_mask[:, None, :, None], float("-inf"))
         attn = torch.softmax(logits, dim=2)
         attn = attn.masked_fill(~text_valid[:, None, None, :], 0.0)
-        xi = attn.sum(dim=(1, 3))
+        xi = attn.sum(dim=(1, 3)) if self.heads == "sum" else _reduce_heads(attn.sum(dim=3), self.heads)
         return torch.where(layout.vision_mask, xi, torch.zeros_like(xi))
 
 
@@ -111,10 +140,17 @@ class LastTokenAttention(Relevance):
 
     The last token is the last valid position of each row (left or right padding both
     work). Softmax over all valid keys, as in the causal model (the last token sees all).
+
+    Attributes:
+        heads: ``mean`` (FastV), ``sum`` or ``max`` over query heads.
     """
 
     query_rows: ClassVar[str] = "last"
     key_cols: ClassVar[str] = "all"
+    heads: Heads = "mean"
+
+    def __post_init__(self) -> None:
+        _check_heads(self.heads)
 
     def score(self, queries, keys, layout):
         self._check(queries, keys, layout)
@@ -126,7 +162,53 @@ class LastTokenAttention(Relevance):
         acc = _accumulator(queries)
         logits = torch.matmul(q_last.to(acc), k.to(acc).transpose(-1, -2)) / math.sqrt(d)  # [B,H,1,N]
         logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
-        xi = torch.softmax(logits, dim=-1).mean(dim=1)[:, 0]
+        xi = _reduce_heads(torch.softmax(logits, dim=-1)[:, :, 0], self.heads)
+        return torch.where(layout.vision_mask, xi, torch.zeros_like(xi))
+
+
+@Relevance.register("text_attention")
+@dataclass
+class TextQueryAttention(Relevance):
+    """Attention from every text token to each vision token: the model's own attention rows
+    (softmax over the *key* axis) for the text queries, summed over them, then over heads.
+
+    Where ``query_softmax`` normalises each text column over all queries and ``last_token``
+    reads one query row, this reads every text row: the whole question, and with
+    ``causal=False`` also the text before the image. With ``causal=True`` (the model's
+    mask) a query sees the valid keys at or before its original position, so text before
+    the image contributes nothing. Costs ``T x N`` per head; it declares
+    ``query_rows = "all"`` (adapters offer no text-rows option), so an adapter projects
+    every query row.
+
+    Attributes:
+        heads: ``mean``, ``sum`` or ``max`` over query heads.
+        causal: the causal mask (True) or every valid key for every text query (False).
+    """
+
+    query_rows: ClassVar[str] = "all"
+    key_cols: ClassVar[str] = "all"
+    heads: Heads = "mean"
+    causal: bool = True
+
+    def __post_init__(self) -> None:
+        _check_heads(self.heads)
+
+    def score(self, queries, keys, layout):
+        """``queries [B, H, N, d]``, ``keys [B, H_kv, N, d]`` -> ``[B, N]``."""
+        self._check(queries, keys, layout)
+        text_pos, text_valid = pack_rows(layout.text_mask)  # [B, T]
+        h, d = queries.shape[1], queries.shape[-1]
+        q_text = queries.gather(2, text_pos[:, None, :, None].expand(-1, h, -1, d))  # [B,H,T,d]
+        k = _match_heads(keys, h)
+        acc = _accumulator(queries)
+        logits = torch.matmul(q_text.to(acc), k.to(acc).transpose(-1, -2)) / math.sqrt(d)  # [B,H,T,N]
+        allowed = layout.valid_mask[:, None, :] & text_valid[:, :, None]  # [B,T,N]
+        if self.causal:
+            origin = layout.origin
+            allowed = allowed & (origin[:, None, :] <= origin.gather(1, text_pos)[:, :, None])
+        logits = logits.masked_fill(~allowed[:, None], float("-inf"))
+        attn = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # padded text slots give 0
+        xi = _reduce_heads(attn.sum(dim=2), self.heads)
         return torch.where(layout.vision_mask, xi, torch.zeros_like(xi))
 
 
