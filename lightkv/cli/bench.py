@@ -62,13 +62,31 @@ def add_commands(commands) -> None:
     qual.add_argument("--methods", nargs="+", metavar="PRESET", help="presets (default: all eight)")
     qual.add_argument("--targets", nargs="+", type=float, metavar="F", help="kept fractions (default: 1 .75 .55 .4 .25)")
     qual.add_argument("--model", metavar="NAME|DIR", default="digitgrid",
-                      help="a bundled model (digitgrid) or a DigitGrid/SymbolGrid model directory (default: digitgrid)")
+                      help="a bundled model (digitgrid, symbolgrid) or a DigitGrid/SymbolGrid model directory "
+                      "(default: digitgrid)")
     qual.add_argument("--no-ablations", action="store_true", help="skip the ablation table")
     qual.add_argument("--no-followup", action="store_true", help="no follow-up questions")
     qual.add_argument("--batch", type=depth, default=100, metavar="N", help="episodes per batch (default: 100)")
     qual.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results)")
     qual.add_argument("--threads", type=depth, metavar="N", help="torch CPU threads (default: torch's)")
     qual.set_defaults(func=_cmd_bench_quality)
+    abl = bsub.add_parser(
+        "ablation",
+        help="LightKV variants vs the reference and baselines at equal budget, with paired intervals",
+        description="Each variant of LightKV (size-aware messages, relevance-decided splits and budgets, other "
+        "relevance scores) and each baseline at 55% and 40% of the vision KV cache, on the bundled SymbolGrid "
+        "and DigitGrid models: exact match per question type and KL, with paired bootstrap intervals of lightkv "
+        "minus each. Writes ablation.json, .md and .png.",
+        formatter_class=fmt,
+    )
+    abl.add_argument("--models", nargs="+", metavar="NAME|DIR", help="models (default: symbolgrid digitgrid)")
+    abl.add_argument("--episodes", type=depth, default=240, metavar="N", help="conversations per model (default: 240)")
+    abl.add_argument("--targets", nargs="+", type=float, metavar="F", help="kept fractions (default: .55 .4)")
+    abl.add_argument("--variants", nargs="+", metavar="NAME", help="variants (default: all)")
+    abl.add_argument("--baselines", nargs="+", metavar="PRESET", help="baseline presets (default: six)")
+    abl.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results)")
+    abl.add_argument("--threads", type=depth, metavar="N", help="torch CPU threads (default: torch's)")
+    abl.set_defaults(func=_cmd_bench_ablation)
     bench.set_defaults(func=lambda args: missing_action(bench))
 
 
@@ -96,6 +114,35 @@ def _cmd_bench_quality(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else q.RESULTS
     files = report.write_outputs(result, out, args.model)
     sys.stdout.write(report.markdown_table(result))
+    for f in files:
+        print(f"wrote {f}")
+    return EXIT_OK
+
+
+def _cmd_bench_ablation(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..bench import ablation as ab
+    from ..bench.quality import RESULTS
+    from ..presets import PRESETS
+
+    unknown = [m for m in args.baselines or () if m not in PRESETS]
+    if unknown:
+        raise UsageError(f"unknown preset {unknown[0]!r}; choose from: {', '.join(sorted(PRESETS))}")
+    bad = [v for v in args.variants or () if v not in ab.VARIANTS]
+    if bad:
+        raise UsageError(f"unknown variant {bad[0]!r}; choose from: {', '.join(ab.VARIANTS)}")
+    if any(not 0.0 < t < 1.0 for t in args.targets or ()):
+        raise UsageError("--targets must be kept fractions in (0, 1)")
+    given = {"models": args.models, "targets": args.targets, "variants": args.variants, "baselines": args.baselines}
+    cfg = ab.AblationConfig(episodes=args.episodes, threads=args.threads,
+                            **{k: tuple(v) for k, v in given.items() if v})
+    try:
+        result = ab.run(cfg)
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(str(e).splitlines()[0]) from None
+    files = ab.write_outputs(result, Path(args.out) if args.out else RESULTS)
+    sys.stdout.write(ab.markdown_table(result))
     for f in files:
         print(f"wrote {f}")
     return EXIT_OK

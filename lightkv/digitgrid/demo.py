@@ -1,7 +1,7 @@
 """``lightkv demo``: a bundled LVLM answers held-out questions with and without LightKV.
 
 Loads a model shipped in the package (`lightkv.digitgrid.model.BUNDLED_MODELS`, offline;
-default ``digitgrid``) or a model directory written by the trainer, renders a few held-out
+default ``symbolgrid``, whose answers sit in single vision tokens) or a model directory written by the trainer, renders a few held-out
 images, asks one question of each type about them and answers each twice: uncompressed,
 then with a pipeline (default ``lightkv-budget``: LightKV at 55% of the vision KV cache,
 stages placed for this model's depth). Prints one row per question (answer, correct?, kept
@@ -29,8 +29,9 @@ def build_parser(prog: str = "lightkv demo") -> argparse.ArgumentParser:
     from ..presets import PRESETS
 
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].replace("``", ""))
-    p.add_argument("--model", default="digitgrid",
-                   help="a bundled model (digitgrid) or a model directory written by the trainer (default: digitgrid)")
+    p.add_argument("--model", default="symbolgrid",
+                   help="a bundled model (symbolgrid, digitgrid) or a model directory written by the trainer "
+                   "(default: symbolgrid)")
     p.add_argument("--preset", default="lightkv-budget", choices=sorted(PRESETS),
                    help="pipeline to compare with the uncompressed model (default: lightkv-budget)")
     p.add_argument("--questions", type=int, default=8, help="held-out questions to ask (default 8)")
