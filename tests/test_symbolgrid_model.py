@@ -60,7 +60,7 @@ def test_uncompressed_accuracy_floor(bundled, episodes):
 
 def test_lightkv_at_55_percent_keeps_answering(bundled, episodes):
     model, _, grid = bundled
-    pipe, how = method_pipeline("lightkv", model.config.text_config.num_hidden_layers, 0.55)
+    pipe, _ = method_pipeline("lightkv", model.config.text_config.num_hidden_layers, 0.55)
     res = ev.evaluate(model, episodes, grid, pipe, batch=48)
     assert 0.5 <= res.kept_fraction <= 0.6
     assert res.kv_bytes_vision < 0.62 * res.kv_bytes_vision_baseline

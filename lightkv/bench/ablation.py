@@ -142,14 +142,16 @@ def markdown_table(result: dict[str, Any]) -> str:
     for m in result["models"]:
         cols = m["qtypes"] + (["followup"] if "followup" in m["uncompressed"]["accuracy"] else [])
         detail = m["detail_qtypes"][0]
-        lines += [f"## {m['name']} ({m['task']}, {m['vision_tokens']} vision tokens, {m['layers']} layers, "
-                  f"{result['config']['episodes']} conversations)", "",
+        title = (f"## {m['name']} ({m['task']}, {m['vision_tokens']} vision tokens, {m['layers']} layers, "
+                 f"{result['config']['episodes']} conversations)")
+        lines += [title, "",
                   "Uncompressed: " + ", ".join(f"{q} {m['uncompressed']['accuracy'][q]:.3f}" for q in cols), ""]
         for target in result["config"]["targets"]:
-            lines += [f"At {target:.0%} kept. Last columns: lightkv minus this method, in points of `{detail}` "
-                      "accuracy and of overall accuracy, paired bootstrap 95% intervals (positive: lightkv better).",
-                      "", "| method | kept | " + " | ".join(cols) + f" | KL | lightkv - this, {detail} | "
-                      "lightkv - this, overall |", "|---" * (len(cols) + 5) + "|"]
+            intro = (f"At {target:.0%} kept. Last columns: lightkv minus this method, in points of `{detail}` "
+                     "accuracy and of overall accuracy, paired bootstrap 95% intervals (positive: lightkv better).")
+            header = ("| method | kept | " + " | ".join(cols) + f" | KL | lightkv - this, {detail} | "
+                      "lightkv - this, overall |")
+            lines += [intro, "", header, "|---" * (len(cols) + 5) + "|"]
             for r in (r for r in m["rows"] if r["target"] == target):
                 vs = r.get("vs_lightkv", {}).get("accuracy", {})
                 lines.append(f"| {r['method']} | {r['kept_fraction']:.3f} | "

@@ -33,12 +33,11 @@ Three pieces, all built from the model's own embeddings:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 __all__ = ["CircuitSpec", "freeze", "install", "invariant_dims", "structure_embeddings"]
-
-from dataclasses import dataclass
 
 
 @dataclass(frozen=True)

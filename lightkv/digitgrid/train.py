@@ -30,14 +30,16 @@ The bundled model was made with (`make digitgrid-model` runs the same)::
 decays the learning rate linearly over the remaining steps, which steadied ``count``).
 
 ``--task symbolgrid`` trains on SymbolGrid-VQA (`lightkv.symbolgrid`), where a cell is one
-vision token. No SymbolGrid model ships yet: on 2 CPU cores no recipe tried so far learned
-the single-token lookup within 1,000 ``qa`` steps. The options written for it stay
-available: ``--cell-ce`` (a cross-entropy on each token's cell word in ``align``; without
-it the cell identity of single tokens stayed blurred, 43% read-out), ``--translate`` with
-``--lookup-heads`` / ``--lookup-qk`` (vision tokens carry ``M E[word]`` and some heads start
-as text-to-vision lookups, so a query does not match itself, as a plain mimetic
-initialisation makes it do), ``--freeze-lookup``, ``--lookup-from``, ``--slow-layers`` and
-``--rope-theta``.
+vision token; ``make symbolgrid-model`` has the recipe of the bundled model. Generic
+recipes did not learn the single-token lookup within 1,000 ``qa`` steps on 2 CPU cores; the
+options written for those attempts stay available: ``--cell-ce`` (a cross-entropy on each
+token's cell word in ``align``; without it the cell identity of single tokens stayed
+blurred, 43% read-out), ``--translate`` with ``--lookup-heads`` / ``--lookup-qk`` (vision
+tokens carry ``M E[word]`` and some heads start as text-to-vision lookups, so a query does
+not match itself, as a plain mimetic initialisation makes it do), ``--freeze-lookup``,
+``--lookup-from``, ``--slow-layers`` and ``--rope-theta``. What worked is ``--circuit``
+(`lightkv.digitgrid.circuit`): row + column cell embeddings and retrieval heads built at
+initialisation from least-squares probes of the projected tokens, then frozen.
 """
 
 from __future__ import annotations
