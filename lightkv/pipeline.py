@@ -240,6 +240,12 @@ class Pipeline:
             structural tokens such as LLaVA-NeXT's row newlines protected) or ``reference``
             (the authors' code: on LLaVA-NeXT an image's whole anyres sequence, newlines
             included, is one span; other families are the same either way).
+        proportional_attention: inside a model, every layer after a merge adds
+            ``log(size)`` of each key to its attention logits (ToMe's proportional
+            attention, Bolya et al., ICLR 2023), so a token that stands for ``k`` originals
+            gets the attention weight of ``k`` copies of itself; in prefill and decoding.
+            Identity while no token stands for more than one. `run` (no model, no
+            attention) is the same either way.
     """
 
     scheduler: Scheduler = field(default_factory=ExplicitSchedule)
@@ -251,10 +257,13 @@ class Pipeline:
     stage_overrides: dict[int, dict[str, object]] = field(default_factory=dict)
     name: str = "custom"
     layout: str = "native"
+    proportional_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.layout not in ("native", "reference"):
             raise ValueError(f"unknown layout {self.layout!r}; choose 'native' (lightkv) or 'reference' (authors' code)")
+        if not isinstance(self.proportional_attention, bool):
+            raise TypeError(f"proportional_attention must be True or False, got {self.proportional_attention!r}")
 
     def stages(self, num_layers: int) -> list[Stage]:
         """The stages for a decoder of ``num_layers`` layers, in layer order.

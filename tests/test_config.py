@@ -474,6 +474,32 @@ def test_json_schema_accepts_presets_and_rejects_bad_files():
         assert list(validator.iter_errors(data)), data
 
 
+def test_proportional_attention_key():
+    """Off by default and in every preset; ``proportional_attention: true`` round-trips, is
+    written only when on, and accepts only a boolean (a string must not switch it on)."""
+    assert PipelineConfig().proportional_attention is False and Pipeline().proportional_attention is False
+    for name, preset in PRESETS.items():
+        assert preset.config.build().proportional_attention is False, name
+        assert "proportional_attention" not in preset.config.to_dict(), name
+    cfg = PipelineConfig.from_yaml_text("name: x\nschedule: {layers: [2], ratios: [0.5]}\nproportional_attention: true\n")
+    pipe = cfg.build()
+    assert pipe.proportional_attention is True
+    assert "proportional_attention: true" in cfg.to_yaml()
+    assert PipelineConfig.from_yaml_text(cfg.to_yaml()) == cfg == config_from_pipeline(pipe)
+    assert config_from_pipeline(pipe.with_scheduler(ExplicitSchedule(layers=(3,), windows_per_side=(1,)))).proportional_attention
+    assert "proportional_attention: true" in lightkv.to_yaml(pipe)
+    for bad in ('"yes"', "1", "[true]"):
+        with pytest.raises(ConfigError, match="proportional_attention"):
+            PipelineConfig.from_yaml_text(f"proportional_attention: {bad}\n")
+    with pytest.raises(TypeError, match="proportional_attention must be True or False"):
+        Pipeline(proportional_attention="yes")
+    jsonschema = pytest.importorskip("jsonschema")
+    validator = jsonschema.Draft202012Validator(json_schema())
+    assert json_schema()["properties"]["proportional_attention"]["type"] == "boolean"
+    assert not list(validator.iter_errors(cfg.to_dict()))
+    assert list(validator.iter_errors({"proportional_attention": "yes"}))
+
+
 # ---------------------------------------------------------------------------- property: round trips
 _text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), max_size=200)
 

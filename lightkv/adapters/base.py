@@ -45,6 +45,10 @@ class Adapter:
     """Cache layer classes (exact types) the session may find in the cache and replace by a
     `MaskedCacheLayer` at a compressed layer; a family whose masks implement a layer's
     semantics (Gemma 3's sliding window) adds that class."""
+    proportional_attention_refused: ClassVar[str | None] = None
+    """Why this family cannot add ``log(size)`` to its attention logits through the masks
+    below (`lightkv.Pipeline.proportional_attention` is then refused with this reason);
+    None: it can (every shipped family)."""
     layout_mode: str = "native"
     """The session's `lightkv.Pipeline.layout` (``native`` or ``reference``)."""
 

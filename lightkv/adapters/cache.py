@@ -26,8 +26,10 @@ class MaskedCacheLayer(DynamicLayer):
 
     ``valid`` (``[B, L]`` bool, True for real entries) and ``origin`` (``[B, L]`` long, the
     original sequence column of each entry, ``-1`` for holes; what a sliding window is
-    measured in) follow the cache through beam
-    search (`reorder_cache`), `batch_select_indices` and `batch_repeat_interleave`.
+    measured in) and, with proportional attention, ``sizes`` (``[B, L]`` long, how many
+    original tokens each entry stands for; None while every entry stands for one) follow
+    the cache through beam search (`reorder_cache`), `batch_select_indices` and
+    `batch_repeat_interleave`.
     Cropping is refused: compressed layers hold different numbers of entries, so "remove
     the last k tokens" has no single meaning (assisted decoding is not supported).
     """
@@ -42,6 +44,8 @@ class MaskedCacheLayer(DynamicLayer):
         self.pending_origin: torch.Tensor | None = None
         self.columns: int | None = None
         self.pending_columns: int | None = None  # the prompt's original width, set at prefill
+        self.sizes: torch.Tensor | None = None
+        self.pending_sizes: torch.Tensor | None = None  # set at prefill when a token stands for several
         self.extra: dict[str, torch.Tensor] = {}
         """``[B, ...]`` tensors of the cache mode (H2O's accumulated scores, candidates and
         budgets) that follow the rows through beam search like ``valid``."""
@@ -65,6 +69,12 @@ class MaskedCacheLayer(DynamicLayer):
         if org is not None:
             org = org.to(keys.device)
             self.origin = org if self.origin is None else torch.cat([self.origin, org], dim=1)
+        sizes, self.pending_sizes = self.pending_sizes, None
+        if sizes is not None:
+            self.sizes = sizes.to(keys.device)
+        elif self.sizes is not None:  # decoded tokens stand for themselves
+            one = torch.ones(new.shape, dtype=self.sizes.dtype, device=self.sizes.device)
+            self.sizes = torch.cat([self.sizes, one], dim=1)
         # Counted on the host (no device sync on the decode path): the prompt's width, then
         # one column per new token.
         if self.pending_columns is not None:
@@ -80,20 +90,27 @@ class MaskedCacheLayer(DynamicLayer):
         position."""
         return self.columns if self.columns is not None else super().get_seq_length()
 
-    def replace(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, origin: torch.Tensor) -> None:
+    def replace(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, origin: torch.Tensor,
+                sizes: torch.Tensor | None = None) -> None:
         """Put a compressed cache in place (the cache mode, after the layer's prefill or a
-        decoding step): ``[B, H_kv, L', d]`` keys and values with their ``[B, L']`` validity
-        and original columns. ``columns`` (the original columns seen) does not change."""
+        decoding step): ``[B, H_kv, L', d]`` keys and values with their ``[B, L']`` validity,
+        original columns and, for proportional attention, sizes (None: every entry stands
+        for one). ``columns`` (the original columns seen) does not change."""
         if keys.shape[2] != valid.shape[1] or valid.shape != origin.shape:
             raise ValueError("keys, valid and origin disagree on the number of entries")
+        if sizes is not None and sizes.shape != valid.shape:
+            raise ValueError("sizes and valid disagree on the number of entries")
         self.keys, self.values = keys, values
         self.valid, self.origin = valid.bool(), origin.long()
+        self.sizes = None if sizes is None else sizes.long()
 
     def _rows(self, fn) -> None:
         if self.valid is not None:
             self.valid = fn(self.valid)
         if self.origin is not None:
             self.origin = fn(self.origin)
+        if self.sizes is not None:
+            self.sizes = fn(self.sizes)
         self.extra = {k: fn(v) for k, v in self.extra.items()}
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -120,6 +137,7 @@ class MaskedCacheLayer(DynamicLayer):
         super().reset()
         self.valid = self.pending = self.origin = self.pending_origin = None
         self.columns = self.pending_columns = None
+        self.sizes = self.pending_sizes = None
         self.extra = {}
 
 

@@ -94,17 +94,19 @@ class CacheMode:
         self._pending[i] = xi
 
     def prefill_post(self, i: int, st, kwargs: dict[str, Any], cache) -> None:
-        """After layer ``i``'s prefill: compress (cache stage) or evict (H2O) its cache."""
+        """After layer ``i``'s prefill: compress (cache stage) or evict (H2O) its cache; with
+        proportional attention a merged entry keeps its size for the decoding masks."""
         if i not in self._pending or cache is None:
             return
         layer = cache.layers[i]
         layout = st.layout
         xi = self._pending.pop(i)
+        s = self.session
         if i in self.stages:
             stage = self.stages[i]
             with torch.no_grad():
                 res = CacheStage(stage)(layer.keys, layer.values, layout, xi, None, finish=drop_padding)
-            layer.replace(res.keys, res.values, res.valid, res.origin)
+            layer.replace(res.keys, res.values, res.valid, res.origin, s._prop.cache_sizes(res.result.sizes))
             st.trace.stages.append(StageRecord(layer=i, stage=stage, result=res.result))
             kind = res.result.layout.kind
         else:
@@ -181,7 +183,8 @@ class CacheMode:
             g = t.gather(2, idx[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1]))
             return g.masked_fill(hole[:, None, :, None], 0)
 
-        layer.replace(cache(layer.keys), cache(layer.values), entries(valid, False), entries(layer.origin, -1))
+        sizes = None if layer.sizes is None else entries(layer.sizes, 1)
+        layer.replace(cache(layer.keys), cache(layer.values), entries(valid, False), entries(layer.origin, -1), sizes)
         ex["scores"] = entries(ex["scores"], 0.0)
         ex["candidate"] = entries(ex["candidate"], False)
         ex["kind"] = entries(ex["kind"], int(TokenKind.PAD))

@@ -25,8 +25,8 @@ During decoding each compressed layer gets a mask built from its own cache (hole
 positions come from the model as usual (the original prompt length onwards), so every
 layer continues consistently. Beam search works because the hole masks live in the cache
 layers and follow ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave``.
-The cache mode (cache stages, H2O eviction: ``cache_mode``) leaves hidden states alone and
-replaces listed layers' cache entries after the layer has run.
+The cache mode (``cache_mode``: cache stages, H2O) leaves hidden states alone and replaces
+listed layers' cache entries after they ran; ``proportional`` adds ``log(size)`` per key.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from torch import nn
 from ..graph.layout import TokenKind, VisionLayout
 from ..graph.provenance import Provenance
 from ..pipeline import Pipeline, Stage
-from . import features
+from . import features, proportional
 from .base import Adapter
 from .cache import MaskedCacheLayer, _Token, install_masked_layer
 from .cache_mode import CacheMode
@@ -148,6 +148,7 @@ class CompressionSession:
         self._probes: list[AttentionProbe] = [probe_for_layer(layer) for layer in self.layers]
         self.layer_shapes: list[LayerShape] = [p.shape() for p in self._probes]
         self._cache_mode = CacheMode(self, self.stages)  # cache stages and H2O (no-op without them)
+        self._prop = proportional.ProportionalAttention(self.adapter, pipeline.proportional_attention)
         self._signature = inspect.signature(self._mm.forward)
         self._attn_impl()  # fail early on unsupported attention
         self._handles: list[Any] = []
@@ -322,7 +323,7 @@ class CompressionSession:
             valid = torch.cat([layer_cache.valid, st.new_valid.to(dev)], dim=1)
             new_origin = (st.past + torch.arange(q, device=dev)).expand(valid.shape[0], q)
             origin = torch.cat([layer_cache.origin, new_origin], dim=1) if layer_cache.origin is not None else None
-            kwargs["attention_mask"] = self.adapter.decode_mask(i, origin, valid, q, st.impl, hidden.dtype)
+            kwargs["attention_mask"] = self._prop.decode_mask(i, origin, valid, q, st.impl, hidden.dtype, layer_cache)
             self._cache_mode.decode_pre(i, st, hidden, kwargs, layer_cache)
             layer_cache.pending = st.new_valid
             layer_cache.pending_origin = new_origin
@@ -369,7 +370,7 @@ class CompressionSession:
         else:
             key = self.adapter.mask_key(i)
             if key not in st.masks:
-                st.masks[key] = self.adapter.prefill_mask(i, layout.origin, layout.valid_mask, st.impl, hidden.dtype)
+                st.masks[key] = self._prop.prefill_mask(i, layout, st.provenance, st.impl, hidden.dtype)
             kwargs["attention_mask"] = st.masks[key]
             full = kwargs.get("position_embeddings")
             if full is not None and full is not st.full_pos and isinstance(full, tuple):
@@ -386,6 +387,7 @@ class CompressionSession:
                 masked = install_masked_layer(cache, i, self._token, self.adapter.cache_layer_types)
                 masked.pending, masked.pending_origin = layout.valid_mask, layout.origin
                 masked.pending_columns = st.provenance.owner.shape[1]  # the original prompt width
+                masked.pending_sizes = self._prop.sizes(st.provenance)  # None unless proportional attention
         stage = self._stage_at.get(i)
         if stage is not None:
             self._prepare(i, stage, hidden, kwargs.get("position_embeddings"), layout)

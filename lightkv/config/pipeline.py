@@ -8,7 +8,15 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from ..pipeline import Pipeline, Stage
@@ -65,6 +73,12 @@ class PipelineConfig(BaseModel):
         description="How an adapter lays out the vision tokens: 'native' (lightkv: every grid on its own, "
         "structural tokens protected) or 'reference' (the authors' code: on LLaVA-NeXT the whole anyres "
         "sequence of an image, base grid, high-resolution grid and row newlines, is one span).",
+    )
+    # Strict: a YAML string such as "false" must not silently turn the option on.
+    proportional_attention: StrictBool = Field(
+        False,
+        description="ToMe's proportional attention: every layer after a merge adds log(size) of each key to its "
+        "attention logits (prefill and decoding), so a merged token weighs as the tokens it stands for.",
     )
 
     @field_validator("summary")
@@ -159,6 +173,7 @@ class PipelineConfig(BaseModel):
             stage_overrides=overrides,
             name=cfg.name,
             layout=cfg.layout,
+            proportional_attention=cfg.proportional_attention,
             **cfg._policies(),  # type: ignore[arg-type]
         )
 
@@ -233,6 +248,8 @@ class PipelineConfig(BaseModel):
             }
         if self.layout != "native":
             out["layout"] = self.layout
+        if self.proportional_attention:
+            out["proportional_attention"] = True
         return out
 
     # ------------------------------------------------------------------ YAML
@@ -292,6 +309,7 @@ def config_from_pipeline(pipeline: Pipeline, *, summary: str = "", description: 
         for i, fields in pipeline.stage_overrides.items()
     }
     data["layout"] = pipeline.layout
+    data["proportional_attention"] = pipeline.proportional_attention
     try:
         return PipelineConfig.model_validate(data)
     except ValidationError as e:
