@@ -43,8 +43,10 @@ VARIANTS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
     "relevance: last token": {"relevance": ("last_token", {})},
     "relevance: text attention": {"relevance": ("text_attention", {})},
     "relevance off": {"relevance": ("uniform", {})},
+    "proportional attention": {"proportional_attention": True},
 }
-"""LightKV with parts swapped: policy family -> (registered name, parameters)."""
+"""LightKV with parts swapped: policy family -> (registered name, parameters), or a pipeline
+option -> its value (``proportional_attention``)."""
 BASELINES = ("lightkv", "lightkv-paper", "tome", "fastv", "pdrop", "random")
 TARGETS = (0.55, 0.40)
 
@@ -74,7 +76,8 @@ def variant_pipeline(name: str, num_layers: int, target: float):
     if name not in VARIANTS:
         raise ValueError(f"unknown variant {name!r}; choose from: {', '.join(VARIANTS)}")
     pipe, how = method_pipeline("lightkv", num_layers, target)
-    swaps = {family: FAMILIES[family].create(policy, **params) for family, (policy, params) in VARIANTS[name].items()}
+    swaps = {key: FAMILIES[key].create(*value[:1], **value[1]) if key in FAMILIES else value
+             for key, value in VARIANTS[name].items()}
     return replace(pipe, name=f"lightkv ({name})", **swaps), how
 
 
