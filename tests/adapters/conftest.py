@@ -49,3 +49,17 @@ def family(request):
 def _no_grad():
     with torch.no_grad():
         yield
+
+
+def assert_rows_match_batch(model, fam, batch, rows, gen: dict, together=None, atol: float = 1e-4) -> None:
+    """Every row generated alone equals the same row of the left-padded batch: the same new
+    tokens (a row alone may stop earlier at EOS) and logits within ``atol``. Runs inside the
+    caller's session; ``together`` is the batch's ``generate`` output when already made."""
+    together = model.generate(**batch, **gen) if together is None else together
+    for i, row in enumerate(rows):
+        single = fam.collate([row])
+        alone = model.generate(**single, **gen)
+        new = alone.sequences[0, single["input_ids"].shape[1]:]  # shorter when it ended with EOS
+        assert torch.equal(new, together.sequences[i, batch["input_ids"].shape[1]:][: new.numel()])
+        for a, b in zip(alone.logits, together.logits):
+            assert (a[0] - b[i]).abs().max().item() <= atol

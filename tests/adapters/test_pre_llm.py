@@ -17,7 +17,7 @@ from lightkv.graph.layout import TokenKind
 from lightkv.policies import MessagePasser, Partitioner, PreLLMSchedule, Pruner
 from lightkv.testing import TINY_MODELS
 
-from .conftest import get_model
+from .conftest import assert_rows_match_batch, get_model
 from .promise import removed_first_stage
 
 GEN = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
@@ -90,13 +90,7 @@ def test_row_alone_equals_row_in_padded_batch(family, attn):
     batch = fam.collate(rows)
     with apply(pre_llm(), model, **fam.adapter_options):
         together = model.generate(**batch, **GEN)
-        for i, row in enumerate(rows):
-            single = fam.collate([row])
-            alone = model.generate(**single, **GEN)
-            new = alone.sequences[0, single["input_ids"].shape[1]:]  # shorter when it ended with EOS
-            assert torch.equal(new, together.sequences[i, batch["input_ids"].shape[1]:][: new.numel()])
-            for a, b in zip(alone.logits, together.logits):
-                assert (a[0] - b[i]).abs().max().item() <= 1e-4
+        assert_rows_match_batch(model, fam, batch, rows, GEN, together)
 
 
 def test_llava_equals_the_model_on_the_kept_embeddings_at_their_original_positions():

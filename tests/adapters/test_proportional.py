@@ -27,7 +27,13 @@ from lightkv.adapters.llava import LlavaAdapter
 from lightkv.policies import CacheSchedule, ExplicitSchedule, PreLLMSchedule
 from lightkv.testing import TINY_MODELS
 
-from .conftest import decoder_layers, get_model, identity_pipeline, tiny_lightkv
+from .conftest import (
+    assert_rows_match_batch,
+    decoder_layers,
+    get_model,
+    identity_pipeline,
+    tiny_lightkv,
+)
 
 GEN = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
 REFERENCE_FAMILIES = ["llava", "qwen2_5_vl", "gemma3"]  # 1-D RoPE; 3-D M-RoPE; image blocks + sliding layers
@@ -103,13 +109,7 @@ def test_row_alone_equals_row_in_padded_batch(family, attn):
     with apply(prop(tiny_lightkv()), model, **fam.adapter_options) as session:
         together = model.generate(**batch, **GEN)
         assert int(session.last_prefill.provenance.sizes().max()) > 1
-        for i, row in enumerate(rows):
-            single = fam.collate([row])
-            alone = model.generate(**single, **GEN)
-            new = alone.sequences[0, single["input_ids"].shape[1]:]  # shorter when it ended with EOS
-            assert torch.equal(new, together.sequences[i, batch["input_ids"].shape[1]:][: new.numel()])
-            for a, b in zip(alone.logits, together.logits):
-                assert (a[0] - b[i]).abs().max().item() <= 1e-4
+        assert_rows_match_batch(model, fam, batch, rows, GEN, together)
 
 
 def test_beam_search_carries_the_sizes():
