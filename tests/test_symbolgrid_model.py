@@ -30,7 +30,7 @@ def bundled():
 @pytest.fixture(scope="module")
 def episodes(bundled):
     _, _, grid = bundled
-    return ev.heldout_episodes(96, seed=11, grid=grid)  # 24 per question type
+    return ev.heldout_episodes(48, seed=11, grid=grid)  # 16 per asked question type
 
 
 def test_bundled_model_is_a_small_offline_llava(monkeypatch, bundled):
@@ -70,7 +70,7 @@ def test_lightkv_at_55_percent_keeps_answering(bundled, episodes):
 def test_random_merging_at_40_percent_loses_detail_answers(bundled):
     """The benchmark's teeth: merging partners chosen at random destroy single-token answers."""
     model, _, grid = bundled
-    eps = [e for e in ev.heldout_episodes(192, seed=12, grid=grid) if e.qtype in ("what", "read")][:64]
+    eps = [e for e in ev.heldout_episodes(60, seed=12, grid=grid) if e.qtype in ("what", "read")][:40]
     base = ev.evaluate(model, eps, grid, None, batch=64)
     pipe, _ = method_pipeline("random", model.config.text_config.num_hidden_layers, 0.40)
     res = ev.evaluate(model, eps, grid, pipe, batch=64)
