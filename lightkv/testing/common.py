@@ -95,6 +95,14 @@ class TinyModel:
     """Why beam search with images cannot run on this family's model (None: it can)."""
 
 
+def stack_tiles(pix: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[n, max tiles, ...]``: each image's ``[tiles, ...]`` tiles, zero-padded to the most tiles."""
+    stacked = torch.zeros(len(pix), max(p.shape[0] for p in pix), *pix[0].shape[1:])
+    for i, p in enumerate(pix):
+        stacked[i, : p.shape[0]] = p
+    return stacked
+
+
 def collate_tiles_and_videos(rows: Sequence[Row], family: str) -> dict:
     """Left-padded batch for anyres families with videos (LLaVA-OneVision, LLaVA-NeXT-Video):
     images padded to the most tiles with their ``image_sizes``, videos stacked (the model
@@ -102,11 +110,7 @@ def collate_tiles_and_videos(rows: Sequence[Row], family: str) -> dict:
     out = _batch_ids(rows)
     pix = [p for r in rows for p in r.images.get("pixel_values", [])]
     if pix:
-        tiles = max(p.shape[0] for p in pix)
-        stacked = torch.zeros(len(pix), tiles, *pix[0].shape[1:])
-        for i, p in enumerate(pix):
-            stacked[i, : p.shape[0]] = p
-        out["pixel_values"] = stacked
+        out["pixel_values"] = stack_tiles(pix)
         out["image_sizes"] = torch.cat([r.images["image_sizes"] for r in rows if "image_sizes" in r.images])
     clips = [c for r in rows for c in r.images.get("pixel_values_videos", [])]
     if clips:

@@ -47,6 +47,7 @@ from .common import (  # noqa: F401  (re-exported: tests and docs import them fr
     VISION_START,
     VOCAB,
     Row,
+    stack_tiles,
     TinyModel,
     _batch_ids,
     _finish,
@@ -167,11 +168,7 @@ def collate_llava_next(rows: Sequence[Row]) -> dict:
     out = _batch_ids(rows)
     pix = [p for r in rows if r.images for p in r.images["pixel_values"]]
     if pix:
-        tiles = max(p.shape[0] for p in pix)
-        stacked = torch.zeros(len(pix), tiles, *pix[0].shape[1:])
-        for i, p in enumerate(pix):
-            stacked[i, : p.shape[0]] = p
-        out["pixel_values"] = stacked
+        out["pixel_values"] = stack_tiles(pix)
         out["image_sizes"] = torch.cat([r.images["image_sizes"] for r in rows if r.images])
     return out
 
