@@ -40,7 +40,8 @@ __all__ = [
 ]
 
 
-def apply(pipeline, model: nn.Module, *, adapter: str | Adapter | None = None, record: bool = False, **adapter_options: Any) -> CompressionSession:
+def apply(pipeline, model: nn.Module, *, adapter: str | Adapter | None = None, record: bool = False,
+          reuse_projections: bool = True, **adapter_options: Any) -> CompressionSession:
     """A context manager that compresses ``model``'s prefill with ``pipeline``.
 
     Hooks are installed on entering the ``with`` block and removed on leaving it (also on
@@ -52,10 +53,13 @@ def apply(pipeline, model: nn.Module, *, adapter: str | Adapter | None = None, r
         model: a supported transformers vision-language model instance.
         adapter: family name or `Adapter` (default: detected from ``model.config``).
         record: keep each stage's exact inputs (``session.records``).
+        reuse_projections: read relevance from the scheduled layers' own q / k projections
+            (False: project their inputs a second time, for comparisons).
         **adapter_options: family options (e.g. ``newline_token_id`` for Fuyu).
 
     Raises:
         ValueError: unsupported model family or attention implementation, or a schedule
             that does not fit the model's depth.
     """
-    return CompressionSession(pipeline, model, adapter=adapter, record=record, **adapter_options)
+    return CompressionSession(pipeline, model, adapter=adapter, record=record, reuse_projections=reuse_projections,
+                              **adapter_options)

@@ -22,10 +22,11 @@ __all__ = ["relevance", "stage_keys"]
 def relevance(
     probe: AttentionProbe,
     stage: Stage,
-    hidden: torch.Tensor,
+    hidden: torch.Tensor | None,
     pos: tuple[torch.Tensor, torch.Tensor] | None,
     layout: VisionLayout,
     layer: int,
+    raw: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, float]:
     """ξ ``[B, N]`` at a layer from the layer's input, projecting only the rows and
     columns the relevance policy reads.
@@ -33,13 +34,17 @@ def relevance(
     Args:
         probe: the layer's attention probe (norm, projections, rotary embedding).
         stage: the stage scheduled after the layer (its ``relevance`` policy is used).
-        hidden: the layer's input hidden states ``[B, N, D]``.
+        hidden: the layer's input hidden states ``[B, N, D]`` (unused when ``raw`` is given).
         pos: the layer's ``(cos, sin)`` position embeddings.
         layout: the layout of ``hidden``.
         layer: the layer's index (for error messages).
+        raw: the layer's own projection outputs for every row (`AttentionProbe.project`
+            of the normed input, read during the layer's forward): rows are gathered from
+            them instead of projected again.
 
     Returns:
-        ``(xi, flops)``: ξ (at least float32) and the FLOPs the projections and scores cost.
+        ``(xi, flops)``: ξ (at least float32) and the FLOPs the projections and scores cost
+        (no projection FLOPs when ``raw`` is given).
     """
     rel = stage.relevance
     rows, cols = rel.query_rows, rel.key_cols
@@ -49,29 +54,37 @@ def relevance(
     if pos is None:
         raise RuntimeError(f"layer {layer} received no position_embeddings; cannot compute relevance")
     cos, sin = _batch(pos[0], b), _batch(pos[1], b)
-    x = probe.normed(hidden)
+    x = probe.normed(hidden) if raw is None else None
     d = probe.head_dim
     flops = 0.0
 
-    def project(fn, index: torch.Tensor, heads: int) -> torch.Tensor:
+    def project(what: str, index: torch.Tensor, heads: int) -> torch.Tensor:
         nonlocal flops
-        out = fn(gather_tokens(x, index), gather_tokens(cos, index), gather_tokens(sin, index))
-        flops += 2.0 * index.numel() * probe.hidden * heads * d
+        finish = probe.queries_from if what == "queries" else probe.keys_from
+        every = index.shape[1] == n  # every row, in order: nothing to gather or scatter back
+        if raw is None:
+            part = probe.project_only(x if every else gather_tokens(x, index), what)
+            flops += 2.0 * index.numel() * probe.hidden * heads * d
+        else:
+            part = raw if every else {k: gather_tokens(v, index) for k, v in raw.items()}
+        if every:
+            return finish(part, cos, sin)
+        out = finish(part, gather_tokens(cos, index), gather_tokens(sin, index))
         full = out.new_zeros(b, heads, n, out.shape[-1])
         return full.scatter(2, index[:, None, :, None].expand(-1, heads, -1, out.shape[-1]), out)
 
-    all_rows = torch.arange(n, device=x.device).expand(b, n)
+    all_rows = torch.arange(n, device=cos.device).expand(b, n)
     if rows == "all":
-        queries = project(probe.queries, all_rows, probe.heads)
+        queries = project("queries", all_rows, probe.heads)
     elif rows == "last":
-        queries = project(probe.queries, _last_valid(layout.valid_mask).unsqueeze(1), probe.heads)
+        queries = project("queries", _last_valid(layout.valid_mask).unsqueeze(1), probe.heads)
     else:
         queries = None
     if cols == "all":
-        keys = project(probe.keys, all_rows, probe.kv_heads)
+        keys = project("keys", all_rows, probe.kv_heads)
     elif cols == "text":
         text_pos, _ = pack_rows(layout.text_mask)
-        keys = project(probe.keys, text_pos, probe.kv_heads)
+        keys = project("keys", text_pos, probe.kv_heads)
     else:
         keys = None
     q_rows = n if rows == "all" else (1 if rows == "last" else 0)
@@ -81,8 +94,13 @@ def relevance(
     return xi.to(torch.promote_types(xi.dtype, torch.float32)), flops
 
 
-def stage_keys(probe: AttentionProbe, hidden: torch.Tensor) -> torch.Tensor:
+def stage_keys(probe: AttentionProbe, hidden: torch.Tensor | None,
+               raw: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, float]:
     """The layer's keys of every token, pre-RoPE, per head: ``[B, N, H_kv, d]`` (what
-    `lightkv.policies.StageInputs.keys` holds for policies that need ``"keys"``)."""
+    `lightkv.policies.StageInputs.keys` holds for policies that need ``"keys"``), from the
+    layer's raw projection outputs when given, else projected from ``hidden``; with the
+    FLOPs of that projection (none when ``raw`` is given)."""
+    if raw is not None:
+        return probe.keys_from(raw, None, None).transpose(1, 2), 0.0
     k = probe.keys(probe.normed(hidden), None, None)  # [B, H_kv, N, d], pre-RoPE
-    return k.transpose(1, 2)
+    return k.transpose(1, 2), 2.0 * hidden.shape[0] * hidden.shape[1] * probe.hidden * probe.kv_heads * probe.head_dim

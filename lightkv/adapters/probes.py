@@ -80,13 +80,35 @@ class AttentionProbe:
         """The attention input: the layer's input norm applied to ``hidden`` ``[B, M, D]``."""
         return self.layer.input_layernorm(hidden)
 
+    def projections(self) -> dict[str, nn.Module]:
+        """The layer's own projection modules whose outputs hold the queries and keys, by
+        name (what `lightkv.adapters.tap.ProjectionTap` reads during the layer's forward)."""
+        raise NotImplementedError
+
+    def project(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Raw outputs of `projections` for normed rows ``x`` ``[B, M, D]``."""
+        return {name: module(x) for name, module in self.projections().items()}
+
+    def queries_from(self, raw: dict[str, torch.Tensor], cos, sin) -> torch.Tensor:
+        """``[B, H, M, d]`` post-RoPE queries from raw projection outputs (`project`)."""
+        raise NotImplementedError
+
+    def keys_from(self, raw: dict[str, torch.Tensor], cos, sin) -> torch.Tensor:
+        """``[B, H_kv, M, d]`` keys from raw projection outputs; post-RoPE unless ``cos`` is None."""
+        raise NotImplementedError
+
     def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``[B, H, M, d]`` post-RoPE queries of normed rows ``x`` ``[B, M, D]``."""
-        raise NotImplementedError
+        return self.queries_from(self.project_only(x, "queries"), cos, sin)
 
     def keys(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
         """``[B, H_kv, M, d]`` keys of normed rows ``x``; post-RoPE unless ``cos`` is None."""
-        raise NotImplementedError
+        return self.keys_from(self.project_only(x, "keys"), cos, sin)
+
+    def project_only(self, x: torch.Tensor, what: str) -> dict[str, torch.Tensor]:
+        """The raw outputs ``queries`` or ``keys`` need (all of `project` unless a probe
+        has separate projections)."""
+        return self.project(x)
 
     def shape(self) -> LayerShape:
         """Layer sizes for estimates."""
@@ -120,19 +142,26 @@ class ProjectionProbe(AttentionProbe):
         self.kv_heads = attn.k_proj.out_features // self.head_dim
         self.hidden = attn.q_proj.in_features
 
-    def _project(self, proj, norm, x, cos, sin):
-        b, m, _ = x.shape
-        out = proj(x).view(b, m, -1, self.head_dim)
+    def projections(self):
+        return {"q": self.attn.q_proj, "k": self.attn.k_proj}
+
+    def project_only(self, x, what):
+        name = "q" if what == "queries" else "k"
+        return {name: self.projections()[name](x)}
+
+    def _finish(self, out, norm, cos, sin):
+        b, m, _ = out.shape
+        out = out.view(b, m, -1, self.head_dim)
         if norm is not None:
             out = norm(out)
         out = out.transpose(1, 2)
         return out if cos is None else rotate(out, cos, sin)
 
-    def queries(self, x, cos, sin):
-        return self._project(self.attn.q_proj, getattr(self.attn, "q_norm", None), x, cos, sin)
+    def queries_from(self, raw, cos, sin):
+        return self._finish(raw["q"], getattr(self.attn, "q_norm", None), cos, sin)
 
-    def keys(self, x, cos, sin):
-        return self._project(self.attn.k_proj, getattr(self.attn, "k_norm", None), x, cos, sin)
+    def keys_from(self, raw, cos, sin):
+        return self._finish(raw["k"], getattr(self.attn, "k_norm", None), cos, sin)
 
 
 class FusedQKVProbe(AttentionProbe):
@@ -148,9 +177,13 @@ class FusedQKVProbe(AttentionProbe):
         self.hidden = attn.query_key_value.in_features
         self.rotary = int(getattr(attn, "rotary_ndims", self.head_dim))
 
-    def _split(self, x, which: int):
-        b, m, _ = x.shape
-        fused = self.attn.query_key_value(x).view(b, m, self.heads, 3, self.head_dim)[..., which, :]
+    def projections(self):
+        return {"qkv": self.attn.query_key_value}
+
+    def _split(self, raw, which: int):
+        out = raw["qkv"]
+        b, m, _ = out.shape
+        fused = out.view(b, m, self.heads, 3, self.head_dim)[..., which, :]
         if getattr(self.attn, "qk_layernorm", False):
             fused = (self.attn.q_layernorm if which == 0 else self.attn.k_layernorm)(fused)
         return fused.transpose(1, 2)
@@ -161,11 +194,11 @@ class FusedQKVProbe(AttentionProbe):
         r = self.rotary
         return torch.cat((rotate(t[..., :r], cos, sin), t[..., r:]), dim=-1)
 
-    def queries(self, x, cos, sin):
-        return self._rope(self._split(x, 0), cos, sin)
+    def queries_from(self, raw, cos, sin):
+        return self._rope(self._split(raw, 0), cos, sin)
 
-    def keys(self, x, cos, sin):
-        return self._rope(self._split(x, 1), cos, sin)
+    def keys_from(self, raw, cos, sin):
+        return self._rope(self._split(raw, 1), cos, sin)
 
 
 def probe_for_layer(layer: nn.Module) -> AttentionProbe:

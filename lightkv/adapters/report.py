@@ -63,8 +63,10 @@ class SessionReport:
             vision tokens).
         prefill_flops, prefill_flops_baseline: estimated decoder FLOPs of the prefill
             (projections, attention, MLP; the LM head and the vision encoder excluded) with
-            and without compression; the compressed figure includes the relevance
-            projections (``relevance_flops``).
+            and without compression; the compressed figure includes the compression's own
+            projections and scores (``relevance_flops``: relevance and stage keys; only the
+            scores when they were read from the layers' own projections, see
+            `lightkv.adapters.tap`).
         provenance: for every prompt token, the index of the final token that represents it.
         num_prefills, num_forwards: forwards seen by the session so far.
     """

@@ -16,8 +16,9 @@ when an exception escapes, it removes them. While it is active, every forward of
   the layer hidden states, position embeddings (1-D RoPE or Qwen's 3-D M-RoPE), position
   ids and a 4-D attention mask that all describe the *shorter* sequence, and gives the
   layer's cache a `MaskedCacheLayer` that remembers which entries are holes. At a
-  scheduled layer it computes prompt relevance ξ from the layer's own projections, for
-  only the rows and columns the relevance policy reads (never an ``N x N`` matrix);
+  scheduled layer the `ProjectionTap` reads the layer's own q / k projections as it runs
+  and computes prompt relevance ξ from the rows and columns the relevance policy reads
+  (never an ``N x N`` matrix);
 * a forward hook on every scheduled layer: runs the pure `lightkv.Stage` on the layer's
   output and returns the stage's shorter hidden states in its place.
 
@@ -35,14 +36,12 @@ import functools
 import inspect
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..graph.layout import TokenKind, VisionLayout
-from ..graph.provenance import Provenance
 from ..pipeline import Pipeline, Stage
 from . import features, proportional
 from .base import Adapter
@@ -53,34 +52,13 @@ from .masks import drop_padding, gather_position_ids, gather_tokens
 from .probes import AttentionProbe, LayerShape, probe_for_layer
 from .registry import get_adapter
 from .report import SessionReport
-from .trace import LayerStat, PrefillTrace, StageRecord
+from .tap import ProjectionTap
+from .trace import ForwardState, LayerStat, PrefillTrace, StageRecord
 
 __all__ = ["CompressionSession"]
 
 _ACTIVE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 """Language models that currently have an active session (one session per model)."""
-
-
-@dataclass
-class _Forward:
-    """Per-forward state."""
-
-    mode: str  # "prefill" | "decode"
-    impl: str
-    layout: VisionLayout | None = None
-    new_valid: torch.Tensor | None = None
-    past: int = 0
-    provenance: Provenance | None = None
-    compressed: bool = False
-    full_pos: tuple[torch.Tensor, torch.Tensor] | None = None
-    full_pos_ids: torch.Tensor | None = None
-    pos: tuple[torch.Tensor, torch.Tensor] | None = None
-    pos_ids: torch.Tensor | None = None
-    masks: dict = field(default_factory=dict)  # adapter.mask_key(layer) -> prefill mask
-    gathered: dict = field(default_factory=dict)  # id(full position embeddings) -> (full, gathered)
-    pending_relevance: torch.Tensor | None = None
-    pending_keys: torch.Tensor | None = None
-    trace: PrefillTrace | None = None
 
 
 def _cache_of(kwargs: Mapping[str, Any]):
@@ -104,6 +82,9 @@ class CompressionSession:
         adapter: a family name or an `Adapter` instance (default: detected from
             ``model.config.model_type``).
         record: keep every stage's exact inputs in `records` (for tests and debugging).
+        reuse_projections: compute relevance (and stage keys) from the scheduled layer's own
+            query / key projections as the layer runs (`lightkv.adapters.tap`); False
+            projects the layer's input a second time (the slower path, for comparisons).
         **adapter_options: family-specific options (e.g. Fuyu's ``newline_token_id``).
 
     Notes:
@@ -121,6 +102,7 @@ class CompressionSession:
         *,
         adapter: str | Adapter | None = None,
         record: bool = False,
+        reuse_projections: bool = True,
         **adapter_options: Any,
     ):
         if not isinstance(pipeline, Pipeline):
@@ -147,6 +129,7 @@ class CompressionSession:
         self._before_at = {s.spec.layer: s for s in self.stages if s.spec.before}  # the pre-LLM mode
         self._probes: list[AttentionProbe] = [probe_for_layer(layer) for layer in self.layers]
         self.layer_shapes: list[LayerShape] = [p.shape() for p in self._probes]
+        self._taps = {i: ProjectionTap(self._probes[i], i) for i in self._stage_at} if reuse_projections else {}
         self._cache_mode = CacheMode(self, self.stages)  # cache stages and H2O (no-op without them)
         self._prop = proportional.ProportionalAttention(self.adapter, pipeline.proportional_attention)
         self._signature = inspect.signature(self._mm.forward)
@@ -155,7 +138,7 @@ class CompressionSession:
         self._owner = False
         self._token = _Token()
         self._token.open = False
-        self._state: _Forward | None = None
+        self._state: ForwardState | None = None
         self.last_prefill: PrefillTrace | None = None
         self.num_prefills = 0
         self.num_forwards = 0
@@ -185,6 +168,8 @@ class CompressionSession:
                     self._handles.append(
                         layer.register_forward_hook(functools.partial(self._on_layer_post, i), with_kwargs=True)
                     )
+            for tap in self._taps.values():
+                self._handles.extend(tap.install())
         except BaseException:
             self._remove()
             raise
@@ -220,21 +205,9 @@ class CompressionSession:
         """Put a per-token output of the last prefill (``[B, N', ...]``, e.g. ``logits``)
         back at the prompt positions its tokens came from: ``[B, N0, ...]``, ``fill`` where
         a prompt token no longer has its own column (merged, dropped or padding)."""
-        trace = self.last_prefill
-        if trace is None:
+        if self.last_prefill is None:
             raise RuntimeError("no prefill has run in this session")
-        layout = trace.final_layout
-        if layout is None:
-            return t
-        origin = layout.origin
-        if t.shape[:2] != origin.shape:
-            raise ValueError(f"expected [B, N'] = {tuple(origin.shape)} leading dims, got {tuple(t.shape)}")
-        out = t.new_full((t.shape[0], trace.input_len, *t.shape[2:]), fill)
-        b, n = origin.shape
-        rows = torch.arange(b, device=origin.device).unsqueeze(1).expand(b, n)
-        keep = origin >= 0
-        out[rows[keep], origin[keep]] = t[keep]
-        return out
+        return self.last_prefill.to_prompt_positions(t, fill)
 
     def report(self) -> SessionReport:
         """A `lightkv.adapters.report.SessionReport` of the last prefill."""
@@ -277,7 +250,7 @@ class CompressionSession:
         )
         self.num_forwards += 1
         if past > 0:
-            self._state = _Forward(mode="decode", impl=impl, new_valid=new_valid, past=past)
+            self._state = ForwardState(mode="decode", impl=impl, new_valid=new_valid, past=past)
             return
         layout = None
         if input_ids is not None:
@@ -293,7 +266,7 @@ class CompressionSession:
             padding = ~new_valid if not bool(new_valid.all()) else None
             layout = VisionLayout.from_segments(b, q, [], padding_mask=padding, device=ref.device)
         trace = PrefillTrace(batch_size=b, input_len=q, layout=layout, input_valid=new_valid)
-        self._state = _Forward(mode="prefill", impl=impl, layout=layout, new_valid=new_valid, trace=trace)
+        self._state = ForwardState(mode="prefill", impl=impl, layout=layout, new_valid=new_valid, trace=trace)
         self.num_prefills += 1
         return
 
@@ -389,7 +362,9 @@ class CompressionSession:
                 masked.pending_columns = st.provenance.owner.shape[1]  # the original prompt width
                 masked.pending_sizes = self._prop.sizes(st.provenance)  # None unless proportional attention
         stage = self._stage_at.get(i)
-        if stage is not None:
+        if stage is not None and i in self._taps:
+            self._taps[i].arm(stage, kwargs.get("position_embeddings"), layout)
+        elif stage is not None:
             self._prepare(i, stage, hidden, kwargs.get("position_embeddings"), layout)
         self._cache_mode.prefill_pre(i, st, hidden, kwargs, cache)
         return args, kwargs
@@ -401,8 +376,8 @@ class CompressionSession:
         with torch.no_grad():
             probe = self._probes[i]
             st.pending_relevance, flops = features.relevance(probe, stage, hidden, position_embeddings, layout, i)
-            st.trace.relevance_flops += flops
-            st.pending_keys = features.stage_keys(probe, hidden) if "keys" in stage.needs else None
+            st.pending_keys, key_flops = features.stage_keys(probe, hidden) if "keys" in stage.needs else (None, 0.0)
+            st.trace.relevance_flops += flops + key_flops
 
     def _compress(self, i: int, stage: Stage, hidden: torch.Tensor) -> torch.Tensor:
         """Run ``stage`` on ``hidden``; the session continues with the shorter sequence."""
@@ -410,13 +385,14 @@ class CompressionSession:
         layout, provenance = st.layout, st.provenance
         relevance, keys = st.pending_relevance, st.pending_keys
         result = drop_padding(stage(hidden, layout, relevance, provenance, keys))
-        record = StageRecord(layer=i, stage=stage, result=result)
+        record = StageRecord(layer=i, stage=stage, result=result, tapped=st.pending_tapped)
         if self.record:
             record.hidden, record.layout, record.relevance = hidden, layout, relevance
             record.provenance, record.keys = provenance, keys
         st.trace.stages.append(record)
         st.layout, st.provenance = result.layout, result.provenance
         st.pending_relevance = st.pending_keys = None
+        st.pending_tapped = False
         st.compressed = True
         self._refresh(st, hidden.dtype)
         return result.hidden
@@ -432,15 +408,22 @@ class CompressionSession:
                 self._cache_mode.prefill_post(i, st, kwargs, cache)
             if i not in self._stage_at:
                 return None
+        tapped = self._taps[i].take() if i in self._taps else None
         if st is None or st.mode != "prefill" or st.layout is None:
             return None
+        if tapped is not None:
+            st.pending_relevance, st.pending_keys, st.pending_tapped = tapped.relevance, tapped.keys, True
+            st.trace.relevance_flops += tapped.flops
+        elif i in self._taps:  # the projections did not run as the tap expected: project the input
+            hidden_in = args[0] if args else kwargs.get("hidden_states")
+            self._prepare(i, self._stage_at[i], hidden_in, kwargs.get("position_embeddings"), st.layout)
         hidden = self._compress(i, self._stage_at[i], output[0] if isinstance(output, tuple) else output)
         if isinstance(output, tuple):
             return (hidden,) + tuple(output[1:])
         return hidden
 
     # ---------------------------------------------------------------- internals
-    def _refresh(self, st: _Forward, dtype: torch.dtype) -> None:
+    def _refresh(self, st: ForwardState, dtype: torch.dtype) -> None:
         """Position embeddings, position ids and mask of the current (compressed) sequence."""
         index = st.layout.origin.clamp_min(0)
         if st.full_pos is not None:

@@ -15,20 +15,22 @@ from ..graph.layout import VisionLayout
 from ..graph.provenance import Provenance
 from ..pipeline import Stage, StageResult
 
-__all__ = ["LayerStat", "PrefillTrace", "StageRecord"]
+__all__ = ["ForwardState", "LayerStat", "PrefillTrace", "StageRecord"]
 
 
 @dataclass
 class StageRecord:
     """One stage as it ran inside the model.
 
-    Always present: ``layer``, ``result`` (the `StageResult`). With ``record=True`` also the
-    stage's exact inputs, so tests can re-run the pure `Stage` and compare.
+    Always present: ``layer``, ``result`` (the `StageResult`) and ``tapped`` (relevance
+    read from the layer's own projections as it ran, not projected again). With
+    ``record=True`` also the stage's exact inputs, so tests can re-run the pure `Stage`.
     """
 
     layer: int
     stage: Stage
     result: StageResult
+    tapped: bool = False
     hidden: torch.Tensor | None = None
     layout: VisionLayout | None = None
     relevance: torch.Tensor | None = None
@@ -71,3 +73,43 @@ class PrefillTrace:
     kv_dtype: torch.dtype | None = None
     uncompressed: dict[int, LayerStat] = field(default_factory=dict)
     """The cache mode: each compressed layer's counts before its cache was compressed."""
+
+    def to_prompt_positions(self, t: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """Put a per-token output of this prefill (``[B, N', ...]``, e.g. ``logits``) back
+        at the prompt positions its tokens came from: ``[B, N0, ...]``, ``fill`` where a
+        prompt token no longer has its own column (merged, dropped or padding)."""
+        layout = self.final_layout
+        if layout is None:
+            return t
+        origin = layout.origin
+        if t.shape[:2] != origin.shape:
+            raise ValueError(f"expected [B, N'] = {tuple(origin.shape)} leading dims, got {tuple(t.shape)}")
+        out = t.new_full((t.shape[0], self.input_len, *t.shape[2:]), fill)
+        b, n = origin.shape
+        rows = torch.arange(b, device=origin.device).unsqueeze(1).expand(b, n)
+        keep = origin >= 0
+        out[rows[keep], origin[keep]] = t[keep]
+        return out
+
+
+@dataclass
+class ForwardState:
+    """What the session tracks during one forward of the model (prefill or decode step)."""
+
+    mode: str  # "prefill" | "decode"
+    impl: str
+    layout: VisionLayout | None = None
+    new_valid: torch.Tensor | None = None
+    past: int = 0
+    provenance: Provenance | None = None
+    compressed: bool = False
+    full_pos: tuple[torch.Tensor, torch.Tensor] | None = None
+    full_pos_ids: torch.Tensor | None = None
+    pos: tuple[torch.Tensor, torch.Tensor] | None = None
+    pos_ids: torch.Tensor | None = None
+    masks: dict = field(default_factory=dict)  # adapter.mask_key(layer) -> prefill mask
+    gathered: dict = field(default_factory=dict)  # id(full position embeddings) -> (full, gathered)
+    pending_relevance: torch.Tensor | None = None
+    pending_keys: torch.Tensor | None = None
+    pending_tapped: bool = False
+    trace: PrefillTrace | None = None
