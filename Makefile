@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.lightkv-installed
 
-.PHONY: install test test-scatter scatter demo bench bench-quick bench-quality digitgrid-model symbolgrid-model lint clean lmms-eval test-lmms-eval
+.PHONY: install test test-scatter scatter demo bench bench-quick bench-quality digitgrid-model symbolgrid-model lint clean lmms-eval test-lmms-eval gpu-wheels
 
 install: $(STAMP)
 
@@ -59,6 +59,16 @@ demo: install
 bench: install
 	$(PY) benchmarks/stage_cost.py
 	$(PY) benchmarks/efficiency.py
+
+# Wheels for benchmarks/gpu_check.sh on a GPU machine without network (Python 3.12, x86-64):
+# the installed versions of what lightkv needs beside torch, into .whl/ (git-ignored).
+GPU_WHEELS = transformers huggingface_hub tokenizers pydantic pydantic_core annotated-types typing-inspection
+gpu-wheels: install
+	mkdir -p .whl
+	for p in $(GPU_WHEELS); do v=$$($(PY) -m pip show $$p 2>/dev/null | sed -n 's/^Version: //p'); \
+	  $(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	    -d .whl "$$p==$$v" || exit 1; done
 
 bench-quick: install
 	$(PY) benchmarks/efficiency.py --quick

@@ -13,23 +13,23 @@ from lightkv.cli import main
 @pytest.fixture(scope="module")
 def result():
     cfg = eff.quick_config(models=("llava",), presets=("lightkv", "fastv"), layers=6, heads=1, repeats=1, warmup=0,
-                           eager_repeats=1, memory=False, progress=False)
+                           eager_repeats=1, memory=False, progress=False, projection_baseline=True)
     return eff.run(cfg)
 
 
 def test_structure(result):
     m = result["models"]["llava"]
     assert m["vision_tokens"] == 576
-    assert set(m["variants"]) == {"uncompressed", "lightkv", "fastv"}
+    assert set(m["variants"]) == {"uncompressed", "lightkv", "fastv", eff.PROJECTED}
     unc = m["variants"]["uncompressed"]
     assert unc["cache_lengths"] == [m["prompt_tokens"]] * 6
-    for preset in ("lightkv", "fastv"):
+    for preset in ("lightkv", "fastv", eff.PROJECTED):
         rec = m["variants"][preset]
         assert rec["kv_bytes"] == rec["kv_bytes_report"]  # cache tensors agree with the session report
         assert len(rec["ttft_ms_all"]) == 1
         assert 0 < rec["overhead_share"]
         assert set(rec["overhead_ms"]) == {"layout", "relevance", "stage", "bookkeeping"}
-    assert [r["preset"] for r in result["summary"]] == ["lightkv", "fastv"]
+    assert [r["preset"] for r in result["summary"]] == ["lightkv", "fastv", eff.PROJECTED]
     assert "eager_reference" in m and m["eager_reference"]["matrix_bytes"] == 4 * 1 * m["prompt_tokens"] ** 2
     json.dumps(result)  # serialisable
 
@@ -43,6 +43,31 @@ def test_invariants(result):
     assert lk["kept_vision_fraction_reference_depth"] == pytest.approx(
         result["lightkv_reference_schedule"]["kept_vision_fraction_analytic"], abs=0.01)
     assert result["targets"]["lightkv_vision_kv_le_60pct_at_32_layers"] is True
+
+
+def test_second_projection_baseline(result):
+    """The baseline that projects each scheduled layer's input again compresses exactly as
+    lightkv does and costs the projections lightkv now reads from the layer: 2 N D x H d
+    FLOPs for the queries of every token at each stage, plus the text keys."""
+    m = result["models"]["llava"]
+    lk, proj = m["variants"]["lightkv"], m["variants"][eff.PROJECTED]
+    assert proj["stages"] == lk["stages"] and proj["kv_bytes"] == lk["kv_bytes"]
+    d = m["reduced_decoder"]
+    per_row = 2.0 * d["hidden"] * d["heads"] * d["head_dim"]
+    widths = [int(s.split("->")[0]) for s in lk["stages"]]  # vision tokens in; the rows also hold 35 text tokens
+    assert proj["relevance_flops"] - lk["relevance_flops"] >= per_row * sum(w + 35 for w in widths)
+
+
+def test_full_width_shapes():
+    """--width full: every benchmarked decoder at its real width, heads and MLP."""
+    for spec in eff.MODELS.values():
+        full = spec.reduced(6, None, full_width=True)
+        assert full == {"layers": 6, **{k: spec.ref[k] for k in ("hidden", "heads", "kv_heads", "intermediate")}}
+        assert full["hidden"] == full["heads"] * eff.HEAD_DIM
+    with pytest.raises(ValueError, match="width"):
+        eff.BenchConfig(width="wide")
+    with pytest.raises(ValueError, match="projection_baseline"):
+        eff.BenchConfig(presets=("tome",), projection_baseline=True)
 
 
 def test_markdown_and_files(result, tmp_path):

@@ -528,7 +528,7 @@ def schedules(draw):
     return {"name": "explicit", "params": {"layers": [draw(st.integers(0, 5))], "ratios": [0.5], "windows_per_side": [2]}}
 
 
-@settings(max_examples=60)
+@settings(max_examples=30)
 @given(
     schedule=schedules(),
     name=_text,

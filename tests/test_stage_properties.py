@@ -119,6 +119,7 @@ def test_provenance_partitions_vision_tokens_within_windows(variant, case, ratio
 
 
 @pytest.mark.parametrize("variant", ["lightkv", "relevance-split", "relevance-budget", "relevance-size-mean"])
+@settings(max_examples=40)  # x 4 variants; each example checks every merged token of a batch
 @given(case=batches(), ratio=ratios, wps=st.integers(1, 4))
 def test_merged_features_are_relevance_weighted_convex_combinations(variant, case, ratio, wps):
     # (at the first stage every size is 1: relevance_size_mean is the ξ-weighted mean too)

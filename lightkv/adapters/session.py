@@ -209,6 +209,11 @@ class CompressionSession:
             raise RuntimeError("no prefill has run in this session")
         return self.last_prefill.to_prompt_positions(t, fill)
 
+    @property
+    def taps(self) -> dict[int, ProjectionTap]:
+        """The projection taps by scheduled layer (empty with ``reuse_projections=False``)."""
+        return dict(self._taps)
+
     def report(self) -> SessionReport:
         """A `lightkv.adapters.report.SessionReport` of the last prefill."""
         return SessionReport.from_session(self)

@@ -39,6 +39,14 @@ def add_commands(commands) -> None:
                      "benchmarks/results/quick with --quick)")
     eff.add_argument("--repeats", type=depth, metavar="N", help="timed prefills per variant (default: 5; 3 with --quick)")
     eff.add_argument("--layers", type=depth, metavar="N", help="reduced decoder depth (default: 8; 6 with --quick)")
+    eff.add_argument("--width", choices=("reduced", "full"), default=None,
+                     help="full: the real models' width, heads and MLP (7B: 4096 / 32 heads / 11008), only the depth "
+                     "reduced (--layers); reduced (default): --heads x 128")
+    eff.add_argument("--heads", type=depth, metavar="N", help="query heads of the reduced width (default: 4 or 7 per model)")
+    eff.add_argument("--projection-baseline", action="store_true",
+                     help="also time lightkv projecting each scheduled layer's input a second time (what reading the "
+                     "layer's own projections saves)")
+    eff.add_argument("--no-eager-reference", action="store_true", help="skip the reference-style H x N x N scoring runs")
     eff.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     eff.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                      help="default: float32 on CPU, bfloat16 on CUDA")
@@ -47,6 +55,25 @@ def add_commands(commands) -> None:
     eff.add_argument("--no-plots", action="store_true", help="write JSON and Markdown only")
     eff.add_argument("--no-progress", action="store_true", help="no progress bar")
     eff.set_defaults(func=_cmd_bench_efficiency)
+    sc = bsub.add_parser(
+        "scaling",
+        help="stage and prefill cost vs vision-token count (576 to 7,225), with fitted exponents",
+        description="Times the lightkv preset's stage chain on random hidden states (preset windows and fixed "
+        "8x8-token windows) and whole prefills of a LLaVA-shaped model, for square images of each --sides; fits "
+        "t ~ N^k. Writes scaling.json, scaling.md and efficiency-scaling.png.",
+        formatter_class=fmt,
+    )
+    sc.add_argument("--sides", nargs="+", type=depth, metavar="S", help="image sides in tokens (default: 24 32 54 85)")
+    sc.add_argument("--width", type=depth, metavar="D", help="hidden width of the stage timing (default: 4096)")
+    sc.add_argument("--heads", type=depth, metavar="N", help="prefill decoder heads x 128 (default: 4)")
+    sc.add_argument("--layers", type=depth, metavar="N", help="prefill decoder depth (default: 8)")
+    sc.add_argument("--repeats", type=depth, metavar="N", help="timed runs per point (default: 3)")
+    sc.add_argument("--threads", type=depth, metavar="N", help="torch CPU threads (default: torch's)")
+    sc.add_argument("--no-prefill", action="store_true", help="time the stage chain only")
+    sc.add_argument("--quick", action="store_true", help="small sides, narrow models, one repeat (seconds)")
+    sc.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results, .../quick with --quick)")
+    sc.add_argument("--no-plots", action="store_true", help="write JSON and Markdown only")
+    sc.set_defaults(func=_cmd_bench_scaling)
     qual = bsub.add_parser(
         "quality",
         help="accuracy and fidelity vs kept vision KV with the bundled model, every method",
@@ -159,8 +186,13 @@ def _cmd_bench_efficiency(args: argparse.Namespace) -> int:
     over = {k: v for k, v in {
         "models": tuple(args.models) if args.models else None,
         "presets": tuple(args.presets) if args.presets else None,
-        "repeats": args.repeats, "layers": args.layers, "threads": args.threads,
+        "repeats": args.repeats, "layers": args.layers, "threads": args.threads, "width": args.width,
+        "heads": args.heads,
     }.items() if v is not None}
+    if args.projection_baseline:
+        over["projection_baseline"] = True
+    if args.no_eager_reference:
+        over["eager_reference"] = False
     over.update(device=device, dtype=args.dtype or ("bfloat16" if device == "cuda" else "float32"),
                 memory=not args.no_memory, progress=not args.no_progress)
     try:
@@ -174,6 +206,30 @@ def _cmd_bench_efficiency(args: argparse.Namespace) -> int:
         raise UsageError(str(e).splitlines()[0]) from None
     files = eff.write_outputs(result, out, with_plots=not args.no_plots)
     sys.stdout.write(eff.markdown_table(result))
+    for f in files:
+        print(f"wrote {f}")
+    return EXIT_OK
+
+
+def _cmd_bench_scaling(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..bench.efficiency import RESULTS
+    from ..bench.efficiency import scaling as sc
+
+    over = {k: v for k, v in {"sides": tuple(args.sides) if args.sides else None, "width": args.width,
+                              "heads": args.heads, "layers": args.layers, "repeats": args.repeats,
+                              "threads": args.threads}.items() if v is not None}
+    if args.no_prefill:
+        over["prefill"] = False
+    try:
+        cfg = sc.quick_scaling(**over) if args.quick else sc.ScalingConfig(**over)
+        result = sc.run_scaling(cfg)
+    except ValueError as e:
+        raise UsageError(str(e).splitlines()[0]) from None
+    files = sc.write_scaling(result, Path(args.out) if args.out else RESULTS / ("quick" if args.quick else ""),
+                             with_plots=not args.no_plots)
+    sys.stdout.write(sc.scaling_markdown(result))
     for f in files:
         print(f"wrote {f}")
     return EXIT_OK

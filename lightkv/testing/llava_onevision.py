@@ -101,12 +101,12 @@ def tokens(model, image_size: tuple[int, int], alone: bool = True) -> int:
     image of its prompt, so anyres-max; otherwise one base tile and a newline)."""
     side = model.config.vision_config.image_size
     tiles = _tiles(model, image_size) if alone else 1
-    pixels = torch.zeros(1, tiles, 3, side, side, dtype=model.dtype)
+    pixels = torch.zeros(1, tiles, 3, side, side, dtype=model.dtype, device=model.device)
     with torch.no_grad():
         feats = model.model.get_image_features(
             pixels,
-            torch.tensor([list(image_size)]),
-            batch_num_images=torch.tensor([1 if alone else 2]),
+            torch.tensor([list(image_size)], device=model.device),
+            batch_num_images=torch.tensor([1 if alone else 2], device=model.device),
         ).pooler_output
     return int(feats[0].shape[0])
 

@@ -136,9 +136,9 @@ def llava_next_tokens(model, image_size: tuple[int, int]) -> int:
     cfg = model.config
     tiles = image_size_to_num_patches(list(image_size), cfg.image_grid_pinpoints, cfg.vision_config.image_size)
     side = cfg.vision_config.image_size
-    pixels = torch.zeros(1, tiles, 3, side, side, dtype=model.dtype)
+    pixels = torch.zeros(1, tiles, 3, side, side, dtype=model.dtype, device=model.device)
     with torch.no_grad():
-        feats = model.model.get_image_features(pixels, torch.tensor([list(image_size)])).pooler_output
+        feats = model.model.get_image_features(pixels, torch.tensor([list(image_size)], device=model.device)).pooler_output
     return int(feats[0].shape[0])
 
 

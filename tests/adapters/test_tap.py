@@ -64,7 +64,7 @@ def test_tap_that_sees_no_projection_falls_back(monkeypatch):
     projected, logits_projected = _run(model, fam, batch, tiny_lightkv(), reuse_projections=False)
     session = apply(tiny_lightkv(), model, record=True)
     stray = torch.nn.Linear(2, 2)
-    for tap in session._taps.values():
+    for tap in session.taps.values():
         monkeypatch.setattr(tap, "install", lambda tap=tap: [stray.register_forward_hook(tap._hook("q"))])
     with session:
         out = model(**batch)
@@ -83,7 +83,23 @@ def test_tap_is_disarmed_by_a_decode_step():
     gen = {"max_new_tokens": 4, "do_sample": False}
     with apply(tiny_lightkv(), model) as session:
         a = model.generate(**batch, **gen)
-        assert all(not t._armed for t in session._taps.values())
+        assert all(not t._armed for t in session.taps.values())
     with apply(tiny_lightkv(), model, reuse_projections=False):
         b = model.generate(**batch, **gen)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [1, 2])
+def test_rotate_is_the_rotate_half_formula_bit_for_bit(dtype, head_dim):
+    """The probes' two-pass rotary embedding equals ``x cos + cat(-x2, x1) sin`` exactly,
+    in either head layout."""
+    from lightkv.adapters.probes import rotate
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 5, 8, generator=g).to(dtype)  # [B, H, M, d] or [B, M, H, d]
+    m = x.shape[2] if head_dim == 1 else x.shape[1]
+    cos, sin = (torch.randn(2, m, 8, generator=g).to(dtype) for _ in range(2))
+    c, s = cos.unsqueeze(head_dim), sin.unsqueeze(head_dim)
+    want = x * c + torch.cat((-x[..., 4:], x[..., :4]), dim=-1) * s
+    assert torch.equal(rotate(x, cos, sin, head_dim=head_dim), want)

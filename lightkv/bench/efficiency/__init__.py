@@ -57,6 +57,7 @@ from .shapes import (
     EAGER_REF,
     HEAD_DIM,
     MODELS,
+    PROJECTED,
     RESULTS,
     UNCOMPRESSED,
     BenchConfig,
@@ -70,7 +71,7 @@ from .shapes import (
 _child_peaks = measure_peaks_in_child  # the older name (tests use it)
 
 __all__ = [
-    "DEFAULT_PRESETS", "DTYPES", "EAGER_REF", "HEAD_DIM", "MODELS", "RESULTS", "UNCOMPRESSED", "BenchConfig",
+    "DEFAULT_PRESETS", "DTYPES", "EAGER_REF", "HEAD_DIM", "MODELS", "PROJECTED", "RESULTS", "UNCOMPRESSED", "BenchConfig",
     "ModelSpec", "OverheadProbe", "ReferenceScoring", "bench_model", "build_model", "check_targets", "first_token",
     "markdown_table", "measure_peaks", "measure_peaks_in_child", "plots", "quick_config", "run", "scale_layers",
     "scaled_pipeline", "summary_rows", "write_outputs",

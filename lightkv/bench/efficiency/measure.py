@@ -24,6 +24,7 @@ import torch
 from .shapes import (
     EAGER_REF,
     HEAD_DIM,
+    PROJECTED,
     MODELS,
     PRE_TEXT,
     UNCOMPRESSED,
@@ -85,7 +86,8 @@ class OverheadProbe:
     Nothing global is patched; remove with `close`.
 
     ``totals`` (seconds, summed over the prefill): ``layout`` (the adapter reading the
-    batch), ``relevance`` (the pre-hooks at merge layers: ξ from the layer's projections),
+    batch), ``relevance`` (the pre-hooks at merge layers and the projection taps' hooks
+    inside them: ξ from the layer's projections),
     ``stage`` (post-hooks at merge layers: graph, merge, new masks and positions),
     ``bookkeeping`` (the pre-hooks of other layers: masks, positions, cache layers).
     """
@@ -102,6 +104,9 @@ class OverheadProbe:
             self._pair_pre(layer, "relevance" if i in merge else "bookkeeping")
             if i in merge:
                 self._pair_post(layer, "stage")
+        for tap in session.taps.values():  # ξ computed inside the attention, as its projections run
+            for module in tap.probe.projections().values():
+                self._pair_post(module, "relevance")
 
     def _start(self, key):
         def hook(*_a, **_k):
@@ -228,9 +233,9 @@ def measure_peaks(spec: ModelSpec, cfg: BenchConfig, variants: Sequence[str]) ->
     def one(variant: str):
         if variant == UNCOMPRESSED:
             return first_token(model, inputs)
-        name = "lightkv" if variant == EAGER_REF else variant
+        name = "lightkv" if variant in (EAGER_REF, PROJECTED) else variant
         pipe = scaled_pipeline(name, spec, sizes["layers"])
-        with apply(pipe, model) as session:
+        with apply(pipe, model, reuse_projections=variant != PROJECTED) as session:
             ref = ReferenceScoring(session, (PRE_TEXT, text_after_image(inputs)), sync) if variant == EAGER_REF else None
             try:
                 res = first_token(model, inputs)

@@ -31,6 +31,7 @@ from .report import check_targets, summary_rows
 from .shapes import (
     EAGER_REF,
     HEAD_DIM,
+    PROJECTED,
     MODELS,
     PRE_TEXT,
     UNCOMPRESSED,
@@ -58,9 +59,12 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) 
 
     n_vis = int(((ids == IMAGE) | (ids == VIDEO)).sum())  # image and video placeholders
     pipes = {p: scaled_pipeline(p, spec, sizes["layers"]) for p in cfg.presets}
-    variants = [UNCOMPRESSED, *cfg.presets]
+    compressed = [*cfg.presets, *([PROJECTED] if cfg.projection_baseline else [])]
+    if cfg.projection_baseline:
+        pipes[PROJECTED] = pipes["lightkv"]
+    variants = [UNCOMPRESSED, *compressed]
     times: dict[str, list[float]] = {v: [] for v in variants}
-    overhead: dict[str, list[dict[str, float]]] = {p: [] for p in cfg.presets}
+    overhead: dict[str, list[dict[str, float]]] = {p: [] for p in compressed}
     last: dict[str, Any] = {}
     instrument_inline = device.type == "cpu"  # hooks cost microseconds on CPU; on CUDA they sync
 
@@ -70,7 +74,7 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) 
                 with Timer(device) as t:
                     out, _tok = first_token(model, inputs)
                 return t.seconds, out, None, None
-            with apply(pipes[variant], model) as session:
+            with apply(pipes[variant], model, reuse_projections=variant != PROJECTED) as session:
                 probe = OverheadProbe(session, sync) if instrument_inline else None
                 try:
                     with Timer(device) as t:
@@ -90,9 +94,9 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) 
             last[variant] = (out, session)
             tick(f"{spec.name}/{variant}")
     if not instrument_inline:  # separate instrumented runs (the hooks synchronise the GPU)
-        for variant in cfg.presets:
+        for variant in compressed:
             for _ in range(max(1, min(3, cfg.repeats))):
-                with torch.no_grad(), apply(pipes[variant], model) as session:
+                with torch.no_grad(), apply(pipes[variant], model, reuse_projections=variant != PROJECTED) as session:
                     probe = OverheadProbe(session, sync)
                     with Timer(device) as t:
                         first_token(model, inputs)
@@ -138,7 +142,7 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) 
                 kv_bytes_report=report.kv_bytes,
                 kv_bytes_vision_baseline=report.kv_bytes_vision_baseline,
             )
-            rec.update(reference_shape_flops(spec, variant, report, n0))
+            rec.update(reference_shape_flops(spec, "lightkv" if variant == PROJECTED else variant, report, n0))
             if overhead[variant]:
                 parts = {k: statistics.median(o[k] for o in overhead[variant]) for k in overhead[variant][0]}
                 prefill_s = parts.pop("prefill")
@@ -163,7 +167,7 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) 
         break
     if base_flops is not None:
         unc["flops"] = base_flops
-    for variant in cfg.presets:
+    for variant in compressed:
         rec = entry["variants"][variant]
         rec["ratios"] = {
             "flops": rec["flops"] / unc["flops"],
@@ -211,7 +215,7 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) 
             if v in entry["variants"]:
                 entry["variants"][v]["peak_bytes"] = p
         up = peaks["peak_bytes"][UNCOMPRESSED]
-        for v in cfg.presets:
+        for v in compressed:
             entry["variants"][v]["ratios"]["peak_memory"] = peaks["peak_bytes"][v] / up if up else None
         if EAGER_REF in peaks["peak_bytes"]:
             er = entry.setdefault("eager_reference", {})
@@ -225,7 +229,7 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) 
 
 # ---------------------------------------------------------------------------- the run
 def _steps(cfg: BenchConfig) -> int:
-    per_model = (cfg.warmup + cfg.repeats) * (1 + len(cfg.presets))
+    per_model = (cfg.warmup + cfg.repeats) * (1 + len(cfg.presets) + int(cfg.projection_baseline))
     if cfg.eager_reference and "lightkv" in cfg.presets:
         per_model += cfg.eager_repeats
     per_model += 1 if cfg.memory else 0
@@ -303,7 +307,7 @@ def _reductions_note(cfg: BenchConfig) -> str:
     parts = []
     for name in cfg.models:
         spec = MODELS[name]
-        r, ref = spec.reduced(cfg.layers, cfg.heads), spec.ref
+        r, ref = spec.reduced(cfg.layers, cfg.heads, cfg.width == "full"), spec.ref
         parts.append(
             f"{spec.title}: {ref['layers']} -> {r['layers']} layers, width {ref['hidden']} -> {r['hidden']} "
             f"(heads {ref['heads']}/{ref['kv_heads']} -> {r['heads']}/{r['kv_heads']}, head_dim 128, "

@@ -8,6 +8,7 @@ reduced depth; `build_model` builds a random-weight model with a one-row prompt.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ RESULTS = Path(__file__).resolve().parents[3] / "benchmarks" / "results"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 UNCOMPRESSED = "uncompressed"
 EAGER_REF = "lightkv+eager-scores"
+PROJECTED = "lightkv+second-projection"
 
 
 # ---------------------------------------------------------------------------- shapes
@@ -55,7 +57,13 @@ class ModelSpec:
     image_note: str
     video: Any = None
 
-    def reduced(self, layers: int, heads: int | None = None) -> dict[str, int]:
+    def reduced(self, layers: int, heads: int | None = None, full_width: bool = False) -> dict[str, int]:
+        """The benchmarked decoder: ``layers`` deep; the real width, heads and MLP with
+        ``full_width``, else ``heads`` (default: this shape's reduced count) x 128 wide."""
+        if full_width:
+            ref = self.ref
+            return {"layers": layers, "hidden": ref["hidden"], "heads": ref["heads"], "kv_heads": ref["kv_heads"],
+                    "intermediate": ref["intermediate"]}
         heads = heads or self.heads
         kv = max(1, heads * self.ref["kv_heads"] // self.ref["heads"])
         hidden = heads * HEAD_DIM
@@ -123,6 +131,11 @@ class BenchConfig:
         presets: preset names (``lightkv`` means each model's LightKV preset).
         layers: reduced decoder depth (schedules are scaled to it, see `scale_layers`).
         heads: reduced query heads (None: each model's default); width = heads x 128.
+        width: ``"reduced"`` (``heads`` x 128) or ``"full"``: the real model's width, heads,
+            key/value heads and MLP (only the depth is reduced; ``heads`` is then ignored).
+        projection_baseline: also run LightKV projecting each scheduled layer's input a
+            second time (``reuse_projections=False``, variant ``lightkv+second-projection``),
+            to measure what reading the layer's own projections saves.
         internvl_tiles: tiles of the InternVL image (256 tokens each).
         repeats, warmup: timed and untimed prefills per variant.
         memory: measure peak memory (CPU: one child process per model).
@@ -137,6 +150,8 @@ class BenchConfig:
     presets: tuple[str, ...] = DEFAULT_PRESETS
     layers: int = 8
     heads: int | None = None
+    width: str = "reduced"
+    projection_baseline: bool = False
     internvl_tiles: int = 5
     repeats: int = 5
     warmup: int = 1
@@ -159,6 +174,10 @@ class BenchConfig:
             raise ValueError(f"layers must be at least 2, got {self.layers}")
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError("repeats must be >= 1 and warmup >= 0")
+        if self.width not in ("reduced", "full"):
+            raise ValueError(f"width must be 'reduced' or 'full', got {self.width!r}")
+        if self.projection_baseline and "lightkv" not in self.presets:
+            raise ValueError("projection_baseline compares against the lightkv preset: include it in presets")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose from {sorted(DTYPES)}")
         from ...presets import PRESETS
@@ -204,16 +223,18 @@ def build_model(spec: ModelSpec, cfg: BenchConfig, attn: str = "sdpa"):
     """``(model, inputs, sizes)``: the reduced model on the device and a one-row prompt."""
     from ...testing import TINY_MODELS
 
-    sizes = spec.reduced(cfg.layers, cfg.heads)
+    sizes = spec.reduced(cfg.layers, cfg.heads, cfg.width == "full")
     fam = TINY_MODELS[spec.family]
-    model = fam.build(attn_implementation=attn, num_layers=sizes["layers"], hidden_size=sizes["hidden"],
-                      intermediate_size=sizes["intermediate"], num_heads=sizes["heads"],
-                      num_kv_heads=sizes["kv_heads"], **spec.build_kwargs)
+    device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
+    # on a GPU the weights are created there (a 7B-wide decoder initialises in seconds)
+    with torch.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        model = fam.build(attn_implementation=attn, num_layers=sizes["layers"], hidden_size=sizes["hidden"],
+                          intermediate_size=sizes["intermediate"], num_heads=sizes["heads"],
+                          num_kv_heads=sizes["kv_heads"], **spec.build_kwargs)
     image = [cfg.internvl_tiles] if spec.family == "internvl" else spec.image
     extra = {"videos": spec.video} if spec.video is not None else {}
     row = fam.row(model, image, pre=PRE_TEXT, post=POST_TEXT, seed=0, **extra)
     inputs = fam.collate([row])
-    device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
     model = model.to(device=device, dtype=dtype)
     inputs = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) if isinstance(v, torch.Tensor)
               else v for k, v in inputs.items()}

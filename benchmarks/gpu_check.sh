@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The prepared GPU check: one short script (a few minutes on one modern GPU, < 8 min budget).
+#
+#   bash benchmarks/gpu_check.sh            # results in benchmarks/results/gpu (or $OUT)
+#
+# 1. Installs what is missing beside the machine's own CUDA torch: wheels from .whl/ when
+#    present (for machines without network: `make gpu-wheels` fills .whl/ on a machine with
+#    one), else pip. torch itself is never installed here: the machine's CUDA build is used.
+# 2. Runs the test suite's CUDA-marked tests (tests/adapters/test_cuda.py: identity, bf16 /
+#    fp16 vs float32 on the CPU, rows independent of their batch, the projection tap).
+# 3. Runs the efficiency benchmark at full 7B width and depth (LLaVA-1.5 and LLaVA-NeXT
+#    shapes, 32 layers of width 4096) in bf16 on the GPU: absolute TTFT from CUDA events, peak
+#    memory from torch.cuda.max_memory_allocated, lightkv next to tome, fastv and the
+#    second-projection baseline.
+# Writes env.json, cuda-tests.log / .xml, efficiency.json / .md / PNGs and gpu_check.json
+# (a summary: what ran, pass / fail, seconds) into $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+OUT=${OUT:-benchmarks/results/gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+START=$(date +%s)
+
+# ---- 1. dependencies (torch from the machine)
+if ! $PY -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
+  echo "gpu_check: no CUDA torch on this machine ($PY): nothing to check" >&2
+  exit 2
+fi
+if ! $PY -c "import pydantic, yaml, networkx, transformers, pytest, hypothesis; \
+  from packaging.version import Version; assert Version(transformers.__version__) >= Version('5.24')" 2>/dev/null; then
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/lightkv-site .whl/*.whl || exit 3
+    export PYTHONPATH=/tmp/lightkv-site${PYTHONPATH:+:$PYTHONPATH}
+  else
+    $PY -m pip install -q "pydantic>=2.6" pyyaml networkx "transformers>=5.24" pytest hypothesis || exit 3
+  fi
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+$PY - "$OUT/env.json" <<'EOF'
+import json, sys, platform
+import torch, transformers
+json.dump({"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "transformers": transformers.__version__, "python": platform.python_version()},
+          open(sys.argv[1], "w"), indent=1)
+EOF
+
+# ---- 2. the CUDA-marked tests
+T0=$(date +%s)
+$PY -m pytest -q -m cuda tests/adapters/test_cuda.py -p no:cacheprovider --junitxml "$OUT/cuda-tests.xml" \
+  2>&1 | tee "$OUT/cuda-tests.log"
+TESTS_RC=${PIPESTATUS[0]}
+T1=$(date +%s)
+
+# ---- 3. efficiency at full width and depth, bf16, CUDA events
+timeout 420 $PY -m lightkv bench efficiency --device cuda --dtype bfloat16 --width full --layers 32 \
+  --models llava llava_next --presets lightkv tome fastv --projection-baseline --repeats 10 \
+  --no-progress --out "$OUT" 2>&1 | tee "$OUT/efficiency.log"
+BENCH_RC=${PIPESTATUS[0]}
+T2=$(date +%s)
+
+$PY - "$OUT" "$TESTS_RC" "$BENCH_RC" "$((T1 - T0))" "$((T2 - T1))" "$((T2 - START))" <<'EOF'
+import json, sys
+out, tests_rc, bench_rc, t_tests, t_bench, total = sys.argv[1:]
+json.dump({"cuda_tests": {"rc": int(tests_rc), "seconds": int(t_tests)},
+           "efficiency": {"rc": int(bench_rc), "seconds": int(t_bench),
+                          "command": "lightkv bench efficiency --device cuda --dtype bfloat16 --width full --layers 32 "
+                                     "--models llava llava_next --presets lightkv tome fastv --projection-baseline "
+                                     "--repeats 10"},
+           "seconds": int(total)}, open(f"{out}/gpu_check.json", "w"), indent=1)
+EOF
+echo "gpu_check: tests rc=$TESTS_RC, efficiency rc=$BENCH_RC, $((T2 - START)) s; results in $OUT"
+[ "$TESTS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ]
