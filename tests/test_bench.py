@@ -7,7 +7,7 @@ import json
 import pytest
 
 from lightkv.bench import efficiency as eff
-from lightkv.cli import main
+from lightkv.cli import build_parser, main
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +139,18 @@ def test_cache_mode_presets_in_both_benchmarks():
     for name in ("elasticcache", "h2o"):
         assert rows[(name, 0.4)]["kept_fraction"] == pytest.approx(0.4, abs=0.02)
         assert rows[(name, 0.4)]["schedule"]["name"] in ("cache", "h2o")
+
+
+def test_command_line_names_what_differs_from_the_default():
+    from dataclasses import asdict
+
+    from lightkv.bench.efficiency.report import command_line
+
+    assert command_line(asdict(eff.BenchConfig())) == "lightkv bench efficiency"
+    cfg = eff.BenchConfig(models=("llava_next", "llava"), presets=("lightkv", "tome"), layers=6, width="full",
+                          repeats=2, projection_baseline=True, memory=False, eager_reference=False)
+    assert command_line(asdict(cfg)) == (
+        "lightkv bench efficiency --models llava_next llava --presets lightkv tome --layers 6 --width full "
+        "--repeats 2 --projection-baseline --no-memory --no-eager-reference")
+    args = build_parser().parse_args(command_line(asdict(cfg)).split()[1:])
+    assert (args.width, args.layers, args.projection_baseline, args.no_eager_reference) == ("full", 6, True, True)

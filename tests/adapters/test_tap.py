@@ -29,10 +29,18 @@ def _run(model, fam, batch, pipe, **options):
     return session, out.logits
 
 
-@pytest.mark.parametrize("preset", ["lightkv", "tome_keys"])
-def test_tapped_relevance_equals_projected(family, preset):
-    """Every stage's ξ (LightKV: all queries x text keys) and keys (ToMe on keys) from the tap equal
-    the second projection's, and so do the stage results and the logits."""
+def test_tapped_relevance_equals_projected(family):
+    _check_tap(family, "lightkv")
+
+
+@pytest.mark.parametrize("name", ["llava", "fuyu", "gemma3"])  # separate, fused and normed q/k projections
+def test_tapped_keys_equal_projected(name):
+    _check_tap(name, "tome_keys")
+
+
+def _check_tap(family, preset):
+    """Every stage's ξ (LightKV: all queries x text keys) and keys (ToMe on keys) from the tap
+    equal the second projection's, and so do the stage results and the logits."""
     fam = TINY_MODELS[family]
     model = get_model(family)
     batch = fam.collate(fam.examples(model))

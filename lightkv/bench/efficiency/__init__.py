@@ -3,8 +3,11 @@
 For model shapes of LLaVA-1.5-7B (576 vision tokens), LLaVA-NeXT-7B (2,928), Qwen2.5-VL-7B
 (1,024) and InternVL3-8B (tiles of 256), random-weight models with the *real* vision-token
 counts and the real head dimension (128), MLP ratio and grouped-query ratio are run with a
-*reduced* decoder (default 8 layers, 4 or 7 heads: width 512 or 896; see `MODELS`), and
-for each variant (no compression, then every preset) this measures:
+*reduced* decoder (default 8 layers, 4 or 7 heads: width 512 or 896; see `MODELS`), or
+with ``width="full"`` (``--width full``) the real width, heads and MLP (7B: 4096, 32 heads,
+11008) with only the depth reduced, and for each variant (no compression, then every
+preset; with ``projection_baseline`` also LightKV projecting each scheduled layer's input
+a second time) this measures:
 
 * **FLOPs**: analytic prefill FLOPs of the language model (`session.report()`: per layer
   projections + attention + MLP at the layer's real length, plus the relevance
@@ -37,7 +40,11 @@ The package, by responsibility:
 * `lightkv.bench.efficiency.measure`: timers, the overhead probe, reference-style scoring,
   KV bytes and FLOPs accounting, peak memory (in a child process on CPU);
 * `lightkv.bench.efficiency.runner`: one model's measurements (`bench_model`) and `run`;
-* `lightkv.bench.efficiency.report`: summary rows, target checks, Markdown, plots and files.
+* `lightkv.bench.efficiency.report`: summary rows, target checks, Markdown, plots and files;
+* `lightkv.bench.efficiency.profile`: torch.profiler ranges per hook family and the operators
+  inside them (``benchmarks/profile_overhead.py``);
+* `lightkv.bench.efficiency.scaling`: stage and prefill cost vs vision tokens, with fitted
+  exponents (``lightkv bench scaling``).
 """
 
 from __future__ import annotations

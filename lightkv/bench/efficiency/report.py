@@ -63,6 +63,21 @@ def check_targets(result: dict[str, Any]) -> dict[str, Any]:
     est = nxt.get("overhead_share_reference_estimate")
     out["overhead_le_3pct_llava_next_reference_estimate"] = est <= 0.03 if est is not None else None
     out["overhead_share_llava_next_reference_estimate"] = est
+    # issue 17: at full width, lightkv's overhead <= 1.5% of prefill and <= 1.5x tome's, its TTFT
+    # ratio within 2 points of its FLOPs ratio; at reduced width, overhead <= 2x tome's
+    full = result["config"].get("width") == "full"
+    vs_tome = {n: m["variants"]["lightkv"]["overhead_share"] / m["variants"]["tome"]["overhead_share"]
+               for n, m in models.items() if {"lightkv", "tome"} <= set(m["variants"])
+               and m["variants"]["tome"].get("overhead_share")}
+    out["lightkv_overhead_vs_tome"] = vs_tome
+    out["lightkv_overhead_le_2x_tome"] = all(v <= 2 for v in vs_tome.values()) if vs_tome and not full else None
+    if full:
+        share = nxt.get("overhead_share")
+        out["full_width_overhead_le_1_5pct_llava_next"] = share <= 0.015 if share is not None else None
+        out["full_width_overhead_le_1_5x_tome_llava_next"] = vs_tome["llava_next"] <= 1.5 if "llava_next" in vs_tome \
+            else None
+        gap = gaps.get("llava_next/lightkv")
+        out["full_width_lightkv_ttft_within_2pp_of_flops_llava_next"] = abs(gap) <= 2 if gap is not None else None
     peaks = {n: m["variants"]["lightkv"].get("ratios", {}).get("peak_memory")
              for n, m in models.items() if "lightkv" in m["variants"]}
     peaks = {k: v for k, v in peaks.items() if v is not None}
@@ -76,6 +91,31 @@ def check_targets(result: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- outputs
+def command_line(config: dict[str, Any]) -> str:
+    """The ``lightkv bench efficiency`` command that runs ``config`` (a `BenchConfig` as a
+    dict): its flags for every field that differs from the default."""
+    from dataclasses import asdict
+
+    from .shapes import BenchConfig, quick_config
+
+    base = asdict(quick_config() if config.get("quick") else BenchConfig())
+    parts = ["lightkv bench efficiency"] + (["--quick"] if config.get("quick") else [])
+    flags = {"models": "--models", "presets": "--presets", "layers": "--layers", "heads": "--heads",
+             "width": "--width", "repeats": "--repeats", "device": "--device", "dtype": "--dtype",
+             "threads": "--threads"}
+    for key, flag in flags.items():
+        v, d = config.get(key), base.get(key)
+        many = isinstance(v, (list, tuple))
+        if v is None or (list(v) == list(d or []) if many else v == d):
+            continue
+        parts.append(f"{flag} {' '.join(map(str, v))}" if many else f"{flag} {v}")
+    for key, flag, default in [("projection_baseline", "--projection-baseline", False),
+                               ("memory", "--no-memory", True), ("eager_reference", "--no-eager-reference", True)]:
+        if config.get(key, default) != default:
+            parts.append(flag)
+    return " ".join(parts)
+
+
 def _f(v, fmt="{:.3f}") -> str:
     return "n/a" if v is None else fmt.format(v)
 
@@ -88,7 +128,9 @@ def markdown_table(result: dict[str, Any]) -> str:
         f"torch {result['machine']['torch']}. Ratios are preset / uncompressed; TTFT is the median of "
         f"{result['config']['repeats']} prefills after {result['config']['warmup']} warm-up(s)."),
         "",
-        f"*Reduced decoders:* {result['reductions']}",
+        f"Command: `{command_line(result['config'])}`",
+        "",
+        f"*Decoders:* {result['reductions']}",
         "",
         ("| model | preset | vision tokens | vision KV (reduced) | vision KV (ref. depth) | KV total | FLOPs | "
         "FLOPs (ref. shape) | TTFT | TTFT ms (uncompr.) | peak mem | overhead | overhead (7B est.) |"),
