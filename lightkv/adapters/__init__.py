@@ -11,7 +11,7 @@ Supported families: see `SUPPORTED_FAMILIES`.
 
 Modules: to add a model family read `base` (the `Adapter` class) and one family module
 (e.g. `llava`), and register it in `registry`. The rest is internals of the hooks:
-`session` (`CompressionSession`), `cache`, `masks`, `features`, `guards` and `probes`;
+`session` (`CompressionSession`), `cache` (also `kv_bytes`, the bytes a cache holds), `masks`, `features`, `guards` and `probes`;
 `trace` and `report` hold what a session recorded.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 from torch import nn
 
 from .base import Adapter
-from .cache import MaskedCacheLayer
+from .cache import MaskedCacheLayer, MaskedQuantizedLayer, kv_bytes
 from .registry import SUPPORTED_FAMILIES, detect_family, get_adapter
 from .session import CompressionSession
 from .trace import PrefillTrace, StageRecord
@@ -32,11 +32,13 @@ __all__ = [
     "Adapter",
     "CompressionSession",
     "MaskedCacheLayer",
+    "MaskedQuantizedLayer",
     "PrefillTrace",
     "StageRecord",
     "apply",
     "detect_family",
     "get_adapter",
+    "kv_bytes",
 ]
 
 

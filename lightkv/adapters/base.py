@@ -44,7 +44,8 @@ class Adapter:
     cache_layer_types: ClassVar[tuple[type, ...]] = (DynamicLayer,)
     """Cache layer classes (exact types) the session may find in the cache and replace by a
     `MaskedCacheLayer` at a compressed layer; a family whose masks implement a layer's
-    semantics (Gemma 3's sliding window) adds that class."""
+    semantics (Gemma 3's sliding window) adds that class. Where `DynamicLayer` is listed,
+    transformers' quantized layers (``QuantizedCache``) are accepted too."""
     proportional_attention_refused: ClassVar[str | None] = None
     """Why this family cannot add ``log(size)`` to its attention logits through the masks
     below (`lightkv.Pipeline.proportional_attention` is then refused with this reason);

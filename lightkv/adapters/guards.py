@@ -1,7 +1,8 @@
 """What a `CompressionSession` refuses up front, with a clear error, because its hooks
 could not work on it: a ``torch.compile``'d model (compiled code skips module hooks),
 attention implementations that ignore a custom 4-D mask, caches other than the default
-dynamic one, and attention masks that are not 2-D.
+dynamic one (and its quantized variant), the cache mode over a quantized cache, and attention
+masks that are not 2-D.
 
 Internals of `lightkv.adapters.session`; an adapter author does not need them (a family's
 own configuration checks go in `lightkv.adapters.base.Adapter.check_config`).
@@ -10,14 +11,14 @@ own configuration checks go in `lightkv.adapters.base.Adapter.check_config`).
 from __future__ import annotations
 
 import gc
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .cache import MaskedCacheLayer
+from .cache import accepts_layer, is_quantized
 
 __all__ = [
     "SUPPORTED_ATTENTION",
@@ -47,22 +48,33 @@ def attention_implementation(config: Any) -> str:
     return impl
 
 
-def check_cache(cache: Any, allowed: tuple[type, ...] = (DynamicLayer,)) -> None:
+def check_cache(cache: Any, allowed: tuple[type, ...] = (DynamicLayer,), rewritten: Collection[int] = ()) -> None:
     """Refuse a cache the session cannot mask: a legacy tuple cache, or a `Cache` with
-    layers other than ``allowed`` (exact types; the adapter's ``cache_layer_types``) /
-    `MaskedCacheLayer` (static, sliding-window, quantized, offloaded). ``None`` (no cache
-    yet) passes."""
+    layers it does not accept (`lightkv.adapters.cache.accepts_layer`: exact ``allowed``
+    types, the adapter's ``cache_layer_types``; quantized layers where `DynamicLayer` is
+    allowed; masked layers), i.e. static, sliding-window, offloaded; and a quantized layer
+    among the ``rewritten`` ones (the cache mode's layers, whose entries are replaced after
+    they ran). ``None`` (no cache yet) passes."""
     if cache is not None and not isinstance(cache, Cache):
         raise TypeError("lightkv supports transformers Cache objects only (legacy tuple caches are not supported)")
-    if cache is not None:
-        bad = next((layer for layer in getattr(cache, "layers", ())
-                    if type(layer) not in allowed and not isinstance(layer, MaskedCacheLayer)), None)
-        if bad is not None:
-            raise TypeError(
-                f"lightkv supports the default dynamic cache only; this {type(cache).__name__} has "
-                f"{type(bad).__name__} layers (static, sliding-window, quantized and offloaded caches are not "
-                "supported): drop cache_implementation= or past_key_values="
-            )
+    if cache is None:
+        return
+    layers = getattr(cache, "layers", ())
+    bad = next((layer for layer in layers if not accepts_layer(layer, allowed)), None)
+    if bad is not None:
+        raise TypeError(
+            f"lightkv supports the default dynamic cache only (and QuantizedCache, its quantized variant); this "
+            f"{type(cache).__name__} has {type(bad).__name__} layers (static, sliding-window and offloaded caches "
+            "are not supported): drop cache_implementation= or past_key_values="
+        )
+    quantized = sorted(i for i in rewritten if i < len(layers) and is_quantized(layers[i]))
+    if quantized:
+        raise TypeError(
+            f"the cache mode (cache stages, H2O eviction) replaces the entries of cache layers {quantized} after "
+            f"they ran, which this {type(cache).__name__}'s {type(layers[quantized[0]]).__name__} layers cannot "
+            "take without re-quantizing them: use a DynamicCache with this pipeline (or a hidden-state schedule "
+            "with the quantized cache)"
+        )
 
 
 def check_attention_mask(mask2d: Any) -> None:

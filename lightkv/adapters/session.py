@@ -246,7 +246,7 @@ class CompressionSession:
         impl = self._attn_impl()
         cache = _cache_of(inputs)
         # before the mask check: with a static cache transformers prepares a 4-D mask
-        check_cache(cache, self.adapter.cache_layer_types)
+        check_cache(cache, self.adapter.cache_layer_types, self._cache_mode.layers)
         past = cache.get_seq_length() if cache is not None else 0
         mask2d = inputs.get("attention_mask")
         check_attention_mask(mask2d)
