@@ -74,6 +74,19 @@ def add_commands(commands) -> None:
     sc.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results, .../quick with --quick)")
     sc.add_argument("--no-plots", action="store_true", help="write JSON and Markdown only")
     sc.set_defaults(func=_cmd_bench_scaling)
+    kq = bsub.add_parser(
+        "kvquant",
+        help="KV bytes with lightkv, with KV quantization (fp8, quanto 4 / 2 bits) and with both",
+        description="One prefill per model shape and variant; counts the bytes the cache holds "
+        "(lightkv.adapters.kv_bytes). quanto needs the quant extra: pip install 'lightkv[quant]'. "
+        "Writes kv-quantization.json and kv-quantization.md.",
+        formatter_class=fmt,
+    )
+    kq.add_argument("--models", nargs="+", metavar="MODEL", help="default: llava llava_next qwen2_5_vl")
+    kq.add_argument("--backends", nargs="+", metavar="NAME", help="fp8, quanto-4, quanto-2 (default: those installed)")
+    kq.add_argument("--layers", type=depth, metavar="N", help="reduced decoder depth (default: 8)")
+    kq.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results)")
+    kq.set_defaults(func=_cmd_bench_kvquant)
     qual = bsub.add_parser(
         "quality",
         help="accuracy and fidelity vs kept vision KV with the bundled model, every method",
@@ -232,4 +245,27 @@ def _cmd_bench_scaling(args: argparse.Namespace) -> int:
     sys.stdout.write(sc.scaling_markdown(result))
     for f in files:
         print(f"wrote {f}")
+    return EXIT_OK
+
+
+def _cmd_bench_kvquant(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from ..bench.efficiency import RESULTS
+    from ..bench.efficiency import kvquant as kq
+
+    over = {k: v for k, v in {"models": tuple(args.models) if args.models else None,
+                              "backends": tuple(args.backends) if args.backends else None,
+                              "layers": args.layers}.items() if v is not None}
+    try:
+        result = kq.run_kvquant(kq.KVQuantConfig(**over))
+    except ValueError as e:
+        raise UsageError(str(e).splitlines()[0]) from None
+    out = Path(args.out) if args.out else RESULTS
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kv-quantization.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "kv-quantization.md").write_text(kq.kvquant_markdown(result))
+    sys.stdout.write(kq.kvquant_markdown(result))
+    print(f"wrote {out / 'kv-quantization.json'}\nwrote {out / 'kv-quantization.md'}")
     return EXIT_OK
