@@ -51,8 +51,27 @@ def main(argv=None) -> int:
            "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))
-    print(f"wrote {args.out}")
+    md = args.out.with_suffix(".md")
+    md.write_text(markdown(out))
+    print(f"wrote {args.out}\nwrote {md}")
     return 0
+
+
+def markdown(out: dict) -> str:
+    """Per variant: prefill, the hook families' time and the operators each spends it in."""
+    d = out["runs"][0]["decoder"]
+    lines = [f"`{out['command']}` ({d['layers']} layers, width {d['hidden']}, {out['threads']} threads; "
+             "operator times are self CPU time under the profiler, which inflates small operators)", "",
+             "| variant | prefill ms | compression | part | ms | top operators (self ms x calls) |",
+             "|---|---:|---:|---|---:|---|"]
+    for r in out["runs"]:
+        first = True
+        for part, ms in r["parts_ms"].items():
+            ops = "; ".join(f"`{n}` {t:.1f} x{c}" for n, t, c in r["ops"].get(part, [])[:3])
+            head = f"| {r['variant']} | {r['prefill_ms']:.0f} | {r['share']:.1%} |" if first else "| | | |"
+            lines.append(f"{head} {part} | {ms:.1f} | {ops} |")
+            first = False
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -129,7 +129,8 @@ class CompressionSession:
         self._before_at = {s.spec.layer: s for s in self.stages if s.spec.before}  # the pre-LLM mode
         self._probes: list[AttentionProbe] = [probe_for_layer(layer) for layer in self.layers]
         self.layer_shapes: list[LayerShape] = [p.shape() for p in self._probes]
-        self._taps = {i: ProjectionTap(self._probes[i], i) for i in self._stage_at} if reuse_projections else {}
+        self._taps = {i: ProjectionTap(self._probes[i], i) for i, s in self._stage_at.items()
+                      if reuse_projections and ProjectionTap.wanted(s)}
         self._cache_mode = CacheMode(self, self.stages)  # cache stages and H2O (no-op without them)
         self._prop = proportional.ProportionalAttention(self.adapter, pipeline.proportional_attention)
         self._signature = inspect.signature(self._mm.forward)

@@ -59,6 +59,12 @@ class ProjectionTap:
         self._armed: _Armed | None = None
         self._result: TapResult | None = None
 
+    @staticmethod
+    def wanted(stage: Stage) -> bool:
+        """Whether ``stage`` reads anything the projections give (queries, keys)."""
+        rel = stage.relevance
+        return rel.query_rows != "none" or rel.key_cols != "none" or "keys" in stage.needs
+
     def install(self) -> list[Any]:
         """Register the hooks; returns their handles (the session removes them)."""
         return [module.register_forward_hook(self._hook(name)) for name, module in self.probe.projections().items()]

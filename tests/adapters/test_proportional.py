@@ -60,7 +60,12 @@ MODES = {"in-prefill": tiny_lightkv, "pre-llm": pre_llm, "cache": elastic}
 
 
 # ---------------------------------------------------------------------------- identity
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+# Every family under sdpa; eager (the same additive mask, another kernel) on the reference
+# families, and there also by the duplicated-key oracles below.
+ATTN_BY_FAMILY = [("sdpa", f) for f in TINY_MODELS] + [("eager", f) for f in REFERENCE_FAMILIES]
+
+
+@pytest.mark.parametrize(("attn", "family"), ATTN_BY_FAMILY)
 def test_nothing_merged_is_bit_exact(family, attn):
     model = get_model(family, attn)
     fam = TINY_MODELS[family]
@@ -100,7 +105,7 @@ def test_the_option_changes_merged_results():
 
 
 # ---------------------------------------------------------------------------- batches
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize(("attn", "family"), ATTN_BY_FAMILY)
 def test_row_alone_equals_row_in_padded_batch(family, attn):
     model = get_model(family, attn)
     fam = TINY_MODELS[family]

@@ -24,9 +24,9 @@ import torch
 from .shapes import (
     EAGER_REF,
     HEAD_DIM,
-    PROJECTED,
     MODELS,
     PRE_TEXT,
+    PROJECTED,
     UNCOMPRESSED,
     BenchConfig,
     ModelSpec,

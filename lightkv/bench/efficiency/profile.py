@@ -93,7 +93,7 @@ def profile_prefill(spec: ModelSpec, cfg: BenchConfig, variant: str = "lightkv",
     torch.manual_seed(0)
     model, inputs, sizes = build_model(spec, cfg)
     pipe = scaled_pipeline("lightkv" if variant == PROJECTED else variant, spec, sizes["layers"])
-    nothing = lambda: None  # noqa: E731  (CPU: no device to synchronise)
+    nothing = lambda: None  # CPU: no device to synchronise
     with torch.no_grad():
         for _ in range(warmup):
             with apply(pipe, model, reuse_projections=variant != PROJECTED):

@@ -31,9 +31,9 @@ from .report import check_targets, summary_rows
 from .shapes import (
     EAGER_REF,
     HEAD_DIM,
-    PROJECTED,
     MODELS,
     PRE_TEXT,
+    PROJECTED,
     UNCOMPRESSED,
     BenchConfig,
     ModelSpec,
