@@ -13,6 +13,7 @@ import torch
 from ..graph.layout import VisionLayout
 from ..graph.scatter import pack_rows
 from ..pipeline import Stage
+from ..policies.prompt import Prompt
 from .masks import _batch, _last_valid, gather_tokens
 from .probes import AttentionProbe
 
@@ -27,6 +28,7 @@ def relevance(
     layout: VisionLayout,
     layer: int,
     raw: dict[str, torch.Tensor] | None = None,
+    prompt: Prompt | None = None,
 ) -> tuple[torch.Tensor, float]:
     """ξ ``[B, N]`` at a layer from the layer's input, projecting only the rows and
     columns the relevance policy reads.
@@ -41,6 +43,7 @@ def relevance(
         raw: the layer's own projection outputs for every row (`AttentionProbe.project`
             of the normed input, read during the layer's forward): rows are gathered from
             them instead of projected again.
+        prompt: the prefill's token ids, given to a policy that `reads_prompt`.
 
     Returns:
         ``(xi, flops)``: ξ (at least float32) and the FLOPs the projections and scores cost
@@ -48,8 +51,9 @@ def relevance(
     """
     rel = stage.relevance
     rows, cols = rel.query_rows, rel.key_cols
+    extra = {"prompt": prompt} if rel.reads_prompt else {}
     if rows == "none" and cols == "none":
-        return rel.score(None, None, layout).float(), 0.0
+        return rel.score(None, None, layout, **extra).float(), 0.0
     b, n = layout.batch_size, layout.seq_len
     if pos is None:
         raise RuntimeError(f"layer {layer} received no position_embeddings; cannot compute relevance")
@@ -90,7 +94,7 @@ def relevance(
     q_rows = n if rows == "all" else (1 if rows == "last" else 0)
     k_cols = n if cols == "all" else (int(layout.text_mask.sum(1).max()) if cols == "text" else 0)
     flops += 2.0 * b * probe.heads * d * q_rows * k_cols
-    xi = rel.score(queries, keys, layout)
+    xi = rel.score(queries, keys, layout, **extra)
     return xi.to(torch.promote_types(xi.dtype, torch.float32)), flops
 
 

@@ -43,6 +43,7 @@ from torch import nn
 
 from ..graph.layout import TokenKind, VisionLayout
 from ..pipeline import Pipeline, Stage
+from ..policies.prompt import Prompt
 from . import features, proportional
 from .base import Adapter
 from .cache import MaskedCacheLayer, _Token, install_masked_layer
@@ -272,7 +273,8 @@ class CompressionSession:
             padding = ~new_valid if not bool(new_valid.all()) else None
             layout = VisionLayout.from_segments(b, q, [], padding_mask=padding, device=ref.device)
         trace = PrefillTrace(batch_size=b, input_len=q, layout=layout, input_valid=new_valid)
-        self._state = ForwardState(mode="prefill", impl=impl, layout=layout, new_valid=new_valid, trace=trace)
+        self._state = ForwardState(mode="prefill", impl=impl, layout=layout, new_valid=new_valid, trace=trace,
+                                   prompt=Prompt(input_ids) if input_ids is not None else None)
         self.num_prefills += 1
         return
 
@@ -369,7 +371,7 @@ class CompressionSession:
                 masked.pending_sizes = self._prop.sizes(st.provenance)  # None unless proportional attention
         stage = self._stage_at.get(i)
         if stage is not None and i in self._taps:
-            self._taps[i].arm(stage, kwargs.get("position_embeddings"), layout)
+            self._taps[i].arm(stage, kwargs.get("position_embeddings"), layout, st.prompt)
         elif stage is not None:
             self._prepare(i, stage, hidden, kwargs.get("position_embeddings"), layout)
         self._cache_mode.prefill_pre(i, st, hidden, kwargs, cache)
@@ -381,7 +383,8 @@ class CompressionSession:
         st = self._state
         with torch.no_grad():
             probe = self._probes[i]
-            st.pending_relevance, flops = features.relevance(probe, stage, hidden, position_embeddings, layout, i)
+            st.pending_relevance, flops = features.relevance(probe, stage, hidden, position_embeddings, layout, i,
+                                                                prompt=st.prompt)
             st.pending_keys, key_flops = features.stage_keys(probe, hidden) if "keys" in stage.needs else (None, 0.0)
             st.trace.relevance_flops += flops + key_flops
 

@@ -44,6 +44,7 @@ class _Armed:
     layout: VisionLayout
     rows: int
     raw: dict[str, torch.Tensor]
+    prompt: Any = None
 
 
 class ProjectionTap:
@@ -69,9 +70,10 @@ class ProjectionTap:
         """Register the hooks; returns their handles (the session removes them)."""
         return [module.register_forward_hook(self._hook(name)) for name, module in self.probe.projections().items()]
 
-    def arm(self, stage: Stage, pos, layout: VisionLayout) -> None:
-        """Read the next forward of the projections (rows must be ``layout.seq_len``)."""
-        self._armed, self._result = _Armed(stage, pos, layout, layout.seq_len, {}), None
+    def arm(self, stage: Stage, pos, layout: VisionLayout, prompt=None) -> None:
+        """Read the next forward of the projections (rows must be ``layout.seq_len``);
+        ``prompt`` (the prefill's `lightkv.policies.Prompt`) is for a policy that reads it."""
+        self._armed, self._result = _Armed(stage, pos, layout, layout.seq_len, {}, prompt), None
 
     def take(self) -> TapResult | None:
         """The result of the armed forward (None when the projections did not all run);
@@ -97,6 +99,7 @@ class ProjectionTap:
     def _compute(self, armed: _Armed) -> TapResult:
         with torch.no_grad():
             raw = {k: v.detach() for k, v in armed.raw.items()}
-            xi, flops = features.relevance(self.probe, armed.stage, None, armed.pos, armed.layout, self.layer, raw=raw)
+            xi, flops = features.relevance(self.probe, armed.stage, None, armed.pos, armed.layout, self.layer, raw=raw,
+                                           prompt=armed.prompt)
             keys = features.stage_keys(self.probe, None, raw=raw)[0] if "keys" in armed.stage.needs else None
         return TapResult(xi, flops, keys)

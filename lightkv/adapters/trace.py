@@ -8,6 +8,7 @@ Read it to use ``session.last_prefill`` or ``session.records`` (e.g. in tests);
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -113,3 +114,4 @@ class ForwardState:
     pending_keys: torch.Tensor | None = None
     pending_tapped: bool = False
     trace: PrefillTrace | None = None
+    prompt: Any = None  # the prefill's lightkv.policies.Prompt (its input_ids)

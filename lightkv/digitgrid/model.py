@@ -44,7 +44,8 @@ __all__ = [
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUNDLED_MODEL = ASSETS / "digitgrid-llava"
 """Where the trained DigitGrid model ships inside the package."""
-BUNDLED_MODELS = {"digitgrid": BUNDLED_MODEL, "symbolgrid": ASSETS / "symbolgrid-llava"}
+BUNDLED_MODELS = {"scenes": ASSETS / "scenes-llava", "digitgrid": BUNDLED_MODEL,
+                  "symbolgrid": ASSETS / "symbolgrid-llava"}
 """The models that ship inside the package, by name (``--model NAME`` on the command line)."""
 
 

@@ -47,8 +47,10 @@ class Conversation:
 
 def conversations(n: int, grid, seed: int = 0, followup: bool = True, split: str = "heldout") -> list[Conversation]:
     """``n`` held-out conversations: first-question types in equal shares (round-robin), each
-    followed (``followup``) by a ``what`` question about a cell at least a quarter of the grid
-    away from what the first asked (any cell for whole-image first questions)."""
+    followed (``followup``) by a question about another region: the task's own ``followup``
+    where its data module has one (Scenes: another object's texture), else a ``what``
+    question about a cell at least a quarter of the grid away from what the first asked (any
+    cell for whole-image first questions)."""
     task = task_for(grid)
     data = task.data
     rng = random.Random(f"{task.name}-conversations:{seed}:{split}")
@@ -61,6 +63,8 @@ def conversations(n: int, grid, seed: int = 0, followup: bool = True, split: str
 
 
 def _followup(rng: random.Random, ep, grid, data):
+    if hasattr(data, "followup"):  # a task with its own follow-up question
+        return data.followup(rng, ep, grid)
     g = grid.grid
     far = max(1, g // 4)
     r0, c0 = ep.meta.get("row"), ep.meta.get("col")

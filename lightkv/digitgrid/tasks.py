@@ -76,6 +76,7 @@ class Task:
 TASKS: dict[str, Task] = {
     "digitgrid": Task("digitgrid", "lightkv.digitgrid.data", lambda config: 1),
     "symbolgrid": Task("symbolgrid", "lightkv.symbolgrid.data", lambda config: 2 * config.read_len - 1),
+    "scenes": Task("scenes", "lightkv.scenes.data", lambda config: 5),
 }
 
 

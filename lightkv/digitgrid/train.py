@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from . import circuit
 from .model import ModelSpec, alignment_targets, build_model, save
 from .tasks import TASKS, Task, get_task, task_for
-from .vocab import GLYPHS
+from .vocab import GLYPHS, IMAGE_ID
 
 __all__ = ["evaluate_qa", "main"]
 
@@ -77,6 +77,9 @@ def evaluate_align(model, spec: ModelSpec, grid, n: int = 256, seed: int = 1234,
     rng = random.Random(f"align-eval:{seed}")
     grids, images = task.image_batch(rng, "heldout", n, grid)
     feats = _projected(model, images)  # [B, N, D]
+    if _label_groups(task) is not None:
+        model.train()
+        return _label_accuracy(model, feats, grids, _label_groups(task), translate)
     ids = list(task.content_ids())
     content = _vision_words(model, ids, translate)
     k = grid.cell // spec.patch
@@ -122,6 +125,43 @@ def _content_ce(model, feats: torch.Tensor, grids: torch.Tensor, spec: ModelSpec
     truth, _ = task.token_words(grids, grid.cell // spec.patch)
     logits = feats @ content.T / content.shape[1] ** 0.5
     return F.cross_entropy(logits.flatten(0, 1), truth.flatten())
+
+
+def _label_groups(task: Task):
+    """The task's per-token label groups (word ids per label), or None for single-content tasks."""
+    return getattr(task.data, "LABEL_GROUPS", None)
+
+
+def _label_logits(model, feats: torch.Tensor, group, translate) -> torch.Tensor:
+    emb = _vision_words(model, list(group), translate)
+    return feats @ emb.T / emb.shape[1] ** 0.5
+
+
+def _label_loss(model, feats: torch.Tensor, labels: torch.Tensor, groups, translate=None) -> torch.Tensor:
+    """Align loss of a task with several labels per token (``labels [B, G, G, S]`` word ids,
+    ``groups``: the word ids each label takes): the squared error to ``E[<image>] + sum of
+    E[label]`` plus a cross-entropy per label over its group's words."""
+    words = labels.flatten(1, 2)  # [B, N, S]
+    emb = model.get_input_embeddings().weight.detach()
+    target = emb[words].sum(2)
+    if translate is not None:
+        target = target @ translate.T
+    loss = F.mse_loss(feats, target + emb[IMAGE_ID])
+    for s, group in enumerate(groups):
+        index = {w: i for i, w in enumerate(group)}
+        truth = words[..., s].clone().apply_(index.__getitem__)
+        loss = loss + F.cross_entropy(_label_logits(model, feats, group, translate).flatten(0, 1), truth.flatten())
+    return loss
+
+
+def _label_accuracy(model, feats, labels, groups, translate=None) -> dict:
+    """Held-out read-out accuracy of each label (nearest word of its group), per token."""
+    words = labels.flatten(1, 2)
+    out = {}
+    for s, group in enumerate(groups):
+        pred = torch.tensor(group)[_label_logits(model, feats, group, translate).argmax(-1)]
+        out[f"label{s}_acc"] = float((pred == words[..., s]).float().mean())
+    return out
 
 
 def translation(width: int, seed: int) -> torch.Tensor:
@@ -330,8 +370,11 @@ def run_stage(args) -> None:
         if args.stage == "align":
             grids, images = task.image_batch(rng, "train", args.batch, grid)
             feats = _projected(model, images)
-            target = alignment_targets(model, grids, spec.patch, grid.cell, task=task, translate=translate)
-            loss = F.mse_loss(feats, target) + _content_ce(model, feats, grids, spec, grid, translate)
+            if _label_groups(task) is not None:
+                loss = _label_loss(model, feats, grids, _label_groups(task), translate)
+            else:
+                target = alignment_targets(model, grids, spec.patch, grid.cell, task=task, translate=translate)
+                loss = F.mse_loss(feats, target) + _content_ce(model, feats, grids, spec, grid, translate)
             if args.cell_ce:
                 loss = loss + _cell_ce(model, feats, grids, spec, grid, translate)
         else:

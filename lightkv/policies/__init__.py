@@ -34,6 +34,8 @@ from .pruners import (
     SmallestDivergence,
     allocate_removals,
 )
+from .prompt import Prompt
+from .question import QuestionAttention
 from .relevance import LastTokenAttention, QueryAxisSoftmax, Relevance, TextQueryAttention, UniformRelevance
 from .schedulers import (
     BudgetSchedule,
@@ -79,6 +81,8 @@ __all__ = [
     "GridPartitioner",
     "KeptFractionSchedule",
     "PreLLMSchedule",
+    "Prompt",
+    "QuestionAttention",
     "L2Divergence",
     "LastTokenAttention",
     "LowestRelevance",

@@ -65,6 +65,10 @@ class Relevance(Policy):
     """Which query rows `score` reads: every token, only the last one, or none."""
     key_cols: ClassVar[Literal["text", "all", "none"]] = "text"
     """Which key columns `score` reads: text tokens only, every token, or none."""
+    reads_prompt: ClassVar[bool] = False
+    """Whether `score` also takes ``prompt=`` (a `lightkv.policies.Prompt`: the prefill's
+    token ids), for policies conditioned on what the prompt says (see
+    `lightkv.policies.QuestionAttention`)."""
 
     def score(self, queries: torch.Tensor | None, keys: torch.Tensor | None, layout: VisionLayout) -> torch.Tensor:
         """Relevance per token.

@@ -39,6 +39,7 @@ import torch
 from ..graph.bipartite import BipartiteGraph
 from ..graph.layout import ImageSegment, TokenKind, VisionLayout
 from ..pipeline import Stage
+from ..policies.prompt import Prompt
 from ..policies import (
     EdgeScorer,
     MessagePasser,
@@ -264,13 +265,18 @@ def _check_relevance(policy: Relevance) -> None:
     gen = torch.Generator().manual_seed(2)
     queries = torch.randn(b, 2 * HEADS, n, HEAD_DIM, generator=gen)
     keys = torch.randn(b, HEADS, n, HEAD_DIM, generator=gen)
-    xi = policy.score(queries, keys, inputs.layout)
+    extra = {}
+    if policy.reads_prompt:  # token ids of the contract batch: text ids 5.., vision tokens 3
+        ids = torch.where(inputs.layout.vision_mask, 3, 5 + torch.arange(n).expand(b, n) % 7)
+        extra = {"prompt": Prompt(ids)}
+    xi = policy.score(queries, keys, inputs.layout, **extra)
     if tuple(xi.shape) != (b, n):
         raise _fail(policy, f"score() must return [B, N] = {(b, n)}, got {tuple(xi.shape)}")
     if not xi.is_floating_point() or not torch.isfinite(xi).all() or (xi < 0).any():
         raise _fail(policy, "relevance must be finite and non-negative")
     for r in range(b):
-        alone = policy.score(queries[r : r + 1], keys[r : r + 1], inputs.layout.row(r))
+        one = {"prompt": Prompt(extra["prompt"].token_ids[r : r + 1])} if extra else {}
+        alone = policy.score(queries[r : r + 1], keys[r : r + 1], inputs.layout.row(r), **one)
         vision = inputs.layout.vision_mask[r]
         if not torch.allclose(alone[0][vision], xi[r][vision], rtol=1e-5, atol=1e-7):
             raise _fail(policy, f"row {r}'s relevance differs in the batch and alone")
