@@ -125,11 +125,13 @@ def draw_group_borders(ax: Any, owner: torch.Tensor, grid: tuple[int, int], colo
         ax.add_collection(LineCollection(segments, colors=color, linewidths=lw, capstyle="projecting"))
 
 
-def outline_box(ax: Any, x: float, y: float, size: float, color: str = "red", lw: float = 2.5) -> None:
-    """A square outline whose top-left pixel is ``(x, y)`` (column, row), ``size`` pixels wide."""
+def outline_box(ax: Any, x: float, y: float, size: float, color: str = "red", lw: float = 2.5,
+                height: float | None = None) -> None:
+    """A rectangle outline whose top-left pixel is ``(x, y)`` (column, row), ``size`` pixels
+    wide and ``height`` (default ``size``) high."""
     from matplotlib.patches import Rectangle
 
-    ax.add_patch(Rectangle((x - 0.5, y - 0.5), size, size, fill=False, lw=lw, ec=color))
+    ax.add_patch(Rectangle((x - 0.5, y - 0.5), size, size if height is None else height, fill=False, lw=lw, ec=color))
 
 
 def save_figure(fig: Any, path: Path | str, dpi: int = 110, ticks: bool = True) -> Path:

@@ -63,10 +63,12 @@ MAX_RATIO = {"fastv": 0.95, "pdrop": 0.95, "random": 0.95, "pool": 0.75}
 
 ABLATIONS = {
     "relevance off": {"relevance": ("uniform", {})},
+    "relevance question": {"relevance": ("question_attention", {})},
     "random merge": {"scorer": ("random", {})},
     "scorer l2": {"scorer": ("l2", {})},
 }
-"""LightKV with one part swapped (policy family -> (registered name, parameters)), at 55% kept."""
+"""LightKV with one part swapped (policy family -> (registered name, parameters)), at
+`AccuracyConfig.ablation_targets` (55% by default)."""
 ABLATION_TARGET = 0.55
 
 
@@ -81,11 +83,13 @@ class AccuracyConfig:
     methods: tuple[str, ...] = METHODS
     targets: tuple[float, ...] = TARGETS
     ablations: bool = True
-    """Also run `ABLATIONS` at 55% kept."""
+    """Also run `ABLATIONS` at each of ``ablation_targets``."""
+    ablation_targets: tuple[float, ...] = (ABLATION_TARGET,)
     followup: bool = True
     """Ask a follow-up question about another region after each first answer."""
     relevance_episodes: int = 64
-    """``what`` episodes for the relevance-mass table (0: skip it)."""
+    """Episodes for the relevance table (``what`` questions on cell tasks, every asked type on
+    tasks whose episodes name their asked region) and the redundancy measurement (0: skip)."""
     batch: int = 100
     seed: int = 0
     bootstrap: int = 2000
@@ -157,17 +161,21 @@ def run(config: AccuracyConfig = AccuracyConfig(), progress: bool = True) -> dic
             log(f"{name:22s} target {target:.2f} kept {res.kept_fraction:.3f} {_fmt(res.accuracy())}")
     ablations = []
     if config.ablations:
-        for name in ABLATIONS:
-            pipe, how = ablation_pipeline(name, num_layers)
-            res = sc.score(model, convs, grid, pipe, batch=config.batch)
-            ablations.append((pipe.name, ABLATION_TARGET, how, pipe.scheduler, res))
-            log(f"{pipe.name:22s} target {ABLATION_TARGET:.2f} kept {res.kept_fraction:.3f} {_fmt(res.accuracy())}")
+        for target in config.ablation_targets:
+            for name in ABLATIONS:
+                pipe, how = ablation_pipeline(name, num_layers, target)
+                res = sc.score(model, convs, grid, pipe, batch=config.batch)
+                ablations.append((pipe.name, target, how, pipe.scheduler, res))
+                log(f"{pipe.name:22s} target {target:.2f} kept {res.kept_fraction:.3f} {_fmt(res.accuracy())}")
     lightkv_at = {t: r for m, t, _, _, r in runs if m == "lightkv"}
     rows = [_row(m, t, how, sched, res, base, lightkv_at.get(t), config) for m, t, how, sched, res in runs]
-    ablation_rows = [_row(m, t, how, sched, res, base, lightkv_at.get(t) or _lightkv_at(model, convs, grid, config),
+    ablation_rows = [_row(m, t, how, sched, res, base, lightkv_at.get(t) or _lightkv_at(model, convs, grid, config, t),
                           config) for m, t, how, sched, res in ablations]
-    relevance = None
-    if config.relevance_episodes:
+    relevance = region = redundancy = None
+    if config.relevance_episodes and getattr(task.data, "ASKED_REGION", False):
+        region, redundancy = _region_measures(model, grid, num_layers, config)
+        log(f"relevance on the asked region (x area share): {region['layers']}; redundancy: {redundancy}")
+    elif config.relevance_episodes:
         what = [e for e in ev.heldout_episodes(4 * config.relevance_episodes, seed=config.seed + 1, grid=grid)
                 if e.qtype == "what"][: config.relevance_episodes]
         relevance = ev.relevance_mass(model, what, grid)
@@ -175,6 +183,8 @@ def run(config: AccuracyConfig = AccuracyConfig(), progress: bool = True) -> dic
     return {
         "benchmark": f"{task.name}-quality",
         "relevance_mass": relevance,
+        "region_relevance": region,
+        "redundancy": redundancy,
         "config": asdict(config),
         "model": {"name": config.model or "digitgrid", "task": task.name, "layers": num_layers,
                   "vision_tokens": task.data.num_image_tokens(grid, model.config.vision_config.patch_size)},
@@ -189,11 +199,31 @@ def run(config: AccuracyConfig = AccuracyConfig(), progress: bool = True) -> dic
     }
 
 
-def _lightkv_at(model, convs, grid, config):
+def _lightkv_at(model, convs, grid, config, target: float = ABLATION_TARGET):
     from ..digitgrid import scoring as sc
 
-    pipe, _ = method_pipeline("lightkv", model.config.text_config.num_hidden_layers, ABLATION_TARGET)
+    pipe, _ = method_pipeline("lightkv", model.config.text_config.num_hidden_layers, target)
     return sc.score(model, convs, grid, pipe, batch=config.batch)
+
+
+def first_stage_layer(num_layers: int, target: float = ABLATION_TARGET) -> int:
+    """The layer after which lightkv's first stage runs at ``target`` on a model this deep."""
+    pipe, _ = method_pipeline("lightkv", num_layers, target)
+    return pipe.scheduler.plan(num_layers)[0].layer
+
+
+def _region_measures(model, grid, num_layers: int, config: "AccuracyConfig"):
+    """Relevance on the asked region per policy for the layers up to lightkv's first stage,
+    and the near-duplicate share after that layer (tasks whose episodes carry ``region``)."""
+    from ..digitgrid import evaluate as ev
+    from ..scenes.measure import near_duplicates, region_relevance
+
+    first = first_stage_layer(num_layers)
+    eps = ev.heldout_episodes(config.relevance_episodes, seed=config.seed + 1, grid=grid)
+    region = region_relevance(model, eps, grid, layers=range(first + 1),
+                              policies=("query_softmax", "last_token", "text_attention", "question_attention"))
+    region["first_stage_layer"] = first
+    return region, near_duplicates(model, eps, grid, first)
 
 
 def _fmt(acc: dict[str, float]) -> str:

@@ -91,7 +91,29 @@ def markdown_table(result: dict[str, Any]) -> str:
         for layer, d in rel["layers"].items():
             q, t = d["query_softmax"], d["last_token"]
             lines.append(f"| {layer} | {q['asked']:.3f} | {q['control']:.3f} | {t['asked']:.3f} | {t['control']:.3f} |")
+    lines += _region_lines(result)
     return "\n".join(lines) + "\n"
+
+
+def _region_lines(result: dict[str, Any]) -> list[str]:
+    """The redundancy line and the relevance-on-the-asked-region table (tasks with regions)."""
+    lines: list[str] = []
+    red = result.get("redundancy")
+    if red:
+        lines += ["", f"Redundancy: after layer {red['layer']} (lightkv's first stage), {red['share']:.1%} of the "
+                  f"vision tokens have a neighbour in their stage window with cosine >= {red['threshold']} "
+                  f"(mean best cosine {red['mean_best']:.3f}, {red['tokens']} tokens)."]
+    reg = result.get("region_relevance")
+    if reg:
+        policies = list(reg["layers"])
+        lines += ["", f"Relevance on the asked region as a multiple of its area share (1.0: prompt-blind), and in "
+                  f"brackets the share of questions whose top-ξ token is in the region; {reg['episodes']} held-out "
+                  f"questions, layers up to lightkv's first stage (after layer {reg['first_stage_layer']}):", "",
+                  "| after layer | " + " | ".join(policies) + " |", "|---|" + "---|" * len(policies)]
+        for layer in reg["layers"][policies[0]]:
+            cells = [reg["layers"][p][layer] for p in policies]
+            lines.append(f"| {layer} | " + " | ".join(f"{c['ratio']:.2f}x ({c['top_hit']:.0%})" for c in cells) + " |")
+    return lines
 
 
 def _type_line(r: dict[str, Any], cols: list[str], detail: str) -> str:
@@ -156,24 +178,40 @@ def provenance_picture(path: Path, model_dir: str | None = None, seed: int = 3, 
     model, _, grid = dg.load(path_)
     data = dg.read_task(path_).data
     rng = random.Random(f"provenance:{seed}")
-    while True:
-        ep = data.make_episode(rng, "heldout", "what", grid)
-        if ep.answer != ["none"]:
-            break
     patch = model.config.vision_config.patch_size
     side = grid.image_size // patch
     k = grid.cell // patch
     n_img = side * side
     first_vision = 1  # <bos>, then the image tokens
+    region_task = getattr(data, "ASKED_REGION", False)
+    while True:
+        if region_task:  # a small object's texture: a detail that merging can lose
+            ep = data.make_episode(rng, "heldout", "texture", grid)
+            if 1 < int(ep.meta["region"].sum()) <= 6:
+                break
+        else:
+            ep = data.make_episode(rng, "heldout", "what", grid)
+            if ep.answer != ["none"]:
+                break
+    if region_task:
+        asked_mask = ep.meta["region"].repeat_interleave(k, 0).repeat_interleave(k, 1)
+    else:
+        asked_mask = torch.zeros(side, side, dtype=torch.bool)
+        asked_mask[ep.meta["row"] * k:(ep.meta["row"] + 1) * k, ep.meta["col"] * k:(ep.meta["col"] + 1) * k] = True
+    rows_, cols_ = asked_mask.nonzero().T
+    top, left = int(rows_.min()), int(cols_.min())
+    high, wide = int(rows_.max()) - top + 1, int(cols_.max()) - left + 1
+    area = float(asked_mask.float().mean())
+    what = "object" if region_task else "cell"
     colours = ep.image.reshape(3, side, patch, side, patch).mean((2, 4)).permute(1, 2, 0)  # [side, side, 3]
-    r, c = ep.meta["row"], ep.meta["col"]
     fig, axes = plt.subplots(1, 2 + len(methods), figsize=(3.6 * (2 + len(methods)), 4.0))
     vis.show(axes[0], ep.image.permute(1, 2, 0))
     axes[0].set_title(f"'{' '.join(ep.question)}' -> {' '.join(ep.answer)}", fontsize=9)
-    drawn: dict[str, Any] = {"question": " ".join(ep.question), "answer": " ".join(ep.answer), "methods": {}}
+    drawn: dict[str, Any] = {"question": " ".join(ep.question), "answer": " ".join(ep.answer), "methods": {},
+                             "asked_area": area, "asked": what}
 
-    def outline(ax, scale: int) -> None:  # the asked cell, in red
-        vis.outline_box(ax, c * k * scale, r * k * scale, k * scale)
+    def outline(ax, scale: int) -> None:  # the asked cell or object, in red
+        vis.outline_box(ax, left * scale, top * scale, wide * scale, height=high * scale)
 
     outline(axes[0], patch)
     num_layers = model.config.text_config.num_hidden_layers
@@ -188,9 +226,9 @@ def provenance_picture(path: Path, model_dir: str | None = None, seed: int = 3, 
             xi = rec.relevance[0][vision].float().reshape(side, side)
             vis.heatmap(axes[1], xi)
             outline(axes[1], 1)
-            share = float(xi[r * k:(r + 1) * k, c * k:(c + 1) * k].sum() / xi.sum())
+            share = float(xi[asked_mask].sum() / xi.sum())
             axes[1].set_title(f"{name} relevance ξ after layer {rec.layer}\n"
-                              f"{share:.0%} of it on the asked cell (area {1 / grid.grid ** 2:.1%})", fontsize=9)
+                              f"{share:.0%} of it on the asked {what} (area {area:.1%})", fontsize=9)
             drawn["relevance_share_asked"] = share
         owner = trace.provenance.owner[0, first_vision:first_vision + n_img]
         groups = torch.unique(owner, return_inverse=True)[1]
@@ -200,13 +238,13 @@ def provenance_picture(path: Path, model_dir: str | None = None, seed: int = 3, 
         vis.show(ax, painted.clamp(0, 1))
         vis.draw_group_borders(ax, owner, (side, side))
         outline(ax, 1)
-        asked = groups.reshape(side, side)[r * k:(r + 1) * k, c * k:(c + 1) * k]
+        asked = groups.reshape(side, side)[asked_mask]
         own = int(asked.flatten()[0])
-        left = int(groups.max()) + 1
+        n_left = int(groups.max()) + 1
         kept = session.report().kept_vision_fraction
         ax.set_title(f"{name} at {kept:.0%} kept: '{' '.join(got)}'\n"
-                     f"{left} tokens left; the asked cell's token stands for {int(sizes[own])}", fontsize=9)
-        drawn["methods"][name] = {"answer": " ".join(got), "tokens_left": left,
+                     f"{n_left} tokens left; the asked {what}'s token stands for {int(sizes[own])}", fontsize=9)
+        drawn["methods"][name] = {"answer": " ".join(got), "tokens_left": n_left,
                                   "asked_cell_tokens": len(torch.unique(asked)), "asked_group_size": int(sizes[own])}
     vis.save_figure(fig, path, ticks=False)
     return drawn

@@ -1,19 +1,21 @@
 """``lightkv demo``: a bundled LVLM answers held-out questions with and without LightKV.
 
 Loads a model shipped in the package (`lightkv.digitgrid.model.BUNDLED_MODELS`, offline;
-default ``symbolgrid``, whose answers sit in single vision tokens) or a model directory written by the trainer, renders a few held-out
-images, asks one question of each type about them and answers each twice: uncompressed,
-then with a pipeline (default ``lightkv-budget``: LightKV at 55% of the vision KV cache,
-stages placed for this model's depth). Prints one row per question (answer, correct?, kept
-vision fraction, vision KV bytes, prefill time), then, from a fixed list of held-out
-questions, the first one that LightKV answers right and ToMe or random merging at the same
-budget gets wrong (if there is one), and writes a picture of which tokens merged into which
-for a cell question.
+default ``scenes``, the Scenes-VQA model whose images have natural-image token statistics)
+or a model directory written by the trainer, asks held-out questions of every type and
+answers each twice: uncompressed, then with a pipeline (default ``lightkv-budget``: LightKV
+at 55% of the vision KV cache, stages placed for this model's depth). Prints one row per
+question (answer, correct?, kept vision fraction, vision KV bytes, prefill time); then, on
+a fixed set of held-out questions, how many each method gets right at 55% kept and at a low
+budget (``--low``, 25% by default), where methods separate, with one question that LightKV
+answers right and another method wrong; and writes a picture of lightkv's prompt relevance
+over the asked object and of which tokens merged into which.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import sys
 import time
@@ -23,21 +25,28 @@ import torch
 
 __all__ = ["build_parser", "main"]
 
+MAX_QUESTIONS = 200
+MAX_CONTRAST = 2000
+"""Limits that keep the demo within about a minute (questions) and ten (contrast) on 2 cores."""
+
 
 def build_parser(prog: str = "lightkv demo") -> argparse.ArgumentParser:
     """The demo's command-line options."""
     from ..presets import PRESETS
 
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].replace("``", ""))
-    p.add_argument("--model", default="symbolgrid",
-                   help="a bundled model (symbolgrid, digitgrid) or a model directory written by the trainer "
-                   "(default: symbolgrid)")
+    p.add_argument("--model", default="scenes",
+                   help="a bundled model (scenes, digitgrid, symbolgrid) or a model directory written by the "
+                   "trainer (default: scenes)")
     p.add_argument("--preset", default="lightkv-budget", choices=sorted(PRESETS),
                    help="pipeline to compare with the uncompressed model (default: lightkv-budget)")
     p.add_argument("--questions", type=int, default=8, help="held-out questions to ask (default 8)")
     p.add_argument("--seed", type=int, default=7, help="which held-out episodes (default 7)")
-    p.add_argument("--contrast", type=int, default=64, metavar="N",
-                   help="held-out questions searched for one where lightkv and tome/random differ (0: skip)")
+    p.add_argument("--contrast", type=int, default=100, metavar="N",
+                   help="held-out questions every method answers at 55%% and at --low kept (0: skip; at most "
+                   f"{MAX_CONTRAST})")
+    p.add_argument("--low", type=float, default=0.25, metavar="F",
+                   help="the low kept fraction of the method comparison (default 0.25)")
     p.add_argument("--out", default=".", help="directory for lightkv-demo-provenance.png (default: .)")
     p.add_argument("--no-png", action="store_true", help="do not write the provenance picture")
     return p
@@ -66,8 +75,16 @@ def main(argv: list[str] | None = None) -> int:
     from . import model as dg
 
     args = build_parser().parse_args(argv)
-    if args.questions < 1 or args.contrast < 0:
-        print("lightkv demo: --questions must be >= 1 and --contrast >= 0", file=sys.stderr)
+    if not 1 <= args.questions <= MAX_QUESTIONS or not 0 <= args.contrast <= MAX_CONTRAST:
+        print(f"lightkv demo: --questions must be in [1, {MAX_QUESTIONS}] and --contrast in [0, {MAX_CONTRAST}] "
+              "(about 0.3 s per question, 0.1 s per contrast question and method on 2 cores)", file=sys.stderr)
+        return 2
+    if not 0.0 < args.low < 1.0:
+        print(f"lightkv demo: --low must be a kept fraction in (0, 1), got {args.low}", file=sys.stderr)
+        return 2
+    if not args.no_png and importlib.util.find_spec("matplotlib") is None:
+        print("lightkv demo: the picture needs matplotlib, which is not installed: pip install 'lightkv[demo]' "
+              "(or pass --no-png)", file=sys.stderr)
         return 2
     out = Path(args.out)
     if not args.no_png and out.exists() and not out.is_dir():
@@ -120,14 +137,16 @@ def main(argv: list[str] | None = None) -> int:
           "(vision KV: compressed/uncompressed, summed over layers; prefill: uncompressed/compressed, median of 3; "
           "on a model this small the hooks cost more than the layers they shorten)")
     if args.contrast:
-        _contrast(model, grid, num_layers, args)
+        for target in (0.55, args.low):
+            _contrast(model, grid, num_layers, args, target)
     if not args.no_png:
         out.mkdir(parents=True, exist_ok=True)
         target = out / "lightkv-demo-provenance.png"
         drawn = provenance_picture(target, str(path))
-        print(f"wrote {target}: '{drawn['question']}' (answer {drawn['answer']}): the image, lightkv's prompt "
-              f"relevance ({drawn['relevance_share_asked']:.0%} on the asked cell, which is 1/{grid.grid ** 2} of the "
-              "image), and which patches merged into which token with lightkv and with prompt-agnostic ToMe")
+        print(f"\nwrote {target}: '{drawn['question']}' (answer {drawn['answer']}): the image, lightkv's prompt "
+              f"relevance ({drawn['relevance_share_asked']:.0%} on the asked {drawn['asked']}, which is "
+              f"{drawn['asked_area']:.1%} of the image), and which patches merged into which token with lightkv "
+              "and with prompt-agnostic ToMe")
     return 0
 
 
@@ -136,38 +155,35 @@ def _short(words: list[str], width: int, mark: str | None = None) -> str:
     return (text if len(text) <= width else text[: width - 3] + "...").ljust(width)
 
 
-CONTRAST_METHODS = ("tome", "random")
+CONTRAST_METHODS = ("tome", "fastv", "pdrop", "random")
 
 
-def _contrast(model, grid, num_layers: int, args) -> None:
-    """The first of ``args.contrast`` held-out questions (seed ``args.seed + 1``) that lightkv
-    answers right and tome or random gets wrong, at 55% kept each (their schedules as the
-    quality benchmark builds them)."""
+def _contrast(model, grid, num_layers: int, args, target: float) -> None:
+    """How many of ``args.contrast`` held-out questions (seed ``args.seed + 1``) lightkv and
+    each of `CONTRAST_METHODS` answer right at ``target`` kept (schedules as the quality
+    benchmark builds them), and the first question lightkv gets right and another wrong."""
     from ..adapters import apply
     from ..bench.quality import method_pipeline
     from . import evaluate, scoring
 
     convs = scoring.conversations(args.contrast, grid, seed=args.seed + 1, followup=False)
-    scores = {m: scoring.score(model, convs, grid, method_pipeline(m, num_layers, 0.55)[0], batch=32)
-              for m in ("lightkv", *CONTRAST_METHODS)}
-    rule = (f"rule: the first of {args.contrast} held-out questions (seed {args.seed + 1}) that lightkv answers "
-            f"right and {' or '.join(CONTRAST_METHODS)} wrong, every method at 55% kept")
+    methods = ("lightkv", *CONTRAST_METHODS)
+    pipes = {m: method_pipeline(m, num_layers, target)[0] for m in methods}
+    scores = {m: scoring.score(model, convs, grid, pipes[m], batch=50) for m in methods}
+    right = ", ".join(f"{m} {int(s.correct.sum())} ({s.kept_fraction:.0%} kept)" for m, s in scores.items())
+    print(f"\nat {target:.0%} of the vision KV cache, right out of {len(convs)} held-out questions: {right}")
     hits = [i for i in range(len(convs)) if scores["lightkv"].correct[i]
             and any(not scores[m].correct[i] for m in CONTRAST_METHODS)]
-    right = {m: int(s.correct.sum()) for m, s in scores.items()}
-    print(f"\nwhere prompt-aware merging matters ({rule}); right out of {len(convs)}: "
-          + ", ".join(f"{m} {n}" for m, n in right.items()))
     if not hits:
-        print("  none found: on these questions every method answers as lightkv does")
+        print("  on these questions every method that answers, answers as lightkv does")
         return
     ep = convs[hits[0]].first
-    print(f"  question #{hits[0]}: '{' '.join(ep.question)}' -> {' '.join(ep.answer)}")
-    for m in ("lightkv", *CONTRAST_METHODS):
-        pipe, _ = method_pipeline(m, num_layers, 0.55)
-        with apply(pipe, model) as session:
+    line = []
+    for m in methods:
+        with apply(pipes[m], model):
             got = evaluate.answer(model, [ep], grid)[0]
-        ok = "ok" if got == ep.answer else "WRONG"
-        print(f"  {m:8s} ({session.report().kept_vision_fraction:.0%} kept): {' '.join(got)} {ok}")
+        line.append(f"{m} '{' '.join(got)}'{'' if got == ep.answer else ' WRONG'}")
+    print(f"  e.g. '{' '.join(ep.question)}' -> {' '.join(ep.answer)}: " + ", ".join(line))
 
 
 if __name__ == "__main__":

@@ -68,6 +68,8 @@ SPLITS = ("train", "heldout")
 QTYPES = ("texture", "where", "count", "exists", "read")
 DETAIL_QTYPES = ("count", "exists", "read")
 """Question types whose answer hinges on single tokens."""
+ASKED_REGION = True
+"""Episodes carry ``meta["region"]``: the tokens the answer is read from (see `Episode`)."""
 
 COLOURS = ("red", "yellow", "green", "cyan", "blue", "magenta")
 TEXTURES = ("solid", "striped", "checked", "dotted")
