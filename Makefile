@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.lightkv-installed
 
-.PHONY: install test test-scatter scatter demo bench bench-quick bench-quality digitgrid-model symbolgrid-model lint clean lmms-eval test-lmms-eval gpu-wheels
+.PHONY: install test test-scatter scatter demo bench bench-quick bench-quality digitgrid-model symbolgrid-model scenes-model lint clean lmms-eval test-lmms-eval gpu-wheels
 
 install: $(STAMP)
 
@@ -77,8 +77,12 @@ bench-quick: install
 	$(PY) benchmarks/efficiency.py --quick
 
 bench-quality: install
+	$(PY) -m lightkv bench quality --model scenes $(SC_BENCH)
 	$(PY) benchmarks/quality.py --model digitgrid
 	$(PY) benchmarks/quality.py --model symbolgrid
+
+# The Scenes quality run: every preset at 100/55/25/11% kept, ablations at 55% and 25%.
+SC_BENCH = --targets 1 0.55 0.25 0.11 --ablation-targets 0.55 0.25
 
 # Retrain the bundled DigitGrid model from its seed (~40 min on 2 CPU cores) into
 # runs/digitgrid, then export it over lightkv/assets/digitgrid-llava.
@@ -105,6 +109,16 @@ symbolgrid-model: install
 	$(DG_TRAIN) qa $(SG_ARGS) $(SG_QA) --steps 1500 --lr 1e-3 --until 700
 	$(DG_TRAIN) qa $(SG_ARGS) $(SG_QA) --steps 900 --lr 1e-3 --decay
 	$(DG_TRAIN) export --out runs/symbolgrid --export lightkv/assets/symbolgrid-llava --asked what read exists
+
+# Retrain the bundled Scenes model (the default model) from its seed into runs/scenes, then
+# export it over lightkv/assets/scenes-llava: align (tower + projector, ~4 min on 2 CPU cores),
+# then qa (the 12-layer decoder, mimetic initialisation, every layer trains; ~90 min).
+SC_ARGS = --task scenes --text-width 96 --text-layers 12 --text-ffn 256 --rope-theta 1e6 --out runs/scenes
+scenes-model: install
+	$(DG_TRAIN) align $(SC_ARGS) --steps 300 --batch 32 --lr 2e-3 --warmup 30 --decay --eval-every 100
+	$(DG_TRAIN) qa $(SC_ARGS) --batch 16 --questions 6 --warmup 100 --mimetic --steps 3600 --lr 1e-3 --decay \
+	  --eval-every 300 --eval-n 32
+	$(DG_TRAIN) export --out runs/scenes --export lightkv/assets/scenes-llava
 
 lint: install
 	$(PY) -m ruff check lightkv tests benchmarks

@@ -105,8 +105,32 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     assert main(["demo", "--questions", "4", "--contrast", "8", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "correct:" in out and "lightkv-budget" in out
-    assert "the first of 8 held-out questions" in out  # the contrast search states its rule
+    # every method at 55% and at the low budget, on the same stated questions
+    assert "at 55% of the vision KV cache, right out of 8 held-out questions: lightkv" in out
+    assert "at 25% of the vision KV cache, right out of 8 held-out questions: lightkv" in out
     assert (tmp_path / "lightkv-demo-provenance.png").stat().st_size > 0
+
+
+def test_demo_checks_its_optional_dependencies_before_any_output(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    from lightkv.digitgrid.demo import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert main(["--out", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "pip install 'lightkv[demo]'" in captured.err and "--no-png" in captured.err
+
+
+@pytest.mark.parametrize("argv", [["--questions", "1000000"], ["--contrast", "10000000"], ["--low", "0"],
+                                  ["--low", "1.5"], ["--questions", "0"]])
+def test_demo_refuses_values_past_its_limits_up_front(argv, capsys):
+    from lightkv.digitgrid.demo import main
+
+    assert main([*argv, "--no-png"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "lightkv demo:" in captured.err
 
 
 def test_demo_refuses_a_file_as_out_before_any_output(tmp_path, capsys):

@@ -69,3 +69,25 @@ def test_alignment_targets_name_each_cell():
     assert torch.allclose(t[1, 3], img + e[WORD_TO_ID["none"]] + e[WORD_TO_ID["r1c2"]])
     assert torch.allclose(t[3, 3], img + e[WORD_TO_ID["zero"]] + e[WORD_TO_ID["r2c2"]])
     assert torch.equal(t[2, 2], t[3, 3])  # all tokens of a cell share its target
+
+
+SCENES = ["--task", "scenes", *[a for a in TINY if a not in ("--glyphs", "colour")]]
+
+
+def test_scenes_align_and_qa_resume_exactly_and_export(tmp_path, capsys):
+    """The Scenes recipe's two stages on tiny sizes: qa for 2 steps then resumed to 3 equals
+    3 steps straight; the export is a Scenes model directory."""
+    main(["align", "--out", str(tmp_path / "a"), "--steps", "2", *SCENES])
+    aligned = _weights(tmp_path / "a" / "align.pt")
+    for run in ("b", "c"):
+        (tmp_path / run).mkdir()
+        torch.save(torch.load(tmp_path / "a" / "align.pt", weights_only=False), tmp_path / run / "align.pt")
+    main(["qa", "--out", str(tmp_path / "b"), "--steps", "2", "--mimetic", *SCENES])
+    main(["qa", "--out", str(tmp_path / "b"), "--steps", "3", "--mimetic", *SCENES])
+    assert "resumed" in capsys.readouterr().out
+    main(["qa", "--out", str(tmp_path / "c"), "--steps", "3", "--mimetic", *SCENES])
+    assert _same(_weights(tmp_path / "b" / "qa.pt"), _weights(tmp_path / "c" / "qa.pt"))
+    assert not _same(aligned, _weights(tmp_path / "c" / "qa.pt"))
+    main(["export", "--out", str(tmp_path / "c"), "--export", str(tmp_path / "m")])
+    assert dg.read_task(tmp_path / "m").name == "scenes"
+    assert dg.read_grid_config(tmp_path / "m").grid == 16

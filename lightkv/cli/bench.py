@@ -101,10 +101,12 @@ def add_commands(commands) -> None:
                       help="held-out conversations (default: 600)")
     qual.add_argument("--methods", nargs="+", metavar="PRESET", help="presets (default: all eight)")
     qual.add_argument("--targets", nargs="+", type=float, metavar="F", help="kept fractions (default: 1 .75 .55 .4 .25)")
-    qual.add_argument("--model", metavar="NAME|DIR", default="digitgrid",
-                      help="a bundled model (digitgrid, symbolgrid) or a DigitGrid/SymbolGrid model directory "
-                      "(default: digitgrid)")
+    qual.add_argument("--model", metavar="NAME|DIR", default="scenes",
+                      help="a bundled model (scenes, digitgrid, symbolgrid) or a model directory the trainer "
+                      "wrote (default: scenes)")
     qual.add_argument("--no-ablations", action="store_true", help="skip the ablation table")
+    qual.add_argument("--ablation-targets", nargs="+", type=float, metavar="F",
+                      help="kept fractions of the ablation table (default: .55)")
     qual.add_argument("--no-followup", action="store_true", help="no follow-up questions")
     qual.add_argument("--batch", type=depth, default=100, metavar="N", help="episodes per batch (default: 100)")
     qual.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results)")
@@ -143,10 +145,14 @@ def _cmd_bench_quality(args: argparse.Namespace) -> int:
     bad = [t for t in args.targets or () if not 0.0 < t <= 1.0]
     if bad:
         raise UsageError(f"--targets must be kept fractions in (0, 1], got {bad[0]}")
+    bad = [t for t in args.ablation_targets or () if not 0.0 < t < 1.0]
+    if bad:
+        raise UsageError(f"--ablation-targets must be kept fractions in (0, 1), got {bad[0]}")
     cfg = q.AccuracyConfig(model=args.model, episodes=args.episodes, batch=args.batch, threads=args.threads,
                            ablations=not args.no_ablations, followup=not args.no_followup,
                            **({"methods": tuple(args.methods)} if args.methods else {}),
-                           **({"targets": tuple(args.targets)} if args.targets else {}))
+                           **({"targets": tuple(args.targets)} if args.targets else {}),
+                           **({"ablation_targets": tuple(args.ablation_targets)} if args.ablation_targets else {}))
     try:
         result = q.run(cfg)
     except (FileNotFoundError, ValueError) as e:

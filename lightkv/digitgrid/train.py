@@ -29,6 +29,12 @@ The bundled model was made with (`make digitgrid-model` runs the same)::
 (about 4 + 33 minutes on 2 CPU cores; the second ``qa`` call resumes from the checkpoint and
 decays the learning rate linearly over the remaining steps, which steadied ``count``).
 
+``--task scenes`` trains the default bundled model on Scenes-VQA (`lightkv.scenes`), whose
+tokens carry four labels each (what they show, their kind, their vertical and horizontal
+half): ``align`` maps every token to the sum of those words' embeddings (squared error plus
+a cross-entropy per label), and ``qa`` trains every decoder layer from a mimetic
+initialisation; nothing is frozen or set by hand (``make scenes-model`` has the recipe).
+
 ``--task symbolgrid`` trains on SymbolGrid-VQA (`lightkv.symbolgrid`), where a cell is one
 vision token; ``make symbolgrid-model`` has the recipe of the bundled model. Generic
 recipes did not learn the single-token lookup within 1,000 ``qa`` steps on 2 CPU cores; the
