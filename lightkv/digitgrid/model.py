@@ -224,8 +224,16 @@ def load(path: str | Path = BUNDLED_MODEL, dtype: torch.dtype = torch.float32):
     """``(model, processor, grid_config)`` from a directory written by `save` (offline)."""
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
+    from transformers.utils import logging as hf_logging
+
     path = resolve_model(path)
     grid = read_grid_config(path)
-    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=dtype, local_files_only=True).eval()
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a weights bar on stderr for a 7 MB local file is noise
+    try:
+        model = LlavaForConditionalGeneration.from_pretrained(path, dtype=dtype, local_files_only=True).eval()
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     processor = AutoProcessor.from_pretrained(path, local_files_only=True)
     return model, processor, grid
