@@ -86,7 +86,7 @@ SC_BENCH = --targets 1 0.55 0.25 0.11 --ablation-targets 0.55 0.25
 
 # Retrain the bundled DigitGrid model from its seed (~40 min on 2 CPU cores) into
 # runs/digitgrid, then export it over lightkv/assets/digitgrid-llava.
-DG_TRAIN = $(PY) -m lightkv.digitgrid.train
+DG_TRAIN = $(PY) -m lightkv.tasks.train
 DG_ARGS = --glyphs colour --out runs/digitgrid
 DG_QA = --batch 16 --questions 4 --warmup 100 --mimetic --text-ffn 256
 digitgrid-model: install

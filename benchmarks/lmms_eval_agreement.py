@@ -2,8 +2,8 @@
 
 For each method (uncompressed, the presets ``lightkv-budget`` and ``fastv``, and LightKV and
 FastV at ``lightkv bench quality``'s 25% target, given to lmms-eval as YAML files) on the
-bundled DigitGrid model: exact match from `lightkv.digitgrid.evaluate.evaluate` (batched ``generate``), from
-`lightkv.digitgrid.scoring.score` (the teacher-forced scorer behind ``lightkv bench
+bundled DigitGrid model: exact match from `lightkv.tasks.evaluate.evaluate` (batched ``generate``), from
+`lightkv.tasks.scoring.score` (the teacher-forced scorer behind ``lightkv bench
 quality``, first turn), and from ``python -m lmms_eval --model lightkv`` on a local task
 built from the same episodes (`lightkv.integrations.digitgrid_task`), with the kept vision
 fraction each path reports. Needs the lmms-eval extra (``make lmms-eval``):
@@ -38,9 +38,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import lightkv
     from lightkv.bench.quality import method_pipeline
-    from lightkv.digitgrid import evaluate as ev
-    from lightkv.digitgrid import model as dg
-    from lightkv.digitgrid.scoring import Conversation, score
     from lightkv.integrations.digitgrid_task import (
         TASK_NAME,
         lmms_eval_command,
@@ -49,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         task_episodes,
         write_task,
     )
+    from lightkv.tasks import evaluate as ev
+    from lightkv.tasks import model as dg
+    from lightkv.tasks.scoring import Conversation, score
 
     model, processor, grid = dg.load()
     episodes = task_episodes(args.episodes, processor, grid)

@@ -40,9 +40,9 @@ BATCH = 8
 def runs(tmp_path_factory):
     """Episodes, lightkv's own evaluation of them, and the three lmms-eval runs."""
     import lightkv
-    from lightkv.digitgrid import evaluate as ev
-    from lightkv.digitgrid import model as dg
     from lightkv.policies.schedulers import ExplicitSchedule
+    from lightkv.tasks import evaluate as ev
+    from lightkv.tasks import model as dg
 
     tmp = tmp_path_factory.mktemp("lmms")
     model, processor, grid = dg.load()

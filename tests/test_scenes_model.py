@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from lightkv.bench.quality import first_stage_layer, method_pipeline
-from lightkv.digitgrid import evaluate as ev
-from lightkv.digitgrid import model as dg
-from lightkv.digitgrid import scoring as sc
-from lightkv.scenes.measure import near_duplicates, region_relevance
+from lightkv.tasks import evaluate as ev
+from lightkv.tasks import model as dg
+from lightkv.tasks import scoring as sc
+from lightkv.tasks.scenes.measure import near_duplicates, region_relevance
 
 # Floors under what the shipped model measures on the benchmark's 600 conversations
 # (benchmarks/results/quality-scenes.md), so that only a real regression trips them.

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 pytest.importorskip("sklearn")
 
 from lightkv.bench.quality import ablation_pipeline, method_pipeline
-from lightkv.digitgrid import evaluate as ev
-from lightkv.digitgrid import model as dg
-from lightkv.digitgrid import scoring as sc
+from lightkv.tasks import evaluate as ev
+from lightkv.tasks import model as dg
+from lightkv.tasks import scoring as sc
 
 
 @pytest.fixture(scope="module")

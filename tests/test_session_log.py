@@ -8,8 +8,6 @@ import pytest
 import torch
 
 import lightkv
-from lightkv.digitgrid import evaluate as ev
-from lightkv.digitgrid import model as dg
 from lightkv.integrations.session_log import (
     PrefillTimer,
     ReportTotals,
@@ -19,6 +17,8 @@ from lightkv.integrations.session_log import (
     shard,
     uncompressed_rows,
 )
+from lightkv.tasks import evaluate as ev
+from lightkv.tasks import model as dg
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def bundled():
 
 
 def _inputs(model, grid, n=6):
-    from lightkv.digitgrid.tasks import task_for
+    from lightkv.tasks.registry import task_for
 
     data = task_for(grid).data
     episodes = ev.heldout_episodes(n, seed=5, grid=grid)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from lightkv.bench.quality import method_pipeline
-from lightkv.digitgrid import evaluate as ev
-from lightkv.digitgrid import model as dg
-from lightkv.digitgrid import scoring as sc
+from lightkv.tasks import evaluate as ev
+from lightkv.tasks import model as dg
+from lightkv.tasks import scoring as sc
 
 # Floors well under what the shipped model measures (benchmarks/results/quality-symbolgrid.md),
 # so that only a real regression (adapters, policies, data, weights) trips them.

@@ -83,8 +83,8 @@ def variant_pipeline(name: str, num_layers: int, target: float):
 
 def run(config: AblationConfig = AblationConfig(), progress: bool = True) -> dict[str, Any]:
     """Run every model; returns the JSON-able result (per model, rows per target and method)."""
-    from ..digitgrid import model as dg
-    from ..digitgrid import scoring as sc
+    from ..tasks import model as dg
+    from ..tasks import scoring as sc
 
     if config.threads:
         torch.set_num_threads(config.threads)

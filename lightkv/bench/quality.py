@@ -1,8 +1,8 @@
 """Quality vs kept vision KV on a synthetic LVLM, for every method, with fidelity metrics.
 
-The model is the bundled DigitGrid model (`lightkv.digitgrid.model.BUNDLED_MODELS`, answers
+The model is the bundled DigitGrid model (`lightkv.tasks.model.BUNDLED_MODELS`, answers
 in one 4x4-token cell) or any model directory the trainer writes, for DigitGrid-VQA or
-SymbolGrid-VQA (`lightkv.symbolgrid`: answers in single vision tokens, multi-token reads
+SymbolGrid-VQA (`lightkv.tasks.symbolgrid`: answers in single vision tokens, multi-token reads
 during decoding, rare-symbol counting). Each
 method (preset) runs at several kept-fraction targets; its schedule is first scaled from the
 reference 32-layer depth to the model's (`lightkv.policies.scale_layers`), then one
@@ -15,7 +15,7 @@ the uncompressed model, shared by all methods.
 
 Every method sees the same held-out conversations in the same batches (a first question,
 then a follow-up about another region answered from the cache compressed for the first), scored
-teacher-forced (`lightkv.digitgrid.scoring`): exact match per question type and for the
+teacher-forced (`lightkv.tasks.scoring`): exact match per question type and for the
 follow-up, KL(p_uncompressed || p_compressed) per answer token, the drop in log-probability
 of the reference answer, and paired bootstrap 95% intervals of the differences to lightkv and
 to the uncompressed model. At 55% an ablation table swaps one part of LightKV at a time
@@ -130,9 +130,9 @@ def ablation_pipeline(name: str, num_layers: int, target: float = ABLATION_TARGE
 
 def run(config: AccuracyConfig = AccuracyConfig(), progress: bool = True) -> dict[str, Any]:
     """Run the benchmark; returns the JSON-able result (rows of per-type metrics)."""
-    from ..digitgrid import evaluate as ev
-    from ..digitgrid import model as dg
-    from ..digitgrid import scoring as sc
+    from ..tasks import evaluate as ev
+    from ..tasks import model as dg
+    from ..tasks import scoring as sc
 
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -200,7 +200,7 @@ def run(config: AccuracyConfig = AccuracyConfig(), progress: bool = True) -> dic
 
 
 def _lightkv_at(model, convs, grid, config, target: float = ABLATION_TARGET):
-    from ..digitgrid import scoring as sc
+    from ..tasks import scoring as sc
 
     pipe, _ = method_pipeline("lightkv", model.config.text_config.num_hidden_layers, target)
     return sc.score(model, convs, grid, pipe, batch=config.batch)
@@ -212,11 +212,11 @@ def first_stage_layer(num_layers: int, target: float = ABLATION_TARGET) -> int:
     return pipe.scheduler.plan(num_layers)[0].layer
 
 
-def _region_measures(model, grid, num_layers: int, config: "AccuracyConfig"):
+def _region_measures(model, grid, num_layers: int, config: AccuracyConfig):
     """Relevance on the asked region per policy for the layers up to lightkv's first stage,
     and the near-duplicate share after that layer (tasks whose episodes carry ``region``)."""
-    from ..digitgrid import evaluate as ev
-    from ..scenes.measure import near_duplicates, region_relevance
+    from ..tasks import evaluate as ev
+    from ..tasks.scenes.measure import near_duplicates, region_relevance
 
     first = first_stage_layer(num_layers)
     eps = ev.heldout_episodes(config.relevance_episodes, seed=config.seed + 1, grid=grid)
@@ -243,7 +243,7 @@ def _by_type(res, values: torch.Tensor, followup_values: torch.Tensor | None) ->
 
 def _intervals(res, x: torch.Tensor, y: torch.Tensor, fx, fy, config) -> dict[str, list[float]]:
     """Paired bootstrap ``[mean(x - y), low, high]`` per question type, overall and follow-up."""
-    from ..digitgrid.scoring import paired_bootstrap
+    from ..tasks.scoring import paired_bootstrap
 
     out = {}
     for q in dict.fromkeys(res.qtypes):
@@ -257,7 +257,7 @@ def _intervals(res, x: torch.Tensor, y: torch.Tensor, fx, fy, config) -> dict[st
 
 def _row(method, target, how, schedule, res, base, lightkv, config) -> dict[str, Any]:
     """Per-type metrics of one run, with intervals vs the uncompressed model and vs lightkv."""
-    from ..digitgrid.scoring import kl
+    from ..tasks.scoring import kl
 
     fup = res.followup_correct is not None
     kl1 = kl(base, res)

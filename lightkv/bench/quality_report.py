@@ -168,9 +168,9 @@ def provenance_picture(path: Path, model_dir: str | None = None, seed: int = 3, 
     import random
 
     from ..adapters import apply
-    from ..digitgrid import evaluate as ev
-    from ..digitgrid import model as dg
     from ..graph.layout import TokenKind
+    from ..tasks import evaluate as ev
+    from ..tasks import model as dg
     from .quality import method_pipeline
 
     plt = vis.pyplot()

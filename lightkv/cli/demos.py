@@ -28,7 +28,7 @@ def add_commands(commands) -> None:
 
 
 def _demo_parser() -> argparse.ArgumentParser:
-    from ..digitgrid.demo import build_parser
+    from ..tasks.demo import build_parser
 
     return build_parser(f"{PROG} demo")
 
@@ -40,7 +40,7 @@ def _stages_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from ..digitgrid.demo import main as demo_main
+    from ..tasks.demo import main as demo_main
 
     return demo_main(args.forwarded) or EXIT_OK
 

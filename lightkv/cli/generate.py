@@ -55,7 +55,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     if args.preset and ("/" in args.preset or os.sep in args.preset or args.preset.endswith((".yaml", ".yml"))):
         raise UsageError(f"--preset takes a preset name; use --config for the file {args.preset!r}")
-    from ..digitgrid.model import BUNDLED_MODEL
+    from ..tasks.model import BUNDLED_MODEL
 
     bundled = args.model is None
     model_path = str(BUNDLED_MODEL) if bundled else args.model
@@ -105,8 +105,8 @@ def _digitgrid_example():
     """A held-out DigitGrid image (PIL) and a cell question about it, for the bundled model."""
     import random
 
-    from ..digitgrid import data
-    from ..digitgrid.model import BUNDLED_MODEL, read_grid_config
+    from ..tasks.digitgrid import data
+    from ..tasks.model import BUNDLED_MODEL, read_grid_config
 
     grid = read_grid_config(BUNDLED_MODEL)
     ep = data.make_episode(random.Random("generate-example"), "heldout", "what", grid)

@@ -2,7 +2,7 @@
 ``lightkv`` lmms-eval model on the bundled model (tests, docs, CI).
 
 ```python
-from lightkv.digitgrid import model as dg_model
+from lightkv.tasks import model as dg_model
 from lightkv.integrations.digitgrid_task import task_episodes, write_task
 model, processor, grid = dg_model.load()
 episodes = task_episodes(48, processor, grid)        # images as the processor sees them
@@ -14,7 +14,7 @@ The task (``digitgrid_lightkv``) is a ``datasets`` dataset written with ``save_t
 (``dataset_kwargs: {load_from_disk: true}``, so lmms-eval reads it offline), a task YAML and
 a ``utils.py`` with its functions: the image, the question's words as the prompt, and
 ``exact_match`` (the answer's words equal the reference's, as
-`lightkv.digitgrid.evaluate.evaluate` counts) with the question type beside it. Images are
+`lightkv.tasks.evaluate.evaluate` counts) with the question type beside it. Images are
 stored as 8-bit PNG; `task_episodes` gives the episodes with exactly the pixels the model's
 processor makes of them, so lightkv's own evaluator and lmms-eval see the same inputs.
 """
@@ -73,10 +73,10 @@ metadata:
 
 
 def task_episodes(n: int, processor, grid, seed: int = 0) -> list:
-    """``n`` held-out episodes (`lightkv.digitgrid.evaluate.heldout_episodes`), each image
+    """``n`` held-out episodes (`lightkv.tasks.evaluate.heldout_episodes`), each image
     replaced by what ``processor`` makes of its 8-bit PNG (the input lmms-eval gives)."""
-    from ..digitgrid.evaluate import heldout_episodes
-    from ..digitgrid.images import to_pil
+    from ..tasks.digitgrid.images import to_pil
+    from ..tasks.evaluate import heldout_episodes
 
     out = []
     for ep in heldout_episodes(n, seed=seed, grid=grid):
@@ -90,8 +90,8 @@ def write_task(directory: str | Path, episodes, grid, name: str = TASK_NAME) -> 
     which lmms-eval's ``--include_path`` takes."""
     import datasets
 
-    from ..digitgrid.images import to_pil
-    from ..digitgrid.tasks import task_for
+    from ..tasks.digitgrid.images import to_pil
+    from ..tasks.registry import task_for
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -104,7 +104,7 @@ def _load(pretrained: str, dtype: str, device_map: Any, attn_implementation: str
     )
 
     from ..adapters.registry import MODEL_TYPES, SUPPORTED_FAMILIES
-    from ..digitgrid.model import BUNDLED_MODELS
+    from ..tasks.model import BUNDLED_MODELS
 
     path = str(BUNDLED_MODELS.get(pretrained, os.path.expanduser(pretrained)))
     local = {"local_files_only": True} if os.path.isdir(path) else {}

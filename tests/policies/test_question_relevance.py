@@ -14,7 +14,13 @@ from hypothesis import strategies as st
 import lightkv
 from lightkv import ImageSegment, VisionLayout
 from lightkv.adapters import apply
-from lightkv.policies import ExplicitSchedule, Prompt, QuestionAttention, Relevance, TextQueryAttention
+from lightkv.policies import (
+    ExplicitSchedule,
+    Prompt,
+    QuestionAttention,
+    Relevance,
+    TextQueryAttention,
+)
 from lightkv.testing import TINY_MODELS
 from tests.strategies import batches
 

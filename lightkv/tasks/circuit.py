@@ -121,7 +121,7 @@ def install(model, data, grid: int, vision: torch.Tensor, symbols: torch.Tensor,
     Args:
         model: a ``LlavaForConditionalGeneration`` whose embeddings went through
             `structure_embeddings` and whose projector was aligned.
-        data: the task's data module (`lightkv.symbolgrid.data`).
+        data: the task's data module (`lightkv.tasks.symbolgrid.data`).
         grid: cells per side.
         vision: ``[M, D]`` projected vision tokens of training images, raster order per image
             (``M`` a multiple of ``grid**2``).

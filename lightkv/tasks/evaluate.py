@@ -1,7 +1,7 @@
 """Answer DigitGrid questions with a trained model, with or without a compression pipeline.
 
 ```python
-from lightkv.digitgrid import evaluate, model as dg_model
+from lightkv.tasks import evaluate, model as dg_model
 m, _, grid = dg_model.load()
 episodes = evaluate.heldout_episodes(200, grid=grid)
 print(evaluate.evaluate(m, episodes, grid, pipeline=None).accuracy)
@@ -25,9 +25,9 @@ import torch
 
 from ..adapters import apply
 from ..presets import get_preset
-from .config import DEFAULT_CONFIG, Episode, GridConfig
-from .tasks import task_for
-from .vocab import EOS_ID, PAD_ID, VOCAB
+from .digitgrid.config import DEFAULT_CONFIG, Episode, GridConfig
+from .digitgrid.vocab import EOS_ID, PAD_ID, VOCAB
+from .registry import task_for
 
 __all__ = ["EvalResult", "answer", "evaluate", "heldout_episodes", "relevance_mass"]
 

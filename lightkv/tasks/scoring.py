@@ -11,7 +11,7 @@ Greedy decoding reproduces the reference answer exactly when, at every answer po
 the reference token is the argmax given the reference prefix (the greedy path and the
 forced path coincide until the first miss, and a miss changes the answer). So exact match
 of the generated answer is read off the forced pass, with no separate generation;
-`lightkv.digitgrid.evaluate.evaluate` (real ``generate``) agrees with it (tested).
+`lightkv.tasks.evaluate.evaluate` (real ``generate``) agrees with it (tested).
 
 Per episode and turn: ``correct`` (exact match of the whole answer, ``<eos>`` included),
 ``logp`` (summed log-probability of the reference answer) and the per-token log-probability
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..adapters import apply
-from .tasks import task_for
-from .vocab import EOS_ID, PAD_ID
+from .digitgrid.vocab import EOS_ID, PAD_ID
+from .registry import task_for
 
 __all__ = ["Conversation", "ScoreResult", "conversations", "kl", "paired_bootstrap", "score"]
 

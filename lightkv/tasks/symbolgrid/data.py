@@ -26,7 +26,7 @@ whole image: dropping or diluting one rare token changes the answer.
 Splits: ``train`` and ``heldout`` streams use different seeds; held-out layouts, strokes
 and noise are new, the 32 symbol shapes are shared (as with DigitGrid's colour glyphs).
 Sequences are ``<bos> <image>*n <sep> question [answer <eos>]``, left-padded, as in
-`lightkv.digitgrid.data` (same special-token ids).
+`lightkv.tasks.digitgrid.data` (same special-token ids).
 """
 
 from __future__ import annotations
@@ -395,7 +395,7 @@ def num_image_tokens(config: GridConfig = DEFAULT_CONFIG, patch: int | None = No
 
 
 def collate(episodes: Sequence[Episode], num_image_tokens: int, *, with_answer: bool = True) -> dict[str, torch.Tensor]:
-    """Batch episodes for a LLaVA-style model (`lightkv.digitgrid.data.collate` with this
+    """Batch episodes for a LLaVA-style model (`lightkv.tasks.digitgrid.data.collate` with this
     vocabulary)."""
     return _dg.collate(episodes, num_image_tokens, with_answer=with_answer, encoder=encode)
 

@@ -1,8 +1,8 @@
-"""The synthetic tasks one model builder, trainer and evaluator serve: DigitGrid and SymbolGrid.
+"""The synthetic tasks one model builder, trainer and evaluator serve: Scenes, DigitGrid, SymbolGrid.
 
 A `Task` bundles what those need from a task's data module: its vocabulary, its
 `GridConfig`, episodes, scenes, collation, and the per-token words of the alignment target
-(``E[<image>] + E[content] + E[cell word]``, see `lightkv.digitgrid.model.alignment_targets`).
+(``E[<image>] + E[content] + E[cell word]``, see `lightkv.tasks.model.alignment_targets`).
 `get_task` looks one up by name; a saved model directory records its task's name.
 """
 
@@ -74,9 +74,9 @@ class Task:
 
 
 TASKS: dict[str, Task] = {
-    "digitgrid": Task("digitgrid", "lightkv.digitgrid.data", lambda config: 1),
-    "symbolgrid": Task("symbolgrid", "lightkv.symbolgrid.data", lambda config: 2 * config.read_len - 1),
-    "scenes": Task("scenes", "lightkv.scenes.data", lambda config: 5),
+    "digitgrid": Task("digitgrid", "lightkv.tasks.digitgrid.data", lambda config: 1),
+    "symbolgrid": Task("symbolgrid", "lightkv.tasks.symbolgrid.data", lambda config: 2 * config.read_len - 1),
+    "scenes": Task("scenes", "lightkv.tasks.scenes.data", lambda config: 5),
 }
 
 

@@ -1,4 +1,4 @@
-"""Train the DigitGrid LVLM (``python -m lightkv.digitgrid.train``).
+"""Train the DigitGrid LVLM (``python -m lightkv.tasks.train``).
 
 Two stages, each resumable from its checkpoint (``--out/<stage>.pt``, written every
 ``--ckpt-every`` steps and at the end; a rerun with the same ``--out`` continues):
@@ -19,7 +19,7 @@ stage, from the last ``qa`` checkpoint). Everything is seeded: same arguments, s
 
 The bundled model was made with (`make digitgrid-model` runs the same)::
 
-    T="python -m lightkv.digitgrid.train"; A="--glyphs colour --out runs/dg"
+    T="python -m lightkv.tasks.train"; A="--glyphs colour --out runs/dg"
     $T align $A --steps 300 --lr 2e-3 --warmup 30
     Q="--batch 16 --questions 4 --warmup 100 --mimetic --text-ffn 256"
     $T qa $A $Q --steps 1550 --lr 1e-3
@@ -29,13 +29,13 @@ The bundled model was made with (`make digitgrid-model` runs the same)::
 (about 4 + 33 minutes on 2 CPU cores; the second ``qa`` call resumes from the checkpoint and
 decays the learning rate linearly over the remaining steps, which steadied ``count``).
 
-``--task scenes`` trains the default bundled model on Scenes-VQA (`lightkv.scenes`), whose
+``--task scenes`` trains the default bundled model on Scenes-VQA (`lightkv.tasks.scenes`), whose
 tokens carry four labels each (what they show, their kind, their vertical and horizontal
 half): ``align`` maps every token to the sum of those words' embeddings (squared error plus
 a cross-entropy per label), and ``qa`` trains every decoder layer from a mimetic
 initialisation; nothing is frozen or set by hand (``make scenes-model`` has the recipe).
 
-``--task symbolgrid`` trains on SymbolGrid-VQA (`lightkv.symbolgrid`), where a cell is one
+``--task symbolgrid`` trains on SymbolGrid-VQA (`lightkv.tasks.symbolgrid`), where a cell is one
 vision token; ``make symbolgrid-model`` has the recipe of the bundled model. Generic
 recipes did not learn the single-token lookup within 1,000 ``qa`` steps on 2 CPU cores; the
 options written for those attempts stay available: ``--cell-ce`` (a cross-entropy on each
@@ -44,7 +44,7 @@ blurred, 43% read-out), ``--translate`` with ``--lookup-heads`` / ``--lookup-qk`
 tokens carry ``M E[word]`` and some heads start as text-to-vision lookups, so a query does
 not match itself, as a plain mimetic initialisation makes it do), ``--freeze-lookup``,
 ``--lookup-from``, ``--slow-layers`` and ``--rope-theta``. What worked is ``--circuit``
-(`lightkv.digitgrid.circuit`): row + column cell embeddings and retrieval heads built at
+(`lightkv.tasks.circuit`): row + column cell embeddings and retrieval heads built at
 initialisation from least-squares probes of the projected tokens, then frozen.
 """
 
@@ -60,9 +60,10 @@ import torch
 import torch.nn.functional as F
 
 from . import circuit
+from .digitgrid.vocab import GLYPHS
+from .labels import label_accuracy, label_groups, label_loss, translation, vision_words
 from .model import ModelSpec, alignment_targets, build_model, save
-from .tasks import TASKS, Task, get_task, task_for
-from .vocab import GLYPHS, IMAGE_ID
+from .registry import TASKS, Task, get_task, task_for
 
 __all__ = ["evaluate_qa", "main"]
 
@@ -83,11 +84,11 @@ def evaluate_align(model, spec: ModelSpec, grid, n: int = 256, seed: int = 1234,
     rng = random.Random(f"align-eval:{seed}")
     grids, images = task.image_batch(rng, "heldout", n, grid)
     feats = _projected(model, images)  # [B, N, D]
-    if _label_groups(task) is not None:
+    if label_groups(task) is not None:
         model.train()
-        return _label_accuracy(model, feats, grids, _label_groups(task), translate)
+        return label_accuracy(model, feats, grids, label_groups(task), translate)
     ids = list(task.content_ids())
-    content = _vision_words(model, ids, translate)
+    content = vision_words(model, ids, translate)
     k = grid.cell // spec.patch
     c = len(ids)
     logits = (feats @ content.T).reshape(n, grid.grid, k, grid.grid, k, c)
@@ -96,7 +97,7 @@ def evaluate_align(model, spec: ModelSpec, grid, n: int = 256, seed: int = 1234,
     occ = grids >= 0
     _, cells = task.token_words(grids[:1], k)
     names = torch.unique(cells)
-    nearest = names[(feats @ _vision_words(model, names, translate).T).argmax(-1)]  # [B, N] word ids
+    nearest = names[(feats @ vision_words(model, names, translate).T).argmax(-1)]  # [B, N] word ids
     where = nearest == cells  # the nearest cell word is the token's own
     model.train()
     return {"cell_acc": float((per_cell == truth).float().mean()), "position_acc": float(where.float().mean()),
@@ -127,60 +128,10 @@ def _content_ce(model, feats: torch.Tensor, grids: torch.Tensor, spec: ModelSpec
     """Cross-entropy of every token's content read-out (dot products with the content word
     embeddings): a sharper signal for the hard part of the target than the squared error."""
     task = task_for(grid)
-    content = _vision_words(model, list(task.content_ids()), translate)
+    content = vision_words(model, list(task.content_ids()), translate)
     truth, _ = task.token_words(grids, grid.cell // spec.patch)
     logits = feats @ content.T / content.shape[1] ** 0.5
     return F.cross_entropy(logits.flatten(0, 1), truth.flatten())
-
-
-def _label_groups(task: Task):
-    """The task's per-token label groups (word ids per label), or None for single-content tasks."""
-    return getattr(task.data, "LABEL_GROUPS", None)
-
-
-def _label_logits(model, feats: torch.Tensor, group, translate) -> torch.Tensor:
-    emb = _vision_words(model, list(group), translate)
-    return feats @ emb.T / emb.shape[1] ** 0.5
-
-
-def _label_loss(model, feats: torch.Tensor, labels: torch.Tensor, groups, translate=None) -> torch.Tensor:
-    """Align loss of a task with several labels per token (``labels [B, G, G, S]`` word ids,
-    ``groups``: the word ids each label takes): the squared error to ``E[<image>] + sum of
-    E[label]`` plus a cross-entropy per label over its group's words."""
-    words = labels.flatten(1, 2)  # [B, N, S]
-    emb = model.get_input_embeddings().weight.detach()
-    target = emb[words].sum(2)
-    if translate is not None:
-        target = target @ translate.T
-    loss = F.mse_loss(feats, target + emb[IMAGE_ID])
-    for s, group in enumerate(groups):
-        index = {w: i for i, w in enumerate(group)}
-        truth = words[..., s].clone().apply_(index.__getitem__)
-        loss = loss + F.cross_entropy(_label_logits(model, feats, group, translate).flatten(0, 1), truth.flatten())
-    return loss
-
-
-def _label_accuracy(model, feats, labels, groups, translate=None) -> dict:
-    """Held-out read-out accuracy of each label (nearest word of its group), per token."""
-    words = labels.flatten(1, 2)
-    out = {}
-    for s, group in enumerate(groups):
-        pred = torch.tensor(group)[_label_logits(model, feats, group, translate).argmax(-1)]
-        out[f"label{s}_acc"] = float((pred == words[..., s]).float().mean())
-    return out
-
-
-def translation(width: int, seed: int) -> torch.Tensor:
-    """The seeded orthogonal ``[D, D]`` matrix ``M`` of ``--translate``."""
-    gen = torch.Generator().manual_seed(10_000 + seed)
-    q, r = torch.linalg.qr(torch.randn(width, width, generator=gen))
-    return q * torch.sign(torch.diagonal(r))
-
-
-def _vision_words(model, ids, translate: torch.Tensor | None) -> torch.Tensor:
-    """``[len(ids), D]``: word embeddings as vision tokens carry them (``M E`` with ``--translate``)."""
-    emb = model.get_input_embeddings().weight.detach()[ids]
-    return emb if translate is None else emb @ translate.T
 
 
 def _cell_ce(model, feats: torch.Tensor, grids: torch.Tensor, spec: ModelSpec, grid,
@@ -189,7 +140,7 @@ def _cell_ce(model, feats: torch.Tensor, grids: torch.Tensor, spec: ModelSpec, g
     embeddings): where a cell is one token, the squared error alone leaves positions blurred."""
     _, cells = task_for(grid).token_words(grids[:1], grid.cell // spec.patch)  # [N] cell word ids
     names, truth = torch.unique(cells, return_inverse=True)
-    emb = _vision_words(model, names, translate)
+    emb = vision_words(model, names, translate)
     logits = feats @ emb.T / emb.shape[1] ** 0.5
     return F.cross_entropy(logits.flatten(0, 1), truth.repeat(feats.shape[0]))
 
@@ -376,8 +327,8 @@ def run_stage(args) -> None:
         if args.stage == "align":
             grids, images = task.image_batch(rng, "train", args.batch, grid)
             feats = _projected(model, images)
-            if _label_groups(task) is not None:
-                loss = _label_loss(model, feats, grids, _label_groups(task), translate)
+            if label_groups(task) is not None:
+                loss = label_loss(model, feats, grids, label_groups(task), translate)
             else:
                 target = alignment_targets(model, grids, spec.patch, grid.cell, task=task, translate=translate)
                 loss = F.mse_loss(feats, target) + _content_ce(model, feats, grids, spec, grid, translate)
@@ -413,7 +364,7 @@ def run_stage(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m lightkv.digitgrid.train", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m lightkv.tasks.train", description=__doc__.split("\n\n")[0])
     p.add_argument("stage", choices=("align", "qa", "export"),
                    help="align: tower + projector; qa: decoder; export: --out/qa.pt to --export DIR")
     p.add_argument("--out", default="runs/digitgrid", help="checkpoint directory (resumes from it)")

@@ -1,6 +1,6 @@
 """``lightkv demo``: a bundled LVLM answers held-out questions with and without LightKV.
 
-Loads a model shipped in the package (`lightkv.digitgrid.model.BUNDLED_MODELS`, offline;
+Loads a model shipped in the package (`lightkv.tasks.model.BUNDLED_MODELS`, offline;
 default ``scenes``, the Scenes-VQA model whose images have natural-image token statistics)
 or a model directory written by the trainer, asks held-out questions of every type and
 answers each twice: uncompressed, then with a pipeline (default ``lightkv-budget``: LightKV

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from .config import DEFAULT_CONFIG, GridConfig
-from .tasks import Task, get_task
-from .vocab import BOS_ID, CONTENT_IDS, EOS_ID, IMAGE_ID, PAD_ID
+from .digitgrid.config import DEFAULT_CONFIG, GridConfig
+from .digitgrid.vocab import BOS_ID, CONTENT_IDS, EOS_ID, IMAGE_ID, PAD_ID
+from .registry import Task, get_task
 
 __all__ = [
     "BUNDLED_MODEL",
@@ -223,7 +223,6 @@ def read_grid_config(path: str | Path = BUNDLED_MODEL):
 def load(path: str | Path = BUNDLED_MODEL, dtype: torch.dtype = torch.float32):
     """``(model, processor, grid_config)`` from a directory written by `save` (offline)."""
     from transformers import AutoProcessor, LlavaForConditionalGeneration
-
     from transformers.utils import logging as hf_logging
 
     path = resolve_model(path)

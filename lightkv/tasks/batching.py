@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .config import DEFAULT_CONFIG, Episode, GridConfig
-from .vocab import BOS_ID, EOS_ID, IGNORE_INDEX, IMAGE_ID, PAD_ID, SEP_ID, encode
+from .digitgrid.config import DEFAULT_CONFIG, Episode, GridConfig
+from .digitgrid.vocab import BOS_ID, EOS_ID, IGNORE_INDEX, IMAGE_ID, PAD_ID, SEP_ID, encode
 
 __all__ = ["collate", "collate_prompts", "collate_scenes", "left_pad", "num_image_tokens"]
 

@@ -18,12 +18,12 @@ from dataclasses import replace
 
 import torch
 
-from ..adapters import apply
-from ..digitgrid.tasks import task_for
-from ..graph.layout import TokenKind
-from ..policies.relevance import Relevance
-from ..policies.schedulers import ExplicitSchedule
-from ..presets import get_preset
+from ...adapters import apply
+from ...graph.layout import TokenKind
+from ...policies.relevance import Relevance
+from ...policies.schedulers import ExplicitSchedule
+from ...presets import get_preset
+from ..registry import task_for
 
 __all__ = ["near_duplicates", "region_relevance"]
 

@@ -32,9 +32,9 @@ elsewhere (the model shifts labels itself, as ``LlavaForConditionalGeneration`` 
 
 This module holds the episodes and their questions (`make_episode`, `make_scene`,
 `EpisodeStream`, `answer_for`, `cell_word`); the rest lives below it and is re-exported
-here: the vocabulary and constants in `lightkv.digitgrid.vocab`, `GridConfig` and
-`Episode` in `lightkv.digitgrid.config`, the glyphs and images in
-`lightkv.digitgrid.images`, the batching in `lightkv.digitgrid.batching`.
+here: the vocabulary and constants in `lightkv.tasks.digitgrid.vocab`, `GridConfig` and
+`Episode` in `lightkv.tasks.digitgrid.config`, the glyphs and images in
+`lightkv.tasks.digitgrid.images`, the batching in `lightkv.tasks.batching`.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import torch
 
 # every public name this module had before the split stays importable from it (the noqa ones
 # are re-exported only: not in __all__ and not used below)
-from .batching import collate, collate_prompts, collate_scenes, left_pad, num_image_tokens
+from ..batching import collate, collate_prompts, collate_scenes, left_pad, num_image_tokens
 from .config import DEFAULT_CONFIG, Episode, GridConfig
 from .images import (
     digit_pool,
