@@ -158,3 +158,15 @@ def test_generate_defaults_to_the_bundled_model(capsys):
     assert "expected answer" in out and "answer (lightkv)" in out
     expected = out.split("expected answer: ", 1)[1].split(")", 1)[0].strip("'")
     assert f"answer (baseline): {expected!r}" in out
+
+
+def test_generate_json_on_the_bundled_model_prints_one_json_document(capsys):
+    """Issue 27, item 11: with the bundled model's default image and prompt, stdout is
+    exactly one JSON object (the example's image, prompt and expected answer inside it)."""
+    import json
+
+    from lightkv.cli import main
+
+    assert main(["generate", "--max-new-tokens", "2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["example"]["prompt"] and doc["example"]["expected_answer"]

@@ -74,15 +74,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     quiet = not sys.stderr.isatty() and hf_logging.is_progress_bar_enabled()
     if quiet:  # keep piped stderr to the one-line errors
         hf_logging.disable_progress_bar()
+    example = None
     try:
         prompt = args.prompt
         if args.image is not None:
             image = g.load_image(args.image)  # before loading a possibly large model
         else:
             image, question = _digitgrid_example()
-            print(f"image: a held-out DigitGrid image ({question['grid']})")
             prompt = prompt or question["question"]
-            print(f"prompt: {prompt!r} (expected answer: {question['answer']!r})")
+            example = {"image": f"a held-out DigitGrid image ({question['grid']})", "prompt": prompt,
+                       "expected_answer": question["answer"]}
+            if not args.json:  # with --json, stdout is exactly one JSON document
+                print(f"image: {example['image']}")
+                print(f"prompt: {prompt!r} (expected answer: {question['answer']!r})")
         loaded = g.load_model(model_path, dtype=dtype, device=device, check=cfg)
         inputs = g.build_inputs(loaded, image, prompt)
         result = g.run(loaded, inputs, cfg.build(), compare=args.compare, max_new_tokens=args.max_new_tokens)
@@ -95,7 +99,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if quiet:
             hf_logging.enable_progress_bar()
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2, ensure_ascii=False))
+        out = result.to_dict()
+        if example is not None:
+            out["example"] = example
+        print(json.dumps(out, indent=2, ensure_ascii=False))
     else:
         print(result.format())
     return EXIT_OK
