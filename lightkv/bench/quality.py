@@ -1,9 +1,9 @@
 """Quality vs kept vision KV on a synthetic LVLM, for every method, with fidelity metrics.
 
-The model is the bundled DigitGrid model (`lightkv.tasks.model.BUNDLED_MODELS`, answers
-in one 4x4-token cell) or any model directory the trainer writes, for DigitGrid-VQA or
-SymbolGrid-VQA (`lightkv.tasks.symbolgrid`: answers in single vision tokens, multi-token reads
-during decoding, rare-symbol counting). Each
+The model is a bundled model (`lightkv.tasks.model.BUNDLED_MODELS`: Scenes, the command
+line's default, with natural-image token statistics; DigitGrid, answers in one 4x4-token
+cell; SymbolGrid, answers in single vision tokens) or any model directory the trainer
+writes. Each
 method (preset) runs at several kept-fraction targets; its schedule is first scaled from the
 reference 32-layer depth to the model's (`lightkv.policies.scale_layers`), then one
 common per-stage ratio is chosen so that the vision KV kept on average over layers hits the
@@ -77,7 +77,8 @@ class AccuracyConfig:
     """What to run."""
 
     model: str | None = None
-    """A bundled model's name (``digitgrid``) or a model directory (default: ``digitgrid``)."""
+    """A bundled model's name (``scenes``) or a model directory (None: ``digitgrid``, the
+    first bundled model; the command line defaults to ``scenes``)."""
     episodes: int = 600
     """Held-out conversations (question types in equal shares)."""
     methods: tuple[str, ...] = METHODS

@@ -8,7 +8,7 @@ lightkv config schema                              JSON Schema of pipeline files
 lightkv bench efficiency [--quick] [--models ...] [--presets ...] [--out DIR] [--repeats N]
 lightkv bench quality [--model digitgrid|DIR] [--episodes N] [--methods ...] [--targets ...]
 lightkv generate [--model DIR|ID] [--image FILE] [--prompt TEXT] [--preset NAME | --config FILE] [--compare]
-lightkv demo [--preset NAME] [--questions N]       the bundled DigitGrid LVLM, with and without LightKV
+lightkv demo [--preset NAME] [--questions N]       the bundled Scenes LVLM, with and without LightKV
 lightkv stages-demo [--preset NAME]                the pure core on a real image, no model
 ```
 

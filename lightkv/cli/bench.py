@@ -17,7 +17,7 @@ def add_commands(commands) -> None:
         "bench",
         help="run the shipped benchmarks",
         description="Efficiency on random-weight models with real vision-token counts; quality with the "
-        "bundled DigitGrid model.",
+        "bundled models (Scenes by default).",
         formatter_class=fmt,
     )
     bsub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", title="benchmarks", parser_class=Parser)

@@ -1,4 +1,4 @@
-"""``lightkv demo`` (the bundled DigitGrid LVLM) and ``lightkv stages-demo`` (the pure core
+"""``lightkv demo`` (a bundled LVLM, Scenes by default) and ``lightkv stages-demo`` (the pure core
 on a real image): their options are forwarded to the demos' own parsers."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ def add_commands(commands) -> None:
     """Add ``demo`` and ``stages-demo`` to the top-level subparsers."""
     demo = commands.add_parser(
         "demo",
-        help="the bundled DigitGrid LVLM answers held-out questions with and without LightKV "
+        help="a bundled LVLM (Scenes by default) answers held-out questions with and without LightKV "
              "(options: lightkv demo --help)",
         add_help=False,  # --help goes to the demo's own parser
     )

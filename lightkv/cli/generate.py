@@ -26,7 +26,7 @@ def add_commands(commands) -> None:
         formatter_class=fmt,
     )
     gen.add_argument("--model", metavar="DIR|ID", default=None,
-                     help="model directory (or hub id) with its processor (default: the bundled DigitGrid LVLM)")
+                     help="model directory (or hub id) with its processor (default: the bundled DigitGrid LVLM, whose processor takes any image)")
     gen.add_argument("--image", metavar="FILE", default=None,
                      help="image file (any format Pillow reads; default with the bundled model: a held-out DigitGrid image)")
     gen.add_argument("--prompt", metavar="TEXT", default=None,
