@@ -63,6 +63,7 @@ MAX_RATIO = {"fastv": 0.95, "pdrop": 0.95, "random": 0.95, "pool": 0.75}
 
 ABLATIONS = {
     "relevance off": {"relevance": ("uniform", {})},
+    "relevance last token": {"relevance": ("last_token", {})},
     "relevance question": {"relevance": ("question_attention", {})},
     "random merge": {"scorer": ("random", {})},
     "scorer l2": {"scorer": ("l2", {})},

@@ -38,7 +38,9 @@ def near_duplicates(model, episodes: Sequence, grid, layer: int, windows_per_sid
     For each vision token, the highest cosine similarity to another token of its window
     (``windows_per_side`` windows per image side, as the stage partitions them). Returns
     ``{"share": fraction of tokens with a neighbour >= threshold, "mean_best": mean of
-    that best cosine, "tokens": how many tokens were measured}``.
+    that best cosine, "tokens": how many tokens were measured, "shares": the share at
+    thresholds 0.9, 0.95 and 0.99}`` (hidden states share large common components, so the
+    higher thresholds say more about what a merge loses).
     """
     data = task_for(grid).data
     g = grid.grid
@@ -62,7 +64,8 @@ def near_duplicates(model, episodes: Sequence, grid, layer: int, windows_per_sid
         best_all.append(cos.amax(-1).flatten())
     best = torch.cat(best_all)
     return {"share": float((best >= threshold).float().mean()), "mean_best": float(best.mean()),
-            "tokens": int(best.numel()), "layer": layer, "threshold": threshold}
+            "tokens": int(best.numel()), "layer": layer, "threshold": threshold,
+            "shares": {str(t): float((best >= t).float().mean()) for t in (0.9, 0.95, 0.99)}}
 
 
 @torch.no_grad()
