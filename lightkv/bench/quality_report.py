@@ -102,9 +102,11 @@ def _region_lines(result: dict[str, Any]) -> list[str]:
     if red:
         lines += ["", f"Redundancy: after layer {red['layer']} (lightkv's first stage), {red['share']:.1%} of the "
                   f"vision tokens have a neighbour in their stage window with cosine >= {red['threshold']} "
-                  f"(mean best cosine {red['mean_best']:.3f}, {red['tokens']} tokens)"
-                  + ("; " + ", ".join(f">= {t}: {v:.1%}" for t, v in red["shares"].items()) if "shares" in red else "")
-                  + "."]
+                  f"(hidden states minus the image's mean vision token; mean best cosine {red['mean_best']:.3f}, "
+                  f"{red['tokens']} tokens)"
+                  + ("; >= " + ", >= ".join(f"{t}: {v:.1%}" for t, v in red["shares"].items()) if "shares" in red else "")
+                  + ("; without centring >= " + ", >= ".join(f"{t}: {v:.1%}" for t, v in red["raw_shares"].items())
+                     if "raw_shares" in red else "") + "."]
     reg = result.get("region_relevance")
     if reg:
         policies = list(reg["layers"])

@@ -1,8 +1,8 @@
 """What makes an instrument like a real LVLM, measured on a trained model.
 
 `near_duplicates` is redundancy: the share of vision tokens whose most similar neighbour in
-the same stage window has cosine >= 0.9 in the hidden states after a layer (the first
-stage's layer is what merging sees). `region_relevance` is prompt dependence: per layer and
+the same stage window has cosine >= 0.9 in the (centred) hidden states after a layer (the
+first stage's layer is what merging sees). `region_relevance` is prompt dependence: per layer and
 relevance policy, the share of the image's relevance mass ξ on the tokens the question asks
 about (``meta["region"]`` of each episode), divided by their share of the image's area, so
 1.0 is what a prompt-blind policy gives and larger means the policy finds what was asked.
@@ -36,11 +36,13 @@ def near_duplicates(model, episodes: Sequence, grid, layer: int, windows_per_sid
     """Redundancy of the vision tokens in the hidden states after decoder layer ``layer``.
 
     For each vision token, the highest cosine similarity to another token of its window
-    (``windows_per_side`` windows per image side, as the stage partitions them). Returns
+    (``windows_per_side`` windows per image side, as the stage partitions them), after
+    subtracting the image's mean vision token: the hidden states share a large common
+    component (raw cosines are above 0.99 almost everywhere), which says nothing about
+    what a merge mixes. Returns
     ``{"share": fraction of tokens with a neighbour >= threshold, "mean_best": mean of
     that best cosine, "tokens": how many tokens were measured, "shares": the share at
-    thresholds 0.9, 0.95 and 0.99}`` (hidden states share large common components, so the
-    higher thresholds say more about what a merge loses).
+    thresholds 0.9, 0.95 and 0.99, "raw_shares": the same without centring}``.
     """
     data = task_for(grid).data
     g = grid.grid
@@ -52,20 +54,23 @@ def near_duplicates(model, episodes: Sequence, grid, layer: int, windows_per_sid
     window = (cells[:, None] // w) * windows_per_side + cells[None, :] // w  # [G, G]
     same = window.reshape(-1)[:, None] == window.reshape(-1)[None, :]
     same.fill_diagonal_(False)
-    best_all = []
+    best_all: dict[str, list[torch.Tensor]] = {}
     for i in range(0, len(episodes), batch):
         inputs = data.collate_prompts(list(episodes[i:i + batch]), n_img)
         out = model(**inputs, output_hidden_states=True)
         hidden = out.hidden_states[layer + 1]
         vis = inputs["input_ids"] == data.IMAGE_ID
         tokens = hidden[vis].reshape(hidden.shape[0], n_img, -1).float()
-        unit = torch.nn.functional.normalize(tokens, dim=-1)
-        cos = (unit @ unit.transpose(1, 2)).masked_fill(~same, -2.0)
-        best_all.append(cos.amax(-1).flatten())
-    best = torch.cat(best_all)
+        for key, x in (("centred", tokens - tokens.mean(1, keepdim=True)), ("raw", tokens)):
+            unit = torch.nn.functional.normalize(x, dim=-1)
+            cos = (unit @ unit.transpose(1, 2)).masked_fill(~same, -2.0)
+            best_all.setdefault(key, []).append(cos.amax(-1).flatten())
+    best = torch.cat(best_all["centred"])
+    raw = torch.cat(best_all["raw"])
     return {"share": float((best >= threshold).float().mean()), "mean_best": float(best.mean()),
             "tokens": int(best.numel()), "layer": layer, "threshold": threshold,
-            "shares": {str(t): float((best >= t).float().mean()) for t in (0.9, 0.95, 0.99)}}
+            "shares": {str(t): float((best >= t).float().mean()) for t in (0.9, 0.95, 0.99)},
+            "raw_shares": {str(t): float((raw >= t).float().mean()) for t in (0.9, 0.95, 0.99)}}
 
 
 @torch.no_grad()
