@@ -40,13 +40,14 @@ here: the vocabulary and constants in `lightkv.tasks.digitgrid.vocab`, `GridConf
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
 # every public name this module had before the split stays importable from it (the noqa ones
 # are re-exported only: not in __all__ and not used below)
 from ..batching import collate, collate_prompts, collate_scenes, left_pad, num_image_tokens
+from ..stream import EpisodeStream as _Stream
 from .config import DEFAULT_CONFIG, Episode, GridConfig
 from .images import (
     digit_pool,
@@ -261,35 +262,9 @@ def make_scene(
     return out
 
 
-class EpisodeStream:
-    """An endless, seed-deterministic stream of episodes.
+class EpisodeStream(_Stream):
+    """An endless, seed-deterministic stream of DigitGrid episodes (`lightkv.tasks.stream.EpisodeStream`)."""
 
-    Two streams with the same ``(seed, split, qtypes, config)`` yield identical episodes.
-    ``qtypes`` restricts (and, with repeats, weights) the question types drawn.
-    """
-
-    def __init__(
-        self,
-        seed: int,
-        split: str = "train",
-        *,
-        qtypes: Sequence[str] | None = None,
-        config: GridConfig = DEFAULT_CONFIG,
-    ) -> None:
-        if split not in SPLITS:
-            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-        qtypes = tuple(QTYPES if qtypes is None else qtypes)
-        if not qtypes or any(q not in QTYPES for q in qtypes):
-            raise ValueError(f"qtypes must be a non-empty subset of {QTYPES}, got {qtypes}")
-        self.seed, self.split, self.qtypes, self.config = seed, split, qtypes, config
-        self._rng = random.Random(f"digitgrid:{seed}:{split}")
-
-    def __iter__(self) -> Iterator[Episode]:
-        return self
-
-    def __next__(self) -> Episode:
-        qtype = self._rng.choice(self.qtypes)
-        return make_episode(self._rng, self.split, qtype, self.config)
-
-    def take(self, n: int) -> list[Episode]:
-        return [next(self) for _ in range(n)]
+    task = "digitgrid"
+    QTYPES, SPLITS, DEFAULT_CONFIG = QTYPES, SPLITS, DEFAULT_CONFIG
+    sample = staticmethod(make_episode)

@@ -46,13 +46,14 @@ ids.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from .. import batching as _batching
 from ..digitgrid.data import IGNORE_INDEX, to_pil
+from ..stream import EpisodeStream as _Stream
 from .scene import DEFAULT_CONFIG, GridConfig, Obj, Scene, make_layout, render_image, sample_image
 from .vocab import (
     ASKED_REGION,
@@ -241,27 +242,12 @@ def followup(rng: random.Random, ep: Episode, config: GridConfig = DEFAULT_CONFI
     return _episode(ep.image, ep.scene, "texture", meta, ep.split)
 
 
-class EpisodeStream:
-    """An endless, seed-deterministic stream of episodes."""
+class EpisodeStream(_Stream):
+    """An endless, seed-deterministic stream of Scenes episodes (`lightkv.tasks.stream.EpisodeStream`)."""
 
-    def __init__(self, seed: int, split: str = "train", *, qtypes: Sequence[str] | None = None,
-                 config: GridConfig = DEFAULT_CONFIG) -> None:
-        if split not in SPLITS:
-            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-        qtypes = tuple(QTYPES if qtypes is None else qtypes)
-        if not qtypes or any(q not in QTYPES for q in qtypes):
-            raise ValueError(f"qtypes must be a non-empty subset of {QTYPES}, got {qtypes}")
-        self.split, self.qtypes, self.config = split, qtypes, config
-        self._rng = random.Random(f"scenes:{seed}:{split}")
-
-    def __iter__(self) -> Iterator[Episode]:
-        return self
-
-    def __next__(self) -> Episode:
-        return make_episode(self._rng, self.split, self._rng.choice(self.qtypes), self.config)
-
-    def take(self, n: int) -> list[Episode]:
-        return [next(self) for _ in range(n)]
+    task = "scenes"
+    QTYPES, SPLITS, DEFAULT_CONFIG = QTYPES, SPLITS, DEFAULT_CONFIG
+    sample = staticmethod(make_episode)
 
 
 # --------------------------------------------------------------------------- batching

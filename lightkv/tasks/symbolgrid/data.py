@@ -32,7 +32,7 @@ Sequences are ``<bos> <image>*n <sep> question [answer <eos>]``, left-padded, as
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -40,6 +40,7 @@ import torch
 
 from ..digitgrid import data as _dg
 from ..digitgrid.data import IGNORE_INDEX, to_pil
+from ..stream import EpisodeStream as _Stream
 
 __all__ = [
     "BOS_ID",
@@ -361,27 +362,12 @@ def make_scene(rng: random.Random, split: str = "train", n_questions: int = 4,
     return out
 
 
-class EpisodeStream:
-    """An endless, seed-deterministic stream of episodes."""
+class EpisodeStream(_Stream):
+    """An endless, seed-deterministic stream of SymbolGrid episodes (`lightkv.tasks.stream.EpisodeStream`)."""
 
-    def __init__(self, seed: int, split: str = "train", *, qtypes: Sequence[str] | None = None,
-                 config: GridConfig = DEFAULT_CONFIG) -> None:
-        if split not in SPLITS:
-            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-        qtypes = tuple(QTYPES if qtypes is None else qtypes)
-        if not qtypes or any(q not in QTYPES for q in qtypes):
-            raise ValueError(f"qtypes must be a non-empty subset of {QTYPES}, got {qtypes}")
-        self.split, self.qtypes, self.config = split, qtypes, config
-        self._rng = random.Random(f"symbolgrid:{seed}:{split}")
-
-    def __iter__(self) -> Iterator[Episode]:
-        return self
-
-    def __next__(self) -> Episode:
-        return make_episode(self._rng, self.split, self._rng.choice(self.qtypes), self.config)
-
-    def take(self, n: int) -> list[Episode]:
-        return [next(self) for _ in range(n)]
+    task = "symbolgrid"
+    QTYPES, SPLITS, DEFAULT_CONFIG = QTYPES, SPLITS, DEFAULT_CONFIG
+    sample = staticmethod(make_episode)
 
 
 # --------------------------------------------------------------------------- batching
