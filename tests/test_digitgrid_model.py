@@ -170,3 +170,14 @@ def test_generate_json_on_the_bundled_model_prints_one_json_document(capsys):
     assert main(["generate", "--max-new-tokens", "2", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["example"]["prompt"] and doc["example"]["expected_answer"]
+
+
+def test_demo_refuses_an_unwritable_out_before_any_output(tmp_path, capsys):
+    """Issue 27, item 7: an --out the demo cannot write into is refused up front (a file in
+    the way of the directory, here), not after the run."""
+    from lightkv.tasks.demo import main
+
+    (tmp_path / "file").write_text("x")
+    assert main(["--out", str(tmp_path / "file" / "sub")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "cannot write into --out" in captured.err

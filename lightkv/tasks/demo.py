@@ -91,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lightkv demo: --out {out} is a file; give a directory for lightkv-demo-provenance.png",
               file=sys.stderr)
         return 2
+    if not args.no_png and not _writable(out):  # before any work, not after a minute of it
+        print(f"lightkv demo: cannot write into --out {out}; give a writable directory (or --no-png)",
+              file=sys.stderr)
+        return 2
     path = dg.resolve_model(args.model)
     try:
         model, _, grid = dg.load(path)
@@ -148,6 +152,17 @@ def main(argv: list[str] | None = None) -> int:
               f"{drawn['asked_area']:.1%} of the image), and which patches merged into which token with lightkv "
               "and with prompt-agnostic ToMe")
     return 0
+
+
+def _writable(out: Path) -> bool:
+    """Whether ``out`` (or, where it does not exist yet, its nearest existing parent) is a
+    directory this process can write into."""
+    import os
+
+    probe = out
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return probe.is_dir() and os.access(probe, os.W_OK | os.X_OK)
 
 
 def _short(words: list[str], width: int, mark: str | None = None) -> str:
