@@ -1,4 +1,4 @@
-"""DigitGrid batching: episodes as left-padded token sequences for a LLaVA-style model.
+"""Batching for every task: episodes as left-padded token sequences for a LLaVA-style model.
 
 `collate` makes one ``<bos> <image>*n <sep> question [answer <eos>]`` row per episode,
 `collate_scenes` one row per image with several questions and answers, `collate_prompts`

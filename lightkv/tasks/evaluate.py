@@ -1,4 +1,4 @@
-"""Answer DigitGrid questions with a trained model, with or without a compression pipeline.
+"""Answer a task's questions with a trained model, with or without a compression pipeline.
 
 ```python
 from lightkv.tasks import evaluate, model as dg_model

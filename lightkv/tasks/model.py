@@ -1,4 +1,4 @@
-"""The DigitGrid LVLM: an unmodified ``LlavaForConditionalGeneration`` sized for a CPU.
+"""The bundled LVLMs: an unmodified ``LlavaForConditionalGeneration`` sized for a CPU.
 
 `build_model` makes a CLIP vision tower + LLaVA projector + Llama decoder from a
 `ModelSpec`; `build_processor` a word-level tokenizer and a ``LlavaProcessor`` whose

@@ -1,4 +1,4 @@
-"""Train the DigitGrid LVLM (``python -m lightkv.tasks.train``).
+"""Train a bundled LVLM on one of the tasks (``python -m lightkv.tasks.train``).
 
 Two stages, each resumable from its checkpoint (``--out/<stage>.pt``, written every
 ``--ckpt-every`` steps and at the end; a rerun with the same ``--out`` continues):
