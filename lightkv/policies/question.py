@@ -6,14 +6,12 @@ receives the prefill's `Prompt` beside the layer's queries and keys.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from ..graph.scatter import pack_rows
-from .relevance import Heads, Relevance, _accumulator, _check_heads, _match_heads, _reduce_heads
+from .relevance import Heads, Relevance, _check_heads, attention_from_rows
 
 __all__ = ["QuestionAttention"]
 
@@ -62,18 +60,5 @@ class QuestionAttention(Relevance):
             chosen = chosen & prompt.match(layout, self.ids)
         if self.exclude:
             chosen = chosen & ~prompt.match(layout, self.exclude)
-        empty = ~chosen.any(1, keepdim=True)
-        rows = torch.where(empty, question, chosen)  # [B, N] the query rows read
-        pos, valid = pack_rows(rows)  # [B, T]
-        h, d = queries.shape[1], queries.shape[-1]
-        q = queries.gather(2, pos[:, None, :, None].expand(-1, h, -1, d))  # [B, H, T, d]
-        k = _match_heads(keys, h)
-        acc = _accumulator(queries)
-        logits = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) / math.sqrt(d)  # [B, H, T, N]
-        origin = layout.origin
-        allowed = (layout.valid_mask[:, None, :] & valid[:, :, None]
-                   & (origin[:, None, :] <= origin.gather(1, pos)[:, :, None]))  # causal, [B, T, N]
-        logits = logits.masked_fill(~allowed[:, None], float("-inf"))
-        attn = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # padded slots give 0
-        xi = _reduce_heads(attn.sum(dim=2), self.heads)
-        return torch.where(layout.vision_mask, xi, torch.zeros_like(xi))
+        rows = torch.where(~chosen.any(1, keepdim=True), question, chosen)  # [B, N] the rows read
+        return attention_from_rows(queries, keys, layout, rows, self.heads, causal=True)

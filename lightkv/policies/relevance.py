@@ -200,20 +200,29 @@ class TextQueryAttention(Relevance):
     def score(self, queries, keys, layout):
         """``queries [B, H, N, d]``, ``keys [B, H_kv, N, d]`` -> ``[B, N]``."""
         self._check(queries, keys, layout)
-        text_pos, text_valid = pack_rows(layout.text_mask)  # [B, T]
-        h, d = queries.shape[1], queries.shape[-1]
-        q_text = queries.gather(2, text_pos[:, None, :, None].expand(-1, h, -1, d))  # [B,H,T,d]
-        k = _match_heads(keys, h)
-        acc = _accumulator(queries)
-        logits = torch.matmul(q_text.to(acc), k.to(acc).transpose(-1, -2)) / math.sqrt(d)  # [B,H,T,N]
-        allowed = layout.valid_mask[:, None, :] & text_valid[:, :, None]  # [B,T,N]
-        if self.causal:
-            origin = layout.origin
-            allowed = allowed & (origin[:, None, :] <= origin.gather(1, text_pos)[:, :, None])
-        logits = logits.masked_fill(~allowed[:, None], float("-inf"))
-        attn = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # padded text slots give 0
-        xi = _reduce_heads(attn.sum(dim=2), self.heads)
-        return torch.where(layout.vision_mask, xi, torch.zeros_like(xi))
+        return attention_from_rows(queries, keys, layout, layout.text_mask, self.heads, self.causal)
+
+
+def attention_from_rows(queries: torch.Tensor, keys: torch.Tensor, layout: VisionLayout, rows: torch.Tensor,
+                        heads: str = "mean", causal: bool = True) -> torch.Tensor:
+    """Attention that the query rows ``rows`` (bool ``[B, N]``) pay each token (softmax over
+    the valid keys, at or before the row's original position when ``causal``), summed over
+    those rows, then reduced over heads; zero outside vision tokens. ``T x N`` per head
+    (``T`` the most rows any batch row has), never ``N x N``."""
+    pos, valid = pack_rows(rows)  # [B, T]
+    h, d = queries.shape[1], queries.shape[-1]
+    q = queries.gather(2, pos[:, None, :, None].expand(-1, h, -1, d))  # [B,H,T,d]
+    k = _match_heads(keys, h)
+    acc = _accumulator(queries)
+    logits = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) / math.sqrt(d)  # [B,H,T,N]
+    allowed = layout.valid_mask[:, None, :] & valid[:, :, None]  # [B,T,N]
+    if causal:
+        origin = layout.origin
+        allowed = allowed & (origin[:, None, :] <= origin.gather(1, pos)[:, :, None])
+    logits = logits.masked_fill(~allowed[:, None], float("-inf"))
+    attn = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # padded row slots give 0
+    xi = _reduce_heads(attn.sum(dim=2), heads)
+    return torch.where(layout.vision_mask, xi, torch.zeros_like(xi))
 
 
 @Relevance.register("uniform")

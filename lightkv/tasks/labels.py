@@ -38,8 +38,9 @@ def label_loss(model, feats: torch.Tensor, labels: torch.Tensor, groups, transla
         target = target @ translate.T
     loss = F.mse_loss(feats, target + emb[IMAGE_ID])
     for s, group in enumerate(groups):
-        index = {w: i for i, w in enumerate(group)}
-        truth = words[..., s].clone().apply_(index.__getitem__)
+        index = torch.full((max(group) + 1,), -1, dtype=torch.long)  # word id -> class in the group
+        index[list(group)] = torch.arange(len(group))
+        truth = index[words[..., s]]
         loss = loss + F.cross_entropy(_label_logits(model, feats, group, translate).flatten(0, 1), truth.flatten())
     return loss
 
