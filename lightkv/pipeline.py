@@ -23,6 +23,7 @@ from .graph.scatter import right_align
 from .policies.hashing import token_identity
 from .policies.inputs import StageInputs
 from .policies.partitioners import GridPartitioner, Partitioner
+from .policies.prompt import Prompt
 from .policies.passers import MessagePasser, RelevanceWeightedMean
 from .policies.pruners import PruneInputs, Pruner, SmallestDivergence
 from .policies.relevance import QueryAxisSoftmax, Relevance
@@ -108,6 +109,7 @@ class Stage:
         relevance: torch.Tensor | None = None,
         provenance: Provenance | None = None,
         keys: torch.Tensor | None = None,
+        prompt: Prompt | None = None,
     ) -> StageResult:
         """Run the stage.
 
@@ -117,13 +119,14 @@ class Stage:
             relevance: ``[B, N]`` ξ (non-negative); None means uniform.
             provenance: provenance up to this stage (None: the input is original).
             keys: ``[B, N, H_kv, d]`` the layer's keys, for policies that need them.
+            prompt: the prefill's token ids, for policies that read the prompt.
 
         Returns:
             a `StageResult`.
         """
         if not isinstance(hidden, torch.Tensor) or not isinstance(layout, VisionLayout):
             raise TypeError("Stage expects (hidden: torch.Tensor [B, N, D], layout: VisionLayout, ...)")
-        return self.run(StageInputs(layout, self.spec, hidden, relevance, keys, provenance))
+        return self.run(StageInputs(layout, self.spec, hidden, relevance, keys, provenance, prompt))
 
     def run(self, inputs: StageInputs) -> StageResult:
         """Run the stage on prepared `StageInputs` (``inputs.spec`` is replaced by this
@@ -294,12 +297,14 @@ class Pipeline:
         num_layers: int,
         relevance: torch.Tensor | None = None,
         keys: torch.Tensor | None = None,
+        prompt: Prompt | None = None,
     ) -> list[StageResult]:
         """Apply every stage in turn to the same hidden states, without a model.
 
         Useful to inspect what a schedule does to a layout (demo, docs, tests). ``relevance``
         (``[B, N]`` for the input sequence) and ``keys`` (``[B, N, H_kv, d]``, for
-        key-space policies) are carried along: each survivor keeps its own.
+        key-space policies) are carried along: each survivor keeps its own; ``prompt`` (the
+        token ids, at original positions) reaches policies that read the prompt.
 
         Returns:
             one `StageResult` per stage (provenance accumulates across stages).
@@ -310,7 +315,7 @@ class Pipeline:
             raise ValueError("this pipeline's stages run on a layer's cached keys and values after prefill, not on "
                              "hidden states: use lightkv.cache_stage.CacheStage (or lightkv.apply on a model)")
         for stage in stages:
-            res = stage(hidden, layout, relevance, provenance, keys)
+            res = stage(hidden, layout, relevance, provenance, keys, prompt)
             hole = res.kept_index < 0
             if relevance is not None:
                 relevance = relevance.gather(1, res.kept_index.clamp_min(0)).masked_fill(hole, 0)

@@ -393,7 +393,7 @@ class CompressionSession:
         st = self._state
         layout, provenance = st.layout, st.provenance
         relevance, keys = st.pending_relevance, st.pending_keys
-        result = drop_padding(stage(hidden, layout, relevance, provenance, keys))
+        result = drop_padding(stage(hidden, layout, relevance, provenance, keys, st.prompt))
         record = StageRecord(layer=i, stage=stage, result=result, tapped=st.pending_tapped)
         if self.record:
             record.hidden, record.layout, record.relevance = hidden, layout, relevance

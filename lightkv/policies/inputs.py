@@ -21,6 +21,7 @@ import torch
 
 from ..graph.layout import VisionLayout
 from ..graph.provenance import Provenance
+from .prompt import Prompt
 from .schedulers import StageSpec
 
 __all__ = ["Features", "StageInputs"]
@@ -45,6 +46,10 @@ class StageInputs:
             adapter computed them (it does when a policy `needs` them), else None.
         provenance: which current token represents each original token (None: the
             sequence is original).
+        prompt: the prefill's token ids (a `Prompt`; adapters pass it from ``input_ids``),
+            for policies conditioned on what the prompt says (e.g. CDPruner's instruction
+            relevance reads the question's embeddings through ``prompt.question_mask``);
+            None when the caller has no ids.
     """
 
     layout: VisionLayout
@@ -53,6 +58,7 @@ class StageInputs:
     relevance: torch.Tensor | None = None
     keys: torch.Tensor | None = None
     provenance: Provenance | None = None
+    prompt: Prompt | None = None
 
     @classmethod
     def of(
@@ -64,11 +70,11 @@ class StageInputs:
         window_size: tuple[int, int] | None = None,
         ratio: float = 0.5,
         layer: int = 0,
-        **tensors: torch.Tensor | Provenance | None,
+        **tensors: torch.Tensor | Provenance | Prompt | None,
     ) -> "StageInputs":
         """Inputs for a stage built from a layout and window settings, without a scheduler.
 
-        ``tensors`` are the other fields (``relevance``, ``keys``, ``provenance``).
+        ``tensors`` are the other fields (``relevance``, ``keys``, ``provenance``, ``prompt``).
         """
         spec = StageSpec(layer, ratio, windows_per_side=windows_per_side, window_size=window_size)
         return cls(layout=layout, spec=spec, hidden=hidden, **tensors)  # type: ignore[arg-type]
@@ -129,6 +135,8 @@ class StageInputs:
                 raise TypeError(f"hidden states must be floating point, got {self.hidden.dtype}")
         if self.relevance is not None and tuple(self.relevance.shape) != (b, n):
             raise ValueError(f"relevance must be [B, N] = {(b, n)}, got {tuple(self.relevance.shape)}")
+        if self.prompt is not None and self.prompt.token_ids.shape[0] != b:
+            raise ValueError(f"the prompt has {self.prompt.token_ids.shape[0]} rows, the layout {b}")
         if self.keys is not None:
             if self.keys.dim() not in (3, 4) or tuple(self.keys.shape[:2]) != (b, n):
                 raise ValueError(
