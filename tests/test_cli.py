@@ -13,6 +13,7 @@ import yaml
 from lightkv.cli import main
 from lightkv.config import PipelineConfig
 from lightkv.presets import PRESETS
+from lightkv.policies import Partitioner
 
 
 def run(capsys, *argv):
@@ -89,7 +90,7 @@ def test_config_validate_invalid_file_exit_1(capsys, tmp_path):
         f"lightkv: error: {path}: schedule.ratios.1: removal ratio must be in [0, 1) (0 keeps every token), got 1.5",
         (
             f"lightkv: error: {path}: partitioner.name: unknown partitioner 'gird'; registered partitioners: "
-            "anchor, global, grid, importance, pseudo_square, relevance_split, spatiotemporal, strided; did you mean 'grid'?"
+            + ", ".join(Partitioner.registered()) + "; did you mean 'grid'?"
         ),
     ]
 

@@ -95,6 +95,15 @@ class Adapter:
     def check_config(self) -> None:
         """Raise a clear error for configurations the adapter cannot handle."""
 
+    def tower_spec(self):
+        """Where the vision tower's attention is read, for relevance policies that
+        ``reads_tower`` (a `lightkv.adapters.tower.TowerSpec`). Default: refused; the
+        LLaVA-1.5 adapter (a CLIP or SigLIP tower, one pass per image) implements it."""
+        raise NotImplementedError(
+            f"tower relevance (e.g. tower_attention, VisionZip) reads the vision tower's attention, which the "
+            f"{self.family!r} adapter does not expose; supported: llava (LLaVA-1.5)"
+        )
+
     def check_stages(self, stages: Sequence[Any]) -> None:
         """Raise a clear error for a schedule this model cannot run exactly.
 

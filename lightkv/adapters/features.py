@@ -29,6 +29,7 @@ def relevance(
     layer: int,
     raw: dict[str, torch.Tensor] | None = None,
     prompt: Prompt | None = None,
+    tower: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, float]:
     """ξ ``[B, N]`` at a layer from the layer's input, projecting only the rows and
     columns the relevance policy reads.
@@ -44,6 +45,8 @@ def relevance(
             of the normed input, read during the layer's forward): rows are gathered from
             them instead of projected again.
         prompt: the prefill's token ids, given to a policy that `reads_prompt`.
+        tower: ``[B, H, N]`` attention received inside the vision tower, given to a policy
+            that `reads_tower`.
 
     Returns:
         ``(xi, flops)``: ξ (at least float32) and the FLOPs the projections and scores cost
@@ -52,6 +55,8 @@ def relevance(
     rel = stage.relevance
     rows, cols = rel.query_rows, rel.key_cols
     extra = {"prompt": prompt} if rel.reads_prompt else {}
+    if rel.reads_tower:
+        extra["tower"] = tower
     if rows == "none" and cols == "none":
         return rel.score(None, None, layout, **extra).float(), 0.0
     b, n = layout.batch_size, layout.seq_len

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ..graph.layout import ImageSegment
 from .base import Adapter, place_images
+from .tower import TowerSpec
 
 __all__ = ["LlavaAdapter"]
 
@@ -35,6 +36,26 @@ class LlavaAdapter(Adapter):
                 "[IMG_BREAK] row ends, not LLaVA-1.5 squares; use the 'pixtral' adapter (detected automatically)"
             )
         self.require_default_feature_strategy()
+
+    def tower_spec(self):
+        """The attention of the tower layer ``vision_feature_layer`` selects (hidden state
+        ``L + f`` of an ``L``-layer tower for ``f < 0``, so layer ``L + f``; layer ``f - 1``
+        for ``f > 0``); CLIP towers have a CLS token first, SigLIP towers none."""
+        feature_layer = getattr(self.config, "vision_feature_layer", -2)
+        tower = getattr(self.multimodal_module(), "vision_tower", None)
+        core = getattr(tower, "vision_model", tower)  # transformers 5 gives the CLIP/SigLIP model itself
+        layers = getattr(getattr(core, "encoder", None), "layers", None)
+        if not isinstance(feature_layer, int) or layers is None:
+            raise NotImplementedError(
+                "tower relevance needs one vision_feature_layer (an int) and a CLIP/SigLIP-style tower "
+                f"(.encoder.layers); this model has {feature_layer!r} and {type(tower).__name__}"
+            )
+        index = len(layers) + feature_layer if feature_layer < 0 else feature_layer - 1
+        if not 0 <= index < len(layers):
+            raise NotImplementedError(f"vision_feature_layer {feature_layer} selects no attention layer of the tower "
+                                      f"({len(layers)} layers): tower relevance cannot be read")
+        cls = "siglip" not in str(getattr(self.config.vision_config, "model_type", ""))
+        return TowerSpec(attention=layers[index].self_attn, cls=cls)
 
     def build_layout(self, inputs, padding):
         input_ids = inputs["input_ids"]

@@ -54,6 +54,7 @@ from .probes import AttentionProbe, LayerShape, probe_for_layer
 from .registry import get_adapter
 from .report import SessionReport
 from .tap import ProjectionTap
+from .tower import TowerTap
 from .trace import ForwardState, LayerStat, PrefillTrace, StageRecord
 
 __all__ = ["CompressionSession"]
@@ -132,6 +133,8 @@ class CompressionSession:
         self.layer_shapes: list[LayerShape] = [p.shape() for p in self._probes]
         self._taps = {i: ProjectionTap(self._probes[i], i) for i, s in self._stage_at.items()
                       if reuse_projections and ProjectionTap.wanted(s)}
+        wants_tower = any(s.relevance.reads_tower for s in self.stages)
+        self._tower = TowerTap(self.adapter.tower_spec()) if wants_tower else None
         self._cache_mode = CacheMode(self, self.stages)  # cache stages and H2O (no-op without them)
         self._prop = proportional.ProportionalAttention(self.adapter, pipeline.proportional_attention)
         self._signature = inspect.signature(self._mm.forward)
@@ -170,7 +173,7 @@ class CompressionSession:
                     self._handles.append(
                         layer.register_forward_hook(functools.partial(self._on_layer_post, i), with_kwargs=True)
                     )
-            for tap in self._taps.values():
+            for tap in [*self._taps.values(), *([self._tower] if self._tower else [])]:
                 self._handles.extend(tap.install())
         except BaseException:
             self._remove()
@@ -281,6 +284,8 @@ class CompressionSession:
     def _on_model_post(self, module, args, kwargs, output):
         st = self._state
         self._state = None
+        if self._tower is not None:  # generate runs the tower before this forward: forget it only now
+            self._tower.clear()
         if st is not None and st.mode == "prefill" and st.trace is not None:
             st.trace.final_layout = st.layout
             st.trace.provenance = st.provenance
@@ -383,8 +388,9 @@ class CompressionSession:
         st = self._state
         with torch.no_grad():
             probe = self._probes[i]
+            tower = self._tower.per_token(layout) if stage.relevance.reads_tower else None
             st.pending_relevance, flops = features.relevance(probe, stage, hidden, position_embeddings, layout, i,
-                                                                prompt=st.prompt)
+                                                                prompt=st.prompt, tower=tower)
             st.pending_keys, key_flops = features.stage_keys(probe, hidden) if "keys" in stage.needs else (None, 0.0)
             st.trace.relevance_flops += flops + key_flops
 

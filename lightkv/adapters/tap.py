@@ -64,6 +64,8 @@ class ProjectionTap:
     def wanted(stage: Stage) -> bool:
         """Whether ``stage`` reads anything the projections give (queries, keys)."""
         rel = stage.relevance
+        if rel.reads_tower:  # the session computes it before the layer (the tower ran already)
+            return False
         return rel.query_rows != "none" or rel.key_cols != "none" or "keys" in stage.needs
 
     def install(self) -> list[Any]:

@@ -47,7 +47,7 @@ __all__ = ["ABLATIONS", "CACHE_METHODS", "METHODS", "TARGETS", "AccuracyConfig",
            "method_pipeline", "run"]
 
 METHODS = ("lightkv", "lightkv-paper", "lightkv-no-relevance", "tome", "fastv", "pdrop", "random", "pool",
-           "elasticcache", "h2o")
+           "elasticcache", "h2o", "visionzip", "downsample")
 CACHE_METHODS = ("elasticcache", "h2o")
 """Methods that act on every layer's cache after prefill: at a target ``t`` every layer keeps
 ``t`` of its vision KV (ElasticCache merges ``1 - t`` of each image's entries, H2O keeps a
@@ -102,7 +102,7 @@ class AccuracyConfig:
 def method_pipeline(name: str, num_layers: int, target: float):
     """``(pipeline, how)``: preset ``name`` scaled to ``num_layers`` at ``target`` (see
     `budget_schedule` for ``how``)."""
-    from ..policies import CacheSchedule, H2OSchedule
+    from ..policies import CacheSchedule, H2OSchedule, PreLLMSchedule
     from ..policies.schedulers import ExplicitSchedule, scale_layers
     from ..presets import get_preset
 
@@ -112,6 +112,8 @@ def method_pipeline(name: str, num_layers: int, target: float):
         return replace(pipe, scheduler=replace(sched, ratio=round(1.0 - target, 6))), "cache"
     if isinstance(sched, H2OSchedule):
         return replace(pipe, scheduler=replace(sched, budget=target)), "cache"
+    if isinstance(sched, PreLLMSchedule):  # every layer sees the kept tokens: kept fraction = 1 - ratio
+        return replace(pipe, scheduler=replace(sched, ratio=1.0 - target)), "before the LLM"
     if not isinstance(sched, ExplicitSchedule):
         raise TypeError(f"preset {name!r} has no explicit schedule to scale")
     layers = scale_layers(sched.layers, REF_DEPTH, num_layers)

@@ -16,7 +16,7 @@ from .. import vis
 
 __all__ = ["detail_accuracy", "markdown_table", "plot", "provenance_picture", "write_outputs"]
 
-FLAGS = {"scaled": "", "extra stages": " (+stages)", "min": " (min)", "cache": " (cache)"}
+FLAGS = {"scaled": "", "extra stages": " (+stages)", "min": " (min)", "cache": " (cache)", "before the LLM": " (pre-LLM)"}
 
 
 def detail_accuracy(row: dict[str, Any], result: dict[str, Any]) -> float:

@@ -23,12 +23,13 @@ from .partitioners import (
 )
 from .passers import DropMessages, MessagePasser, RelevanceSizeWeightedMean, RelevanceWeightedMean, SizeWeightedMean
 from .plugins import EntryPointStatus, PluginError
-from .pooling import AnchorPartitioner, StridedPartitioner
+from .pooling import AnchorPartitioner, ResizePartitioner, StridedPartitioner
 from .pruners import (
     LowestRelevance,
     PruneInputs,
     Pruner,
     RandomPruner,
+    AllSources,
     RelevanceAwareDivergence,
     RelevanceBudget,
     SmallestDivergence,
@@ -36,6 +37,8 @@ from .pruners import (
 )
 from .prompt import Prompt
 from .question import QuestionAttention
+from .tower import TowerAttention
+from .visionzip import DominantContextual
 from .relevance import LastTokenAttention, QueryAxisSoftmax, Relevance, TextQueryAttention, UniformRelevance
 from .schedulers import (
     BudgetSchedule,
@@ -65,6 +68,9 @@ __all__ = [
     "FAMILIES",
     "AccumulatedAttention",
     "AnchorPartitioner",
+    "ResizePartitioner",
+    "DominantContextual",
+    "AllSources",
     "CacheSchedule",
     "H2OSchedule",
     "ImportancePartitioner",
@@ -83,6 +89,7 @@ __all__ = [
     "PreLLMSchedule",
     "Prompt",
     "QuestionAttention",
+    "TowerAttention",
     "L2Divergence",
     "LastTokenAttention",
     "LowestRelevance",

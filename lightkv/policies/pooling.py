@@ -5,6 +5,10 @@
   ``window_size=(k, k)`` and a ratio of at least ``1 - 1/k**2`` every window collapses into
   its anchor, which with a size-weighted mean is ``k x k`` average pooling (partial windows
   at the right and bottom edges are pooled too, like ``ceil_mode=True``).
+* `ResizePartitioner` (``resize``): each image's grid cut into an ``h' x w'`` grid of
+  blocks with ``h' w'`` at most the kept count the stage's ratio asks for; with the
+  ``all_sources`` pruner and the ``size_mean`` passer a stage is the downsampling baseline
+  (average pooling of the token grid to a target count).
 * `StridedPartitioner` (``strided``): one window per image (or batch row); the top-left
   token of every full ``stride`` block of the grid is a destination and every other token
   a source. This is the split of ``tomesd.merge.bipartite_soft_matching_random2d`` with
@@ -23,9 +27,10 @@ import torch
 
 from ..graph.scatter import segment_rank
 from ..graph.windows import grid_windows
+from .counts import image_vision_counts, kept_count
 from .partitioners import GlobalPartitioner, Partition, Partitioner
 
-__all__ = ["AnchorPartitioner", "StridedPartitioner"]
+__all__ = ["AnchorPartitioner", "ResizePartitioner", "StridedPartitioner", "resized_grid"]
 
 
 @Partitioner.register("anchor")
@@ -45,6 +50,73 @@ class AnchorPartitioner(Partitioner):
         inside = window >= 0
         is_src = torch.zeros_like(inside)
         is_src[inside] = segment_rank(window[inside]) > 0
+        return Partition(window, is_src)
+
+
+def resized_grid(h: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h', w')`` per image: the most cells ``h' w' <= k`` with ``h'`` one of the two
+    integers around the aspect-preserving height ``x = h sqrt(k / (h w))`` (each in
+    ``[1, h]``) and ``w' = min(w, floor(k / h'))`` (at least 1); at equal cell counts the
+    ``h'`` nearest ``x``. ``[I]`` int64 each."""
+    x = h.double() * torch.sqrt(k.double() / (h * w).clamp_min(1).double())
+    hi = h.clamp_min(1)
+
+    def cells(hh):
+        hh = torch.minimum(hh.clamp(min=1), hi)
+        ww = torch.minimum(torch.div(k, hh, rounding_mode="floor").clamp_min(1), w.clamp_min(1))
+        return hh, ww
+
+    (h0, w0), (h1, w1) = cells(torch.floor(x).long()), cells(torch.ceil(x).long())
+    p0, p1 = h0 * w0, h1 * w1
+    first = (p0 > p1) | ((p0 == p1) & ((x - h0).abs() <= (x - h1).abs()))
+    return torch.where(first, h0, h1), torch.where(first, w0, w1)
+
+
+@Partitioner.register("resize")
+@dataclass
+class ResizePartitioner(Partitioner):
+    """Downsampling to a token count: each image's ``h x w`` grid is cut into ``h' x w'``
+    blocks (token row ``r`` goes to block row ``floor(r h' / h)``, column ``c`` to block
+    column ``floor(c w' / w)``); the first token of each block (its top-left) is the block's
+    destination and every other token a source.
+
+    ``(h', w')`` comes from the kept count ``k = n - floor(P n)`` of the stage's removal
+    ratio ``P`` (`resized_grid`): the grid of the image's aspect ratio with at most ``k``
+    cells, so downsampling keeps ``h' w' <= k`` tokens (64 of 576 is 8 x 8 exactly; 28 of
+    256 is 5 x 5 = 25). Blocks are disjoint and cover the grid, so with ``all_sources`` and
+    ``size_mean`` a stage averages each block: ``torch.nn.functional.adaptive_avg_pool2d``
+    where ``h' | h`` and ``w' | w`` (the plain downsampling baseline that VTC-Bench, Liao
+    et al. 2025, arXiv:2510.07143, finds competitive with many pruning methods). The
+    schedule's window settings are ignored. Use it on a stage's original grid (a pre-LLM
+    stage, or the first stage): survivors of earlier stages leave holes in the blocks.
+    """
+
+    def partition(self, inputs):
+        layout = inputs.layout
+        vision = layout.vision_mask
+        window = torch.full_like(layout.image, -1)
+        is_src = torch.zeros_like(vision)
+        if not bool(vision.any()):
+            return Partition(window, is_src)
+        n = image_vision_counts(layout)
+        k = kept_count(n, inputs.spec.ratio)
+        h, w = layout.image_grid[:, 0], layout.image_grid[:, 1]
+        hh, ww = resized_grid(h, w, k)
+        img = layout.image[vision]
+        r, c = layout.coords[..., 0][vision], layout.coords[..., 1][vision]
+        block = torch.div(r * hh[img], h[img], rounding_mode="floor") * ww[img] + torch.div(
+            c * ww[img], w[img], rounding_mode="floor"
+        )
+        span = int((hh * ww).max())
+        touched = (k < n)[img]  # an image that keeps everything stays out of the graph
+        key = img * span + block
+        win = torch.full_like(img, -1)
+        if bool(touched.any()):
+            win[touched] = torch.unique(key[touched], sorted=True, return_inverse=True)[1]
+        window[vision] = win
+        src = torch.zeros_like(touched)
+        src[touched] = segment_rank(win[touched]) > 0
+        is_src[vision] = src
         return Partition(window, is_src)
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "RelevanceAwareDivergence",
     "LowestRelevance",
     "RandomPruner",
+    "AllSources",
     "RelevanceBudget",
     "allocate_removals",
 ]
@@ -174,6 +175,23 @@ class RandomPruner(Pruner):
 
     def key(self, inputs):
         return seeded_uniform(inputs.identity, self.seed)
+
+
+@Pruner.register("all_sources")
+@dataclass
+class AllSources(Pruner):
+    """Remove every A token of every window that has B tokens: the partitioner decides
+    alone what leaves (VisionZip's ``dominant_context``, the ``resize`` downsampling), so
+    the stage's ratio is spent there, not here (at ratio 0 nothing leaves).
+    """
+
+    def budget(self, graph, ratio):
+        """``[K]``: ``|A_w|`` where the window has B tokens, else 0; 0 everywhere at ratio 0."""
+        every = torch.where(graph.dst_count > 0, graph.src_count, torch.zeros_like(graph.src_count))
+        return every if ratio > 0 else torch.zeros_like(every)
+
+    def key(self, inputs):
+        return inputs.divergence
 
 
 def allocate_removals(ideal: torch.Tensor, capacity: torch.Tensor, group: torch.Tensor, total: torch.Tensor) -> torch.Tensor:

@@ -69,6 +69,10 @@ class Relevance(Policy):
     """Whether `score` also takes ``prompt=`` (a `lightkv.policies.Prompt`: the prefill's
     token ids), for policies conditioned on what the prompt says (see
     `lightkv.policies.QuestionAttention`)."""
+    reads_tower: ClassVar[bool] = False
+    """Whether `score` also takes ``tower=`` (``[B, H, N]``: the attention each token
+    receives inside the vision tower, which the adapter computes), for policies that rank
+    tokens as the vision encoder does (see `lightkv.policies.TowerAttention`)."""
 
     def score(self, queries: torch.Tensor | None, keys: torch.Tensor | None, layout: VisionLayout) -> torch.Tensor:
         """Relevance per token.

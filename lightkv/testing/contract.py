@@ -269,13 +269,17 @@ def _check_relevance(policy: Relevance) -> None:
     if policy.reads_prompt:  # token ids of the contract batch: text ids 5.., vision tokens 3
         ids = torch.where(inputs.layout.vision_mask, 3, 5 + torch.arange(n).expand(b, n) % 7)
         extra = {"prompt": Prompt(ids)}
+    if policy.reads_tower:  # attention received inside the vision tower, per head
+        extra["tower"] = torch.rand(b, HEADS, n, generator=gen)
     xi = policy.score(queries, keys, inputs.layout, **extra)
     if tuple(xi.shape) != (b, n):
         raise _fail(policy, f"score() must return [B, N] = {(b, n)}, got {tuple(xi.shape)}")
     if not xi.is_floating_point() or not torch.isfinite(xi).all() or (xi < 0).any():
         raise _fail(policy, "relevance must be finite and non-negative")
     for r in range(b):
-        one = {"prompt": Prompt(extra["prompt"].token_ids[r : r + 1])} if extra else {}
+        one = {"prompt": Prompt(extra["prompt"].token_ids[r : r + 1])} if "prompt" in extra else {}
+        if "tower" in extra:
+            one["tower"] = extra["tower"][r : r + 1]
         alone = policy.score(queries[r : r + 1], keys[r : r + 1], inputs.layout.row(r), **one)
         vision = inputs.layout.vision_mask[r]
         if not torch.allclose(alone[0][vision], xi[r][vision], rtol=1e-5, atol=1e-7):

@@ -1,0 +1,101 @@
+"""VisionZip's split (Yang et al., "VisionZip: Longer is Better but Not Necessary in Vision
+Language Models", CVPR 2025, arXiv:2412.04467): dominant tokens kept whole, contextual
+tokens merged.
+
+Each image keeps ``k`` tokens: the ``d`` tokens with the highest relevance (VisionZip: the
+CLS attention in the vision tower, `lightkv.policies.TowerAttention`) stay as they are;
+of the rest, ``c = k - d`` evenly spaced targets receive every other remaining token, each
+merged into its most similar target. As a partition: dominant tokens are outside the
+graph, targets are side B, every other remaining token is side A, and an image is one
+window; with the ``all_sources`` pruner, a ``cosine`` scorer and the ``size_mean`` passer a
+stage is VisionZip's contextual merging (each target becomes the mean of itself and the
+tokens assigned to it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..graph.scatter import segment_rank
+from .counts import image_vision_counts, kept_count
+from .partitioners import Partition, Partitioner
+
+__all__ = ["DominantContextual"]
+
+
+@Partitioner.register("dominant_context")
+@dataclass
+class DominantContextual(Partitioner):
+    """VisionZip's dominant / contextual split of each image.
+
+    With ``n`` current vision tokens in an image and the stage's removal ratio ``P``, the
+    image keeps ``k = n - floor(P n)`` (`lightkv.policies.counts.kept_count`), of which
+    ``c = max(1, round(contextual * k))`` are contextual and ``d = k - c`` dominant; nothing
+    happens to an image with ``k = n``. Following VisionZip's ``visionzip/clip_encoder.py``
+    (``CLIPVisionTower_VisionZip.forward``):
+
+    * dominant: the top-``d`` tokens by relevance ξ (``cls_attention_sum.topk``); ties go
+      to the earlier token. VisionZip also always keeps the CLS token, which LLaVA's
+      ``default`` feature selection has already dropped before the language model; here
+      all ``d`` are image tokens.
+    * targets: of the ``R = n - d`` remaining tokens in sequence order, those at
+      ``0, step, 2 step, ...`` with ``step = max(1, R // c)``, the first ``c`` of them
+      (``torch.arange(0, R, step)[:c]``).
+    * the other remaining tokens are sources, merged into the target of highest
+      similarity (the stage's scorer; VisionZip uses the tower layer's keys averaged over
+      heads, a stage here the features its scorer reads).
+
+    VisionZip's released budgets are 54 + 10, 108 + 20 and 162 + 30 of 576 tokens, a
+    contextual share of 10/64 at each.
+
+    Attributes:
+        contextual: share of the kept tokens that are contextual (merged) tokens.
+    """
+
+    contextual: float = 10 / 64
+
+    def __post_init__(self) -> None:
+        if isinstance(self.contextual, bool) or not isinstance(self.contextual, (int, float)) or not (
+            0.0 < float(self.contextual) <= 1.0
+        ):
+            raise ValueError(f"contextual must be a share in (0, 1], got {self.contextual!r}")
+
+    def partition(self, inputs):
+        layout = inputs.layout
+        vision = layout.vision_mask
+        window = torch.full_like(layout.image, -1)
+        is_src = torch.zeros_like(vision)
+        if not bool(vision.any()):
+            return Partition(window, is_src)
+        if inputs.relevance is None:
+            raise ValueError("the dominant_context partitioner ranks tokens by relevance: give the stage a relevance "
+                             "(VisionZip: tower_attention)")
+        n = image_vision_counts(layout)
+        k = kept_count(n, inputs.spec.ratio)
+        c = torch.where(k < n, torch.round(k.double() * float(self.contextual)).long().clamp(1), 0)
+        c = torch.minimum(c, k)
+        d = k - c
+        img = layout.image[vision]  # [M] in sequence order
+        xi = inputs.relevance[vision].to(torch.float64)
+        # rank by relevance inside each image: descending xi, ties to the earlier token
+        by_xi = torch.sort(-xi, stable=True).indices
+        order = by_xi[torch.sort(img[by_xi], stable=True).indices]
+        rank = torch.empty_like(img)
+        rank[order] = segment_rank(img[order])
+        dominant = rank < d[img]
+        rest = ~dominant & (k[img] < n[img])
+        rest_img = img[rest]
+        rest_rank = segment_rank(rest_img)
+        step = torch.clamp_min(torch.div(n - d, c.clamp_min(1), rounding_mode="floor"), 1)[rest_img]
+        target = (rest_rank % step == 0) & (torch.div(rest_rank, step, rounding_mode="floor") < c[rest_img])
+        win = torch.full_like(img, -1)
+        win[rest] = rest_img
+        src = torch.zeros_like(rest)
+        src[rest] = ~target
+        window[vision] = win
+        is_src[vision] = src
+        used = torch.unique(window[window >= 0], sorted=True, return_inverse=True)[1]  # compact ids
+        window[window >= 0] = used
+        return Partition(window, is_src)
