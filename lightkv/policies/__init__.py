@@ -36,7 +36,14 @@ from .pruners import (
 )
 from .prompt import Prompt
 from .question import QuestionAttention
-from .relevance import LastTokenAttention, QueryAxisSoftmax, Relevance, TextQueryAttention, UniformRelevance
+from .relevance import (
+    LastTokenAttention,
+    QueryAxisSoftmax,
+    RandomRelevance,
+    Relevance,
+    TextQueryAttention,
+    UniformRelevance,
+)
 from .schedulers import (
     BudgetSchedule,
     CacheSchedule,
@@ -114,6 +121,7 @@ __all__ = [
     "StridedPartitioner",
     "TextQueryAttention",
     "UniformRelevance",
+    "RandomRelevance",
     "allocate_removals",
     "average_kept_fraction",
     "budget_schedule",
