@@ -29,6 +29,7 @@ from .policies.pruners import PruneInputs, Pruner, SmallestDivergence
 from .policies.relevance import QueryAxisSoftmax, Relevance
 from .policies.schedulers import ExplicitSchedule, Scheduler, StageSpec
 from .policies.scorers import CosineDivergence, EdgeScorer
+from .quirks import ReleasedQuirks
 
 __all__ = ["Stage", "StageResult", "Pipeline"]
 
@@ -249,6 +250,10 @@ class Pipeline:
             gets the attention weight of ``k`` copies of itself; in prefill and decoding.
             Identity while no token stands for more than one. `run` (no model, no
             attention) is the same either way.
+        released_quirks: what the authors' released code does inside a model that the
+            method does not (`lightkv.quirks.ReleasedQuirks`: positions renumbered after a
+            merge, the first merge layer unmasked); all off except in the
+            ``lightkv-paper-released`` presets. `run` is the same either way.
     """
 
     scheduler: Scheduler = field(default_factory=ExplicitSchedule)
@@ -261,8 +266,11 @@ class Pipeline:
     name: str = "custom"
     layout: str = "native"
     proportional_attention: bool = False
+    released_quirks: ReleasedQuirks = field(default_factory=ReleasedQuirks)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.released_quirks, ReleasedQuirks):
+            raise TypeError(f"released_quirks must be a lightkv.quirks.ReleasedQuirks, got {self.released_quirks!r}")
         if self.layout not in ("native", "reference"):
             raise ValueError(f"unknown layout {self.layout!r}; choose 'native' (lightkv) or 'reference' (authors' code)")
         if not isinstance(self.proportional_attention, bool):

@@ -21,7 +21,7 @@ PACKAGE = ROOT / "lightkv"
 LAYERS = [
     ("graph",),
     ("policies",),
-    ("pipeline", "cache_stage"),
+    ("pipeline", "cache_stage", "quirks"),
     ("config", "presets"),
     ("adapters",),
     ("api", "testing", "vis", "tasks", "generate", "stages_demo", "bench", "cli", "__main__"),

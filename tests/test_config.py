@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from importlib import resources
 
@@ -95,6 +96,36 @@ def test_preset_has_summary_description_and_source(name):
     assert p.source
     # the description cites a paper (a year) or says it is a baseline
     assert any(str(y) in p.description + p.source for y in range(2019, 2030)) or "baseline" in p.source
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_released_quirks_only_in_the_released_presets(name):
+    # lightkv-paper-released* = lightkv-paper* + the released code's quirks; nothing else has them
+    pipe = PRESETS[name].build()
+    released = name.startswith("lightkv-paper-released")
+    assert pipe.released_quirks.any == released
+    assert (getattr(pipe.pruner, "budget_dtype", "float64") == "float32") == released
+    assert (pipe.relevance.name == "random") == (name == "lightkv-paper-released")
+    if released:
+        base = PRESETS[name.replace("-released", "")].build()
+        assert dataclasses.replace(pipe, name=base.name, relevance=base.relevance, pruner=base.pruner,
+                                   released_quirks=base.released_quirks) == base
+        assert pipe.released_quirks.enabled() == ["renumber_positions", "unmasked_first_merge"]
+
+
+def test_released_quirks_in_yaml():
+    text = "name: x\nreleased_quirks: {renumber_positions: true}\n"
+    cfg = PipelineConfig.from_yaml_text(text)
+    assert cfg.build().released_quirks.enabled() == ["renumber_positions"]
+    assert cfg.to_yaml().endswith("released_quirks: {renumber_positions: true}\n")
+    assert "released_quirks" not in PipelineConfig.from_yaml_text("name: x\n").to_yaml()
+    with pytest.raises(ConfigError) as e:
+        PipelineConfig.from_yaml_text("name: x\nreleased_quirks: {renumber_position: true, unmasked_first_merge: 1}\n")
+    got = problems(e.value)
+    assert "did you mean 'renumber_positions'?" in got["released_quirks.renumber_position"]
+    assert "boolean" in got["released_quirks.unmasked_first_merge"]
+    assert set(json_schema()["$defs"]["ReleasedQuirksConfig"]["properties"]) == {"renumber_positions",
+                                                                                "unmasked_first_merge"}
 
 
 CACHE_MODE = ("elasticcache", "h2o")

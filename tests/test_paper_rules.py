@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import lightkv
-from lightkv import ImageSegment, Pipeline, Stage, VisionLayout
+from lightkv import ImageSegment, Pipeline, Stage, StageInputs, VisionLayout
 from lightkv.graph import grid_windows, pseudo_square_windows
 from lightkv.policies import (
     ExplicitSchedule,
@@ -98,6 +98,34 @@ def test_budget_cap_above_one_half(cap, left):
     assert int(stage(torch.randn(1, 300, 4, dtype=torch.float64), layout).layout.vision_counts()) == left
 
 
+@pytest.mark.parametrize(
+    "grid,ratio,exact,float32",
+    # 180 * 0.35 = 62.99999999999999 in float64 (62 leave), 63.0 once rounded to float32 (63
+    # leave); 100 * 0.29 = 28.999999999999996 (28) against 29.0 (29): the released code's
+    # (P * counts).long() keeps 117 and 71 where the exact floor keeps 118 and 72
+    [((12, 15), 0.35, 118, 117), ((10, 10), 0.29, 72, 71), ((24, 24), 0.5, 288, 288)],
+)
+def test_float32_budget_product(grid, ratio, exact, float32):
+    n = grid[0] * grid[1]
+    layout = VisionLayout.from_segments(1, n + 6, [ImageSegment(0, 3, grid)])
+    x = torch.randn(1, n + 6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    kept = {}
+    for dtype in ("float64", "float32"):
+        stage = Stage(StageSpec(0, ratio, windows_per_side=1), partitioner=PseudoSquarePartitioner(),
+                      pruner=SmallestDivergence(cap="half", budget_dtype=dtype))
+        kept[dtype] = int(stage(x, layout).layout.vision_counts())
+    assert (kept["float64"], kept["float32"]) == (exact, float32)
+    with pytest.raises(ValueError, match="unknown budget_dtype 'float16'.*'float64'.*'float32'"):
+        SmallestDivergence(budget_dtype="float16").budget(_graph(layout), ratio)
+
+
+def _graph(layout):
+    from lightkv.graph import BipartiteGraph
+
+    part = PseudoSquarePartitioner().partition(StageInputs.of(layout, windows_per_side=1))
+    return BipartiteGraph.build(part.window, part.is_src)
+
+
 def _counts(preset, grid, layers=28, schedule=None):
     n = grid[0] * grid[1] + 10
     layout = VisionLayout.from_segments(1, n, [ImageSegment(0, 4, grid)])
@@ -130,6 +158,8 @@ def test_skip_rule_is_per_row_and_off_by_default():
     [
         ("lightkv-paper", (24, 24), [288, 145, 73]),
         ("lightkv-paper-qwen2_5_vl", (32, 32), [520, 260, 131]),
+        ("lightkv-paper-released", (24, 24), [288, 145, 73]),
+        ("lightkv-paper-released-qwen2_5_vl", (32, 32), [520, 260, 131]),
     ],
 )
 def test_paper_counts_still_hold_with_all_rules(preset, grid, expected):

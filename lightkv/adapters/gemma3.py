@@ -31,7 +31,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from ..graph.layout import ImageSegment
 from .base import Adapter, place_images
-from .masks import _finish_mask
+from .masks import finish_mask
 
 __all__ = ["Gemma3Adapter", "block_ids"]
 
@@ -123,7 +123,7 @@ class Gemma3Adapter(Adapter):
             allowed = allowed & (ok > oq - window)
         allowed = allowed & valid.unsqueeze(1) & valid.unsqueeze(2)
         allowed |= torch.eye(origin.shape[1], dtype=torch.bool, device=origin.device)
-        return _finish_mask(allowed, impl, dtype)
+        return finish_mask(allowed, impl, dtype)
 
     def decode_mask(self, layer, origin, valid, q_len, impl, dtype):
         window = self._window(layer)
@@ -138,4 +138,4 @@ class Gemma3Adapter(Adapter):
         allowed = valid.unsqueeze(1) & (ok <= oq) & (ok > oq - window)
         k = torch.arange(total, device=valid.device)
         allowed |= (k.unsqueeze(0) == past + torch.arange(q_len, device=valid.device).unsqueeze(1)).unsqueeze(0)
-        return _finish_mask(allowed, impl, dtype)
+        return finish_mask(allowed, impl, dtype)

@@ -13,10 +13,12 @@ from ..graph.provenance import Provenance
 from ..graph.scatter import right_align
 from ..pipeline import StageResult
 
-__all__ = ["decode_mask", "drop_padding", "gather_position_ids", "gather_tokens", "prefill_mask"]
+__all__ = ["decode_mask", "drop_padding", "finish_mask", "gather_position_ids", "gather_tokens", "prefill_mask"]
 
 
-def _finish_mask(allowed: torch.Tensor, impl: str, dtype: torch.dtype) -> torch.Tensor:
+def finish_mask(allowed: torch.Tensor, impl: str, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, 1, Q, L]`` from ``allowed`` ``[B, Q, L]`` bool: bool under sdpa, additive float
+    (0 or the dtype's minimum) under eager."""
     allowed = allowed.unsqueeze(1)
     if impl == "sdpa":
         return allowed
@@ -42,7 +44,7 @@ def prefill_mask(origin: torch.Tensor, valid: torch.Tensor, impl: str, dtype: to
     n = origin.shape[1]
     allowed = (origin.unsqueeze(1) <= origin.unsqueeze(2)) & valid.unsqueeze(1) & valid.unsqueeze(2)
     allowed |= torch.eye(n, dtype=torch.bool, device=origin.device)
-    return _finish_mask(allowed, impl, dtype)
+    return finish_mask(allowed, impl, dtype)
 
 
 def decode_mask(valid: torch.Tensor, q_len: int, impl: str, dtype: torch.dtype) -> torch.Tensor | None:
@@ -63,7 +65,7 @@ def decode_mask(valid: torch.Tensor, q_len: int, impl: str, dtype: torch.dtype) 
     qpos = past + torch.arange(q_len, device=valid.device)
     allowed = valid.unsqueeze(1) & (k.unsqueeze(0) <= qpos.unsqueeze(1)).unsqueeze(0)
     allowed |= (k.unsqueeze(0) == qpos.unsqueeze(1)).unsqueeze(0)
-    return _finish_mask(allowed, impl, dtype)
+    return finish_mask(allowed, impl, dtype)
 
 
 def _batch(t: torch.Tensor, b: int) -> torch.Tensor:

@@ -27,7 +27,8 @@ positions come from the model as usual (the original prompt length onwards), so 
 layer continues consistently. Beam search works because the hole masks live in the cache
 layers and follow ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave``.
 The cache mode (``cache_mode``: cache stages, H2O) leaves hidden states alone and replaces
-listed layers' cache entries after they ran; ``proportional`` adds ``log(size)`` per key.
+listed layers' cache entries after they ran; ``proportional`` adds ``log(size)`` per key;
+``released`` reproduces the released code's renumbered positions and unmasked first merge.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from .guards import attention_implementation, check_attention_mask, check_cache,
 from .masks import drop_padding, gather_position_ids, gather_tokens
 from .probes import AttentionProbe, LayerShape, probe_for_layer
 from .registry import get_adapter
+from .released import ReleasedQuirksHook
 from .report import SessionReport
 from .tap import ProjectionTap
 from .tower import TowerTap
@@ -137,6 +139,7 @@ class CompressionSession:
         self._tower = TowerTap(self.adapter.tower_spec()) if wants_tower else None
         self._cache_mode = CacheMode(self, self.stages)  # cache stages and H2O (no-op without them)
         self._prop = proportional.ProportionalAttention(self.adapter, pipeline.proportional_attention)
+        self._released = ReleasedQuirksHook(self.adapter, pipeline.released_quirks, self._lm, self.stages)
         self._signature = inspect.signature(self._mm.forward)
         self._attn_impl()  # fail early on unsupported attention
         self._handles: list[Any] = []
@@ -353,6 +356,9 @@ class CompressionSession:
         if not st.compressed:
             st.full_pos = kwargs.get("position_embeddings")
             st.full_pos_ids = kwargs.get("position_ids")
+            unmasked = self._released.prefill_mask(i, layout, st.impl, hidden.dtype)  # released code's first merge
+            if unmasked is not None:
+                kwargs["attention_mask"] = unmasked
         else:
             key = self.adapter.mask_key(i)
             if key not in st.masks:
@@ -445,4 +451,6 @@ class CompressionSession:
             cos, sin = st.full_pos
             st.pos = (gather_tokens(cos, index), gather_tokens(sin, index))
         st.pos_ids = gather_position_ids(st.full_pos_ids, index)
+        # the released code's plain 0..N'-1 after a merge (a no-op unless asked for)
+        st.pos, st.pos_ids = self._released.positions(st.layout, st.trace.input_valid, st.full_pos, st.pos, st.pos_ids)
         st.masks, st.gathered = {}, {}

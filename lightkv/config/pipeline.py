@@ -3,6 +3,7 @@ conversions between configs, pipeline objects and files."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -21,6 +22,7 @@ from pydantic_core import PydanticCustomError
 
 from ..pipeline import Pipeline, Stage
 from ..policies import FAMILIES, Policy, StageSpec, average_kept_fraction
+from ..quirks import ReleasedQuirks
 from .errors import ConfigError, _did_you_mean, _dotted, _fail, _short
 from .schedule import ScheduleConfig
 from .specs import (
@@ -36,10 +38,28 @@ from .yaml_io import _load_yaml, dump_yaml, read_config_text
 
 __all__ = [
     "PipelineConfig",
+    "ReleasedQuirksConfig",
     "config_from_pipeline",
     "pipeline_from_yaml",
     "pipeline_to_yaml",
 ]
+
+
+class ReleasedQuirksConfig(BaseModel):
+    """`lightkv.quirks.ReleasedQuirks` as validated data (``released_quirks:`` in YAML)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    renumber_positions: StrictBool = Field(
+        False,
+        description="After every merge the later prefill layers see plain positions 0..N'-1 over each row's "
+        "survivors (on Qwen2.5-VL on all three M-RoPE axes); decoding keeps the model's own positions.",
+    )
+    unmasked_first_merge: StrictBool = Field(
+        False,
+        description="The decoder layer whose output the first stage merges attends without a causal mask during "
+        "prefill (every real token to every real token of its row).",
+    )
 
 
 class PipelineConfig(BaseModel):
@@ -79,6 +99,12 @@ class PipelineConfig(BaseModel):
         False,
         description="ToMe's proportional attention: every layer after a merge adds log(size) of each key to its "
         "attention logits (prefill and decoding), so a merged token weighs as the tokens it stands for.",
+    )
+
+    released_quirks: ReleasedQuirksConfig = Field(
+        default_factory=lambda: ReleasedQuirksConfig(),
+        description="What the authors' released code does inside a model that the method does not; all off except "
+        "in the lightkv-paper-released presets (LLaVA-1.5 and Qwen2.5-VL only).",
     )
 
     @field_validator("summary")
@@ -174,6 +200,7 @@ class PipelineConfig(BaseModel):
             name=cfg.name,
             layout=cfg.layout,
             proportional_attention=cfg.proportional_attention,
+            released_quirks=ReleasedQuirks(**cfg.released_quirks.model_dump()),
             **cfg._policies(),  # type: ignore[arg-type]
         )
 
@@ -250,6 +277,9 @@ class PipelineConfig(BaseModel):
             out["layout"] = self.layout
         if self.proportional_attention:
             out["proportional_attention"] = True
+        quirks = {k: True for k, v in self.released_quirks.model_dump().items() if v}
+        if quirks:
+            out["released_quirks"] = quirks
         return out
 
     # ------------------------------------------------------------------ YAML
@@ -310,6 +340,7 @@ def config_from_pipeline(pipeline: Pipeline, *, summary: str = "", description: 
     }
     data["layout"] = pipeline.layout
     data["proportional_attention"] = pipeline.proportional_attention
+    data["released_quirks"] = dataclasses.asdict(pipeline.released_quirks)
     try:
         return PipelineConfig.model_validate(data)
     except ValidationError as e:
@@ -333,6 +364,8 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel]:
         return PipelineConfig
     if loc[0] == "schedule":
         return ScheduleConfig if len(loc) == 1 else PolicySpec
+    if loc[0] == "released_quirks":
+        return ReleasedQuirksConfig
     return PolicySpec
 
 

@@ -37,9 +37,16 @@ from .pruners import (
 )
 from .prompt import Prompt
 from .question import QuestionAttention
+from .relevance import (
+    LastTokenAttention,
+    QueryAxisSoftmax,
+    RandomRelevance,
+    Relevance,
+    TextQueryAttention,
+    UniformRelevance,
+)
 from .tower import TowerAttention
 from .visionzip import DominantContextual
-from .relevance import LastTokenAttention, QueryAxisSoftmax, Relevance, TextQueryAttention, UniformRelevance
 from .schedulers import (
     BudgetSchedule,
     CacheSchedule,
@@ -121,6 +128,7 @@ __all__ = [
     "StridedPartitioner",
     "TextQueryAttention",
     "UniformRelevance",
+    "RandomRelevance",
     "allocate_removals",
     "average_kept_fraction",
     "budget_schedule",

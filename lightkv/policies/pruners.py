@@ -74,9 +74,18 @@ class Pruner(Policy):
 
     def budget(self, graph: BipartiteGraph, ratio: float) -> torch.Tensor:
         """``[K]`` tokens to remove per window: ``min(floor(ratio * n_w), |A_w|)``, or with
-        ``cap == "half"`` ``min(floor(ratio * n_w), |A_w|, floor(n_w / 2))``."""
-        n = graph.window_size.double()
-        r = torch.floor(n * ratio).long()
+        ``cap == "half"`` ``min(floor(ratio * n_w), |A_w|, floor(n_w / 2))``. With
+        ``budget_dtype == "float32"`` the product ``ratio * n_w`` is rounded to float32
+        before it is truncated (the released code's ``(P * counts).long()``), which can
+        remove one more: 0.35 * 180 is 62.99999999999999 in float64 but 63.0 in float32."""
+        precision = getattr(self, "budget_dtype", "float64")
+        if precision == "float32":
+            r = (torch.tensor(ratio, dtype=torch.float32) * graph.window_size.float()).long()
+        elif precision == "float64":
+            r = torch.floor(graph.window_size.double() * ratio).long()
+        else:
+            raise ValueError(f"unknown budget_dtype {precision!r}; choose 'float64' (exact floor) or 'float32' "
+                             "(the released code's truncated float32 product)")
         r = torch.minimum(r, graph.src_count)
         cap = getattr(self, "cap", "sources")
         if cap == "half":
@@ -114,9 +123,14 @@ class SmallestDivergence(Pruner):
     Attributes:
         cap: the most a window loses: ``sources`` (all of side A) or ``half``
             (``floor(n_w / 2)``, the reference code's cap).
+        budget_dtype: ``float64`` (``floor(P * n_w)`` on the exact product) or ``float32``
+            (the released code's float32 product, truncated: one more token can leave
+            where ``P * n_w`` is just below an integer; the ``lightkv-paper-released``
+            presets only).
     """
 
     cap: Literal["sources", "half"] = "sources"
+    budget_dtype: Literal["float64", "float32"] = "float64"
 
     def key(self, inputs):
         return inputs.divergence

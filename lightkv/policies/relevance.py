@@ -18,8 +18,16 @@ import torch
 from ..graph.layout import VisionLayout
 from ..graph.scatter import pack_rows
 from .base import Policy
+from .hashing import seeded_uniform, token_identity
 
-__all__ = ["Relevance", "QueryAxisSoftmax", "LastTokenAttention", "TextQueryAttention", "UniformRelevance"]
+__all__ = [
+    "Relevance",
+    "QueryAxisSoftmax",
+    "LastTokenAttention",
+    "TextQueryAttention",
+    "UniformRelevance",
+    "RandomRelevance",
+]
 
 Heads = Literal["sum", "mean", "max"]
 HEADS: tuple[str, ...] = ("sum", "mean", "max")
@@ -240,3 +248,29 @@ class UniformRelevance(Relevance):
 
     def score(self, queries, keys, layout):
         return layout.vision_mask.float()
+
+
+@Relevance.register("random")
+@dataclass
+class RandomRelevance(Relevance):
+    """ξ uniform in ``[0, 1)`` per vision token, independent of the prompt: what the
+    authors' released LLaVA code merges with, because its hook replaces the attention
+    scores by ``torch.rand_like`` (a leftover marked "TODO: REMOVE THIS"; the
+    ``lightkv-paper-released`` preset).
+
+    The released code draws from the global RNG, so its runs differ from each other; here
+    each token's draw is a hash of its grid position and ``seed``
+    (`lightkv.policies.hashing.seeded_uniform`), so a row gets the same ξ alone or inside
+    a batch and on every run: the same distribution, not the same numbers.
+
+    Attributes:
+        seed: changes the draw.
+    """
+
+    query_rows: ClassVar[str] = "none"
+    key_cols: ClassVar[str] = "none"
+    seed: int = 0
+
+    def score(self, queries, keys, layout):
+        xi = seeded_uniform(token_identity(layout), self.seed)
+        return torch.where(layout.vision_mask, xi, torch.zeros_like(xi))

@@ -26,6 +26,8 @@ _ORDER = (
     "lightkv-qwen2_5_vl",
     "lightkv-paper",
     "lightkv-paper-qwen2_5_vl",
+    "lightkv-paper-released",
+    "lightkv-paper-released-qwen2_5_vl",
     "lightkv-budget",
     "lightkv-no-relevance",
     "lightkv-video",

@@ -1,0 +1,224 @@
+"""The released code's model-level quirks (`lightkv.quirks.ReleasedQuirks`), checked against
+their definitions with the model's own layers run by hand (the released code is not a
+dependency).
+
+* ``renumber_positions``: after every merge the later layers see plain positions
+  ``0 .. N'-1`` (Qwen2.5-VL: the same index on all three M-RoPE axes). Reference: the
+  unhooked decoder layers called one by one, the merge applied by the recorded pure `Stage`,
+  and every later layer given the model's rotary embedding of ``arange(N')``.
+* ``unmasked_first_merge``: the first merge layer attends with a full (non-causal) mask.
+  Reference: that layer called with an all-true mask.
+Both: nothing removed = the unhooked model, bit for bit; a row alone = the row in a padded
+batch; other families refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import lightkv
+from lightkv import Pipeline
+from lightkv.adapters import apply
+from lightkv.policies import ExplicitSchedule
+from lightkv.quirks import ReleasedQuirks
+from lightkv.testing import TINY_MODELS
+
+from .conftest import assert_rows_match_batch, get_model
+
+FAMILIES = ["llava", "qwen2_5_vl"]
+GEN = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+ALL = ReleasedQuirks(renumber_positions=True, unmasked_first_merge=True)
+QUIRKS = {
+    "renumber": ReleasedQuirks(renumber_positions=True),
+    "unmasked": ReleasedQuirks(unmasked_first_merge=True),
+    "both": ALL,
+}
+SCHEDULE = ExplicitSchedule(layers=(1, 2), windows_per_side=(2, 1), ratios=(0.5,))
+
+
+def released(quirks: ReleasedQuirks = ALL, schedule=SCHEDULE, preset: str = "lightkv-paper") -> Pipeline:
+    return dataclasses.replace(lightkv.load(preset).with_scheduler(schedule), released_quirks=quirks)
+
+
+def _batch(family: str, model, rows=((1, 0),)):
+    """One row per ``(images, seed)``; Qwen's images are 8x8 tokens, so that the first
+    stage (2x2 windows) is not skipped by the reference's small-image rule (8 * W^2)."""
+    fam = TINY_MODELS[family]
+    if family == "qwen2_5_vl":
+        return fam.collate([fam.row(model, images=[(1, 16, 16)] * k, seed=s) for k, s in rows])
+    return fam.collate([fam.row(model, images=k, seed=s) for k, s in rows])
+
+
+def _layer_inputs(model, batch):
+    """What the unhooked model hands decoder layer 0 (hidden states, full position
+    embeddings), read by a temporary hook on this instance."""
+    lm = model.model.language_model
+    seen = {}
+
+    def grab(module, args, kwargs):
+        seen["hidden"] = args[0] if args else kwargs["hidden_states"]
+        seen["pos"] = kwargs["position_embeddings"]
+
+    handle = lm.layers[0].register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        model(**batch)
+    finally:
+        handle.remove()
+    return seen["hidden"], seen["pos"]
+
+
+def _reference_logits(model, batch, records, quirks: ReleasedQuirks, impl: str):
+    """The definition, by hand, for one unpadded row: each layer called directly; after a
+    merge, positions ``arange(N')`` through the model's rotary embedding and a plain causal
+    mask; the first merge layer with an all-true mask if unmasked; merges by the recorded
+    stages' pure `Stage` on *our* hidden states (which must equal the hooked ones)."""
+    lm = model.model.language_model
+    hidden, pos = _layer_inputs(model, batch)
+    full = pos
+    stages = {r.layer: r for r in records}
+    first = min(stages)
+    for i, layer in enumerate(lm.layers):
+        n = hidden.shape[1]
+        mask = None  # sdpa's own causal path, as the unhooked model (no padding)
+        if impl == "eager":
+            mask = torch.full((1, 1, n, n), torch.finfo(hidden.dtype).min, dtype=hidden.dtype).triu(1)
+        if quirks.unmasked_first_merge and i == first:
+            mask = torch.ones(1, 1, n, n, dtype=torch.bool) if impl == "sdpa" else torch.zeros(1, 1, n, n, dtype=hidden.dtype)
+        out = layer(hidden, attention_mask=mask, position_embeddings=pos, use_cache=False)
+        hidden = out[0] if isinstance(out, tuple) else out
+        if i in stages:
+            rec = stages[i]
+            assert torch.equal(hidden, rec.hidden), f"layer {i}: the hooked model's layer output differs"
+            hidden = rec.stage(hidden, rec.layout, rec.relevance, rec.provenance).hidden
+            if quirks.renumber_positions and hidden.shape[1] < full[0].shape[1]:  # once a token has left
+                pos = lm.rotary_emb(hidden, torch.arange(hidden.shape[1]).unsqueeze(0))
+            else:
+                index = rec.result.layout.origin  # original positions, as lightkv-paper keeps them
+                pos = tuple(t.gather(1, index[..., None].expand(-1, -1, t.shape[-1])) for t in full)
+    return model.lm_head(lm.norm(hidden))
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("which", sorted(QUIRKS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_equals_the_definition_by_hand(family, which, impl):
+    model = get_model(family, impl)
+    batch = _batch(family, model)
+    quirks = QUIRKS[which]
+    with apply(released(quirks), model, record=True) as session:
+        out = model(**batch)
+    assert [r.layer for r in session.records] == [1, 2]
+    assert session.records[-1].result.layout.vision_counts().tolist() != [0]
+    want = _reference_logits(model, batch, session.records, quirks, impl)
+    assert out.logits.shape == want.shape
+    assert torch.equal(out.logits, want)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_quirk_changes_the_logits_and_the_merge_layer_is_unmasked(family):
+    model = get_model(family)
+    batch = _batch(family, model)
+    with apply(released(ReleasedQuirks()), model, record=True) as plain:
+        base = model(**batch).logits
+    for quirks in QUIRKS.values():
+        with apply(released(quirks), model, record=True) as session:
+            logits = model(**batch).logits
+        assert (logits - base).abs().max() > 1e-3
+        # the first merge layer's output (the first stage's input) differs iff it is unmasked
+        same = torch.equal(session.records[0].hidden, plain.records[0].hidden)
+        assert same == (not quirks.unmasked_first_merge)
+
+
+def _first_merge_cache(model, batch, quirks):
+    with apply(released(quirks), model) as session:
+        cache = model(**batch, use_cache=True).cache
+    assert session.last_prefill.stages
+    return cache.layers[1].keys, cache.layers[1].values
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_unmasked_layer_caches_the_same_keys_and_values(family):
+    # the mask changes what the layer outputs, not what it projects and caches
+    model = get_model(family)
+    batch = _batch(family, model)
+    a = _first_merge_cache(model, batch, ReleasedQuirks())
+    b = _first_merge_cache(model, batch, ReleasedQuirks(unmasked_first_merge=True))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_nothing_removed_is_the_unhooked_model(family, impl):
+    # a row keeps its own positions until a token of it has left, and a stage of ratio 0
+    # merges nothing, so its layer keeps its causal mask
+    model = get_model(family, impl)
+    batch = _batch(family, model, rows=((1, 0), (2, 1)))
+    schedule = ExplicitSchedule(layers=(1, 2), windows_per_side=(2, 1), ratios=(0.0,))
+    want = model.generate(**batch, **GEN)
+    with apply(released(ALL, schedule), model):
+        got = model.generate(**batch, **GEN)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_row_alone_equals_row_in_padded_batch(family):
+    model = get_model(family)
+    fam = TINY_MODELS[family]
+    rows = [fam.row(model, images=1, seed=0), fam.row(model, images=2, seed=1)]
+    with apply(released(ALL), model):
+        assert_rows_match_batch(model, fam, fam.collate(rows), rows, GEN)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decoding_continues_at_the_original_positions(family):
+    # the released code decodes from the original length: the first generated token's
+    # logits equal a plain forward of prompt + token, with the prompt cache the session built
+    model = get_model(family)
+    batch = _batch(family, model)
+    with apply(released(ALL), model) as session:
+        gen = model.generate(**batch, **GEN)
+        assert session.num_prefills == 1
+    n0 = batch["input_ids"].shape[1]
+    assert gen.sequences.shape[1] == n0 + 4
+    with apply(released(ALL), model) as session:
+        out = model(**batch, use_cache=True)
+        step = gen.sequences[:, n0 : n0 + 1]
+        kwargs = {}
+        if family == "qwen2_5_vl":  # Qwen's decode position: rope_deltas + original length
+            kwargs["position_ids"] = (model.model.rope_deltas + n0).view(1, 1, 1).expand(3, 1, 1)
+        mask = torch.ones(1, n0 + 1, dtype=torch.long)
+        nxt = model(input_ids=step, attention_mask=mask, cache=out.cache, use_cache=True, **kwargs)
+    assert torch.allclose(nxt.logits[:, -1], gen.logits[1], atol=1e-5, rtol=0)
+
+
+def test_quirks_are_refused_on_other_families():
+    model = get_model("llava_next")
+    with pytest.raises(NotImplementedError, match=r"supports llava and qwen2_5_vl only, not the 'llava_next'.*lightkv-paper"):
+        apply(released(ALL), model)
+    apply(released(ReleasedQuirks()), model)  # off: accepted
+
+
+def test_bad_quirk_values_are_named():
+    with pytest.raises(TypeError, match="renumber_positions must be True or False"):
+        ReleasedQuirks(renumber_positions=1)
+    with pytest.raises(TypeError, match="released_quirks must be a lightkv.quirks.ReleasedQuirks"):
+        Pipeline(released_quirks={"renumber_positions": True})
+
+
+def test_random_relevance_is_a_seeded_per_token_draw():
+    from lightkv import ImageSegment, VisionLayout
+    from lightkv.policies import RandomRelevance
+
+    both = VisionLayout.from_segments(2, 30, [ImageSegment(0, 2, (4, 5)), ImageSegment(1, 5, (4, 5))])
+    alone = VisionLayout.from_segments(1, 30, [ImageSegment(0, 5, (4, 5))])
+    xi = RandomRelevance().score(None, None, both)
+    assert bool((xi[~both.vision_mask] == 0).all()) and bool((xi < 1).all()) and bool((xi >= 0).all())
+    # a token's draw depends on its grid position, not on its row or where the image sits
+    assert torch.equal(xi[0, 2:22], xi[1, 5:25]) and torch.equal(RandomRelevance().score(None, None, alone)[0], xi[1])
+    assert len(set(xi[0, 2:22].tolist())) == 20
+    assert not torch.equal(RandomRelevance(seed=1).score(None, None, both), xi)
