@@ -12,6 +12,7 @@ Everything else (hooks, cache layers with holes, masks, relevance) is internal t
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -22,7 +23,7 @@ from transformers.cache_utils import DynamicLayer
 from ..graph.layout import ImageSegment, VisionLayout
 from . import masks
 
-__all__ = ["Adapter", "place_images", "token_runs"]
+__all__ = ["Adapter", "bind_arguments", "place_images", "token_runs"]
 
 
 class Adapter:
@@ -192,6 +193,20 @@ class Adapter:
         places = place_images(placeholders, [per_tile] * (n // per_tile), "tile")
         segments = [ImageSegment(row=r, offset=o, grid=(side, side)) for r, o in places]
         return self.layout_from_segments(input_ids, segments, padding)
+
+
+def bind_arguments(signature: inspect.Signature, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """A forward's arguments by name (positional ones bound through ``signature``, a
+    ``**kwargs`` catch-all flattened), as a forward pre-hook sees them."""
+    try:
+        bound = signature.bind_partial(*args, **kwargs)
+    except TypeError:
+        return dict(kwargs)
+    out = dict(bound.arguments)
+    extra = out.pop("kwargs", None)
+    if isinstance(extra, dict):
+        out.update(extra)
+    return out
 
 
 def place_images(token_mask: torch.Tensor, counts: Sequence[int], what: str = "image") -> list[tuple[int, int]]:

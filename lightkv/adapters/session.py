@@ -46,7 +46,7 @@ from ..graph.layout import TokenKind, VisionLayout
 from ..pipeline import Pipeline, Stage
 from ..policies.prompt import Prompt
 from . import features, proportional
-from .base import Adapter
+from .base import Adapter, bind_arguments
 from .cache import MaskedCacheLayer, _Token, install_masked_layer
 from .cache_mode import CacheMode
 from .guards import attention_implementation, check_attention_mask, check_cache, refuse_compiled
@@ -230,21 +230,10 @@ class CompressionSession:
     def _attn_impl(self) -> str:
         return attention_implementation(self._lm.config)
 
-    def _bind(self, args, kwargs) -> dict[str, Any]:
-        try:
-            bound = self._signature.bind_partial(*args, **kwargs)
-        except TypeError:
-            return dict(kwargs)
-        out = dict(bound.arguments)
-        extra = out.pop("kwargs", None)
-        if isinstance(extra, dict):
-            out.update(extra)
-        return out
-
     # ---------------------------------------------------------------- model hooks
     def _on_model_pre(self, module, args, kwargs):
         self._state = None
-        inputs = self._bind(args, kwargs)
+        inputs = bind_arguments(self._signature, args, kwargs)
         input_ids = inputs.get("input_ids")
         embeds = inputs.get("inputs_embeds")
         ref = input_ids if input_ids is not None else embeds
