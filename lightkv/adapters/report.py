@@ -8,7 +8,9 @@ from typing import Any
 
 import torch
 
+from ..graph.layout import TokenKind
 from ..graph.provenance import Provenance
+from .trace import LayerStat
 
 __all__ = ["LayerReport", "SessionReport", "StageSummary"]
 
@@ -139,6 +141,10 @@ class SessionReport:
         first = trace.layers[0] if trace.layers else None
         if first is not None:  # the cache mode compresses layer 0's cache after the layer ran
             first = trace.uncompressed.get(first.layer, first)
+        pre_llm = any(rec.stage.spec.before for rec in trace.stages)
+        if first is not None and pre_llm and trace.layout is not None:
+            # the pre-LLM mode compressed the prompt before layer 0 was counted: the baseline is the prompt itself
+            first = _prompt_stat(trace.layout, first.layer)
         flops = flops_base = 0.0
         for stat in trace.layers:
             shape = session.layer_shapes[stat.layer]
@@ -168,7 +174,7 @@ class SessionReport:
         stages = [
             StageSummary(
                 layer=rec.layer,
-                vision_in=_vision_before(trace, rec.layer),
+                vision_in=int(first.vision.sum()) if rec.stage.spec.before else _vision_before(trace, rec.layer),
                 vision_out=int(rec.result.layout.vision_mask.sum()),
                 width_in=int(rec.result.remap.shape[1]),
                 width_out=int(rec.result.kept_index.shape[1]),
@@ -240,6 +246,12 @@ class SessionReport:
         for s in self.stages:
             lines.append(f"  stage after layer {s.layer}: vision {s.vision_in} -> {s.vision_out}, width {s.width_in} -> {s.width_out}")
         return "\n".join(lines)
+
+
+def _prompt_stat(layout, layer: int) -> LayerStat:
+    """Token counts of the uncompressed prompt, as if ``layer`` had seen it."""
+    return LayerStat(layer, layout.seq_len, layout.valid_mask.sum(1), layout.vision_mask.sum(1),
+                     (layout.kind == TokenKind.STRUCTURAL).sum(1))
 
 
 def _vision_before(trace, layer: int) -> int:

@@ -133,3 +133,20 @@ def test_llava_equals_the_model_on_the_kept_embeddings_at_their_original_positio
     assert int((session.records[0].result.layout.kind == TokenKind.VISION).sum()) == kept.numel() - (
         batch["input_ids"].shape[1] - int((batch["input_ids"] == 100).sum())
     )
+
+
+def test_report_counts_the_prompt_before_the_pre_llm_stage():
+    """Regression (issue 27, item 1): the baseline was read after the merge, so the report said
+    ``kept_vision_fraction 1.0`` and a stage ``(96, 96)`` while the cache held half the tokens."""
+    model = get_model("llava")
+    fam = TINY_MODELS["llava"]
+    batch = fam.collate(fam.examples(model)[:2])
+    with apply(pre_llm(), model) as session:
+        out = model(**batch, use_cache=True)
+    report = session.report()
+    vision = int((batch["input_ids"] == 100).sum())
+    cached = [int(layer.valid.sum()) for layer in out.cache.layers]
+    kept = vision - (batch["attention_mask"].sum().item() - cached[0])
+    assert [(s.vision_in, s.vision_out) for s in report.stages] == [(vision, kept)]
+    assert report.kept_vision_fraction == pytest.approx(kept / vision)
+    assert report.kv_bytes_vision == pytest.approx(report.kv_bytes_vision_baseline * kept / vision)
