@@ -22,9 +22,11 @@ from .partitioners import (
     RelevanceSplit,
 )
 from .passers import DropMessages, MessagePasser, RelevanceSizeWeightedMean, RelevanceWeightedMean, SizeWeightedMean
+from .divprune import DivPrune
 from .plugins import EntryPointStatus, PluginError
 from .pooling import AnchorPartitioner, StridedPartitioner
 from .pruners import (
+    KeepSetPruner,
     LowestRelevance,
     PruneInputs,
     Pruner,
@@ -33,6 +35,7 @@ from .pruners import (
     RelevanceBudget,
     SmallestDivergence,
     allocate_removals,
+    exact_removals,
 )
 from .prompt import Prompt
 from .question import QuestionAttention
@@ -72,6 +75,7 @@ __all__ = [
     "h2o_keep",
     "BudgetSchedule",
     "CosineDivergence",
+    "DivPrune",
     "DropMessages",
     "EdgeScorer",
     "EntryPointStatus",
@@ -79,6 +83,7 @@ __all__ = [
     "ExplicitSchedule",
     "GlobalPartitioner",
     "GridPartitioner",
+    "KeepSetPruner",
     "KeptFractionSchedule",
     "PreLLMSchedule",
     "Prompt",
@@ -116,6 +121,7 @@ __all__ = [
     "UniformRelevance",
     "allocate_removals",
     "average_kept_fraction",
+    "exact_removals",
     "budget_schedule",
     "ratio_for_target",
     "scale_layers",
