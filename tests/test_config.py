@@ -161,6 +161,7 @@ def test_lightkv_schedules_per_model():
         ("lightkv-paper-qwen2_5_vl", (32, 32), 28, [520, 260, 131]),  # the reference Qwen2.5-VL counts
         ("lightkv", (24, 24), 32, [288, 144, 72]),
         ("divprune", (24, 24), 32, [128]),  # keep 128 of 576, exactly
+        ("cdpruner", (24, 24), 32, [128]),
     ],
 )
 def test_reference_token_counts(name, grid, depth, counts):

@@ -22,6 +22,7 @@ from .partitioners import (
     RelevanceSplit,
 )
 from .passers import DropMessages, MessagePasser, RelevanceSizeWeightedMean, RelevanceWeightedMean, SizeWeightedMean
+from .cdpruner import CDPruner
 from .divprune import DivPrune
 from .plugins import EntryPointStatus, PluginError
 from .pooling import AnchorPartitioner, StridedPartitioner
@@ -69,6 +70,7 @@ __all__ = [
     "AccumulatedAttention",
     "AnchorPartitioner",
     "CacheSchedule",
+    "CDPruner",
     "H2OSchedule",
     "ImportancePartitioner",
     "accumulated_attention",
