@@ -23,6 +23,7 @@ from .partitioners import (
 )
 from .passers import DropMessages, MessagePasser, RelevanceSizeWeightedMean, RelevanceWeightedMean, SizeWeightedMean
 from .cdpruner import CDPruner
+from .dart import DART
 from .divprune import DivPrune
 from .plugins import EntryPointStatus, PluginError
 from .pooling import AnchorPartitioner, StridedPartitioner
@@ -71,6 +72,7 @@ __all__ = [
     "AnchorPartitioner",
     "CacheSchedule",
     "CDPruner",
+    "DART",
     "H2OSchedule",
     "ImportancePartitioner",
     "accumulated_attention",
