@@ -157,9 +157,14 @@ def test_every_preset_runs_on_a_llava_layout(name):
     pipe = lightkv.load(name)
     if name in CACHE_MODE:  # stages on a layer's cache, not on hidden states
         return check_cache_preset(pipe, layout, relevance)
+    keys = None
+    if any("keys" in s.needs for s in pipe.stages(32)):  # e.g. DART's pivots: a clear refusal without keys
+        with pytest.raises(ValueError, match="this stage has no keys features"):
+            pipe.run(hidden, layout, num_layers=32)
+        keys = torch.randn(1, layout.seq_len, 2, 8, generator=torch.Generator().manual_seed(2))
     # a preset that ranks by the tower's attention needs a relevance; the others run without one too
     for rel in (relevance,) if pipe.relevance.reads_tower else (None, relevance):
-        results = pipe.run(hidden, layout, num_layers=32, relevance=rel)
+        results = pipe.run(hidden, layout, num_layers=32, relevance=rel, keys=keys)
         assert results, name
         counts = [int(r.layout.vision_counts()[0]) for r in results]
         assert all(0 < c < 576 for c in counts) and counts == sorted(counts, reverse=True)
@@ -192,12 +197,16 @@ def test_lightkv_schedules_per_model():
         ("lightkv-paper", (24, 24), 32, [288, 145, 73]),  # the paper's LLaVA-1.5 counts
         ("lightkv-paper-qwen2_5_vl", (32, 32), 28, [520, 260, 131]),  # the reference Qwen2.5-VL counts
         ("lightkv", (24, 24), 32, [288, 144, 72]),
+        ("divprune", (24, 24), 32, [128]),  # keep 128 of 576, exactly
+        ("cdpruner", (24, 24), 32, [128]),
+        ("dart", (24, 24), 32, [128]),
     ],
 )
 def test_reference_token_counts(name, grid, depth, counts):
     layout = llava_layout(grid)
     hidden = torch.randn(1, layout.seq_len, 16, generator=torch.Generator().manual_seed(0))
-    results = get_preset(name).run(hidden, layout, num_layers=depth)
+    keys = torch.randn(1, layout.seq_len, 2, 8, generator=torch.Generator().manual_seed(1))  # for DART's pivots
+    results = get_preset(name).run(hidden, layout, num_layers=depth, keys=keys)
     assert [int(r.layout.vision_counts()[0]) for r in results] == counts
 
 
@@ -375,8 +384,8 @@ def test_unknown_policy_name_lists_the_registered_ones():
     assert "did you mean 'grid'?" in msg
     assert str(err).startswith("my.yaml: partitioner.name: unknown partitioner 'gird'")
     err = _error({"stage_overrides": {1: {"pruner": "smallest"}}})
-    assert "registered pruners: " + ", ".join(FAMILIES["pruner"].registered()) in problems(
-        err)["stage_overrides.1.pruner.name"]
+    pruners = ", ".join(FAMILIES["pruner"].registered())
+    assert "registered pruners: " + pruners in problems(err)["stage_overrides.1.pruner.name"]
 
 
 def test_bad_parameters_name_the_field_value_and_allowed():

@@ -22,9 +22,13 @@ from .partitioners import (
     RelevanceSplit,
 )
 from .passers import DropMessages, MessagePasser, RelevanceSizeWeightedMean, RelevanceWeightedMean, SizeWeightedMean
+from .cdpruner import CDPruner
+from .dart import DART
+from .divprune import DivPrune
 from .plugins import EntryPointStatus, PluginError
 from .pooling import AnchorPartitioner, ResizePartitioner, StridedPartitioner
 from .pruners import (
+    KeepSetPruner,
     LowestRelevance,
     PruneInputs,
     Pruner,
@@ -34,6 +38,7 @@ from .pruners import (
     RelevanceBudget,
     SmallestDivergence,
     allocate_removals,
+    exact_removals,
 )
 from .prompt import Prompt
 from .question import QuestionAttention
@@ -79,12 +84,15 @@ __all__ = [
     "DominantContextual",
     "AllSources",
     "CacheSchedule",
+    "CDPruner",
+    "DART",
     "H2OSchedule",
     "ImportancePartitioner",
     "accumulated_attention",
     "h2o_keep",
     "BudgetSchedule",
     "CosineDivergence",
+    "DivPrune",
     "DropMessages",
     "EdgeScorer",
     "EntryPointStatus",
@@ -92,6 +100,7 @@ __all__ = [
     "ExplicitSchedule",
     "GlobalPartitioner",
     "GridPartitioner",
+    "KeepSetPruner",
     "KeptFractionSchedule",
     "PreLLMSchedule",
     "Prompt",
@@ -131,6 +140,7 @@ __all__ = [
     "RandomRelevance",
     "allocate_removals",
     "average_kept_fraction",
+    "exact_removals",
     "budget_schedule",
     "ratio_for_target",
     "scale_layers",

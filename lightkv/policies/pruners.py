@@ -9,6 +9,10 @@ reference code's rule: with a parity split ``|A_w| = ceil(n_w / 2)``, so the two
 for odd windows at ``P > 0.5`` (288 tokens at P = 0.75: 145 left with ``sources``, 143 with
 ``half``). `RelevanceBudget` keeps each image's total but moves removals between its
 windows by relevance (`allocate_removals` rounds the shares).
+
+The subset pruners (`KeepSetPruner`: DivPrune, CDPruner, DART) choose the kept tokens of a
+window jointly instead of ranking them by a key; they keep exactly ``k = n_w - r_w`` tokens
+with ``r_w = exact_removals(graph, ratio)``.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ __all__ = [
     "AllSources",
     "RelevanceBudget",
     "allocate_removals",
+    "exact_removals",
+    "KeepSetPruner",
 ]
 
 
@@ -330,3 +336,67 @@ class RelevanceBudget(Pruner):
 
     def select(self, inputs, ratio):
         return self.remove_lowest(inputs, self.allocate(inputs, ratio))
+
+
+EXACT_EPS = 1e-9
+"""Added to ``ratio * n`` before the floor, so ``ratio = 1 - k / n`` (e.g. ``1 - 64 / 576``)
+removes exactly ``n - k`` although the float product lands a hair below the integer."""
+
+
+def exact_removals(graph: BipartiteGraph, ratio: float | torch.Tensor) -> torch.Tensor:
+    """``[K]`` int64 removals per window for the subset pruners:
+    ``r_w = min(floor(ratio * n_w + 1e-9), |A_w|)``.
+
+    A budget stated as "keep ``k`` of ``n``" is ``ratio = 1 - k / n``; without the epsilon
+    the float error of that expression can make the floor one short (it keeps ``k + 1``).
+    """
+    n = graph.window_size.to(torch.float64)
+    r = torch.floor(n * torch.as_tensor(ratio, dtype=torch.float64, device=n.device) + EXACT_EPS).long()
+    return torch.minimum(r.clamp_min(0), graph.src_count)
+
+
+class KeepSetPruner(Pruner):
+    """Base of the pruners that choose a window's *kept* set jointly (DivPrune, CDPruner,
+    DART): override `keep`. Pure pruning (``needs_partner = False``, use the ``drop``
+    passer); the budget is `exact_removals`, so every window keeps exactly
+    ``|A_w| - r_w`` of its A tokens (with a ``split: all_src`` partitioner: of all its
+    tokens). Only A tokens compete; B tokens, if a split makes any, always stay.
+    """
+
+    needs_partner: ClassVar[bool] = False
+
+    def keep(self, inputs: PruneInputs, count: torch.Tensor) -> torch.Tensor:
+        """``[K, a_max]`` bool: in each window, exactly ``count[k]`` (``[K]`` int64) valid A
+        slots that stay. Never true on padding slots (``graph.src_slots < 0``)."""
+        raise NotImplementedError
+
+    def budget(self, graph, ratio):
+        """``[K]``: `exact_removals`."""
+        return exact_removals(graph, ratio)
+
+    def select(self, inputs, ratio):
+        """``[K, a_max]`` bool: the valid A slots that `keep` does not keep."""
+        valid = inputs.graph.src_slots >= 0
+        removals = self.budget(inputs.graph, ratio)
+        if not bool((removals > 0).any()):
+            return torch.zeros_like(valid)
+        kept = self.keep(inputs, valid.sum(1) - removals)
+        return valid & ~kept
+
+    @staticmethod
+    def stage_of(inputs: PruneInputs, who: str) -> StageInputs:
+        """``inputs.stage``, or a clear error for a pruner called without it."""
+        if inputs.stage is None:
+            raise ValueError(f"the {who} pruner reads the stage's features: pass PruneInputs.stage")
+        return inputs.stage
+
+    @staticmethod
+    def unit_features(inputs: PruneInputs, stage: StageInputs, kind: str) -> torch.Tensor:
+        """``[K, a_max, F]`` the A tokens' features (heads flattened), L2-normalised, in
+        float32 at least (bf16 cosines are too coarse to rank near-duplicates); zero on
+        padding slots."""
+        graph = inputs.graph
+        x = graph.gather(stage.features(kind))
+        x = x.reshape(x.shape[0], -1).to(torch.promote_types(x.dtype, torch.float32))
+        x = x / x.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
+        return graph.blocks(x, "src")

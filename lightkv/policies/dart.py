@@ -1,0 +1,127 @@
+"""DART: keep a few pivot tokens and the tokens least duplicated by them.
+
+Wen et al., "Stop Looking for Important Tokens in Multimodal Language Models: Duplication
+Matters More", EMNLP 2025 (arXiv:2502.11494); code github.com/ZichenWen1/DART (read from
+its copy github.com/xqy1111111/DART, the original not being reachable here).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .inputs import Features
+from .pruners import KeepSetPruner, Pruner
+
+__all__ = ["DART"]
+
+
+@Pruner.register("dart")
+@dataclass
+class DART(KeepSetPruner):
+    """Pivots by key norm, then per pivot the tokens least similar to it.
+
+    The rule of the authors' LLaVA code (``llava/model/language_model/modeling_llama_self.py``,
+    ``get_retained_image_token``, lines 21-73 of xqy1111111/DART at 0247657):
+
+    * it runs before decoder layer ``K = 2`` on the output of layer 1 (lines 168-176): here
+      a stage after 0-based layer 1 (the ``dart`` preset's ``layers: [1]``);
+    * pivots: the ``pivot_image_tokens = 4`` image tokens and ``pivot_text_tokens = 4``
+      question tokens (everything after the image) with the largest L1 norm of the layer's
+      keys, all heads concatenated (lines 44-53; defaults from ``scripts/v1_5/eval/*.sh``);
+      the image pivots are kept;
+    * each pivot in turn takes the ``TOKEN_TOPK`` remaining image tokens with the *lowest*
+      cosine similarity to it, which are kept and leave the candidates (lines 58-70; the
+      cosine is of the final-normed hidden states, line 172);
+    * ``TOKEN_TOPK = max_num_trunction // (pivots)`` (line 29: ``128 // 8 = 16``).
+
+    Here the kept count is each window's exact budget ``k`` (`exact_removals`), not
+    ``4 + 8 * 16 = 132``: ``min(pivot_image_tokens, k)`` image pivots, and the other picks
+    split evenly over the window's pivots, the first ``picks % pivots`` taking one more.
+
+    What differs: pivots are taken in a fixed order (image pivots, then question pivots,
+    each by decreasing norm; the code iterates a Python set); ties (norms, cosines) go to
+    the earliest token; keys are lightkv's (before RoPE; the code's cached keys are after
+    it, which changes their L1 norm); the cosine is of the residual stream (the code applies
+    the final RMSNorm first: the same up to its per-channel weight); the question is the text
+    after the row's last vision token (as `Prompt.question_mask`), and a row with fewer
+    question tokens has fewer pivots; each image (window) is pruned on its own.
+
+    Attributes:
+        pivot_image_tokens: image pivots per window (kept; at least 1).
+        pivot_text_tokens: question pivots per row (never removed: they are text).
+        pivot_features: whose L1 norm picks the pivots: ``keys`` (the code) or ``hidden``.
+        features: the features of the cosine: ``hidden`` (the code) or ``keys``.
+    """
+
+    pivot_image_tokens: int = 4
+    pivot_text_tokens: int = 4
+    pivot_features: Features = "keys"
+    features: Features = "hidden"
+
+    def __post_init__(self) -> None:
+        # At least one image pivot: a window of an image without a question must still have
+        # a pivot to keep its budget.
+        for name, least in (("pivot_image_tokens", 1), ("pivot_text_tokens", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+
+    @property
+    def needs(self) -> frozenset[str]:
+        return frozenset({self.features, self.pivot_features}) - {"hidden"}
+
+    def keep(self, inputs, count):
+        """``[K, a_max]`` bool: each window's image pivots and its pivots' least similar
+        tokens, ``count[k]`` in all."""
+        graph = inputs.graph
+        stage = self.stage_of(inputs, "dart")
+        valid = graph.src_slots >= 0
+        k, a = valid.shape
+        if k == 0 or int(count.max()) == 0:
+            return torch.zeros_like(valid)
+        layout, dev = stage.layout, valid.device
+        windows = torch.arange(k, device=dev)
+        feats = stage.features(self.features)
+        feats = feats.reshape(*feats.shape[:2], -1).to(torch.promote_types(feats.dtype, torch.float32))
+        feats = feats / feats.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(feats.dtype).tiny)  # [B, N, F]
+        x = graph.blocks(graph.gather(feats), "src")  # [K, a, F]
+        piv = stage.features(self.pivot_features)
+        norm = piv.reshape(*piv.shape[:2], -1).to(torch.promote_types(piv.dtype, torch.float32)).abs().sum(-1)  # [B, N] L1
+
+        # Image pivots: the largest norms of the window (stable sort: ties to the earliest).
+        n_img = torch.minimum(count, torch.full_like(count, self.pivot_image_tokens))
+        img_norm = graph.blocks(graph.gather(norm), "src").masked_fill(~valid, -math.inf)
+        img_order = torch.sort(img_norm, dim=1, descending=True, stable=True).indices[:, : self.pivot_image_tokens]
+        img_exists = torch.arange(img_order.shape[1], device=dev) < n_img.unsqueeze(1)  # [K, p_i]
+        kept = torch.zeros_like(valid)
+        kept[windows.unsqueeze(1).expand_as(img_order)[img_exists], img_order[img_exists]] = True
+        img_vec = x[windows.unsqueeze(1), img_order]  # [K, p_i, F]
+
+        # Question pivots: per row, the largest norms among the text after the last vision token.
+        pos = torch.arange(layout.seq_len, device=dev).expand(layout.batch_size, -1)
+        last = torch.where(layout.vision_mask, pos, torch.full_like(pos, -1)).amax(1, keepdim=True)
+        question = layout.text_mask & (pos > last)
+        txt_order = torch.sort(norm.masked_fill(~question, -math.inf), dim=1, descending=True, stable=True).indices
+        txt_order = txt_order[:, : self.pivot_text_tokens]  # [B, p_t]
+        txt_exists = torch.arange(txt_order.shape[1], device=dev) < question.sum(1, keepdim=True)
+        row = torch.zeros(k, dtype=torch.long, device=dev).scatter_(0, graph.node_window, graph.node_row)
+        txt_vec = feats[row.unsqueeze(1), txt_order[row]]  # [K, p_t, F]
+
+        vec = torch.cat([img_vec, txt_vec], dim=1)  # [K, P, F], image pivots first
+        exists = torch.cat([img_exists, txt_exists[row]], dim=1)  # [K, P]
+        picks = count - n_img
+        pivots = exists.sum(1).clamp_min(1)
+        rank = exists.long().cumsum(1) - 1
+        quota = (picks // pivots).unsqueeze(1) + (rank < (picks % pivots).unsqueeze(1)).long()
+        quota = quota.masked_fill(~exists, 0)  # [K, P]
+        for p in range(vec.shape[1]):
+            free = valid & ~kept
+            cos = torch.einsum("kaf,kf->ka", x, vec[:, p]).masked_fill(~free, math.inf)
+            order = torch.sort(cos, dim=1, stable=True).indices  # least similar first
+            slot_rank = torch.empty_like(order)
+            slot_rank.scatter_(1, order, torch.arange(a, device=dev).expand_as(order))
+            kept |= free & (slot_rank < quota[:, p].unsqueeze(1))
+        return kept
