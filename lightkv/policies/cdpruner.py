@@ -36,7 +36,7 @@ class CDPruner(KeepSetPruner):
       ``q_i = (r_i - min r + 1e-6) / (max r - min r)`` (line 160);
     * optionally ``q = exp(alpha q)`` with ``alpha = theta / (2 (1 - theta))`` (lines
       163-166, commented out in the code, the paper's trade-off);
-    * greedy MAP (lines 170-179): ``d_i^2 = L_ii``; each step picks ``j = argmax d^2``
+    * greedy MAP (lines 170-181): ``d_i^2 = L_ii``; each step picks ``j = argmax d^2``
       (ties: the earliest), ``e = (L_j - c_j^T C) / d_j``, appends ``e`` to ``C`` and sets
       ``d^2 -= e^2``: each pick maximises ``det(L_S)`` given the picks before it.
 

@@ -24,18 +24,20 @@ class DART(KeepSetPruner):
     """Pivots by key norm, then per pivot the tokens least similar to it.
 
     The rule of the authors' LLaVA code (``llava/model/language_model/modeling_llama_self.py``,
-    ``get_retained_image_token``, lines 21-73 of xqy1111111/DART at 0247657):
+    ``get_retained_image_token``, lines 18-76 of xqy1111111/DART at 0247657):
 
-    * it runs before decoder layer ``K = 2`` on the output of layer 1 (lines 168-176): here
+    * it runs before decoder layer ``K = 2`` on the output of layer 1 (``DART_K_norm.forward``,
+      the ``layer_idx == K`` branch): here
       a stage after 0-based layer 1 (the ``dart`` preset's ``layers: [1]``);
     * pivots: the ``pivot_image_tokens = 4`` image tokens and ``pivot_text_tokens = 4``
       question tokens (everything after the image) with the largest L1 norm of the layer's
-      keys, all heads concatenated (lines 44-53; defaults from ``scripts/v1_5/eval/*.sh``);
+      keys, all heads concatenated (lines 40-49; defaults from ``scripts/v1_5/eval/*.sh``);
       the image pivots are kept;
     * each pivot in turn takes the ``TOKEN_TOPK`` remaining image tokens with the *lowest*
-      cosine similarity to it, which are kept and leave the candidates (lines 58-70; the
-      cosine is of the final-normed hidden states, line 172);
-    * ``TOKEN_TOPK = max_num_trunction // (pivots)`` (line 29: ``128 // 8 = 16``).
+      cosine similarity to it, which are kept and leave the candidates (lines 57-69; the
+      cosine is of the final-normed hidden states, ``self.norm(last_layer_state)`` in
+      ``forward``);
+    * ``TOKEN_TOPK = max_num_trunction // (pivots)`` (line 28: ``128 // 8 = 16``).
 
     Here the kept count is each window's exact budget ``k`` (`exact_removals`), not
     ``4 + 8 * 16 = 132``: ``min(pivot_image_tokens, k)`` image pivots, and the other picks

@@ -26,7 +26,7 @@ class DivPrune(KeepSetPruner):
     lines 152-171 of github.com/vbdi/divprune at 799e2d9):
 
     * distances ``1 - cos`` of the features (line 155; there the projected image features,
-      i.e. the LLM's input embeddings, lines 373-375);
+      i.e. the LLM's input embeddings, lines 374-375);
     * first pick: the token whose nearest *other* token is farthest,
       ``argmax_j min_{i != j} d(i, j)`` (line 165: the second smallest distance of each
       column, the smallest being the token to itself);
