@@ -47,7 +47,7 @@ __all__ = ["ABLATIONS", "CACHE_METHODS", "METHODS", "TARGETS", "AccuracyConfig",
            "method_pipeline", "run"]
 
 METHODS = ("lightkv", "lightkv-paper", "lightkv-no-relevance", "tome", "fastv", "pdrop", "random", "pool",
-           "elasticcache", "h2o", "visionzip", "downsample")
+           "elasticcache", "h2o", "visionzip", "divprune", "cdpruner", "dart", "downsample")
 CACHE_METHODS = ("elasticcache", "h2o")
 """Methods that act on every layer's cache after prefill: at a target ``t`` every layer keeps
 ``t`` of its vision KV (ElasticCache merges ``1 - t`` of each image's entries, H2O keeps a
@@ -57,7 +57,7 @@ TARGETS = (1.0, 0.75, 0.55, 0.40, 0.25)
 REF_DEPTH = 32
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
-MAX_RATIO = {"fastv": 0.95, "pdrop": 0.95, "random": 0.95, "pool": 0.75}
+MAX_RATIO = {"fastv": 0.95, "pdrop": 0.95, "random": 0.95, "pool": 0.75, "dart": 0.99}
 """The most a stage of each method can remove; 0.5 (a parity split) for the others."""
 
 

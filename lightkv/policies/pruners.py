@@ -26,6 +26,7 @@ import torch
 from ..graph.bipartite import BipartiteGraph
 from ..graph.scatter import scatter_min, scatter_sum
 from .base import Policy
+from .counts import EPS
 from .hashing import seeded_uniform
 from .inputs import StageInputs
 
@@ -338,20 +339,16 @@ class RelevanceBudget(Pruner):
         return self.remove_lowest(inputs, self.allocate(inputs, ratio))
 
 
-EXACT_EPS = 1e-9
-"""Added to ``ratio * n`` before the floor, so ``ratio = 1 - k / n`` (e.g. ``1 - 64 / 576``)
-removes exactly ``n - k`` although the float product lands a hair below the integer."""
-
-
 def exact_removals(graph: BipartiteGraph, ratio: float | torch.Tensor) -> torch.Tensor:
     """``[K]`` int64 removals per window for the subset pruners:
-    ``r_w = min(floor(ratio * n_w + 1e-9), |A_w|)``.
+    ``r_w = min(floor(ratio * n_w + EPS), |A_w|)`` (`lightkv.policies.counts.EPS`, the slack
+    `lightkv.policies.counts.kept_count` uses for whole images).
 
     A budget stated as "keep ``k`` of ``n``" is ``ratio = 1 - k / n``; without the epsilon
     the float error of that expression can make the floor one short (it keeps ``k + 1``).
     """
     n = graph.window_size.to(torch.float64)
-    r = torch.floor(n * torch.as_tensor(ratio, dtype=torch.float64, device=n.device) + EXACT_EPS).long()
+    r = torch.floor(n * torch.as_tensor(ratio, dtype=torch.float64, device=n.device) + EPS).long()
     return torch.minimum(r.clamp_min(0), graph.src_count)
 
 

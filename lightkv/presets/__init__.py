@@ -40,6 +40,11 @@ _ORDER = (
     "random",
     "elasticcache",
     "h2o",
+    "visionzip",
+    "divprune",
+    "cdpruner",
+    "dart",
+    "downsample",
 )
 """Listing order; any other shipped file follows alphabetically."""
 
