@@ -135,8 +135,7 @@ class CompressionSession:
         self.layer_shapes: list[LayerShape] = [p.shape() for p in self._probes]
         self._taps = {i: ProjectionTap(self._probes[i], i) for i, s in self._stage_at.items()
                       if reuse_projections and ProjectionTap.wanted(s)}
-        wants_tower = any(s.relevance.reads_tower for s in self.stages)
-        self._tower = TowerTap(self.adapter.tower_spec()) if wants_tower else None
+        self._tower = TowerTap.for_stages(self.adapter, self.stages)  # VisionZip-style tower relevance
         self._cache_mode = CacheMode(self, self.stages)  # cache stages and H2O (no-op without them)
         self._prop = proportional.ProportionalAttention(self.adapter, pipeline.proportional_attention)
         self._released = ReleasedQuirksHook(self.adapter, pipeline.released_quirks, self._lm, self.stages)

@@ -41,14 +41,39 @@ class TowerSpec:
 
 
 class TowerTap:
-    """Keeps the attention received per head and tower token of the last tower call."""
+    """Keeps the attention received per head and tower token of the last tower call.
 
-    def __init__(self, spec: TowerSpec) -> None:
+    Args:
+        spec: where to read it (the adapter's `tower_spec`).
+        queries: ``cls`` (the CLS row; the tower must have a CLS token), ``mean`` (averaged
+            over every query) or ``auto`` (``cls`` where the tower has one, else ``mean``).
+    """
+
+    def __init__(self, spec: TowerSpec, queries: str = "auto") -> None:
         for name in ("q_proj", "k_proj"):
             if not isinstance(getattr(spec.attention, name, None), nn.Module):
                 raise TypeError(f"{type(spec.attention).__name__} has no `{name}`: cannot read the tower's attention")
+        if queries == "cls" and not spec.cls:
+            raise ValueError("tower_attention with queries='cls' needs a tower with a CLS token (CLIP); this one has "
+                             "none: use queries='mean' or 'auto'")
         self.spec = spec
+        self.cls = spec.cls if queries == "auto" else queries == "cls"
         self.received: torch.Tensor | None = None  # [I, H, T]
+
+    @classmethod
+    def for_stages(cls, adapter, stages) -> "TowerTap | None":
+        """A tap for the stages whose relevance ``reads_tower`` (None without any).
+
+        Raises:
+            ValueError: two such stages ask for different query rows.
+            NotImplementedError: the adapter cannot expose its tower's attention.
+        """
+        wanted = {getattr(s.relevance, "queries", "auto") for s in stages if s.relevance.reads_tower}
+        if not wanted:
+            return None
+        if len(wanted) > 1:
+            raise ValueError(f"the stages read the tower's attention with different queries {sorted(wanted)}: use one")
+        return cls(adapter.tower_spec(), wanted.pop())
 
     def install(self) -> list[Any]:
         """Register the hook; returns the handles (removed by the session)."""
@@ -66,13 +91,13 @@ class TowerTap:
         acc = torch.promote_types(x.dtype, torch.float32)
         k = module.k_proj(x).view(i, t, heads, -1).transpose(1, 2).to(acc)  # [I, H, T, d]
         scale = float(getattr(module, "scale", k.shape[-1] ** -0.5))
-        rows = range(0, 1) if self.spec.cls else range(0, t, CHUNK)
+        rows = range(0, 1) if self.cls else range(0, t, CHUNK)
         out = torch.zeros(i, heads, t, dtype=acc, device=x.device)
         for start in rows:
-            stop = start + 1 if self.spec.cls else min(t, start + CHUNK)
+            stop = start + 1 if self.cls else min(t, start + CHUNK)
             q = module.q_proj(x[:, start:stop]).view(i, stop - start, heads, -1).transpose(1, 2).to(acc)
             out += torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale, dim=-1).sum(dim=2)
-        if not self.spec.cls:
+        if not self.cls:
             out /= t
         self.received = out
         return None

@@ -47,7 +47,7 @@ __all__ = ["ABLATIONS", "CACHE_METHODS", "METHODS", "TARGETS", "AccuracyConfig",
            "method_pipeline", "run"]
 
 METHODS = ("lightkv", "lightkv-paper", "lightkv-no-relevance", "tome", "fastv", "pdrop", "random", "pool",
-           "elasticcache", "h2o", "visionzip", "divprune", "cdpruner", "dart", "downsample")
+           "elasticcache", "h2o", "visionzip", "vispruner", "divprune", "cdpruner", "dart", "downsample")
 CACHE_METHODS = ("elasticcache", "h2o")
 """Methods that act on every layer's cache after prefill: at a target ``t`` every layer keeps
 ``t`` of its vision KV (ElasticCache merges ``1 - t`` of each image's entries, H2O keeps a
@@ -225,7 +225,8 @@ def _region_measures(model, grid, num_layers: int, config: AccuracyConfig):
     first = first_stage_layer(num_layers)
     eps = ev.heldout_episodes(config.relevance_episodes, seed=config.seed + 1, grid=grid)
     region = region_relevance(model, eps, grid, layers=range(first + 1),
-                              policies=("query_softmax", "last_token", "text_attention", "question_attention"))
+                              policies=("query_softmax", "last_token", "text_attention", "question_attention",
+                                        "tower_attention"))
     region["first_stage_layer"] = first
     return region, near_duplicates(model, eps, grid, first)
 

@@ -51,6 +51,7 @@ from .relevance import (
     UniformRelevance,
 )
 from .tower import TowerAttention
+from .vispruner import VisPruner
 from .visionzip import DominantContextual
 from .schedulers import (
     BudgetSchedule,
@@ -82,6 +83,7 @@ __all__ = [
     "AnchorPartitioner",
     "ResizePartitioner",
     "DominantContextual",
+    "VisPruner",
     "AllSources",
     "CacheSchedule",
     "CDPruner",

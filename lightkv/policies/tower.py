@@ -23,7 +23,7 @@ TowerAttention().score(None, None, layout, tower=tower)   # summed over heads
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
@@ -46,15 +46,22 @@ class TowerAttention(Relevance):
 
     Attributes:
         heads: ``sum`` (VisionZip), ``mean`` or ``max`` over the tower's heads.
+        queries: which query rows the adapter reads: ``cls`` (the CLS token's row; a tower
+            without CLS is refused), ``mean`` (the attention received averaged over every
+            query, SigLIP-style) or ``auto`` (``cls`` where the tower has one, else
+            ``mean``: the methods' own rule).
     """
 
     query_rows: ClassVar[str] = "none"
     key_cols: ClassVar[str] = "none"
     reads_tower: ClassVar[bool] = True
     heads: Heads = "sum"
+    queries: Literal["auto", "cls", "mean"] = "auto"
 
     def __post_init__(self) -> None:
         _check_heads(self.heads)
+        if self.queries not in ("auto", "cls", "mean"):
+            raise ValueError(f"unknown queries {self.queries!r}; choose auto, cls or mean")
 
     def score(self, queries, keys, layout, tower=None):
         """``tower [B, H, N]`` (attention received per head, any value off vision tokens) -> ``[B, N]``."""

@@ -41,6 +41,7 @@ _ORDER = (
     "elasticcache",
     "h2o",
     "visionzip",
+    "vispruner",
     "divprune",
     "cdpruner",
     "dart",

@@ -38,7 +38,7 @@ def test_tower_relevance_is_the_towers_own_cls_attention():
     assert float(xi[~layout.vision_mask].abs().sum()) == 0.0
 
 
-@pytest.mark.parametrize("preset", ["visionzip", "downsample"])
+@pytest.mark.parametrize("preset", ["visionzip", "vispruner", "downsample"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_rows_alone_equal_rows_in_the_padded_batch(preset, attn):
     model = get_model("llava", attn)
@@ -50,7 +50,8 @@ def test_rows_alone_equal_rows_in_the_padded_batch(preset, attn):
         assert_rows_match_batch(model, fam, batch, rows, GEN, together)
 
 
-@pytest.mark.parametrize("preset,kept", [("visionzip", [7, 14, 28]), ("downsample", [6, 12, 25])])
+@pytest.mark.parametrize("preset,kept", [("visionzip", [7, 14, 28]), ("vispruner", [7, 14, 28]),
+                                         ("downsample", [6, 12, 25])])
 def test_each_image_keeps_the_requested_count(preset, kept):
     """64-token images at 11%, 22% and 44% kept: VisionZip exactly ``k``; downsampling the
     near-square grid with the most cells within ``k`` (3 x 2, 4 x 3, 5 x 5)."""
@@ -65,7 +66,7 @@ def test_each_image_keeps_the_requested_count(preset, kept):
         assert counts.tolist() == [want] * layout.num_images, (share, counts.tolist())
 
 
-@pytest.mark.parametrize("preset", ["visionzip", "downsample"])
+@pytest.mark.parametrize("preset", ["visionzip", "vispruner", "downsample"])
 def test_identity_at_ratio_zero(preset):
     model = get_model("llava")
     fam = TINY_MODELS["llava"]

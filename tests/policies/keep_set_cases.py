@@ -56,6 +56,7 @@ def assert_rows_independent(pruner, inputs: StageInputs, ratio: float) -> None:
             inputs.spec,
             hidden=inputs.hidden[b : b + 1],
             keys=None if inputs.keys is None else inputs.keys[b : b + 1],
+            relevance=None if inputs.relevance is None else inputs.relevance[b : b + 1],
             prompt=None if inputs.prompt is None else type(inputs.prompt)(inputs.prompt.token_ids[b : b + 1]),
         )
         alone = st.run(row)
