@@ -154,3 +154,34 @@ def test_command_line_names_what_differs_from_the_default():
         "--repeats 2 --projection-baseline --no-memory --no-eager-reference")
     args = build_parser().parse_args(command_line(asdict(cfg)).split()[1:])
     assert (args.width, args.layers, args.projection_baseline, args.no_eager_reference) == ("full", 6, True, True)
+
+
+def test_budgets_put_every_preset_at_each_kept_fraction(tmp_path):
+    """``--budgets``: one variant per preset and budget, each at its target (the pre-LLM
+    presets exactly per image, the in-prefill ones by their budget schedule), families that
+    refuse a preset listed as refused, and the TTFT-vs-FLOPs plot per budget."""
+    from dataclasses import asdict
+
+    from lightkv.bench.efficiency.report import command_line
+
+    cfg = eff.quick_config(models=("llava", "qwen2_5_vl"), presets=("lightkv", "visionzip", "divprune"),
+                           budgets=(0.55, 0.22), layers=6, heads=1, repeats=1, warmup=0, memory=False,
+                           eager_reference=False, progress=False)
+    assert cfg.variants == ("lightkv@0.55", "lightkv@0.22", "visionzip@0.55", "visionzip@0.22",
+                            "divprune@0.55", "divprune@0.22")
+    result = eff.run(cfg)
+    llava = result["models"]["llava"]["variants"]
+    assert set(llava) == {"uncompressed", *cfg.variants}
+    for name in ("visionzip", "divprune"):
+        assert llava[f"{name}@0.22"]["kept_vision_fraction"] == pytest.approx(127 / 576)  # 576 - floor(0.78 * 576)
+        assert llava[f"{name}@0.22"]["ratios"]["kv_bytes_vision"] == pytest.approx(127 / 576)
+    assert abs(llava["lightkv@0.55"]["kept_vision_fraction"] - 0.55) <= 0.03
+    qwen = result["models"]["qwen2_5_vl"]
+    assert set(qwen["refused"]) == {"visionzip@0.55", "visionzip@0.22"}
+    assert "tower relevance" in qwen["refused"]["visionzip@0.22"]
+    files = eff.write_outputs(result, tmp_path)
+    assert (tmp_path / "efficiency-budgets.png") in files
+    assert "visionzip@0.22: tower relevance" in (tmp_path / "efficiency.md").read_text()
+    assert "--budgets 0.55 0.22" in command_line(asdict(cfg))
+    with pytest.raises(ValueError, match="budgets are kept fractions"):
+        eff.BenchConfig(budgets=(1.5,))

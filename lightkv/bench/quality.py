@@ -41,24 +41,22 @@ from typing import Any
 
 import torch
 
-from ..policies.schedulers import budget_schedule
+from .budgets import MAX_RATIO, REF_DEPTH, method_pipeline  # noqa: F401  (re-exported: the quality benchmark's names)
 
 __all__ = ["ABLATIONS", "CACHE_METHODS", "METHODS", "TARGETS", "AccuracyConfig", "ablation_pipeline",
            "method_pipeline", "run"]
 
-METHODS = ("lightkv", "lightkv-paper", "lightkv-no-relevance", "tome", "fastv", "pdrop", "random", "pool",
-           "elasticcache", "h2o", "visionzip", "vispruner", "divprune", "cdpruner", "dart", "downsample")
+METHODS = ("lightkv", "lightkv-low-budget", "lightkv-paper", "lightkv-no-relevance", "tome", "fastv", "pdrop",
+           "random", "pool", "elasticcache", "h2o", "visionzip", "vispruner", "divprune", "cdpruner", "dart",
+           "downsample")
 CACHE_METHODS = ("elasticcache", "h2o")
 """Methods that act on every layer's cache after prefill: at a target ``t`` every layer keeps
 ``t`` of its vision KV (ElasticCache merges ``1 - t`` of each image's entries, H2O keeps a
 budget of ``t`` of each row's vision entries), so the kept fraction averaged over layers is
 ``t`` as for the others, while the prefill itself is never compressed."""
 TARGETS = (1.0, 0.75, 0.55, 0.40, 0.25)
-REF_DEPTH = 32
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
-MAX_RATIO = {"fastv": 0.95, "pdrop": 0.95, "random": 0.95, "pool": 0.75, "dart": 0.99}
-"""The most a stage of each method can remove; 0.5 (a parity split) for the others."""
 
 
 ABLATIONS = {
@@ -97,29 +95,6 @@ class AccuracyConfig:
     bootstrap: int = 2000
     threads: int | None = None
 
-
-
-def method_pipeline(name: str, num_layers: int, target: float):
-    """``(pipeline, how)``: preset ``name`` scaled to ``num_layers`` at ``target`` (see
-    `budget_schedule` for ``how``)."""
-    from ..policies import CacheSchedule, H2OSchedule, PreLLMSchedule
-    from ..policies.schedulers import ExplicitSchedule, scale_layers
-    from ..presets import get_preset
-
-    pipe = get_preset(name)
-    sched = pipe.scheduler
-    if isinstance(sched, CacheSchedule):
-        return replace(pipe, scheduler=replace(sched, ratio=round(1.0 - target, 6))), "cache"
-    if isinstance(sched, H2OSchedule):
-        return replace(pipe, scheduler=replace(sched, budget=target)), "cache"
-    if isinstance(sched, PreLLMSchedule):  # every layer sees the kept tokens: kept fraction = 1 - ratio
-        return replace(pipe, scheduler=replace(sched, ratio=1.0 - target)), "before the LLM"
-    if not isinstance(sched, ExplicitSchedule):
-        raise TypeError(f"preset {name!r} has no explicit schedule to scale")
-    layers = scale_layers(sched.layers, REF_DEPTH, num_layers)
-    schedule, how = budget_schedule(layers, num_layers, target, MAX_RATIO.get(name, 0.5),
-                                    windows_per_side=sched.windows_per_side, window_size=sched.window_size)
-    return replace(pipe, scheduler=schedule), how
 
 
 def ablation_pipeline(name: str, num_layers: int, target: float = ABLATION_TARGET):

@@ -55,6 +55,7 @@ def markdown_table(result: dict[str, Any]) -> str:
             cells.append("" if r is None else f"{r['accuracy']['overall']:.3f} / {detail_accuracy(r, result):.3f} @ "
                          f"{r['kept_fraction']:.2f}{FLAGS[r['how']]}")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines += retained_lines(result)
     has_f = "followup" in result["uncompressed"]["accuracy"]
     cols = qtypes + (["followup"] if has_f else [])
     per_type = ("Per question type: accuracy; KL(p_uncompressed || p_compressed) per answer token (nats, "
@@ -66,15 +67,14 @@ def markdown_table(result: dict[str, Any]) -> str:
     lines += ["", per_type, "", header, "|---" * (len(cols) + 8) + "|"]
     for r in [result["uncompressed"]] + [r for r in rows if r["target"] < 1.0]:
         lines.append(_type_line(r, cols, detail[0]))
-    if result.get("ablations"):
-        intro = (f"Ablations at {result['ablations'][0]['target']:.0%} kept: LightKV with one part swapped. "
+    for target in dict.fromkeys(r["target"] for r in result.get("ablations") or []):
+        intro = (f"Ablations at {target:.0%} kept: LightKV with one part swapped. "
                  "Last columns: lightkv minus the variant, points, paired bootstrap 95% interval.")
         header = ("| variant | kept | " + " | ".join(cols) + " | KL | "
                   + " | ".join(f"lightkv - this, {q}" for q in cols) + " | lightkv - this, KL |")
         lines += ["", intro, "", header, "|---" * (2 * len(cols) + 4) + "|"]
-        light = next((r for r in rows if r["method"] == "lightkv" and r["target"] == result["ablations"][0]["target"]),
-                     None)
-        for r in ([light] if light else []) + result["ablations"]:
+        light = next((r for r in rows if r["method"] == "lightkv" and r["target"] == target), None)
+        for r in ([light] if light else []) + [a for a in result["ablations"] if a["target"] == target]:
             vs = r.get("vs_lightkv", {}).get("accuracy", {})
             vkl = r.get("vs_lightkv", {}).get("kl", {}).get("overall")
             lines.append(f"| {r['method']} | {r['kept_fraction']:.3f} | "
@@ -93,6 +93,31 @@ def markdown_table(result: dict[str, Any]) -> str:
             lines.append(f"| {layer} | {q['asked']:.3f} | {q['control']:.3f} | {t['asked']:.3f} | {t['control']:.3f} |")
     lines += _region_lines(result)
     return "\n".join(lines) + "\n"
+
+
+def retained_lines(result: dict[str, Any]) -> list[str]:
+    """The field's format: overall accuracy as a share of the uncompressed model's, method x
+    kept-fraction target, with lightkv minus the method (points, paired bootstrap 95%)."""
+    rows = [r for r in result["rows"] if r["target"] < 1.0]
+    base = result["uncompressed"]["accuracy"]["overall"]
+    if not rows or not base:
+        return []
+    targets = sorted({r["target"] for r in rows}, reverse=True)
+    lines = ["", "Retained accuracy, % of the uncompressed model's overall accuracy (the field's format), and "
+             "in brackets lightkv minus the method in overall accuracy (points, paired bootstrap 95% interval); "
+             "a flag marks a method that missed the target (see the kept fraction above).", "",
+             "| method | " + " | ".join(f"{t:.0%}" for t in targets) + " |", "|---" * (len(targets) + 1) + "|"]
+    for m in dict.fromkeys(r["method"] for r in rows):
+        cells = []
+        for t in targets:
+            r = next((r for r in rows if r["method"] == m and r["target"] == t), None)
+            if r is None:
+                cells.append("")
+                continue
+            vs = "" if m == "lightkv" else " (" + _ci(r.get("vs_lightkv", {}).get("accuracy", {}).get("overall")) + ")"
+            cells.append(f"{100 * r['accuracy']['overall'] / base:.1f}%{FLAGS[r['how']]}{vs}")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _region_lines(result: dict[str, Any]) -> list[str]:

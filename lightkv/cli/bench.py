@@ -35,6 +35,9 @@ def add_commands(commands) -> None:
     eff.add_argument("--models", nargs="+", metavar="MODEL", help="llava, llava_next, llava_onevision, qwen2_5_vl, qwen2_5_vl_video, internvl "
                      "(default: all)")
     eff.add_argument("--presets", nargs="+", metavar="PRESET", help="presets to compare (default: lightkv tome fastv pdrop)")
+    eff.add_argument("--budgets", nargs="+", type=float, metavar="F",
+                     help="kept fractions (e.g. 0.55 0.22 0.11): every preset at each, as the quality benchmark "
+                          "puts it there (default: each preset's own schedule)")
     eff.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results, "
                      "benchmarks/results/quick with --quick)")
     eff.add_argument("--repeats", type=depth, metavar="N", help="timed prefills per variant (default: 5; 3 with --quick)")
@@ -205,6 +208,7 @@ def _cmd_bench_efficiency(args: argparse.Namespace) -> int:
     over = {k: v for k, v in {
         "models": tuple(args.models) if args.models else None,
         "presets": tuple(args.presets) if args.presets else None,
+        "budgets": tuple(args.budgets) if args.budgets else None,
         "repeats": args.repeats, "layers": args.layers, "threads": args.threads, "width": args.width,
         "heads": args.heads,
     }.items() if v is not None}

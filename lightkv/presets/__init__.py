@@ -33,6 +33,7 @@ _ORDER = (
     "lightkv-video",
     "lightkv-video-paper",
     "lightkv-pre-llm",
+    "lightkv-low-budget",
     "fastv",
     "pdrop",
     "tome",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -36,6 +38,23 @@ def test_tower_relevance_is_the_towers_own_cls_attention():
         mine = layout.image == img
         torch.testing.assert_close(xi[mine], cls[img], rtol=1e-5, atol=1e-6)
     assert float(xi[~layout.vision_mask].abs().sum()) == 0.0
+
+
+def test_mean_queries_average_the_attention_every_token_receives():
+    """``queries: mean`` (SigLIP-style): the attention each patch receives averaged over all
+    the tower's queries (CLS included), computed in chunks, against transformers' weights."""
+    model = get_model("llava", "eager")
+    fam = TINY_MODELS["llava"]
+    batch = fam.collate(fam.examples(model)[:2])
+    pipe = at("visionzip", 0.5)
+    pipe = replace(pipe, relevance=replace(pipe.relevance, queries="mean", heads="max"))
+    with apply(pipe, model, record=True) as session:
+        model(**batch)
+    rec = session.records[0]
+    tower = model.model.vision_tower(batch["pixel_values"], output_attentions=True)
+    want = tower.attentions[-1].mean(dim=2)[:, :, 1:].amax(dim=1)  # [I, patches]
+    for img in range(rec.layout.num_images):
+        torch.testing.assert_close(rec.relevance[rec.layout.image == img], want[img], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("preset", ["visionzip", "vispruner", "downsample"])

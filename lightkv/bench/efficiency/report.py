@@ -100,7 +100,8 @@ def command_line(config: dict[str, Any]) -> str:
 
     base = asdict(quick_config() if config.get("quick") else BenchConfig())
     parts = ["lightkv bench efficiency"] + (["--quick"] if config.get("quick") else [])
-    flags = {"models": "--models", "presets": "--presets", "layers": "--layers", "heads": "--heads",
+    flags = {"models": "--models", "presets": "--presets", "budgets": "--budgets", "layers": "--layers",
+             "heads": "--heads",
              "width": "--width", "repeats": "--repeats", "device": "--device", "dtype": "--dtype",
              "threads": "--threads"}
     for key, flag in flags.items():
@@ -145,6 +146,10 @@ def markdown_table(result: dict[str, Any]) -> str:
             f"{_f(r['peak_mem_ratio'])} | {_f(r['overhead_share'], '{:.1%}')} | "
             f"{_f(r['overhead_share_ref_est'], '{:.1%}')} |"
         )
+    refused = [(n, v, why) for n, m in result["models"].items() for v, why in m.get("refused", {}).items()]
+    if refused:
+        lines += ["", "Not run (refused by the family's adapter):", ""]
+        lines += [f"- {n} / {v}: {why}" for n, v, why in refused]
     eager = [(n, m["eager_reference"]) for n, m in result["models"].items() if "eager_reference" in m]
     if eager:
         lines += [
@@ -228,7 +233,32 @@ def plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.set_title("compression overhead breakdown", fontsize=9)
         ax.legend(fontsize=8)
         written.append(vis.save_figure(fig, out_dir / "efficiency-overhead.png"))
+    budgets = _budget_plot(plt, rows)
+    if budgets is not None:
+        written.append(vis.save_figure(budgets, out_dir / "efficiency-budgets.png"))
     return written
+
+
+def _budget_plot(plt, rows: list[dict[str, Any]]):
+    """TTFT ratio against FLOPs ratio, one panel per kept-fraction budget (variants named
+    ``preset@target``); the diagonal is the physical limit (time that follows the FLOPs)."""
+    rows = [r for r in rows if "@" in r["preset"]]
+    if not rows:
+        return None
+    targets = sorted({r["preset"].split("@")[1] for r in rows}, key=float, reverse=True)
+    fig, axes = plt.subplots(1, len(targets), figsize=(4.2 * len(targets), 4.0), squeeze=False)
+    for ax, t in zip(axes[0], targets):
+        here = [r for r in rows if r["preset"].split("@")[1] == t]
+        for r in here:
+            ax.scatter(r["flops_ratio"], r["ttft_ratio"], s=18)
+            ax.annotate(f"{r['preset'].split('@')[0]} ({r['model']})", (r["flops_ratio"], r["ttft_ratio"]),
+                        fontsize=6, xytext=(3, 2), textcoords="offset points")
+        top = max(1.0, *(max(r["flops_ratio"], r["ttft_ratio"]) for r in here))
+        ax.plot([0, top], [0, top], color="grey", lw=0.8, ls="--")
+        ax.set_xlabel("prefill FLOPs ratio")
+        ax.set_title(f"{float(t):.0%} of the vision KV kept", fontsize=9)
+    axes[0][0].set_ylabel("TTFT ratio (preset / uncompressed)")
+    return fig
 
 
 def write_outputs(result: dict[str, Any], out_dir: Path, with_plots: bool = True) -> list[Path]:

@@ -58,8 +58,15 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) 
     from ...testing import IMAGE, VIDEO
 
     n_vis = int(((ids == IMAGE) | (ids == VIDEO)).sum())  # image and video placeholders
-    pipes = {p: scaled_pipeline(p, spec, sizes["layers"]) for p in cfg.presets}
-    compressed = [*cfg.presets, *([PROJECTED] if cfg.projection_baseline else [])]
+    pipes = {p: scaled_pipeline(p, spec, sizes["layers"]) for p in cfg.variants}
+    refused = {}
+    for variant in list(pipes):  # e.g. tower relevance on a family whose adapter does not expose its tower
+        try:
+            apply(pipes[variant], model).close()
+        except (NotImplementedError, ValueError) as e:
+            refused[variant] = str(e)
+            del pipes[variant]
+    compressed = [*pipes, *([PROJECTED] if cfg.projection_baseline else [])]
     if cfg.projection_baseline:
         pipes[PROJECTED] = pipes["lightkv"]
     variants = [UNCOMPRESSED, *compressed]
@@ -112,6 +119,7 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) 
         "reference_decoder": dict(spec.ref, head_dim=HEAD_DIM),
         "reduced_decoder": dict(sizes, head_dim=HEAD_DIM),
         "variants": {},
+        "refused": refused,
     }
     base_t = statistics.median(times[UNCOMPRESSED])
     base_flops = None
@@ -161,7 +169,7 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) 
         entry["variants"][variant] = rec
     # the uncompressed variant's vision bytes and FLOPs (from the first compressed report)
     unc = entry["variants"][UNCOMPRESSED]
-    for variant in cfg.presets:
+    for variant in pipes:
         rec = entry["variants"][variant]
         unc["kv_bytes_vision"] = rec["kv_bytes_vision_baseline"]
         break
@@ -177,7 +185,7 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) 
         }
         rec["ttft_minus_flops_pp"] = 100 * (rec["ratios"]["ttft"] - rec["ratios"]["flops"])
 
-    if cfg.eager_reference and "lightkv" in cfg.presets:
+    if cfg.compares_reference_scoring and "lightkv" in pipes:
         ref_s, ours = [], []
         with torch.no_grad():
             for _ in range(cfg.eager_repeats):
@@ -202,7 +210,7 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) 
         }
 
     if cfg.memory:
-        mem_variants = variants + ([EAGER_REF] if cfg.eager_reference and "lightkv" in cfg.presets else [])
+        mem_variants = variants + ([EAGER_REF] if cfg.compares_reference_scoring else [])
         if device.type == "cuda":
             model = last = None
             gc.collect()
@@ -229,8 +237,8 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) 
 
 # ---------------------------------------------------------------------------- the run
 def _steps(cfg: BenchConfig) -> int:
-    per_model = (cfg.warmup + cfg.repeats) * (1 + len(cfg.presets) + int(cfg.projection_baseline))
-    if cfg.eager_reference and "lightkv" in cfg.presets:
+    per_model = (cfg.warmup + cfg.repeats) * (1 + len(cfg.variants) + int(cfg.projection_baseline))
+    if cfg.compares_reference_scoring:
         per_model += cfg.eager_repeats
     per_model += 1 if cfg.memory else 0
     return per_model * len(cfg.models)

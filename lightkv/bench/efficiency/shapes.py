@@ -148,6 +148,9 @@ class BenchConfig:
 
     models: tuple[str, ...] = tuple(MODELS)
     presets: tuple[str, ...] = DEFAULT_PRESETS
+    budgets: tuple[float, ...] = ()
+    """Kept-fraction targets: each preset runs at each (variant ``preset@target``, put there
+    by `lightkv.bench.budgets.method_pipeline`); empty: each preset's own schedule."""
     layers: int = 8
     heads: int | None = None
     width: str = "reduced"
@@ -176,6 +179,11 @@ class BenchConfig:
             raise ValueError("repeats must be >= 1 and warmup >= 0")
         if self.width not in ("reduced", "full"):
             raise ValueError(f"width must be 'reduced' or 'full', got {self.width!r}")
+        self.budgets = tuple(float(b) for b in self.budgets)
+        if any(not 0.0 < b < 1.0 for b in self.budgets):
+            raise ValueError(f"budgets are kept fractions in (0, 1), got {list(self.budgets)}")
+        if self.budgets and self.projection_baseline:
+            raise ValueError("projection_baseline times the lightkv preset's own schedule: run it without budgets")
         if self.projection_baseline and "lightkv" not in self.presets:
             raise ValueError("projection_baseline compares against the lightkv preset: include it in presets")
         if self.dtype not in DTYPES:
@@ -186,6 +194,19 @@ class BenchConfig:
         if bad:
             raise ValueError(f"unknown preset(s) {bad}; see `lightkv presets`")
         self.models, self.presets = tuple(self.models), tuple(self.presets)
+
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        """The compressed variants: the presets, or ``preset@target`` for each budget."""
+        if not self.budgets:
+            return self.presets
+        return tuple(f"{p}@{b:g}" for p in self.presets for b in self.budgets)
+
+    @property
+    def compares_reference_scoring(self) -> bool:
+        """The reference-style scoring runs (on the lightkv preset's own schedule)."""
+        return self.eager_reference and "lightkv" in self.variants
 
 
 def quick_config(**over: Any) -> BenchConfig:
@@ -201,16 +222,33 @@ def quick_config(**over: Any) -> BenchConfig:
 
 # ---------------------------------------------------------------------------- schedules
 
-def preset_pipeline(name: str, spec: ModelSpec):
-    from ...presets import get_preset
+def _variant(name: str, spec: ModelSpec) -> tuple[str, float | None]:
+    """``(preset, target)`` of a variant name (``preset`` or ``preset@target``); ``lightkv``
+    is the shape's own LightKV preset."""
+    preset, _, target = name.partition("@")
+    return (spec.lightkv_preset if preset == "lightkv" else preset), (float(target) if target else None)
 
-    return get_preset(spec.lightkv_preset if name == "lightkv" else name)
+
+def preset_pipeline(name: str, spec: ModelSpec):
+    """The variant's pipeline at the shape's reference depth."""
+    from ...presets import get_preset
+    from ..budgets import method_pipeline
+
+    preset, target = _variant(name, spec)
+    if target is not None:
+        return method_pipeline(preset, spec.ref["layers"], target, ref_depth=spec.ref["layers"])[0]
+    return get_preset(preset)
 
 
 def scaled_pipeline(name: str, spec: ModelSpec, depth: int):
-    """The preset for ``spec`` with its explicit schedule scaled from the reference depth."""
+    """The variant's pipeline for a ``depth``-layer decoder: the preset with its explicit
+    schedule scaled from the reference depth, or (``preset@target``) put at the target."""
     from ...policies import ExplicitSchedule
+    from ..budgets import method_pipeline
 
+    preset, target = _variant(name, spec)
+    if target is not None:
+        return method_pipeline(preset, depth, target, ref_depth=spec.ref["layers"])[0]
     pipe = preset_pipeline(name, spec)
     sched = pipe.scheduler
     if isinstance(sched, ExplicitSchedule) and depth != spec.ref["layers"]:
