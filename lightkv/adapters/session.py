@@ -33,10 +33,9 @@ listed layers' cache entries after they ran; ``proportional`` adds ``log(size)``
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
-import weakref
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -51,6 +50,7 @@ from .cache import MaskedCacheLayer, _Token, install_masked_layer
 from .cache_mode import CacheMode
 from .guards import attention_implementation, check_attention_mask, check_cache, refuse_compiled
 from .masks import drop_padding, gather_position_ids, gather_tokens
+from .ownership import ACTIVE, CallOwner, cache_of
 from .probes import AttentionProbe, LayerShape, probe_for_layer
 from .registry import get_adapter
 from .released import ReleasedQuirksHook
@@ -60,15 +60,6 @@ from .tower import TowerTap
 from .trace import ForwardState, LayerStat, PrefillTrace, StageRecord
 
 __all__ = ["CompressionSession"]
-
-_ACTIVE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-"""Language models that currently have an active session (one session per model)."""
-
-
-def _cache_of(kwargs: Mapping[str, Any]):
-    cache = kwargs.get("cache")
-    return cache if cache is not None else kwargs.get("past_key_values")
-
 
 class CompressionSession:
     """Compress vision tokens during prefill of one model, for the duration of a ``with``.
@@ -145,7 +136,7 @@ class CompressionSession:
         self._owner = False
         self._token = _Token()
         self._token.open = False
-        self._state: ForwardState | None = None
+        self._calls = CallOwner()  # the thread whose calls are compressed, and its forward's state
         self.last_prefill: PrefillTrace | None = None
         self.num_prefills = 0
         self.num_forwards = 0
@@ -157,7 +148,7 @@ class CompressionSession:
         return bool(self._handles)
 
     def __enter__(self) -> CompressionSession:
-        if self._lm in _ACTIVE:
+        if self._lm in ACTIVE:
             raise RuntimeError(
                 f"a lightkv compression session is already active on this {type(self.model).__name__}; "
                 "exit it before applying another pipeline"
@@ -181,7 +172,8 @@ class CompressionSession:
             self._remove()
             raise
         self._token = _Token()
-        _ACTIVE.add(self._lm)
+        self._calls.claim()
+        ACTIVE.add(self._lm)
         self._owner = True
         return self
 
@@ -197,10 +189,19 @@ class CompressionSession:
             h.remove()
         self._handles.clear()
         self._token.open = False
-        self._state = None
+        self._calls.release()
         if self._owner:
-            _ACTIVE.discard(self._lm)
+            ACTIVE.discard(self._lm)
             self._owner = False
+
+    _state = property(lambda self: self._calls.state, lambda self, v: setattr(self._calls, "state", v))
+
+    def __deepcopy__(self, memo):
+        # copy.deepcopy(model) inside the block copies the hooks and, through them, this session:
+        # the copy owns no calls, so the copied model's hooks do nothing
+        clone = memo[id(self)] = copy.copy(self)
+        clone._calls = CallOwner()
+        return clone
 
     # ---------------------------------------------------------------- results
     @property
@@ -231,6 +232,8 @@ class CompressionSession:
 
     # ---------------------------------------------------------------- model hooks
     def _on_model_pre(self, module, args, kwargs):
+        if not self._calls.admits(self.model):
+            return
         self._state = None
         inputs = bind_arguments(self._signature, args, kwargs)
         input_ids = inputs.get("input_ids")
@@ -240,7 +243,7 @@ class CompressionSession:
             return
         b, q = ref.shape[:2]
         impl = self._attn_impl()
-        cache = _cache_of(inputs)
+        cache = cache_of(inputs)
         # before the mask check: with a static cache transformers prepares a 4-D mask
         check_cache(cache, self.adapter.cache_layer_types, self._cache_mode.layers)
         past = cache.get_seq_length() if cache is not None else 0
@@ -288,7 +291,7 @@ class CompressionSession:
         if st is None:
             return None
         hidden = args[0] if args else kwargs.get("hidden_states")
-        cache = _cache_of(kwargs)
+        cache = cache_of(kwargs)
         if st.mode == "decode":
             if cache is None or len(cache.layers) <= i or not isinstance(cache.layers[i], MaskedCacheLayer):
                 return None
@@ -409,7 +412,7 @@ class CompressionSession:
     def _on_layer_post(self, i: int, module, args, kwargs, output):
         st = self._state
         if st is not None and i in self._cache_mode.layers:
-            cache = _cache_of(kwargs)
+            cache = cache_of(kwargs)
             if st.mode == "decode":
                 if cache is not None and len(cache.layers) > i:
                     self._cache_mode.decode_post(i, cache.layers[i])
