@@ -174,13 +174,20 @@ class SessionReport:
         stages = [
             StageSummary(
                 layer=rec.layer,
-                vision_in=int(first.vision.sum()) if rec.stage.spec.before else _vision_before(trace, rec.layer),
+                vision_in=_vision_in(trace, rec, first),
                 vision_out=int(rec.result.layout.vision_mask.sum()),
                 width_in=int(rec.result.remap.shape[1]),
                 width_out=int(rec.result.kept_index.shape[1]),
             )
             for rec in trace.stages
         ]
+        # H2O evicts inside the cache without a stage record: each evicting layer is a stage
+        recorded = {rec.layer for rec in trace.stages}
+        after = {stat.layer: stat for stat in trace.layers}
+        stages += [StageSummary(layer, int(before.vision.sum()), int(after[layer].vision.sum()), before.length,
+                                after[layer].length)
+                   for layer, before in sorted(trace.uncompressed.items()) if layer not in recorded and layer in after]
+        stages.sort(key=lambda s: s.layer)
         return cls(
             pipeline=name,
             family=family,
@@ -252,6 +259,16 @@ def _prompt_stat(layout, layer: int) -> LayerStat:
     """Token counts of the uncompressed prompt, as if ``layer`` had seen it."""
     return LayerStat(layer, layout.seq_len, layout.valid_mask.sum(1), layout.vision_mask.sum(1),
                      (layout.kind == TokenKind.STRUCTURAL).sum(1))
+
+
+def _vision_in(trace, rec, first) -> int:
+    """Vision tokens a stage received: the prompt's for a pre-LLM stage, the layer's
+    uncompressed cache for a cache stage, else the layer's input."""
+    if rec.stage.spec.before:
+        return int(first.vision.sum())
+    if rec.stage.spec.cache and rec.layer in trace.uncompressed:
+        return int(trace.uncompressed[rec.layer].vision.sum())
+    return _vision_before(trace, rec.layer)
 
 
 def _vision_before(trace, layer: int) -> int:

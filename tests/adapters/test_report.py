@@ -46,3 +46,23 @@ def test_report_matches_the_cache(family):
         assert sum(sizes.values()) == int(vis.sum())
     json.dumps(report.to_dict())
     assert "kept vision fraction" in str(report)
+
+
+@pytest.mark.parametrize("preset", ["elasticcache", "h2o"])
+def test_cache_mode_stages_report_what_each_layer_lost(preset):
+    """Regression (issue 27, item 4): ElasticCache's summaries said ``vision_in == vision_out``
+    for every stage though each halves its layer's cache, and H2O reported no stage at all."""
+    import lightkv
+
+    model = get_model("llava")
+    fam = TINY_MODELS["llava"]
+    batch = fam.collate(fam.examples(model)[:2])
+    vision = int((batch["input_ids"] == 100).sum())
+    with apply(lightkv.load(preset), model) as session:
+        out = model(**batch, use_cache=True)
+    report = session.report()
+    assert [s.layer for s in report.stages] == list(range(len(out.cache.layers)))
+    for s, layer in zip(report.stages, report.layers):
+        assert (s.vision_in, s.vision_out) == (vision, layer.vision) and layer.vision < vision
+    assert report.kept_vision_fraction == pytest.approx(sum(s.vision_out for s in report.stages)
+                                                        / (vision * len(report.stages)))
