@@ -82,6 +82,8 @@ class GenerateResult:
             "compressed": asdict(self.compressed),
             "baseline": asdict(self.baseline) if self.baseline is not None else None,
             "kept_vision_fraction": rep.kept_vision_fraction,
+            "target_kept_fraction": rep.target_kept_fraction,
+            "missed_target": rep.missed_target,
             "kv_bytes_vision": rep.kv_bytes_vision,
             "kv_bytes_vision_baseline": rep.kv_bytes_vision_baseline,
             "kv_bytes": rep.kv_bytes,
@@ -105,7 +107,8 @@ class GenerateResult:
         kept = "n/a" if rep.kept_vision_fraction is None else f"{rep.kept_vision_fraction:.3f}"
         lines += [
             "report:",
-            f"  kept vision fraction (avg over layers): {kept}",
+            f"  kept vision fraction (avg over layers): {kept}"
+            + ("" if rep.target_kept_fraction is None else f" (target {rep.target_kept_fraction:.3f})"),
             (f"  vision KV bytes: {rep.kv_bytes_vision:,} with lightkv / {rep.kv_bytes_vision_baseline:,} without "
              f"({_ratio(rep.kv_bytes_vision, rep.kv_bytes_vision_baseline)})"),
             (f"  total KV bytes: {rep.kv_bytes:,} with lightkv / {rep.kv_bytes_baseline:,} without "

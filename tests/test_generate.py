@@ -173,3 +173,25 @@ def test_schedule_deeper_than_model(assets, capsys):
     assert code == 1, err
     assert "Traceback" not in err and err.startswith("lightkv: error: ")
     assert "only 4 layers" in err
+
+
+def test_a_missed_target_is_reported_and_warned(assets, capsys, tmp_path):
+    """Regression (issue 27, item 5): a budget the schedule cannot reach passed silently. Here
+    the pre-LLM stage is asked to remove 80% with a parity split (at most half a window):
+    the JSON carries target and achieved, and stderr says it missed, in one line."""
+    config = tmp_path / "greedy.yaml"
+    config.write_text("name: greedy\nschedule:\n  name: pre_llm\n  params: {ratio: 0.8, windows_per_side: 2}\n"
+                      "partitioner: grid\nscorer: cosine\npruner: divergence\npasser: relevance_mean\n"
+                      "relevance: query_softmax\n")
+    code = main(_gen(assets, "--config", str(config), "--max-new-tokens", "1", "--json"))
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    data = json.loads(out)  # stdout stays one JSON document
+    assert data["kept_vision_fraction"] == pytest.approx(0.5)
+    assert data["target_kept_fraction"] == pytest.approx(0.2)
+    assert "kept 0.500 of the vision KV, not the 0.200 it targets" in data["missed_target"]
+    warnings = [line for line in err.splitlines() if line.startswith("lightkv: warning: ")]
+    assert len(warnings) == 1 and "not the 0.200 it targets" in warnings[0]
+    code = main(_gen(assets, "--config", assets["config"], "--max-new-tokens", "1", "--json"))
+    out, err = capsys.readouterr()
+    assert json.loads(out)["missed_target"] is None and "warning" not in err  # on target: silent

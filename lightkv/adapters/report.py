@@ -12,7 +12,7 @@ from ..graph.layout import TokenKind
 from ..graph.provenance import Provenance
 from .trace import LayerStat
 
-__all__ = ["LayerReport", "SessionReport", "StageSummary"]
+__all__ = ["TARGET_TOLERANCE", "LayerReport", "SessionReport", "StageSummary"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,11 @@ class StageSummary:
     width_out: int
 
 
+TARGET_TOLERANCE = 0.05
+"""How far (absolute kept fraction) the achieved vision KV may fall from the target before
+the report warns."""
+
+
 @dataclass
 class SessionReport:
     """Report of the last prefill of a `CompressionSession`.
@@ -69,6 +74,10 @@ class SessionReport:
             projections and scores (``relevance_flops``: relevance and stage keys; only the
             scores when they were read from the layers' own projections, see
             `lightkv.adapters.tap`).
+        target_kept_fraction: what the pipeline promised: its scheduler's target (the
+            ``kept_fraction`` / ``budget`` schedules, H2O's budget) or else the fraction its
+            stages' ratios would keep (`lightkv.policies.average_kept_fraction`); None when
+            it cannot be stated.
         provenance: for every prompt token, the index of the final token that represents it.
         num_prefills, num_forwards: forwards seen by the session so far.
     """
@@ -84,12 +93,26 @@ class SessionReport:
     prefill_flops: float
     prefill_flops_baseline: float
     relevance_flops: float
+    target_kept_fraction: float | None = None
     provenance: Provenance | None = field(default=None, repr=False)
     final_origin: torch.Tensor | None = field(default=None, repr=False)
     num_prefills: int = 0
     num_forwards: int = 0
 
     # ------------------------------------------------------------------ totals
+    @property
+    def missed_target(self) -> str | None:
+        """A one-line warning when the achieved kept fraction differs from the target by
+        more than `TARGET_TOLERANCE` (e.g. a parity split asked to remove more than half a
+        window, or a schedule on a model too shallow for it), else None."""
+        want, got = self.target_kept_fraction, self.kept_vision_fraction
+        if want is None or got is None or abs(got - want) <= TARGET_TOLERANCE:
+            return None
+        return (f"pipeline {self.pipeline!r} kept {got:.3f} of the vision KV, not the {want:.3f} it targets "
+                f"(tolerance {TARGET_TOLERANCE}): its stages cannot remove that much on this model or these "
+                "images (a parity split removes at most half a window per stage; small images are skipped); "
+                "use more or earlier stages, or a policy that can remove more")
+
     @property
     def kv_bytes(self) -> int:
         return sum(layer.kv_bytes for layer in self.layers)
@@ -197,6 +220,7 @@ class SessionReport:
             baseline=baseline,
             stages=stages,
             kept_vision_fraction=kept,
+            target_kept_fraction=_target(session),
             prefill_flops=flops,
             prefill_flops_baseline=flops_base,
             relevance_flops=trace.relevance_flops,
@@ -222,6 +246,8 @@ class SessionReport:
             "kv_bytes_vision_baseline": self.kv_bytes_vision_baseline,
             "kv_ratio": self.kv_ratio,
             "kept_vision_fraction": self.kept_vision_fraction,
+            "target_kept_fraction": self.target_kept_fraction,
+            "missed_target": self.missed_target,
             "prefill_flops": self.prefill_flops,
             "prefill_flops_baseline": self.prefill_flops_baseline,
             "relevance_flops": self.relevance_flops,
@@ -238,7 +264,8 @@ class SessionReport:
         lines = [
             f"lightkv session: pipeline={self.pipeline} family={self.family} batch={self.batch_size} "
             f"prompt={self.input_len} tokens",
-            f"  kept vision fraction (avg over layers): {kept}",
+            f"  kept vision fraction (avg over layers): {kept}"
+            + ("" if self.target_kept_fraction is None else f" (target {self.target_kept_fraction:.3f})"),
             f"  KV bytes: {self.kv_bytes:,} / {self.kv_bytes_baseline:,} ({self.kv_ratio:.3f}); "
             f"vision {self.kv_bytes_vision:,} / {self.kv_bytes_vision_baseline:,}",
             f"  prefill FLOPs (est.): {self.prefill_flops:.3e} / {self.prefill_flops_baseline:.3e} "
@@ -252,7 +279,27 @@ class SessionReport:
             )
         for s in self.stages:
             lines.append(f"  stage after layer {s.layer}: vision {s.vision_in} -> {s.vision_out}, width {s.width_in} -> {s.width_out}")
+        if self.missed_target:
+            lines.append(f"  warning: {self.missed_target}")
         return "\n".join(lines)
+
+
+def _target(session) -> float | None:
+    """What the session's pipeline promises to keep (see `SessionReport.target_kept_fraction`)."""
+    from ..policies import average_kept_fraction
+
+    sched = session.pipeline.scheduler
+    for name in ("target", "budget"):  # kept_fraction / budget schedules, H2O
+        value = getattr(sched, name, None)
+        if isinstance(value, float) and not isinstance(value, bool):
+            return value
+    specs = [stage.spec for stage in session.stages]
+    if not specs:
+        return None
+    try:
+        return average_kept_fraction(specs, session.num_layers)
+    except ValueError:
+        return None
 
 
 def _prompt_stat(layout, layer: int) -> LayerStat:

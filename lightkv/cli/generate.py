@@ -98,6 +98,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         hub_log.setLevel(hub_level)
         if quiet:
             hf_logging.enable_progress_bar()
+    if result.report.missed_target:  # stderr, so a --json stdout stays one document
+        print(f"lightkv: warning: {result.report.missed_target}", file=sys.stderr)
     if args.json:
         out = result.to_dict()
         if example is not None:

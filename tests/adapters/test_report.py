@@ -66,3 +66,27 @@ def test_cache_mode_stages_report_what_each_layer_lost(preset):
         assert (s.vision_in, s.vision_out) == (vision, layer.vision) and layer.vision < vision
     assert report.kept_vision_fraction == pytest.approx(sum(s.vision_out for s in report.stages)
                                                         / (vision * len(report.stages)))
+
+
+def test_a_budget_the_schedule_cannot_reach_says_so():
+    """Regression (issue 27, item 5): the 55% ``lightkv-budget`` keeps about 0.66 on a 4-layer
+    model (its stages remove at most half a window each); the report carries target and
+    achieved and a warning, and a schedule that keeps its promise has none."""
+    import lightkv
+    from lightkv.adapters.report import TARGET_TOLERANCE
+
+    model = get_model("llava")
+    fam = TINY_MODELS["llava"]
+    batch = fam.collate(fam.examples(model)[:2])
+    with apply(lightkv.load("lightkv-budget"), model) as session:
+        model(**batch)
+    report = session.report()
+    assert report.target_kept_fraction == 0.55
+    assert report.kept_vision_fraction - 0.55 > TARGET_TOLERANCE
+    assert report.missed_target.startswith("pipeline 'lightkv-budget' kept 0.656 of the vision KV, not the 0.550")
+    assert "warning: pipeline 'lightkv-budget' kept" in str(report)
+    assert report.to_dict()["missed_target"] == report.missed_target
+    with apply(tiny_lightkv(), model) as session:
+        model(**batch)
+    report = session.report()
+    assert report.missed_target is None and abs(report.kept_vision_fraction - report.target_kept_fraction) < 0.01
