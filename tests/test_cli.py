@@ -152,3 +152,16 @@ def test_console_script_and_module_entry_point(tmp_path):
     )
     assert proc.returncode == 2 and not proc.stdout
     assert proc.stderr.startswith("lightkv: error: no preset or file named 'nope'") and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("preset", ["elasticcache", "h2o", "lightkv-pre-llm"])
+def test_config_validate_accepts_every_mode(capsys, preset):
+    """Regression (issue 27, item 10): ``config validate elasticcache`` (a shipped preset) exited
+    1 because its dry run ran cache stages on hidden states."""
+    code, out, err = run(capsys, "config", "validate", preset)
+    assert code == 0 and not err, err
+    if preset == "elasticcache":
+        assert "stage 0: on layer 0's cache" in out
+        assert "each of the 32 compressed layers' caches keeps 288 of 576 vision tokens" in out
+    if preset == "lightkv-pre-llm":
+        assert "stage 0: before layer 0 (pre-LLM)" in out

@@ -110,7 +110,9 @@ def _plan_lines(cfg, num_layers: int, target: str) -> list[str]:
             f"windows_per_side {s.windows_per_side}" if s.windows_per_side is not None
             else f"window_size {s.window_size[0]}x{s.window_size[1]}"  # type: ignore[index]
         )
-        lines.append(f"  stage {i}: after layer {s.layer}, removal ratio {s.ratio:g}, {windows}")
+        where = ("before layer 0 (pre-LLM)" if s.before else f"on layer {s.layer}'s cache" if s.cache
+                 else f"after layer {s.layer}")
+        lines.append(f"  stage {i}: {where}, removal ratio {s.ratio:g}, {windows}")
     lines.append(f"vision KV kept on average over layers: {cfg.average_kept_fraction(num_layers):.1%}")
     return lines
 
@@ -147,6 +149,15 @@ def _dry_run(cfg, num_layers: int, grid: tuple[int, int]) -> str:
     hidden = torch.randn(1, n, 32, generator=gen)
     relevance = torch.rand(1, n, generator=gen)
     keys = torch.randn(1, n, 2, 16, generator=gen)  # for key-space policies: 2 heads of 16
+    stages = pipe.stages(num_layers)
+    if stages and all(s.spec.cache for s in stages):  # the cache mode: each layer's cache on its own
+        from ..cache_stage import CacheStage
+
+        cache = keys.transpose(1, 2)  # [B, H_kv, N, d]
+        kept = sorted({int(CacheStage(s)(cache, cache, layout, relevance).result.layout.vision_counts()[0])
+                       for s in stages})
+        return (f"dry run on one {h}x{w} image: each of the {len(stages)} compressed layers' caches keeps "
+                + " or ".join(map(str, kept)) + f" of {h * w} vision tokens")
     results = pipe.run(hidden, layout, num_layers=num_layers, relevance=relevance, keys=keys)
     counts = [h * w] + [int(r.layout.vision_counts()[0]) for r in results]
     return f"dry run on one {h}x{w} image: " + " -> ".join(map(str, counts)) + " vision tokens"
