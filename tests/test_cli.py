@@ -165,3 +165,80 @@ def test_config_validate_accepts_every_mode(capsys, preset):
         assert "each of the 32 compressed layers' caches keeps 288 of 576 vision tokens" in out
     if preset == "lightkv-pre-llm":
         assert "stage 0: before layer 0 (pre-LLM)" in out
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["bench", "efficiency", "--repeats", "1000000000"], "--repeats: at most 100"),
+    (["bench", "efficiency", "--layers", "100000"], "--layers: at most 80"),
+    (["bench", "efficiency", "--heads", "5000"], "--heads: at most 128"),
+    (["bench", "scaling", "--width", "1000000000"], "--width: at most 16,384"),
+    (["bench", "scaling", "--sides", "24", "100000"], "--sides: at most 256"),
+    (["bench", "kvquant", "--layers", "1000"], "--layers: at most 80"),
+    (["bench", "quality", "--episodes", "1000000000"], "--episodes: at most 20,000"),
+    (["bench", "quality", "--threads", "100000"], "--threads: at most"),
+    (["bench", "ablation", "--episodes", "1000000000"], "--episodes: at most 20,000"),
+])
+def test_sizes_past_a_stated_limit_are_refused_up_front(capsys, argv, needle):
+    """Regression (issue 27, items 6 and 9): huge sizes ran for minutes or ended in tracebacks."""
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and "Traceback" not in err
+    assert needle in err.strip().splitlines()[-1]
+
+
+def test_a_decoder_whose_weights_cannot_fit_is_refused_with_the_estimate(capsys, monkeypatch):
+    monkeypatch.setattr("lightkv.cli.bench.physical_memory", lambda: 16 * 2**30)
+    code, out, err = run(capsys, "bench", "efficiency", "--width", "full", "--layers", "40", "--models", "llava")
+    assert code == 2 and not out
+    assert err.strip() == ("lightkv: error: --layers 40 at --width full needs about 30.2 GiB of weights (0.75 GiB a "
+                           "layer) and this machine has 16.0 GiB: use --layers 16 or fewer")
+
+
+@pytest.mark.parametrize("command", [["bench", "quality", "--episodes", "4"], ["bench", "scaling", "--quick"],
+                                     ["bench", "kvquant"], ["bench", "efficiency", "--quick"],
+                                     ["bench", "ablation", "--episodes", "4"]])
+def test_an_unwritable_out_is_refused_before_any_work(capsys, tmp_path, command):
+    """Regression (issue 27, item 7): a file or an unwritable --out failed after the whole run."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    code, out, err = run(capsys, *command, "--out", str(afile))
+    assert code == 2 and not out and err.strip() == f"lightkv: error: --out {afile}: not a directory"
+
+
+def test_a_full_disk_is_one_line(tmp_path):
+    """Regression (issue 27, item 9): ``config schema > /dev/full`` ended in a traceback."""
+    import os
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "lightkv", "config", "schema"], stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "lightkv: error: cannot write the output: No space left on device"
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
+    """Regression (issue 27, item 8): Ctrl-C printed a KeyboardInterrupt traceback."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "lightkv", "bench", "quality", "--episodes", "2000",
+                             "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(6)  # past the imports and the model load: inside the run
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "lightkv: interrupted" and "Traceback" not in err
+    assert not list(tmp_path.iterdir())  # nothing half-written
+
+
+def test_default_results_go_under_the_current_directory_outside_a_checkout(tmp_path):
+    """Regression (issue 27, item 15): from a pip install, results went into site-packages."""
+    from lightkv.bench.paths import results_dir
+
+    installed, here = tmp_path / "site-packages", tmp_path / "work"
+    installed.mkdir()
+    assert results_dir(root=installed, cwd=here) == here / "benchmarks" / "results"
+    (installed / "pyproject.toml").write_text("")
+    (installed / "benchmarks").mkdir()
+    assert results_dir(root=installed, cwd=here) == installed / "benchmarks" / "results"

@@ -36,12 +36,12 @@ import math
 import platform
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from .budgets import MAX_RATIO, REF_DEPTH, method_pipeline  # noqa: F401  (re-exported: the quality benchmark's names)
+from .paths import results_dir
 
 __all__ = ["ABLATIONS", "CACHE_METHODS", "METHODS", "TARGETS", "AccuracyConfig", "ablation_pipeline",
            "method_pipeline", "run"]
@@ -55,7 +55,7 @@ CACHE_METHODS = ("elasticcache", "h2o")
 budget of ``t`` of each row's vision entries), so the kept fraction averaged over layers is
 ``t`` as for the others, while the prefill itself is never compressed."""
 TARGETS = (1.0, 0.75, 0.55, 0.40, 0.25)
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+RESULTS = results_dir()
 
 
 

@@ -24,6 +24,7 @@ command group (`lightkv.cli.configs`, `lightkv.cli.bench`, `lightkv.cli.generate
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from collections.abc import Sequence
@@ -87,8 +88,15 @@ def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParse
     return args
 
 
+EXIT_INTERRUPTED = 130
+"""Exit status after Ctrl-C (128 + SIGINT, as shells report it)."""
+_OUTPUT_ERRNOS = (errno.ENOSPC, errno.EIO, errno.EFBIG, errno.EDQUOT)
+"""Write errors that mean the output cannot be stored (a full disk, ``/dev/full``)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (0 ok, 1 invalid config, 2 usage)."""
+    """Run the command line; returns the exit status (0 ok, 1 invalid config, 2 usage, 130
+    interrupted)."""
     parser = build_parser()
     try:
         args = parse_args(argv, parser)
@@ -100,7 +108,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..config import ConfigError
 
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a full disk or a closed pipe shows here, not as a traceback at exit
+        return code
+    except KeyboardInterrupt:  # Ctrl-C: one line; files are written whole or not at all
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except UsageError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -119,6 +132,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_OK
+    except OSError as e:
+        if e.errno not in _OUTPUT_ERRNOS:
+            raise
+        # e.g. `lightkv config schema > /dev/full`: drop what stdout still holds, say why in one line
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        print(f"{PROG}: error: cannot write the output: {e.strerror}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":  # pragma: no cover

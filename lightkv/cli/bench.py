@@ -5,9 +5,47 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .common import EXIT_OK, Parser, UsageError, depth, missing_action
+from .common import (
+    EXIT_OK,
+    Parser,
+    UsageError,
+    at_most,
+    depth,
+    machine_threads,
+    missing_action,
+    physical_memory,
+    writable_dir,
+)
 
 __all__ = ["add_commands"]
+
+# Upper limits: a typo such as 1e9 is refused before any work, with what one unit costs.
+_FULL_LAYERS = at_most(80, "the deepest real decoder has 80 layers; at --width full each 7B-wide layer "
+                           "holds 0.8 GB of float32 weights")
+_LAYERS = at_most(80, "the deepest real decoder has 80 layers")
+_HEADS = at_most(128, "the width is heads x 128")
+_PREFILL_REPEATS = at_most(100, "each repeat is one prefill per variant and model")
+_POINT_REPEATS = at_most(100, "each repeat times every point again")
+_SIDES = at_most(256, "a side of S tokens is S^2 vision tokens; 256 is 65,536")
+_WIDTH = at_most(16384, "hidden states are tokens x width x 4 bytes; 16,384 x 7,225 tokens is 0.5 GB")
+_EPISODES = at_most(20000, "about 0.05 s per conversation and method on 2 cores: 20,000 is about 5 hours")
+_BATCH = at_most(1000, "a batch of B conversations holds B prompts of about 300 tokens at once")
+_ABLATION_EPISODES = at_most(20000, "about 0.05 s per conversation and variant on 2 cores")
+
+
+def _check_memory(cfg) -> None:
+    """Refuse, before building anything, a decoder whose weights alone would not fit here."""
+    from ..bench import efficiency as eff
+
+    have = physical_memory()
+    element = 2 if cfg.dtype in ("bfloat16", "float16") else 4
+    full = cfg.width == "full"
+    need = max(eff.MODELS[m].weight_bytes(cfg.layers, cfg.heads, full, element) for m in cfg.models)
+    if have and cfg.device == "cpu" and need > 0.8 * have:
+        per_layer = need / cfg.layers
+        raise UsageError(f"--layers {cfg.layers} at --width {cfg.width} needs about {need / 2**30:.1f} GiB of weights "
+                         f"({per_layer / 2**30:.2f} GiB a layer) and this machine has {have / 2**30:.1f} GiB: use "
+                         f"--layers {max(2, int(0.8 * have // per_layer))} or fewer")
 
 
 def add_commands(commands) -> None:
@@ -40,12 +78,12 @@ def add_commands(commands) -> None:
                           "puts it there (default: each preset's own schedule)")
     eff.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results, "
                      "benchmarks/results/quick with --quick)")
-    eff.add_argument("--repeats", type=depth, metavar="N", help="timed prefills per variant (default: 5; 3 with --quick)")
-    eff.add_argument("--layers", type=depth, metavar="N", help="reduced decoder depth (default: 8; 6 with --quick)")
+    eff.add_argument("--repeats", type=_PREFILL_REPEATS, metavar="N", help="timed prefills per variant (default: 5; 3 with --quick)")
+    eff.add_argument("--layers", type=_FULL_LAYERS, metavar="N", help="reduced decoder depth (default: 8; 6 with --quick)")
     eff.add_argument("--width", choices=("reduced", "full"), default=None,
                      help="full: the real models' width, heads and MLP (7B: 4096 / 32 heads / 11008), only the depth "
                      "reduced (--layers); reduced (default): --heads x 128")
-    eff.add_argument("--heads", type=depth, metavar="N", help="query heads of the reduced width (default: 4 or 7 per model)")
+    eff.add_argument("--heads", type=_HEADS, metavar="N", help="query heads of the reduced width (default: 4 or 7 per model)")
     eff.add_argument("--projection-baseline", action="store_true",
                      help="also time lightkv projecting each scheduled layer's input a second time (what reading the "
                      "layer's own projections saves)")
@@ -53,7 +91,7 @@ def add_commands(commands) -> None:
     eff.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     eff.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                      help="default: float32 on CPU, bfloat16 on CUDA")
-    eff.add_argument("--threads", type=depth, metavar="N", help="torch CPU threads (default: torch's)")
+    eff.add_argument("--threads", type=machine_threads, metavar="N", help="torch CPU threads (default: torch's)")
     eff.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     eff.add_argument("--no-plots", action="store_true", help="write JSON and Markdown only")
     eff.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -66,12 +104,12 @@ def add_commands(commands) -> None:
         "t ~ N^k. Writes scaling.json, scaling.md and efficiency-scaling.png.",
         formatter_class=fmt,
     )
-    sc.add_argument("--sides", nargs="+", type=depth, metavar="S", help="image sides in tokens (default: 24 32 54 85)")
-    sc.add_argument("--width", type=depth, metavar="D", help="hidden width of the stage timing (default: 4096)")
-    sc.add_argument("--heads", type=depth, metavar="N", help="prefill decoder heads x 128 (default: 4)")
-    sc.add_argument("--layers", type=depth, metavar="N", help="prefill decoder depth (default: 8)")
-    sc.add_argument("--repeats", type=depth, metavar="N", help="timed runs per point (default: 3)")
-    sc.add_argument("--threads", type=depth, metavar="N", help="torch CPU threads (default: torch's)")
+    sc.add_argument("--sides", nargs="+", type=_SIDES, metavar="S", help="image sides in tokens (default: 24 32 54 85)")
+    sc.add_argument("--width", type=_WIDTH, metavar="D", help="hidden width of the stage timing (default: 4096)")
+    sc.add_argument("--heads", type=_HEADS, metavar="N", help="prefill decoder heads x 128 (default: 4)")
+    sc.add_argument("--layers", type=_LAYERS, metavar="N", help="prefill decoder depth (default: 8)")
+    sc.add_argument("--repeats", type=_POINT_REPEATS, metavar="N", help="timed runs per point (default: 3)")
+    sc.add_argument("--threads", type=machine_threads, metavar="N", help="torch CPU threads (default: torch's)")
     sc.add_argument("--no-prefill", action="store_true", help="time the stage chain only")
     sc.add_argument("--quick", action="store_true", help="small sides, narrow models, one repeat (seconds)")
     sc.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results, .../quick with --quick)")
@@ -87,7 +125,7 @@ def add_commands(commands) -> None:
     )
     kq.add_argument("--models", nargs="+", metavar="MODEL", help="default: llava llava_next qwen2_5_vl")
     kq.add_argument("--backends", nargs="+", metavar="NAME", help="fp8, quanto-4, quanto-2 (default: those installed)")
-    kq.add_argument("--layers", type=depth, metavar="N", help="reduced decoder depth (default: 8)")
+    kq.add_argument("--layers", type=_LAYERS, metavar="N", help="reduced decoder depth (default: 8)")
     kq.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results)")
     kq.set_defaults(func=_cmd_bench_kvquant)
     qual = bsub.add_parser(
@@ -100,7 +138,7 @@ def add_commands(commands) -> None:
         "KV bytes. Writes quality-<task>.json, .md, .png and quality-<task>-provenance.png.",
         formatter_class=fmt,
     )
-    qual.add_argument("--episodes", type=depth, default=600, metavar="N",
+    qual.add_argument("--episodes", type=_EPISODES, default=600, metavar="N",
                       help="held-out conversations (default: 600)")
     qual.add_argument("--methods", nargs="+", metavar="PRESET", help="presets (default: all eight)")
     qual.add_argument("--targets", nargs="+", type=float, metavar="F", help="kept fractions (default: 1 .75 .55 .4 .25)")
@@ -111,9 +149,9 @@ def add_commands(commands) -> None:
     qual.add_argument("--ablation-targets", nargs="+", type=float, metavar="F",
                       help="kept fractions of the ablation table (default: .55)")
     qual.add_argument("--no-followup", action="store_true", help="no follow-up questions")
-    qual.add_argument("--batch", type=depth, default=100, metavar="N", help="episodes per batch (default: 100)")
+    qual.add_argument("--batch", type=_BATCH, default=100, metavar="N", help="episodes per batch (default: 100)")
     qual.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results)")
-    qual.add_argument("--threads", type=depth, metavar="N", help="torch CPU threads (default: torch's)")
+    qual.add_argument("--threads", type=machine_threads, metavar="N", help="torch CPU threads (default: torch's)")
     qual.set_defaults(func=_cmd_bench_quality)
     abl = bsub.add_parser(
         "ablation",
@@ -125,12 +163,12 @@ def add_commands(commands) -> None:
         formatter_class=fmt,
     )
     abl.add_argument("--models", nargs="+", metavar="NAME|DIR", help="models (default: symbolgrid digitgrid)")
-    abl.add_argument("--episodes", type=depth, default=240, metavar="N", help="conversations per model (default: 240)")
+    abl.add_argument("--episodes", type=_ABLATION_EPISODES, default=240, metavar="N", help="conversations per model (default: 240)")
     abl.add_argument("--targets", nargs="+", type=float, metavar="F", help="kept fractions (default: .55 .4)")
     abl.add_argument("--variants", nargs="+", metavar="NAME", help="variants (default: all)")
     abl.add_argument("--baselines", nargs="+", metavar="PRESET", help="baseline presets (default: six)")
     abl.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results)")
-    abl.add_argument("--threads", type=depth, metavar="N", help="torch CPU threads (default: torch's)")
+    abl.add_argument("--threads", type=machine_threads, metavar="N", help="torch CPU threads (default: torch's)")
     abl.set_defaults(func=_cmd_bench_ablation)
     bench.set_defaults(func=lambda args: missing_action(bench))
 
@@ -156,11 +194,11 @@ def _cmd_bench_quality(args: argparse.Namespace) -> int:
                            **({"methods": tuple(args.methods)} if args.methods else {}),
                            **({"targets": tuple(args.targets)} if args.targets else {}),
                            **({"ablation_targets": tuple(args.ablation_targets)} if args.ablation_targets else {}))
+    out = writable_dir(Path(args.out) if args.out else q.RESULTS)
     try:
         result = q.run(cfg)
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(str(e).splitlines()[0]) from None
-    out = Path(args.out) if args.out else q.RESULTS
     files = report.write_outputs(result, out, args.model)
     sys.stdout.write(report.markdown_table(result))
     for f in files:
@@ -186,11 +224,12 @@ def _cmd_bench_ablation(args: argparse.Namespace) -> int:
     given = {"models": args.models, "targets": args.targets, "variants": args.variants, "baselines": args.baselines}
     cfg = ab.AblationConfig(episodes=args.episodes, threads=args.threads,
                             **{k: tuple(v) for k, v in given.items() if v})
+    out = writable_dir(Path(args.out) if args.out else RESULTS)
     try:
         result = ab.run(cfg)
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(str(e).splitlines()[0]) from None
-    files = ab.write_outputs(result, Path(args.out) if args.out else RESULTS)
+    files = ab.write_outputs(result, out)
     sys.stdout.write(ab.markdown_table(result))
     for f in files:
         print(f"wrote {f}")
@@ -222,7 +261,8 @@ def _cmd_bench_efficiency(args: argparse.Namespace) -> int:
         cfg = eff.quick_config(**over) if args.quick else eff.BenchConfig(**over)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    out = Path(args.out) if args.out else eff.RESULTS / ("quick" if args.quick else "")
+    _check_memory(cfg)
+    out = writable_dir(Path(args.out) if args.out else eff.RESULTS / ("quick" if args.quick else ""))
     try:
         result = eff.run(cfg)
     except (ValueError, RuntimeError) as e:
@@ -245,13 +285,13 @@ def _cmd_bench_scaling(args: argparse.Namespace) -> int:
                               "threads": args.threads}.items() if v is not None}
     if args.no_prefill:
         over["prefill"] = False
+    out = writable_dir(Path(args.out) if args.out else RESULTS / ("quick" if args.quick else ""))
     try:
         cfg = sc.quick_scaling(**over) if args.quick else sc.ScalingConfig(**over)
         result = sc.run_scaling(cfg)
     except ValueError as e:
         raise UsageError(str(e).splitlines()[0]) from None
-    files = sc.write_scaling(result, Path(args.out) if args.out else RESULTS / ("quick" if args.quick else ""),
-                             with_plots=not args.no_plots)
+    files = sc.write_scaling(result, out, with_plots=not args.no_plots)
     sys.stdout.write(sc.scaling_markdown(result))
     for f in files:
         print(f"wrote {f}")
@@ -268,12 +308,11 @@ def _cmd_bench_kvquant(args: argparse.Namespace) -> int:
     over = {k: v for k, v in {"models": tuple(args.models) if args.models else None,
                               "backends": tuple(args.backends) if args.backends else None,
                               "layers": args.layers}.items() if v is not None}
+    out = writable_dir(Path(args.out) if args.out else RESULTS)
     try:
         result = kq.run_kvquant(kq.KVQuantConfig(**over))
     except ValueError as e:
         raise UsageError(str(e).splitlines()[0]) from None
-    out = Path(args.out) if args.out else RESULTS
-    out.mkdir(parents=True, exist_ok=True)
     (out / "kv-quantization.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "kv-quantization.md").write_text(kq.kvquant_markdown(result))
     sys.stdout.write(kq.kvquant_markdown(result))

@@ -4,10 +4,11 @@ that reports usage errors in one line, argument types, and loading a pipeline by
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-__all__ = ["EXIT_INVALID", "EXIT_OK", "EXIT_USAGE", "PROG", "Parser", "UsageError", "depth", "grid",
-           "load_config_or_preset", "missing_action"]
+__all__ = ["EXIT_INVALID", "EXIT_OK", "EXIT_USAGE", "PROG", "Parser", "UsageError", "at_most", "depth", "grid",
+           "load_config_or_preset", "machine_threads", "missing_action", "physical_memory", "writable_dir"]
 
 PROG = "lightkv"
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
@@ -46,6 +47,54 @@ def depth(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return n
+
+
+def at_most(limit: int, cost: str):
+    """Argument type: a positive integer no larger than ``limit``; past it the message says
+    what one unit costs (``cost``), so a typo such as ``1e9`` is refused before any work."""
+
+    def parse(text: str) -> int:
+        n = depth(text)
+        if n > limit:
+            raise argparse.ArgumentTypeError(f"at most {limit:,} ({cost}), got {n:,}")
+        return n
+
+    parse.__name__ = f"integer <= {limit}"  # argparse names the type in some messages
+    return parse
+
+
+def machine_threads(text: str) -> int:
+    """Argument type: torch CPU threads, at most 4 x this machine's cores."""
+    cores = os.cpu_count() or 1
+    return at_most(4 * cores, f"4 x the {cores} core(s) of this machine; more threads only wait")(text)
+
+
+def physical_memory() -> int | None:
+    """Bytes of physical memory (None where the platform does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def writable_dir(path):
+    """``path`` (a `pathlib.Path`) created if missing and checked writable, before any work:
+    a run must not end in an error about its output folder.
+
+    Raises:
+        UsageError: the path is a file, or cannot be created or written.
+    """
+    import tempfile
+
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--out {path}: not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise UsageError(f"--out {path}: cannot write there ({e.strerror or e})") from None
+    return path
 
 
 def missing_action(parser: argparse.ArgumentParser) -> int:

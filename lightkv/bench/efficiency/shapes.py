@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from ...policies.schedulers import scale_layers
+from ..paths import results_dir
 
 __all__ = ["DEFAULT_PRESETS", "MODELS", "BenchConfig", "ModelSpec", "build_model", "preset_pipeline", "quick_config",
            "scaled_pipeline", "text_after_image"]
 
 HEAD_DIM = 128
 PRE_TEXT, POST_TEXT = 20, 15
-RESULTS = Path(__file__).resolve().parents[3] / "benchmarks" / "results"
+RESULTS = results_dir()
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 UNCOMPRESSED = "uncompressed"
 EAGER_REF = "lightkv+eager-scores"
@@ -69,6 +69,15 @@ class ModelSpec:
         hidden = heads * HEAD_DIM
         inter = round(hidden * self.ref["intermediate"] / self.ref["hidden"] / 16) * 16
         return {"layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv, "intermediate": inter}
+
+    def weight_bytes(self, layers: int, heads: int | None = None, full_width: bool = False,
+                     element: int = 4) -> int:
+        """Bytes of the benchmarked decoder's weights (projections and MLP; embeddings and
+        norms left out): what a run must hold in memory at least."""
+        d = self.reduced(layers, heads, full_width)
+        h, kv = d["hidden"], d["kv_heads"] * HEAD_DIM
+        per_layer = 2 * h * h + 2 * h * kv + 3 * h * d["intermediate"]
+        return layers * per_layer * element
 
 
 MODELS: dict[str, ModelSpec] = {
