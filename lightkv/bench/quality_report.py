@@ -158,13 +158,16 @@ def _type_line(r: dict[str, Any], cols: list[str], detail: str) -> str:
 def plot(result: dict[str, Any], path: Path) -> None:
     """Overall accuracy, detail accuracy and KL vs kept fraction, one line per method."""
     plt = vis.pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4), sharex=True)
+    fig, axes = plt.subplots(1, 4, figsize=(17, 4.4), gridspec_kw={"width_ratios": [1, 1, 1, 0.32]})
+    key = axes[3]  # the legend's own panel: 18 methods do not fit inside a plot
     methods = list(dict.fromkeys(r["method"] for r in result["rows"]))
-    for m in methods:
+    colours = plt.get_cmap("tab20").colors  # 20 distinct colours: one per method up to 20
+    markers = "osD^v<>ph*"
+    for i, m in enumerate(methods):
         rs = sorted((r for r in result["rows"] if r["method"] == m), key=lambda r: -r["kept_fraction"])
         xs = [r["kept_fraction"] for r in rs]
-        style = {"ls": "-" if m.startswith("lightkv") else "--", "marker": "o", "label": m,
-                 "lw": 2.2 if m == "lightkv" else 1.2}
+        style = {"ls": "-" if m.startswith("lightkv") else "--", "marker": markers[i % len(markers)], "label": m,
+                 "lw": 2.2 if m == "lightkv" else 1.2, "color": colours[i % len(colours)], "ms": 4}
         axes[0].plot(xs, [r["accuracy"]["overall"] for r in rs], **style)
         axes[1].plot(xs, [detail_accuracy(r, result) for r in rs], **style)
         pts = [(x, r["kl"]["overall"]) for x, r in zip(xs, rs) if r["kl"]["overall"] > 0]
@@ -180,7 +183,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     axes[0].set_ylabel("held-out exact match")
     axes[2].set_ylabel("nats")
     axes[2].set_yscale("log")
-    axes[0].legend(fontsize=8)
+    key.axis("off")
+    key.legend(*axes[0].get_legend_handles_labels(), loc="center left", fontsize=8, frameon=False)
     m = result["model"]
     fig.suptitle(f"{m['task']}: {result['config']['episodes']} held-out conversations, {m['vision_tokens']} vision "
                  f"tokens, {m['layers']} decoder layers")
