@@ -242,3 +242,20 @@ def test_default_results_go_under_the_current_directory_outside_a_checkout(tmp_p
     (installed / "pyproject.toml").write_text("")
     (installed / "benchmarks").mkdir()
     assert results_dir(root=installed, cwd=here) == installed / "benchmarks" / "results"
+
+
+def test_a_too_shallow_bench_names_layers(capsys, tmp_path):
+    """Regression (issue 27, item 12): ``bench kvquant --layers 2`` failed with a schedule error
+    that did not name ``--layers``."""
+    code, out, err = run(capsys, "bench", "kvquant", "--layers", "2", "--out", str(tmp_path))
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "on a 2-layer decoder (--layers 2)" in err and "need at least 4 layers" in err
+
+
+def test_an_empty_cache_layer_list_is_refused(capsys, tmp_path):
+    """Regression (issue 27, item 12): ``layers: []`` in a cache schedule compressed nothing, silently."""
+    path = tmp_path / "empty.yaml"
+    path.write_text("name: empty\nschedule:\n  name: cache\n  params: {layers: []}\npartitioner: grid\n"
+                    "scorer: cosine\npruner: divergence\npasser: size_mean\nrelevance: uniform\n")
+    code, out, err = run(capsys, "config", "validate", str(path))
+    assert code == 1 and "schedule.params.layers: scheduler 'cache': layers is empty, so nothing would" in err

@@ -256,13 +256,16 @@ def scaled_pipeline(name: str, spec: ModelSpec, depth: int):
     from ..budgets import method_pipeline
 
     preset, target = _variant(name, spec)
-    if target is not None:
-        return method_pipeline(preset, depth, target, ref_depth=spec.ref["layers"])[0]
-    pipe = preset_pipeline(name, spec)
-    sched = pipe.scheduler
-    if isinstance(sched, ExplicitSchedule) and depth != spec.ref["layers"]:
-        pipe = pipe.with_scheduler(replace(sched, layers=scale_layers(sched.layers, spec.ref["layers"], depth)))
-    return pipe
+    try:
+        if target is not None:
+            return method_pipeline(preset, depth, target, ref_depth=spec.ref["layers"])[0]
+        pipe = preset_pipeline(name, spec)
+        sched = pipe.scheduler
+        if isinstance(sched, ExplicitSchedule) and depth != spec.ref["layers"]:
+            pipe = pipe.with_scheduler(replace(sched, layers=scale_layers(sched.layers, spec.ref["layers"], depth)))
+        return pipe
+    except ValueError as e:  # name the option that set the depth
+        raise ValueError(f"preset {preset!r} on a {depth}-layer decoder (--layers {depth}): {e}") from None
 
 
 # ---------------------------------------------------------------------------- models

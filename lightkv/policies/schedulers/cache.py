@@ -30,6 +30,9 @@ def _layers(layers: Sequence[int] | None, num_layers: int, who: str) -> list[int
 def _check_layers(layers) -> tuple[int, ...] | None:
     if layers is None:
         return None
+    if len(layers) == 0:  # accepted before and compressed nothing, silently
+        raise ScheduleError("layers is empty, so nothing would be compressed: list the layers whose caches to "
+                            "compress, or leave layers out for every layer", "layers")
     for i, layer in enumerate(layers):
         if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
             raise ScheduleError(f"a layer must be a non-negative integer, got {layer!r}", "layers", i)

@@ -30,7 +30,9 @@ def scale_layers(layers: Sequence[int], ref_depth: int, depth: int) -> tuple[int
             kept = max(kept, out[-1] + 2)
         out.append(kept - 1)
     if out and out[-1] > depth - 2:
-        raise ValueError(f"schedule {list(layers)} of {ref_depth} layers does not fit {depth} layers")
+        raise ValueError(f"schedule {list(layers)} of {ref_depth} layers does not fit {depth} layers: its "
+                         f"{len(out)} stage(s) need at least {len(out) + 1} layers (a stage after each of the "
+                         "first ones, and a layer after the last)")
     return tuple(out)
 
 
