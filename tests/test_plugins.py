@@ -151,3 +151,20 @@ def test_each_entry_point_is_tried_once(install):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no second attempt, no second warning
         EdgeScorer.registered()
+
+
+def test_the_cli_prints_a_broken_plugin_as_one_line_once(install, capsys):
+    """Regression (issue 27, item 12): broken plugins printed raw two-line UserWarnings (file,
+    line, source) on every command."""
+    from lightkv.cli import main
+
+    install("broken_dist", {"plugin_broken": ("broken_mod", BROKEN)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        code = main(["config", "validate", "lightkv", "--num-layers", "32"])
+        code2 = main(["presets"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "plugin_broken" in line]
+    assert code == 0 and code2 == 0
+    assert len(lines) == 1 and lines[0].startswith("lightkv: warning: lightkv plugin plugin_broken = broken_mod")
+    assert "UserWarning" not in err

@@ -62,7 +62,13 @@ class Adapter:
         self.model = model
         self.config = model.config
         self.options = options
-        self.check_config()
+        self.multimodal_module()  # a clear TypeError for a model that is not multimodal at all
+        try:
+            self.check_config()
+        except AttributeError as e:  # e.g. a Llama whose config says model_type "llava"
+            kind = getattr(self.config, "model_type", "?")
+            raise TypeError(f"{type(model).__name__} (model_type {kind!r}) is not a {self.family} model as lightkv "
+                            f"knows it: {e}; pass the vision-language model itself") from None
 
     # ---------------------------------------------------------------- modules
     def multimodal_module(self) -> nn.Module:

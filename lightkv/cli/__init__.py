@@ -27,6 +27,7 @@ import argparse
 import errno
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 
 from . import bench, configs, demos, generate
@@ -96,7 +97,27 @@ _OUTPUT_ERRNOS = (errno.ENOSPC, errno.EIO, errno.EFBIG, errno.EDQUOT)
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 1 invalid config, 2 usage, 130
-    interrupted)."""
+    interrupted). Python warnings (e.g. a plugin that fails to load) print as one
+    ``lightkv: warning:`` line each, once."""
+    shown = warnings.showwarning
+    warnings.showwarning = _one_line_warning(set())
+    try:
+        return _main(argv)
+    finally:
+        warnings.showwarning = shown
+
+
+def _one_line_warning(seen: set[str]):
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = str(message).strip().splitlines()[0] if str(message).strip() else category.__name__
+        if text not in seen:
+            seen.add(text)
+            print(f"{PROG}: warning: {text}", file=sys.stderr)
+
+    return show
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
         args = parse_args(argv, parser)

@@ -56,3 +56,18 @@ def test_a_4d_mask_is_named_as_such():
     batch["attention_mask"] = torch.ones(1, 1, n, n)
     with apply(tiny_lightkv(), model), pytest.raises(ValueError, match="got a 4-D mask"):
         model(**batch)
+
+
+def test_a_text_model_whose_config_says_llava_gets_a_clear_error():
+    """Regression (issue 27, item 12): a Llama whose ``model_type`` says ``llava`` raised a raw
+    AttributeError from deep in the adapter."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import lightkv
+
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg)
+    model.config.model_type = "llava"
+    with pytest.raises(TypeError, match="cannot find the multimodal core"):
+        lightkv.apply(lightkv.load("lightkv"), model)
