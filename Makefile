@@ -8,6 +8,9 @@ PY := $(VENV)/bin/python
 # The CPU build of this torch release is installed first and on its own: a bare `torch`
 # requirement resolved together with the project could pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
+# Where PyTorch publishes its CPU builds: on a machine without an NVIDIA GPU pip looks there too
+# and prefers the local "+cpu" version; an index it cannot reach is skipped with a warning.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.lightkv-installed
 
 .PHONY: install test test-scatter scatter demo bench bench-quick bench-quality digitgrid-model symbolgrid-model scenes-model lint clean lmms-eval test-lmms-eval gpu-wheels
@@ -17,7 +20,14 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	@if command -v nvidia-smi >/dev/null 2>&1; then \
+	  echo "torch: an NVIDIA GPU is present: $(TORCH_SPEC) from the default index"; \
+	  $(PY) -m pip install -q "$(TORCH_SPEC)"; \
+	else \
+	  echo "torch: no NVIDIA GPU: $(TORCH_SPEC), the CPU build's index $(TORCH_CPU_INDEX) first (skipped if unreachable)"; \
+	  $(PY) -m pip install -q --timeout 15 --retries 1 --extra-index-url $(TORCH_CPU_INDEX) "$(TORCH_SPEC)"; \
+	fi
+	@$(PY) -c "import torch; print('torch: installed', torch.__version__, '(CUDA ' + torch.version.cuda + ' build)' if torch.version.cuda else '(CPU build)')"
 	$(PY) -m pip install -q -e ".[dev,demo,bench]"
 	touch $(STAMP)
 

@@ -259,3 +259,23 @@ def test_an_empty_cache_layer_list_is_refused(capsys, tmp_path):
                     "scorer: cosine\npruner: divergence\npasser: size_mean\nrelevance: uniform\n")
     code, out, err = run(capsys, "config", "validate", str(path))
     assert code == 1 and "schedule.params.layers: scheduler 'cache': layers is empty, so nothing would" in err
+
+
+@pytest.mark.parametrize("argv, module, extra", [
+    (["generate", "--max-new-tokens", "1"], "PIL", "demo"),
+    (["bench", "quality", "--episodes", "4"], "matplotlib", "bench"),
+    (["bench", "ablation", "--episodes", "4"], "matplotlib", "bench"),
+    (["bench", "efficiency", "--quick"], "matplotlib", "bench"),
+    (["bench", "scaling", "--quick"], "matplotlib", "bench"),
+])
+def test_a_missing_extra_is_named_before_any_work(capsys, monkeypatch, argv, module, extra):
+    """Regression (issue 27, item 14): from a pip install without extras, commands ran for
+    minutes, then failed on an import (``generate``: a raw ImportError traceback)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and not out
+    assert err.strip().startswith(f"lightkv: error: this command needs {module}")
+    assert err.strip().endswith(f"pip install 'lightkv[{extra}]'")

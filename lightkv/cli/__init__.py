@@ -31,7 +31,7 @@ import warnings
 from collections.abc import Sequence
 
 from . import bench, configs, demos, generate
-from .common import EXIT_INVALID, EXIT_OK, EXIT_USAGE, PROG, Parser, UsageError
+from .common import EXIT_INVALID, EXIT_OK, EXIT_USAGE, EXTRAS, PROG, Parser, UsageError
 
 __all__ = ["build_parser", "main", "parse_args"]
 
@@ -53,8 +53,6 @@ exit status: 0 ok, 1 invalid configuration, 2 usage error (bad arguments, missin
 unknown preset)."""
 
 
-_EXTRAS = {"skimage": "demo", "sklearn": "demo", "matplotlib": "bench", "tqdm": "bench", "torch_scatter": "scatter"}
-"""Top-level module -> the extra of lightkv that installs it (for one-line errors)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,7 +141,7 @@ def _main(argv: Sequence[str] | None) -> int:
             print(f"{PROG}: error: {line}", file=sys.stderr)
         return EXIT_INVALID
     except ModuleNotFoundError as e:  # an optional dependency: name the extra that brings it
-        extra = _EXTRAS.get((e.name or "").split(".")[0])
+        extra = EXTRAS.get((e.name or "").split(".")[0])
         if extra is None:
             raise
         print(f"{PROG}: error: this command needs {e.name}, which is not installed: pip install 'lightkv[{extra}]'",

@@ -14,6 +14,7 @@ from .common import (
     machine_threads,
     missing_action,
     physical_memory,
+    require,
     writable_dir,
 )
 
@@ -176,6 +177,7 @@ def add_commands(commands) -> None:
 def _cmd_bench_quality(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    require("matplotlib", why="for its plots")
     from ..bench import quality as q
     from ..bench import quality_report as report
     from ..presets import PRESETS
@@ -209,6 +211,7 @@ def _cmd_bench_quality(args: argparse.Namespace) -> int:
 def _cmd_bench_ablation(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    require("matplotlib", why="for its plots")
     from ..bench import ablation as ab
     from ..bench.quality import RESULTS
     from ..presets import PRESETS
@@ -239,6 +242,8 @@ def _cmd_bench_ablation(args: argparse.Namespace) -> int:
 def _cmd_bench_efficiency(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    if not args.no_plots:
+        require("matplotlib", why="for its plots (or pass --no-plots)")
     import torch
 
     from ..bench import efficiency as eff
@@ -277,6 +282,8 @@ def _cmd_bench_efficiency(args: argparse.Namespace) -> int:
 def _cmd_bench_scaling(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    if not args.no_plots:
+        require("matplotlib", why="for its plot (or pass --no-plots)")
     from ..bench.efficiency import RESULTS
     from ..bench.efficiency import scaling as sc
 

@@ -7,8 +7,9 @@ import argparse
 import os
 import sys
 
-__all__ = ["EXIT_INVALID", "EXIT_OK", "EXIT_USAGE", "PROG", "Parser", "UsageError", "at_most", "depth", "grid",
-           "load_config_or_preset", "machine_threads", "missing_action", "physical_memory", "writable_dir"]
+__all__ = ["EXTRAS", "EXIT_INVALID", "EXIT_OK", "EXIT_USAGE", "PROG", "Parser", "UsageError", "at_most", "depth",
+           "grid", "load_config_or_preset", "machine_threads", "missing_action", "physical_memory", "require",
+           "writable_dir"]
 
 PROG = "lightkv"
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
@@ -95,6 +96,26 @@ def writable_dir(path):
     except OSError as e:
         raise UsageError(f"--out {path}: cannot write there ({e.strerror or e})") from None
     return path
+
+
+EXTRAS = {"PIL": "demo", "skimage": "demo", "sklearn": "demo", "matplotlib": "bench", "tqdm": "bench",
+          "torch_scatter": "scatter"}
+"""Top-level module -> the extra of lightkv that installs it (for one-line errors)."""
+
+
+def require(*modules: str, why: str = "") -> None:
+    """Check, before any work, that optional ``modules`` can be imported.
+
+    Raises:
+        UsageError: naming the first missing module and the extra that installs it.
+    """
+    import importlib.util
+
+    for name in modules:
+        if importlib.util.find_spec(name) is None:
+            extra = EXTRAS.get(name, name)
+            raise UsageError(f"this command needs {name}{' ' + why if why else ''}, which is not installed: "
+                             f"pip install 'lightkv[{extra}]'")
 
 
 def missing_action(parser: argparse.ArgumentParser) -> int:

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from .common import EXIT_OK, UsageError, depth, load_config_or_preset
+from .common import EXIT_OK, UsageError, depth, load_config_or_preset, require
 
 __all__ = ["add_commands"]
 
@@ -45,6 +45,7 @@ def add_commands(commands) -> None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    require("PIL", why="(pillow) to read images")
     import logging
 
     import torch
