@@ -221,7 +221,7 @@ def plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
                 labels.append(f"{name}\n{p}")
                 for k in parts:
                     stacks[k].append(100 * rec["overhead_share_parts"].get(k, 0.0))
-    if labels:
+    if 0 < len(labels) <= 24:  # past that (e.g. every preset at several budgets) the table says it better
         fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(labels)), 3.6))
         bottom = [0.0] * len(labels)
         for k in parts:
@@ -241,23 +241,36 @@ def plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
 
 def _budget_plot(plt, rows: list[dict[str, Any]]):
     """TTFT ratio against FLOPs ratio, one panel per kept-fraction budget (variants named
-    ``preset@target``); the diagonal is the physical limit (time that follows the FLOPs)."""
+    ``preset@target``; a colour per preset, a marker per model); the diagonal is the limit
+    that time which follows the FLOPs reaches."""
     rows = [r for r in rows if "@" in r["preset"]]
     if not rows:
         return None
     targets = sorted({r["preset"].split("@")[1] for r in rows}, key=float, reverse=True)
-    fig, axes = plt.subplots(1, len(targets), figsize=(4.2 * len(targets), 4.0), squeeze=False)
+    presets = list(dict.fromkeys(r["preset"].split("@")[0] for r in rows))
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    colours, markers = plt.get_cmap("tab20").colors, "osD^v<>ph*"
+    fig, axes = plt.subplots(1, len(targets) + 1, figsize=(4.2 * len(targets) + 2.2, 4.0), squeeze=False,
+                             gridspec_kw={"width_ratios": [1] * len(targets) + [0.5]})
     for ax, t in zip(axes[0], targets):
         here = [r for r in rows if r["preset"].split("@")[1] == t]
         for r in here:
-            ax.scatter(r["flops_ratio"], r["ttft_ratio"], s=18)
-            ax.annotate(f"{r['preset'].split('@')[0]} ({r['model']})", (r["flops_ratio"], r["ttft_ratio"]),
-                        fontsize=6, xytext=(3, 2), textcoords="offset points")
+            p = presets.index(r["preset"].split("@")[0])
+            ax.scatter(r["flops_ratio"], r["ttft_ratio"], s=22, color=colours[p % len(colours)],
+                       marker=markers[models.index(r["model"]) % len(markers)])
         top = max(1.0, *(max(r["flops_ratio"], r["ttft_ratio"]) for r in here))
         ax.plot([0, top], [0, top], color="grey", lw=0.8, ls="--")
         ax.set_xlabel("prefill FLOPs ratio")
         ax.set_title(f"{float(t):.0%} of the vision KV kept", fontsize=9)
+        ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("TTFT ratio (preset / uncompressed)")
+    key = axes[0][-1]
+    key.axis("off")
+    handles = [plt.Line2D([], [], ls="", marker="o", color=colours[i % len(colours)], label=p)
+               for i, p in enumerate(presets)]
+    handles += [plt.Line2D([], [], ls="", marker=markers[i % len(markers)], color="black", label=m)
+                for i, m in enumerate(models)]
+    key.legend(handles=handles, loc="center left", fontsize=7, frameon=False)
     return fig
 
 
