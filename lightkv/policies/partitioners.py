@@ -43,6 +43,11 @@ class Partition:
     window: torch.Tensor
     is_src: torch.Tensor
 
+    @classmethod
+    def empty(cls, layout: VisionLayout) -> "Partition":
+        """No token in the graph (a stage with nothing to do, e.g. a text-only batch)."""
+        return cls(torch.full_like(layout.image, -1), torch.zeros_like(layout.vision_mask))
+
 
 class Partitioner(Policy):
     """Family: decides the windows and the A/B split of a stage."""

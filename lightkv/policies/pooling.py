@@ -94,10 +94,9 @@ class ResizePartitioner(Partitioner):
     def partition(self, inputs):
         layout = inputs.layout
         vision = layout.vision_mask
-        window = torch.full_like(layout.image, -1)
-        is_src = torch.zeros_like(vision)
         if not bool(vision.any()):
-            return Partition(window, is_src)
+            return Partition.empty(layout)
+        window, is_src = Partition.empty(layout).window, torch.zeros_like(vision)
         n = image_vision_counts(layout)
         k = kept_count(n, inputs.spec.ratio)
         h, w = layout.image_grid[:, 0], layout.image_grid[:, 1]

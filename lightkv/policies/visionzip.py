@@ -65,10 +65,9 @@ class DominantContextual(Partitioner):
     def partition(self, inputs):
         layout = inputs.layout
         vision = layout.vision_mask
-        window = torch.full_like(layout.image, -1)
-        is_src = torch.zeros_like(vision)
         if not bool(vision.any()):
-            return Partition(window, is_src)
+            return Partition.empty(layout)
+        window, is_src = Partition.empty(layout).window, torch.zeros_like(vision)
         if inputs.relevance is None:
             raise ValueError("the dominant_context partitioner ranks tokens by relevance: give the stage a relevance "
                              "(VisionZip: tower_attention)")
