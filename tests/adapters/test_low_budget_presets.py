@@ -1,5 +1,5 @@
-"""The low-budget presets (DivPrune, CDPruner, DART, downsampling) inside every family: exact
-identity at ratio 0, a row alone equals the row in a padded batch (sdpa and eager), bf16
+"""The low-budget presets (DivPrune, CDPruner, DART, downsampling, lightkv-low-budget) inside
+every family: exact identity at ratio 0, a row alone equals the row in a padded batch (sdpa and eager), bf16
 runs, and families that cannot take a preset refuse it with a clear error.
 
 VisionZip and VisPruner read the vision tower's attention, which only the LLaVA-1.5 adapter
@@ -20,7 +20,7 @@ from lightkv.testing import TINY_MODELS
 from .conftest import assert_rows_match_batch, get_model
 
 GEN = dict(max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True)
-PRESETS = ("divprune", "cdpruner", "dart", "downsample")
+PRESETS = ("divprune", "cdpruner", "dart", "downsample", "lightkv-low-budget")
 REFUSED = {("qwen3_vl", p): "DeepStack" for p in PRESETS}
 """(family, preset) -> what the refusal says: Qwen3-VL adds visual features in its first
 layers (DeepStack), so nothing may leave before they are all added."""
