@@ -322,15 +322,19 @@ def reference_shape_flops(spec: ModelSpec, name: str, report, n0: int) -> dict[s
     stages = report.stages
     if len(plan) != len(stages):  # a depth-dependent schedule: not comparable stage by stage
         return {}
-    length, vision = n0, report.layers[0].vision + report.layers[0].structural
+    prompt = report.baseline[0] if report.baseline else report.layers[0]  # before any stage, pre-LLM ones too
+    length, vision = n0, prompt.vision + prompt.structural
     v0, lengths, visions = vision, [], []
-    at = {p.layer: s for p, s in zip(plan, stages)}
+    before = {p.layer: s for p, s in zip(plan, stages) if p.before}
+    after = {p.layer: s for p, s in zip(plan, stages) if not p.before}
     for layer in range(ref["layers"]):
-        lengths.append(length)
-        visions.append(vision)
-        if layer in at:
-            s = at[layer]
-            length, vision = s.width_out, vision - (s.vision_in - s.vision_out)
+        for at in (before, after):  # a pre-LLM stage shortens layer 0 itself, the others the next layer
+            if layer in at:
+                s = at[layer]
+                length, vision = s.width_out, vision - (s.vision_in - s.vision_out)
+            if at is before:
+                lengths.append(length)
+                visions.append(vision)
     flops = sum(shape.flops(l, (l + 1) / 2) for l in lengths)
     base = ref["layers"] * shape.flops(n0, (n0 + 1) / 2)
     return {
