@@ -192,3 +192,17 @@ def test_bad_band_rule_and_cap_are_named():
     stage = Stage(StageSpec(0, 0.5, windows_per_side=1), pruner=SmallestDivergence(cap="third"))
     with pytest.raises(ValueError, match="cap"):
         stage(torch.randn(1, 12, 4), layout)
+
+
+@pytest.mark.parametrize("preset", ["lightkv-paper", "lightkv-paper-qwen2_5_vl"])
+def test_the_paper_presets_round_budgets_as_the_reference_code(preset):
+    """Regression (issue 27, item 13): ``lightkv-paper`` kept 118 of a 12x15 image at P = 0.35
+    where the reference code's ``(P * counts).long()`` keeps 117."""
+    import lightkv
+    from lightkv.policies import ExplicitSchedule
+
+    layout = VisionLayout.from_segments(1, 186, [ImageSegment(0, 3, (12, 15))])
+    x = torch.randn(1, 186, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    pipe = lightkv.load(preset).with_scheduler(ExplicitSchedule(layers=(0,), ratios=(0.35,), windows_per_side=(1,)))
+    (result,) = pipe.run(x, layout, num_layers=4)
+    assert int(result.layout.vision_counts()) == 117

@@ -132,8 +132,7 @@ class SmallestDivergence(Pruner):
             (``floor(n_w / 2)``, the reference code's cap).
         budget_dtype: ``float64`` (``floor(P * n_w)`` on the exact product) or ``float32``
             (the released code's float32 product, truncated: one more token can leave
-            where ``P * n_w`` is just below an integer; the ``lightkv-paper-released``
-            presets only).
+            where ``P * n_w`` is just below an integer; the ``lightkv-paper*`` presets).
     """
 
     cap: Literal["sources", "half"] = "sources"
