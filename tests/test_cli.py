@@ -279,3 +279,15 @@ def test_a_missing_extra_is_named_before_any_work(capsys, monkeypatch, argv, mod
     assert code == 2 and not out
     assert err.strip().startswith(f"lightkv: error: this command needs {module}")
     assert err.strip().endswith(f"pip install 'lightkv[{extra}]'")
+
+
+def test_huge_grids_and_windows_are_one_line_errors(capsys, tmp_path):
+    """Regression (issue 27, item 9): ``--grid 100000x100000`` and ``windows_per_side >= 2^63``
+    ended in tracebacks (an allocation failure, an int64 overflow)."""
+    code, out, err = run(capsys, "config", "validate", "lightkv", "--grid", "100000x100000")
+    assert code == 2 and "--grid: at most 1,048,576 tokens" in err and "Traceback" not in err
+    path = tmp_path / "big.yaml"
+    path.write_text("name: big\nschedule:\n  layers: [1]\n  ratios: [0.5]\n  windows_per_side: [9223372036854775808]\n")
+    code, out, err = run(capsys, "config", "validate", str(path))
+    assert code == 1 and err.strip().endswith("windows_per_side must be at most 65536 (no image side has more "
+                                              "tokens), got 9223372036854775808")

@@ -28,6 +28,10 @@ class Parser(argparse.ArgumentParser):
 
 
 
+MAX_GRID_TOKENS = 1024 * 1024
+"""The largest image grid a dry run accepts."""
+
+
 def grid(text: str) -> tuple[int, int]:
     """Argument type ``ROWSxCOLS`` (e.g. ``24x24``) -> ``(rows, cols)``."""
     try:
@@ -36,6 +40,9 @@ def grid(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected ROWSxCOLS such as 24x24, got {text!r}") from None
     if h < 1 or w < 1:
         raise argparse.ArgumentTypeError(f"grid sides must be positive, got {text!r}")
+    if h * w > MAX_GRID_TOKENS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_GRID_TOKENS:,} tokens (1024x1024; a dry run holds about "
+                                         f"0.2 KB a token), got {text} = {h * w:,}")
     return h, w
 
 

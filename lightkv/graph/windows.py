@@ -77,15 +77,26 @@ def band_index(r: torch.Tensor, size: torch.Tensor, bands: int, rule: str = "pro
                        rem + torch.div(r - cut, q.clamp_min(1), rounding_mode="floor"))
 
 
+MAX_SIDE = 65536
+"""The most tokens (or windows) an image side can have: larger values are typos, and past
+2^63 they would not even fit the int64 arithmetic of the window ids."""
+
+
 def check_window_spec(windows_per_side: int | None, window_size: tuple[int, int] | None) -> None:
-    """Validate that exactly one of the two window specifications is given and positive."""
+    """Validate that exactly one of the two window specifications is given, positive and at
+    most `MAX_SIDE`."""
     if (windows_per_side is None) == (window_size is None):
         raise ValueError("give exactly one of windows_per_side (e.g. 4) or window_size (e.g. (6, 6))")
     if windows_per_side is not None and (not isinstance(windows_per_side, int) or windows_per_side < 1):
         raise ValueError(f"windows_per_side must be a positive integer, got {windows_per_side!r}")
+    if windows_per_side is not None and windows_per_side > MAX_SIDE:
+        raise ValueError(f"windows_per_side must be at most {MAX_SIDE} (no image side has more tokens), "
+                         f"got {windows_per_side}")
     if window_size is not None:
         if len(window_size) != 2 or any((not isinstance(s, int)) or s < 1 for s in window_size):
             raise ValueError(f"window_size must be two positive integers (rows, cols), got {window_size!r}")
+        if max(window_size) > MAX_SIDE:
+            raise ValueError(f"window_size sides must be at most {MAX_SIDE} tokens, got {window_size!r}")
 
 
 def _compact(key: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
