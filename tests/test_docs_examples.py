@@ -1,6 +1,9 @@
 """The documentation's examples run: every ``python`` code block of the site's pages.
 
-Blocks of one page run in order in one namespace, as a reader would paste them. Besides
+Every block runs as a reader would paste it: on its own, in a fresh namespace, unless the
+line before it says ``*(continues the example above)*``; then it runs in the namespace of
+the blocks before it (issue 27: 25 of 55 blocks used names an earlier block defined without
+saying so). Besides
 the visible blocks, a page may hold hidden checks in an HTML comment that starts with
 ``<!-- docs-test`` (they run at their place in the page and usually assert what the visible
 example prints). A block right after ``<!-- docs-test: skip -->`` is not run. A block with a
@@ -29,6 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PAGES = sorted(p for p in DOCS.rglob("*.md") if "reference" not in p.relative_to(DOCS).parts)
 SKIP = "<!-- docs-test: skip -->"
+CONTINUES = "*(continues the example above)*"
+"""The visible line that marks a block as a continuation of the blocks before it."""
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<lang>[\w+-]*)(?P<rest>.*)$")
 TITLE = re.compile(r'title="(?P<title>[^"]+)"')
 HIDDEN = re.compile(r"^<!--\s*docs-test\s*$")
@@ -36,7 +41,9 @@ HIDDEN = re.compile(r"^<!--\s*docs-test\s*$")
 
 def blocks(path: Path) -> list[tuple[int, str, str]]:
     """``(line number, language, code)`` of every fenced block and hidden check of a page;
-    skipped blocks are left out. A block with a ``title="..."`` has language ``file:<title>``."""
+    skipped blocks are left out. A block with a ``title="..."`` has language ``file:<title>``;
+    a hidden check has language ``check`` (it continues the blocks before it), a block after
+    the `CONTINUES` line ``python+``."""
     lines = path.read_text(encoding="utf-8").splitlines()
     out: list[tuple[int, str, str]] = []
     i, previous = 0, ""
@@ -44,7 +51,7 @@ def blocks(path: Path) -> list[tuple[int, str, str]]:
         line = lines[i]
         if HIDDEN.match(line.strip()):
             end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "-->")
-            out.append((i + 1, "python", "\n".join(lines[i + 1 : end])))
+            out.append((i + 1, "check", "\n".join(lines[i + 1 : end])))
             i, previous = end + 1, ""
             continue
         m = FENCE.match(line)
@@ -56,6 +63,8 @@ def blocks(path: Path) -> list[tuple[int, str, str]]:
             body = [ln[len(indent) :] if ln.startswith(indent) else ln.lstrip() for ln in lines[i + 1 : end]]
             title = TITLE.search(m.group("rest"))
             lang = f"file:{title.group('title')}" if title else m.group("lang").lower()
+            if lang in ("python", "py") and previous.strip() == CONTINUES:
+                lang = "python+"
             if previous.strip() != SKIP:
                 out.append((i + 1, lang, textwrap.dedent("\n".join(body))))
             i, previous = end + 1, ""
@@ -66,8 +75,11 @@ def blocks(path: Path) -> list[tuple[int, str, str]]:
     return out
 
 
+PYTHON = ("python", "py", "python+", "check")
+
+
 def _python_pages() -> list[Path]:
-    return [p for p in PAGES if any(lang in ("python", "py") for _, lang, _ in blocks(p))]
+    return [p for p in PAGES if any(lang in PYTHON for _, lang, _ in blocks(p))]
 
 
 @pytest.fixture
@@ -97,9 +109,15 @@ def one_thread():
 @pytest.mark.parametrize("page", _python_pages(), ids=lambda p: p.relative_to(DOCS).as_posix())
 def test_python_examples_run(page: Path, one_thread, clean_registries, tmp_path):
     # A real module, so that dataclasses and pickling defined in examples work.
-    module = types.ModuleType("docs_example_" + re.sub(r"\W", "_", page.relative_to(DOCS).with_suffix("").as_posix()))
-    sys.modules[module.__name__] = module
-    module.docs_files = tmp_path
+    name = "docs_example_" + re.sub(r"\W", "_", page.relative_to(DOCS).with_suffix("").as_posix())
+
+    def fresh() -> types.ModuleType:
+        module = types.ModuleType(name)
+        sys.modules[name] = module
+        module.docs_files = tmp_path
+        return module
+
+    module = fresh()
     sys.path.insert(0, str(tmp_path))
     try:
         for line, lang, code in blocks(page):
@@ -108,15 +126,17 @@ def test_python_examples_run(page: Path, one_thread, clean_registries, tmp_path)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_text(code + "\n", encoding="utf-8")
                 continue
-            if lang not in ("python", "py"):
+            if lang not in PYTHON:
                 continue
+            if lang in ("python", "py"):  # pasted on its own: nothing from the blocks above
+                module = fresh()
             try:
                 with contextlib.redirect_stdout(io.StringIO()):
                     exec(compile(code, f"{page.relative_to(ROOT)}:{line}", "exec"), module.__dict__)  # noqa: S102
             except Exception as e:  # pragma: no cover - the message is what matters
                 raise AssertionError(f"{page.relative_to(ROOT)}, block at line {line} failed: {e!r}\n{code}") from e
     finally:
-        del sys.modules[module.__name__]
+        del sys.modules[name]
         sys.path.remove(str(tmp_path))
         for name, mod in list(sys.modules.items()):  # the example package goes with its directory
             if str(getattr(mod, "__file__", "") or "").startswith(str(tmp_path)):

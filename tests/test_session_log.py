@@ -126,3 +126,20 @@ def test_placement_of_one_process():
     assert (p.rank, p.world_size, p.device, p.device_map) == (0, 1, torch.device("cpu"), None)
     p = placement(process_index=0, local_process_index=0, num_processes=1, device_map="auto")
     assert p.device_map == "auto"
+
+
+def test_a_single_process_accelerate_launch_is_detected():
+    """Issue 27, item 18: ``accelerate launch --num_processes 2`` on CPU starts one process
+    (its simple launcher: MASTER_ADDR and ACCELERATE_* set, no WORLD_SIZE); the lmms-eval
+    model warns instead of silently evaluating everything in one process."""
+    from lightkv.integrations.session_log import single_process_launch
+
+    simple = {"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_CPU": "False", "MASTER_ADDR": "127.0.0.1",
+              "MASTER_PORT": "29500"}
+    message = single_process_launch(simple, num_processes=1)
+    assert message and "torch.distributed.run --nproc_per_node N" in message
+    torchrun = dict(simple, WORLD_SIZE="2", RANK="0", LOCAL_RANK="0")
+    assert single_process_launch(torchrun, num_processes=2) is None  # really several processes
+    one = {"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_CPU": "False"}  # --num_processes 1: no MASTER_ADDR
+    assert single_process_launch(one, num_processes=1) is None
+    assert single_process_launch({}, num_processes=1) is None  # plain python -m lmms_eval

@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,7 @@ from .session_log import (
     gather_totals,
     placement,
     row_reports,
+    single_process_launch,
     uncompressed_rows,
 )
 
@@ -144,6 +146,9 @@ class LightKV(lmms):
 
         self.pipeline = load_pipeline(preset, config)
         accelerator = Accelerator()
+        alone = single_process_launch(os.environ, accelerator.num_processes)
+        if alone:
+            warnings.warn(f"lightkv: {alone}", stacklevel=2)
         where = placement(process_index=accelerator.process_index,
                           local_process_index=accelerator.local_process_index,
                           num_processes=accelerator.num_processes, accelerator_device=accelerator.device,

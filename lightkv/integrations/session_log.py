@@ -26,13 +26,14 @@ its totals with the other ranks' (`gather_totals`) before logging the aggregate.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
 
 __all__ = ["Placement", "PrefillTimer", "ReportTotals", "gather_totals", "placement", "row_reports",
-           "shard", "uncompressed_rows"]
+           "shard", "single_process_launch", "uncompressed_rows"]
 
 
 def row_reports(session, prefill_s: float | None) -> list[dict[str, Any]]:
@@ -209,6 +210,23 @@ class Placement:
     device: torch.device
     device_map: Any
     """What ``from_pretrained`` gets (None: load, then move to ``device``)."""
+
+
+def single_process_launch(env: Mapping[str, str], num_processes: int) -> str | None:
+    """A warning when ``accelerate launch`` was asked for several processes and started one.
+
+    On a machine without GPUs (or with ``--cpu``) accelerate's launcher runs the script once,
+    in this process, although ``--num_processes N`` was given: it sets ``MASTER_ADDR`` (only
+    for ``N > 1``) and its own ``ACCELERATE_*`` variables but no ``WORLD_SIZE``, which
+    ``torch.distributed.run`` (accelerate's multi-process launcher) always sets. Read from
+    accelerate 1.x's ``prepare_simple_launcher_cmd_env`` (``accelerate/utils/launch.py``).
+    """
+    launched = "ACCELERATE_MIXED_PRECISION" in env and "MASTER_ADDR" in env
+    if num_processes == 1 and launched and "WORLD_SIZE" not in env:
+        return ("accelerate launch started one process although several were asked for (on CPU it does not "
+                "start more); every document runs here: for several CPU processes use "
+                "`python -m torch.distributed.run --nproc_per_node N -m lmms_eval ...`")
+    return None
 
 
 def placement(*, process_index: int, local_process_index: int, num_processes: int,
