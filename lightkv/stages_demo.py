@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from . import ImageSegment, StageResult, VisionLayout, vis
+from .outputs import output_dir_problem
 from .policies import average_kept_fraction
 from .presets import PRESETS, get_preset
 
@@ -323,14 +324,16 @@ def build_parser(prog: str = "python -m lightkv.stages_demo") -> argparse.Argume
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the demo; ``argv`` as on the command line (see `build_parser`)."""
-    parser = build_parser()
+def main(argv: list[str] | None = None, prog: str = "python -m lightkv.stages_demo") -> int:
+    """Run the demo; ``argv`` as on the command line (see `build_parser`), errors named after
+    ``prog`` (``lightkv stages-demo`` from the command line)."""
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     presets = args.preset or list(DEFAULT_PRESETS)
     out_dir = Path(args.out)
-    if not args.no_png and out_dir.exists() and not out_dir.is_dir():  # checked before any output
-        parser.error(f"--out {args.out}: is a file; --out names a directory for lightkv-demo.png")
+    problem = None if args.no_png else output_dir_problem(out_dir)  # checked before any output
+    if problem:
+        parser.error(f"--out {args.out}: {problem}; --out names a writable directory for lightkv-demo.png")
 
     inputs = build_inputs()
     print(

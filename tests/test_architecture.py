@@ -24,7 +24,7 @@ LAYERS = [
     ("pipeline", "cache_stage", "quirks"),
     ("config", "presets"),
     ("adapters",),
-    ("api", "testing", "vis", "tasks", "generate", "stages_demo", "bench", "cli", "__main__"),
+    ("api", "testing", "vis", "outputs", "tasks", "generate", "stages_demo", "bench", "cli", "__main__"),
     ("integrations",),  # other tools' plugins (lmms-eval): may use all of lightkv, nothing imports them
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}

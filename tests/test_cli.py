@@ -291,3 +291,13 @@ def test_huge_grids_and_windows_are_one_line_errors(capsys, tmp_path):
     code, out, err = run(capsys, "config", "validate", str(path))
     assert code == 1 and err.strip().endswith("windows_per_side must be at most 65536 (no image side has more "
                                               "tokens), got 9223372036854775808")
+
+
+@pytest.mark.parametrize("command, prog", [(["demo"], "lightkv demo"), (["stages-demo"], "lightkv stages-demo")])
+def test_the_demos_refuse_an_unwritable_out_by_their_command_name(capsys, command, prog):
+    """Regression (issue 27, items 7 and 12): as root, a permission check passed for /proc and
+    the demos failed later; stages-demo's errors named ``python -m lightkv.stages_demo``."""
+    code, out, err = run(capsys, *command, "--out", "/proc/lightkv-nope")
+    assert code == 2
+    assert f"{prog}" in err and "--out /proc/lightkv-nope: cannot write there" in err
+    assert "python -m lightkv.stages_demo" not in err

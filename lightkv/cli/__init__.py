@@ -130,6 +130,8 @@ def _main(argv: Sequence[str] | None) -> int:
         code = args.func(args)
         sys.stdout.flush()  # a full disk or a closed pipe shows here, not as a traceback at exit
         return code
+    except SystemExit as e:  # a forwarded demo's own parser refused its options (it printed why)
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
     except KeyboardInterrupt:  # Ctrl-C: one line; files are written whole or not at all
         print(f"{PROG}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

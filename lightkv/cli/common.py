@@ -86,22 +86,16 @@ def physical_memory() -> int | None:
 
 
 def writable_dir(path):
-    """``path`` (a `pathlib.Path`) created if missing and checked writable, before any work:
-    a run must not end in an error about its output folder.
+    """``path`` (a `pathlib.Path`) created if missing and checked writable, before any work.
 
     Raises:
         UsageError: the path is a file, or cannot be created or written.
     """
-    import tempfile
+    from ..outputs import output_dir_problem
 
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"--out {path}: not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as e:
-        raise UsageError(f"--out {path}: cannot write there ({e.strerror or e})") from None
+    problem = output_dir_problem(path)
+    if problem:
+        raise UsageError(f"--out {path}: {problem}")
     return path
 
 

@@ -48,4 +48,4 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_stages_demo(args: argparse.Namespace) -> int:
     from ..stages_demo import main as demo_main
 
-    return demo_main(args.forwarded) or EXIT_OK
+    return demo_main(args.forwarded, prog=f"{PROG} stages-demo") or EXIT_OK

@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the demo; ``argv`` as on the command line."""
     from ..adapters import apply
     from ..bench.quality_report import provenance_picture
+    from ..outputs import output_dir_problem
     from ..presets import get_preset
     from . import evaluate
     from . import model as dg
@@ -87,13 +88,10 @@ def main(argv: list[str] | None = None) -> int:
               "(or pass --no-png)", file=sys.stderr)
         return 2
     out = Path(args.out)
-    if not args.no_png and out.exists() and not out.is_dir():
-        print(f"lightkv demo: --out {out} is a file; give a directory for lightkv-demo-provenance.png",
-              file=sys.stderr)
-        return 2
-    if not args.no_png and not _writable(out):  # before any work, not after a minute of it
-        print(f"lightkv demo: cannot write into --out {out}; give a writable directory (or --no-png)",
-              file=sys.stderr)
+    problem = None if args.no_png else output_dir_problem(out)  # before any work, not after a minute of it
+    if problem:
+        print(f"lightkv demo: --out {out}: {problem}; give a writable directory for lightkv-demo-provenance.png "
+              "(or --no-png)", file=sys.stderr)
         return 2
     path = dg.resolve_model(args.model)
     try:
@@ -152,17 +150,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{drawn['asked_area']:.1%} of the image), and which patches merged into which token with lightkv "
               "and with prompt-agnostic ToMe")
     return 0
-
-
-def _writable(out: Path) -> bool:
-    """Whether ``out`` (or, where it does not exist yet, its nearest existing parent) is a
-    directory this process can write into."""
-    import os
-
-    probe = out
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    return probe.is_dir() and os.access(probe, os.W_OK | os.X_OK)
 
 
 def _short(words: list[str], width: int, mark: str | None = None) -> str:
