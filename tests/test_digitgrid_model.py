@@ -140,7 +140,7 @@ def test_demo_refuses_a_file_as_out_before_any_output(tmp_path, capsys):
     target.write_text("x")
     assert main(["--out", str(target)]) == 2
     captured = capsys.readouterr()
-    assert captured.out == "" and "is a file" in captured.err
+    assert captured.out == "" and f"--out {target}: not a directory" in captured.err
 
 
 def test_demo_rejects_a_model_that_is_not_there(tmp_path, capsys):
@@ -180,4 +180,4 @@ def test_demo_refuses_an_unwritable_out_before_any_output(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     assert main(["--out", str(tmp_path / "file" / "sub")]) == 2
     captured = capsys.readouterr()
-    assert captured.out == "" and "cannot write into --out" in captured.err
+    assert captured.out == "" and "cannot write there (Not a directory)" in captured.err
