@@ -8,7 +8,8 @@ at 55% of the vision KV cache, stages placed for this model's depth). Prints one
 question (answer, correct?, kept vision fraction, vision KV bytes, prefill time); then, on
 a fixed set of held-out questions, how many each method gets right at 55% kept and at a low
 budget (``--low``, 25% by default), where methods separate, with one question that LightKV
-answers right and another method wrong; and writes a picture of lightkv's prompt relevance
+answers right and another method wrong, and one where it is the other way round; and writes
+a picture of lightkv's prompt relevance
 over the asked object and of which tokens merged into which.
 """
 
@@ -157,7 +158,9 @@ def _short(words: list[str], width: int, mark: str | None = None) -> str:
     return (text if len(text) <= width else text[: width - 3] + "...").ljust(width)
 
 
-CONTRAST_METHODS = ("tome", "fastv", "pdrop", "random")
+CONTRAST_METHODS = ("tome", "fastv", "pdrop", "random", "divprune")
+"""Compared with lightkv: ToMe, the attention-ranked dropping methods, random dropping, and
+DivPrune (the set selection that wins at the lowest budgets, where LightKV loses)."""
 
 
 def _contrast(model, grid, num_layers: int, args, target: float) -> None:
@@ -174,18 +177,22 @@ def _contrast(model, grid, num_layers: int, args, target: float) -> None:
     scores = {m: scoring.score(model, convs, grid, pipes[m], batch=50) for m in methods}
     right = ", ".join(f"{m} {int(s.correct.sum())} ({s.kept_fraction:.0%} kept)" for m, s in scores.items())
     print(f"\nat {target:.0%} of the vision KV cache, right out of {len(convs)} held-out questions: {right}")
-    hits = [i for i in range(len(convs)) if scores["lightkv"].correct[i]
-            and any(not scores[m].correct[i] for m in CONTRAST_METHODS)]
-    if not hits:
+    light = scores["lightkv"].correct
+    wins = [i for i in range(len(convs)) if light[i] and any(not scores[m].correct[i] for m in CONTRAST_METHODS)]
+    losses = [i for i in range(len(convs)) if not light[i] and any(scores[m].correct[i] for m in CONTRAST_METHODS)]
+    if not wins and not losses:
         print("  on these questions every method that answers, answers as lightkv does")
         return
-    ep = convs[hits[0]].first
-    line = []
-    for m in methods:
-        with apply(pipes[m], model):
-            got = evaluate.answer(model, [ep], grid)[0]
-        line.append(f"{m} '{' '.join(got)}'{'' if got == ep.answer else ' WRONG'}")
-    print(f"  e.g. '{' '.join(ep.question)}' -> {' '.join(ep.answer)}: " + ", ".join(line))
+    for label, found in (("lightkv right, another wrong", wins), ("lightkv wrong, another right", losses)):
+        if not found:
+            continue
+        ep = convs[found[0]].first
+        line = []
+        for m in methods:
+            with apply(pipes[m], model):
+                got = evaluate.answer(model, [ep], grid)[0]
+            line.append(f"{m} '{' '.join(got)}'{'' if got == ep.answer else ' WRONG'}")
+        print(f"  {label}: '{' '.join(ep.question)}' -> {' '.join(ep.answer)}: " + ", ".join(line))
 
 
 if __name__ == "__main__":
