@@ -74,10 +74,10 @@ class SessionReport:
             projections and scores (``relevance_flops``: relevance and stage keys; only the
             scores when they were read from the layers' own projections, see
             `lightkv.adapters.tap`).
-        target_kept_fraction: what the pipeline promised: its scheduler's target (the
-            ``kept_fraction`` / ``budget`` schedules, H2O's budget) or else the fraction its
-            stages' ratios would keep (`lightkv.policies.average_kept_fraction`); None when
-            it cannot be stated.
+        target_kept_fraction: what the pipeline promised
+            (`lightkv.policies.Scheduler.target_kept_fraction`: the ``kept_fraction`` /
+            ``budget`` schedules' target, H2O's budget on its layers, else what the stages'
+            ratios would keep); None when it cannot be stated.
         provenance: for every prompt token, the index of the final token that represents it.
         num_prefills, num_forwards: forwards seen by the session so far.
     """
@@ -220,7 +220,7 @@ class SessionReport:
             baseline=baseline,
             stages=stages,
             kept_vision_fraction=kept,
-            target_kept_fraction=_target(session),
+            target_kept_fraction=session.pipeline.scheduler.target_kept_fraction(session.num_layers),
             prefill_flops=flops,
             prefill_flops_baseline=flops_base,
             relevance_flops=trace.relevance_flops,
@@ -282,24 +282,6 @@ class SessionReport:
         if self.missed_target:
             lines.append(f"  warning: {self.missed_target}")
         return "\n".join(lines)
-
-
-def _target(session) -> float | None:
-    """What the session's pipeline promises to keep (see `SessionReport.target_kept_fraction`)."""
-    from ..policies import average_kept_fraction
-
-    sched = session.pipeline.scheduler
-    for name in ("target", "budget"):  # kept_fraction / budget schedules, H2O
-        value = getattr(sched, name, None)
-        if isinstance(value, float) and not isinstance(value, bool):
-            return value
-    specs = [stage.spec for stage in session.stages]
-    if not specs:
-        return None
-    try:
-        return average_kept_fraction(specs, session.num_layers)
-    except ValueError:
-        return None
 
 
 def _prompt_stat(layout, layer: int) -> LayerStat:

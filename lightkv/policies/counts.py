@@ -15,15 +15,22 @@ import torch
 from ..graph.layout import VisionLayout
 from ..graph.scatter import scatter_sum
 
-__all__ = ["EPS", "kept_count", "image_vision_counts"]
+__all__ = ["EPS", "removal_count", "kept_count", "image_vision_counts"]
 
 EPS = 1e-9
 """Slack below an integer that still counts as that integer: far above float64 rounding of
 ``ratio * n`` for any realistic ``n``, far below the ``1 / n`` step between budgets."""
 
 
+def removal_count(n: torch.Tensor, ratio: float | torch.Tensor) -> torch.Tensor:
+    """Tokens removed of ``n`` at removal ratio ``ratio``: ``floor(ratio * n + EPS)`` (int64,
+    the shape of ``n``)."""
+    ratio = torch.as_tensor(ratio, dtype=torch.float64, device=n.device)
+    return torch.floor(n.to(torch.float64) * ratio + EPS).long()
+
+
 def kept_count(n: torch.Tensor, ratio: float) -> torch.Tensor:
-    """Tokens kept of ``n`` at removal ratio ``ratio``: ``n - floor(ratio * n + EPS)``.
+    """Tokens kept of ``n`` at removal ratio ``ratio``: ``n - removal_count(n, ratio)``.
 
     Args:
         n: int64 counts (any shape).
@@ -32,8 +39,7 @@ def kept_count(n: torch.Tensor, ratio: float) -> torch.Tensor:
     Returns:
         int64, same shape: at least 1 where ``n >= 1`` (a ratio below 1 never empties an image).
     """
-    removed = torch.floor(n.to(torch.float64) * float(ratio) + EPS).long()
-    return torch.where(n > 0, (n - removed).clamp_min(1), n)
+    return torch.where(n > 0, (n - removal_count(n, ratio)).clamp_min(1), n)
 
 
 def image_vision_counts(layout: VisionLayout) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 from ..graph.bipartite import BipartiteGraph
 from ..graph.scatter import scatter_min, scatter_sum
 from .base import Policy
-from .counts import EPS
+from .counts import removal_count
 from .hashing import seeded_uniform
 from .inputs import StageInputs
 
@@ -340,15 +340,13 @@ class RelevanceBudget(Pruner):
 
 def exact_removals(graph: BipartiteGraph, ratio: float | torch.Tensor) -> torch.Tensor:
     """``[K]`` int64 removals per window for the subset pruners:
-    ``r_w = min(floor(ratio * n_w + EPS), |A_w|)`` (`lightkv.policies.counts.EPS`, the slack
-    `lightkv.policies.counts.kept_count` uses for whole images).
+    ``r_w = min(floor(ratio * n_w + EPS), |A_w|)`` (`lightkv.policies.counts.removal_count`,
+    which `lightkv.policies.counts.kept_count` uses for whole images).
 
     A budget stated as "keep ``k`` of ``n``" is ``ratio = 1 - k / n``; without the epsilon
     the float error of that expression can make the floor one short (it keeps ``k + 1``).
     """
-    n = graph.window_size.to(torch.float64)
-    r = torch.floor(n * torch.as_tensor(ratio, dtype=torch.float64, device=n.device) + EPS).long()
-    return torch.minimum(r.clamp_min(0), graph.src_count)
+    return torch.minimum(removal_count(graph.window_size, ratio).clamp_min(0), graph.src_count)
 
 
 class KeepSetPruner(Pruner):

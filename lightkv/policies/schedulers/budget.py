@@ -131,6 +131,9 @@ class BudgetSchedule(Scheduler):
         ``max_ratio``)."""
         return self._placed(num_layers)[1]
 
+    def target_kept_fraction(self, num_layers: int) -> float:
+        return float(self.target)
+
     def plan(self, num_layers):
         self._check_depth(num_layers)
         return self._placed(num_layers)[0].plan(num_layers)

@@ -107,6 +107,14 @@ class H2OSchedule(Scheduler):
     def max_stages(self) -> int:
         return 0
 
+    def target_kept_fraction(self, num_layers: int) -> float | None:
+        """Each evicting layer keeps ``min(budget, 1)`` of its candidates, the others all."""
+        try:
+            at = len(_layers(self.layers, num_layers, "h2o"))
+        except ValueError:
+            return None
+        return (at * min(float(self.budget), 1.0) + num_layers - at) / num_layers if num_layers else None
+
     def plan(self, num_layers):
         """No stage runs on hidden states or through the graph machinery: eviction is the
         session's (see `evict_layers`)."""

@@ -92,6 +92,17 @@ class Scheduler(Policy):
         depth). Configs use it to refuse stage overrides beyond the schedule."""
         return None
 
+    def target_kept_fraction(self, num_layers: int) -> float | None:
+        """The vision-KV fraction, averaged over ``num_layers`` layers, this schedule promises
+        (reports compare what a session achieved with it). Default: what the planned ratios
+        would keep (`average_kept_fraction`); None without stages or for a depth the
+        schedule does not fit. Target-driven schedules return their target."""
+        try:
+            stages = self.plan(num_layers)
+            return average_kept_fraction(stages, num_layers) if stages else None
+        except ValueError:
+            return None
+
     @staticmethod
     def _check_depth(num_layers: int) -> None:
         """A clear error for a depth no schedule fits (before any arithmetic on it)."""

@@ -52,6 +52,9 @@ class KeptFractionSchedule(Scheduler):
     def max_stages(self) -> int:
         return len(self.relative_layers)
 
+    def target_kept_fraction(self, num_layers: int) -> float:
+        return float(self.target)
+
     def _check(self) -> None:
         check_fraction(self.target, "target", True, False, "target kept fraction")
         check_fraction(self.max_ratio, "max_ratio", True, True, "max_ratio")
