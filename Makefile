@@ -122,12 +122,16 @@ symbolgrid-model: install
 
 # Retrain the bundled Scenes model (the default model) from its seed into runs/scenes, then
 # export it over lightkv/assets/scenes-llava: align (tower + projector, ~4 min on 2 CPU cores),
-# then qa (the 12-layer decoder, mimetic initialisation, every layer trains; ~90 min).
+# qa (the 12-layer decoder, mimetic initialisation, every layer trains, on the first five
+# question types; ~98 min), then tune (600 steps from qa's weights with a fresh optimiser,
+# adding the two-object `relation` question and weighting `count` up; ~20 min).
 SC_ARGS = --task scenes --text-width 96 --text-layers 12 --text-ffn 256 --rope-theta 1e6 --out runs/scenes
 scenes-model: install
 	$(DG_TRAIN) align $(SC_ARGS) --steps 300 --batch 32 --lr 2e-3 --warmup 30 --decay --eval-every 100
 	$(DG_TRAIN) qa $(SC_ARGS) --batch 16 --questions 6 --warmup 100 --mimetic --steps 3600 --lr 1e-3 --decay \
-	  --eval-every 300 --eval-n 32
+	  --eval-every 300 --eval-n 32 --mix texture where count exists read
+	$(DG_TRAIN) tune $(SC_ARGS) --batch 16 --questions 6 --warmup 50 --steps 600 --lr 6e-4 --decay \
+	  --eval-every 100 --eval-n 32 --mix texture where count=3 exists=1.5 read relation=2
 	$(DG_TRAIN) export --out runs/scenes --export lightkv/assets/scenes-llava
 
 lint: install

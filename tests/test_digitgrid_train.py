@@ -91,3 +91,27 @@ def test_scenes_align_and_qa_resume_exactly_and_export(tmp_path, capsys):
     main(["export", "--out", str(tmp_path / "c"), "--export", str(tmp_path / "m")])
     assert dg.read_task(tmp_path / "m").name == "scenes"
     assert dg.read_grid_config(tmp_path / "m").grid == 16
+
+
+def test_scenes_tune_starts_from_qa_and_resumes_exactly(tmp_path, capsys):
+    """``tune`` continues the decoder from ``qa.pt`` with a weighted question mix; it needs
+    ``qa.pt``, resumes exactly, and ``export`` then prefers ``tune.pt``."""
+    with pytest.raises(SystemExit, match="run the qa stage first"):
+        main(["tune", "--out", str(tmp_path / "none"), "--steps", "1", *SCENES])
+    main(["qa", "--out", str(tmp_path / "q"), "--steps", "1", "--mimetic", *SCENES])
+    mix = ["--mix", "texture", "count=3", "relation=2"]
+    for run in ("b", "c"):
+        (tmp_path / run).mkdir()
+        torch.save(torch.load(tmp_path / "q" / "qa.pt", weights_only=False), tmp_path / run / "qa.pt")
+    main(["tune", "--out", str(tmp_path / "b"), "--steps", "2", *mix, *SCENES])
+    main(["tune", "--out", str(tmp_path / "b"), "--steps", "3", *mix, *SCENES])
+    assert "resumed" in capsys.readouterr().out
+    main(["tune", "--out", str(tmp_path / "c"), "--steps", "3", *mix, *SCENES])
+    tuned = _weights(tmp_path / "c" / "tune.pt")
+    assert _same(_weights(tmp_path / "b" / "tune.pt"), tuned)
+    assert not _same(_weights(tmp_path / "c" / "qa.pt"), tuned)
+    main(["export", "--out", str(tmp_path / "c"), "--export", str(tmp_path / "m")])
+    model, _, _ = dg.load(tmp_path / "m")
+    assert _same({k: v for k, v in model.state_dict().items()}, tuned)
+    with pytest.raises(SystemExit, match="not a question type"):
+        main(["tune", "--out", str(tmp_path / "c"), "--steps", "4", "--mix", "colour", *SCENES])

@@ -56,6 +56,16 @@ def test_answers_follow_from_the_labels(seed, qtype, split):
             rows, cols = obj.nonzero().float().mean(0).tolist()
             half = (CONFIG.grid - 1) / 2
             assert ep.answer == [("top", "bottom")[rows > half], ("left", "right")[cols > half]]
+    elif qtype == "relation":
+        # each object lies inside one quadrant; the pair shares exactly one quadrant index
+        half = CONFIG.grid // 2
+        masks = [(lab[..., 0] == W[ep.question[i]]) & (lab[..., 1] != W["gem"]) for i in (3, 6)]
+        assert torch.equal(masks[0] | masks[1], region) and all(m.any() for m in masks)
+        quads = [tuple(int(v) for v in (m.nonzero() >= half).all(0)) for m in masks]
+        assert all(tuple(int(v) for v in (m.nonzero() >= half).any(0)) == q for m, q in zip(masks, quads))
+        (ra, ca), (rb, cb) = quads
+        assert (ra == rb) != (ca == cb)
+        assert ep.answer == ([("left", "right")[ca > cb]] if ra == rb else [("top", "bottom")[ra > rb]])
     elif qtype in ("count", "exists"):
         gems = (lab[..., 0] == W[ep.question[2 if qtype == "count" else 3]]) & (lab[..., 1] == W["gem"])
         assert torch.equal(gems, region)
@@ -131,6 +141,23 @@ def test_scenes_pack_several_questions_and_followups_ask_another_object():
         assert f.qtype == "texture" and f.scene is ep.scene
         if len(ep.scene.objects) > 1:
             assert f.meta["object"] != ep.meta["object"]
+
+
+def test_question_mixes_weight_the_types_and_uniform_ones_draw_as_the_default():
+    """A uniform ``qtypes`` subset draws exactly as the default did before ``relation`` (so
+    the qa stage of the recipe reproduces); weights shift the mix; a relation-only mix ends."""
+    old = ("texture", "where", "count", "exists", "read")
+    a = sc.make_scene(random.Random(9), "train", 6, qtypes=old)
+    b = sc.make_scene(random.Random(9), "train", 6, qtypes=old, weights=None)
+    assert [(e.qtype, e.question) for e in a] == [(e.qtype, e.question) for e in b]
+    rng = random.Random(3)
+    drawn = [e.qtype for _ in range(60) for e in sc.make_scene(rng, "train", 6, qtypes=("texture", "count"),
+                                                              weights=(1, 4))]
+    assert 0.7 < drawn.count("count") / len(drawn) < 0.9
+    rel = [e for _ in range(30) for e in sc.make_scene(rng, "heldout", 2, qtypes=("relation",))]
+    assert {e.qtype for e in rel} == {"relation"} and {e.answer[0] for e in rel} == {"top", "bottom", "left", "right"}
+    with pytest.raises(ValueError, match="weights"):
+        sc.make_scene(rng, "train", 2, qtypes=("texture",), weights=(1, 2))
 
 
 def test_exists_is_balanced_and_counts_cover_the_range():

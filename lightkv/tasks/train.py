@@ -1,7 +1,8 @@
 """Train a bundled LVLM on one of the tasks (``python -m lightkv.tasks.train``).
 
-Two stages, each resumable from its checkpoint (``--out/<stage>.pt``, written every
-``--ckpt-every`` steps and at the end; a rerun with the same ``--out`` continues):
+Two stages and an optional third, each resumable from its checkpoint (``--out/<stage>.pt``,
+written every ``--ckpt-every`` steps and at the end; a rerun with the same ``--out``
+continues):
 
 1. ``align``: the vision tower and projector alone learn to map every vision token to
    ``E[<image>] + E[content] + E[row] + E[column]`` (mean squared error; ``E`` is the
@@ -13,9 +14,13 @@ Two stages, each resumable from its checkpoint (``--out/<stage>.pt``, written ev
    attention layer's query/key and value/output projections near scaled identities
    (mimetic initialisation, Trockman & Kolter, ICML 2023): a generic prior that attention
    compares like with like and copies what it reads; no attention map is ever supervised.
+3. ``tune`` (optional): more decoder steps from ``qa.pt``'s weights with a fresh optimiser,
+   typically with another question mix (``--mix count=3 relation=2 ...``: the types to draw
+   and their weights; a uniform ``--mix`` draws exactly as the default does).
 
 ``--export DIR`` writes the Hugging Face directory after ``qa`` (or, with the ``export``
-stage, from the last ``qa`` checkpoint). Everything is seeded: same arguments, same model.
+stage, from ``tune.pt`` where it exists, else ``qa.pt``). Everything is seeded: same
+arguments, same model.
 
 The bundled model was made with (`make digitgrid-model` runs the same)::
 
@@ -60,67 +65,13 @@ import torch
 import torch.nn.functional as F
 
 from . import circuit
-from .digitgrid.vocab import GLYPHS
-from .labels import label_accuracy, label_groups, label_loss, translation, vision_words
+from .labels import label_groups, label_loss, translation, vision_words
 from .model import ModelSpec, alignment_targets, build_model, save
-from .registry import TASKS, Task, get_task, task_for
+from .registry import Task, get_task, task_for
+from .train_args import build_parser
+from .train_eval import _projected, evaluate_align, evaluate_qa
 
 __all__ = ["evaluate_qa", "main"]
-
-
-def _projected(model, pixel_values: torch.Tensor) -> torch.Tensor:
-    out = model.model.get_image_features(pixel_values=pixel_values)
-    return torch.stack(list(out.pooler_output))
-
-
-@torch.no_grad()
-def evaluate_align(model, spec: ModelSpec, grid, n: int = 256, seed: int = 1234,
-                   translate: torch.Tensor | None = None) -> dict:
-    """Read-out accuracy of the projected tokens on held-out images: each cell's content
-    (nearest content word embedding, averaged over the cell's tokens) and each token's
-    position (``position_acc``: the nearest cell word is its own cell's)."""
-    model.eval()
-    task = task_for(grid)
-    rng = random.Random(f"align-eval:{seed}")
-    grids, images = task.image_batch(rng, "heldout", n, grid)
-    feats = _projected(model, images)  # [B, N, D]
-    if label_groups(task) is not None:
-        model.train()
-        return label_accuracy(model, feats, grids, label_groups(task), translate)
-    ids = list(task.content_ids())
-    content = vision_words(model, ids, translate)
-    k = grid.cell // spec.patch
-    c = len(ids)
-    logits = (feats @ content.T).reshape(n, grid.grid, k, grid.grid, k, c)
-    per_cell = logits.mean((2, 4)).argmax(-1)
-    truth = torch.where(grids >= 0, grids, c - 1)
-    occ = grids >= 0
-    _, cells = task.token_words(grids[:1], k)
-    names = torch.unique(cells)
-    nearest = names[(feats @ vision_words(model, names, translate).T).argmax(-1)]  # [B, N] word ids
-    where = nearest == cells  # the nearest cell word is the token's own
-    model.train()
-    return {"cell_acc": float((per_cell == truth).float().mean()), "position_acc": float(where.float().mean()),
-            "occupied_acc": float((per_cell == truth)[occ].float().mean()),
-            "grid_exact": float((per_cell == truth).all(-1).all(-1).float().mean())}
-
-
-@torch.no_grad()
-def evaluate_qa(model, grid, n_per_type: int = 64, seed: int = 4321, batch: int = 64,
-                split: str = "heldout") -> dict:
-    """Greedy exact-match accuracy per question type on ``n_per_type`` held-out episodes each."""
-    from .evaluate import answer
-
-    model.eval()
-    data = task_for(grid).data
-    result = {}
-    for qtype in data.QTYPES:
-        rng = random.Random(f"qa-eval:{seed}:{qtype}")
-        eps = [data.make_episode(rng, split, qtype, grid) for _ in range(n_per_type)]
-        got = [words for i in range(0, len(eps), batch) for words in answer(model, eps[i:i + batch], grid)]
-        result[qtype] = sum(g == ep.answer for g, ep in zip(got, eps)) / len(eps)
-    model.train()
-    return result
 
 
 def _content_ce(model, feats: torch.Tensor, grids: torch.Tensor, spec: ModelSpec, grid,
@@ -200,7 +151,7 @@ def _trainable(model, stage: str) -> list[torch.nn.Parameter]:
     for p in model.parameters():
         p.requires_grad_(False)
     if stage == "align":
-        mods = [model.model.vision_tower, model.model.multi_modal_projector]
+        mods = [model.model.vision_tower, model.model.multi_modal_projector]  # qa and tune: the decoder
     else:
         mods = [model.model.language_model]
     params = [p for m in mods for p in m.parameters()]
@@ -230,9 +181,33 @@ def _spec(args):
     return grid, spec
 
 
+def _last_decoder_checkpoint(out: Path) -> Path:
+    """``tune.pt`` where the fine-tuning stage ran, else ``qa.pt``."""
+    for name in ("tune.pt", "qa.pt"):
+        if (out / name).exists():
+            return out / name
+    raise SystemExit(f"no qa.pt or tune.pt in {out}: run the qa stage first")
+
+
+def _mix(args) -> dict:
+    """``make_scene`` keywords from ``--mix qtype[=weight] ...`` (empty: the task's default)."""
+    if not getattr(args, "mix", None):
+        return {}
+    qtypes, weights = [], []
+    for item in args.mix:
+        name, _, weight = item.partition("=")
+        if name not in _task(args).data.QTYPES:
+            raise SystemExit(f"--mix: {name!r} is not a question type of {_task(args).name} "
+                             f"({', '.join(_task(args).data.QTYPES)})")
+        qtypes.append(name)
+        weights.append(float(weight) if weight else 1.0)
+    # uniform mixes draw exactly as the default does (rng.choice), so older recipes reproduce
+    return {"qtypes": tuple(qtypes), **({} if len(set(weights)) == 1 else {"weights": tuple(weights)})}
+
+
 def export(args) -> Path:
-    """Write the Hugging Face directory from ``--out/qa.pt`` (sizes from the checkpoint)."""
-    state = torch.load(Path(args.out) / "qa.pt", weights_only=False)
+    """Write the Hugging Face directory from ``--out/tune.pt`` (or ``qa.pt``; sizes from the checkpoint)."""
+    state = torch.load(_last_decoder_checkpoint(Path(args.out)), weights_only=False)
     saved = argparse.Namespace(**state["args"])
     grid, spec = _spec(saved)
     if getattr(args, "asked", None):
@@ -267,7 +242,13 @@ def run_stage(args) -> None:
     ckpt = out / f"{args.stage}.pt"
     step = 0
     prev = out / "align.pt"
-    if args.stage == "qa" and prev.exists():
+    if args.stage == "tune":
+        # fine-tuning starts from the qa stage's final weights, with a fresh optimiser
+        start = out / "qa.pt"
+        if not start.exists():
+            raise SystemExit(f"tune starts from {start}, which does not exist: run the qa stage first")
+        model.load_state_dict(torch.load(start, weights_only=False)["model"])
+    elif args.stage == "qa" and prev.exists():
         aligned = torch.load(prev, weights_only=False)["model"]
         keep = ("model.vision_tower.", "model.multi_modal_projector.", "model.language_model.embed_tokens.",
                 "lm_head.")
@@ -316,6 +297,7 @@ def run_stage(args) -> None:
                     "torch_rng": torch.get_rng_state(), "step": step, "log": log, "args": vars(args)}, ckpt)
 
     n_img = task.data.num_image_tokens(grid, spec.patch)
+    mix = _mix(args)
     model.train()
     bar = tqdm(total=args.steps, initial=step, desc=args.stage, mininterval=5, dynamic_ncols=True)
     t0 = time.time()
@@ -335,7 +317,7 @@ def run_stage(args) -> None:
             if args.cell_ce:
                 loss = loss + _cell_ce(model, feats, grids, spec, grid, translate)
         else:
-            scenes = [task.data.make_scene(rng, "train", args.questions, grid) for _ in range(args.batch)]
+            scenes = [task.data.make_scene(rng, "train", args.questions, grid, **mix) for _ in range(args.batch)]
             batch = task.data.collate_scenes(scenes, n_img)
             loss = model(**batch).loss
         opt.zero_grad(set_to_none=True)
@@ -358,61 +340,9 @@ def run_stage(args) -> None:
         if step % args.ckpt_every == 0 or step in (args.steps, until):
             checkpoint()
     bar.close()
-    if args.export and args.stage == "qa":
+    if args.export and args.stage in ("qa", "tune"):
         save(model, args.export, grid, spec, task=task.name, extra={"train": vars(args), "step": step, "log": log[-1:]})
         print(f"exported to {args.export}")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m lightkv.tasks.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("stage", choices=("align", "qa", "export"),
-                   help="align: tower + projector; qa: decoder; export: --out/qa.pt to --export DIR")
-    p.add_argument("--out", default="runs/digitgrid", help="checkpoint directory (resumes from it)")
-    p.add_argument("--export", default=None, help="write the Hugging Face model here after qa")
-    p.add_argument("--asked", nargs="+", default=None, metavar="QTYPE",
-                   help="export: the question types the exported model is evaluated on (symbolgrid)")
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--until", type=int, default=None,
-                   help="stop after this step (checkpointed) without changing the --steps schedule")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--questions", type=int, default=4, help="questions packed per image (qa)")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--decay", action="store_true", help="linear decay to 10%% of lr")
-    p.add_argument("--task", default="digitgrid", choices=tuple(TASKS), help="which synthetic task")
-    p.add_argument("--cell-ce", action="store_true", help="align: also a cross-entropy on each token's cell word")
-    p.add_argument("--translate", action="store_true",
-                   help="vision tokens carry M E[word] (M: seeded orthogonal) instead of E[word] (align and qa)")
-    p.add_argument("--lookup-heads", type=int, default=0,
-                   help="with --mimetic --translate: heads per layer that start as text-to-vision lookups (qa)")
-    p.add_argument("--freeze-lookup", action="store_true",
-                   help="with --lookup-heads: keep those heads' query and key projections fixed (qa)")
-    p.add_argument("--slow-layers", type=int, default=0, help="qa: the first N decoder layers learn at --slow-lr x lr")
-    p.add_argument("--slow-lr", type=float, default=0.05)
-    p.add_argument("--lookup-from", type=int, default=0, help="first layer with lookup heads (qa)")
-    p.add_argument("--lookup-qk", type=float, default=3.0, help="query scale of the lookup heads (qa)")
-    p.add_argument("--circuit", action="store_true",
-                   help="symbolgrid: row + column cell embeddings and retrieval heads at init (needs --translate)")
-    p.add_argument("--circuit-layer", type=int, default=3, help="decoder layer of the --circuit heads")
-    p.add_argument("--head-dim", type=int, default=None, help="decoder head size (default width / heads)")
-    p.add_argument("--rope-theta", type=float, default=10000.0, help="RoPE base of the decoder")
-    p.add_argument("--mimetic", action="store_true", help="near-identity query/key init (qa)")
-    p.add_argument("--mimetic-from", type=int, default=0,
-                   help="with --mimetic: layers before this one start as no-ops instead (qa)")
-    p.add_argument("--glyphs", default="handwritten", choices=GLYPHS)
-    p.add_argument("--jitter", type=int, default=0)
-    p.add_argument("--text-width", type=int, default=128)
-    p.add_argument("--text-layers", type=int, default=6)
-    p.add_argument("--text-ffn", type=int, default=None, help="decoder MLP width (default 4 x width)")
-    p.add_argument("--vision-width", type=int, default=96)
-    p.add_argument("--vision-layers", type=int, default=3)
-    p.add_argument("--eval-every", type=int, default=200)
-    p.add_argument("--eval-n", type=int, default=64)
-    p.add_argument("--ckpt-every", type=int, default=100)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    return p
 
 
 def main(argv: list[str] | None = None) -> None:

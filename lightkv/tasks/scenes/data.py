@@ -16,15 +16,19 @@ per cell, as in SymbolGrid; unlike SymbolGrid, most tokens are redundant:
 
 Questions name what the early layers can find, a colour:
 
-=========  ======================================  ===============================
-qtype      question                                answer
-=========  ======================================  ===============================
-texture    what texture is the red object          striped
-where      where is the red object                 top left
-count      how many red gems                       n2        (0..3)
-exists     is there a red gem                      yes | no
-read       read the sign                           beta s2 kappa s3 eta
-=========  ======================================  ===============================
+=========  =======================================  ====================================
+qtype      question                                 answer
+=========  =======================================  ====================================
+texture    what texture is the red object           striped
+where      where is the red object                  top left
+count      how many red gems                        n2        (0..3)
+exists     is there a red gem                       yes | no
+read       read the sign                            beta s2 kappa s3 eta
+relation   where is the red object the blue object  left      (top | bottom | left | right)
+=========  =======================================  ====================================
+
+``relation`` names two objects in side-by-side or stacked quadrants and answers where the
+first lies from the second (the quadrant row or column they share decides which word).
 
 ``texture`` and ``where`` are coarse on large objects and fine on small ones; ``count``,
 ``exists`` and ``read`` hinge on single tokens, and ``read`` answers with its second and
@@ -164,6 +168,11 @@ def _question_and_answer(scene: Scene, qtype: str, meta: dict) -> tuple[list[str
         cr, cc = ob.centre
         half = (scene.size - 1) / 2
         return ["where", "is", "the", name, "object"], [VERTICAL[int(cr > half)], HORIZONTAL[int(cc > half)]]
+    if qtype == "relation":
+        a, b = (scene.objects[i] for i in meta["pair"])
+        qa, qb = _quadrant(scene, a), _quadrant(scene, b)
+        word = HORIZONTAL[int(qa[1] > qb[1])] if qa[0] == qb[0] else VERTICAL[int(qa[0] > qb[0])]
+        return ["where", "is", "the", COLOURS[a.colour], "object", "the", COLOURS[b.colour], "object"], [word]
     if qtype in ("count", "exists"):
         n = sum(k == meta["colour"] for _, _, k in scene.gems)
         name = COLOURS[meta["colour"]]
@@ -176,7 +185,31 @@ def _question_and_answer(scene: Scene, qtype: str, meta: dict) -> tuple[list[str
     raise ValueError(f"qtype must be one of {QTYPES}, got {qtype!r}")
 
 
+def _quadrant(scene: Scene, ob) -> tuple[int, int]:
+    half = scene.size // 2
+    return int(ob.top >= half), int(ob.left >= half)
+
+
+def _relation_pairs(scene: Scene) -> list[tuple[int, int]]:
+    """Ordered pairs of objects in side-by-side or stacked quadrants (one quadrant index differs)."""
+    quads = [_quadrant(scene, ob) for ob in scene.objects]
+    return [(i, j) for i in range(len(quads)) for j in range(len(quads))
+            if (quads[i][0] == quads[j][0]) != (quads[i][1] == quads[j][1])]
+
+
+def _askable(scene: Scene, qtype: str) -> bool:
+    """Whether some question of ``qtype`` can be asked of ``scene`` (only ``relation`` can fail)."""
+    return qtype != "relation" or bool(_relation_pairs(scene))
+
+
 def _choose_meta(rng: random.Random, scene: Scene, qtype: str, want: bool | None = None) -> dict | None:
+    if qtype == "relation":
+        pairs = _relation_pairs(scene)
+        if not pairs:
+            return None
+        i, j = rng.choice(pairs)
+        return {"object": i, "colour": scene.objects[i].colour, "pair": (i, j),
+                "region": scene.mask("object", i) | scene.mask("object", j)}
     if qtype in ("texture", "where"):
         i = rng.randrange(len(scene.objects))
         return {"object": i, "colour": scene.objects[i].colour, "region": scene.mask("object", i)}
@@ -218,15 +251,22 @@ def make_episode(rng: random.Random, split: str = "train", qtype: str | None = N
 
 
 def make_scene(rng: random.Random, split: str = "train", n_questions: int = 4,
-               config: GridConfig = DEFAULT_CONFIG, qtypes: Sequence[str] = QTYPES) -> list[Episode]:
-    """``n_questions`` episodes about one image (a conversation; see `collate_scenes`)."""
+               config: GridConfig = DEFAULT_CONFIG, qtypes: Sequence[str] = QTYPES,
+               weights: Sequence[float] | None = None) -> list[Episode]:
+    """``n_questions`` episodes about one image (a conversation; see `collate_scenes`), each of
+    a type drawn from ``qtypes`` (uniformly, or in proportion to ``weights``)."""
     if n_questions < 1:
         raise ValueError("n_questions must be >= 1")
+    if weights is not None and len(weights) != len(qtypes):
+        raise ValueError(f"weights ({len(weights)}) must match qtypes ({len(qtypes)})")
+    live = [q for i, q in enumerate(qtypes) if weights is None or weights[i] > 0]
     scene = make_layout(rng, split, config)
+    while not any(_askable(scene, q) for q in live):  # e.g. only ``relation``, no such pair
+        scene = make_layout(rng, split, config)
     image = render_image(rng, scene, config)
     out: list[Episode] = []
     while len(out) < n_questions:
-        qtype = rng.choice(tuple(qtypes))
+        qtype = rng.choice(tuple(qtypes)) if weights is None else rng.choices(tuple(qtypes), weights)[0]
         meta = _choose_meta(rng, scene, qtype)
         if meta is not None:
             out.append(_episode(image, scene, qtype, meta, split))

@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 SPLITS = ("train", "heldout")
-QTYPES = ("texture", "where", "count", "exists", "read")
+QTYPES = ("texture", "where", "count", "exists", "read", "relation")
 DETAIL_QTYPES = ("count", "exists", "read")
 """Question types whose answer hinges on single tokens."""
 ASKED_REGION = True
