@@ -131,7 +131,7 @@ scenes-model: install
 	$(DG_TRAIN) qa $(SC_ARGS) --batch 16 --questions 6 --warmup 100 --mimetic --steps 3600 --lr 1e-3 --decay \
 	  --eval-every 300 --eval-n 32 --mix texture where count exists read
 	$(DG_TRAIN) tune $(SC_ARGS) --batch 16 --questions 6 --warmup 50 --steps 600 --lr 6e-4 --decay \
-	  --eval-every 100 --eval-n 32 --mix texture where count=3 exists=1.5 read relation=2
+	  --eval-every 100 --eval-n 32 --threads 1 --mix texture where count=3 exists=1.5 read relation=2
 	$(DG_TRAIN) export --out runs/scenes --export lightkv/assets/scenes-llava
 
 lint: install
