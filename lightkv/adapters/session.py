@@ -309,4 +309,4 @@ class CompressionSession:
         call = LayerCall(i, args, kwargs, st, output)
         for hook in self._post[st.phase][i]:
             hook(call)
-        return call.output if call.replaced else None
+        return call.post_result()

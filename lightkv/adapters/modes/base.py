@@ -124,6 +124,10 @@ class LayerCall:
         self.output = (hidden, *self.output[1:]) if isinstance(self.output, tuple) else hidden
         self.replaced = True
 
+    def post_result(self) -> Any:
+        """What the session's forward hook returns: the replaced output, or None (keep it)."""
+        return self.output if self.replaced else None
+
     def check_layout(self) -> None:
         """Raise when the layer's input does not have the current layout's length."""
         layout = self.state.layout
