@@ -119,30 +119,25 @@ class CompressionSession:
         self.num_layers = len(self.layers)
         self.stages = pipeline.stages(self.num_layers)
         self.adapter.check_stages(self.stages)
+        self._token = _Token()
+        self._token.open = False
         probes = [probe_for_layer(layer) for layer in self.layers]
         self.layer_shapes: list[LayerShape] = [p.shape() for p in probes]
         self._ctx = SessionContext(
             self.adapter, pipeline, self.stages, self.num_layers, probes,
             proportional.ProportionalAttention(self.adapter, pipeline.proportional_attention),
             ReleasedQuirksHook(self.adapter, pipeline.released_quirks, self._lm, self.stages),
-            record=record, reuse_projections=reuse_projections,
+            record=record, reuse_projections=reuse_projections, token=self._token,
         )
         self.modes: list[Mode] = choose_modes(self._ctx)
         """The session's modes (`lightkv.adapters.modes`), in the order they run."""
-        # each phase's hook methods per layer, fixed now so that the hooks only call them
-        self._pre, self._post = (
-            {phase: [[h for m in self.modes if m.covers(i) and (h := m.hooks(phase, when))]
-                     for i in range(self.num_layers)] for phase in ("prefill", "decode")}
-            for when in ("pre", "post")
-        )
+        self._pre, self._post = self._hook_table("pre"), self._hook_table("post")
         self._rewritten = sorted(set().union(*(m.cache_layers for m in self.modes)))
         self._text_too = any(m.text_too for m in self.modes)
         self._signature = inspect.signature(self._mm.forward)
         self._attn_impl()  # fail early on unsupported attention
         self._handles: list[Any] = []
         self._owner = False
-        self._token = _Token()
-        self._token.open = False
         self._calls = CallOwner()  # the thread whose calls are compressed, and its forward's state
         self.last_prefill: PrefillTrace | None = None
         self.num_prefills = 0
@@ -236,6 +231,12 @@ class CompressionSession:
     # ---------------------------------------------------------------- helpers
     def _attn_impl(self) -> str:
         return attention_implementation(self._lm.config)
+
+    def _hook_table(self, when: str) -> dict[str, list[list]]:
+        """Per phase (``prefill``, ``decode``) and layer, the modes' ``{phase}_{when}`` methods
+        the hooks call, in mode order: fixed once, so that the hooks only call them."""
+        return {phase: [[h for m in self.modes if m.covers(i) and (h := m.hooks(phase, when)) is not None]
+                        for i in range(self.num_layers)] for phase in ("prefill", "decode")}
 
     # ---------------------------------------------------------------- model hooks
     def _on_model_pre(self, module, args, kwargs):
