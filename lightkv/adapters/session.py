@@ -235,7 +235,7 @@ class CompressionSession:
     def _hook_table(self, when: str) -> dict[str, list[list]]:
         """Per phase (``prefill``, ``decode``) and layer, the modes' ``{phase}_{when}`` methods
         the hooks call, in mode order: fixed once, so that the hooks only call them."""
-        return {phase: [[h for m in self.modes if m.covers(i) and (h := m.hooks(phase, when)) is not None]
+        return {phase: [[h for m in self.modes if m.covers(i) and (h := m.hook(phase, when)) is not None]
                         for i in range(self.num_layers)] for phase in ("prefill", "decode")}
 
     # ---------------------------------------------------------------- model hooks

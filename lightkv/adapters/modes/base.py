@@ -235,7 +235,7 @@ class Mode:
     def end_forward(self) -> None:
         """The model's forward returned (or raised)."""
 
-    def hooks(self, phase: str, when: str) -> Callable[[LayerCall], None] | None:
+    def hook(self, phase: str, when: str) -> Callable[[LayerCall], None] | None:
         """The bound ``{phase}_{when}`` method, or None where this class does not override it."""
         method = f"{phase}_{when}"
         return getattr(self, method) if getattr(type(self), method) is not getattr(Mode, method) else None
