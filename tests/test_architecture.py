@@ -24,11 +24,16 @@ LAYERS = [
     ("pipeline", "cache_stage", "quirks"),
     ("config", "presets"),
     ("adapters",),
-    ("api", "testing", "vis", "outputs", "tasks", "generate", "stages_demo", "bench", "cli", "__main__"),
+    # the tools, each in its own place
+    ("api", "testing", "vis", "outputs", "generate"),  # the facade and what every tool shares
+    ("tasks",),  # the bundled models' tasks: data, trainer, evaluation
+    ("bench",),  # benchmarks over the tasks and the tiny models
+    ("demos", "stages_demo"),  # demos: they show the benchmarks' method set-ups and pictures
+    ("cli", "__main__"),  # the `lightkv` command, over all of the above
     ("integrations",),  # other tools' plugins (lmms-eval): may use all of lightkv, nothing imports them
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
-MAX_LINES = 450  # "a few hundred lines": every module is readable in one sitting
+MAX_LINES = 400  # "a few hundred lines": every module is readable in one sitting
 
 
 def module_name(path: Path) -> str:
@@ -86,9 +91,24 @@ def test_the_import_walk_sees_lazy_imports():
     assert graph.has_edge("lightkv.pipeline", "lightkv.policies.inputs")
 
 
+def test_the_tools_have_their_own_layers():
+    """A task does not use a benchmark, a benchmark no demo, nothing the command line."""
+    order = ["tasks", "bench", "demos", "cli", "integrations"]
+    assert [RANK[t] for t in order] == sorted({RANK[t] for t in order})
+    assert layer("lightkv.tasks.model") < layer("lightkv.bench.quality") < layer("lightkv.demos.bundled")
+
+
+# Modules another change of the same issue is rewriting; each entry must still be over the cap
+# (the test below fails once it is not, so the entry leaves with the rewrite).
+PENDING = {"lightkv.config.pipeline": "issue 25 item 2 (one pass from YAML to Pipeline) rewrites it"}
+
+
 def test_modules_are_small():
-    big = {module_name(p): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    sizes = {module_name(p): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    big = {m: n for m, n in sizes.items() if n > MAX_LINES and m not in PENDING}
     assert not big, f"modules over {MAX_LINES} lines: {big}"
+    done = [m for m in PENDING if sizes.get(m, 0) <= MAX_LINES]
+    assert not done, f"{done} are within {MAX_LINES} lines now: remove them from PENDING"
 
 
 CORE = """

@@ -84,10 +84,11 @@ def _python_pages() -> list[Path]:
 
 @pytest.fixture
 def clean_registries():
-    """Policies registered by an example are forgotten afterwards (other tests list registries)."""
+    """Policies and modes registered by an example are forgotten afterwards (other tests list registries)."""
+    from lightkv.adapters.modes import Mode
     from lightkv.policies import FAMILIES
 
-    saved = {family: dict(family._registry) for family in FAMILIES.values()}
+    saved = {family: dict(family._registry) for family in [*FAMILIES.values(), Mode]}
     try:
         yield
     finally:
@@ -175,7 +176,7 @@ def test_pages_have_examples():
     """The extraction itself works: the home page and the extension guides hold runnable code."""
     pages = {p.relative_to(DOCS).as_posix() for p in _python_pages()}
     assert "index.md" in pages
-    for guide in ("edge-scorer", "pruner", "partitioner", "scheduler", "adapter"):
+    for guide in ("edge-scorer", "pruner", "partitioner", "scheduler", "adapter", "mode"):
         assert f"guides/{guide}.md" in pages, f"guides/{guide}.md has no python example"
 
 

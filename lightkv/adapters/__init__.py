@@ -10,9 +10,11 @@ print(session.report())
 Supported families: see `SUPPORTED_FAMILIES`.
 
 Modules: to add a model family read `base` (the `Adapter` class) and one family module
-(e.g. `llava`), and register it in `registry`. The rest is internals of the hooks:
-`session` (`CompressionSession`), `cache` (also `kv_bytes`, the bytes a cache holds), `masks`, `features`, `guards` and `probes`;
-`trace` and `report` hold what a session recorded.
+(e.g. `llava`), and register it in `registry`. To add a place where compression happens
+(a mode) read `modes`. The rest is internals of the hooks: `session`
+(`CompressionSession`, which drives the modes), `cache` (also `kv_bytes`, the bytes a cache
+holds), `masks`, `features`, `guards` and `probes`; `trace` and `report` hold what a
+session recorded.
 """
 
 from __future__ import annotations

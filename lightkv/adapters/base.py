@@ -51,8 +51,6 @@ class Adapter:
     """Why this family cannot add ``log(size)`` to its attention logits through the masks
     below (`lightkv.Pipeline.proportional_attention` is then refused with this reason);
     None: it can (every shipped family)."""
-    layout_mode: str = "native"
-    """The session's `lightkv.Pipeline.layout` (``native`` or ``reference``)."""
 
     def __init__(self, model: nn.Module, **options: Any):
         unknown = set(options) - set(self.options_allowed)
@@ -170,6 +168,13 @@ class Adapter:
             the layout, or None when the batch holds no vision tokens.
         """
         raise NotImplementedError
+
+    def reference_layout(self, inputs: Mapping[str, Any], padding: torch.Tensor | None) -> VisionLayout | None:
+        """The layout of one prefill batch as the authors' code lays it out (what a session
+        uses for a pipeline with ``layout: reference``, `lightkv.Pipeline.layout`); same
+        arguments as `build_layout`. Default: the native layout (the families whose
+        reference code agrees with it); LLaVA-NeXT overrides it."""
+        return self.build_layout(inputs, padding)
 
     @staticmethod
     def layout_from_segments(

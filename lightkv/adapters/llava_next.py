@@ -83,6 +83,13 @@ class LlavaNextAdapter(Adapter):
         return (side, side), (rows, cols)
 
     def build_layout(self, inputs, padding):
+        return self._layout(inputs, padding, reference=False)
+
+    def reference_layout(self, inputs, padding):
+        """The authors' layout: each image one span, its newlines included (module docstring)."""
+        return self._layout(inputs, padding, reference=True)
+
+    def _layout(self, inputs, padding, reference: bool):
         input_ids = inputs["input_ids"]
         if inputs.get("vision_feature_select_strategy") not in (None, "default"):
             raise NotImplementedError("the llava_next adapter supports vision_feature_select_strategy='default' only")
@@ -99,7 +106,6 @@ class LlavaNextAdapter(Adapter):
             raise ValueError("LLaVA-NeXT inputs with image tokens need image_sizes (or mm_encoder_outputs)")
         counts = [b[0] * b[1] + h * (w + 1) for b, (h, w) in grids]
         segments = []
-        reference = getattr(self, "layout_mode", "native") == "reference"
         for (row, offset), (base, (h, w)), count in zip(place_images(placeholders, counts), grids, counts):
             if reference:  # the authors' code: one span, newlines included (see the module docstring)
                 segments.append(ImageSegment(row=row, offset=offset, grid=(1, count)))

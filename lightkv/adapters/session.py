@@ -12,23 +12,23 @@ when an exception escapes, it removes them. While it is active, every forward of
 * a forward pre-hook on the multimodal core (e.g. ``LlavaModel``): reads the inputs
   (``input_ids``, ``attention_mask``, image sizes / grids) and, for a prefill (empty
   cache), asks the family `Adapter` for the batch's `VisionLayout`;
-* a forward pre-hook on every decoder layer: after a compression stage has run it hands
-  the layer hidden states, position embeddings (1-D RoPE or Qwen's 3-D M-RoPE), position
-  ids and a 4-D attention mask that all describe the *shorter* sequence, and gives the
-  layer's cache a `MaskedCacheLayer` that remembers which entries are holes. At a
-  scheduled layer the `ProjectionTap` reads the layer's own q / k projections as it runs
-  and computes prompt relevance ξ from the rows and columns the relevance policy reads
-  (never an ``N x N`` matrix);
-* a forward hook on every scheduled layer: runs the pure `lightkv.Stage` on the layer's
-  output and returns the stage's shorter hidden states in its place.
+* a forward pre-hook on every decoder layer and a forward hook on the layers a mode
+  works after: each wraps the call in a `LayerCall` and hands it to the session's modes
+  (`lightkv.adapters.modes`), which do the work. The session itself never branches on
+  what the pipeline does: the schedule chose the modes when the session started.
 
-During decoding each compressed layer gets a mask built from its own cache (holes hidden);
-positions come from the model as usual (the original prompt length onwards), so every
-layer continues consistently. Beam search works because the hole masks live in the cache
-layers and follow ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave``.
-The cache mode (``cache_mode``: cache stages, H2O) leaves hidden states alone and replaces
-listed layers' cache entries after they ran; ``proportional`` adds ``log(size)`` per key;
-``released`` reproduces the released code's renumbered positions and unmasked first merge.
+The modes: ``sequence`` (always) hands every layer after a compression hidden states,
+position embeddings (1-D RoPE or Qwen's 3-D M-RoPE), position ids and a 4-D attention
+mask that describe the *shorter* sequence, gives its cache a `MaskedCacheLayer` that
+remembers the holes, and during decoding a mask built from that cache; ``layer`` runs the
+pure `lightkv.Stage` on a scheduled layer's output, with relevance ξ read from the layer's
+own q / k projections as it runs (`ProjectionTap`, never an ``N x N`` matrix);
+``pre_llm`` runs a stage before layer 0; ``cache`` and ``h2o`` leave hidden states alone and
+replace listed layers' cache entries after they ran; ``tower`` reads the vision tower's
+attention. Beam search works because the hole masks live in the cache layers and follow
+``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave``;
+``proportional`` adds ``log(size)`` per key; ``released`` reproduces the released code's
+renumbered positions and unmasked first merge.
 """
 
 from __future__ import annotations
@@ -41,23 +41,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..graph.layout import TokenKind, VisionLayout
-from ..pipeline import Pipeline, Stage
+from ..graph.layout import VisionLayout
+from ..pipeline import Pipeline
 from ..policies.prompt import Prompt
-from . import features, proportional
+from . import proportional
 from .base import Adapter, bind_arguments
-from .cache import MaskedCacheLayer, _Token, install_masked_layer
-from .cache_mode import CacheMode
+from .cache import _Token
 from .guards import attention_implementation, check_attention_mask, check_cache, refuse_compiled
-from .masks import drop_padding, gather_position_ids, gather_tokens
+from .modes import LayerCall, Mode, SessionContext, choose_modes
 from .ownership import ACTIVE, CallOwner, cache_of
-from .probes import AttentionProbe, LayerShape, probe_for_layer
+from .probes import LayerShape, probe_for_layer
 from .registry import get_adapter
 from .released import ReleasedQuirksHook
 from .report import SessionReport
 from .tap import ProjectionTap
-from .tower import TowerTap
-from .trace import ForwardState, LayerStat, PrefillTrace, StageRecord
+from .trace import ForwardState, PrefillTrace, StageRecord
 
 __all__ = ["CompressionSession"]
 
@@ -110,7 +108,8 @@ class CompressionSession:
         else:
             self.adapter = get_adapter(model, family=adapter, **adapter_options)
         self.pipeline = pipeline
-        self.adapter.layout_mode = pipeline.layout  # read by adapters with a reference layout (LLaVA-NeXT)
+        # the pipeline's layout picks the adapter method once; the adapter holds no session state
+        self._build_layout = self.adapter.reference_layout if pipeline.layout == "reference" else self.adapter.build_layout
         self.model = model
         self.record = record
         self._mm = self.adapter.multimodal_module()
@@ -120,22 +119,25 @@ class CompressionSession:
         self.num_layers = len(self.layers)
         self.stages = pipeline.stages(self.num_layers)
         self.adapter.check_stages(self.stages)
-        self._stage_at = {s.spec.layer: s for s in self.stages if not s.spec.before and not s.spec.cache}
-        self._before_at = {s.spec.layer: s for s in self.stages if s.spec.before}  # the pre-LLM mode
-        self._probes: list[AttentionProbe] = [probe_for_layer(layer) for layer in self.layers]
-        self.layer_shapes: list[LayerShape] = [p.shape() for p in self._probes]
-        self._taps = {i: ProjectionTap(self._probes[i], i) for i, s in self._stage_at.items()
-                      if reuse_projections and ProjectionTap.wanted(s)}
-        self._tower = TowerTap.for_stages(self.adapter, self.stages)  # VisionZip-style tower relevance
-        self._cache_mode = CacheMode(self, self.stages)  # cache stages and H2O (no-op without them)
-        self._prop = proportional.ProportionalAttention(self.adapter, pipeline.proportional_attention)
-        self._released = ReleasedQuirksHook(self.adapter, pipeline.released_quirks, self._lm, self.stages)
+        self._token = _Token()
+        self._token.open = False
+        probes = [probe_for_layer(layer) for layer in self.layers]
+        self.layer_shapes: list[LayerShape] = [p.shape() for p in probes]
+        self._ctx = SessionContext(
+            self.adapter, pipeline, self.stages, self.num_layers, probes,
+            proportional.ProportionalAttention(self.adapter, pipeline.proportional_attention),
+            ReleasedQuirksHook(self.adapter, pipeline.released_quirks, self._lm, self.stages),
+            record=record, reuse_projections=reuse_projections, token=self._token,
+        )
+        self.modes: list[Mode] = choose_modes(self._ctx)
+        """The session's modes (`lightkv.adapters.modes`), in the order they run."""
+        self._pre, self._post = self._hook_table("pre"), self._hook_table("post")
+        self._rewritten = sorted(set().union(*(m.cache_layers for m in self.modes)))
+        self._text_too = any(m.text_too for m in self.modes)
         self._signature = inspect.signature(self._mm.forward)
         self._attn_impl()  # fail early on unsupported attention
         self._handles: list[Any] = []
         self._owner = False
-        self._token = _Token()
-        self._token.open = False
         self._calls = CallOwner()  # the thread whose calls are compressed, and its forward's state
         self.last_prefill: PrefillTrace | None = None
         self.num_prefills = 0
@@ -162,16 +164,16 @@ class CompressionSession:
                 self._handles.append(
                     layer.register_forward_pre_hook(functools.partial(self._on_layer_pre, i), with_kwargs=True)
                 )
-                if i in self._stage_at or i in self._cache_mode.layers:
+                if self._post["prefill"][i] or self._post["decode"][i]:
                     self._handles.append(
                         layer.register_forward_hook(functools.partial(self._on_layer_post, i), with_kwargs=True)
                     )
-            for tap in [*self._taps.values(), *([self._tower] if self._tower else [])]:
-                self._handles.extend(tap.install())
+            for mode in self.modes:
+                self._handles.extend(mode.install())
         except BaseException:
             self._remove()
             raise
-        self._token = _Token()
+        self._token = self._ctx.token = _Token()
         self._calls.claim()
         ACTIVE.add(self._lm)
         self._owner = True
@@ -220,7 +222,7 @@ class CompressionSession:
     @property
     def taps(self) -> dict[int, ProjectionTap]:
         """The projection taps by scheduled layer (empty with ``reuse_projections=False``)."""
-        return dict(self._taps)
+        return dict(getattr(self._ctx.modes.get("layer"), "taps", {}))
 
     def report(self) -> SessionReport:
         """A `lightkv.adapters.report.SessionReport` of the last prefill."""
@@ -229,6 +231,12 @@ class CompressionSession:
     # ---------------------------------------------------------------- helpers
     def _attn_impl(self) -> str:
         return attention_implementation(self._lm.config)
+
+    def _hook_table(self, when: str) -> dict[str, list[list]]:
+        """Per phase (``prefill``, ``decode``) and layer, the modes' ``{phase}_{when}`` methods
+        the hooks call, in mode order: fixed once, so that the hooks only call them."""
+        return {phase: [[h for m in self.modes if m.covers(i) and (h := m.hook(phase, when)) is not None]
+                        for i in range(self.num_layers)] for phase in ("prefill", "decode")}
 
     # ---------------------------------------------------------------- model hooks
     def _on_model_pre(self, module, args, kwargs):
@@ -245,7 +253,7 @@ class CompressionSession:
         impl = self._attn_impl()
         cache = cache_of(inputs)
         # before the mask check: with a static cache transformers prepares a 4-D mask
-        check_cache(cache, self.adapter.cache_layer_types, self._cache_mode.layers)
+        check_cache(cache, self.adapter.cache_layer_types, self._rewritten)
         past = cache.get_seq_length() if cache is not None else 0
         mask2d = inputs.get("attention_mask")
         check_attention_mask(mask2d)
@@ -254,23 +262,23 @@ class CompressionSession:
         )
         self.num_forwards += 1
         if past > 0:
-            self._state = ForwardState(mode="decode", impl=impl, new_valid=new_valid, past=past)
+            self._state = ForwardState(phase="decode", impl=impl, new_valid=new_valid, past=past)
             return
         layout = None
         if input_ids is not None:
             padding = ~new_valid if mask2d is not None and not bool(new_valid.all()) else None
-            layout = self.adapter.build_layout(inputs, padding)
+            layout = self._build_layout(inputs, padding)
         elif any(inputs.get(k) is not None for k in ("pixel_values", "pixel_values_videos")):
             raise ValueError(
                 "lightkv needs input_ids to find the vision tokens; call the model with input_ids, not inputs_embeds"
             )
         if layout is not None and not bool(layout.vision_mask.any()):
             layout = None
-        if layout is None and input_ids is not None and self._cache_mode.text_too:  # H2O on every token
+        if layout is None and input_ids is not None and self._text_too:  # a mode that works on text alone (H2O)
             padding = ~new_valid if not bool(new_valid.all()) else None
             layout = VisionLayout.from_segments(b, q, [], padding_mask=padding, device=ref.device)
         trace = PrefillTrace(batch_size=b, input_len=q, layout=layout, input_valid=new_valid)
-        self._state = ForwardState(mode="prefill", impl=impl, layout=layout, new_valid=new_valid, trace=trace,
+        self._state = ForwardState(phase="prefill", impl=impl, layout=layout, new_valid=new_valid, trace=trace,
                                    prompt=Prompt(input_ids) if input_ids is not None else None)
         self.num_prefills += 1
         return
@@ -278,9 +286,9 @@ class CompressionSession:
     def _on_model_post(self, module, args, kwargs, output):
         st = self._state
         self._state = None
-        if self._tower is not None:  # generate runs the tower before this forward: forget it only now
-            self._tower.clear()
-        if st is not None and st.mode == "prefill" and st.trace is not None:
+        for mode in self.modes:
+            mode.end_forward()
+        if st is not None and st.trace is not None:
             st.trace.final_layout = st.layout
             st.trace.provenance = st.provenance
             self.last_prefill = st.trace
@@ -290,158 +298,16 @@ class CompressionSession:
         st = self._state
         if st is None:
             return None
-        hidden = args[0] if args else kwargs.get("hidden_states")
-        cache = cache_of(kwargs)
-        if st.mode == "decode":
-            if cache is None or len(cache.layers) <= i or not isinstance(cache.layers[i], MaskedCacheLayer):
-                return None
-            layer_cache = cache.layers[i]
-            if layer_cache.valid is None:
-                return None
-            dev = layer_cache.valid.device
-            q = hidden.shape[1]
-            valid = torch.cat([layer_cache.valid, st.new_valid.to(dev)], dim=1)
-            new_origin = (st.past + torch.arange(q, device=dev)).expand(valid.shape[0], q)
-            origin = torch.cat([layer_cache.origin, new_origin], dim=1) if layer_cache.origin is not None else None
-            kwargs["attention_mask"] = self._prop.decode_mask(i, origin, valid, q, st.impl, hidden.dtype, layer_cache)
-            self._cache_mode.decode_pre(i, st, hidden, kwargs, layer_cache)
-            layer_cache.pending = st.new_valid
-            layer_cache.pending_origin = new_origin
-            return args, kwargs
-
-        # ---- prefill
-        trace = st.trace
-        if trace.kv_dtype is None:
-            trace.kv_dtype = hidden.dtype
-        layout = st.layout
-        if layout is None:
-            valid = st.new_valid
-            zeros = torch.zeros(hidden.shape[0], dtype=torch.long, device=hidden.device)
-            trace.layers.append(LayerStat(i, hidden.shape[1], valid.sum(1), zeros, zeros))
-            return None
-        if hidden.shape[1] != layout.seq_len:
-            raise RuntimeError(
-                f"layer {i} received {hidden.shape[1]} tokens but the layout has {layout.seq_len}; "
-                "the model's forward does not match what the adapter expects"
-            )
-        before = self._before_at.get(i)
-        if before is not None:  # compress the layer's input: every layer caches the shorter sequence
-            st.full_pos, st.full_pos_ids = kwargs.get("position_embeddings"), kwargs.get("position_ids")
-            self._prepare(i, before, hidden, st.full_pos, layout)
-            hidden = self._compress(i, before, hidden)
-            if args:
-                args = (hidden, *args[1:])
-            else:
-                kwargs["hidden_states"] = hidden
-            layout = st.layout
-        kind = layout.kind
-        trace.layers.append(
-            LayerStat(
-                i,
-                layout.seq_len,
-                layout.valid_mask.sum(1),
-                (kind == TokenKind.VISION).sum(1),
-                (kind == TokenKind.STRUCTURAL).sum(1),
-            )
-        )
-        if not st.compressed:
-            st.full_pos = kwargs.get("position_embeddings")
-            st.full_pos_ids = kwargs.get("position_ids")
-            unmasked = self._released.prefill_mask(i, layout, st.impl, hidden.dtype)  # released code's first merge
-            if unmasked is not None:
-                kwargs["attention_mask"] = unmasked
-        else:
-            key = self.adapter.mask_key(i)
-            if key not in st.masks:
-                st.masks[key] = self._prop.prefill_mask(i, layout, st.provenance, st.impl, hidden.dtype)
-            kwargs["attention_mask"] = st.masks[key]
-            full = kwargs.get("position_embeddings")
-            if full is not None and full is not st.full_pos and isinstance(full, tuple):
-                # this layer has its own position embeddings (Gemma 3: local and global RoPE)
-                if id(full) not in st.gathered:
-                    index = layout.origin.clamp_min(0)
-                    st.gathered[id(full)] = (full, tuple(gather_tokens(t, index) for t in full))
-                kwargs["position_embeddings"] = st.gathered[id(full)][1]
-            elif st.pos is not None:
-                kwargs["position_embeddings"] = st.pos
-            if kwargs.get("position_ids") is not None:
-                kwargs["position_ids"] = st.pos_ids
-            if cache is not None:
-                masked = install_masked_layer(cache, i, self._token, self.adapter.cache_layer_types)
-                masked.pending, masked.pending_origin = layout.valid_mask, layout.origin
-                masked.pending_columns = st.provenance.owner.shape[1]  # the original prompt width
-                masked.pending_sizes = self._prop.sizes(st.provenance)  # None unless proportional attention
-        stage = self._stage_at.get(i)
-        if stage is not None and i in self._taps:
-            self._taps[i].arm(stage, kwargs.get("position_embeddings"), layout, st.prompt)
-        elif stage is not None:
-            self._prepare(i, stage, hidden, kwargs.get("position_embeddings"), layout)
-        self._cache_mode.prefill_pre(i, st, hidden, kwargs, cache)
-        return args, kwargs
-
-    def _prepare(self, i: int, stage: Stage, hidden, position_embeddings, layout) -> None:
-        """Relevance (and keys, when a policy needs them) from layer ``i``'s own projections
-        of its input, for the stage that runs next."""
-        st = self._state
-        with torch.no_grad():
-            probe = self._probes[i]
-            tower = self._tower.per_token(layout) if stage.relevance.reads_tower else None
-            st.pending_relevance, flops = features.relevance(probe, stage, hidden, position_embeddings, layout, i,
-                                                                prompt=st.prompt, tower=tower)
-            st.pending_keys, key_flops = features.stage_keys(probe, hidden) if "keys" in stage.needs else (None, 0.0)
-            st.trace.relevance_flops += flops + key_flops
-
-    def _compress(self, i: int, stage: Stage, hidden: torch.Tensor) -> torch.Tensor:
-        """Run ``stage`` on ``hidden``; the session continues with the shorter sequence."""
-        st = self._state
-        layout, provenance = st.layout, st.provenance
-        relevance, keys = st.pending_relevance, st.pending_keys
-        result = drop_padding(stage(hidden, layout, relevance, provenance, keys, st.prompt))
-        record = StageRecord(layer=i, stage=stage, result=result, tapped=st.pending_tapped)
-        if self.record:
-            record.hidden, record.layout, record.relevance = hidden, layout, relevance
-            record.provenance, record.keys = provenance, keys
-        st.trace.stages.append(record)
-        st.layout, st.provenance = result.layout, result.provenance
-        st.pending_relevance = st.pending_keys = None
-        st.pending_tapped = False
-        st.compressed = True
-        self._refresh(st, hidden.dtype)
-        return result.hidden
+        call = LayerCall(i, args, kwargs, st)
+        for hook in self._pre[st.phase][i]:
+            hook(call)
+        return call.args, call.kwargs
 
     def _on_layer_post(self, i: int, module, args, kwargs, output):
         st = self._state
-        if st is not None and i in self._cache_mode.layers:
-            cache = cache_of(kwargs)
-            if st.mode == "decode":
-                if cache is not None and len(cache.layers) > i:
-                    self._cache_mode.decode_post(i, cache.layers[i])
-            elif st.layout is not None:
-                self._cache_mode.prefill_post(i, st, kwargs, cache)
-            if i not in self._stage_at:
-                return None
-        tapped = self._taps[i].take() if i in self._taps else None
-        if st is None or st.mode != "prefill" or st.layout is None:
+        if st is None:
             return None
-        if tapped is not None:
-            st.pending_relevance, st.pending_keys, st.pending_tapped = tapped.relevance, tapped.keys, True
-            st.trace.relevance_flops += tapped.flops
-        elif i in self._taps:  # the projections did not run as the tap expected: project the input
-            hidden_in = args[0] if args else kwargs.get("hidden_states")
-            self._prepare(i, self._stage_at[i], hidden_in, kwargs.get("position_embeddings"), st.layout)
-        hidden = self._compress(i, self._stage_at[i], output[0] if isinstance(output, tuple) else output)
-        if isinstance(output, tuple):
-            return (hidden,) + tuple(output[1:])
-        return hidden
-
-    # ---------------------------------------------------------------- internals
-    def _refresh(self, st: ForwardState, dtype: torch.dtype) -> None:
-        """Position embeddings, position ids and mask of the current (compressed) sequence."""
-        index = st.layout.origin.clamp_min(0)
-        if st.full_pos is not None:
-            cos, sin = st.full_pos
-            st.pos = (gather_tokens(cos, index), gather_tokens(sin, index))
-        st.pos_ids = gather_position_ids(st.full_pos_ids, index)
-        # the released code's plain 0..N'-1 after a merge (a no-op unless asked for)
-        st.pos, st.pos_ids = self._released.positions(st.layout, st.trace.input_valid, st.full_pos, st.pos, st.pos_ids)
-        st.masks, st.gathered = {}, {}
+        call = LayerCall(i, args, kwargs, st, output)
+        for hook in self._post[st.phase][i]:
+            hook(call)
+        return call.post_result()

@@ -97,7 +97,7 @@ class PrefillTrace:
 class ForwardState:
     """What the session tracks during one forward of the model (prefill or decode step)."""
 
-    mode: str  # "prefill" | "decode"
+    phase: str  # "prefill" | "decode": which of the modes' hook methods run
     impl: str
     layout: VisionLayout | None = None
     new_valid: torch.Tensor | None = None

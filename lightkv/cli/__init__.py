@@ -74,7 +74,7 @@ def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParse
     """Parse a command line as `main` does (raises SystemExit on --help or a usage error).
 
     ``lightkv demo`` and ``lightkv stages-demo`` forward their options to the demos' own
-    parsers (`lightkv.tasks.demo.build_parser`, `lightkv.stages_demo.build_parser`).
+    parsers (`lightkv.demos.bundled.build_parser`, `lightkv.stages_demo.build_parser`).
     """
     parser = parser or build_parser()
     args, forwarded = parser.parse_known_args(argv)

@@ -28,7 +28,7 @@ def add_commands(commands) -> None:
 
 
 def _demo_parser() -> argparse.ArgumentParser:
-    from ..tasks.demo import build_parser
+    from ..demos.bundled import build_parser
 
     return build_parser(f"{PROG} demo")
 
@@ -40,7 +40,7 @@ def _stages_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from ..tasks.demo import main as demo_main
+    from ..demos.bundled import main as demo_main
 
     return demo_main(args.forwarded) or EXIT_OK
 

@@ -53,8 +53,7 @@ def test_reference_layout_is_one_span_and_reproduces_the_paper_counts():
     adapter = LlavaNextAdapter(model)
     native = adapter.build_layout(inputs, None)
     assert native.num_images == 2 and int((native.kind == TokenKind.STRUCTURAL).sum()) == 48
-    adapter.layout_mode = "reference"
-    ref = adapter.build_layout(inputs, None)
+    ref = adapter.reference_layout(inputs, None)
     assert ref.num_images == 1 and int(ref.vision_mask.sum()) == 2928
     pipe = lightkv.load("lightkv-paper")
     assert pipe.layout == "reference"

@@ -311,7 +311,8 @@ def reference_shape_flops(spec: ModelSpec, name: str, report, n0: int) -> dict[s
                        mlp_hidden=ref["intermediate"], mlp_matrices=3)
     pipe = preset_pipeline(name, spec)
     plan = pipe.scheduler.plan(ref["layers"])
-    if hasattr(pipe.scheduler, "evict_layers") or (plan and all(p.cache for p in plan)):
+    modes = set(pipe.scheduler.modes(ref["layers"]))
+    if modes and modes <= {"cache", "h2o"}:
         # the cache mode: the prefill is the uncompressed one, every layer's cache is cut the same way
         return {
             "flops_ratio_reference_shape": 1.0,

@@ -122,6 +122,11 @@ class H2OSchedule(Scheduler):
         _layers(self.layers, num_layers, "h2o")
         return []
 
+    def modes(self, num_layers: int) -> list[str]:
+        """The ``h2o`` session mode (`lightkv.adapters.modes.h2o`), which reads this schedule."""
+        self.plan(num_layers)
+        return ["h2o"]
+
     def evict_layers(self, num_layers: int) -> list[int]:
         """The layers that evict, for a decoder of ``num_layers`` layers."""
         return _layers(self.layers, num_layers, "h2o")

@@ -50,6 +50,10 @@ class StageSpec:
         cache: run on the layer's *cached keys and values* after prefill instead of its
             output hidden states (the cache mode, `lightkv.cache_stage`): only this
             layer's cache gets shorter; the prefill itself is unchanged.
+        mode: the registered session mode that runs the stage (`lightkv.adapters.modes`):
+            ``layer`` (on the layer's output, the default), ``pre_llm`` (``before``),
+            ``cache`` (``cache``) or a plugin's. Left out, it follows from ``before`` and
+            ``cache``; given, it sets them, so both spellings give equal specs.
     """
 
     layer: int
@@ -58,10 +62,21 @@ class StageSpec:
     window_size: tuple[int, int] | None = None
     before: bool = False
     cache: bool = False
+    mode: str = ""
 
     def __post_init__(self) -> None:
         if self.cache and self.before:
             raise ValueError("a cache stage runs on a layer's cache after the layer; it cannot also run before it")
+        # one field chooses the mode; the two booleans stay as its older spelling (and for readers)
+        implied = "pre_llm" if self.before else "cache" if self.cache else "layer"
+        if not self.mode:
+            object.__setattr__(self, "mode", implied)
+        elif implied != "layer" and self.mode != implied:
+            raise ValueError(f"mode={self.mode!r} contradicts {'before' if self.before else 'cache'}=True")
+        if not isinstance(self.mode, str):
+            raise ValueError(f"stage mode must be a registered mode name, got {self.mode!r}")
+        object.__setattr__(self, "before", self.mode == "pre_llm")
+        object.__setattr__(self, "cache", self.mode == "cache")
         if not isinstance(self.layer, int) or self.layer < 0:
             raise ValueError(f"stage layer must be a non-negative integer, got {self.layer!r}")
         if self.before and self.layer != 0:
@@ -86,6 +101,13 @@ class Scheduler(Policy):
             ValueError: the schedule does not fit the model (a layer ``>= num_layers``).
         """
         raise NotImplementedError
+
+    def modes(self, num_layers: int) -> list[str]:
+        """The session modes this schedule runs on a model of ``num_layers`` layers, by their
+        registered names (`lightkv.adapters.modes`): by default those its planned stages
+        name (`StageSpec.mode`), in plan order. A schedule whose work is not a stage (H2O's
+        eviction) names its own mode; that mode reads its parameters from the schedule."""
+        return list(dict.fromkeys(s.mode for s in self.plan(num_layers)))
 
     def max_stages(self) -> int | None:
         """How many stages `plan` gives at most, whatever the depth (None: it depends on the

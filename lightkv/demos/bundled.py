@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     from ..bench.quality_report import provenance_picture
     from ..outputs import output_dir_problem
     from ..presets import get_preset
-    from . import evaluate
-    from . import model as dg
+    from ..tasks import evaluate
+    from ..tasks import model as dg
 
     args = build_parser().parse_args(argv)
     if not 1 <= args.questions <= MAX_QUESTIONS or not 0 <= args.contrast <= MAX_CONTRAST:
@@ -169,7 +169,7 @@ def _contrast(model, grid, num_layers: int, args, target: float) -> None:
     benchmark builds them), and the first question lightkv gets right and another wrong."""
     from ..adapters import apply
     from ..bench.quality import method_pipeline
-    from . import evaluate, scoring
+    from ..tasks import evaluate, scoring
 
     convs = scoring.conversations(args.contrast, grid, seed=args.seed + 1, followup=False)
     methods = ("lightkv", *CONTRAST_METHODS)

@@ -1,0 +1,104 @@
+"""The ``cache`` mode: a stage on a layer's cached keys and values right after the layer's
+prefill (ElasticCache-style merging, `lightkv.cache_stage.CacheStage`;
+`lightkv.policies.CacheSchedule`), and `CacheEntriesMode`, what it shares with ``h2o``.
+
+Hidden states are never touched: the prefill runs as without a session, and each listed
+layer's cache becomes a `MaskedCacheLayer` whose entries (with ``valid`` holes and
+``origin`` columns) are replaced after the layer has run. Decoding then reads each such
+layer through a mask built from its own ``valid`` (`lightkv.adapters.modes.sequence`).
+Importance comes from the layer's own projections (`AttentionProbe`), never from the
+model's attention weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...cache_stage import CacheStage
+from ...graph.layout import TokenKind
+from .. import features
+from ..cache import MaskedCacheLayer, install_masked_layer
+from ..masks import drop_padding
+from ..trace import LayerStat, StageRecord
+from .base import LayerCall, Mode, SessionContext
+
+__all__ = ["CacheEntriesMode", "CacheMode"]
+
+
+class CacheEntriesMode(Mode):
+    """Base of modes that rewrite a layer's cache entries after its prefill: before the
+    layer, a `MaskedCacheLayer` to receive them and the tokens' importance (`importance`);
+    after it, `rewrite` and the layer's counts updated (the trace keeps the old ones in
+    ``uncompressed``). Subclasses set ``layers`` (= ``cache_layers``)."""
+
+    order = 30
+
+    def __init__(self, ctx: SessionContext, layers) -> None:
+        super().__init__(ctx)
+        self.layers = self.cache_layers = frozenset(layers)
+        self._pending: dict[int, torch.Tensor] = {}
+        if self.layers:
+            ctx.adapter.check_cache_layers(sorted(self.layers))
+
+    def importance(self, call: LayerCall) -> tuple[torch.Tensor, float]:
+        """``([B, N] importance of the layer's tokens, FLOPs)`` from its input."""
+        raise NotImplementedError
+
+    def rewrite(self, call: LayerCall, layer: MaskedCacheLayer, importance: torch.Tensor) -> torch.Tensor:
+        """Replace ``layer``'s entries after the prefill; returns the entries' token kinds."""
+        raise NotImplementedError
+
+    def prefill_pre(self, call: LayerCall) -> None:
+        st, i, cache = call.state, call.layer, call.cache
+        layout = st.layout
+        if layout is None or cache is None:
+            return
+        if not st.compressed:  # after a hidden-state stage `sequence` has installed it already
+            masked = install_masked_layer(cache, i, self.ctx.token, self.ctx.adapter.cache_layer_types)
+            masked.pending, masked.pending_origin = layout.valid_mask, layout.origin
+            masked.pending_columns = layout.seq_len
+        with torch.no_grad():
+            xi, flops = self.importance(call)
+        st.trace.relevance_flops += flops
+        self._pending[i] = xi
+
+    def prefill_post(self, call: LayerCall) -> None:
+        st, i, cache = call.state, call.layer, call.cache
+        if i not in self._pending or cache is None:
+            return
+        layer = cache.layers[i]
+        kind = self.rewrite(call, layer, self._pending.pop(i))
+        stat = st.trace.layers[-1]
+        st.trace.uncompressed[stat.layer] = stat
+        valid = layer.valid
+        st.trace.layers[-1] = LayerStat(
+            stat.layer, int(valid.shape[1]), valid.sum(1),
+            ((kind == TokenKind.VISION) & valid).sum(1), ((kind == TokenKind.STRUCTURAL) & valid).sum(1),
+        )
+
+
+@Mode.register("cache")
+class CacheMode(CacheEntriesMode):
+    """Cache stages (``StageSpec.mode == "cache"``, i.e. ``cache=True``).
+
+    Attributes:
+        stages: the stages by layer.
+    """
+
+    def __init__(self, ctx: SessionContext) -> None:
+        self.stages = ctx.stages_in("cache")
+        super().__init__(ctx, self.stages)
+
+    def importance(self, call):
+        i = call.layer
+        return features.relevance(self.ctx.probes[i], self.stages[i], call.hidden,
+                                  call.kwargs.get("position_embeddings"), call.state.layout, i)
+
+    def rewrite(self, call, layer, importance):
+        st, stage = call.state, self.stages[call.layer]
+        with torch.no_grad():
+            res = CacheStage(stage)(layer.keys, layer.values, st.layout, importance, None, finish=drop_padding)
+        # with proportional attention a merged entry keeps its size for the decoding masks
+        layer.replace(res.keys, res.values, res.valid, res.origin, self.ctx.proportional.cache_sizes(res.result.sizes))
+        st.trace.stages.append(StageRecord(layer=call.layer, stage=stage, result=res.result))
+        return res.result.layout.kind

@@ -1,0 +1,40 @@
+"""The ``pre_llm`` mode: one stage on the embeddings, before decoder layer 0
+(`lightkv.policies.PreLLMSchedule`; VisionZip, DivPrune, CDPruner, vLLM-style pruning).
+
+Every decoder layer then runs on, and caches, the shorter sequence. Relevance comes from
+layer 0's own projections of its input, computed before the layer runs.
+"""
+
+from __future__ import annotations
+
+from .base import LayerCall, Mode, SessionContext
+from .hidden import compress, prepare
+
+__all__ = ["PreLLMMode"]
+
+
+@Mode.register("pre_llm")
+class PreLLMMode(Mode):
+    """Stages on a layer's input (``StageSpec.mode == "pre_llm"``, i.e. ``before=True``).
+
+    Attributes:
+        stages: the stages by layer (layer 0 only: `StageSpec` refuses others).
+    """
+
+    order = 0  # before `sequence` records the layer's (already shorter) input
+
+    def __init__(self, ctx: SessionContext) -> None:
+        super().__init__(ctx)
+        self.stages = ctx.stages_in("pre_llm")
+        self.layers = frozenset(self.stages)
+
+    def prefill_pre(self, call: LayerCall) -> None:
+        st = call.state
+        if st.layout is None:
+            return
+        call.check_layout()
+        stage = self.stages[call.layer]
+        # the full-length positions, which `compress` gathers for the shorter sequence
+        st.full_pos, st.full_pos_ids = call.kwargs.get("position_embeddings"), call.kwargs.get("position_ids")
+        prepare(self.ctx, st, call.layer, stage, call.hidden, st.full_pos, st.layout)
+        call.hidden = compress(self.ctx, st, call.layer, stage, call.hidden)

@@ -1,0 +1,119 @@
+"""Session modes (`lightkv.adapters.modes`): chosen from the schedule, driven through one
+protocol, with no mode branches in the session's hooks and no session state in adapters."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+
+import pytest
+import torch
+
+import lightkv
+from lightkv.adapters import apply, session as session_module
+from lightkv.adapters.modes import Mode
+from lightkv.policies import StageSpec
+from lightkv.policies.schedulers import ExplicitSchedule, Scheduler
+from lightkv.testing import TINY_MODELS
+
+
+@pytest.fixture(scope="module")
+def llava():
+    fam = TINY_MODELS["llava"]
+    model = fam.build()
+    return model, fam.collate(fam.examples(model)[:2])
+
+
+@pytest.mark.parametrize("preset, modes", [
+    ("lightkv-budget", ["sequence", "layer"]),
+    ("lightkv-pre-llm", ["pre_llm", "sequence"]),
+    ("elasticcache", ["sequence", "cache"]),
+    ("h2o", ["sequence", "h2o"]),
+    ("visionzip", ["pre_llm", "sequence", "tower"]),
+])
+def test_the_schedule_chooses_the_modes(llava, preset, modes):
+    model, _ = llava
+    with apply(lightkv.load(preset), model) as session:
+        assert [m.name for m in session.modes] == modes
+
+
+def test_stage_spec_mode_and_its_older_spelling_agree():
+    w = dict(windows_per_side=2)
+    assert StageSpec(0, 0.5, before=True, **w) == StageSpec(0, 0.5, mode="pre_llm", **w)
+    assert StageSpec(3, 0.5, cache=True, **w) == StageSpec(3, 0.5, mode="cache", **w)
+    assert StageSpec(3, 0.5, **w).mode == "layer" and StageSpec(3, 0.5, mode="custom", **w).before is False
+    with pytest.raises(ValueError, match="contradicts"):
+        StageSpec(0, 0.5, before=True, mode="cache", **w)
+    with pytest.raises(ValueError, match="only at layer 0"):
+        StageSpec(2, 0.5, mode="pre_llm", **w)
+
+
+def test_a_mode_no_class_registers_fails_when_the_session_starts(llava):
+    class Nowhere(ExplicitSchedule):
+        def plan(self, num_layers):
+            return [StageSpec(1, 0.5, windows_per_side=2, mode="nowhere")]
+
+    model, _ = llava
+    pipe = lightkv.load("lightkv-budget").with_scheduler(Nowhere(layers=(1,), ratios=(0.5,), windows_per_side=(2,)))
+    with pytest.raises(KeyError, match="mode 'nowhere', which is not registered"):
+        apply(pipe, model)
+
+
+def test_a_registered_mode_sees_every_layer_it_covers_in_order(llava):
+    seen = []
+
+    class Watch(Mode):
+        layers = frozenset({1, 2})
+
+        def prefill_pre(self, call):
+            seen.append(("pre", call.layer, call.hidden.shape[1]))
+
+        def prefill_post(self, call):
+            seen.append(("post", call.layer, call.output_hidden.shape[1]))
+
+        def decode_pre(self, call):
+            seen.append(("decode", call.layer, call.hidden.shape[1]))
+
+    class Watched(Scheduler):
+        def plan(self, num_layers):
+            return []
+
+        def modes(self, num_layers):
+            return ["watch"]
+
+    saved = dict(Mode._registry)
+    try:
+        Mode.register("watch")(Watch)
+        model, batch = llava
+        pipe = lightkv.Pipeline(scheduler=Watched())
+        with apply(pipe, model) as session, torch.no_grad():
+            model.generate(**batch, max_new_tokens=2, do_sample=False)
+        n = batch["input_ids"].shape[1]
+        assert [m.name for m in session.modes] == ["sequence", "watch"]
+        assert seen == [("pre", 1, n), ("post", 1, n), ("pre", 2, n), ("post", 2, n), ("decode", 1, 1), ("decode", 2, 1)]
+    finally:
+        Mode._registry.clear()
+        Mode._registry.update(saved)
+
+
+@pytest.mark.parametrize("hook", ["_on_layer_pre", "_on_layer_post"])
+def test_the_session_layer_hooks_hold_no_mode_branches(hook):
+    """The hooks hand each call to the modes; the only test is whether this session owns the forward."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(session_module.CompressionSession, hook))))
+    branches = [n for n in ast.walk(tree) if isinstance(n, (ast.If, ast.IfExp, ast.Match))]
+    assert len(branches) == 1 and ast.unparse(branches[0].test) == "st is None"
+
+
+def test_adapters_hold_no_session_state():
+    fam = TINY_MODELS["llava_next"]
+    model = fam.build()
+    batch = fam.collate(fam.examples(model)[:1])
+    pipe = dataclasses.replace(lightkv.load("lightkv-budget"), layout="reference")  # once written into the adapter
+    session = apply(pipe, model)
+    before = dict(vars(session.adapter))
+    with session, torch.no_grad():
+        model(**batch)
+    assert vars(session.adapter) == before and not hasattr(session.adapter, "layout_mode")
+    assert session.last_prefill.layout.num_images == 1  # the reference layout reached the session
