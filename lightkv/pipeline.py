@@ -146,7 +146,7 @@ class Stage:
             inputs = replace(inputs, provenance=provenance)
         elif provenance.current_len != n or provenance.owner.shape[0] != b:
             raise ValueError("provenance does not describe the current sequence (length or batch size differ)")
-        if self.spec.ratio == 0.0:
+        if self.spec.removal_ratio == 0.0:
             return self._identity(hidden, layout, provenance)
 
         part = self.partitioner.partition(inputs)
@@ -178,7 +178,7 @@ class Stage:
             identity=graph.blocks(graph.gather(token_identity(layout)), "src").masked_fill(pad, -1),
             stage=inputs,
         )
-        removed = self.pruner.select(prune, self.spec.ratio)
+        removed = self.pruner.select(prune, self.spec.removal_ratio)
         src = graph.src_slots[removed]
         dst = best_dst[removed]
 
@@ -240,6 +240,9 @@ class Pipeline:
         relevance: how ξ is computed inside a model.
         stage_overrides: ``{stage index: {field: policy}}``.
         name: a label (the preset name, for reports).
+        summary: one line for listings (from the pipeline's YAML; kept by ``to_yaml``).
+        description: one paragraph: what the pipeline does and why.
+        source: the paper or code the pipeline reproduces.
         layout: how adapters lay out vision tokens: ``native`` (every grid on its own,
             structural tokens such as LLaVA-NeXT's row newlines protected) or ``reference``
             (the authors' code: on LLaVA-NeXT an image's whole anyres sequence, newlines
@@ -264,6 +267,10 @@ class Pipeline:
     relevance: Relevance = field(default_factory=QueryAxisSoftmax)
     stage_overrides: dict[int, dict[str, object]] = field(default_factory=dict)
     name: str = "custom"
+    # Text about the pipeline, not what it does: two pipelines that compress alike are equal.
+    summary: str = field(default="", compare=False)
+    description: str = field(default="", compare=False)
+    source: str = field(default="", compare=False)
     layout: str = "native"
     proportional_attention: bool = False
     released_quirks: ReleasedQuirks = field(default_factory=ReleasedQuirks)
