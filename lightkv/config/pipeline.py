@@ -1,10 +1,9 @@
-"""`PipelineConfig`: a whole pipeline as validated data, to and from YAML, and the
-conversions between configs, pipeline objects and files."""
+"""`PipelineConfig`: a whole pipeline as validated data, to and from YAML (the conversions
+from pipeline objects are in `lightkv.config.convert`)."""
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -31,18 +30,11 @@ from .specs import (
     PolicySpec,
     StageField,
     _build,
-    _canonical_params,
-    _spec_of,
+    _canonical,
 )
 from .yaml_io import _load_yaml, dump_yaml, read_config_text
 
-__all__ = [
-    "PipelineConfig",
-    "ReleasedQuirksConfig",
-    "config_from_pipeline",
-    "pipeline_from_yaml",
-    "pipeline_to_yaml",
-]
+__all__ = ["PipelineConfig", "ReleasedQuirksConfig"]
 
 
 class ReleasedQuirksConfig(BaseModel):
@@ -244,11 +236,6 @@ class PipelineConfig(BaseModel):
         (ignoring rounding)."""
         return average_kept_fraction(self.validate_for_model(num_layers), num_layers)
 
-    @classmethod
-    def from_pipeline(cls, pipeline: Pipeline, **info: str) -> PipelineConfig:
-        """The config of a pipeline object (see `config_from_pipeline`)."""
-        return config_from_pipeline(pipeline, **info)
-
     # ------------------------------------------------------------------ plain data
     @classmethod
     def from_dict(cls, data: Any, source: str | None = None) -> PipelineConfig:
@@ -320,58 +307,10 @@ class PipelineConfig(BaseModel):
         return text
 
 
-def config_from_pipeline(pipeline: Pipeline, *, summary: str | None = None, description: str | None = None,
-                         source: str | None = None) -> PipelineConfig:
-    """The `PipelineConfig` of a pipeline object.
-
-    Every policy must be registered; parameters equal to a policy's defaults are left out,
-    so ``config_from_pipeline(cfg.build())`` equals ``cfg``. The text fields are the
-    pipeline's unless given.
-
-    Raises:
-        ConfigError: a policy or scheduler that is not registered under a name.
-    """
-    try:
-        schedule = ScheduleConfig.from_scheduler(pipeline.scheduler)
-    except ValidationError as e:
-        raise ConfigError([(f"schedule.{p}" if p else "schedule", m) for p, m in _from_validation_error(e).problems]) from None
-    data: dict[str, Any] = {
-        "name": pipeline.name,
-        "summary": pipeline.summary if summary is None else summary,
-        "description": pipeline.description if description is None else description,
-        "source": pipeline.source if source is None else source,
-        "schedule": schedule,
-    }
-    for f in STAGE_FIELDS:
-        policy = getattr(pipeline, f)
-        data[f] = None if policy is None else _spec_of(policy, f)
-    data["stage_overrides"] = {
-        i: {f: None if p is None else _spec_of(p, f"stage_overrides.{i}.{f}") for f, p in fields.items()}
-        for i, fields in pipeline.stage_overrides.items()
-    }
-    data["layout"] = pipeline.layout
-    data["proportional_attention"] = pipeline.proportional_attention
-    data["released_quirks"] = dataclasses.asdict(pipeline.released_quirks)
-    try:
-        return PipelineConfig.model_validate(data)
-    except ValidationError as e:
-        raise _from_validation_error(e) from None
-
-
-def pipeline_from_yaml(path: str | os.PathLike) -> Pipeline:
-    """Read, validate and build a YAML pipeline file."""
-    return PipelineConfig.from_yaml(path).build()
-
-
-def pipeline_to_yaml(pipeline: Pipeline, path: str | os.PathLike | None = None) -> str:
-    """The canonical YAML of a pipeline object (also written to ``path`` if given)."""
-    return config_from_pipeline(pipeline).to_yaml(path)
-
-
 def _validated(family, spec: PolicySpec) -> PolicySpec:
     """``spec`` in canonical form, holding the policy it names, constructed once."""
     policy, params = _build(family, spec)
-    return PolicySpec(name=spec.name, params=_canonical_params(params, params))._remember(policy)
+    return PolicySpec(name=spec.name, params=_canonical(family, policy, spec.name, params))._remember(policy)
 
 
 # ---------------------------------------------------------------------------- pydantic errors

@@ -31,7 +31,7 @@ from pydantic_core import PydanticCustomError
 from ..policies import ExplicitSchedule, ScheduleError, Scheduler
 from ..policies.base import rename_fields
 from .errors import _did_you_mean, _fail, _plain
-from .specs import PolicySpec, _build, _cached, _jsonable, _spec_of
+from .specs import PolicySpec, _build, _cached, _canonical, _jsonable, _spec_of
 
 __all__ = ["ScheduleConfig", "shorthands"]
 
@@ -146,32 +146,9 @@ def canonical_schedule(data: Any) -> tuple[Any, Scheduler | None]:
         _no_bools(lookup, params)
         spec = PolicySpec.model_construct(name=name, params=params)
         scheduler, coerced = _build(Scheduler, spec, prefix=form == "name")
-        return {"name": name, "params": _canonical(scheduler, name, coerced)}, scheduler
+        return {"name": name, "params": _canonical(Scheduler, scheduler, name, coerced)}, scheduler
     except PydanticCustomError as e:
         raise _relocate(e, form) from None
-
-
-def _canonical(scheduler: Scheduler, name: str, coerced: dict[str, Any]) -> dict[str, Any]:
-    """The scheduler's non-default parameters, when they build it again; otherwise the
-    parameters as given (coerced, plain).
-
-    Only a scheduler whose `__post_init__` changed a value is constructed a second time to
-    check that; for every other one the non-default fields are the given ones."""
-    plain = {k: _plain(_jsonable(v), k) for k, v in coerced.items()}
-    if not (dataclasses.is_dataclass(scheduler) and Scheduler.registered().get(name) is type(scheduler)):
-        return plain
-    params = _spec_of(scheduler, "schedule").params
-    expected = {f.name: _jsonable(f.default if f.default is not dataclasses.MISSING else f.default_factory())
-                for f in dataclasses.fields(scheduler) if f.init and (f.default is not dataclasses.MISSING
-                                                                       or f.default_factory is not dataclasses.MISSING)}
-    expected.update(plain)
-    if all(_jsonable(getattr(scheduler, k)) == v for k, v in expected.items()):
-        return params
-    try:
-        again = _build(Scheduler, PolicySpec.model_construct(name=name, params=params))[0]
-    except PydanticCustomError:
-        again = None
-    return params if again == scheduler else plain
 
 
 class ScheduleConfig(BaseModel):

@@ -13,16 +13,19 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     TypeAdapter,
     ValidationError,
-    PrivateAttr,
     field_validator,
     model_validator,
 )
 
+from pydantic_core import PydanticCustomError
+
 from ..policies import FAMILIES, Policy
-from ..policies.base import rename_fields
 from ..policies import pooling as _pooling  # noqa: F401  (registers the "anchor" and "strided" partitioners)
+from ..policies.base import rename_fields
+
 from .errors import ConfigError, _did_you_mean, _fail, _plain, _short
 
 __all__ = ["STAGE_FIELDS", "PolicySpec"]
@@ -221,7 +224,25 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _canonical_params(given: dict[str, Any], coerced: dict[str, Any]) -> dict[str, Any]:
-    """Parameters as stored in a config: the coerced values (so ``"1e-12"`` becomes a float)
-    as plain data, in the order given."""
-    return {k: _plain(coerced.get(k, v), k) for k, v in given.items()}
+def _canonical(family: type[Policy], policy: Policy, name: str, coerced: dict[str, Any]) -> dict[str, Any]:
+    """The parameters a config stores for ``policy`` (built from ``coerced``): its
+    non-default fields, as ``to_yaml`` of a pipeline object writes them, when they build it
+    again; otherwise the parameters as given (coerced, plain).
+
+    Only a policy whose `__post_init__` changed a value is constructed a second time to
+    check that; for every other one the non-default fields are the given ones."""
+    plain = {k: _plain(_jsonable(v), k) for k, v in coerced.items()}
+    if not (dataclasses.is_dataclass(policy) and family.registered().get(name) is type(policy)):
+        return plain
+    params = _spec_of(policy, family.family).params
+    expected = {f.name: _jsonable(f.default if f.default is not dataclasses.MISSING else f.default_factory())
+                for f in dataclasses.fields(policy) if f.init and (f.default is not dataclasses.MISSING
+                                                                    or f.default_factory is not dataclasses.MISSING)}
+    expected.update(plain)
+    if all(_jsonable(getattr(policy, k)) == v for k, v in expected.items()):
+        return params
+    try:
+        again = _build(family, PolicySpec.model_construct(name=name, params=params))[0]
+    except PydanticCustomError:
+        again = None
+    return params if again == policy else plain
