@@ -16,6 +16,7 @@ from typing import ClassVar
 import pytest
 
 import lightkv
+import lightkv.config
 from lightkv.config import PipelineConfig, PolicySpec, json_schema
 from lightkv.policies import (
     EdgeScorer,

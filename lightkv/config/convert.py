@@ -49,6 +49,7 @@ def config_from_pipeline(pipeline: Pipeline, *, summary: str | None = None, desc
     }
     data["layout"] = pipeline.layout
     data["proportional_attention"] = pipeline.proportional_attention
+    data["divergence_memory_mib"] = pipeline.divergence_memory_mib
     data["released_quirks"] = dataclasses.asdict(pipeline.released_quirks)
     try:
         return PipelineConfig.model_validate(data)

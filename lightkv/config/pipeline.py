@@ -20,7 +20,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from ..pipeline import Pipeline, Stage
+from ..pipeline import DIVERGENCE_MEMORY_MIB, Pipeline, Stage
 from ..policies import FAMILIES, Policy, StageSpec, average_kept_fraction
 from ..quirks import ReleasedQuirks
 from .errors import ConfigError, _did_you_mean, _dotted, _fail, _short
@@ -93,6 +93,11 @@ class PipelineConfig(BaseModel):
         "attention logits (prefill and decoding), so a merged token weighs as the tokens it stands for.",
     )
 
+    divergence_memory_mib: int = Field(
+        DIVERGENCE_MEMORY_MIB, ge=1, strict=True,
+        description="MiB a non-bilinear edge scorer's pairwise intermediates may take at once: it is evaluated in "
+        "chunks of windows and source rows within it (same result); cosine and L2 need no chunks.",
+    )
     released_quirks: ReleasedQuirksConfig = Field(
         default_factory=lambda: ReleasedQuirksConfig(),
         description="What the authors' released code does inside a model that the method does not; all off except "
@@ -201,6 +206,7 @@ class PipelineConfig(BaseModel):
             source=cfg.source,
             layout=cfg.layout,
             proportional_attention=cfg.proportional_attention,
+            divergence_memory_mib=cfg.divergence_memory_mib,
             released_quirks=ReleasedQuirks(**cfg.released_quirks.model_dump()),
             **policies,  # type: ignore[arg-type]
         )
@@ -273,6 +279,8 @@ class PipelineConfig(BaseModel):
             out["layout"] = self.layout
         if self.proportional_attention:
             out["proportional_attention"] = True
+        if self.divergence_memory_mib != DIVERGENCE_MEMORY_MIB:
+            out["divergence_memory_mib"] = self.divergence_memory_mib
         quirks = {k: True for k, v in self.released_quirks.model_dump().items() if v}
         if quirks:
             out["released_quirks"] = quirks
