@@ -171,7 +171,7 @@ def test_budget_schedule_function_edge_cases():
     assert how == "extra stages" and sched.window_size == ((2, 2),) * 7 and sched.removal_ratios == (0.4106,)
     sched, how = budget_schedule((2, 4, 5), 8, 0.55, windows_per_side=None)
     assert sched == ExplicitSchedule(layers=(2, 4, 5), removal_ratios=(0.5,), windows_per_side=None) and how == "scaled"
-    with pytest.raises(ValueError, match=r"target must be in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"kept_fraction must be in \(0, 1\]"):
         budget_schedule((2, 4, 5), 8, 0.0)
     assert BudgetSchedule(kept_fraction=1.0).plan(8) == []
     assert average_kept_fraction(BudgetSchedule(kept_fraction=0.4).plan(8), 8) == pytest.approx(0.4, abs=1e-3)

@@ -23,26 +23,26 @@ __all__ = ["BudgetSchedule", "Placement", "budget_schedule"]
 Placement = Literal["scaled", "extra stages", "min"]
 
 
-def budget_schedule(layers: Sequence[int], num_layers: int, target: float, max_ratio: float = 0.5,
+def budget_schedule(layers: Sequence[int], num_layers: int, kept_fraction: float, max_removal_ratio: float = 0.5,
                     windows_per_side: Sequence[int] | None = None, window_size=None, tolerance: float = 0.02):
-    """``(ExplicitSchedule, how)`` keeping about ``target`` of the vision KV.
+    """``(ExplicitSchedule, how)`` keeping about ``kept_fraction`` of the vision KV.
 
     Placements are tried in order: ``layers`` (already at the model's depth), then the same
     stages moved earlier by 1, 2, ... layers (spacing kept), then a stage after every layer
-    but the last (the deepest compression a method with this per-stage ``max_ratio`` can
+    but the last (the deepest compression a method with this per-stage ``max_removal_ratio`` can
     make; per-stage windows repeat their last entry). The first placement that can keep
-    ``target + tolerance`` or less gets one common ratio ``<= max_ratio`` by bisection on
+    ``kept_fraction + tolerance`` or less gets one common ratio ``<= max_removal_ratio`` by bisection on
     `average_kept_fraction`. ``how`` is ``"scaled"`` (the method's own stages), ``"extra
     stages"`` (a stage after every layer) or ``"min"`` (out of reach: the deepest placement
-    at ``max_ratio``). The tolerance keeps e.g. LightKV's own 0.5 ratio at its scaled layers
+    at ``max_removal_ratio``). The tolerance keeps e.g. LightKV's own 0.5 ratio at its scaled layers
     for a 55% target on 6 layers (56.25%) rather than moving it.
 
     Raises:
-        ValueError: ``target`` outside ``(0, 1]``.
+        ValueError: ``kept_fraction`` outside ``(0, 1]``.
     """
-    if not 0.0 < target <= 1.0:
-        raise ValueError(f"target must be in (0, 1], got {target}")
-    if target >= 1.0:
+    if not 0.0 < kept_fraction <= 1.0:
+        raise ValueError(f"kept_fraction must be in (0, 1], got {kept_fraction}")
+    if kept_fraction >= 1.0:
         return ExplicitSchedule(layers=(), removal_ratios=(), windows_per_side=None), "scaled"
     layers = list(layers)
     placements = [(tuple(l - shift for l in layers), "scaled") for shift in range(layers[0] + 1)]
@@ -64,9 +64,9 @@ def budget_schedule(layers: Sequence[int], num_layers: int, target: float, max_r
         return ExplicitSchedule(layers=at, removal_ratios=(p,), **extra)
 
     for at, how in placements:
-        if kept(max_ratio, at) <= target + tolerance:
-            return build(round(ratio_for_target(lambda p, at=at: kept(p, at), target, max_ratio), 4), at), how
-    return build(max_ratio, placements[-1][0]), "min"
+        if kept(max_removal_ratio, at) <= kept_fraction + tolerance:
+            return build(round(ratio_for_target(lambda p, at=at: kept(p, at), kept_fraction, max_removal_ratio), 4), at), how
+    return build(max_removal_ratio, placements[-1][0]), "min"
 
 
 @Scheduler.register("budget")

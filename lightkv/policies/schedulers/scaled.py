@@ -106,7 +106,7 @@ class ScaledSchedule(Scheduler):
             ValueError: the scaled stages do not fit ``num_layers`` layers.
         """
         return ExplicitSchedule(layers=reference_layers(self.layers, self.ref_depth, num_layers),
-                                ratios=tuple(self.removal_ratios), windows_per_side=self.windows_per_side,
+                                removal_ratios=tuple(self.removal_ratios), windows_per_side=self.windows_per_side,
                                 window_size=self.window_size)
 
     def plan(self, num_layers):
