@@ -9,7 +9,7 @@ name: my-lightkv
 summary: LightKV with L2 edges in the last stage
 schedule:
   layers: [12, 18, 24]          # 0-based decoder layers after which a stage runs
-  ratios: [0.5]                 # removal ratio per stage (one value is broadcast)
+  removal_ratios: [0.5]         # removal ratio per stage (one value is broadcast)
   windows_per_side: [4, 2, 1]   # or window_size: [[6, 6]], or neither (one window)
 partitioner: grid               # a registered name ...
 scorer: cosine
