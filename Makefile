@@ -92,7 +92,7 @@ bench-quality: install
 	$(PY) benchmarks/quality.py --model symbolgrid
 
 # The Scenes quality run: every preset at 100/55/25/22/11% kept, ablations at 55% and 22%.
-SC_BENCH = --targets 1 0.55 0.25 0.22 0.11 --ablation-targets 0.55 0.22
+SC_BENCH = --kept-fractions 1 0.55 0.25 0.22 0.11 --ablation-kept-fractions 0.55 0.22
 
 # Retrain the bundled DigitGrid model from its seed (~40 min on 2 CPU cores) into
 # runs/digitgrid, then export it over lightkv/assets/digitgrid-llava.

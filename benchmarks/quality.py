@@ -7,7 +7,7 @@ for each kept-fraction target. The logic lives in `lightkv.bench.quality`; this 
 the same as ``lightkv bench quality``:
 
     python benchmarks/quality.py                       # full run (~20 min on 2 CPU cores)
-    python benchmarks/quality.py --episodes 200 --methods lightkv fastv --targets 1 0.55
+    python benchmarks/quality.py --episodes 200 --methods lightkv fastv --kept-fractions 1 0.55
 
 Writes ``benchmarks/results/quality.json``, ``quality.md``, ``quality.png`` and
 ``quality-provenance.png``.

@@ -28,10 +28,19 @@ from .policies.passers import MessagePasser, RelevanceWeightedMean
 from .policies.pruners import PruneInputs, Pruner, SmallestDivergence
 from .policies.relevance import QueryAxisSoftmax, Relevance
 from .policies.schedulers import ExplicitSchedule, Scheduler, StageSpec
-from .policies.scorers import CosineDivergence, EdgeScorer
+from .policies.scorers import DEFAULT_DIVERGENCE_BYTES, CosineDivergence, EdgeScorer
 from .quirks import ReleasedQuirks
 
-__all__ = ["Stage", "StageResult", "Pipeline"]
+__all__ = ["DIVERGENCE_MEMORY_MIB", "Stage", "StageResult", "Pipeline"]
+
+DIVERGENCE_MEMORY_MIB = DEFAULT_DIVERGENCE_BYTES // 2**20
+"""The default memory budget of a stage's pairwise divergence intermediates, in MiB."""
+
+
+def check_memory(mib: object) -> None:
+    """A positive whole number of MiB, else a `ValueError` naming the option."""
+    if isinstance(mib, bool) or not isinstance(mib, int) or mib < 1:
+        raise ValueError(f"divergence_memory_mib must be a positive integer (MiB), got {mib!r}")
 
 
 @dataclass(frozen=True)
@@ -71,7 +80,14 @@ class Stage:
         scorer: divergence on A x B edges; None for pure pruning (no partners).
         pruner: which A tokens leave.
         passer: how leaving tokens update their partners.
-        relevance: how an adapter computes ξ at this stage (the pure call takes ξ as a tensor).
+        relevance: the policy that computes ξ for this stage inside a model. Calling the
+            stage takes ξ as a tensor (computing it needs the layer's queries and keys, which
+            only an adapter has); adapters call `relevance_scores` with them at the stage's
+            layer, and a policy's `needs` never includes it.
+        divergence_memory_mib: how many MiB a non-bilinear edge scorer's pairwise
+            intermediates may take at once (see `lightkv.policies.EdgeScorer.bilinear`);
+            the scorer is evaluated in chunks of windows and source rows within it, with
+            the same result.
     """
 
     spec: StageSpec
@@ -80,8 +96,10 @@ class Stage:
     pruner: Pruner = field(default_factory=SmallestDivergence)
     passer: MessagePasser = field(default_factory=RelevanceWeightedMean)
     relevance: Relevance = field(default_factory=QueryAxisSoftmax)
+    divergence_memory_mib: int = DIVERGENCE_MEMORY_MIB
 
     def __post_init__(self) -> None:
+        check_memory(self.divergence_memory_mib)
         if self.pruner.needs_partner and self.scorer is None:
             raise ValueError(
                 f"pruner {self.pruner.name!r} merges into a partner and needs an edge scorer; "
@@ -101,6 +119,15 @@ class Stage:
             if policy is not None:
                 out |= policy.needs
         return out
+
+    def relevance_scores(self, queries: torch.Tensor | None, keys: torch.Tensor | None, layout: VisionLayout,
+                         **context: object) -> torch.Tensor:
+        """ξ ``[B, N]`` for this stage from a layer's queries and keys (what adapters call):
+        the stage's `relevance` policy, given only the context it reads (``prompt=`` when it
+        `reads_prompt`, ``tower=`` when it `reads_tower`)."""
+        rel = self.relevance
+        extra = {k: v for k, v in context.items() if (k == "prompt" and rel.reads_prompt) or (k == "tower" and rel.reads_tower)}
+        return rel.score(queries, keys, layout, **extra)
 
     # ------------------------------------------------------------------ the stage
     def __call__(
@@ -132,8 +159,9 @@ class Stage:
     def run(self, inputs: StageInputs) -> StageResult:
         """Run the stage on prepared `StageInputs` (``inputs.spec`` is replaced by this
         stage's spec; ``inputs.hidden`` is required)."""
-        if inputs.spec != self.spec:
-            inputs = replace(inputs, spec=self.spec)
+        budget = self.divergence_memory_mib * 2**20
+        if inputs.spec != self.spec or inputs.divergence_budget != budget:
+            inputs = replace(inputs, spec=self.spec, divergence_budget=budget)
         if inputs.hidden is None:
             raise ValueError("a stage needs hidden states: StageInputs(hidden=[B, N, D], ...)")
         inputs.check()
@@ -146,7 +174,7 @@ class Stage:
             inputs = replace(inputs, provenance=provenance)
         elif provenance.current_len != n or provenance.owner.shape[0] != b:
             raise ValueError("provenance does not describe the current sequence (length or batch size differ)")
-        if self.spec.ratio == 0.0:
+        if self.spec.removal_ratio == 0.0:
             return self._identity(hidden, layout, provenance)
 
         part = self.partitioner.partition(inputs)
@@ -178,7 +206,7 @@ class Stage:
             identity=graph.blocks(graph.gather(token_identity(layout)), "src").masked_fill(pad, -1),
             stage=inputs,
         )
-        removed = self.pruner.select(prune, self.spec.ratio)
+        removed = self.pruner.select(prune, self.spec.removal_ratio)
         src = graph.src_slots[removed]
         dst = best_dst[removed]
 
@@ -240,6 +268,9 @@ class Pipeline:
         relevance: how ξ is computed inside a model.
         stage_overrides: ``{stage index: {field: policy}}``.
         name: a label (the preset name, for reports).
+        summary: one line for listings (from the pipeline's YAML; kept by ``to_yaml``).
+        description: one paragraph: what the pipeline does and why.
+        source: the paper or code the pipeline reproduces.
         layout: how adapters lay out vision tokens: ``native`` (every grid on its own,
             structural tokens such as LLaVA-NeXT's row newlines protected) or ``reference``
             (the authors' code: on LLaVA-NeXT an image's whole anyres sequence, newlines
@@ -254,6 +285,8 @@ class Pipeline:
             method does not (`lightkv.quirks.ReleasedQuirks`: positions renumbered after a
             merge, the first merge layer unmasked); all off except in the
             ``lightkv-paper-released`` presets. `run` is the same either way.
+        divergence_memory_mib: the memory budget of every stage's non-bilinear edge
+            scorer (`Stage.divergence_memory_mib`); results do not depend on it.
     """
 
     scheduler: Scheduler = field(default_factory=ExplicitSchedule)
@@ -264,9 +297,14 @@ class Pipeline:
     relevance: Relevance = field(default_factory=QueryAxisSoftmax)
     stage_overrides: dict[int, dict[str, object]] = field(default_factory=dict)
     name: str = "custom"
+    # Text about the pipeline, not what it does: two pipelines that compress alike are equal.
+    summary: str = field(default="", compare=False)
+    description: str = field(default="", compare=False)
+    source: str = field(default="", compare=False)
     layout: str = "native"
     proportional_attention: bool = False
     released_quirks: ReleasedQuirks = field(default_factory=ReleasedQuirks)
+    divergence_memory_mib: int = DIVERGENCE_MEMORY_MIB
 
     def __post_init__(self) -> None:
         if not isinstance(self.released_quirks, ReleasedQuirks):
@@ -275,6 +313,7 @@ class Pipeline:
             raise ValueError(f"unknown layout {self.layout!r}; choose 'native' (lightkv) or 'reference' (authors' code)")
         if not isinstance(self.proportional_attention, bool):
             raise TypeError(f"proportional_attention must be True or False, got {self.proportional_attention!r}")
+        check_memory(self.divergence_memory_mib)
 
     def stages(self, num_layers: int) -> list[Stage]:
         """The stages for a decoder of ``num_layers`` layers, in layer order.
@@ -295,7 +334,7 @@ class Pipeline:
             if unknown:
                 raise ValueError(f"stage_overrides[{i}] names unknown field(s) {sorted(unknown)}; allowed: {sorted(policies)}")
             policies.update(self.stage_overrides.get(i, {}))
-            stages.append(Stage(spec=spec, **policies))
+            stages.append(Stage(spec=spec, divergence_memory_mib=self.divergence_memory_mib, **policies))
         return stages
 
     def run(

@@ -182,6 +182,6 @@ def test_budgets_put_every_preset_at_each_kept_fraction(tmp_path):
     files = eff.write_outputs(result, tmp_path)
     assert (tmp_path / "efficiency-budgets.png") in files
     assert "visionzip@0.22: tower relevance" in (tmp_path / "efficiency.md").read_text()
-    assert "--budgets 0.55 0.22" in command_line(asdict(cfg))
+    assert "--kept-fractions 0.55 0.22" in command_line(asdict(cfg))
     with pytest.raises(ValueError, match="budgets are kept fractions"):
         eff.BenchConfig(budgets=(1.5,))

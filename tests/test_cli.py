@@ -82,12 +82,12 @@ def test_config_validate_ok(capsys, tmp_path):
 
 def test_config_validate_invalid_file_exit_1(capsys, tmp_path):
     path = tmp_path / "bad.yaml"
-    path.write_text("name: bad\nschedule:\n  layers: [12, 18]\n  ratios: [0.5, 1.5]\npartitioner: gird\n")
+    path.write_text("name: bad\nschedule:\n  layers: [12, 18]\n  removal_ratios: [0.5, 1.5]\npartitioner: gird\n")
     code, out, err = run(capsys, "config", "validate", str(path))
     assert code == 1 and not out
     lines = err.splitlines()
     assert lines == [
-        f"lightkv: error: {path}: schedule.ratios.1: removal ratio must be in [0, 1) (0 keeps every token), got 1.5",
+        f"lightkv: error: {path}: schedule.removal_ratios.1: removal ratio must be in [0, 1) (0 keeps every token), got 1.5",
         (
             f"lightkv: error: {path}: partitioner.name: unknown partitioner 'gird'; registered partitioners: "
             + ", ".join(Partitioner.registered()) + "; did you mean 'grid'?"

@@ -401,12 +401,12 @@ def test_bad_parameters_name_the_field_value_and_allowed():
 @pytest.mark.parametrize(
     "schedule, where, fragment",
     [
-        ({"layers": [12, 18], "ratios": [0.5, 1.0]}, "schedule.ratios.1", "removal ratio must be in [0, 1)"),
-        ({"layers": [12], "ratios": [-0.1]}, "schedule.ratios.0", "got -0.1"),
+        ({"layers": [12, 18], "removal_ratios": [0.5, 1.0]}, "schedule.removal_ratios.1", "removal ratio must be in [0, 1)"),
+        ({"layers": [12], "removal_ratios": [-0.1]}, "schedule.removal_ratios.0", "got -0.1"),
         ({"layers": [12, 12], "ratios": [0.5]}, "schedule.layers.1", "strictly increasing, got [12, 12]"),
         ({"layers": [-1], "ratios": [0.5]}, "schedule.layers.0", "0-based and must be >= 0, got -1"),
-        ({"layers": [3, 4], "ratios": [0.5, 0.5, 0.5]}, "schedule.ratios", "3 entries for 2 layers; give 1 or 2"),
-        ({"layers": [3]}, "schedule.ratios", "an explicit schedule needs ratios"),
+        ({"layers": [3, 4], "removal_ratios": [0.5, 0.5, 0.5]}, "schedule.removal_ratios", "3 entries for 2 layers; give 1 or 2"),
+        ({"layers": [3]}, "schedule.removal_ratios", "an explicit schedule needs removal_ratios"),
         ({"layers": [3], "ratios": [0.5], "windows_per_side": [2], "window_size": [[2, 2]]}, "schedule.window_size", "not both"),
         ({"layers": [3], "ratios": [0.5], "windows_per_side": [0]}, "schedule.windows_per_side.0", "positive integer, got 0"),
         ({"layers": [1], "ratios": [0.5], "kept_fraction": 0.5}, "schedule", "got layers and kept_fraction"),

@@ -16,7 +16,7 @@ name: tiny
 schedule:
   layers: [1, 2]
   windows_per_side: [2, 1]
-  ratios: [0.5]
+  removal_ratios: [0.5]
 partitioner: grid
 scorer: cosine
 pruner: divergence
@@ -180,7 +180,7 @@ def test_a_missed_target_is_reported_and_warned(assets, capsys, tmp_path):
     the pre-LLM stage is asked to remove 80% with a parity split (at most half a window):
     the JSON carries target and achieved, and stderr says it missed, in one line."""
     config = tmp_path / "greedy.yaml"
-    config.write_text("name: greedy\nschedule:\n  name: pre_llm\n  params: {ratio: 0.8, windows_per_side: 2}\n"
+    config.write_text("name: greedy\nschedule:\n  name: pre_llm\n  params: {removal_ratio: 0.8, windows_per_side: 2}\n"
                       "partitioner: grid\nscorer: cosine\npruner: divergence\npasser: relevance_mean\n"
                       "relevance: query_softmax\n")
     code = main(_gen(assets, "--config", str(config), "--max-new-tokens", "1", "--json"))

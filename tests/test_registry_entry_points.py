@@ -45,7 +45,7 @@ YAML = """\
 name: research
 schedule:
   layers: [1, 2]
-  ratios: [0.5]
+  removal_ratios: [0.5]
   windows_per_side: [2, 1]
 partitioner: grid
 scorer:

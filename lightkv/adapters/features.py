@@ -54,11 +54,9 @@ def relevance(
     """
     rel = stage.relevance
     rows, cols = rel.query_rows, rel.key_cols
-    extra = {"prompt": prompt} if rel.reads_prompt else {}
-    if rel.reads_tower:
-        extra["tower"] = tower
+    extra = {"prompt": prompt, "tower": tower}  # the stage passes on what its policy reads
     if rows == "none" and cols == "none":
-        return rel.score(None, None, layout, **extra).float(), 0.0
+        return stage.relevance_scores(None, None, layout, **extra).float(), 0.0
     b, n = layout.batch_size, layout.seq_len
     if pos is None:
         raise RuntimeError(f"layer {layer} received no position_embeddings; cannot compute relevance")
@@ -99,7 +97,7 @@ def relevance(
     q_rows = n if rows == "all" else (1 if rows == "last" else 0)
     k_cols = n if cols == "all" else (int(layout.text_mask.sum(1).max()) if cols == "text" else 0)
     flops += 2.0 * b * probe.heads * d * q_rows * k_cols
-    xi = rel.score(queries, keys, layout, **extra)
+    xi = stage.relevance_scores(queries, keys, layout, **extra)
     return xi.to(torch.promote_types(xi.dtype, torch.float32)), flops
 
 

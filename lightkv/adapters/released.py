@@ -62,7 +62,7 @@ class ReleasedQuirksHook:
                 "or cache stages: turn the quirks off or use a schedule of decoder layers"
             )
         if quirks.unmasked_first_merge:  # a stage of ratio 0 merges nothing: the quirks then change nothing
-            self.first_merge = min((s.spec.layer for s in stages if s.spec.ratio > 0), default=None)
+            self.first_merge = min((s.spec.layer for s in stages if s.spec.removal_ratio > 0), default=None)
         if quirks.renumber_positions:
             self._rotary = getattr(language_model, "rotary_emb", None)
             if not callable(self._rotary):

@@ -44,9 +44,9 @@ def method_pipeline(name: str, num_layers: int, target: float, ref_depth: int = 
     pipe = get_preset(name)
     sched = pipe.scheduler
     if isinstance(sched, PreLLMSchedule):  # every layer sees the kept tokens: kept fraction = 1 - ratio
-        return replace(pipe, scheduler=replace(sched, ratio=1.0 - target)), "before the LLM"
+        return replace(pipe, scheduler=replace(sched, removal_ratio=1.0 - target)), "before the LLM"
     if isinstance(sched, CacheSchedule):
-        return replace(pipe, scheduler=replace(sched, ratio=round(1.0 - target, 6))), "cache"
+        return replace(pipe, scheduler=replace(sched, removal_ratio=round(1.0 - target, 6))), "cache"
     if isinstance(sched, H2OSchedule):
         return replace(pipe, scheduler=replace(sched, budget=target)), "cache"
     if not isinstance(sched, ExplicitSchedule):

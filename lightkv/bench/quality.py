@@ -248,7 +248,8 @@ def _row(method, target, how, schedule, res, base, lightkv, config) -> dict[str,
     row: dict[str, Any] = {
         "method": method, "target": target, "how": how,
         "schedule": None if schedule is None else (
-            {"layers": list(schedule.layers), "ratios": list(schedule.ratios)} if hasattr(schedule, "ratios")
+            {"layers": list(schedule.layers), "removal_ratios": list(schedule.removal_ratios)}
+            if hasattr(schedule, "removal_ratios")
             else {"name": schedule.name, **schedule.params()}),
         "kept_fraction": res.kept_fraction, "kv_bytes_vision": res.kv_bytes_vision,
         "kv_bytes_vision_baseline": res.kv_bytes_vision_baseline,

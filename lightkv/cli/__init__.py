@@ -6,7 +6,7 @@ lightkv config show NAME|FILE [--num-layers N]     print a pipeline as canonical
 lightkv config validate NAME|FILE [--num-layers N] [--grid HxW]
 lightkv config schema                              JSON Schema of pipeline files
 lightkv bench efficiency [--quick] [--models ...] [--presets ...] [--out DIR] [--repeats N]
-lightkv bench quality [--model digitgrid|DIR] [--episodes N] [--methods ...] [--targets ...]
+lightkv bench quality [--model digitgrid|DIR] [--episodes N] [--methods ...] [--kept-fractions ...]
 lightkv generate [--model DIR|ID] [--image FILE] [--prompt TEXT] [--preset NAME | --config FILE] [--compare]
 lightkv demo [--preset NAME] [--questions N]       the bundled Scenes LVLM, with and without LightKV
 lightkv stages-demo [--preset NAME]                the pure core on a real image, no model

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 from .common import (
     EXIT_OK,
@@ -18,7 +19,19 @@ from .common import (
     writable_dir,
 )
 
+
 __all__ = ["add_commands"]
+
+
+class _Renamed(argparse.Action):
+    """Store the values; a flag's old spelling (its last option string) still works, with
+    a deprecation warning that names the new one (the first)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string is not None and option_string != self.option_strings[0]:
+            warnings.warn(f"{option_string} is deprecated, use {self.option_strings[0]}", DeprecationWarning, stacklevel=2)
+        setattr(namespace, self.dest, values)
+
 
 # Upper limits: a typo such as 1e9 is refused before any work, with what one unit costs.
 _FULL_LAYERS = at_most(80, "the deepest real decoder has 80 layers; at --width full each 7B-wide layer "
@@ -74,7 +87,8 @@ def add_commands(commands) -> None:
     eff.add_argument("--models", nargs="+", metavar="MODEL", help="llava, llava_next, llava_onevision, qwen2_5_vl, qwen2_5_vl_video, internvl "
                      "(default: all)")
     eff.add_argument("--presets", nargs="+", metavar="PRESET", help="presets to compare (default: lightkv tome fastv pdrop)")
-    eff.add_argument("--budgets", nargs="+", type=float, metavar="F",
+    eff.add_argument("--kept-fractions", "--budgets", dest="budgets", nargs="+", type=float, metavar="F",
+                     action=_Renamed,
                      help="kept fractions (e.g. 0.55 0.22 0.11): every preset at each, as the quality benchmark "
                           "puts it there (default: each preset's own schedule)")
     eff.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results, "
@@ -142,12 +156,14 @@ def add_commands(commands) -> None:
     qual.add_argument("--episodes", type=_EPISODES, default=600, metavar="N",
                       help="held-out conversations (default: 600)")
     qual.add_argument("--methods", nargs="+", metavar="PRESET", help="presets (default: all eight)")
-    qual.add_argument("--targets", nargs="+", type=float, metavar="F", help="kept fractions (default: 1 .75 .55 .4 .25)")
+    qual.add_argument("--kept-fractions", "--targets", dest="targets", nargs="+", type=float, metavar="F",
+                      action=_Renamed, help="kept fractions (default: 1 .75 .55 .4 .25)")
     qual.add_argument("--model", metavar="NAME|DIR", default="scenes",
                       help="a bundled model (scenes, digitgrid, symbolgrid) or a model directory the trainer "
                       "wrote (default: scenes)")
     qual.add_argument("--no-ablations", action="store_true", help="skip the ablation table")
-    qual.add_argument("--ablation-targets", nargs="+", type=float, metavar="F",
+    qual.add_argument("--ablation-kept-fractions", "--ablation-targets", dest="ablation_targets", nargs="+",
+                      type=float, metavar="F", action=_Renamed,
                       help="kept fractions of the ablation table (default: .55)")
     qual.add_argument("--no-followup", action="store_true", help="no follow-up questions")
     qual.add_argument("--batch", type=_BATCH, default=100, metavar="N", help="episodes per batch (default: 100)")
@@ -165,7 +181,8 @@ def add_commands(commands) -> None:
     )
     abl.add_argument("--models", nargs="+", metavar="NAME|DIR", help="models (default: symbolgrid digitgrid)")
     abl.add_argument("--episodes", type=_ABLATION_EPISODES, default=240, metavar="N", help="conversations per model (default: 240)")
-    abl.add_argument("--targets", nargs="+", type=float, metavar="F", help="kept fractions (default: .55 .4)")
+    abl.add_argument("--kept-fractions", "--targets", dest="targets", nargs="+", type=float, metavar="F",
+                     action=_Renamed, help="kept fractions (default: .55 .4)")
     abl.add_argument("--variants", nargs="+", metavar="NAME", help="variants (default: all)")
     abl.add_argument("--baselines", nargs="+", metavar="PRESET", help="baseline presets (default: six)")
     abl.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results)")
@@ -187,10 +204,10 @@ def _cmd_bench_quality(args: argparse.Namespace) -> int:
         raise UsageError(f"unknown preset {unknown[0]!r}; choose from: {', '.join(sorted(PRESETS))}")
     bad = [t for t in args.targets or () if not 0.0 < t <= 1.0]
     if bad:
-        raise UsageError(f"--targets must be kept fractions in (0, 1], got {bad[0]}")
+        raise UsageError(f"--kept-fractions must be in (0, 1], got {bad[0]}")
     bad = [t for t in args.ablation_targets or () if not 0.0 < t < 1.0]
     if bad:
-        raise UsageError(f"--ablation-targets must be kept fractions in (0, 1), got {bad[0]}")
+        raise UsageError(f"--ablation-kept-fractions must be in (0, 1), got {bad[0]}")
     cfg = q.AccuracyConfig(model=args.model, episodes=args.episodes, batch=args.batch, threads=args.threads,
                            ablations=not args.no_ablations, followup=not args.no_followup,
                            **({"methods": tuple(args.methods)} if args.methods else {}),
@@ -223,7 +240,7 @@ def _cmd_bench_ablation(args: argparse.Namespace) -> int:
     if bad:
         raise UsageError(f"unknown variant {bad[0]!r}; choose from: {', '.join(ab.VARIANTS)}")
     if any(not 0.0 < t < 1.0 for t in args.targets or ()):
-        raise UsageError("--targets must be kept fractions in (0, 1)")
+        raise UsageError("--kept-fractions must be in (0, 1)")
     given = {"models": args.models, "targets": args.targets, "variants": args.variants, "baselines": args.baselines}
     cfg = ab.AblationConfig(episodes=args.episodes, threads=args.threads,
                             **{k: tuple(v) for k, v in given.items() if v})

@@ -112,7 +112,7 @@ def _plan_lines(cfg, num_layers: int, target: str) -> list[str]:
         )
         where = ("before layer 0 (pre-LLM)" if s.before else f"on layer {s.layer}'s cache" if s.cache
                  else f"after layer {s.layer}")
-        lines.append(f"  stage {i}: {where}, removal ratio {s.ratio:g}, {windows}")
+        lines.append(f"  stage {i}: {where}, removal ratio {s.removal_ratio:g}, {windows}")
     lines.append(f"vision KV kept on average over layers: {cfg.average_kept_fraction(num_layers):.1%}")
     return lines
 

@@ -9,7 +9,7 @@ name: my-lightkv
 summary: LightKV with L2 edges in the last stage
 schedule:
   layers: [12, 18, 24]          # 0-based decoder layers after which a stage runs
-  ratios: [0.5]                 # removal ratio per stage (one value is broadcast)
+  removal_ratios: [0.5]         # removal ratio per stage (one value is broadcast)
   windows_per_side: [4, 2, 1]   # or window_size: [[6, 6]], or neither (one window)
 partitioner: grid               # a registered name ...
 scorer: cosine
@@ -32,18 +32,15 @@ Invalid configurations raise `ConfigError`, whose message names the field, the b
 and what is allowed.
 
 Modules: `errors` (ConfigError and message helpers), `specs` (policies by name),
-`schedule` (the schedule), `pipeline` (PipelineConfig and conversions), `yaml_io`
+`schedule` (the schedule and scheduler shorthands), `pipeline` (PipelineConfig), `convert`
+(pipeline objects to configs and files), `yaml_io`
 (reading and writing YAML), `schema` (JSON Schema).
 """
 
+from .convert import config_from_pipeline, pipeline_from_yaml, pipeline_to_yaml
 from .errors import ConfigError
 from .errors import _did_you_mean as _did_you_mean  # suggestions in the same words (used by tests)
-from .pipeline import (
-    PipelineConfig,
-    config_from_pipeline,
-    pipeline_from_yaml,
-    pipeline_to_yaml,
-)
+from .pipeline import PipelineConfig
 from .schedule import ScheduleConfig
 from .schema import json_schema
 from .specs import STAGE_FIELDS, PolicySpec

@@ -1,11 +1,10 @@
-"""`PipelineConfig`: a whole pipeline as validated data, to and from YAML, and the
-conversions between configs, pipeline objects and files."""
+"""`PipelineConfig`: a whole pipeline as validated data, to and from YAML (the conversions
+from pipeline objects are in `lightkv.config.convert`)."""
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import os
-from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -13,6 +12,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictBool,
     ValidationError,
     field_validator,
@@ -20,7 +20,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from ..pipeline import Pipeline, Stage
+from ..pipeline import DIVERGENCE_MEMORY_MIB, Pipeline, Stage
 from ..policies import FAMILIES, Policy, StageSpec, average_kept_fraction
 from ..quirks import ReleasedQuirks
 from .errors import ConfigError, _did_you_mean, _dotted, _fail, _short
@@ -29,20 +29,12 @@ from .specs import (
     STAGE_FIELDS,
     PolicySpec,
     StageField,
-    _canonical_params,
-    _coerce_params,
-    _instantiate,
-    _spec_of,
+    _build,
+    _canonical,
 )
 from .yaml_io import _load_yaml, dump_yaml, read_config_text
 
-__all__ = [
-    "PipelineConfig",
-    "ReleasedQuirksConfig",
-    "config_from_pipeline",
-    "pipeline_from_yaml",
-    "pipeline_to_yaml",
-]
+__all__ = ["PipelineConfig", "ReleasedQuirksConfig"]
 
 
 class ReleasedQuirksConfig(BaseModel):
@@ -101,11 +93,23 @@ class PipelineConfig(BaseModel):
         "attention logits (prefill and decoding), so a merged token weighs as the tokens it stands for.",
     )
 
+    divergence_memory_mib: int = Field(
+        DIVERGENCE_MEMORY_MIB, ge=1, strict=True,
+        description="MiB a non-bilinear edge scorer's pairwise intermediates may take at once: it is evaluated in "
+        "chunks of windows and source rows within it (same result); cosine and L2 need no chunks.",
+    )
     released_quirks: ReleasedQuirksConfig = Field(
         default_factory=lambda: ReleasedQuirksConfig(),
         description="What the authors' released code does inside a model that the method does not; all off except "
         "in the lightkv-paper-released presets (LLaVA-1.5 and Qwen2.5-VL only).",
     )
+
+    _snapshot: Any = PrivateAttr(default=None)
+    """The config as validated (plain data), to tell whether it was edited since."""
+
+    def __eq__(self, other: object) -> bool:
+        # Policies built during validation are a cache, not part of the value.
+        return type(other) is type(self) and self.model_dump() == other.model_dump()  # type: ignore[union-attr]
 
     @field_validator("summary")
     @classmethod
@@ -119,9 +123,7 @@ class PipelineConfig(BaseModel):
     def _known_policy(cls, spec: PolicySpec | None, info) -> PolicySpec | None:
         if spec is None:  # only scorer is Optional; pydantic rejects None for the others
             return None
-        params = _coerce_params(FAMILIES[info.field_name], spec)
-        _instantiate(FAMILIES[info.field_name], spec)
-        return PolicySpec(name=spec.name, params=_canonical_params(spec.params, params))
+        return _validated(FAMILIES[info.field_name], spec)
 
     @field_validator("stage_overrides")
     @classmethod
@@ -141,18 +143,20 @@ class PipelineConfig(BaseModel):
                     fields[field] = None
                     continue
                 try:
-                    params = _coerce_params(FAMILIES[field], spec)
-                    _instantiate(FAMILIES[field], spec)
+                    fields[field] = _validated(FAMILIES[field], spec)
                 except PydanticCustomError as e:
                     ctx = e.context or {}
                     raise _fail(e.type.removeprefix("lightkv_"), ctx.get("message", e.message()),
                                 (index, field) + tuple(ctx.get("subloc", ()))) from None
-                fields[field] = PolicySpec(name=spec.name, params=_canonical_params(spec.params, params))
             out[index] = fields
         return out
 
     @model_validator(mode="after")
     def _check_composition(self) -> PipelineConfig:
+        for f in STAGE_FIELDS:  # defaults are not validated by pydantic: build them here
+            spec = getattr(self, f)
+            if spec is not None and spec.built() is None:
+                setattr(self, f, _validated(FAMILIES[f], spec))
         limit = self.schedule.max_stages()
         for index in self.stage_overrides:
             if limit is not None and index >= limit:
@@ -166,42 +170,45 @@ class PipelineConfig(BaseModel):
         for index in indices:
             policies = dict(base)
             if index is not None:
-                policies.update({f: None if s is None else _instantiate(FAMILIES[f], s)
-                                 for f, s in self.stage_overrides[index].items()})
+                policies.update({f: None if s is None else s.built() for f, s in self.stage_overrides[index].items()})
             try:
                 Stage(spec=StageSpec(0, 0.0, windows_per_side=1), **policies)
             except ValueError as e:
                 where = ("scorer",) if index is None else ("stage_overrides", index)
                 raise _fail("composition", str(e), where) from None
+        self._snapshot = self.model_dump()
         return self
 
     # ------------------------------------------------------------------ building
     def _policies(self) -> dict[str, Policy | None]:
-        return {
-            f: None if getattr(self, f) is None else _instantiate(FAMILIES[f], getattr(self, f))
-            for f in STAGE_FIELDS
-        }
+        """The policies validation built (shared: read only)."""
+        return {f: None if getattr(self, f) is None else getattr(self, f).built() for f in STAGE_FIELDS}
 
     def build(self) -> Pipeline:
-        """A fresh `lightkv.Pipeline` (new policy objects on every call).
+        """A fresh `lightkv.Pipeline`: copies of the policies and the scheduler that
+        validation constructed (new objects on every call; no value is checked or policy
+        constructed again).
 
         Raises:
-            ConfigError: the config was edited into an invalid state after loading
-                (fields are checked again here).
+            ConfigError: the config was edited into an invalid state after loading (an
+                edited config is validated again, as a whole).
         """
-        cfg = type(self).from_dict(self.model_dump())
-        overrides = {
-            i: {f: None if s is None else _instantiate(FAMILIES[f], s) for f, s in fields.items()}
-            for i, fields in cfg.stage_overrides.items()
-        }
+        cfg = self if self._snapshot == self.model_dump() else type(self).from_dict(self.model_dump())
+        overrides = {i: {f: None if s is None else s.built() for f, s in fields.items()}
+                     for i, fields in cfg.stage_overrides.items()}
+        policies, overrides = copy.deepcopy((cfg._policies(), overrides))
         return Pipeline(
             scheduler=cfg.schedule.build(),
             stage_overrides=overrides,
             name=cfg.name,
+            summary=cfg.summary,
+            description=cfg.description,
+            source=cfg.source,
             layout=cfg.layout,
             proportional_attention=cfg.proportional_attention,
+            divergence_memory_mib=cfg.divergence_memory_mib,
             released_quirks=ReleasedQuirks(**cfg.released_quirks.model_dump()),
-            **cfg._policies(),  # type: ignore[arg-type]
+            **policies,  # type: ignore[arg-type]
         )
 
     def validate_for_model(self, num_layers: int) -> list[StageSpec]:
@@ -217,7 +224,7 @@ class PipelineConfig(BaseModel):
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
             raise ConfigError([("num_layers", f"the model depth must be a positive integer, got {num_layers!r}")])
         try:
-            stages = self.schedule.build().plan(num_layers)
+            stages = self.schedule._scheduler().plan(num_layers)
         except ValueError as e:
             loc = "schedule.layers" if self.schedule.name == "explicit" else "schedule"
             raise ConfigError([(loc, str(e))]) from None
@@ -234,11 +241,6 @@ class PipelineConfig(BaseModel):
         """Vision-KV fraction kept, averaged over the layers of a ``num_layers`` model
         (ignoring rounding)."""
         return average_kept_fraction(self.validate_for_model(num_layers), num_layers)
-
-    @classmethod
-    def from_pipeline(cls, pipeline: Pipeline, **info: str) -> PipelineConfig:
-        """The config of a pipeline object (see `config_from_pipeline`)."""
-        return config_from_pipeline(pipeline, **info)
 
     # ------------------------------------------------------------------ plain data
     @classmethod
@@ -277,6 +279,8 @@ class PipelineConfig(BaseModel):
             out["layout"] = self.layout
         if self.proportional_attention:
             out["proportional_attention"] = True
+        if self.divergence_memory_mib != DIVERGENCE_MEMORY_MIB:
+            out["divergence_memory_mib"] = self.divergence_memory_mib
         quirks = {k: True for k, v in self.released_quirks.model_dump().items() if v}
         if quirks:
             out["released_quirks"] = quirks
@@ -311,50 +315,10 @@ class PipelineConfig(BaseModel):
         return text
 
 
-def config_from_pipeline(pipeline: Pipeline, *, summary: str = "", description: str = "", source: str = "") -> PipelineConfig:
-    """The `PipelineConfig` of a pipeline object.
-
-    Every policy must be registered; parameters equal to a policy's defaults are left out,
-    so ``config_from_pipeline(cfg.build())`` equals ``cfg`` up to the text fields.
-
-    Raises:
-        ConfigError: a policy or scheduler that is not registered under a name.
-    """
-    try:
-        schedule = ScheduleConfig.from_scheduler(pipeline.scheduler)
-    except ValidationError as e:
-        raise ConfigError([(f"schedule.{p}" if p else "schedule", m) for p, m in _from_validation_error(e).problems]) from None
-    data: dict[str, Any] = {
-        "name": pipeline.name,
-        "summary": summary,
-        "description": description,
-        "source": source,
-        "schedule": schedule,
-    }
-    for f in STAGE_FIELDS:
-        policy = getattr(pipeline, f)
-        data[f] = None if policy is None else _spec_of(policy, f)
-    data["stage_overrides"] = {
-        i: {f: None if p is None else _spec_of(p, f"stage_overrides.{i}.{f}") for f, p in fields.items()}
-        for i, fields in pipeline.stage_overrides.items()
-    }
-    data["layout"] = pipeline.layout
-    data["proportional_attention"] = pipeline.proportional_attention
-    data["released_quirks"] = dataclasses.asdict(pipeline.released_quirks)
-    try:
-        return PipelineConfig.model_validate(data)
-    except ValidationError as e:
-        raise _from_validation_error(e) from None
-
-
-def pipeline_from_yaml(path: str | os.PathLike) -> Pipeline:
-    """Read, validate and build a YAML pipeline file."""
-    return PipelineConfig.from_yaml(path).build()
-
-
-def pipeline_to_yaml(pipeline: Pipeline, path: str | os.PathLike | None = None) -> str:
-    """The canonical YAML of a pipeline object (also written to ``path`` if given)."""
-    return config_from_pipeline(pipeline).to_yaml(path)
+def _validated(family, spec: PolicySpec) -> PolicySpec:
+    """``spec`` in canonical form, holding the policy it names, constructed once."""
+    policy, params = _build(family, spec)
+    return PolicySpec(name=spec.name, params=_canonical(family, policy, spec.name, params))._remember(policy)
 
 
 # ---------------------------------------------------------------------------- pydantic errors

@@ -2,101 +2,51 @@
 
 The canonical form is that of every other policy spec, ``{name, params}``; the parameters
 are the scheduler's non-default fields, so two configs are equal exactly when they build
-equal schedulers. Two shorthands are accepted (and written back by ``to_yaml`` when they
-give the same config):
+equal schedulers. A scheduler class may also declare a **shorthand**: a YAML key that marks
+it (`Scheduler.shorthand`), the other keys it takes (`Scheduler.shorthand_keys`) and how
+they become parameters (`Scheduler.from_shorthand`, `Scheduler.to_shorthand`). This module
+finds shorthands in the scheduler registry, so a plugin scheduler has its own as the
+built-in ones do:
 
-* ``layers`` (with ``ratios`` and ``windows_per_side`` or ``window_size``; scalars are
-  lists of one, neither window field means one window per image side) is ``explicit``;
-* ``kept_fraction`` (with ``relative_layers``, ``windows_per_side`` and ``max_ratio``) is
-  ``kept_fraction`` with ``target``; without ``windows_per_side`` the windows are 4/2/1 at
-  the default relative layers and one per side otherwise, one value is broadcast.
+* ``layers`` (with ``removal_ratios`` and ``windows_per_side`` or ``window_size``) is
+  ``explicit`` (`lightkv.policies.ExplicitSchedule`);
+* ``kept_fraction`` (with ``relative_layers``, ``windows_per_side`` and
+  ``max_removal_ratio``) is ``kept_fraction`` (`lightkv.policies.KeptFractionSchedule`).
 
-Values are checked by the scheduler itself (its dataclass and `__post_init__`); its
-`ScheduleError` names the field and entry, which become the YAML location.
+``to_yaml`` writes the shorthand of a scheduler that has one. Values are checked by the
+scheduler itself (its dataclass and `__post_init__`), which is constructed once; its
+`ScheduleError` names the field and entry, which become the YAML location. Renamed keys
+(``ratios``, ``max_ratio``, ``target``) are still read, with a `DeprecationWarning`.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
 
-from ..policies import ExplicitSchedule, KeptFractionSchedule, Scheduler
+from ..policies import ExplicitSchedule, ScheduleError, Scheduler
+from ..policies.base import rename_fields
 from .errors import _did_you_mean, _fail, _plain
-from .specs import PolicySpec, _canonical_params, _coerce_params, _instantiate, _spec_of
+from .specs import PolicySpec, _build, _cached, _canonical, _jsonable, _spec_of
 
-__all__ = ["ScheduleConfig"]
+__all__ = ["ScheduleConfig", "shorthands"]
 
-_KF_DEFAULT = KeptFractionSchedule()
-EXPLICIT_KEYS = ("layers", "ratios", "windows_per_side", "window_size")
-KEPT_FRACTION_KEYS = ("kept_fraction", "relative_layers", "windows_per_side", "max_ratio")
-KEYS = ("name", "params", "layers", "ratios", "windows_per_side", "window_size", "kept_fraction",
-        "relative_layers", "max_ratio")
-"""Every key a schedule mapping may hold (canonical and shorthand)."""
-FORMS = ("layers", "kept_fraction", "name")
-_ALLOWED = {"layers": set(EXPLICIT_KEYS), "kept_fraction": set(KEPT_FRACTION_KEYS), "name": {"name", "params"}}
-_SHORT_NAME = {"target": "kept_fraction"}
-"""Scheduler parameter -> its key in a shorthand (where they differ)."""
+CANONICAL = ("name", "params")
 
 
-def _kf_default_windows(default_layers: bool, n: int) -> tuple[int, ...]:
-    """Windows per side of a kept_fraction shorthand that gives none: the reference 4/2/1
-    at the default relative layers, otherwise one window per image side."""
-    return tuple(_KF_DEFAULT.windows_per_side) if default_layers else (1,) * n
-
-
-def _as_list(value: Any) -> Any:
-    return [value] if isinstance(value, (int, float)) and not isinstance(value, bool) else value
-
-
-def _pairs(value: Any) -> Any:
-    if isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, int) for v in value):
-        return [value]
-    return value
-
-
-def _from_explicit(data: dict[str, Any]) -> dict[str, Any]:
-    """The ``explicit`` parameters of a ``layers:`` shorthand (with the checks that belong to
-    the shorthand: ratios it requires, windows it does not let both be given)."""
-    layers = _as_list(data["layers"])
-    if isinstance(layers, list) and not layers:
-        raise _fail("layers", "give at least one layer (an empty schedule compresses nothing)", ("layers",))
-    if "ratios" not in data:
-        n = len(layers) if isinstance(layers, list) else 1
-        count = "one value" if n == 1 else f"1 or {n} values"
-        raise _fail("ratios", f"an explicit schedule needs ratios ({count}), e.g. ratios: [0.5]", ("ratios",))
-    if "windows_per_side" in data and "window_size" in data:
-        raise _fail("windows", "give windows_per_side or window_size, not both", ("window_size",))
-    params = {"layers": layers, "ratios": _as_list(data["ratios"])}
-    if "window_size" in data:
-        params["window_size"] = _pairs(data["window_size"])
-    params["windows_per_side"] = _as_list(data["windows_per_side"]) if "windows_per_side" in data else None
-    return params
-
-
-def _from_kept_fraction(data: dict[str, Any]) -> dict[str, Any]:
-    """The ``kept_fraction`` parameters of a ``kept_fraction:`` shorthand (windows broadcast
-    or implied)."""
-    params: dict[str, Any] = {"target": data["kept_fraction"]}
-    rel = _as_list(data.get("relative_layers"))
-    if rel is not None:
-        params["relative_layers"] = rel
-    n = len(rel) if isinstance(rel, list) else len(_KF_DEFAULT.relative_layers)
-    if "windows_per_side" in data:
-        wps = _as_list(data["windows_per_side"])
-        if isinstance(wps, list) and len(wps) == 1:
-            wps = wps * n
-        elif isinstance(wps, list) and len(wps) != n:
-            raise _fail("length", f"windows_per_side has {len(wps)} entries for {n} relative layers; give 1 or {n}",
-                        ("windows_per_side",))
-        params["windows_per_side"] = wps
-    elif isinstance(rel, list):
-        params["windows_per_side"] = list(_kf_default_windows(False, n))
-    if "max_ratio" in data:
-        params["max_ratio"] = data["max_ratio"]
-    return params
+def shorthands() -> dict[str, tuple[str, type[Scheduler]]]:
+    """Shorthand key -> ``(registered name, scheduler class)`` of every registered scheduler
+    class that declares a shorthand (plugins included)."""
+    out: dict[str, tuple[str, type[Scheduler]]] = {}
+    for name, impl in Scheduler.registered().items():
+        key = impl.__dict__.get("shorthand")
+        if key and key not in out and key not in CANONICAL:
+            out[key] = (name, impl)
+    return out
 
 
 def _no_bools(impl: type | None, params: dict[str, Any]) -> None:
@@ -117,18 +67,29 @@ def _no_bools(impl: type | None, params: dict[str, Any]) -> None:
 
 
 def _relocate(err: PydanticCustomError, form: str) -> PydanticCustomError:
-    """``err`` (located inside ``{name, params}``) at its place in the form the user wrote."""
+    """``err`` (located inside ``{name, params}``) at its place in the form the user wrote
+    (a shorthand's keys are the scheduler's parameter names)."""
     ctx = err.context or {}
     sub = tuple(ctx.get("subloc", ()))
     if form != "name" and sub[:1] == ("params",):
         sub = sub[1:]
-        sub = (_SHORT_NAME.get(sub[0], sub[0]),) + sub[1:] if sub else ()
     return _fail(err.type.removeprefix("lightkv_"), ctx.get("message", err.message()), sub)
 
 
-def canonical_schedule(data: Any) -> Any:
-    """``{name, params}`` of a schedule mapping in any accepted form, with the scheduler's
-    non-default parameters (plain data).
+def _form(data: dict[str, Any], short: dict[str, tuple[str, type[Scheduler]]]) -> str:
+    """The form of a schedule mapping: ``"name"`` or a shorthand key."""
+    markers = [k for k in (*short, "name") if k in data]
+    if len(markers) == 1:
+        return markers[0]
+    described = [f"{k} (a {n} schedule)" for k, (n, _) in short.items()] + ["name (a registered scheduler)"]
+    got = f"got {' and '.join(markers)}" if markers else "got none of them"
+    raise _fail("schedule_form", f"give exactly one of {', '.join(described)}; {got}")
+
+
+def canonical_schedule(data: Any) -> tuple[Any, Scheduler | None]:
+    """``({name, params}, scheduler)`` of a schedule mapping in any accepted form: the
+    scheduler's non-default parameters (plain data) and the scheduler itself, constructed
+    once. Data that is not a mapping comes back as is (pydantic reports it).
 
     Raises:
         PydanticCustomError: what is wrong, located in the form given.
@@ -136,29 +97,34 @@ def canonical_schedule(data: Any) -> Any:
     if isinstance(data, str):
         data = {"name": data}
     if not isinstance(data, dict):
-        return data  # pydantic says "expected a mapping"
+        return data, None
     data = {k: v for k, v in data.items() if v is not None}
+    short = shorthands()
+    keys = set(CANONICAL)
+    for key, (_, impl) in short.items():
+        keys |= {key, *impl.shorthand_keys, *getattr(impl, "renamed_fields", {})}
     for key in data:
-        if key not in KEYS:
-            raise _fail("unknown_field", f"unknown field {key!r}{_did_you_mean(key, KEYS)} (allowed: {', '.join(KEYS)})",
+        if key not in keys:
+            allowed = sorted(keys - {k for _, i in short.values() for k in getattr(i, "renamed_fields", {})})
+            raise _fail("unknown_field", f"unknown field {key!r}{_did_you_mean(key, allowed)} (allowed: {', '.join(allowed)})",
                         (key,))
-    forms = [f for f in FORMS if f in data]
-    if len(forms) != 1:
-        got = f"got {' and '.join(forms)}" if forms else "got none of them"
-        raise _fail(
-            "schedule_form",
-            "give exactly one of layers (explicit stages), kept_fraction (a target the scheduler "
-            f"turns into stages) or name (a registered scheduler); {got}",
-        )
-    form = forms[0]
+    form = _form(data, short)
+    if form == "name":
+        allowed, impl = set(CANONICAL), None
+    else:
+        name, impl = short[form]
+        data = rename_fields(impl, data, "schedule", stacklevel=5)
+        allowed = {form, *impl.shorthand_keys}
     for key in data:
-        if key not in _ALLOWED[form]:
+        if key not in allowed:
             raise _fail("schedule_form", f"{key} cannot be combined with {form}; with {form} the schedule takes: "
-                                         f"{', '.join(sorted(_ALLOWED[form]))}", (key,))
-    if form == "layers":
-        name, params = "explicit", _from_explicit(data)
-    elif form == "kept_fraction":
-        name, params = "kept_fraction", _from_kept_fraction(data)
+                                         f"{', '.join(sorted(allowed))}", (key,))
+    if impl is not None:
+        try:
+            params = impl.from_shorthand(data)
+        except ScheduleError as e:
+            where = () if e.param is None else (e.param,) if e.index is None else (e.param, e.index)
+            raise _fail("schedule_form", str(e), where) from None
     else:
         name, params = data["name"], data.get("params", {})
         if not isinstance(name, str):
@@ -172,39 +138,26 @@ def canonical_schedule(data: Any) -> Any:
             ctx = e.context or {}
             raise _fail("param_value", ctx.get("message", e.message()), ("params",) + tuple(ctx.get("subloc", ())))
         try:
-            impl = Scheduler.lookup(name)
+            lookup = Scheduler.lookup(name)
         except ValueError:
-            impl = None  # reported by _coerce_params, with the registered names
-        _no_bools(impl, params)
+            lookup = None  # reported by _build, with the registered names
+        if lookup is not None:
+            params = rename_fields(lookup, params, f"schedule {name!r}", stacklevel=5)
+        _no_bools(lookup, params)
         spec = PolicySpec.model_construct(name=name, params=params)
-        coerced = _coerce_params(Scheduler, spec, prefix=form == "name")
-        scheduler = _instantiate(Scheduler, spec, prefix=form == "name")
+        scheduler, coerced = _build(Scheduler, spec, prefix=form == "name")
+        return {"name": name, "params": _canonical(Scheduler, scheduler, name, coerced)}, scheduler
     except PydanticCustomError as e:
         raise _relocate(e, form) from None
-    return {"name": name, "params": _canonical(scheduler, name, params, coerced)}
-
-
-def _canonical(scheduler: Scheduler, name: str, given: dict[str, Any], coerced: dict[str, Any]) -> dict[str, Any]:
-    """The scheduler's non-default parameters when they build it again (a dataclass that
-    round-trips), otherwise the parameters as given (coerced, plain)."""
-    if dataclasses.is_dataclass(scheduler) and Scheduler.registered().get(name) is type(scheduler):
-        params = _spec_of(scheduler, "schedule").params
-        try:
-            again = _instantiate(Scheduler, PolicySpec.model_construct(name=name, params=params))
-        except PydanticCustomError:
-            again = None
-        if again == scheduler:
-            return params
-    return _canonical_params(given, coerced)
 
 
 class ScheduleConfig(BaseModel):
-    """Where the stages run, with which windows and ratios: a registered scheduler.
+    """Where the stages run, with which windows and removal ratios: a registered scheduler.
 
     Canonically ``{name: ..., params: {...}}`` like every policy (``explicit``,
-    ``kept_fraction``, ``scaled``, ``budget`` or a third-party scheduler); the shorthands
-    ``layers: ...`` (explicit stages) and ``kept_fraction: ...`` (a target) normalise to it,
-    so equal schedules compare equal whichever form they were written in.
+    ``kept_fraction``, ``scaled``, ``budget`` or a third-party scheduler); a scheduler's
+    shorthand (``layers: ...``, ``kept_fraction: ...``, or a plugin's) normalises to it, so
+    equal schedules compare equal whichever form they were written in.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -214,22 +167,43 @@ class ScheduleConfig(BaseModel):
         default_factory=dict, description="The scheduler's parameters that differ from its defaults."
     )
 
-    FORMS: ClassVar[tuple[str, ...]] = FORMS
-    """The shorthands and the canonical form, by the key that marks them."""
+    FORMS: ClassVar[tuple[str, ...]] = ("layers", "kept_fraction", "name")
+    """The built-in shorthands and the canonical form, by the key that marks them (plugins
+    may add shorthands: see `shorthands`)."""
 
-    @model_validator(mode="before")
+    _built: Any = PrivateAttr(default=None)
+
+    @model_validator(mode="wrap")
     @classmethod
-    def _normalise(cls, data: Any) -> Any:
-        return canonical_schedule(data)
+    def _normalise(cls, data: Any, handler) -> ScheduleConfig:
+        if isinstance(data, ScheduleConfig):
+            return handler(data)
+        canonical, scheduler = canonical_schedule(data)
+        model = handler(canonical)
+        if scheduler is not None:
+            model._built = (model.name, copy.deepcopy(model.params), scheduler)
+        return model
+
+    def __eq__(self, other: object) -> bool:
+        # The scheduler built during validation is a cache, not part of the value.
+        return type(other) is type(self) and (self.name, self.params) == (other.name, other.params)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ building
+    def _scheduler(self) -> Scheduler:
+        """The scheduler validation built (shared: read only), or a new one after an edit."""
+        cached = _cached(self._built, (self.name, self.params))
+        if cached is None:
+            cached = _build(Scheduler, PolicySpec.model_construct(name=self.name, params=dict(self.params)))[0]
+        return cached  # type: ignore[return-value]
+
     def build(self) -> Scheduler:
-        """The `Scheduler` this schedule describes (a new object on every call)."""
-        return _instantiate(Scheduler, PolicySpec.model_construct(name=self.name, params=dict(self.params)))  # type: ignore[return-value]
+        """The `Scheduler` this schedule describes: a copy of the one validation
+        constructed (a new object on every call, without running its checks again)."""
+        return copy.deepcopy(self._scheduler())
 
     def max_stages(self) -> int | None:
         """How many stages the schedule has at most (None when that depends on the depth)."""
-        return self.build().max_stages()
+        return self._scheduler().max_stages()
 
     @classmethod
     def from_scheduler(cls, scheduler: Scheduler) -> ScheduleConfig:
@@ -240,12 +214,13 @@ class ScheduleConfig(BaseModel):
     # ------------------------------------------------------------------ shorthand views
     @property
     def form(self) -> str:
-        """The form `to_yaml_value` writes: ``"layers"``, ``"kept_fraction"`` or ``"name"``."""
+        """The form `to_yaml_value` writes: a shorthand key (``"layers"``, ``"kept_fraction"``,
+        a plugin's) or ``"name"``."""
         value = self.to_yaml_value()
-        return next(f for f in FORMS if f in value)
+        return next((k for k in value if k in shorthands()), "name")
 
     def _explicit(self) -> ExplicitSchedule | None:
-        scheduler = self.build() if self.name == "explicit" else None
+        scheduler = self._scheduler() if self.name == "explicit" else None
         return scheduler if type(scheduler) is ExplicitSchedule else None
 
     @property
@@ -255,10 +230,13 @@ class ScheduleConfig(BaseModel):
         return None if s is None else list(s.layers)
 
     @property
-    def ratios(self) -> list[float] | None:
-        """The ratios of an explicit schedule (None for other schedulers)."""
+    def removal_ratios(self) -> list[float] | None:
+        """The removal ratios of an explicit schedule (None for other schedulers)."""
         s = self._explicit()
-        return None if s is None else [float(r) for r in s.ratios]
+        return None if s is None else [float(r) for r in s.removal_ratios]
+
+    ratios = removal_ratios
+    """Deprecated name of `removal_ratios`."""
 
     @property
     def windows_per_side(self) -> list[int] | None:
@@ -272,35 +250,13 @@ class ScheduleConfig(BaseModel):
         s = self._explicit()
         return None if s is None or s.window_size is None else [tuple(w) for w in s.window_size]  # type: ignore[misc]
 
-    def _short(self) -> dict[str, Any] | None:
-        s = self.build()
-        if type(s) is ExplicitSchedule:
-            out: dict[str, Any] = {"layers": list(s.layers), "ratios": [float(r) for r in s.ratios]}
-            if s.window_size is not None:
-                out["window_size"] = [list(w) for w in s.window_size]
-            elif s.windows_per_side is not None:
-                out["windows_per_side"] = list(s.windows_per_side)
-            return out
-        if type(s) is KeptFractionSchedule:
-            rel_default = tuple(s.relative_layers) == tuple(_KF_DEFAULT.relative_layers)
-            out = {"kept_fraction": float(s.target)}
-            if not rel_default:
-                out["relative_layers"] = [float(f) for f in s.relative_layers]
-            if tuple(s.windows_per_side) != _kf_default_windows(rel_default, len(s.relative_layers)):
-                out["windows_per_side"] = list(s.windows_per_side)
-            if s.max_ratio != _KF_DEFAULT.max_ratio:
-                out["max_ratio"] = float(s.max_ratio)
-            return out
-        return None
-
     def to_yaml_value(self) -> dict[str, Any]:
-        """Plain data for YAML: a shorthand where it gives this same config, else ``{name, params}``."""
-        short = self._short()
-        if short is not None:
-            try:
-                if type(self).model_validate(short) == self:
-                    return short
-            except ValidationError:
-                pass
+        """Plain data for YAML: the scheduler's shorthand where its class declares one,
+        else ``{name, params}``."""
+        s = self._scheduler()
+        short = shorthands().get(type(s).__dict__.get("shorthand") or "")
+        if short is not None and short == (self.name, type(s)):
+            value = s.to_shorthand()
+            if value is not None:
+                return {k: _plain(_jsonable(v), k) for k, v in value.items()}
         return {"name": self.name, "params": dict(self.params)} if self.params else {"name": self.name}
-

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..policies import FAMILIES
 from .pipeline import PipelineConfig
-from .schedule import ScheduleConfig
+from .schedule import ScheduleConfig, shorthands
 from .specs import STAGE_FIELDS, _adapter
 
 __all__ = ["json_schema"]
@@ -91,46 +91,13 @@ def json_schema() -> dict[str, Any]:
     return schema
 
 
-def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
-    return {"anyOf": [schema, {"type": "null"}]}
-
-
-def _one_or_list(item: dict[str, Any]) -> dict[str, Any]:
-    return {"anyOf": [item, {"type": "array", "items": item, "minItems": 1}]}
-
-
 def _schedule_schema() -> dict[str, Any]:
-    """The schedule: the explicit and kept-fraction shorthands, or any registered scheduler
-    as its bare name or ``{name, params}``."""
-    integer, number = {"type": "integer"}, {"type": "number"}
-    pair = {"type": "array", "items": integer, "minItems": 2, "maxItems": 2}
-    explicit = {
-        "type": "object",
-        "title": "explicit stages (shorthand of name: explicit)",
-        "properties": {
-            "layers": _one_or_list(integer),
-            "ratios": _one_or_list(number),
-            "windows_per_side": _nullable(_one_or_list(integer)),
-            "window_size": _nullable({"anyOf": [pair, {"type": "array", "items": pair, "minItems": 1}]}),
-        },
-        "required": ["layers", "ratios"],
-        "additionalProperties": False,
-    }
-    kept = {
-        "type": "object",
-        "title": "a kept-fraction target (shorthand of name: kept_fraction, params: {target: ...})",
-        "properties": {
-            "kept_fraction": number,
-            "relative_layers": _nullable(_one_or_list(number)),
-            "windows_per_side": _nullable(_one_or_list(integer)),
-            "max_ratio": _nullable(number),
-        },
-        "required": ["kept_fraction"],
-        "additionalProperties": False,
-    }
+    """The schedule: every registered scheduler's shorthand (`Scheduler.shorthand_schema`),
+    or any registered scheduler as its bare name or ``{name, params}``."""
+    short = [impl.shorthand_schema() for _, impl in shorthands().values()]
     family = _family_schema("scheduler")
     return {
         "title": "ScheduleConfig",
         "description": (ScheduleConfig.__doc__ or "").strip().split("\n\n")[0].replace("\n", " "),
-        "anyOf": [explicit, kept, *family["anyOf"]],
+        "anyOf": [*short, *family["anyOf"]],
     }

@@ -3,22 +3,29 @@ instantiation, and the spec of a policy object."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
+import typing
 from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
 )
 
+from pydantic_core import PydanticCustomError
+
 from ..policies import FAMILIES, Policy
 from ..policies import pooling as _pooling  # noqa: F401  (registers the "anchor" and "strided" partitioners)
+from ..policies.base import rename_fields
+
 from .errors import ConfigError, _did_you_mean, _fail, _plain, _short
 
 __all__ = ["STAGE_FIELDS", "PolicySpec"]
@@ -67,9 +74,32 @@ class PolicySpec(BaseModel):
     def _plain_params(cls, params: dict[str, Any]) -> dict[str, Any]:
         return {str(k): _plain(v, str(k)) for k, v in params.items()}
 
+    _built: Any = PrivateAttr(default=None)
+    """``(name, params, policy)`` as validated by a config (see `built`)."""
+
     def to_yaml_value(self) -> str | dict[str, Any]:
         """The canonical YAML form: the bare name when there are no parameters."""
         return {"name": self.name, "params": dict(self.params)} if self.params else self.name
+
+    def __eq__(self, other: object) -> bool:
+        # The policy built during validation is a cache, not part of the value.
+        return type(other) is type(self) and (self.name, self.params) == (other.name, other.params)  # type: ignore[attr-defined]
+
+    def built(self) -> Policy | None:
+        """The policy a config constructed when it validated this spec, while name and
+        parameters are unchanged since (None otherwise)."""
+        return _cached(self._built, (self.name, self.params))
+
+    def _remember(self, policy: Policy) -> PolicySpec:
+        self._built = (self.name, copy.deepcopy(self.params), policy)
+        return self
+
+
+def _cached(built: Any, now: Any) -> Any:
+    """The object of a ``(*key, object)`` cache entry while its key equals ``now``."""
+    if built is None or tuple(built[:-1]) != tuple(now):
+        return None
+    return built[-1]
 
 
 @functools.cache
@@ -82,12 +112,28 @@ def _adapter(impl: type) -> TypeAdapter | None:
         return None
 
 
+@functools.cache
+def _field_adapters(impl: type) -> dict[str, TypeAdapter] | None:
+    """One pydantic adapter per init field of a policy dataclass, to convert parameters to
+    the declared types without constructing the policy (None: types pydantic cannot
+    describe, so names only are checked)."""
+    if not dataclasses.is_dataclass(impl):
+        return None
+    try:
+        hints = typing.get_type_hints(impl)
+        return {f.name: TypeAdapter(hints[f.name]) for f in dataclasses.fields(impl) if f.init}
+    except Exception:  # noqa: BLE001  (a third-party annotation pydantic cannot describe)
+        return None
+
+
 def _coerce_params(family: type[Policy], spec: PolicySpec, prefix: bool = True) -> dict[str, Any]:
     """Check ``spec`` against ``family``'s registry and the policy's parameter types.
 
     Returns the parameters converted to the types the policy declares (e.g. YAML lists
-    to tuples), ready for ``family.create``. Messages about values start with the family
-    and name (``scheduler 'explicit': ...``) unless ``prefix`` is false.
+    to tuples), under their current names (a deprecated name is renamed with a
+    `DeprecationWarning`), ready for ``family.create``; nothing is constructed. Messages
+    about values start with the family and name (``scheduler 'explicit': ...``) unless
+    ``prefix`` is false.
 
     Raises:
         PydanticCustomError: unknown name, unknown parameter or a badly typed value.
@@ -96,7 +142,7 @@ def _coerce_params(family: type[Policy], spec: PolicySpec, prefix: bool = True) 
         impl = family.lookup(spec.name)
     except ValueError as e:
         raise _fail("unknown_policy", f"{e}{_did_you_mean(spec.name, family.registered())}", ("name",)) from None
-    params = dict(spec.params)
+    params = rename_fields(impl, dict(spec.params), f"{family.family} {spec.name!r}", stacklevel=4)
     if not dataclasses.is_dataclass(impl):
         return params
     fields = {f.name: f for f in dataclasses.fields(impl) if f.init}
@@ -109,34 +155,39 @@ def _coerce_params(family: type[Policy], spec: PolicySpec, prefix: bool = True) 
             f"its parameters are: {allowed}",
             ("params", bad[0]),
         )
-    adapter = _adapter(impl)
-    if adapter is None or not params:
+    adapters = _field_adapters(impl)
+    if adapters is None or not params:
         return params
     label = f"{family.family} {spec.name!r}: " if prefix else ""
-    try:
-        validated = adapter.validate_python(params)
-    except ValidationError as e:
-        first = e.errors(include_url=False)[0]
-        where = tuple(first["loc"])
-        if first["type"] == "value_error":  # raised by the policy's own checks
-            error = (first.get("ctx") or {}).get("error")
-            detail = str(error if error is not None else first["msg"])
-            where += _error_loc(error)
-        else:
+    out = {}
+    for key in fields:  # field order: the first bad field is reported, as a dataclass would
+        if key not in params:
+            continue
+        try:
+            out[key] = adapters[key].validate_python(params[key])
+        except ValidationError as e:
+            first = e.errors(include_url=False)[0]
             detail = f"{first['msg']}, got {_short(first.get('input'))}"
-        raise _fail("param_value", f"{label}{detail}", ("params",) + where) from None
-    except (ValueError, TypeError) as e:  # raised by the policy's own __post_init__
-        raise _fail("param_value", f"{label}{e}", ("params",) + _error_loc(e)) from None
-    return {k: getattr(validated, k) for k in params}
+            raise _fail("param_value", f"{label}{detail}", ("params", key) + tuple(first["loc"])) from None
+    return {k: out[k] for k in params}
 
 
-def _instantiate(family: type[Policy], spec: PolicySpec, prefix: bool = True) -> Policy:
+def _build(family: type[Policy], spec: PolicySpec, prefix: bool = True) -> tuple[Policy, dict[str, Any]]:
+    """The policy ``spec`` names, constructed once, and its coerced parameters.
+
+    Raises:
+        PydanticCustomError: as `_coerce_params`, or the policy's own checks failed.
+    """
     params = _coerce_params(family, spec, prefix)
     try:
-        return family.create(spec.name, **params)
+        return family.create(spec.name, **params), params
     except (ValueError, TypeError) as e:
         label = f"{family.family} {spec.name!r}: " if prefix else ""
         raise _fail("param_value", f"{label}{e}", ("params",) + _error_loc(e)) from None
+
+
+def _instantiate(family: type[Policy], spec: PolicySpec, prefix: bool = True) -> Policy:
+    return _build(family, spec, prefix)[0]
 
 
 def _spec_of(policy: Policy, where: str) -> PolicySpec:
@@ -173,7 +224,25 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _canonical_params(given: dict[str, Any], coerced: dict[str, Any]) -> dict[str, Any]:
-    """Parameters as stored in a config: the coerced values (so ``"1e-12"`` becomes a float)
-    as plain data, in the order given."""
-    return {k: _plain(coerced.get(k, v), k) for k, v in given.items()}
+def _canonical(family: type[Policy], policy: Policy, name: str, coerced: dict[str, Any]) -> dict[str, Any]:
+    """The parameters a config stores for ``policy`` (built from ``coerced``): its
+    non-default fields, as ``to_yaml`` of a pipeline object writes them, when they build it
+    again; otherwise the parameters as given (coerced, plain).
+
+    Only a policy whose `__post_init__` changed a value is constructed a second time to
+    check that; for every other one the non-default fields are the given ones."""
+    plain = {k: _plain(_jsonable(v), k) for k, v in coerced.items()}
+    if not (dataclasses.is_dataclass(policy) and family.registered().get(name) is type(policy)):
+        return plain
+    params = _spec_of(policy, family.family).params
+    expected = {f.name: _jsonable(f.default if f.default is not dataclasses.MISSING else f.default_factory())
+                for f in dataclasses.fields(policy) if f.init and (f.default is not dataclasses.MISSING
+                                                                    or f.default_factory is not dataclasses.MISSING)}
+    expected.update(plain)
+    if all(_jsonable(getattr(policy, k)) == v for k, v in expected.items()):
+        return params
+    try:
+        again = _build(family, PolicySpec.model_construct(name=name, params=params))[0]
+    except PydanticCustomError:
+        again = None
+    return params if again == policy else plain

@@ -26,13 +26,62 @@ found (see `lightkv.policies.plugins`).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
 from typing import Any, Callable, ClassVar, TypeVar
 
 from .plugins import ENTRY_POINT_GROUP, EntryPointStatus, PluginError, load_entry_points
 
-__all__ = ["Policy", "ENTRY_POINT_GROUP"]
+__all__ = ["Policy", "ENTRY_POINT_GROUP", "renamed"]
 
 P = TypeVar("P", bound=type)
+
+
+T = TypeVar("T", bound=type)
+
+
+def renamed(**old_to_new: str) -> Callable[[T], T]:
+    """Class decorator (put it above ``@dataclass``): keep accepting renamed fields.
+
+    ``@renamed(ratios="removal_ratios")`` makes ``Cls(ratios=...)`` (and
+    ``dataclasses.replace(obj, ratios=...)``) set ``removal_ratios`` with a
+    `DeprecationWarning` that names the new field, and ``obj.ratios`` read it. The mapping
+    is kept as ``renamed_fields`` (inherited and extended by subclasses), so the config
+    layer accepts the old YAML keys the same way. Where both names are given, the old one
+    wins: that is what `dataclasses.replace` with an old name means.
+    """
+
+    def deco(cls: T) -> T:
+        mapping = {**getattr(cls, "renamed_fields", {}), **old_to_new}
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **rename_fields(cls, kwargs, stacklevel=3))
+
+        cls.__init__ = __init__  # type: ignore[misc]
+        cls.renamed_fields = mapping  # type: ignore[attr-defined]
+        for old, new in old_to_new.items():
+            setattr(cls, old, property(lambda self, new=new: getattr(self, new), doc=f"Deprecated name of `{new}`."))
+        return cls
+
+    return deco
+
+
+def rename_fields(cls: type, params: dict[str, Any], where: str | None = None, stacklevel: int = 2) -> dict[str, Any]:
+    """``params`` with every deprecated field name of ``cls`` (see `renamed`) replaced by
+    its new name, warning once per old name; ``where`` prefixes the warning (e.g. the
+    YAML location)."""
+    mapping = getattr(cls, "renamed_fields", {})
+    if not mapping or not any(k in mapping for k in params):
+        return params
+    out = dict(params)
+    for old, new in mapping.items():
+        if old in out:
+            label = where or f"{cls.__name__}"
+            warnings.warn(f"{label}: {old!r} is deprecated, use {new!r}", DeprecationWarning, stacklevel=stacklevel + 1)
+            out[new] = out.pop(old)
+    return out
 
 
 class Policy:
@@ -111,6 +160,7 @@ class Policy:
             ValueError: unknown name, or a parameter the policy does not have.
         """
         impl = cls.lookup(name)
+        params = rename_fields(impl, params, f"{cls.family} {name!r}")
         if dataclasses.is_dataclass(impl):
             allowed = {f.name for f in dataclasses.fields(impl) if f.init}
             bad = sorted(set(params) - allowed)

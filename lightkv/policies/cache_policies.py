@@ -119,7 +119,7 @@ class ImportancePartitioner(Partitioner):
         start = torch.cumsum(size, 0) - size
         rank = torch.empty_like(order)
         rank[order] = torch.arange(order.numel(), device=order.device) - start[flat_w[order]]
-        leave = torch.floor(size.double() * float(inputs.spec.ratio) + 1e-9).long()
+        leave = torch.floor(size.double() * float(inputs.spec.removal_ratio) + 1e-9).long()
         leave = torch.minimum(leave, size - 1).clamp_min(0)  # at least one anchor
         is_src[inside] = rank < leave[flat_w]
         return Partition(window, is_src)

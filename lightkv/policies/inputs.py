@@ -14,6 +14,7 @@ inputs.features("keys")                                     # [B, N, H_kv, d] or
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -38,7 +39,7 @@ class StageInputs:
 
     Attributes:
         layout: the batch layout (``[B, N]`` tokens).
-        spec: the stage's schedule entry (layer, ratio, windows).
+        spec: the stage's schedule entry (layer, removal ratio, windows).
         hidden: ``[B, N, D]`` hidden states after the stage's layer (None only when the
             inputs describe a layout alone, e.g. to call a partitioner in a test).
         relevance: ``[B, N]`` prompt relevance ξ (non-negative), or None for uniform.
@@ -59,6 +60,9 @@ class StageInputs:
     keys: torch.Tensor | None = None
     provenance: Provenance | None = None
     prompt: Prompt | None = None
+    divergence_budget: int | None = None
+    """Bytes an edge scorer's pairwise intermediates may take at once (the pipeline's
+    ``divergence_memory_mib``); None: `lightkv.policies.scorers.DEFAULT_DIVERGENCE_BYTES`."""
 
     @classmethod
     def of(
@@ -68,15 +72,20 @@ class StageInputs:
         *,
         windows_per_side: int | None = None,
         window_size: tuple[int, int] | None = None,
-        ratio: float = 0.5,
+        removal_ratio: float = 0.5,
         layer: int = 0,
+        ratio: float | None = None,
         **tensors: torch.Tensor | Provenance | Prompt | None,
     ) -> "StageInputs":
         """Inputs for a stage built from a layout and window settings, without a scheduler.
 
-        ``tensors`` are the other fields (``relevance``, ``keys``, ``provenance``, ``prompt``).
+        ``tensors`` are the other fields (``relevance``, ``keys``, ``provenance``, ``prompt``);
+        ``ratio`` is the deprecated name of ``removal_ratio``.
         """
-        spec = StageSpec(layer, ratio, windows_per_side=windows_per_side, window_size=window_size)
+        if ratio is not None:
+            warnings.warn("StageInputs.of: 'ratio' is deprecated, use 'removal_ratio'", DeprecationWarning, stacklevel=2)
+            removal_ratio = ratio
+        spec = StageSpec(layer, removal_ratio, windows_per_side=windows_per_side, window_size=window_size)
         return cls(layout=layout, spec=spec, hidden=hidden, **tensors)  # type: ignore[arg-type]
 
     @property

@@ -293,5 +293,5 @@ class RelevanceSplit(Partitioner):
         start = torch.cumsum(n, 0) - n
         rank = torch.empty_like(w)
         rank[order] = torch.arange(w.numel(), device=w.device) - start[w[order]]
-        is_src[inside] = rank < self.source_count(n, float(inputs.spec.ratio))[w]
+        is_src[inside] = rank < self.source_count(n, float(inputs.spec.removal_ratio))[w]
         return Partition(window, is_src)

@@ -98,7 +98,7 @@ class ResizePartitioner(Partitioner):
             return Partition.empty(layout)
         window, is_src = Partition.empty(layout).window, torch.zeros_like(vision)
         n = image_vision_counts(layout)
-        k = kept_count(n, inputs.spec.ratio)
+        k = kept_count(n, inputs.spec.removal_ratio)
         h, w = layout.image_grid[:, 0], layout.image_grid[:, 1]
         hh, ww = resized_grid(h, w, k)
         img = layout.image[vision]

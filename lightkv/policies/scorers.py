@@ -13,14 +13,28 @@ from .base import Policy
 from .hashing import seeded_uniform
 from .inputs import Features, StageInputs
 
-__all__ = ["CosineDivergence", "EdgeScorer", "L2Divergence", "RandomDivergence"]
+__all__ = ["DEFAULT_DIVERGENCE_BYTES", "CosineDivergence", "EdgeScorer", "L2Divergence", "RandomDivergence"]
+
+
+DEFAULT_DIVERGENCE_BYTES = 256 * 2**20
+"""The default memory budget of a non-bilinear divergence's pairwise intermediates (256 MiB;
+a pipeline's ``divergence_memory_mib`` sets another)."""
+
+
+def _chunks(total: int, step: int) -> list[tuple[int, int]]:
+    return [(i, min(i + step, total)) for i in range(0, total, step)]
 
 
 class EdgeScorer(Policy):
     """Family: how dissimilar two tokens are (lower = better merge partners).
 
-    Override `divergence`; `best_edges` batches it over all windows at once. A scorer that
-    needs more than two feature blocks (relevance, sizes, the layout) overrides `match`.
+    Override `divergence`; `best_edges` batches it over all windows at once. A divergence
+    that is not `bilinear` (it builds ``[K, a, b, *F]`` pairwise intermediates, e.g. a JS
+    divergence between per-head distributions) is evaluated in chunks of windows, and of
+    source rows inside a window, so that its intermediates stay within the stage's memory
+    budget (`StageInputs.divergence_budget`); the result is the same as in one call. A
+    scorer that needs more than two feature blocks (relevance, sizes, the layout) overrides
+    `match`.
 
     Attributes:
         features: which per-token features to compare: ``"hidden"`` (the residual stream
@@ -30,6 +44,14 @@ class EdgeScorer(Policy):
 
     family: ClassVar[str] = "scorer"
     features: Features = "hidden"
+
+    bilinear: ClassVar[bool] = False
+    """True when `divergence` holds no per-pair feature tensor (a matrix product or a
+    distance routine, as cosine and L2): it runs in one call over all windows. False (the
+    default, the safe assumption for a new scorer): it runs in memory-bounded chunks."""
+    pair_intermediates: ClassVar[int] = 4
+    """How many ``[pairs, *F]`` tensors a non-bilinear `divergence` holds at once (sizes
+    its chunks: pairs per chunk = budget / (this x F x bytes per element))."""
 
     @property
     def needs(self) -> frozenset[str]:
@@ -54,14 +76,18 @@ class EdgeScorer(Policy):
         Returns:
             ``(dst [K, a_max], divergence [K, a_max])`` as `best_edges`.
         """
-        return self.best_edges(graph, graph.gather(inputs.features(self.features)))
+        return self.best_edges(graph, graph.gather(inputs.features(self.features)), inputs.divergence_budget)
 
-    def best_edges(self, graph: BipartiteGraph, node_features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def best_edges(
+        self, graph: BipartiteGraph, node_features: torch.Tensor, budget: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each A node's least divergent B node in its window.
 
         Args:
             graph: the batched graph.
             node_features: ``[M, *F]`` per-node features.
+            budget: bytes a non-`bilinear` divergence's intermediates may take at once
+                (None: `DEFAULT_DIVERGENCE_BYTES`); bilinear scorers ignore it.
 
         Returns:
             ``(dst [K, a_max], divergence [K, a_max])``: node index of the best partner
@@ -74,14 +100,41 @@ class EdgeScorer(Policy):
         k, a = graph.src_slots.shape
         if graph.dst_slots.shape[1] == 0 or a == 0:
             return graph.src_slots.new_full((k, a), -1), feats.new_full((k, a), float("inf"))
-        div = self.divergence(src, dst)
-        if div.shape != (k, a, graph.dst_slots.shape[1]):
-            raise ValueError(f"{type(self).__name__}.divergence returned {tuple(div.shape)}, expected {(k, a, graph.dst_slots.shape[1])}")
-        div = div.masked_fill((graph.dst_slots < 0).unsqueeze(1), float("inf"))
-        best_div, best_slot = div.min(dim=-1)
+        b = graph.dst_slots.shape[1]
+        pairs = self.chunk_pairs(feats[0].numel(), feats.element_size(), budget)
+        if self.bilinear or k * a * b <= pairs:
+            best_div, best_slot = self._best(src, dst, graph.dst_slots)
+        else:
+            # Whole windows while they fit, else source rows of one window at a time: every
+            # divergence entry depends on its own two tokens only, so the pieces are the
+            # entries of the one-call result, and so are their minima.
+            best_div = best_slot = None
+            windows = max(1, pairs // (a * b))
+            rows = a if windows > 1 else max(1, min(a, pairs // b))
+            for k0, k1 in _chunks(k, windows):
+                for r0, r1 in _chunks(a, rows):
+                    div, slot = self._best(src[k0:k1, r0:r1], dst[k0:k1], graph.dst_slots[k0:k1])
+                    if best_div is None:  # the divergence's own dtype, as in one call
+                        best_div, best_slot = div.new_empty((k, a)), slot.new_empty((k, a))
+                    best_div[k0:k1, r0:r1], best_slot[k0:k1, r0:r1] = div, slot
         best_dst = graph.dst_slots.gather(1, best_slot)
         invalid = (graph.src_slots < 0) | torch.isinf(best_div)
         return best_dst.masked_fill(invalid, -1), best_div.masked_fill(invalid, float("inf"))
+
+    def chunk_pairs(self, features: int, element_bytes: int, budget: int | None = None) -> int:
+        """How many (A, B) pairs one call of a non-bilinear `divergence` may cover within
+        ``budget`` bytes (None: `DEFAULT_DIVERGENCE_BYTES`), for ``features`` elements of
+        ``element_bytes`` bytes per token; at least one source row's worth is always allowed."""
+        budget = DEFAULT_DIVERGENCE_BYTES if budget is None else budget
+        return max(1, budget // max(1, self.pair_intermediates * features * element_bytes))
+
+    def _best(self, src: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(min divergence, its B slot)`` per A row of ``[k, a, *F]`` x ``[k, b, *F]``."""
+        div = self.divergence(src, dst)
+        expected = (src.shape[0], src.shape[1], dst.shape[1])
+        if div.shape != expected:
+            raise ValueError(f"{type(self).__name__}.divergence returned {tuple(div.shape)}, expected {expected}")
+        return div.masked_fill((dst_slots < 0).unsqueeze(1), float("inf")).min(dim=-1)
 
 
 @EdgeScorer.register("cosine")
@@ -100,6 +153,8 @@ class CosineDivergence(EdgeScorer):
     features: Features = "hidden"
     eps: float = 1e-12
 
+    bilinear: ClassVar[bool] = True
+
     def divergence(self, src, dst):
         src, dst = src.flatten(2), dst.flatten(2)  # keys: all heads of a token as one vector
         # Same as normalising src and dst first, without two normalised [K, *, D] copies.
@@ -114,6 +169,8 @@ class L2Divergence(EdgeScorer):
     """Euclidean distance ``||x_a - x_b||`` (sensitive to norms, unlike cosine)."""
 
     features: Features = "hidden"
+
+    bilinear: ClassVar[bool] = True
 
     def divergence(self, src, dst):
         return torch.cdist(src.flatten(2), dst.flatten(2))
@@ -133,6 +190,8 @@ class RandomDivergence(EdgeScorer):
     """
 
     seed: int = 0
+
+    bilinear: ClassVar[bool] = True
 
     def divergence(self, src, dst):
         k, a, b = src.shape[0], src.shape[1], dst.shape[1]

@@ -72,7 +72,7 @@ class DominantContextual(Partitioner):
             raise ValueError("the dominant_context partitioner ranks tokens by relevance: give the stage a relevance "
                              "(VisionZip: tower_attention)")
         n = image_vision_counts(layout)
-        k = kept_count(n, inputs.spec.ratio)
+        k = kept_count(n, inputs.spec.removal_ratio)
         c = torch.where(k < n, torch.round(k.double() * float(self.contextual)).long().clamp(1), 0)
         c = torch.minimum(c, k)
         d = k - c

@@ -132,7 +132,7 @@ def evaluate(model, episodes: Sequence[Episode], grid: GridConfig, pipeline=None
 def _identity_pipeline():
     from ..policies.schedulers import ExplicitSchedule
 
-    return get_preset("lightkv").with_scheduler(ExplicitSchedule(layers=(), ratios=(), windows_per_side=None))
+    return get_preset("lightkv").with_scheduler(ExplicitSchedule(layers=(), removal_ratios=(), windows_per_side=None))
 
 
 @torch.no_grad()
@@ -179,7 +179,7 @@ def relevance_mass(model, episodes: Sequence[Episode], grid: GridConfig, layers:
         for layer in layers:
             # a stage that barely merges, only so that the session records ξ at this layer
             pipe = replace(get_preset("lightkv"), relevance=Relevance.create(policy),
-                           scheduler=ExplicitSchedule(layers=(layer,), ratios=(0.01,), windows_per_side=(1,)))
+                           scheduler=ExplicitSchedule(layers=(layer,), removal_ratios=(0.01,), windows_per_side=(1,)))
             asked_sum = control_sum = 0.0
             n_control = 0
             for i in range(0, len(eps), batch):

@@ -168,7 +168,7 @@ def _check_stage(policy: Policy, dtype: torch.dtype) -> None:
         valid = alone.layout.valid_mask[0]
         if not torch.allclose(in_batch[valid].float(), alone.hidden[0][valid].float(), **tol):
             raise _fail(policy, f"row {b}'s hidden states differ in the batch and alone")
-    still = Stage(spec=dataclasses.replace(inputs.spec, ratio=0.0), **{
+    still = Stage(spec=dataclasses.replace(inputs.spec, removal_ratio=0.0), **{
         k: getattr(stage, k) for k in ("partitioner", "scorer", "pruner", "passer")
     }).run(inputs)
     if not torch.equal(still.hidden, inputs.hidden) or still.layout != inputs.layout:

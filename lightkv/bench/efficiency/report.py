@@ -100,7 +100,7 @@ def command_line(config: dict[str, Any]) -> str:
 
     base = asdict(quick_config() if config.get("quick") else BenchConfig())
     parts = ["lightkv bench efficiency"] + (["--quick"] if config.get("quick") else [])
-    flags = {"models": "--models", "presets": "--presets", "budgets": "--budgets", "layers": "--layers",
+    flags = {"models": "--models", "presets": "--presets", "budgets": "--kept-fractions", "layers": "--layers",
              "heads": "--heads",
              "width": "--width", "repeats": "--repeats", "device": "--device", "dtype": "--dtype",
              "threads": "--threads"}

@@ -104,7 +104,7 @@ def stage_scaling(cfg: ScalingConfig) -> dict[str, Any]:
 
     pipe = get_preset("lightkv")
     sched = pipe.scheduler
-    fixed = pipe.with_scheduler(ExplicitSchedule(layers=sched.layers, ratios=sched.ratios, windows_per_side=None,
+    fixed = pipe.with_scheduler(ExplicitSchedule(layers=sched.layers, removal_ratios=sched.removal_ratios, windows_per_side=None,
                                                  window_size=((cfg.window, cfg.window),)))
     variants = {"preset windows (4, 2, 1 per side)": _stage_chain(pipe, 32),
                 f"fixed {cfg.window}x{cfg.window}-token windows": _stage_chain(fixed, 32)}

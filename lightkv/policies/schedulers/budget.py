@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ..base import renamed
 from .core import (
     ScheduleError,
     Scheduler,
@@ -22,27 +23,27 @@ __all__ = ["BudgetSchedule", "Placement", "budget_schedule"]
 Placement = Literal["scaled", "extra stages", "min"]
 
 
-def budget_schedule(layers: Sequence[int], num_layers: int, target: float, max_ratio: float = 0.5,
+def budget_schedule(layers: Sequence[int], num_layers: int, kept_fraction: float, max_removal_ratio: float = 0.5,
                     windows_per_side: Sequence[int] | None = None, window_size=None, tolerance: float = 0.02):
-    """``(ExplicitSchedule, how)`` keeping about ``target`` of the vision KV.
+    """``(ExplicitSchedule, how)`` keeping about ``kept_fraction`` of the vision KV.
 
     Placements are tried in order: ``layers`` (already at the model's depth), then the same
     stages moved earlier by 1, 2, ... layers (spacing kept), then a stage after every layer
-    but the last (the deepest compression a method with this per-stage ``max_ratio`` can
+    but the last (the deepest compression a method with this per-stage ``max_removal_ratio`` can
     make; per-stage windows repeat their last entry). The first placement that can keep
-    ``target + tolerance`` or less gets one common ratio ``<= max_ratio`` by bisection on
+    ``kept_fraction + tolerance`` or less gets one common ratio ``<= max_removal_ratio`` by bisection on
     `average_kept_fraction`. ``how`` is ``"scaled"`` (the method's own stages), ``"extra
     stages"`` (a stage after every layer) or ``"min"`` (out of reach: the deepest placement
-    at ``max_ratio``). The tolerance keeps e.g. LightKV's own 0.5 ratio at its scaled layers
+    at ``max_removal_ratio``). The tolerance keeps e.g. LightKV's own 0.5 ratio at its scaled layers
     for a 55% target on 6 layers (56.25%) rather than moving it.
 
     Raises:
-        ValueError: ``target`` outside ``(0, 1]``.
+        ValueError: ``kept_fraction`` outside ``(0, 1]``.
     """
-    if not 0.0 < target <= 1.0:
-        raise ValueError(f"target must be in (0, 1], got {target}")
-    if target >= 1.0:
-        return ExplicitSchedule(layers=(), ratios=(), windows_per_side=None), "scaled"
+    if not 0.0 < kept_fraction <= 1.0:
+        raise ValueError(f"kept_fraction must be in (0, 1], got {kept_fraction}")
+    if kept_fraction >= 1.0:
+        return ExplicitSchedule(layers=(), removal_ratios=(), windows_per_side=None), "scaled"
     layers = list(layers)
     placements = [(tuple(l - shift for l in layers), "scaled") for shift in range(layers[0] + 1)]
     placements.append((tuple(range(num_layers - 1)), "extra stages"))
@@ -60,32 +61,33 @@ def budget_schedule(layers: Sequence[int], num_layers: int, target: float, max_r
             extra["window_size"] = per_stage(window_size, len(at))
         elif windows_per_side is not None:
             extra["windows_per_side"] = per_stage(windows_per_side, len(at))
-        return ExplicitSchedule(layers=at, ratios=(p,), **extra)
+        return ExplicitSchedule(layers=at, removal_ratios=(p,), **extra)
 
     for at, how in placements:
-        if kept(max_ratio, at) <= target + tolerance:
-            return build(round(ratio_for_target(lambda p, at=at: kept(p, at), target, max_ratio), 4), at), how
-    return build(max_ratio, placements[-1][0]), "min"
+        if kept(max_removal_ratio, at) <= kept_fraction + tolerance:
+            return build(round(ratio_for_target(lambda p, at=at: kept(p, at), kept_fraction, max_removal_ratio), 4), at), how
+    return build(max_removal_ratio, placements[-1][0]), "min"
 
 
 @Scheduler.register("budget")
+@renamed(target="kept_fraction", max_ratio="max_removal_ratio")
 @dataclass
 class BudgetSchedule(Scheduler):
     """A method's own stages, written for ``ref_depth`` layers, at a kept-fraction budget.
 
     `plan` moves ``layers`` to the model's depth with `scale_layers` (as `ScaledSchedule`
     does), then places the stages with `budget_schedule`: at the scaled layers if one common
-    ratio ``<= max_ratio`` keeps ``target + tolerance`` or less, else the same stages moved
+    ratio ``<= max_removal_ratio`` keeps ``kept_fraction + tolerance`` or less, else the same stages moved
     earlier, else a stage after every layer but the last; `placement` says which. This is
     how the quality benchmark puts every method at the same budget.
 
     Attributes:
         layers: 0-based layers of the method's reference schedule, below ``ref_depth``.
         ref_depth: the depth ``layers`` are written for.
-        target: vision-KV fraction to keep, averaged over layers, in ``(0, 1]``.
-        max_ratio: the largest removal a stage can really make, in ``(0, 1)`` (0.5 with a
+        kept_fraction: vision-KV fraction to keep, averaged over layers, in ``(0, 1]``.
+        max_removal_ratio: the largest removal a stage can really make, in ``(0, 1)`` (0.5 with a
             parity split, where only half of each window can leave).
-        tolerance: how much above ``target`` the method's own stages may keep before they
+        tolerance: how much above ``kept_fraction`` the method's own stages may keep before they
             are moved (>= 0).
         windows_per_side: windows per side per stage (one value is broadcast; extra stages
             repeat the last), or
@@ -98,8 +100,8 @@ class BudgetSchedule(Scheduler):
 
     layers: tuple[int, ...] = (12, 18, 24)
     ref_depth: int = 32
-    target: float = 0.55
-    max_ratio: float = 0.5
+    kept_fraction: float = 0.55
+    max_removal_ratio: float = 0.5
     tolerance: float = 0.02
     windows_per_side: tuple[int, ...] | None = (4, 2, 1)
     window_size: tuple[tuple[int, int], ...] | None = None
@@ -107,17 +109,17 @@ class BudgetSchedule(Scheduler):
     def __post_init__(self) -> None:
         if tuple(self.windows_per_side or ()) == (4, 2, 1) and self.window_size is not None:
             self.windows_per_side = None
-        check_fraction(self.target, "target", True, False, "target kept fraction")
-        check_fraction(self.max_ratio, "max_ratio", True, True, "max_ratio")
+        check_fraction(self.kept_fraction, "kept_fraction", True, False, "target kept fraction")
+        check_fraction(self.max_removal_ratio, "max_removal_ratio", True, True, "max_removal_ratio")
         if not float(self.tolerance) >= 0.0:
             raise ScheduleError(f"tolerance must be >= 0, got {self.tolerance!r}", "tolerance")
         if not self.layers:
             raise ScheduleError("give at least one reference layer, e.g. [12, 18, 24]", "layers")
-        check_reference(self, (self.max_ratio,))
+        check_reference(self, (self.max_removal_ratio,))
 
     def _placed(self, num_layers: int) -> tuple[ExplicitSchedule, Placement]:
         layers = reference_layers(self.layers, self.ref_depth, num_layers)
-        return budget_schedule(layers, num_layers, self.target, self.max_ratio, windows_per_side=self.windows_per_side,
+        return budget_schedule(layers, num_layers, self.kept_fraction, self.max_removal_ratio, windows_per_side=self.windows_per_side,
                                window_size=self.window_size, tolerance=self.tolerance)
 
     def explicit(self, num_layers: int) -> ExplicitSchedule:
@@ -128,11 +130,11 @@ class BudgetSchedule(Scheduler):
         """Which placement `plan` uses on ``num_layers`` layers: ``"scaled"`` (the method's
         own stages, possibly moved earlier), ``"extra stages"`` (a stage after every layer
         but the last) or ``"min"`` (the target is out of reach: the deepest placement at
-        ``max_ratio``)."""
+        ``max_removal_ratio``)."""
         return self._placed(num_layers)[1]
 
     def target_kept_fraction(self, num_layers: int) -> float:
-        return float(self.target)
+        return float(self.kept_fraction)
 
     def plan(self, num_layers):
         self._check_depth(num_layers)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from ..base import renamed
 from .core import ScheduleError, Scheduler, StageSpec, check_fraction, check_windows
 
 __all__ = ["CacheSchedule", "H2OSchedule"]
@@ -40,32 +41,33 @@ def _check_layers(layers) -> tuple[int, ...] | None:
 
 
 @Scheduler.register("cache")
+@renamed(ratio="removal_ratio")
 @dataclass
 class CacheSchedule(Scheduler):
     """One cache stage per listed layer (every layer by default), run on the layer's cached
     keys and values right after the layer's prefill (`lightkv.cache_stage.CacheStage`).
 
     Attributes:
-        ratio: removal ratio in ``[0, 1)`` of each stage (what the stage's pruner removes
+        removal_ratio: removal ratio in ``[0, 1)`` of each stage (what the stage's pruner removes
             of each window).
         layers: the layers whose caches are compressed (None: every layer).
         windows_per_side: windows per image side, for window partitioners (``grid``);
             ``importance`` and ``global`` ignore it.
     """
 
-    ratio: float = 0.5
+    removal_ratio: float = 0.5
     layers: tuple[int, ...] | None = None
     windows_per_side: int = 1
 
     def __post_init__(self) -> None:
-        check_fraction(self.ratio, "ratio", False, True, "removal ratio")
+        check_fraction(self.removal_ratio, "removal_ratio", False, True, "removal ratio")
         self.layers = _check_layers(self.layers)
         check_windows([self.windows_per_side], None)
 
     def plan(self, num_layers):
         self._check_depth(num_layers)
         at = _layers(self.layers, num_layers, "cache")
-        return self._validate([StageSpec(layer, float(self.ratio), self.windows_per_side, cache=True) for layer in at], num_layers)
+        return self._validate([StageSpec(layer, float(self.removal_ratio), self.windows_per_side, cache=True) for layer in at], num_layers)
 
 
 @Scheduler.register("h2o")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from ...graph.windows import check_window_spec
-from ..base import Policy
+from ..base import Policy, renamed
 
 __all__ = [
     "ScheduleError",
@@ -35,13 +36,15 @@ class ScheduleError(ValueError):
         self.index = index
 
 
+@renamed(ratio="removal_ratio")
 @dataclass(frozen=True)
 class StageSpec:
     """One scheduled stage.
 
     Attributes:
         layer: 0-based decoder layer after which the stage runs.
-        ratio: removal ratio ``P`` in ``[0, 1)``.
+        removal_ratio: the removal ratio ``P`` in ``[0, 1)``: the share of the vision tokens
+            entering the stage that it removes (``ratio`` is the deprecated name).
         windows_per_side: windows per image side, or
         window_size: window ``(rows, cols)`` in tokens.
         before: run on the layer's *input* instead (only for layer 0: the pre-LLM mode,
@@ -57,7 +60,7 @@ class StageSpec:
     """
 
     layer: int
-    ratio: float
+    removal_ratio: float
     windows_per_side: int | None = None
     window_size: tuple[int, int] | None = None
     before: bool = False
@@ -84,8 +87,8 @@ class StageSpec:
                 f"a stage before layer {self.layer} is the stage after layer {self.layer - 1}; "
                 "use before=True only at layer 0 (the pre-LLM mode)"
             )
-        if not (0.0 <= float(self.ratio) < 1.0):
-            raise ValueError(f"stage ratio must be in [0, 1), got {self.ratio!r}")
+        if not (0.0 <= float(self.removal_ratio) < 1.0):
+            raise ValueError(f"stage removal ratio must be in [0, 1), got {self.removal_ratio!r}")
         check_window_spec(self.windows_per_side, self.window_size)
 
 
@@ -93,6 +96,48 @@ class Scheduler(Policy):
     """Family: turns a model depth into a list of `StageSpec`. Override `plan`."""
 
     family: ClassVar[str] = "scheduler"
+
+    shorthand: ClassVar[str | None] = None
+    """The YAML key that marks this scheduler's shorthand (``schedule: {KEY: value, ...}``
+    instead of ``{name: ..., params: {...}}``), or None. The config layer finds shorthands
+    in the registry, so a plugin scheduler declares its own by setting it (only the class
+    that sets it has it, not its subclasses)."""
+    shorthand_keys: ClassVar[tuple[str, ...]] = ()
+    """The keys a shorthand mapping may hold besides `shorthand` itself."""
+
+    @classmethod
+    def from_shorthand(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """The parameters (plain data, checked by the config layer afterwards) of a
+        shorthand mapping ``data`` (holding `shorthand` and some of `shorthand_keys`).
+
+        Default: the mapping itself, each key a parameter of the same name.
+
+        Raises:
+            ScheduleError: what the shorthand itself forbids (``param`` names the key).
+        """
+        return dict(data)
+
+    def to_shorthand(self) -> dict[str, Any] | None:
+        """This scheduler as a shorthand mapping (plain data) that `from_shorthand` reads
+        back to the same scheduler, or None to be written as ``{name, params}``.
+
+        Default: the non-default parameters plus `shorthand` (always written)."""
+        if self.shorthand is None or not dataclasses.is_dataclass(self):
+            return None
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            if f.name == self.shorthand or value != default:
+                out[f.name] = list(value) if isinstance(value, tuple) else value
+        return {self.shorthand: out.pop(self.shorthand), **out}
+
+    @classmethod
+    def shorthand_schema(cls) -> dict[str, Any]:
+        """JSON Schema of the shorthand mapping (for `lightkv config schema`)."""
+        keys = (cls.shorthand, *cls.shorthand_keys)
+        return {"type": "object", "title": f"shorthand of name: {cls.name}", "required": [cls.shorthand],
+                "properties": {k: {} for k in keys}, "additionalProperties": False}
 
     def plan(self, num_layers: int) -> list[StageSpec]:
         """Stages for a decoder of ``num_layers`` layers, sorted by layer.
@@ -169,7 +214,7 @@ def average_kept_fraction(stages: list[StageSpec], num_layers: int) -> float:
     stage keeps ``1 - P`` of its own layer's cache only.
     """
     if stages and all(s.cache for s in stages):
-        at = {s.layer: 1.0 - s.ratio for s in stages}
+        at = {s.layer: 1.0 - s.removal_ratio for s in stages}
         return sum(at.get(layer, 1.0) for layer in range(num_layers)) / num_layers
     if any(s.cache for s in stages):
         raise ValueError("cache stages and hidden-state stages cannot be mixed in one schedule")
@@ -177,7 +222,7 @@ def average_kept_fraction(stages: list[StageSpec], num_layers: int) -> float:
     for s in stages:
         end = s.layer if s.before else s.layer + 1
         total += (end - start) * kept
-        kept *= 1.0 - s.ratio
+        kept *= 1.0 - s.removal_ratio
         start = end
     total += (num_layers - start) * kept
     return total / num_layers

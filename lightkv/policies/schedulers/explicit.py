@@ -3,20 +3,36 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
+from ..base import renamed
 from .core import ScheduleError, Scheduler, StageSpec, check_windows, per_stage
 
 __all__ = ["ExplicitSchedule"]
 
 
+def _as_list(value: Any) -> Any:
+    """A YAML scalar as a list of one (lists and anything else as given)."""
+    return [value] if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _one_or_list(item: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [item, {"type": "array", "items": item, "minItems": 1}]}
+
+
 @Scheduler.register("explicit")
+@renamed(ratios="removal_ratios")
 @dataclass
 class ExplicitSchedule(Scheduler):
     """Fixed layers, windows and ratios (the reference code's schedules).
 
     Attributes:
         layers: 0-based layers Λ, increasing.
-        ratios: removal ratio per stage (one value is broadcast).
+        removal_ratios: removal ratio per stage (one value is broadcast).
         windows_per_side: windows per side per stage (one value is broadcast); the default
             ``(4, 2, 1)`` fits the three default layers only (other layers must give their
             own), or
@@ -29,7 +45,7 @@ class ExplicitSchedule(Scheduler):
     """
 
     layers: tuple[int, ...] = (12, 18, 24)
-    ratios: tuple[float, ...] = (0.5,)
+    removal_ratios: tuple[float, ...] = (0.5,)
     windows_per_side: tuple[int, ...] | None = (4, 2, 1)
     window_size: tuple[tuple[int, int], ...] | None = None
 
@@ -49,6 +65,56 @@ class ExplicitSchedule(Scheduler):
                 )
         self.stages()  # any other length or value problem, at construction too
 
+    shorthand: ClassVar[str] = "layers"
+    shorthand_keys: ClassVar[tuple[str, ...]] = ("removal_ratios", "windows_per_side", "window_size")
+
+    @classmethod
+    def from_shorthand(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """``layers: [...]`` with ``removal_ratios`` (required) and ``windows_per_side`` or
+        ``window_size`` (neither: one window per image side); scalars are lists of one."""
+        layers = _as_list(data["layers"])
+        if isinstance(layers, list) and not layers:
+            raise ScheduleError("give at least one layer (an empty schedule compresses nothing)", "layers")
+        if "removal_ratios" not in data:
+            n = len(layers) if isinstance(layers, list) else 1
+            count = "one value" if n == 1 else f"1 or {n} values"
+            raise ScheduleError(f"an explicit schedule needs removal_ratios ({count}), e.g. removal_ratios: [0.5]",
+                                "removal_ratios")
+        if "windows_per_side" in data and "window_size" in data:
+            raise ScheduleError("give windows_per_side or window_size, not both", "window_size")
+        params = {"layers": layers, "removal_ratios": _as_list(data["removal_ratios"])}
+        if "window_size" in data:
+            size = data["window_size"]
+            pair = isinstance(size, (list, tuple)) and len(size) == 2 and all(isinstance(v, int) for v in size)
+            params["window_size"] = [size] if pair else size
+        params["windows_per_side"] = _as_list(data["windows_per_side"]) if "windows_per_side" in data else None
+        return params
+
+    def to_shorthand(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"layers": list(self.layers), "removal_ratios": [float(r) for r in self.removal_ratios]}
+        if self.window_size is not None:
+            out["window_size"] = [list(w) for w in self.window_size]
+        elif self.windows_per_side is not None:
+            out["windows_per_side"] = list(self.windows_per_side)
+        return out
+
+    @classmethod
+    def shorthand_schema(cls) -> dict[str, Any]:
+        integer, number = {"type": "integer"}, {"type": "number"}
+        pair = {"type": "array", "items": integer, "minItems": 2, "maxItems": 2}
+        return {
+            "type": "object",
+            "title": "explicit stages (shorthand of name: explicit)",
+            "properties": {
+                "layers": _one_or_list(integer),
+                "removal_ratios": _one_or_list(number),
+                "windows_per_side": _nullable(_one_or_list(integer)),
+                "window_size": _nullable({"anyOf": [pair, {"type": "array", "items": pair, "minItems": 1}]}),
+            },
+            "required": ["layers", "removal_ratios"],
+            "additionalProperties": False,
+        }
+
     def max_stages(self) -> int:
         return len(self.layers)
 
@@ -59,9 +125,9 @@ class ExplicitSchedule(Scheduler):
                 raise ScheduleError(f"layer indices are 0-based and must be >= 0, got {layer!r}", "layers", i)
             if i and layer <= layers[i - 1]:
                 raise ScheduleError(f"layers must be strictly increasing, got {layers}", "layers", i)
-        for i, r in enumerate(self.ratios):
+        for i, r in enumerate(self.removal_ratios):
             if not (0.0 <= float(r) < 1.0):
-                raise ScheduleError(f"removal ratio must be in [0, 1) (0 keeps every token), got {r!r}", "ratios", i)
+                raise ScheduleError(f"removal ratio must be in [0, 1) (0 keeps every token), got {r!r}", "removal_ratios", i)
         check_windows(self.windows_per_side, self.window_size)
 
     def stages(self) -> list[StageSpec]:
@@ -72,7 +138,7 @@ class ExplicitSchedule(Scheduler):
         """
         self._check_values()
         n = len(self.layers)
-        ratios = per_stage(self.ratios, n, "ratios")
+        ratios = per_stage(self.removal_ratios, n, "removal_ratios")
         if self.windows_per_side is not None and self.window_size is not None:
             raise ScheduleError("give windows_per_side or window_size, not both", "window_size")
         if self.window_size is not None:

@@ -11,28 +11,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..base import renamed
 from .core import Scheduler, StageSpec, check_fraction, check_windows
 
 __all__ = ["PreLLMSchedule"]
 
 
 @Scheduler.register("pre_llm")
+@renamed(ratio="removal_ratio")
 @dataclass
 class PreLLMSchedule(Scheduler):
     """One stage before the first decoder layer.
 
     Attributes:
-        ratio: removal ratio in ``[0, 1)`` (with a parity split at most 0.5 really leaves).
+        removal_ratio: removal ratio in ``[0, 1)`` (with a parity split at most 0.5 really leaves).
         windows_per_side: windows per image side, or
         window_size: window ``(rows, cols)`` in tokens (replaces ``windows_per_side``).
     """
 
-    ratio: float = 0.5
+    removal_ratio: float = 0.5
     windows_per_side: int | None = 4
     window_size: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
-        check_fraction(self.ratio, "ratio", False, True, "removal ratio")
+        check_fraction(self.removal_ratio, "removal_ratio", False, True, "removal ratio")
         if self.window_size is not None:
             self.windows_per_side = None
             self.window_size = tuple(self.window_size)  # type: ignore[assignment]
@@ -45,5 +47,5 @@ class PreLLMSchedule(Scheduler):
 
     def plan(self, num_layers):
         self._check_depth(num_layers)
-        spec = StageSpec(0, float(self.ratio), self.windows_per_side, self.window_size, before=True)
+        spec = StageSpec(0, float(self.removal_ratio), self.windows_per_side, self.window_size, before=True)
         return self._validate([spec], num_layers)

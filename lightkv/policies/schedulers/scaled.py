@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..base import renamed
 from .core import ScheduleError, Scheduler
 from .explicit import ExplicitSchedule
 
@@ -50,7 +51,7 @@ def check_reference(scheduler, ratios) -> None:
     """
     if isinstance(scheduler.ref_depth, bool) or not isinstance(scheduler.ref_depth, int) or scheduler.ref_depth < 2:
         raise ScheduleError(f"ref_depth must be an integer >= 2, got {scheduler.ref_depth!r}", "ref_depth")
-    ref = ExplicitSchedule(layers=tuple(scheduler.layers), ratios=tuple(ratios),
+    ref = ExplicitSchedule(layers=tuple(scheduler.layers), removal_ratios=tuple(ratios),
                            windows_per_side=scheduler.windows_per_side, window_size=scheduler.window_size)
     try:
         ref.plan(scheduler.ref_depth)
@@ -61,6 +62,7 @@ def check_reference(scheduler, ratios) -> None:
 
 
 @Scheduler.register("scaled")
+@renamed(ratios="removal_ratios")
 @dataclass
 class ScaledSchedule(Scheduler):
     """An explicit schedule written for a ``ref_depth``-layer decoder, on a model of any depth.
@@ -74,7 +76,7 @@ class ScaledSchedule(Scheduler):
     Attributes:
         layers: 0-based layers of the reference schedule, increasing, below ``ref_depth``.
         ref_depth: the depth ``layers`` are written for.
-        ratios: removal ratio per stage (one value is broadcast).
+        removal_ratios: removal ratio per stage (one value is broadcast).
         windows_per_side: windows per side per stage (one value is broadcast), or
         window_size: one ``(rows, cols)`` per stage; replaces the default ``windows_per_side``.
 
@@ -85,14 +87,14 @@ class ScaledSchedule(Scheduler):
 
     layers: tuple[int, ...] = (12, 18, 24)
     ref_depth: int = 32
-    ratios: tuple[float, ...] = (0.5,)
+    removal_ratios: tuple[float, ...] = (0.5,)
     windows_per_side: tuple[int, ...] | None = (4, 2, 1)
     window_size: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if tuple(self.windows_per_side or ()) == (4, 2, 1) and self.window_size is not None:
             self.windows_per_side = None  # as in ExplicitSchedule: window_size replaces the default
-        check_reference(self, self.ratios)
+        check_reference(self, self.removal_ratios)
 
     def max_stages(self) -> int:
         return len(self.layers)
@@ -104,7 +106,7 @@ class ScaledSchedule(Scheduler):
             ValueError: the scaled stages do not fit ``num_layers`` layers.
         """
         return ExplicitSchedule(layers=reference_layers(self.layers, self.ref_depth, num_layers),
-                                ratios=tuple(self.ratios), windows_per_side=self.windows_per_side,
+                                removal_ratios=tuple(self.removal_ratios), windows_per_side=self.windows_per_side,
                                 window_size=self.window_size)
 
     def plan(self, num_layers):

@@ -1,0 +1,173 @@
+"""One pass from YAML to Pipeline (issue 25 item 2) and the renamed keys (item 3).
+
+Every value is validated once and every policy and scheduler constructed once; a scheduler
+class declares its own YAML shorthand; a pipeline's text survives ``to_yaml(load(f))``;
+renamed keys still load, with a warning that names the new one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+import lightkv
+import lightkv.config
+from lightkv.config import PipelineConfig, PolicySpec, json_schema
+from lightkv.policies import (
+    EdgeScorer,
+    ExplicitSchedule,
+    KeptFractionSchedule,
+    Scheduler,
+    StageSpec,
+)
+from lightkv.policies.scorers import CosineDivergence
+
+PRESET_DIR = Path(lightkv.__file__).parent / "presets"
+BUILT: dict[str, int] = {}
+
+
+@dataclass
+class CountingScorer(CosineDivergence):
+    """Cosine that counts its constructions."""
+
+    def __post_init__(self) -> None:
+        BUILT["scorer"] = BUILT.get("scorer", 0) + 1
+
+
+@dataclass
+class EveryK(Scheduler):
+    """A stage every ``every`` layers: a plugin scheduler with its own shorthand."""
+
+    every: int = 4
+    removal_ratio: float = 0.25
+
+    shorthand: ClassVar[str] = "every"
+    shorthand_keys: ClassVar[tuple[str, ...]] = ("removal_ratio",)
+
+    def __post_init__(self) -> None:
+        BUILT["scheduler"] = BUILT.get("scheduler", 0) + 1
+        if self.every < 1:
+            raise ValueError("every must be >= 1")
+
+    def plan(self, num_layers):
+        at = range(self.every - 1, num_layers - 1, self.every)
+        return self._validate([StageSpec(layer, self.removal_ratio, windows_per_side=1) for layer in at], num_layers)
+
+
+@pytest.fixture
+def plugins():
+    """The two test policies, registered for one test only (the registries are global)."""
+    BUILT.clear()
+    EdgeScorer.register("counting_cosine")(CountingScorer)
+    Scheduler.register("every_k")(EveryK)
+    yield
+    EdgeScorer._registry.pop("counting_cosine")
+    Scheduler._registry.pop("every_k")
+
+
+YAML = """name: counted
+schedule:
+  every: 3
+scorer: {name: counting_cosine, params: {eps: 1.0e-09}}
+stage_overrides:
+  1:
+    scorer: counting_cosine
+"""
+
+
+def test_each_policy_and_scheduler_is_constructed_once_from_yaml_to_pipeline(plugins):
+    pipe = PipelineConfig.from_yaml_text(YAML).build()
+    # one top-level scorer, one override scorer, one scheduler: each built once
+    assert BUILT == {"scorer": 2, "scheduler": 1}
+    assert isinstance(pipe.scheduler, EveryK) and pipe.scheduler.every == 3
+    assert pipe.scorer.eps == 1e-9 and isinstance(pipe.stage_overrides[1]["scorer"], CountingScorer)
+    assert [s.layer for s in pipe.scheduler.plan(12)] == [2, 5, 8]
+
+
+def test_build_copies_without_constructing_again_and_edits_are_validated_again(plugins):
+    cfg = PipelineConfig.from_yaml_text(YAML)
+    a, b = cfg.build(), cfg.build()
+    assert BUILT == {"scorer": 2, "scheduler": 1}
+    assert a == b and a.scorer is not b.scorer and a.scheduler is not b.scheduler
+    a.scorer.eps = 0.5  # a pipeline's policies are its own
+    assert cfg.build().scorer.eps == 1e-9
+    cfg.scorer = PolicySpec(name="counting_cosine", params={"eps": 0.25})  # not validated on assignment
+    assert cfg.build().scorer.eps == 0.25 and BUILT["scorer"] == 4  # the edited config, validated as a whole
+    cfg.scorer = PolicySpec(name="counting_cosine", params={"eps": "big"})
+    with pytest.raises(lightkv.config.ConfigError, match="scorer.params.eps"):
+        cfg.build()
+
+
+def test_kept_fraction_shorthand_constructs_its_scheduler_once(monkeypatch):
+    calls = []
+    check = KeptFractionSchedule.__post_init__
+    monkeypatch.setattr(KeptFractionSchedule, "__post_init__", lambda self: (calls.append(1), check(self))[1])
+    cfg = PipelineConfig.from_yaml_text("schedule:\n  kept_fraction: 0.55\n")
+    pipe = cfg.build()
+    cfg.to_yaml()
+    cfg.validate_for_model(32)
+    assert len(calls) == 1 and pipe.scheduler.kept_fraction == 0.55
+
+
+def test_a_plugin_scheduler_has_its_own_shorthand(plugins):
+    cfg = PipelineConfig.from_yaml_text("schedule:\n  every: 5\n  removal_ratio: 0.5\n")
+    assert cfg.schedule.model_dump() == {"name": "every_k", "params": {"every": 5, "removal_ratio": 0.5}}
+    assert cfg.schedule.to_yaml_value() == {"every": 5, "removal_ratio": 0.5}
+    assert PipelineConfig.from_yaml_text(cfg.to_yaml()) == cfg
+    assert cfg == PipelineConfig.from_dict({"schedule": {"name": "every_k", "params": {"every": 5, "removal_ratio": 0.5}}})
+    forms = json_schema()["$defs"]["ScheduleConfig"]["anyOf"]
+    assert any(f.get("required") == ["every"] for f in forms)
+    with pytest.raises(lightkv.config.ConfigError, match="schedule: every must be >= 1"):
+        PipelineConfig.from_dict({"schedule": {"every": 0}})
+    with pytest.raises(lightkv.config.ConfigError, match="give exactly one of .*every"):
+        PipelineConfig.from_dict({"schedule": {"every": 2, "layers": [1]}})
+
+
+@pytest.mark.parametrize("path", sorted(PRESET_DIR.glob("*.yaml")), ids=lambda p: p.stem)
+def test_to_yaml_of_a_loaded_file_is_the_file(path):
+    text = path.read_text(encoding="utf-8")
+    assert lightkv.to_yaml(lightkv.load(str(path))) == text  # summary, description and source included
+    assert lightkv.config.PipelineConfig.from_yaml_text(text).to_yaml() == text  # presets stay canonical
+
+
+# ---------------------------------------------------------------------------- renamed keys
+@pytest.mark.parametrize(
+    "old, new, message",
+    [
+        ("schedule:\n  layers: [2]\n  ratios: [0.5]\n", "schedule:\n  layers: [2]\n  removal_ratios: [0.5]\n",
+         "'ratios' is deprecated, use 'removal_ratios'"),
+        ("schedule:\n  kept_fraction: 0.5\n  max_ratio: 0.75\n", "schedule:\n  kept_fraction: 0.5\n  max_removal_ratio: 0.75\n",
+         "'max_ratio' is deprecated, use 'max_removal_ratio'"),
+        ("schedule: {name: kept_fraction, params: {target: 0.4}}\n", "schedule:\n  kept_fraction: 0.4\n",
+         "'target' is deprecated, use 'kept_fraction'"),
+        ("schedule: {name: budget, params: {target: 0.4}}\n", "schedule: {name: budget, params: {kept_fraction: 0.4}}\n",
+         "'target' is deprecated, use 'kept_fraction'"),
+        ("schedule: {name: pre_llm, params: {ratio: 0.3}}\n", "schedule: {name: pre_llm, params: {removal_ratio: 0.3}}\n",
+         "'ratio' is deprecated, use 'removal_ratio'"),
+    ],
+)
+def test_old_yaml_keys_load_with_a_warning_naming_the_new_key(old, new, message):
+    with pytest.warns(DeprecationWarning, match=message):
+        before = PipelineConfig.from_yaml_text(old)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        after = PipelineConfig.from_yaml_text(new)
+        assert before == after and before.to_yaml() == after.to_yaml()
+        assert "ratios:" not in after.to_yaml().replace("removal_ratios:", "")
+
+
+def test_old_python_names_still_work_with_a_warning():
+    with pytest.warns(DeprecationWarning, match="'ratios' is deprecated, use 'removal_ratios'"):
+        old = ExplicitSchedule(layers=(2,), ratios=(0.3,), windows_per_side=(1,))
+    assert old == ExplicitSchedule(layers=(2,), removal_ratios=(0.3,), windows_per_side=(1,)) and old.ratios == (0.3,)
+    with pytest.warns(DeprecationWarning, match="'target' is deprecated, use 'kept_fraction'"):
+        assert KeptFractionSchedule(target=0.4).kept_fraction == 0.4
+    spec = StageSpec(3, 0.5, windows_per_side=1)
+    assert spec.ratio == spec.removal_ratio == 0.5
+    with pytest.warns(DeprecationWarning, match="'ratio' is deprecated"):
+        assert dataclasses.replace(spec, ratio=0.25).removal_ratio == 0.25
