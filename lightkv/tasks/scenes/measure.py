@@ -96,7 +96,7 @@ def region_relevance(model, episodes: Sequence, grid, layers: Sequence[int] | No
         per_layer = {}
         for layer in layers:
             pipe = replace(get_preset("lightkv"), relevance=Relevance.create(policy),
-                           scheduler=ExplicitSchedule(layers=(layer,), ratios=(0.01,), windows_per_side=(1,)))
+                           scheduler=ExplicitSchedule(layers=(layer,), removal_ratios=(0.01,), windows_per_side=(1,)))
             ratio_sum = hits = 0.0
             for i in range(0, len(eps), batch):
                 chunk = eps[i:i + batch]
