@@ -1,0 +1,172 @@
+"""lightkv's Qwen2.5-VL for vLLM: vLLM's own model, its image embeddings compressed by a
+lightkv pre-LLM stage before the language model sees them.
+
+Three parts, each a small subclass of vLLM's Qwen2.5-VL classes:
+
+- `LightKVQwen2_5_VLProcessingInfo`: images only (a video is refused with a message);
+- `LightKVQwen2_5_VLProcessor`: the number of placeholder tokens of each image is the
+  pipeline's kept count for the image's grid (`PreLLMPlan.kept_count`), because vLLM sizes
+  the prompt before the vision encoder runs;
+- `LightKVQwen2_5_VLForConditionalGeneration`: after the vision encoder, `PreLLMPlan.select`
+  (lightkv's `lightkv.Stage`) chooses and merges each image's tokens; each survivor carries
+  its original M-RoPE position, which vLLM's multimodal pruning support
+  (``SupportsMultiModalPruning.recompute_mrope_positions``, the path of its EVS video
+  pruning) writes into the request's positions.
+
+The pipeline is the model config's ``lightkv`` attribute, set with ``hf_overrides``. This
+module imports vLLM internals; `lightkv.integrations.vllm.register` registers it lazily.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from . import check_version
+
+check_version()  # before importing the internals this module subclasses
+
+import torch  # noqa: E402
+from vllm.model_executor.models.qwen2_5_vl import (  # noqa: E402
+    Qwen2_5_VLDummyInputsBuilder,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLMultiModalProcessor,
+    Qwen2_5_VLProcessingInfo,
+)
+from vllm.multimodal import MULTIMODAL_REGISTRY  # noqa: E402
+from vllm.multimodal.processing import PromptReplacement, PromptUpdate  # noqa: E402
+from vllm.multimodal.video_prune.evs import compute_mrope_for_media  # noqa: E402
+
+from .plan import PIPELINE_KEY, PreLLMPlan  # noqa: E402
+
+__all__ = [
+    "LightKVQwen2_5_VLForConditionalGeneration",
+    "LightKVQwen2_5_VLProcessor",
+    "LightKVQwen2_5_VLProcessingInfo",
+    "plan_for",
+]
+
+_PLANS: dict[tuple[str, int], PreLLMPlan] = {}
+
+
+def plan_for(hf_config: Any) -> PreLLMPlan:
+    """The checked pipeline named by ``hf_config.lightkv`` (one per engine configuration).
+
+    Raises:
+        ValueError: the config names no pipeline, or a pipeline vLLM cannot run
+            (`lightkv.integrations.vllm.plan.UnsupportedPipeline`).
+    """
+    spec = getattr(hf_config, PIPELINE_KEY, None)
+    if spec is None:
+        raise ValueError(
+            f"{type(hf_config).__name__} names no lightkv pipeline: pass hf_overrides="
+            f"{{'architectures': [...], {PIPELINE_KEY!r}: 'divprune'}} (a preset name, a YAML path or an "
+            "inline pipeline mapping)"
+        )
+    text = getattr(hf_config, "text_config", hf_config)
+    layers = int(text.num_hidden_layers)
+    key = (repr(spec), layers)
+    if key not in _PLANS:
+        _PLANS[key] = PreLLMPlan.load(spec, layers)
+    return _PLANS[key]
+
+
+class LightKVQwen2_5_VLProcessingInfo(Qwen2_5_VLProcessingInfo):
+    """Qwen2.5-VL's processing info, for images only."""
+
+    def get_supported_mm_limits(self) -> Mapping[str, int | None]:
+        """Images without limit; no videos (lightkv's plugin compresses images)."""
+        return {"image": None}
+
+    def validate_num_items(self, modality: str, num_items: int) -> None:
+        """Refuse videos with a message that names the plugin; otherwise vLLM's checks."""
+        if modality == "video" and num_items > 0:
+            raise ValueError(
+                "lightkv's vLLM plugin compresses images only: a video cannot go through "
+                "LightKVQwen2_5_VLForConditionalGeneration; serve videos with the stock architecture "
+                "(vLLM's own EVS pruning: --video-pruning-rate)"
+            )
+        super().validate_num_items(modality, num_items)
+
+
+class LightKVQwen2_5_VLProcessor(Qwen2_5_VLMultiModalProcessor):
+    """Qwen2.5-VL's processor with one placeholder per token the pipeline keeps."""
+
+    def _get_prompt_updates(
+        self, mm_items: Any, hf_processor_mm_kwargs: Mapping[str, Any], out_mm_kwargs: Any
+    ) -> Sequence[PromptUpdate]:
+        updates = list(super()._get_prompt_updates(mm_items, hf_processor_mm_kwargs, out_mm_kwargs))
+        plan = plan_for(self.info.get_hf_config())
+        merge = self.info.get_image_processor(**hf_processor_mm_kwargs).merge_size
+        token = self.info.get_tokenizer().get_vocab()[
+            self.info.get_hf_processor(**hf_processor_mm_kwargs).image_token
+        ]
+
+        def image_tokens(item_idx: int) -> list[int]:
+            _, h, w = (int(x) for x in out_mm_kwargs["image"][item_idx]["image_grid_thw"].data)
+            return [token] * plan.kept_count(h // merge, w // merge)
+
+        return [
+            PromptReplacement(modality="image", target=[token], replacement=image_tokens)
+            if update.modality == "image"
+            else update
+            for update in updates
+        ]
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    LightKVQwen2_5_VLProcessor,
+    info=LightKVQwen2_5_VLProcessingInfo,
+    dummy_inputs=Qwen2_5_VLDummyInputsBuilder,
+)
+class LightKVQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
+    """vLLM's Qwen2.5-VL whose image embeddings pass through a lightkv pre-LLM stage.
+
+    Attributes:
+        lightkv_plan: the checked pipeline (`PreLLMPlan`).
+    """
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        config = vllm_config.model_config.hf_config
+        if getattr(config, "model_type", None) != "qwen2_5_vl":
+            raise ValueError(
+                f"LightKVQwen2_5_VLForConditionalGeneration needs a Qwen2.5-VL checkpoint (model_type "
+                f"'qwen2_5_vl'), got model_type {getattr(config, 'model_type', None)!r}"
+            )
+        plan = plan_for(config)
+        mm = vllm_config.model_config.get_multimodal_config()
+        if mm.is_multimodal_pruning_enabled():
+            raise ValueError(
+                "lightkv's vLLM plugin and vLLM's video pruning (EVS, --video-pruning-rate) cannot be combined: "
+                "unset video_pruning_rate"
+            )
+        if vllm_config.use_v2_model_runner:
+            raise ValueError(
+                "lightkv's vLLM plugin runs on vLLM's V1 model runner, whose multimodal pruning path it uses: "
+                "set VLLM_USE_V2_MODEL_RUNNER=0"
+            )
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.lightkv_plan = plan
+        # Embeddings leave `embed_multimodal` with 4 position channels appended (as with EVS):
+        # no encoder CUDA graphs for them, and the runner recomputes positions (see `runner`).
+        self.is_multimodal_pruning_enabled = True
+
+    def embed_multimodal(self, **kwargs: object) -> tuple[torch.Tensor, ...]:
+        """Per image: the survivors' embeddings ``[k, D]`` with their original M-RoPE
+        positions appended (``[k, D + 4]``, vLLM's layout for pruned media)."""
+        inputs = self._parse_and_validate_multimodal_inputs(**kwargs)
+        if inputs.get("video") is not None:
+            raise ValueError("lightkv's vLLM plugin compresses images only: a video reached the model")
+        image = inputs.get("image")
+        if image is None:
+            return ()
+        embeds = self._process_image_input(image)
+        merge = self.visual.spatial_merge_size
+        sizes = [tuple(int(x) for x in thw) for thw in image["image_grid_thw"].tolist()]
+        grids = [(h // merge, w // merge) for _, h, w in sizes]
+        out = []
+        for sel, size in zip(self.lightkv_plan.select(list(embeds), grids), sizes):
+            positions = compute_mrope_for_media(torch.tensor(size), merge)
+            positions = positions.to(sel.embeds.device)[sel.index.to(sel.embeds.device)]
+            out.append(torch.cat([sel.embeds, positions.to(sel.embeds.dtype)], dim=1))
+        return tuple(out)

@@ -1,0 +1,114 @@
+"""Run one vLLM engine in this process on the tiny model and write what it did as JSON.
+
+``python tests/vllm/engine.py REQUEST.json RESULT.json``. Each test starts engines through
+this script in a subprocess of its own, so that engines with different settings never share
+vLLM's process-wide state.
+
+REQUEST: ``model`` (directory), ``arch`` (an architecture for ``hf_overrides``, or null for
+stock vLLM), ``pipeline`` (the ``lightkv`` override, or null), ``prompts`` (each
+``{"images": [[rows, cols], ...], "seed": s}``), ``max_tokens``, ``record`` (capture each
+image's encoder output and the embeddings handed to the language model).
+
+RESULT: ``outputs`` (per prompt: ``prompt_len``, ``tokens``, ``blocks``: KV blocks the
+request held when it finished), ``block_size``, ``records``, or ``error`` (the exception's
+type and message, when building the engine or generating failed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import tiny  # noqa: E402
+
+RECORDS: list[dict] = []
+BLOCK = 32  # vLLM's CPU attention takes multiples of 32
+
+
+def _record(model) -> None:
+    """Capture each image's encoder output and what `embed_multimodal` returns (same process)."""
+    process, embed = model._process_image_input, model.embed_multimodal
+
+    def process_image(image_input):
+        out = process(image_input)
+        grids = image_input["image_grid_thw"].tolist()
+        for e, g in zip(out, grids):
+            RECORDS.append({"grid": g, "encoder": e.float().tolist()})
+        return out
+
+    def embed_multimodal(**kwargs):
+        out = embed(**kwargs)
+        for rec, e in zip(RECORDS[-len(out):], out):
+            rec["embeds"] = e.float().tolist()
+        return out
+
+    model._process_image_input = process_image
+    model.embed_multimodal = embed_multimodal
+
+
+def _blocks_of(blocks: dict[str, int], request_id: str) -> int | None:
+    """vLLM's engine core names a request ``<id>-<8 random hex>``."""
+    found = [n for rid, n in blocks.items() if rid == request_id or rid.startswith(request_id + "-")]
+    return found[0] if len(found) == 1 else None
+
+
+def run(req: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    overrides = {}
+    if req.get("arch"):
+        overrides["architectures"] = [req["arch"]]
+    if req.get("pipeline") is not None:
+        overrides["lightkv"] = req["pipeline"]
+    llm = LLM(
+        model=req["model"], tokenizer=req["model"], hf_overrides=overrides or None, dtype="float32",
+        distributed_executor_backend="uni", enforce_eager=True, max_model_len=1024, max_num_seqs=8,
+        block_size=BLOCK, seed=0, enable_prefix_caching=False, limit_mm_per_prompt=req.get("limits", {"image": 2}),
+    )
+    core = llm.llm_engine.engine_core.engine_core
+    blocks: dict[str, int] = {}
+    manager = core.scheduler.kv_cache_manager
+    free = manager.free
+
+    def free_and_count(request):
+        blocks[request.request_id] = sum(len(ids) for ids in manager.get_block_ids(request.request_id))
+        return free(request)
+
+    manager.free = free_and_count
+    if req.get("record"):
+        llm.apply_model(_record)
+    prompts = []
+    for p in req["prompts"]:
+        images = [tiny.image(r, c, seed=p.get("seed", 0) + i) for i, (r, c) in enumerate(p["images"])]
+        text = tiny.prompt(seed=p.get("seed", 0), images=len(images))
+        prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else {"prompt": text})
+    params = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 6), ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return {
+        "outputs": [
+            {"prompt_len": len(o.prompt_token_ids), "tokens": list(o.outputs[0].token_ids), "blocks": _blocks_of(blocks, o.request_id)}
+            for o in outs
+        ],
+        "block_size": BLOCK,
+        "records": RECORDS,
+    }
+
+
+def main() -> None:
+    req = json.loads(Path(sys.argv[1]).read_text())
+    try:
+        result = run(req)
+    except Exception as e:  # the tests read the refusal's type and message
+        result = {"error": {"type": type(e).__name__, "message": str(e), "trace": traceback.format_exc()}}
+    Path(sys.argv[2]).write_text(json.dumps(result))
+    sys.stdout.flush()
+    os._exit(0)  # skip vLLM's teardown (seconds, and noisy in one-process mode)
+
+
+if __name__ == "__main__":
+    main()
