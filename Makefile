@@ -186,4 +186,4 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_INSTALL)
 # The plugin's tests (tests/vllm/, outside the main suite's testpaths): tiny random models
 # built offline, vLLM's engine in this one process.
 test-vllm: vllm
-	VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_TARGET_DEVICE=cpu $(VPY) -m pytest -q -p no:cacheprovider tests/vllm
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_TARGET_DEVICE=cpu $(VPY) -m pytest -q -p no:cacheprovider --confcutdir=tests/vllm tests/vllm

@@ -6,11 +6,13 @@ vLLM's process-wide state.
 
 REQUEST: ``model`` (directory), ``arch`` (an architecture for ``hf_overrides``, or null for
 stock vLLM), ``pipeline`` (the ``lightkv`` override, or null), ``prompts`` (each
-``{"images": [[rows, cols], ...], "seed": s}``), ``max_tokens``, ``record`` (capture each
-image's encoder output and the embeddings handed to the language model).
+``{"images": [[rows, cols], ...], "seed": s}``), ``max_tokens``. Each image's encoder output, the embeddings handed to the language model,
+and the M-RoPE positions each prompt was run with are captured.
 
-RESULT: ``outputs`` (per prompt: ``prompt_len``, ``tokens``, ``blocks``: KV blocks the
-request held when it finished), ``block_size``, ``records``, or ``error`` (the exception's
+RESULT: ``outputs`` (per prompt: ``prompt_len``, ``prompt`` (token ids), ``tokens``,
+``blocks``: KV blocks the request held when it finished, ``positions``: ``[3, N]``), ``block_size``, ``records``, ``alone`` (with ``"alone": true``:
+each prompt's tokens generated on its own), ``video_error`` (with ``"video": true``: what a
+video prompt raised), or ``error`` (the exception's
 type and message, when building the engine or generating failed).
 """
 
@@ -27,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import tiny  # noqa: E402
 
 RECORDS: list[dict] = []
+POSITIONS: dict[str, list] = {}  # prompt token ids (as text) -> the M-RoPE positions vLLM used last
 BLOCK = 32  # vLLM's CPU attention takes multiples of 32
 
 
@@ -49,6 +52,21 @@ def _record(model) -> None:
 
     model._process_image_input = process_image
     model.embed_multimodal = embed_multimodal
+    initial, recompute = model.get_mrope_input_positions, model.recompute_mrope_positions
+
+    def get_mrope_input_positions(input_tokens, mm_features):
+        positions, delta = initial(input_tokens, mm_features)
+        POSITIONS[json.dumps(list(input_tokens))] = positions.tolist()
+        return positions, delta
+
+    def recompute_mrope_positions(input_ids, multimodal_embeddings, mrope_positions, num_computed_tokens):
+        out = recompute(input_ids, multimodal_embeddings, mrope_positions, num_computed_tokens)
+        ids = input_ids.tolist() if hasattr(input_ids, "tolist") else list(input_ids)
+        POSITIONS[json.dumps(ids)] = out[1][:, : len(ids)].tolist()
+        return out
+
+    model.get_mrope_input_positions = get_mrope_input_positions
+    model.recompute_mrope_positions = recompute_mrope_positions
 
 
 def _blocks_of(blocks: dict[str, int], request_id: str) -> int | None:
@@ -80,8 +98,7 @@ def run(req: dict) -> dict:
         return free(request)
 
     manager.free = free_and_count
-    if req.get("record"):
-        llm.apply_model(_record)
+    llm.apply_model(_record)
     prompts = []
     for p in req["prompts"]:
         images = [tiny.image(r, c, seed=p.get("seed", 0) + i) for i, (r, c) in enumerate(p["images"])]
@@ -89,13 +106,29 @@ def run(req: dict) -> dict:
         prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else {"prompt": text})
     params = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 6), ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
+    records = list(RECORDS)  # the batch's images; the runs alone below add theirs
+    alone = [list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts] if req.get("alone") else None
+    video_error = None
+    if req.get("video"):
+        import numpy as np
+
+        frames = np.zeros((4, 32, 32, 3), dtype=np.uint8)
+        text = "w1 <|vision_start|> <|video_pad|> <|vision_end|> w2"
+        try:
+            llm.generate([{"prompt": text, "multi_modal_data": {"video": frames}}], params, use_tqdm=False)
+        except Exception as e:
+            video_error = {"type": type(e).__name__, "message": str(e)}
     return {
+        "alone": alone,
+        "video_error": video_error,
         "outputs": [
-            {"prompt_len": len(o.prompt_token_ids), "tokens": list(o.outputs[0].token_ids), "blocks": _blocks_of(blocks, o.request_id)}
+            {"prompt_len": len(o.prompt_token_ids), "tokens": list(o.outputs[0].token_ids),
+             "blocks": _blocks_of(blocks, o.request_id), "prompt": list(o.prompt_token_ids),
+             "positions": POSITIONS.get(json.dumps(list(o.prompt_token_ids)))}
             for o in outs
         ],
         "block_size": BLOCK,
-        "records": RECORDS,
+        "records": records,
     }
 
 

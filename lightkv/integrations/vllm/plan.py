@@ -163,7 +163,21 @@ class PreLLMPlan:
             ValueError: an unknown preset, an invalid config or a schedule that does not fit.
         """
         pipeline, name = _resolve(spec)
-        stages = pipeline.stages(num_layers)
+        try:
+            stages = pipeline.stages(num_layers)
+        except ValueError:
+            # A schedule that does not fit this depth: refuse it for what it is, if it is
+            # one vLLM could not run on any depth, else say that it does not fit.
+            try:
+                deep = pipeline.stages(4096)
+            except ValueError:
+                deep = []
+            why = _refusals(pipeline, deep, name) if deep else []
+            if why:
+                raise UnsupportedPipeline(
+                    f"lightkv pipeline {name!r} cannot run inside vLLM: " + "; ".join(why) + f". {_FIX}"
+                ) from None
+            raise
         if not stages:
             raise UnsupportedPipeline(
                 f"lightkv pipeline {name!r} schedules no prefill stage on a {num_layers}-layer model (it "

@@ -13,6 +13,12 @@ Three parts, each a small subclass of vLLM's Qwen2.5-VL classes:
   (``SupportsMultiModalPruning.recompute_mrope_positions``, the path of its EVS video
   pruning) writes into the request's positions.
 
+Positions are lightkv's: survivors keep their original ``(t, h, w)`` M-RoPE ids and the text
+after an image starts where it would without compression (the image's start plus
+``max(rows, cols)``), so a ratio-0 pipeline reproduces stock vLLM exactly. The fourth
+position channel therefore carries ``max(rows, cols)``, where vLLM's EVS puts the grid's
+width (the same for the square and wide grids EVS was built for).
+
 The pipeline is the model config's ``lightkv`` attribute, set with ``hf_overrides``. This
 module imports vLLM internals; `lightkv.integrations.vllm.register` registers it lazily.
 """
@@ -26,6 +32,7 @@ from . import check_version
 
 check_version()  # before importing the internals this module subclasses
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from vllm.model_executor.models.qwen2_5_vl import (  # noqa: E402
     Qwen2_5_VLDummyInputsBuilder,
@@ -35,7 +42,6 @@ from vllm.model_executor.models.qwen2_5_vl import (  # noqa: E402
 )
 from vllm.multimodal import MULTIMODAL_REGISTRY  # noqa: E402
 from vllm.multimodal.processing import PromptReplacement, PromptUpdate  # noqa: E402
-from vllm.multimodal.video_prune.evs import compute_mrope_for_media  # noqa: E402
 
 from .plan import PIPELINE_KEY, PreLLMPlan  # noqa: E402
 
@@ -151,9 +157,35 @@ class LightKVQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerati
         # no encoder CUDA graphs for them, and the runner recomputes positions (see `runner`).
         self.is_multimodal_pruning_enabled = True
 
+    def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[Any]) -> tuple[torch.Tensor, int]:
+        """M-RoPE positions ``[3, N]`` of the compressed prompt, and the decoding delta.
+
+        Text positions are final: sequential, and after an image the image's start plus
+        ``max(rows, cols)`` as without compression. An image's kept tokens get the image's
+        start as a placeholder; `embed_multimodal` carries their real positions, which vLLM
+        writes in when it gathers the embeddings (``recompute_mrope_positions``)."""
+        merge = self.config.vision_config.spatial_merge_size
+        parts, token, position = [], 0, 0
+        for feature in sorted(mm_features, key=lambda f: f.mm_position.offset):
+            if feature.modality != "image":
+                raise ValueError("lightkv's vLLM plugin compresses images only: a video reached the model")
+            _, h, w = (int(x) for x in feature.data["image_grid_thw"].data.tolist())
+            offset, length = feature.mm_position.offset, feature.mm_position.length
+            text = offset - token
+            parts += [np.broadcast_to(np.arange(text), (3, text)) + position, np.full((3, length), position + text)]
+            position += text + max(h // merge, w // merge)
+            token = offset + length
+        tail = len(input_tokens) - token
+        parts.append(np.broadcast_to(np.arange(tail), (3, tail)) + position)
+        positions = np.concatenate(parts, axis=1).astype(np.int64)
+        delta = int(positions.max()) + 1 - len(input_tokens) if positions.size else 0
+        return torch.from_numpy(positions), delta
+
     def embed_multimodal(self, **kwargs: object) -> tuple[torch.Tensor, ...]:
-        """Per image: the survivors' embeddings ``[k, D]`` with their original M-RoPE
-        positions appended (``[k, D + 4]``, vLLM's layout for pruned media)."""
+        """Per image: the survivors' embeddings ``[k, D]`` with four position channels
+        appended (``[k, D + 4]``, vLLM's layout for pruned media): ``(0, row, col)``, each
+        survivor's original M-RoPE offsets inside the image, and ``max(rows, cols)``, where
+        the text after the image starts."""
         inputs = self._parse_and_validate_multimodal_inputs(**kwargs)
         if inputs.get("video") is not None:
             raise ValueError("lightkv's vLLM plugin compresses images only: a video reached the model")
@@ -162,11 +194,18 @@ class LightKVQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerati
             return ()
         embeds = self._process_image_input(image)
         merge = self.visual.spatial_merge_size
-        sizes = [tuple(int(x) for x in thw) for thw in image["image_grid_thw"].tolist()]
-        grids = [(h // merge, w // merge) for _, h, w in sizes]
+        grids = [(int(h) // merge, int(w) // merge) for _, h, w in image["image_grid_thw"].tolist()]
         out = []
-        for sel, size in zip(self.lightkv_plan.select(list(embeds), grids), sizes):
-            positions = compute_mrope_for_media(torch.tensor(size), merge)
-            positions = positions.to(sel.embeds.device)[sel.index.to(sel.embeds.device)]
-            out.append(torch.cat([sel.embeds, positions.to(sel.embeds.dtype)], dim=1))
+        for sel, (rows, cols) in zip(self.lightkv_plan.select(list(embeds), grids), grids):
+            dtype, device = sel.embeds.dtype, sel.embeds.device
+            if max(rows, cols) > 2 / torch.finfo(dtype).eps:  # integers stay exact up to 2^(mantissa + 1)
+                raise ValueError(
+                    f"a {rows} x {cols}-token image: its positions are not exact in {dtype} (vLLM carries them "
+                    "beside the embeddings); serve in float32 or limit the image size (max_pixels)"
+                )
+            index = sel.index.to(device)
+            positions = torch.stack(
+                [torch.zeros_like(index), index // cols, index % cols, torch.full_like(index, max(rows, cols))], dim=1
+            )
+            out.append(torch.cat([sel.embeds, positions.to(dtype)], dim=1))
         return tuple(out)
