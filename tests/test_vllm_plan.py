@@ -5,12 +5,12 @@ the main suite never needs vLLM. The plugin inside a real vLLM engine: tests/vll
 from __future__ import annotations
 
 import sys
-import tomllib
 import types
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 
 import lightkv

@@ -20,7 +20,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed: run `make test-vllm`"
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-import tiny  # noqa: E402
+import tiny
 
 QWEN = "LightKVQwen2_5_VLForConditionalGeneration"
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}

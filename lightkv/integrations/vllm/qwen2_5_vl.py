@@ -32,23 +32,23 @@ from . import check_version
 
 check_version()  # before importing the internals this module subclasses
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from vllm.model_executor.models.qwen2_5_vl import (  # noqa: E402
+import numpy as np
+import torch
+from vllm.model_executor.models.qwen2_5_vl import (
     Qwen2_5_VLDummyInputsBuilder,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2_5_VLMultiModalProcessor,
     Qwen2_5_VLProcessingInfo,
 )
-from vllm.multimodal import MULTIMODAL_REGISTRY  # noqa: E402
-from vllm.multimodal.processing import PromptReplacement, PromptUpdate  # noqa: E402
+from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.multimodal.processing import PromptReplacement, PromptUpdate
 
-from .plan import PIPELINE_KEY, PreLLMPlan  # noqa: E402
+from .plan import PIPELINE_KEY, PreLLMPlan
 
 __all__ = [
     "LightKVQwen2_5_VLForConditionalGeneration",
-    "LightKVQwen2_5_VLProcessor",
     "LightKVQwen2_5_VLProcessingInfo",
+    "LightKVQwen2_5_VLProcessor",
     "plan_for",
 ]
 
@@ -84,15 +84,25 @@ class LightKVQwen2_5_VLProcessingInfo(Qwen2_5_VLProcessingInfo):
         """Images without limit; no videos (lightkv's plugin compresses images)."""
         return {"image": None}
 
+    def parse_mm_data(self, mm_data: Any, *, validate: bool = True) -> Any:
+        """Refuse videos first (before vLLM parses them), with a message that names the plugin."""
+        if isinstance(mm_data, Mapping) and mm_data.get("video") is not None:
+            _refuse_video()
+        return super().parse_mm_data(mm_data, validate=validate)
+
     def validate_num_items(self, modality: str, num_items: int) -> None:
         """Refuse videos with a message that names the plugin; otherwise vLLM's checks."""
         if modality == "video" and num_items > 0:
-            raise ValueError(
-                "lightkv's vLLM plugin compresses images only: a video cannot go through "
-                "LightKVQwen2_5_VLForConditionalGeneration; serve videos with the stock architecture "
-                "(vLLM's own EVS pruning: --video-pruning-rate)"
-            )
+            _refuse_video()
         super().validate_num_items(modality, num_items)
+
+
+def _refuse_video() -> None:
+    raise ValueError(
+        "lightkv's vLLM plugin compresses images only: a video cannot go through "
+        "LightKVQwen2_5_VLForConditionalGeneration; serve videos with the stock architecture "
+        "(vLLM's own EVS pruning: --video-pruning-rate)"
+    )
 
 
 class LightKVQwen2_5_VLProcessor(Qwen2_5_VLMultiModalProcessor):

@@ -17,9 +17,9 @@ from . import check_version
 
 check_version()
 
-from vllm.model_executor.models.llava import LlavaForConditionalGeneration  # noqa: E402
-from vllm.model_executor.models.llava_next import LlavaNextForConditionalGeneration  # noqa: E402
-from vllm.multimodal import MULTIMODAL_REGISTRY  # noqa: E402
+from vllm.model_executor.models.llava import LlavaForConditionalGeneration
+from vllm.model_executor.models.llava_next import LlavaNextForConditionalGeneration
+from vllm.multimodal import MULTIMODAL_REGISTRY
 
 __all__ = ["LightKVLlavaForConditionalGeneration", "LightKVLlavaNextForConditionalGeneration", "refuse"]
 
