@@ -6,7 +6,8 @@ vLLM's process-wide state.
 
 REQUEST: ``model`` (directory), ``arch`` (an architecture for ``hf_overrides``, or null for
 stock vLLM), ``pipeline`` (the ``lightkv`` override, or null), ``prompts`` (each
-``{"images": [[rows, cols], ...], "seed": s}``), ``max_tokens``. Each image's encoder output, the embeddings handed to the language model,
+``{"images": [[rows, cols], ...], "seed": s}``), ``max_tokens``, ``chunk`` (optional ``max_num_batched_tokens``: prefill in chunks of that
+many tokens). Each image's encoder output, the embeddings handed to the language model,
 and the M-RoPE positions each prompt was run with are captured.
 
 RESULT: ``outputs`` (per prompt: ``prompt_len``, ``prompt`` (token ids), ``tokens``,
@@ -87,6 +88,7 @@ def run(req: dict) -> dict:
         model=req["model"], tokenizer=req["model"], hf_overrides=overrides or None, dtype="float32",
         distributed_executor_backend="uni", enforce_eager=True, max_model_len=1024, max_num_seqs=8,
         block_size=BLOCK, seed=0, enable_prefix_caching=False, limit_mm_per_prompt=req.get("limits", {"image": 2}),
+        **({"max_num_batched_tokens": req["chunk"]} if req.get("chunk") else {}),
     )
     core = llm.llm_engine.engine_core.engine_core
     blocks: dict[str, int] = {}

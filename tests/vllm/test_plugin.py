@@ -6,7 +6,8 @@ Each engine runs once per session (see conftest); the tests read what it did:
 (b) the prompt length and vLLM's own KV block count shrink as promised;
 (c) the kept set and merged embeddings equal lightkv's `Stage` on the same encoder output,
     run outside vLLM;
-(d) a batch of prompts with different image sizes (two images, none) equals each prompt alone;
+(d) a batch of prompts with different image sizes (two images, none) equals each prompt
+    alone, and prefilling in chunks changes nothing;
 (e) clear refusals: unsupported pipelines, prompt-aware relevance, LLaVA, a stock
     architecture with a pipeline, videos, an untested vLLM version.
 """
@@ -135,6 +136,15 @@ def test_batch_of_image_sizes_equals_each_prompt_alone(engine):
     assert [o["tokens"] for o in pruned["outputs"]] == pruned["alone"]
     lens = [o["prompt_len"] for o in pruned["outputs"]]
     assert len(set(lens)) == len(lens)  # every prompt its own length, in one batch
+
+
+def test_chunked_prefill_gives_the_same_tokens_and_positions(engine):
+    """Prompts prefilled in chunks of 32 tokens (an image split across chunks: vLLM rewrites
+    the positions chunk by chunk) run exactly as in one piece."""
+    whole = ok(run(engine, pipeline="divprune"))
+    chunked = ok(engine(arch=QWEN, pipeline="divprune", prompts=PROMPTS, max_tokens=MAX_TOKENS, chunk=32))
+    for a, b in zip(whole["outputs"], chunked["outputs"]):
+        assert (a["tokens"], a["positions"], a["prompt_len"]) == (b["tokens"], b["positions"], b["prompt_len"])
 
 
 def test_a_video_is_refused(engine):
