@@ -12,15 +12,40 @@
 #    shapes, 32 layers of width 4096) in bf16 on the GPU: absolute TTFT from CUDA events, peak
 #    memory from torch.cuda.max_memory_allocated, lightkv next to tome, fastv and the
 #    second-projection baseline.
+# 4. With GPU_CHECK_VLLM=1: lightkv's vLLM plugin on real vLLM (the CUDA wheel vllm==0.32.0,
+#    the version the plugin is pinned to; from .whl/ or pip, into its own venv $VLLM_VENV that
+#    sees the machine's packages): benchmarks/vllm_serving.py serves one batch of image
+#    prompts on a random-weight, 7B-shaped Qwen2.5-VL with stock vLLM, then with the plugin
+#    (divprune; LightKV's windowed merge before the LLM), and compares time to first token and
+#    throughput at equal batch (vllm-serving.json / .md). Off by default: installing vLLM
+#    takes minutes and GBs.
 # Writes env.json, cuda-tests.log / .xml, efficiency.json / .md / PNGs and gpu_check.json
 # (a summary: what ran, pass / fail, seconds) into $OUT.
+#
+#   DRY_RUN=1 bash benchmarks/gpu_check.sh   # no GPU needed: prints the steps, checks the vLLM set-up
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 OUT=${OUT:-benchmarks/results/gpu}
+VLLM_SPEC=${VLLM_SPEC:-vllm==0.32.0}
+VLLM_VENV=${VLLM_VENV:-/tmp/lightkv-vllm-venv}
+VLLM_ARGS=${VLLM_ARGS:---batch 32 --image-tokens-side 24 --max-tokens 64}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 START=$(date +%s)
+
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  echo "gpu_check (dry run): 1. dependencies beside the machine's CUDA torch"
+  echo "gpu_check (dry run): 2. $PY -m pytest -q -m cuda tests/adapters/test_cuda.py"
+  echo "gpu_check (dry run): 3. $PY -m lightkv bench efficiency --device cuda --dtype bfloat16 --width full ..."
+  if [ "${GPU_CHECK_VLLM:-0}" = 1 ]; then
+    echo "gpu_check (dry run): 4. $VLLM_SPEC into $VLLM_VENV; python benchmarks/vllm_serving.py $VLLM_ARGS --out $OUT"
+    PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} $PY benchmarks/vllm_serving.py --dry-run $VLLM_ARGS --out "$OUT" || exit 4
+  else
+    echo "gpu_check (dry run): 4. skipped (GPU_CHECK_VLLM=1 adds the vLLM plugin's serving comparison)"
+  fi
+  exit 0
+fi
 
 # ---- 1. dependencies (torch from the machine)
 if ! $PY -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
@@ -59,15 +84,32 @@ timeout 420 $PY -m lightkv bench efficiency --device cuda --dtype bfloat16 --wid
 BENCH_RC=${PIPESTATUS[0]}
 T2=$(date +%s)
 
-$PY - "$OUT" "$TESTS_RC" "$BENCH_RC" "$((T1 - T0))" "$((T2 - T1))" "$((T2 - START))" <<'EOF'
+# ---- 4. the vLLM plugin on CUDA vLLM (opt-in): stock vs lightkv at equal batch
+VLLM_RC=-1
+if [ "${GPU_CHECK_VLLM:-0}" = 1 ]; then
+  test -x "$VLLM_VENV/bin/python" || $PY -m venv --system-site-packages "$VLLM_VENV"
+  if ls .whl/vllm-*.whl >/dev/null 2>&1; then
+    "$VLLM_VENV/bin/python" -m pip install -q --no-index --find-links .whl "$VLLM_SPEC"
+  else
+    "$VLLM_VENV/bin/python" -m pip install -q "$VLLM_SPEC"
+  fi
+  "$VLLM_VENV/bin/python" -m pip install -q --no-deps -e . \
+    && "$VLLM_VENV/bin/python" -c "import lightkv.integrations.vllm as p; print('vllm', p.check_version())" \
+    && timeout 900 "$VLLM_VENV/bin/python" benchmarks/vllm_serving.py $VLLM_ARGS --out "$OUT" 2>&1 | tee "$OUT/vllm-serving.log"
+  VLLM_RC=${PIPESTATUS[0]}
+fi
+T3=$(date +%s)
+
+$PY - "$OUT" "$TESTS_RC" "$BENCH_RC" "$((T1 - T0))" "$((T2 - T1))" "$((T3 - START))" "$VLLM_RC" "$((T3 - T2))" <<'EOF'
 import json, sys
-out, tests_rc, bench_rc, t_tests, t_bench, total = sys.argv[1:]
+out, tests_rc, bench_rc, t_tests, t_bench, total, vllm_rc, t_vllm = sys.argv[1:]
 json.dump({"cuda_tests": {"rc": int(tests_rc), "seconds": int(t_tests)},
+           "vllm_serving": {"rc": int(vllm_rc), "seconds": int(t_vllm), "ran": int(vllm_rc) != -1},
            "efficiency": {"rc": int(bench_rc), "seconds": int(t_bench),
                           "command": "lightkv bench efficiency --device cuda --dtype bfloat16 --width full --layers 32 "
                                      "--models llava llava_next --presets lightkv tome fastv --projection-baseline "
                                      "--repeats 10"},
            "seconds": int(total)}, open(f"{out}/gpu_check.json", "w"), indent=1)
 EOF
-echo "gpu_check: tests rc=$TESTS_RC, efficiency rc=$BENCH_RC, $((T2 - START)) s; results in $OUT"
-[ "$TESTS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ]
+echo "gpu_check: tests rc=$TESTS_RC, efficiency rc=$BENCH_RC, vllm rc=$VLLM_RC (-1: not run), $((T3 - START)) s; results in $OUT"
+[ "$TESTS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && { [ "$VLLM_RC" -eq -1 ] || [ "$VLLM_RC" -eq 0 ]; }

@@ -16,6 +16,9 @@ settings.register_profile("ci", deadline=None, suppress_health_check=[HealthChec
 settings.load_profile("ci")
 
 
+collect_ignore = ["vllm"]  # the vLLM plugin's tests: `make test-vllm`, in .venv-vllm
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--require-scatter",

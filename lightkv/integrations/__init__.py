@@ -5,6 +5,10 @@
   ``lmms-eval`` extra (``make lmms-eval``).
 - `lightkv.integrations.session_log`: what that model logs per sample and in aggregate
   (per-row session reports, prefill timing, data-parallel placement); torch only.
+- `lightkv.integrations.vllm`: the vLLM plugin (``vllm.general_plugins``): lightkv's
+  pre-LLM, prompt-agnostic pipelines inside vLLM's Qwen2.5-VL; its ``plan`` module needs no
+  vLLM, the model modules need vLLM 0.32.0 (``make vllm``).
 
-Nothing else in lightkv imports this package, and ``import lightkv`` never needs lmms-eval.
+Nothing else in lightkv imports this package, and ``import lightkv`` never needs lmms-eval
+or vLLM.
 """

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -68,6 +69,10 @@ class CDPruner(KeepSetPruner):
         theta: None: ``q`` is the normalised relevance (the code's default); a number in
             ``[0, 1)``: ``q = exp(theta / (2 (1 - theta)) * q)`` (0 gives uniform ``q``).
     """
+
+    reads_prompt: ClassVar[bool] = True
+    """Reads ``StageInputs.prompt`` (its question tokens): a host that cannot give the
+    prompt to the stage (vLLM's embedding step) refuses this pruner rather than run it blind."""
 
     features: Features = "hidden"
     negate: bool = False

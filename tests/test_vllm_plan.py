@@ -1,0 +1,178 @@
+"""The vLLM plugin's vLLM-free half (`lightkv.integrations.vllm.plan`, `.install`), and that
+the main suite never needs vLLM. The plugin inside a real vLLM engine: tests/vllm
+(`make test-vllm`)."""
+
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import lightkv
+from lightkv import ImageSegment, VisionLayout
+from lightkv.integrations.vllm import ARCHITECTURES, TESTED_VLLM, check_version
+from lightkv.integrations.vllm.install import TORCH_FAMILY, requirements
+from lightkv.integrations.vllm.plan import PROMPT_AGNOSTIC_PRESETS, PreLLMPlan, UnsupportedPipeline
+from lightkv.policies import SmallestDivergence
+from lightkv.policies.counts import kept_count
+
+ROOT = Path(__file__).resolve().parents[1]
+WINDOWED = {"schedule": {"name": "pre_llm", "params": {"ratio": 0.5, "windows_per_side": 2}}, "relevance": "uniform"}
+
+
+@pytest.mark.parametrize("name", PROMPT_AGNOSTIC_PRESETS)
+def test_the_prompt_agnostic_presets_load(name):
+    plan = PreLLMPlan.load(name, num_layers=28)
+    assert plan.stage.spec.before and plan.stage.spec.layer == 0
+
+
+@pytest.mark.parametrize(
+    "name, why",
+    [
+        ("lightkv", "one KV length for all layers"),
+        ("tome", "compresses inside the decoder"),
+        ("fastv", "after layer(s) 1"),
+        ("elasticcache", "on the cache of layer(s)"),
+        ("h2o", "no prefill stage"),
+        ("lightkv-pre-llm", "relevance 'query_softmax' is prompt-aware"),
+        ("lightkv-low-budget", "prompt-aware"),
+        ("visionzip", "vision tower's attention"),
+        ("vispruner", "vision tower's attention"),
+        ("cdpruner", "pruner 'cdpruner' reads the prompt"),
+        ("dart", "need keys of layer 0"),
+    ],
+)
+def test_every_other_preset_is_refused_with_its_reason(name, why):
+    with pytest.raises(UnsupportedPipeline, match="cannot run inside vLLM|no prefill stage") as err:
+        PreLLMPlan.load(name, num_layers=28)
+    assert why in str(err.value)
+    assert "divprune" in str(err.value)  # ... and what to use instead
+
+
+def test_every_shipped_preset_is_either_served_or_refused():
+    for name in lightkv.PRESETS:
+        try:
+            PreLLMPlan.load(name, num_layers=28)
+        except UnsupportedPipeline:
+            continue
+        assert name in PROMPT_AGNOSTIC_PRESETS, f"{name} runs in vLLM: list it in PROMPT_AGNOSTIC_PRESETS and the guide"
+
+
+def test_proportional_attention_is_refused():
+    pipe = replace(lightkv.load("divprune"), proportional_attention=True)
+    with pytest.raises(UnsupportedPipeline, match="proportional attention"):
+        PreLLMPlan.load(pipe, num_layers=4)
+
+
+def test_an_inline_mapping_and_a_bad_spec():
+    assert PreLLMPlan.load(WINDOWED, num_layers=2).kept_count(8, 8) == 32
+    with pytest.raises(UnsupportedPipeline, match="preset name, a pipeline YAML path or an inline"):
+        PreLLMPlan.load(3, num_layers=2)
+    with pytest.raises(ValueError, match="unknown preset"):
+        PreLLMPlan.load("no-such-preset", num_layers=2)
+
+
+@pytest.mark.parametrize("grid", [(24, 24), (16, 16), (4, 6), (7, 12), (1, 1)])
+def test_divprune_count_from_the_grid_is_the_exact_budget(grid):
+    plan = PreLLMPlan.load("divprune", num_layers=2)
+    n = grid[0] * grid[1]
+    assert plan.kept_count(*grid) == int(kept_count(torch.tensor(n), 1 - 128 / 576))
+
+
+def test_select_is_lightkvs_stage_per_image_in_one_padded_batch():
+    plan = PreLLMPlan.load(WINDOWED, num_layers=2)
+    stage = lightkv.PipelineConfig.from_dict(WINDOWED).build().stages(2)[0]
+    g = torch.Generator().manual_seed(0)
+    grids = [(6, 8), (4, 4), (10, 6)]
+    embeds = [torch.randn(r * c, 32, generator=g) for r, c in grids]
+    selections = plan.select(embeds, grids)
+    for e, (r, c), sel in zip(embeds, grids, selections):
+        layout = VisionLayout.from_segments(1, r * c, [ImageSegment(row=0, offset=0, grid=(r, c))])
+        alone = stage(e[None], layout)
+        assert sel.index.tolist() == alone.kept_index[0].tolist()
+        torch.testing.assert_close(sel.embeds, alone.hidden[0])
+        assert sel.index.numel() == plan.kept_count(r, c) < r * c
+        assert torch.all(sel.index[1:] > sel.index[:-1])
+
+
+def test_select_checks_shapes():
+    plan = PreLLMPlan.load("divprune", num_layers=2)
+    assert plan.select([], []) == []
+    with pytest.raises(ValueError, match="do not match its"):
+        plan.select([torch.randn(10, 8)], [(3, 3)])
+
+
+@dataclass
+class _CountFollowsCalls(SmallestDivergence):
+    """Removes fewer tokens on every other call: stands for a count that follows content
+    (the probe's two seeded images then keep different numbers)."""
+
+    calls: int = 0
+
+    def budget(self, graph, ratio):
+        self.calls += 1
+        return super().budget(graph, ratio if self.calls % 2 else ratio / 2)
+
+
+def test_a_count_that_depends_on_content_is_refused():
+    pipe = replace(lightkv.PipelineConfig.from_dict(WINDOWED).build(), pruner=_CountFollowsCalls())
+    with pytest.raises(UnsupportedPipeline, match="depends on the image's content"):
+        PreLLMPlan.load(pipe, num_layers=2)
+
+
+def test_select_refuses_a_count_other_than_announced():
+    plan = PreLLMPlan.load(WINDOWED, num_layers=2)
+    plan._counts[4, 4] = 3
+    with pytest.raises(RuntimeError, match="vLLM was told 3"):
+        plan.select([torch.randn(16, 8)], [(4, 4)])
+
+
+def test_the_entry_point_and_the_extra_are_declared():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert meta["entry-points"]["vllm.general_plugins"] == {"lightkv": "lightkv.integrations.vllm:register"}
+    assert meta["optional-dependencies"]["vllm"] == [f"vllm=={TESTED_VLLM[-1]}"]
+    for target in ARCHITECTURES.values():
+        module, _, cls = target.partition(":")
+        assert (ROOT / (module.replace(".", "/") + ".py")).exists() and cls
+
+
+def test_check_version_refuses_an_untested_vllm(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.33.0"))
+    with pytest.raises(RuntimeError, match="tested with vLLM 0.32.0 only, not 0.33.0"):
+        check_version()
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.32.0+cpu"))
+    assert check_version() == "0.32.0+cpu"
+
+
+def test_importing_the_plugin_package_needs_no_vllm():
+    import subprocess
+
+    code = "import sys, lightkv.integrations.vllm, lightkv.integrations.vllm.plan; print('vllm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_install_lists_requirements_without_the_torch_family():
+    reqs = requirements("lightkv")
+    names = {r.split(">")[0].split("=")[0].split("<")[0].strip().lower() for r in reqs}
+    assert "pydantic" in names and not names & TORCH_FAMILY
+    assert all(";" not in r for r in reqs)  # markers evaluated, extras' requirements dropped
+
+
+def test_the_gpu_checks_vllm_section_dry_runs_without_a_gpu(tmp_path):
+    import os
+    import subprocess
+
+    env = {**os.environ, "DRY_RUN": "1", "GPU_CHECK_VLLM": "1", "PY": sys.executable, "OUT": str(tmp_path)}
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "vllm==0.32.0" in proc.stdout
+    assert "divprune: 128 of 576 image tokens" in proc.stdout
+    assert "lightkv-pre-llm-uniform: 288 of 576 image tokens" in proc.stdout
