@@ -45,7 +45,7 @@ VARIANTS = {
     "stock": None,
     "divprune": "divprune",
     "lightkv-pre-llm-uniform": {
-        "name": "lightkv-pre-llm-uniform", "schedule": {"name": "pre_llm", "params": {"ratio": 0.5, "windows_per_side": 4}},
+        "name": "lightkv-pre-llm-uniform", "schedule": {"name": "pre_llm", "params": {"removal_ratio": 0.5, "windows_per_side": 4}},
         "partitioner": "grid", "scorer": "cosine", "pruner": "divergence", "passer": "relevance_mean",
         "relevance": "uniform",
     },

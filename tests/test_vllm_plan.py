@@ -21,7 +21,7 @@ from lightkv.policies import SmallestDivergence
 from lightkv.policies.counts import kept_count
 
 ROOT = Path(__file__).resolve().parents[1]
-WINDOWED = {"schedule": {"name": "pre_llm", "params": {"ratio": 0.5, "windows_per_side": 2}}, "relevance": "uniform"}
+WINDOWED = {"schedule": {"name": "pre_llm", "params": {"removal_ratio": 0.5, "windows_per_side": 2}}, "relevance": "uniform"}
 
 
 @pytest.mark.parametrize("name", PROMPT_AGNOSTIC_PRESETS)

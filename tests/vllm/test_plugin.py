@@ -34,10 +34,10 @@ PROMPTS = [
     {"images": [[12, 7]], "seed": 4},
 ]
 MAX_TOKENS = 6
-RATIO0 = {"name": "ratio-0", "schedule": {"name": "pre_llm", "params": {"ratio": 0.0}}, "relevance": "uniform"}
+RATIO0 = {"name": "ratio-0", "schedule": {"name": "pre_llm", "params": {"removal_ratio": 0.0}}, "relevance": "uniform"}
 MERGE = {  # LightKV's windowed merging before the LLM, prompt-agnostic
     "name": "windowed-merge",
-    "schedule": {"name": "pre_llm", "params": {"ratio": 0.5, "windows_per_side": 2}},
+    "schedule": {"name": "pre_llm", "params": {"removal_ratio": 0.5, "windows_per_side": 2}},
     "partitioner": "grid", "scorer": "cosine", "pruner": "divergence", "passer": "relevance_mean",
     "relevance": "uniform",
 }
