@@ -17,7 +17,7 @@ import torch
 from .partitioners import GlobalPartitioner, Partition, Partitioner
 from .relevance import Relevance, _accumulator, _match_heads
 
-__all__ = ["AccumulatedAttention", "ImportancePartitioner", "accumulated_attention", "h2o_keep"]
+__all__ = ["AccumulatedAttention", "ImportancePartitioner", "accumulated_attention", "causal_chunks", "h2o_keep"]
 
 
 def accumulated_attention(
@@ -33,7 +33,10 @@ def accumulated_attention(
     ``softmax_j(scale * q_i . k_j)`` over the keys ``j`` with ``origin_j <= origin_i`` that
     are valid (what the causal model computes), summed over every valid query ``i`` and every
     query head. Query rows are processed ``chunk`` at a time, so memory is ``chunk x N`` per
-    head, never ``N x N``.
+    head, never ``N x N``; each chunk reads only the key columns up to the last one any of
+    its queries may attend to and masks only the columns some of them may not
+    (`causal_chunks`): about half of ``N x N`` logits, bit for bit the sums of the full
+    masked softmax.
 
     Args:
         queries: ``[B, H, N, d]`` post-RoPE queries.
@@ -41,21 +44,67 @@ def accumulated_attention(
         valid: ``[B, N]`` bool.
         origin: ``[B, N]`` original order (causality), ``-1`` for holes.
         scale: logit scale (default ``1 / sqrt(d)``).
+        chunk: query rows per step.
     """
     b, h, n, d = queries.shape
     acc = _accumulator(queries)
     k = _match_heads(keys, h).to(acc)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     out = torch.zeros(b, n, dtype=acc, device=queries.device)
-    for start in range(0, n, chunk):
-        q = queries[:, :, start : start + chunk].to(acc)
-        logits = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H, c, N]
-        allowed = (origin.unsqueeze(1) <= origin[:, start : start + chunk].unsqueeze(2)) & valid.unsqueeze(1)
-        allowed &= valid[:, start : start + chunk].unsqueeze(2)
-        logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
-        attn = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # fully masked rows (padding) give 0
-        out += attn.sum(dim=(1, 2))
+    # j is allowed for i iff key_at[j] <= query_at[i]: causal, and both valid (holes never match)
+    key_at = origin.masked_fill(~valid, torch.iinfo(origin.dtype).max)
+    query_at = origin.masked_fill(~valid, -1)
+    for start, (end, lo, holes) in zip(range(0, n, chunk), causal_chunks(valid, origin, chunk)):
+        if end == 0:  # no valid query in the chunk: it adds nothing
+            continue
+        stop = start + chunk
+        q = queries[:, :, start:stop].to(acc)
+        # Columns past `end` are masked for every query of the chunk and would add exact
+        # zeros, columns before `lo` are allowed for every valid query: only [lo, end) needs
+        # the mask. Every step in place: no fresh chunk x N buffers (page faults on CPU).
+        logits = torch.matmul(q, k[:, :, :end].transpose(-1, -2)).mul_(scale)  # [B, H, c, end]
+        if lo < end:
+            blocked = key_at[:, None, lo:end] > query_at[:, start:stop, None]  # [B, c, end - lo]
+            logits[..., lo:end].masked_fill_(blocked.unsqueeze(1), float("-inf"))
+        attn = torch.softmax(logits, dim=-1)
+        if holes:  # padding queries attend to nothing: 0 (what a fully masked row's NaN became)
+            attn.masked_fill_(~valid[:, None, start:stop, None], 0.0)
+        out[:, :end] += attn.sum(dim=(1, 2))
     return out
+
+
+def causal_chunks(valid: torch.Tensor, origin: torch.Tensor, chunk: int) -> list[tuple[int, int, bool]]:
+    """For each chunk of ``chunk`` query rows, what `accumulated_attention` must mask, over
+    all batch rows, as ``(end, lo, holes)``: ``end`` is one past the last key column a valid
+    query of the chunk may attend to (``origin_j <= origin_i``, both valid; 0 for a chunk
+    without valid queries), every column before ``lo`` is allowed for every valid query of
+    the chunk, and ``holes`` says whether the chunk has invalid query rows. One host sync.
+
+    Args:
+        valid: ``[B, N]`` bool.
+        origin: ``[B, N]`` original order, ``-1`` for holes.
+        chunk: query rows per chunk.
+    """
+    b, n = valid.shape
+    if n == 0:
+        return []
+    chunks = -(-n // chunk)
+    big = torch.iinfo(origin.dtype).max
+
+    def by_chunk(t: torch.Tensor, fill) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, chunks * chunk - n), value=fill).view(b, chunks, chunk)
+
+    keys = origin.masked_fill(~valid, big)  # a hole is seen by no query
+    latest = by_chunk(origin.masked_fill(~valid, -1), -1).amax(dim=-1)  # [B, C]
+    earliest = by_chunk(keys, big).amin(dim=-1)  # [B, C], big: no valid query
+    col = torch.arange(n, device=valid.device)
+    seen = keys.unsqueeze(1) <= latest.unsqueeze(2)  # [B, C, N] allowed for some valid query
+    end = torch.where(seen, col + 1, 0).amax(dim=(0, 2))
+    blocked = (keys.unsqueeze(1) > earliest.unsqueeze(2)) & (earliest < big).unsqueeze(2)
+    lo = torch.minimum(torch.where(blocked, col, n).amin(dim=(0, 2)), end)
+    holes = (~by_chunk(valid, True)).any(dim=-1).any(dim=0)
+    rows = torch.stack([end, lo, holes.long()]).T.tolist()
+    return [(e, lo_, bool(h)) for e, lo_, h in rows]
 
 
 @Relevance.register("accumulated_attention")
