@@ -73,6 +73,12 @@ def accumulated_attention(
     return out
 
 
+_MIN_COLUMNS = 64
+"""Shortest softmax row `accumulated_attention` computes (longer than any CPU vector)."""
+_MIN_ROWS = 8
+"""Fewest query rows for which `accumulated_attention` leaves out key columns."""
+
+
 def causal_chunks(valid: torch.Tensor, origin: torch.Tensor, chunk: int) -> list[tuple[int, int, bool]]:
     """For each chunk of ``chunk`` query rows, what `accumulated_attention` must mask, over
     all batch rows, as ``(end, lo, holes)``: ``end`` is one past the last key column a valid
@@ -100,6 +106,14 @@ def causal_chunks(valid: torch.Tensor, origin: torch.Tensor, chunk: int) -> list
     col = torch.arange(n, device=valid.device)
     seen = keys.unsqueeze(1) <= latest.unsqueeze(2)  # [B, C, N] allowed for some valid query
     end = torch.where(seen, col + 1, 0).amax(dim=(0, 2))
+    # Bit-identity with the full row: a softmax row shorter than a SIMD vector takes the
+    # kernel's scalar path (other exp, other sum order), so rows stay at least _MIN_COLUMNS
+    # long; a chunk of one query row is a matrix-vector product, whose summation order
+    # depends on the row's length, so chunks of fewer than _MIN_ROWS rows read every
+    # column. The extra columns are masked like the others.
+    rows = (n - torch.arange(chunks, device=valid.device) * chunk).clamp_max(chunk)
+    end = torch.where(rows < _MIN_ROWS, n, end.clamp_min(min(n, _MIN_COLUMNS)))
+    end = torch.where(seen.any(dim=2).any(dim=0), end, 0)
     blocked = (keys.unsqueeze(1) > earliest.unsqueeze(2)) & (earliest < big).unsqueeze(2)
     lo = torch.minimum(torch.where(blocked, col, n).amin(dim=(0, 2)), end)
     holes = (~by_chunk(valid, True)).any(dim=-1).any(dim=0)
