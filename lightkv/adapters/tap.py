@@ -6,7 +6,8 @@ each stage costs about a quarter of a layer's attention projections per stage (m
 most of LightKV's overhead at 7B width). The layer computes exactly those projections of
 exactly that input a moment later, so the tap hooks the projection modules the probe names
 (`AttentionProbe.projections`), keeps their outputs for the one forward it is armed for,
-and computes ξ as soon as the last of them has run. Nothing is copied: the outputs are the
+and computes ξ as soon as the last of them has run (`ProjectionTap.arm`); the cache modes
+score their entries the same way (`ProjectionTap.arm_with`). Nothing is copied: the outputs are the
 tensors the attention uses. When the projections did not run as expected (an attention
 module that never calls them, a shape the tap did not arm for) the session falls back to
 projecting the input itself (`ProjectionTap.take` returns None).

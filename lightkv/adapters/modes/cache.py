@@ -49,7 +49,13 @@ class CacheEntriesMode(Mode):
         self._pending: dict[int, torch.Tensor | None] = {}
         if self.layers:
             ctx.adapter.check_cache_layers(sorted(self.layers))
-        self.taps = {i: ProjectionTap(ctx.probes[i], i) for i in sorted(self.layers)} if ctx.reuse_projections else {}
+        self.taps = {i: ProjectionTap(ctx.probes[i], i) for i in sorted(self.layers)
+                     if ctx.reuse_projections and self.reads_projections(i)}
+
+    def reads_projections(self, layer: int) -> bool:
+        """Whether the importance at ``layer`` reads the layer's queries or keys (then a tap
+        reads them as the layer runs). Default: yes."""
+        return True
 
     def install(self) -> list:
         return [h for tap in self.taps.values() for h in tap.install()]
@@ -121,6 +127,9 @@ class CacheMode(CacheEntriesMode):
     def __init__(self, ctx: SessionContext) -> None:
         self.stages = ctx.stages_in("cache")
         super().__init__(ctx, self.stages)
+
+    def reads_projections(self, layer):
+        return ProjectionTap.wanted(self.stages[layer])
 
     def importance(self, call, raw=None):
         i = call.layer
