@@ -53,17 +53,19 @@ class CacheEntriesMode(Mode):
                      if ctx.reuse_projections and self.reads_projections(i)}
 
     def reads_projections(self, layer: int) -> bool:
-        """Whether the importance at ``layer`` reads the layer's queries or keys (then a tap
-        reads them as the layer runs). Default: yes."""
-        return True
+        """Whether the importance at ``layer`` reads the layer's queries or keys: then a tap
+        reads them as the layer runs and `importance` gets them as ``raw``. Default: no
+        (`importance` is called with the call alone, before the layer runs)."""
+        return False
 
     def install(self) -> list:
         return [h for tap in self.taps.values() for h in tap.install()]
 
     def importance(self, call: LayerCall, raw: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, float]:
         """``([B, N] importance of the layer's tokens, FLOPs)``: from the layer's raw
-        projection outputs when ``raw`` is given (read by the tap as the layer ran; no
-        projection FLOPs), else by projecting the layer's input ``call.hidden`` again."""
+        projection outputs when ``raw`` is given (read by the tap as the layer ran, where
+        `reads_projections`; no projection FLOPs), else from the layer's input
+        ``call.hidden``. A subclass that never reads projections may take ``call`` alone."""
         raise NotImplementedError
 
     def rewrite(self, call: LayerCall, layer: MaskedCacheLayer, importance: torch.Tensor) -> torch.Tensor:

@@ -62,6 +62,9 @@ class H2OMode(CacheEntriesMode):
         self.text_too = self.every_token and bool(self.layers)
         """H2O over every token also evicts in a prompt without vision tokens."""
 
+    def reads_projections(self, layer):
+        return True
+
     def importance(self, call, raw=None):
         probe, layout = self.ctx.probes[call.layer], call.state.layout
         q, k = _queries_keys(probe, call, raw)
