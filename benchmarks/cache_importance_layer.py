@@ -31,7 +31,7 @@ from lightkv.policies.relevance import _accumulator, _match_heads
 
 def full_chunked(queries, keys, valid, origin, scale, chunk=256):
     """The scoring as it was before: every query chunk against every key column."""
-    b, h, n, d = queries.shape
+    b, h, n, _ = queries.shape
     acc = _accumulator(queries)
     k = _match_heads(keys, h).to(acc)
     out = torch.zeros(b, n, dtype=acc)

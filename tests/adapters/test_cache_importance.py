@@ -28,7 +28,7 @@ from lightkv.testing import TINY_MODELS
 from .conftest import get_model
 from .test_cache_mode import METHODS
 
-GEN = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+GEN = {"max_new_tokens": 4, "do_sample": False, "return_dict_in_generate": True}
 
 
 def reference_accumulated(queries, keys, valid, origin, scale=None, chunk=256):
