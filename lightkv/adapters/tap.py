@@ -6,7 +6,8 @@ each stage costs about a quarter of a layer's attention projections per stage (m
 most of LightKV's overhead at 7B width). The layer computes exactly those projections of
 exactly that input a moment later, so the tap hooks the projection modules the probe names
 (`AttentionProbe.projections`), keeps their outputs for the one forward it is armed for,
-and computes ξ as soon as the last of them has run. Nothing is copied: the outputs are the
+and computes ξ as soon as the last of them has run (`ProjectionTap.arm`); the cache modes
+score their entries the same way (`ProjectionTap.arm_with`). Nothing is copied: the outputs are the
 tensors the attention uses. When the projections did not run as expected (an attention
 module that never calls them, a shape the tap did not arm for) the session falls back to
 projecting the input itself (`ProjectionTap.take` returns None).
@@ -14,7 +15,8 @@ projecting the input itself (`ProjectionTap.take` returns None).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,12 +41,9 @@ class TapResult:
 
 @dataclass
 class _Armed:
-    stage: Stage
-    pos: Any
-    layout: VisionLayout
     rows: int
-    raw: dict[str, torch.Tensor]
-    prompt: Any = None
+    score: Callable[[dict[str, torch.Tensor]], TapResult]
+    raw: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class ProjectionTap:
@@ -73,9 +72,22 @@ class ProjectionTap:
         return [module.register_forward_hook(self._hook(name)) for name, module in self.probe.projections().items()]
 
     def arm(self, stage: Stage, pos, layout: VisionLayout, prompt=None) -> None:
-        """Read the next forward of the projections (rows must be ``layout.seq_len``);
-        ``prompt`` (the prefill's `lightkv.policies.Prompt`) is for a policy that reads it."""
-        self._armed, self._result = _Armed(stage, pos, layout, layout.seq_len, {}, prompt), None
+        """Read the next forward of the projections (rows must be ``layout.seq_len``) for
+        ``stage``'s relevance (and keys); ``prompt`` (the prefill's
+        `lightkv.policies.Prompt`) is for a policy that reads it."""
+
+        def score(raw: dict[str, torch.Tensor]) -> TapResult:
+            xi, flops = features.relevance(self.probe, stage, None, pos, layout, self.layer, raw=raw, prompt=prompt)
+            keys = features.stage_keys(self.probe, None, raw=raw)[0] if "keys" in stage.needs else None
+            return TapResult(xi, flops, keys)
+
+        self.arm_with(score, layout.seq_len)
+
+    def arm_with(self, score: Callable[[dict[str, torch.Tensor]], TapResult], rows: int) -> None:
+        """Read the next forward of the projections (``rows`` tokens) and hand their raw
+        outputs (by `AttentionProbe.projections` name) to ``score``, under ``no_grad``, as
+        soon as the last of them has run: what a cache mode scores its entries with."""
+        self._armed, self._result = _Armed(rows, score), None
 
     def take(self) -> TapResult | None:
         """The result of the armed forward (None when the projections did not all run);
@@ -98,10 +110,7 @@ class ProjectionTap:
 
         return hook
 
-    def _compute(self, armed: _Armed) -> TapResult:
+    @staticmethod
+    def _compute(armed: _Armed) -> TapResult:
         with torch.no_grad():
-            raw = {k: v.detach() for k, v in armed.raw.items()}
-            xi, flops = features.relevance(self.probe, armed.stage, None, armed.pos, armed.layout, self.layer, raw=raw,
-                                           prompt=armed.prompt)
-            keys = features.stage_keys(self.probe, None, raw=raw)[0] if "keys" in armed.stage.needs else None
-        return TapResult(xi, flops, keys)
+            return armed.score({k: v.detach() for k, v in armed.raw.items()})

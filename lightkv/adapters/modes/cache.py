@@ -6,8 +6,12 @@ Hidden states are never touched: the prefill runs as without a session, and each
 layer's cache becomes a `MaskedCacheLayer` whose entries (with ``valid`` holes and
 ``origin`` columns) are replaced after the layer has run. Decoding then reads each such
 layer through a mask built from its own ``valid`` (`lightkv.adapters.modes.sequence`).
-Importance comes from the layer's own projections (`AttentionProbe`), never from the
-model's attention weights.
+Importance comes from the layer's own projections, never from the model's attention
+weights: a `ProjectionTap` reads the query and key projections as the layer computes them
+and scores its entries right then (one chunked causal ``QK^T``, no second projection);
+where the projections did not run as the tap expected, or with
+``reuse_projections=False``, the layer's input is projected once more after it ran (the
+same scores, bit for bit, at the cost of a second projection).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from ...graph.layout import TokenKind
 from .. import features
 from ..cache import MaskedCacheLayer, install_masked_layer
 from ..masks import drop_padding
+from ..tap import ProjectionTap, TapResult
 from ..trace import LayerStat, StageRecord
 from .base import LayerCall, Mode, SessionContext
 
@@ -27,21 +32,40 @@ __all__ = ["CacheEntriesMode", "CacheMode"]
 
 class CacheEntriesMode(Mode):
     """Base of modes that rewrite a layer's cache entries after its prefill: before the
-    layer, a `MaskedCacheLayer` to receive them and the tokens' importance (`importance`);
-    after it, `rewrite` and the layer's counts updated (the trace keeps the old ones in
-    ``uncompressed``). Subclasses set ``layers`` (= ``cache_layers``)."""
+    layer, a `MaskedCacheLayer` to receive them and a `ProjectionTap` armed to score the
+    tokens' importance from the layer's own projections (`importance` with ``raw``); after
+    it, `rewrite` and the layer's counts updated (the trace keeps the old ones in
+    ``uncompressed``). Subclasses set ``layers`` (= ``cache_layers``).
+
+    Attributes:
+        taps: the projection taps by layer (empty with ``reuse_projections=False``).
+    """
 
     order = 30
 
     def __init__(self, ctx: SessionContext, layers) -> None:
         super().__init__(ctx)
         self.layers = self.cache_layers = frozenset(layers)
-        self._pending: dict[int, torch.Tensor] = {}
+        self._pending: dict[int, torch.Tensor | None] = {}
         if self.layers:
             ctx.adapter.check_cache_layers(sorted(self.layers))
+        self.taps = {i: ProjectionTap(ctx.probes[i], i) for i in sorted(self.layers)
+                     if ctx.reuse_projections and self.reads_projections(i)}
 
-    def importance(self, call: LayerCall) -> tuple[torch.Tensor, float]:
-        """``([B, N] importance of the layer's tokens, FLOPs)`` from its input."""
+    def reads_projections(self, layer: int) -> bool:
+        """Whether the importance at ``layer`` reads the layer's queries or keys: then a tap
+        reads them as the layer runs and `importance` gets them as ``raw``. Default: no
+        (`importance` is called with the call alone, before the layer runs)."""
+        return False
+
+    def install(self) -> list:
+        return [h for tap in self.taps.values() for h in tap.install()]
+
+    def importance(self, call: LayerCall, raw: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, float]:
+        """``([B, N] importance of the layer's tokens, FLOPs)``: from the layer's raw
+        projection outputs when ``raw`` is given (read by the tap as the layer ran, where
+        `reads_projections`; no projection FLOPs), else from the layer's input
+        ``call.hidden``. A subclass that never reads projections may take ``call`` alone."""
         raise NotImplementedError
 
     def rewrite(self, call: LayerCall, layer: MaskedCacheLayer, importance: torch.Tensor) -> torch.Tensor:
@@ -57,17 +81,29 @@ class CacheEntriesMode(Mode):
             masked = install_masked_layer(cache, i, self.ctx.token, self.ctx.adapter.cache_layer_types)
             masked.pending, masked.pending_origin = layout.valid_mask, layout.origin
             masked.pending_columns = layout.seq_len
-        with torch.no_grad():
-            xi, flops = self.importance(call)
-        st.trace.relevance_flops += flops
-        self._pending[i] = xi
+        if i in self.taps:  # scored as soon as the layer's projections have run
+            self.taps[i].arm_with(lambda raw: TapResult(*self.importance(call, raw), None), layout.seq_len)
+            self._pending[i] = None
+            return
+        self._pending[i] = self._score(call, None)
+
+    def _score(self, call: LayerCall, tapped: TapResult | None) -> torch.Tensor:
+        if tapped is None:
+            with torch.no_grad():
+                tapped = TapResult(*self.importance(call), None)
+        call.state.trace.relevance_flops += tapped.flops
+        return tapped.relevance
 
     def prefill_post(self, call: LayerCall) -> None:
         st, i, cache = call.state, call.layer, call.cache
+        tapped = self.taps[i].take() if i in self.taps else None
         if i not in self._pending or cache is None:
             return
+        xi = self._pending.pop(i)
+        if xi is None:  # armed: the tap's result, or the input projected again when it has none
+            xi = self._score(call, tapped)
         layer = cache.layers[i]
-        kind = self.rewrite(call, layer, self._pending.pop(i))
+        kind = self.rewrite(call, layer, xi)
         stat = st.trace.layers[-1]
         st.trace.uncompressed[stat.layer] = stat
         valid = layer.valid
@@ -75,6 +111,11 @@ class CacheEntriesMode(Mode):
             stat.layer, int(valid.shape[1]), valid.sum(1),
             ((kind == TokenKind.VISION) & valid).sum(1), ((kind == TokenKind.STRUCTURAL) & valid).sum(1),
         )
+
+    def end_forward(self) -> None:
+        self._pending.clear()
+        for tap in self.taps.values():  # a forward that raised mid-layer leaves no tap armed
+            tap.take()
 
 
 @Mode.register("cache")
@@ -89,10 +130,13 @@ class CacheMode(CacheEntriesMode):
         self.stages = ctx.stages_in("cache")
         super().__init__(ctx, self.stages)
 
-    def importance(self, call):
+    def reads_projections(self, layer):
+        return ProjectionTap.wanted(self.stages[layer])
+
+    def importance(self, call, raw=None):
         i = call.layer
-        return features.relevance(self.ctx.probes[i], self.stages[i], call.hidden,
-                                  call.kwargs.get("position_embeddings"), call.state.layout, i)
+        return features.relevance(self.ctx.probes[i], self.stages[i], None if raw is not None else call.hidden,
+                                  call.kwargs.get("position_embeddings"), call.state.layout, i, raw=raw)
 
     def rewrite(self, call, layer, importance):
         st, stage = call.state, self.stages[call.layer]

@@ -4,7 +4,9 @@ its parameters).
 
 A token's score is the causal attention it receives, accumulated over the prompt's queries
 and then every decoded token's queries against the kept entries, computed from the layer's
-own projections (`AttentionProbe`). Evicted entries never come back.
+own projections: at the prefill read as the layer computes them (`CacheEntriesMode`'s
+tap), while decoding projected again for the few new tokens. Evicted entries never come
+back.
 """
 
 from __future__ import annotations
@@ -31,12 +33,16 @@ def _scale(probe: AttentionProbe) -> float:
     return float(scale) if scale is not None else 1.0 / math.sqrt(probe.head_dim)
 
 
-def _queries_keys(probe: AttentionProbe, call: LayerCall):
+def _queries_keys(probe: AttentionProbe, call: LayerCall, raw: dict[str, torch.Tensor] | None = None):
+    """Post-RoPE queries and keys of the layer's tokens: from its raw projection outputs
+    when given, else from its input projected again."""
     pos = call.kwargs.get("position_embeddings")
     if pos is None:
         raise RuntimeError(f"layer {call.layer} received no position_embeddings; cannot score its cache for H2O")
     hidden = call.hidden
     cos, sin = _batch(pos[0], hidden.shape[0]), _batch(pos[1], hidden.shape[0])
+    if raw is not None:
+        return probe.queries_from(raw, cos, sin), probe.keys_from(raw, cos, sin)
     x = probe.normed(hidden)
     return probe.queries(x, cos, sin), probe.keys(x, cos, sin)
 
@@ -56,12 +62,15 @@ class H2OMode(CacheEntriesMode):
         self.text_too = self.every_token and bool(self.layers)
         """H2O over every token also evicts in a prompt without vision tokens."""
 
-    def importance(self, call):
+    def reads_projections(self, layer):
+        return True
+
+    def importance(self, call, raw=None):
         probe, layout = self.ctx.probes[call.layer], call.state.layout
-        q, k = _queries_keys(probe, call)
+        q, k = _queries_keys(probe, call, raw)
         xi = accumulated_attention(q, k, layout.valid_mask, layout.origin, _scale(probe))
         b, n = layout.batch_size, layout.seq_len
-        flops = 2.0 * b * n * probe.hidden * (probe.heads + probe.kv_heads) * probe.head_dim
+        flops = 0.0 if raw is not None else 2.0 * b * n * probe.hidden * (probe.heads + probe.kv_heads) * probe.head_dim
         return xi, flops + 2.0 * b * probe.heads * probe.head_dim * n * n
 
     def rewrite(self, call, layer, importance):

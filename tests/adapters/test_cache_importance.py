@@ -1,0 +1,139 @@
+"""Cache-level importance (ElasticCache, H2O) read from the layer's own projections as the
+layer runs, against the path it replaced: the layer's input projected a second time and the
+accumulated attention of every query chunk over every key column (`reference_accumulated`,
+the function as it was). On every family's tiny model, a padded batch: the same kept
+entries in every compressed layer, the same cache and the same generated tokens, the same
+importance (bit for bit on the CPU this was written on, within a few ulps anywhere); and the
+tap really scored every layer (no fallback).
+
+The pure function is also checked against the reference on random layouts with holes
+anywhere and origins in any order (what `causal_chunks` must not get wrong).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightkv.adapters import apply
+from lightkv.adapters.modes import h2o as h2o_mode
+from lightkv.policies import cache_policies
+from lightkv.policies.relevance import _accumulator, _match_heads
+from lightkv.testing import TINY_MODELS
+
+from .conftest import get_model
+from .test_cache_mode import METHODS
+
+GEN = {"max_new_tokens": 4, "do_sample": False, "return_dict_in_generate": True}
+
+
+def reference_accumulated(queries, keys, valid, origin, scale=None, chunk=256):
+    """`accumulated_attention` before the tap (kept here as the reference): every chunk of
+    query rows against every key column, a full masked softmax, NaN rows zeroed."""
+    b, h, n, d = queries.shape
+    acc = _accumulator(queries)
+    k = _match_heads(keys, h).to(acc)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    out = torch.zeros(b, n, dtype=acc, device=queries.device)
+    for start in range(0, n, chunk):
+        q = queries[:, :, start : start + chunk].to(acc)
+        logits = torch.matmul(q, k.transpose(-1, -2)) * scale
+        allowed = (origin.unsqueeze(1) <= origin[:, start : start + chunk].unsqueeze(2)) & valid.unsqueeze(1)
+        allowed &= valid[:, start : start + chunk].unsqueeze(2)
+        logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+        out += torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=(1, 2))
+    return out
+
+
+def _cache_mode(session):
+    return next(m for m in session.modes if m.name in ("cache", "h2o"))
+
+
+def _run(model, fam, batch, pipe, *, old: bool, monkeypatch):
+    """Prefill + greedy decoding; per compressed layer the importance, whether the tap
+    scored it, and the kept entries (valid, origin, keys) right after the prefill."""
+    with monkeypatch.context() as m:
+        if old:
+            m.setattr(cache_policies, "accumulated_attention", reference_accumulated)
+            m.setattr(h2o_mode, "accumulated_attention", reference_accumulated)
+        with apply(pipe, model, reuse_projections=not old, **fam.adapter_options) as session:
+            mode = _cache_mode(session)
+            log: dict[int, dict] = {}
+            importance, rewrite = mode.importance, mode.rewrite
+
+            def spy_importance(call, raw=None):
+                log.setdefault(call.layer, {})["tapped"] = raw is not None
+                return importance(call, raw)
+
+            def spy_rewrite(call, layer, xi):
+                kind = rewrite(call, layer, xi)
+                log[call.layer].update(xi=xi.clone(), valid=layer.valid.clone(), origin=layer.origin.clone(),
+                                       keys=layer.keys.clone(), values=layer.values.clone())
+                return kind
+
+            m.setattr(mode, "importance", spy_importance)
+            m.setattr(mode, "rewrite", spy_rewrite)
+            out = model.generate(**batch, **GEN)
+    return log, out.sequences
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_tapped_importance_keeps_what_the_second_projection_kept(family, method, monkeypatch):
+    model = get_model(family)
+    fam = TINY_MODELS[family]
+    batch = fam.collate(fam.examples(model))  # left-padded: holes in the causal mask
+    old, old_tokens = _run(model, fam, batch, METHODS[method](), old=True, monkeypatch=monkeypatch)
+    new, new_tokens = _run(model, fam, batch, METHODS[method](), old=False, monkeypatch=monkeypatch)
+    assert sorted(old) == sorted(new) and old
+    for layer in old:
+        assert not old[layer]["tapped"] and new[layer]["tapped"], layer
+        # the same entries kept, merged from the same sources with the same weights
+        for what in ("valid", "origin", "keys", "values"):
+            assert torch.equal(old[layer][what], new[layer][what]), (layer, what)
+        # bit for bit on the CPU this was written on; a BLAS may round a shorter product differently
+        torch.testing.assert_close(old[layer]["xi"], new[layer]["xi"], rtol=1e-6, atol=1e-7)
+    assert torch.equal(old_tokens, new_tokens)
+
+
+def test_tapped_importance_on_eager_attention(monkeypatch):
+    model = get_model("llava", "eager")
+    fam = TINY_MODELS["llava"]
+    batch = fam.collate(fam.examples(model))
+    for method in ("elastic", "h2o-all"):
+        old, old_tokens = _run(model, fam, batch, METHODS[method](), old=True, monkeypatch=monkeypatch)
+        new, new_tokens = _run(model, fam, batch, METHODS[method](), old=False, monkeypatch=monkeypatch)
+        for layer in old:
+            assert new[layer]["tapped"]
+            assert torch.equal(old[layer]["origin"], new[layer]["origin"])
+            torch.testing.assert_close(old[layer]["xi"], new[layer]["xi"], rtol=1e-6, atol=1e-7)
+        assert torch.equal(old_tokens, new_tokens)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), b=st.integers(1, 3), n=st.integers(1, 300), chunk=st.sampled_from([1, 5, 64, 256]),
+       holes=st.sampled_from(["none", "left", "right", "anywhere"]), shuffled=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_accumulated_attention_equals_the_full_chunked_softmax(seed, b, n, chunk, holes, shuffled, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, 4, n, 8, generator=gen, dtype=dtype)
+    k = torch.randn(b, 2, n, 8, generator=gen, dtype=dtype)
+    valid = torch.ones(b, n, dtype=torch.bool)
+    cut = torch.randint(0, n, (b,), generator=gen)
+    for r in range(b):
+        if holes == "left":
+            valid[r, : cut[r]] = False
+        elif holes == "right":
+            valid[r, n - cut[r]:] = False
+        elif holes == "anywhere":
+            valid[r] = torch.rand(n, generator=gen) < 0.7
+    origin = torch.stack([torch.randperm(n, generator=gen) if shuffled else torch.arange(n) for _ in range(b)])
+    origin = origin.masked_fill(~valid, -1)
+    got = cache_policies.accumulated_attention(q, k, valid, origin, 0.3, chunk=chunk)
+    # the same sums of the same softmax rows; a BLAS may order a shorter product's sums
+    # differently (seen in float64), hence a few ulps
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(got, reference_accumulated(q, k, valid, origin, 0.3, chunk=chunk), rtol=tol, atol=tol)
