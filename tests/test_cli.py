@@ -222,8 +222,11 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
     import signal
     import time
 
+    # a test runner's worker may ignore SIGINT, and children inherit that: restore the default
+    # so the child installs Python's own handler, as in a terminal
     proc = subprocess.Popen([sys.executable, "-m", "lightkv", "bench", "quality", "--episodes", "2000",
-                             "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(15)  # past the imports and the model load (slower on a loaded machine): inside the run
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
