@@ -12,6 +12,8 @@
 #    shapes, 32 layers of width 4096) in bf16 on the GPU: absolute TTFT from CUDA events, peak
 #    memory from torch.cuda.max_memory_allocated, lightkv next to tome, fastv and the
 #    second-projection baseline.
+#    3b. The same at 55 / 22 / 11% kept (LLaVA-NeXT shape) for lightkv, tome, fastv, pdrop,
+#    elasticcache, h2o and divprune: TTFT against FLOPs per budget, into $OUT/budgets.
 # 4. With GPU_CHECK_VLLM=1: lightkv's vLLM plugin on real vLLM (the CUDA wheel vllm==0.32.0,
 #    the version the plugin is pinned to; from .whl/ or pip, into its own venv $VLLM_VENV that
 #    sees the machine's packages): benchmarks/vllm_serving.py serves one batch of image
@@ -38,6 +40,7 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
   echo "gpu_check (dry run): 1. dependencies beside the machine's CUDA torch"
   echo "gpu_check (dry run): 2. $PY -m pytest -q -m cuda tests/adapters/test_cuda.py"
   echo "gpu_check (dry run): 3. $PY -m lightkv bench efficiency --device cuda --dtype bfloat16 --width full ..."
+  echo "gpu_check (dry run): 3b. the same at --kept-fractions 0.55 0.22 0.11 for the prefill and cache presets"
   if [ "${GPU_CHECK_VLLM:-0}" = 1 ]; then
     echo "gpu_check (dry run): 4. $VLLM_SPEC into $VLLM_VENV; python benchmarks/vllm_serving.py $VLLM_ARGS --out $OUT"
     PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} $PY benchmarks/vllm_serving.py --dry-run $VLLM_ARGS --out "$OUT" || exit 4
@@ -82,6 +85,14 @@ timeout 420 $PY -m lightkv bench efficiency --device cuda --dtype bfloat16 --wid
   --models llava llava_next --presets lightkv tome fastv --projection-baseline --repeats 10 \
   --no-progress --out "$OUT" 2>&1 | tee "$OUT/efficiency.log"
 BENCH_RC=${PIPESTATUS[0]}
+
+# ---- 3b. every budget (issue 28): the LLaVA-NeXT shape at full width, bf16, the prefill and
+#      cache-level presets and DivPrune at 55 / 22 / 11% kept, TTFT against FLOPs per budget
+timeout 300 $PY -m lightkv bench efficiency --device cuda --dtype bfloat16 --width full --layers 32 \
+  --models llava_next --presets lightkv tome fastv pdrop elasticcache h2o divprune \
+  --kept-fractions 0.55 0.22 0.11 --repeats 5 --no-eager-reference --no-progress \
+  --out "$OUT/budgets" 2>&1 | tee "$OUT/budgets.log"
+BUDGETS_RC=${PIPESTATUS[0]}
 T2=$(date +%s)
 
 # ---- 4. the vLLM plugin on CUDA vLLM (opt-in): stock vs lightkv at equal batch
@@ -100,10 +111,14 @@ if [ "${GPU_CHECK_VLLM:-0}" = 1 ]; then
 fi
 T3=$(date +%s)
 
-$PY - "$OUT" "$TESTS_RC" "$BENCH_RC" "$((T1 - T0))" "$((T2 - T1))" "$((T3 - START))" "$VLLM_RC" "$((T3 - T2))" <<'EOF'
+$PY - "$OUT" "$TESTS_RC" "$BENCH_RC" "$((T1 - T0))" "$((T2 - T1))" "$((T3 - START))" "$VLLM_RC" "$((T3 - T2))" \
+  "$BUDGETS_RC" <<'EOF'
 import json, sys
-out, tests_rc, bench_rc, t_tests, t_bench, total, vllm_rc, t_vllm = sys.argv[1:]
+out, tests_rc, bench_rc, t_tests, t_bench, total, vllm_rc, t_vllm, budgets_rc = sys.argv[1:]
 json.dump({"cuda_tests": {"rc": int(tests_rc), "seconds": int(t_tests)},
+           "budgets": {"rc": int(budgets_rc), "out": f"{out}/budgets",
+                       "command": "lightkv bench efficiency ... --models llava_next --presets lightkv tome fastv "
+                                  "pdrop elasticcache h2o divprune --kept-fractions 0.55 0.22 0.11"},
            "vllm_serving": {"rc": int(vllm_rc), "seconds": int(t_vllm), "ran": int(vllm_rc) != -1},
            "efficiency": {"rc": int(bench_rc), "seconds": int(t_bench),
                           "command": "lightkv bench efficiency --device cuda --dtype bfloat16 --width full --layers 32 "
@@ -111,5 +126,5 @@ json.dump({"cuda_tests": {"rc": int(tests_rc), "seconds": int(t_tests)},
                                      "--repeats 10"},
            "seconds": int(total)}, open(f"{out}/gpu_check.json", "w"), indent=1)
 EOF
-echo "gpu_check: tests rc=$TESTS_RC, efficiency rc=$BENCH_RC, vllm rc=$VLLM_RC (-1: not run), $((T3 - START)) s; results in $OUT"
-[ "$TESTS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && { [ "$VLLM_RC" -eq -1 ] || [ "$VLLM_RC" -eq 0 ]; }
+echo "gpu_check: tests rc=$TESTS_RC, efficiency rc=$BENCH_RC, budgets rc=$BUDGETS_RC, vllm rc=$VLLM_RC (-1: not run), $((T3 - START)) s; results in $OUT"
+[ "$TESTS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$BUDGETS_RC" -eq 0 ] && { [ "$VLLM_RC" -eq -1 ] || [ "$VLLM_RC" -eq 0 ]; }
