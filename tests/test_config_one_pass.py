@@ -135,6 +135,20 @@ def test_to_yaml_of_a_loaded_file_is_the_file(path):
     assert lightkv.config.PipelineConfig.from_yaml_text(text).to_yaml() == text  # presets stay canonical
 
 
+def test_what_to_yaml_writes_loads_back_even_where_a_shorthand_cannot_say_it(tmp_path):
+    """Regression: an empty explicit schedule (the identity pipeline lmms-eval's test writes)
+    was written as the ``layers: []`` shorthand, which loading refuses."""
+    from lightkv.policies.schedulers import ExplicitSchedule
+
+    pipes = [lightkv.load(name).with_scheduler(ExplicitSchedule(layers=(), removal_ratios=(), windows_per_side=None))
+             for name in ("lightkv", "tome")] + [lightkv.load(name) for name in lightkv.PRESETS]
+    for i, pipe in enumerate(pipes):
+        path = tmp_path / f"p{i}.yaml"
+        lightkv.to_yaml(pipe, path)
+        back = lightkv.load(str(path))
+        assert back.scheduler == pipe.scheduler and lightkv.to_yaml(back) == path.read_text(encoding="utf-8")
+
+
 # ---------------------------------------------------------------------------- renamed keys
 @pytest.mark.parametrize(
     "old, new, message",

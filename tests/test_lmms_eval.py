@@ -48,7 +48,7 @@ def runs(tmp_path_factory):
     model, processor, grid = dg.load()
     episodes = task_episodes(N_EPISODES, processor, grid)
     task_dir = write_task(tmp / "task", episodes, grid)
-    identity = lightkv.load("lightkv").with_scheduler(ExplicitSchedule(layers=(), ratios=(), windows_per_side=None))
+    identity = lightkv.load("lightkv").with_scheduler(ExplicitSchedule(layers=(), removal_ratios=(), windows_per_side=None))
     lightkv.to_yaml(identity, tmp / "identity.yaml")
     specs = {
         "uncompressed": ("pretrained=digitgrid,dtype=float32", 1),

@@ -90,7 +90,9 @@ class ExplicitSchedule(Scheduler):
         params["windows_per_side"] = _as_list(data["windows_per_side"]) if "windows_per_side" in data else None
         return params
 
-    def to_shorthand(self) -> dict[str, Any]:
+    def to_shorthand(self) -> dict[str, Any] | None:
+        if not tuple(self.layers):  # the shorthand refuses an empty schedule: write {name, params}
+            return None
         out: dict[str, Any] = {"layers": list(self.layers), "removal_ratios": [float(r) for r in self.removal_ratios]}
         if self.window_size is not None:
             out["window_size"] = [list(w) for w in self.window_size]
