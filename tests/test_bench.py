@@ -130,7 +130,7 @@ def test_cache_mode_presets_in_both_benchmarks():
         assert rec["ratios"]["flops"] >= 1.0  # the prefill runs uncompressed
         assert rec["kept_vision_fraction_reference_depth"] == pytest.approx(0.5)
     pipe, how = method_pipeline("elasticcache", 8, 0.4)
-    assert pipe.scheduler == CacheSchedule(ratio=0.6) and how == "cache"
+    assert pipe.scheduler == CacheSchedule(removal_ratio=0.6) and how == "cache"
     pipe, how = method_pipeline("h2o", 8, 0.4)
     assert pipe.scheduler == H2OSchedule(budget=0.4) and how == "cache"
     res = run(AccuracyConfig(episodes=8, methods=("elasticcache", "h2o"), targets=(1.0, 0.4), ablations=False,

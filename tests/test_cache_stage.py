@@ -162,7 +162,7 @@ def test_policies_keep_the_contract():
 
 
 def test_schedules_and_presets():
-    specs = CacheSchedule(ratio=0.25, layers=(1, 3)).plan(4)
+    specs = CacheSchedule(removal_ratio=0.25, layers=(1, 3)).plan(4)
     assert [(s.layer, s.ratio, s.cache) for s in specs] == [(1, 0.25, True), (3, 0.25, True)]
     assert average_kept_fraction(specs, 4) == pytest.approx((1 + 0.75 + 1 + 0.75) / 4)
     assert len(CacheSchedule().plan(6)) == 6

@@ -186,7 +186,7 @@ def test_get_preset_returns_fresh_pipelines_and_lists_names_when_unknown():
 
 def test_lightkv_schedules_per_model():
     llava = get_preset("lightkv").scheduler
-    assert llava == ExplicitSchedule(layers=(12, 18, 24), ratios=(0.5,), windows_per_side=(4, 2, 1))
+    assert llava == ExplicitSchedule(layers=(12, 18, 24), removal_ratios=(0.5,), windows_per_side=(4, 2, 1))
     qwen = get_preset("lightkv-qwen2_5_vl").scheduler
     assert [(s.layer, s.windows_per_side, s.ratio) for s in qwen.plan(28)] == [(12, 6, 0.5), (17, 4, 0.5), (22, 2, 0.5)]
     assert get_preset("lightkv-paper").partitioner.name == "pseudo_square"
@@ -485,7 +485,7 @@ def test_unregistered_policy_objects_cannot_be_described():
         config_from_pipeline(pipe)
     # the class default (4, 2, 1) fits three layers only: refused at construction, naming it
     with pytest.raises(ValueError, match=r"windows_per_side defaults to \(4, 2, 1\), one entry per default layer"):
-        ExplicitSchedule(layers=(2,), ratios=(0.75,))
+        ExplicitSchedule(layers=(2,), removal_ratios=(0.75,))
     assert ExplicitSchedule(layers=(2,), window_size=((2, 2),)).windows_per_side is None
 
 
@@ -596,7 +596,7 @@ def test_yaml_round_trip_property(schedule, name, description, scorer, partition
 def test_schedule_config_round_trips_scheduler_objects():
     for scheduler in [
         ExplicitSchedule(),
-        ExplicitSchedule(layers=(3,), ratios=(0.25,), windows_per_side=None, window_size=((2, 3),)),
+        ExplicitSchedule(layers=(3,), removal_ratios=(0.25,), windows_per_side=None, window_size=((2, 3),)),
         KeptFractionSchedule(),
         KeptFractionSchedule(target=0.3, relative_layers=(0.5,), windows_per_side=(2,)),
     ]:

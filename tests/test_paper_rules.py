@@ -203,6 +203,6 @@ def test_the_paper_presets_round_budgets_as_the_reference_code(preset):
 
     layout = VisionLayout.from_segments(1, 186, [ImageSegment(0, 3, (12, 15))])
     x = torch.randn(1, 186, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    pipe = lightkv.load(preset).with_scheduler(ExplicitSchedule(layers=(0,), ratios=(0.35,), windows_per_side=(1,)))
+    pipe = lightkv.load(preset).with_scheduler(ExplicitSchedule(layers=(0,), removal_ratios=(0.35,), windows_per_side=(1,)))
     (result,) = pipe.run(x, layout, num_layers=4)
     assert int(result.layout.vision_counts()) == 117

@@ -34,13 +34,13 @@ def _check_against_oracle(case, stage, ratio, wps, pseudo):
 
 @given(case=batches(), ratio=st.sampled_from([0.25, 0.5, 0.9]), wps=st.integers(1, 4))
 def test_grid_stage_matches_oracle(case, ratio, wps):
-    stage = Stage(StageSpec(layer=0, ratio=ratio, windows_per_side=wps))
+    stage = Stage(StageSpec(layer=0, removal_ratio=ratio, windows_per_side=wps))
     _check_against_oracle(case, stage, ratio, wps, pseudo=False)
 
 
 @given(case=batches(newlines=False), ratio=st.sampled_from([0.3, 0.5]), wps=st.integers(1, 3))
 def test_pseudo_square_stage_matches_oracle(case, ratio, wps):
-    stage = Stage(StageSpec(layer=0, ratio=ratio, windows_per_side=wps), partitioner=PseudoSquarePartitioner())
+    stage = Stage(StageSpec(layer=0, removal_ratio=ratio, windows_per_side=wps), partitioner=PseudoSquarePartitioner())
     _check_against_oracle(case, stage, ratio, wps, pseudo=True)
 
 
@@ -52,9 +52,9 @@ def test_two_stages_match_oracle_applied_twice():
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 40, 5, generator=gen, dtype=torch.float64)
     xi = torch.rand(2, 40, generator=gen, dtype=torch.float64)
-    first = Stage(StageSpec(layer=0, ratio=0.5, windows_per_side=2))(hidden, layout, xi)
+    first = Stage(StageSpec(layer=0, removal_ratio=0.5, windows_per_side=2))(hidden, layout, xi)
     xi2 = xi.gather(1, first.kept_index.clamp_min(0))
-    second = Stage(StageSpec(layer=1, ratio=0.5, windows_per_side=1))(first.hidden, first.layout, xi2, first.provenance)
+    second = Stage(StageSpec(layer=1, removal_ratio=0.5, windows_per_side=1))(first.hidden, first.layout, xi2, first.provenance)
     once = oracle_stage(hidden, layout, xi, 0.5, 2)
     twice = oracle_stage(first.hidden, first.layout, xi2, 0.5, 1)
     for b in range(2):
@@ -89,6 +89,6 @@ def test_paper_preset_reproduces_reference_token_counts(grid, schedule, expected
     n = grid[0] * grid[1] + 10
     layout = VisionLayout.from_segments(1, n, [ImageSegment(0, 4, grid)])
     pipe = lightkv.load("lightkv-paper")
-    pipe.scheduler = ExplicitSchedule(layers=schedule[0], windows_per_side=schedule[1], ratios=(0.5,))
+    pipe.scheduler = ExplicitSchedule(layers=schedule[0], windows_per_side=schedule[1], removal_ratios=(0.5,))
     results = pipe.run(torch.randn(1, n, 8), layout, num_layers=32)
     assert [int(r.layout.vision_counts()) for r in results] == expected

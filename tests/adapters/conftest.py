@@ -31,13 +31,13 @@ def decoder_layers(model):
 
 def identity_pipeline() -> Pipeline:
     """Two scheduled stages that remove nothing: every hook path runs, nothing changes."""
-    return Pipeline(scheduler=ExplicitSchedule(layers=(1, 2), windows_per_side=(2, 1), ratios=(0.0,)), name="identity")
+    return Pipeline(scheduler=ExplicitSchedule(layers=(1, 2), windows_per_side=(2, 1), removal_ratios=(0.0,)), name="identity")
 
 
 def tiny_lightkv() -> Pipeline:
     """The LightKV preset's policies on a 4-layer schedule: half of each 2x2-window, then global."""
     pipe = lightkv.load("lightkv")
-    return pipe.with_scheduler(ExplicitSchedule(layers=(1, 2), windows_per_side=(2, 1), ratios=(0.5,)))
+    return pipe.with_scheduler(ExplicitSchedule(layers=(1, 2), windows_per_side=(2, 1), removal_ratios=(0.5,)))
 
 
 @pytest.fixture(params=FAMILY_NAMES)

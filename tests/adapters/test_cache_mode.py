@@ -31,7 +31,7 @@ LAYERS = (0, 1, 3)  # Gemma 3's tiny decoder has a sliding layer at 2
 
 
 def elastic(ratio: float = 0.5, layers=LAYERS):
-    return lightkv.load("elasticcache").with_scheduler(CacheSchedule(ratio=ratio, layers=layers))
+    return lightkv.load("elasticcache").with_scheduler(CacheSchedule(removal_ratio=ratio, layers=layers))
 
 
 def h2o(budget: float = 0.5, tokens: str = "all", layers=LAYERS, recent_share: float = 0.5):

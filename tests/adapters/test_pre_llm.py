@@ -35,7 +35,7 @@ def refused(family, model) -> bool:
 
 
 def pre_llm(ratio: float = 0.5, passer: str | None = None):
-    pipe = lightkv.load("lightkv-pre-llm").with_scheduler(PreLLMSchedule(ratio=ratio, windows_per_side=2))
+    pipe = lightkv.load("lightkv-pre-llm").with_scheduler(PreLLMSchedule(removal_ratio=ratio, windows_per_side=2))
     if passer is not None:
         pipe.passer = MessagePasser.create(passer)
     return pipe
@@ -99,7 +99,7 @@ def test_llava_equals_the_model_on_the_kept_embeddings_at_their_original_positio
     model = get_model("llava")
     fam = TINY_MODELS["llava"]
     batch = fam.collate(fam.examples(model)[:1])
-    pipe = lightkv.load("lightkv-pre-llm").with_scheduler(PreLLMSchedule(ratio=0.5, windows_per_side=2))
+    pipe = lightkv.load("lightkv-pre-llm").with_scheduler(PreLLMSchedule(removal_ratio=0.5, windows_per_side=2))
     pipe.scorer, pipe.pruner = None, Pruner.create("random", seed=3)
     pipe.passer, pipe.partitioner = MessagePasser.create("drop"), Partitioner.create("grid", split="all_src")
     with apply(pipe, model, record=True) as session:

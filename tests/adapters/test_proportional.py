@@ -45,15 +45,15 @@ def prop(pipe: Pipeline, on: bool = True) -> Pipeline:
 
 def drop_only() -> Pipeline:
     """Removes half of each window's vision tokens without merging them: every size stays 1."""
-    return lightkv.load("fastv").with_scheduler(ExplicitSchedule(layers=(1, 2), windows_per_side=(2, 1), ratios=(0.5,)))
+    return lightkv.load("fastv").with_scheduler(ExplicitSchedule(layers=(1, 2), windows_per_side=(2, 1), removal_ratios=(0.5,)))
 
 
 def pre_llm() -> Pipeline:
-    return lightkv.load("lightkv-pre-llm").with_scheduler(PreLLMSchedule(ratio=0.5, windows_per_side=2))
+    return lightkv.load("lightkv-pre-llm").with_scheduler(PreLLMSchedule(removal_ratio=0.5, windows_per_side=2))
 
 
 def elastic() -> Pipeline:
-    return lightkv.load("elasticcache").with_scheduler(CacheSchedule(ratio=0.5, layers=(0, 1, 3)))
+    return lightkv.load("elasticcache").with_scheduler(CacheSchedule(removal_ratio=0.5, layers=(0, 1, 3)))
 
 
 MODES = {"in-prefill": tiny_lightkv, "pre-llm": pre_llm, "cache": elastic}

@@ -165,7 +165,7 @@ def test_the_cache_mode_over_a_quantized_cache_is_refused(quanto, llava):
     from lightkv.policies import CacheSchedule
 
     model, batch = llava
-    pipe = lightkv.load("elasticcache").with_scheduler(CacheSchedule(ratio=0.5, layers=(1, 3)))
+    pipe = lightkv.load("elasticcache").with_scheduler(CacheSchedule(removal_ratio=0.5, layers=(1, 3)))
     with apply(pipe, model), pytest.raises(TypeError, match=r"cache mode.*\[1, 3\].*use a DynamicCache"):
         model.generate(**batch, **GEN, cache=quantized(model))
 

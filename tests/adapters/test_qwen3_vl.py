@@ -109,7 +109,7 @@ def test_deeper_deepstack_refuses_its_last_layer_and_is_exact_after():
         batch = _mixed(model)
         ref = model(**batch).logits
         assert len(calls) == 2  # the model adds DeepStack features after layers 0 and 1
-        pipe = Pipeline(scheduler=ExplicitSchedule(layers=(2, 3), windows_per_side=(2, 1), ratios=(0.0,)))
+        pipe = Pipeline(scheduler=ExplicitSchedule(layers=(2, 3), windows_per_side=(2, 1), removal_ratios=(0.0,)))
         with apply(pipe, model) as session:
             out = session.to_prompt_positions(model(**batch).logits)
         assert (out - ref)[batch["attention_mask"].bool()].abs().max().item() <= 1e-5

@@ -36,7 +36,7 @@ QUIRKS = {
     "unmasked": ReleasedQuirks(unmasked_first_merge=True),
     "both": ALL,
 }
-SCHEDULE = ExplicitSchedule(layers=(1, 2), windows_per_side=(2, 1), ratios=(0.5,))
+SCHEDULE = ExplicitSchedule(layers=(1, 2), windows_per_side=(2, 1), removal_ratios=(0.5,))
 
 
 def released(quirks: ReleasedQuirks = ALL, schedule=SCHEDULE, preset: str = "lightkv-paper") -> Pipeline:
@@ -156,7 +156,7 @@ def test_nothing_removed_is_the_unhooked_model(family, impl):
     # merges nothing, so its layer keeps its causal mask
     model = get_model(family, impl)
     batch = _batch(family, model, rows=((1, 0), (2, 1)))
-    schedule = ExplicitSchedule(layers=(1, 2), windows_per_side=(2, 1), ratios=(0.0,))
+    schedule = ExplicitSchedule(layers=(1, 2), windows_per_side=(2, 1), removal_ratios=(0.0,))
     want = model.generate(**batch, **GEN)
     with apply(released(ALL, schedule), model):
         got = model.generate(**batch, **GEN)

@@ -19,7 +19,7 @@ from .conftest import decoder_layers, get_model
 
 def _fastv(layer: int = 1) -> Pipeline:
     return lightkv.load("fastv").with_scheduler(
-        ExplicitSchedule(layers=(layer,), windows_per_side=(1,), ratios=(0.5,))
+        ExplicitSchedule(layers=(layer,), windows_per_side=(1,), removal_ratios=(0.5,))
     )
 
 
@@ -75,7 +75,7 @@ def test_query_softmax_relevance_matches_captured_projections(family):
             lambda m, a, kw: captured.__setitem__("pos", kw["position_embeddings"]), with_kwargs=True
         ),
     ]
-    pipe = Pipeline(scheduler=ExplicitSchedule(layers=(layer_idx,), windows_per_side=(2,), ratios=(0.5,)),
+    pipe = Pipeline(scheduler=ExplicitSchedule(layers=(layer_idx,), windows_per_side=(2,), removal_ratios=(0.5,)),
                     relevance=QueryAxisSoftmax())
     batch = fam.collate(fam.examples(model))
     try:

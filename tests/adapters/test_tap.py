@@ -19,7 +19,7 @@ from .conftest import get_model, tiny_lightkv
 
 def _tome_keys():
     """ToMe with ToMe's own key-space similarity (the preset uses hidden states)."""
-    pipe = lightkv.load("tome").with_scheduler(ExplicitSchedule(layers=(1, 2), windows_per_side=(1, 1), ratios=(0.5,)))
+    pipe = lightkv.load("tome").with_scheduler(ExplicitSchedule(layers=(1, 2), windows_per_side=(1, 1), removal_ratios=(0.5,)))
     return dataclasses.replace(pipe, scorer=CosineDivergence(features="keys"))
 
 

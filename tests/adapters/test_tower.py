@@ -19,7 +19,7 @@ GEN = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in
 
 def at(preset: str, ratio: float):
     pipe = lightkv.load(preset)
-    return pipe.with_scheduler(PreLLMSchedule(ratio=ratio, windows_per_side=1))
+    return pipe.with_scheduler(PreLLMSchedule(removal_ratio=ratio, windows_per_side=1))
 
 
 def test_tower_relevance_is_the_towers_own_cls_attention():

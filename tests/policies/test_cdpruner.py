@@ -111,7 +111,7 @@ def test_uniform_relevance_is_the_plain_dpp(n, seed, data):
 @given(case=batches(max_side=6), ratio=st.sampled_from([0.3, 0.7777777777777778]))
 def test_rows_are_independent_with_a_prompt(case, ratio):
     ids = (torch.arange(case.layout.seq_len) * 7 % 11).expand(case.layout.batch_size, -1)
-    inputs = StageInputs.of(case.layout, case.hidden, windows_per_side=1, ratio=ratio, prompt=Prompt(ids))
+    inputs = StageInputs.of(case.layout, case.hidden, windows_per_side=1, removal_ratio=ratio, prompt=Prompt(ids))
     assert_rows_independent(CDPruner(), inputs, ratio)
 
 

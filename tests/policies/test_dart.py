@@ -59,7 +59,7 @@ def test_equals_the_slow_reference(case, ratio, p_img, p_txt):
 @settings(max_examples=20, deadline=None)
 @given(case=batches(max_side=6), ratio=st.sampled_from([0.5, 0.7777777777777778]))
 def test_rows_are_independent_with_hidden_pivots(case, ratio):
-    inputs = StageInputs.of(case.layout, case.hidden, windows_per_side=1, ratio=ratio)
+    inputs = StageInputs.of(case.layout, case.hidden, windows_per_side=1, removal_ratio=ratio)
     assert_rows_independent(DART(pivot_features="hidden"), inputs, ratio)
 
 

@@ -47,7 +47,7 @@ def test_keeps_the_contract(name):
 @given(case=batches(max_side=6), ratio=st.sampled_from([0.0, 0.3, 0.7777777777777778, 0.99]))
 def test_each_image_keeps_exactly_its_budget_and_rows_are_independent(name, case, ratio):
     keys = case.hidden.view(*case.hidden.shape[:2], 2, 3)
-    inputs = StageInputs.of(case.layout, case.hidden, windows_per_side=1, ratio=ratio, keys=keys)
+    inputs = StageInputs.of(case.layout, case.hidden, windows_per_side=1, removal_ratio=ratio, keys=keys)
     pruner = Pruner.lookup(name)()
     prune = prune_inputs(inputs)
     removed = pruner.select(prune, ratio)

@@ -79,18 +79,18 @@ def test_relevance_shape_errors():
 
 
 def test_explicit_schedule_broadcasts_and_checks_depth():
-    s = ExplicitSchedule(layers=(12, 18, 24), windows_per_side=(4, 2, 1), ratios=(0.5,))
+    s = ExplicitSchedule(layers=(12, 18, 24), windows_per_side=(4, 2, 1), removal_ratios=(0.5,))
     assert [(x.layer, x.windows_per_side, x.ratio) for x in s.plan(32)] == [(12, 4, 0.5), (18, 2, 0.5), (24, 1, 0.5)]
     with pytest.raises(ValueError, match="only 16 layers"):
         s.plan(16)
     with pytest.raises(ValueError, match="give 1 or 3"):
-        ExplicitSchedule(layers=(1, 2, 3), ratios=(0.5, 0.5)).plan(8)
+        ExplicitSchedule(layers=(1, 2, 3), removal_ratios=(0.5, 0.5)).plan(8)
     with pytest.raises(ValueError, match="strictly increasing"):
         ExplicitSchedule(layers=(3, 2), windows_per_side=(1,)).plan(8)
     with pytest.raises(ValueError, match=r"ratio must be in \[0, 1\)"):
-        StageSpec(layer=1, ratio=1.0, windows_per_side=1)
+        StageSpec(layer=1, removal_ratio=1.0, windows_per_side=1)
     with pytest.raises(ValueError, match=r"ratio must be in \[0, 1\)"):
-        StageSpec(layer=1, ratio=-0.1, windows_per_side=1)
+        StageSpec(layer=1, removal_ratio=-0.1, windows_per_side=1)
     sizes = ExplicitSchedule(layers=(1, 2), windows_per_side=None, window_size=((2, 2), (4, 4))).plan(4)
     assert [x.window_size for x in sizes] == [(2, 2), (4, 4)]
 

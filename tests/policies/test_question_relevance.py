@@ -114,7 +114,7 @@ def test_a_session_gives_the_policy_the_prompt():
 
     def xi(relevance):
         pipe = replace(base, relevance=relevance,
-                       scheduler=ExplicitSchedule(layers=(1,), ratios=(0.25,), windows_per_side=(1,)))
+                       scheduler=ExplicitSchedule(layers=(1,), removal_ratios=(0.25,), windows_per_side=(1,)))
         with apply(pipe, model, record=True) as session:
             model(**batch)
         return session.last_prefill.stages[0].relevance

@@ -60,7 +60,7 @@ def oracle_sources(members, xi, sources, ratio, src_parity):
 @given(case=batches(), wps=st.integers(1, 4), sources=SOURCES, src_parity=st.integers(0, 1), ratio=ratios)
 def test_relevance_split_matches_a_per_window_oracle(case, wps, sources, src_parity, ratio):
     policy = RelevanceSplit(sources=sources, src_parity=src_parity)
-    inputs = StageInputs.of(case.layout, windows_per_side=wps, ratio=ratio, relevance=case.relevance)
+    inputs = StageInputs.of(case.layout, windows_per_side=wps, removal_ratio=ratio, relevance=case.relevance)
     part = policy.partition(inputs)
     grid = GridPartitioner().partition(inputs)
     assert torch.equal(part.window, grid.window)  # the same windows as `grid`
