@@ -112,6 +112,6 @@ def test_scenes_tune_starts_from_qa_and_resumes_exactly(tmp_path, capsys):
     assert not _same(_weights(tmp_path / "c" / "qa.pt"), tuned)
     main(["export", "--out", str(tmp_path / "c"), "--export", str(tmp_path / "m")])
     model, _, _ = dg.load(tmp_path / "m")
-    assert _same({k: v for k, v in model.state_dict().items()}, tuned)
+    assert _same(model.state_dict(), tuned)
     with pytest.raises(SystemExit, match="not a question type"):
         main(["tune", "--out", str(tmp_path / "c"), "--steps", "4", "--mix", "colour", *SCENES])
