@@ -176,6 +176,9 @@ def test_budgets_put_every_preset_at_each_kept_fraction(tmp_path):
         assert llava[f"{name}@0.22"]["kept_vision_fraction"] == pytest.approx(127 / 576)  # 576 - floor(0.78 * 576)
         assert llava[f"{name}@0.22"]["ratios"]["kv_bytes_vision"] == pytest.approx(127 / 576)
     assert abs(llava["lightkv@0.55"]["kept_vision_fraction"] - 0.55) <= 0.03
+    assert llava["divprune@0.22"]["placement"] == "before the LLM"
+    for rec in (v for k, v in llava.items() if k != "uncompressed"):  # one ratio per timed round
+        assert rec["ttft_ratio_rounds"] == [rec["ttft_ms_all"][0] / llava["uncompressed"]["ttft_ms_all"][0]]
     qwen = result["models"]["qwen2_5_vl"]
     assert set(qwen["refused"]) == {"visionzip@0.55", "visionzip@0.22"}
     assert "tower relevance" in qwen["refused"]["visionzip@0.22"]
@@ -185,3 +188,38 @@ def test_budgets_put_every_preset_at_each_kept_fraction(tmp_path):
     assert "--kept-fractions 0.55 0.22" in command_line(asdict(cfg))
     with pytest.raises(ValueError, match="budgets are kept fractions"):
         eff.BenchConfig(budgets=(1.5,))
+
+
+def _variant(ttft, flops, overhead, placement=None, rounds=None):
+    return {"ratios": {"ttft": ttft, "flops": flops}, "ttft_minus_flops_pp": 100 * (ttft - flops),
+            "overhead_share": overhead, "placement": placement, "ttft_ratio_rounds": rounds or [ttft]}
+
+
+def test_budget_targets_take_lightkv_where_its_schedule_reaches_the_budget():
+    """At each budget LightKV is ``lightkv@t`` unless its schedule stops short (``min``); then
+    ``lightkv-low-budget@t``. The targets hold only if every budget's gap is within a point
+    and every overhead at most 1%; a reduced-width run checks none of them."""
+    from lightkv.bench.efficiency.report import budget_table, budget_targets, lightkv_at
+
+    variants = {
+        "lightkv@0.55": _variant(0.570, 0.566, 0.007, "scaled", [0.568, 0.572]),
+        "lightkv@0.22": _variant(0.360, 0.341, 0.004, "min"),
+        "lightkv-low-budget@0.22": _variant(0.240, 0.245, 0.009, "before the LLM"),
+        "fastv@0.22": _variant(0.300, 0.250, 0.002, "scaled"),
+    }
+    assert lightkv_at(variants, "0.55") == "lightkv@0.55"
+    assert lightkv_at(variants, "0.22") == "lightkv-low-budget@0.22"
+    assert lightkv_at(variants, "0.11") is None
+    result = {"config": {"width": "full"}, "models": {"llava_next": {"variants": variants}}}
+    out = budget_targets(result)
+    assert set(out["budgets_lightkv"]) == {"llava_next@0.55", "llava_next@0.22"}
+    assert out["budgets_lightkv_ttft_within_1pp_of_flops"] is True
+    assert out["budgets_lightkv_overhead_le_1pct"] is True
+    variants["lightkv-low-budget@0.22"]["overhead_share"] = 0.011
+    assert budget_targets(result)["budgets_lightkv_overhead_le_1pct"] is False
+    variants["lightkv@0.55"] = _variant(0.590, 0.566, 0.007, "scaled")
+    assert budget_targets(result)["budgets_lightkv_ttft_within_1pp_of_flops"] is False
+    assert budget_targets({"config": {"width": "reduced"}, "models": result["models"]}) == {}
+    table = "\n".join(budget_table(result))
+    assert "| fastv | n/a | n/a | +5.0 (+5.0) | 0.2% |" in table
+    assert "+1.9 (+1.9) (min)" in table  # lightkv@0.22 stops short of the budget and says so

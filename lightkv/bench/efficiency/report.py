@@ -78,6 +78,7 @@ def check_targets(result: dict[str, Any]) -> dict[str, Any]:
             else None
         gap = gaps.get("llava_next/lightkv")
         out["full_width_lightkv_ttft_within_2pp_of_flops_llava_next"] = abs(gap) <= 2 if gap is not None else None
+    out.update(budget_targets(result))
     peaks = {n: m["variants"]["lightkv"].get("ratios", {}).get("peak_memory")
              for n, m in models.items() if "lightkv" in m["variants"]}
     peaks = {k: v for k, v in peaks.items() if v is not None}
@@ -88,6 +89,74 @@ def check_targets(result: dict[str, Any]) -> dict[str, Any]:
     out["eager_reference_spike_above_uncompressed"] = any(v > 1.0 for v in spikes.values()) if spikes else None
     out["eager_reference_peak_ratio"] = spikes
     return out
+
+
+def lightkv_at(variants: dict[str, Any], target: str) -> str | None:
+    """The variant that is LightKV at ``target`` (``"0.22"``): ``lightkv@target`` where its
+    in-prefill schedule reaches the target, else ``lightkv-low-budget@target`` (one merge
+    before the LLM) when it was run."""
+    own, low = f"lightkv@{target}", f"lightkv-low-budget@{target}"
+    if own in variants and variants[own].get("placement") != "min":
+        return own
+    return low if low in variants else None
+
+
+def budget_targets(result: dict[str, Any]) -> dict[str, Any]:
+    """Issue 28's targets of a ``--kept-fractions`` run at full width: LightKV's TTFT ratio
+    within 1 point of its FLOPs ratio and its overhead <= 1% of the prefill at every budget,
+    per model (None where not measured)."""
+    out: dict[str, Any] = {}
+    targets = sorted({v.split("@")[1] for m in result["models"].values() for v in m["variants"] if "@" in v},
+                     key=float, reverse=True)
+    if not targets or result["config"].get("width") != "full":
+        return out
+    rows = {}
+    for name, m in result["models"].items():
+        for t in targets:
+            v = lightkv_at(m["variants"], t)
+            if v is not None:
+                rec = m["variants"][v]
+                rows[f"{name}@{t}"] = {"variant": v, "ttft_minus_flops_pp": rec["ttft_minus_flops_pp"],
+                                       "overhead_share": rec.get("overhead_share")}
+    out["budgets_lightkv"] = rows
+    out["budgets_lightkv_ttft_within_1pp_of_flops"] = (all(abs(r["ttft_minus_flops_pp"]) <= 1 for r in rows.values())
+                                                       if rows else None)
+    shares = [r["overhead_share"] for r in rows.values()]
+    out["budgets_lightkv_overhead_le_1pct"] = (all(s <= 0.01 for s in shares)
+                                               if shares and None not in shares else None)
+    return out
+
+
+def budget_table(result: dict[str, Any]) -> list[str]:
+    """Markdown lines: per preset and budget, TTFT minus FLOPs ratio (points; the spread
+    of the rounds' own ratios in brackets) and the overhead share; empty without budgets."""
+    lines = []
+    for name, m in result["models"].items():
+        at = [v for v in m["variants"] if "@" in v]
+        targets = sorted({v.split("@")[1] for v in at}, key=float, reverse=True)
+        if not targets:
+            continue
+        presets = list(dict.fromkeys(v.split("@")[0] for v in at))
+        head = " | ".join(f"{float(t):.0%}: TTFT - FLOPs (rounds) | overhead" for t in targets)
+        lines += ["", f"{name}: TTFT ratio minus FLOPs ratio in points (each round's own ratio in brackets) and "
+                  "overhead, per budget:", "", f"| preset | {head} |", "|---|" + "---:|---:|" * len(targets)]
+        for p in presets:
+            cells = []
+            for t in targets:
+                rec = m["variants"].get(f"{p}@{t}")
+                if rec is None:
+                    cells += ["n/a", "n/a"]
+                    continue
+                flops = rec["ratios"]["flops"]
+                rounds = ", ".join(f"{100 * (r - flops):+.1f}" for r in rec.get("ttft_ratio_rounds", []))
+                where = " (min)" if rec.get("placement") == "min" else ""
+                cells += [f"{rec['ttft_minus_flops_pp']:+.1f} ({rounds}){where}",
+                          _f(rec.get("overhead_share"), "{:.1%}")]
+            lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    if lines:
+        lines += ["", "*(min)*: the preset's schedule cannot reach that budget on this depth; it runs at the "
+                  "least it can keep (see *vision KV*)."]
+    return lines
 
 
 # ---------------------------------------------------------------------------- outputs
@@ -146,6 +215,7 @@ def markdown_table(result: dict[str, Any]) -> str:
             f"{_f(r['peak_mem_ratio'])} | {_f(r['overhead_share'], '{:.1%}')} | "
             f"{_f(r['overhead_share_ref_est'], '{:.1%}')} |"
         )
+    lines += budget_table(result)
     refused = [(n, v, why) for n, m in result["models"].items() for v, why in m.get("refused", {}).items()]
     if refused:
         lines += ["", "Not run (refused by the family's adapter):", ""]

@@ -40,6 +40,7 @@ from .shapes import (
     build_model,
     scaled_pipeline,
     text_after_image,
+    variant_placement,
 )
 
 __all__ = ["bench_model", "run"]
@@ -134,6 +135,11 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) 
             "ttft_ms_all": [1000 * x for x in times[variant]],
             **kv,
         }
+        if variant != UNCOMPRESSED:
+            # each round's ratio to the uncompressed prefill of the same round: their spread is
+            # the noise the headline ratio (of medians) carries
+            rec["ttft_ratio_rounds"] = [t / u for t, u in zip(times[variant], times[UNCOMPRESSED])]
+            rec["placement"] = variant_placement(variant, spec, sizes["layers"])
         if report is None:
             rec["kv_bytes_vision"] = None  # filled from the first report below
         else:

@@ -268,6 +268,18 @@ def scaled_pipeline(name: str, spec: ModelSpec, depth: int):
         raise ValueError(f"preset {preset!r} on a {depth}-layer decoder (--layers {depth}): {e}") from None
 
 
+def variant_placement(name: str, spec: ModelSpec, depth: int) -> str | None:
+    """How a ``preset@target`` variant reaches its target on a ``depth``-layer decoder
+    (`lightkv.bench.budgets.method_pipeline`'s ``how``: ``"min"`` when the preset's schedule
+    cannot get there); None for a preset at its own schedule."""
+    from ..budgets import method_pipeline
+
+    preset, target = _variant(name, spec)
+    if target is None:
+        return None
+    return method_pipeline(preset, depth, target, ref_depth=spec.ref["layers"])[1]
+
+
 # ---------------------------------------------------------------------------- models
 def build_model(spec: ModelSpec, cfg: BenchConfig, attn: str = "sdpa"):
     """``(model, inputs, sizes)``: the reduced model on the device and a one-row prompt."""
