@@ -13,7 +13,16 @@
 #    memory from torch.cuda.max_memory_allocated, lightkv next to tome, fastv and the
 #    second-projection baseline.
 #    3b. The same at 55 / 22 / 11% kept (LLaVA-NeXT shape) for lightkv, tome, fastv, pdrop,
-#    elasticcache, h2o and divprune: TTFT against FLOPs per budget, into $OUT/budgets.
+#    elasticcache, h2o and divprune: TTFT against FLOPs per budget, into $OUT/budgets. Every
+#    run records the attention implementation each variant ran and fails if a compressed one
+#    ran another than the uncompressed model (a stage must never force eager attention).
+#    3c. Where flash_attn is importable: 3b again with --attn-implementation flash_attention_2,
+#    into $OUT/budgets-fa2. lightkv sessions refuse FlashAttention (it takes no 4-D mask, so
+#    the holes of a compressed sequence cannot reach it): the uncompressed FA2 prefill is
+#    timed and every compressed variant is listed as refused, with the reason.
+#    3d. CUDA-graph decoding (tests/adapters/test_cuda.py -k graph): inside a session a static
+#    cache is refused with its reason; after it, static-cache decoding compiled with CUDA
+#    graphs ("reduce-overhead") gives the tokens of eager decoding.
 # 4. With GPU_CHECK_VLLM=1: lightkv's vLLM plugin on real vLLM (the CUDA wheel vllm==0.32.0,
 #    the version the plugin is pinned to; from .whl/ or pip, into its own venv $VLLM_VENV that
 #    sees the machine's packages): benchmarks/vllm_serving.py serves one batch of image
@@ -41,6 +50,8 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
   echo "gpu_check (dry run): 2. $PY -m pytest -q -m cuda tests/adapters/test_cuda.py"
   echo "gpu_check (dry run): 3. $PY -m lightkv bench efficiency --device cuda --dtype bfloat16 --width full ..."
   echo "gpu_check (dry run): 3b. the same at --kept-fractions 0.55 0.22 0.11 for the prefill and cache presets"
+  echo "gpu_check (dry run): 3c. where flash_attn imports: 3b with --attn-implementation flash_attention_2 into $OUT/budgets-fa2 (compressed variants refused)"
+  echo "gpu_check (dry run): 3d. $PY -m pytest -q -m cuda tests/adapters/test_cuda.py -k graph (CUDA-graph decoding; static cache refused in a session)"
   if [ "${GPU_CHECK_VLLM:-0}" = 1 ]; then
     echo "gpu_check (dry run): 4. $VLLM_SPEC into $VLLM_VENV; python benchmarks/vllm_serving.py $VLLM_ARGS --out $OUT"
     PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} $PY benchmarks/vllm_serving.py --dry-run $VLLM_ARGS --out "$OUT" || exit 4
@@ -75,7 +86,7 @@ EOF
 
 # ---- 2. the CUDA-marked tests
 T0=$(date +%s)
-$PY -m pytest -q -m cuda tests/adapters/test_cuda.py -p no:cacheprovider --junitxml "$OUT/cuda-tests.xml" \
+$PY -m pytest -q -m cuda tests/adapters/test_cuda.py -k "not graph" -p no:cacheprovider --junitxml "$OUT/cuda-tests.xml" \
   2>&1 | tee "$OUT/cuda-tests.log"
 TESTS_RC=${PIPESTATUS[0]}
 T1=$(date +%s)
@@ -93,6 +104,20 @@ timeout 300 $PY -m lightkv bench efficiency --device cuda --dtype bfloat16 --wid
   --kept-fractions 0.55 0.22 0.11 --repeats 5 --no-eager-reference --no-progress \
   --out "$OUT/budgets" 2>&1 | tee "$OUT/budgets.log"
 BUDGETS_RC=${PIPESTATUS[0]}
+
+# ---- 3c. the budgets again with FlashAttention-2, where flash_attn is installed (-1: not run)
+FA2_RC=-1
+if $PY -c "import flash_attn" 2>/dev/null; then
+  timeout 300 $PY -m lightkv bench efficiency --device cuda --dtype bfloat16 --width full --layers 32 \
+    --models llava_next --presets lightkv tome fastv pdrop elasticcache h2o divprune \
+    --kept-fractions 0.55 0.22 0.11 --repeats 5 --no-eager-reference --no-progress \
+    --attn-implementation flash_attention_2 --out "$OUT/budgets-fa2" 2>&1 | tee "$OUT/budgets-fa2.log"
+  FA2_RC=${PIPESTATUS[0]}
+fi
+
+# ---- 3d. CUDA-graph decoding after (not inside) a session; static cache refused inside one
+$PY -m pytest -q -m cuda tests/adapters/test_cuda.py -k graph -p no:cacheprovider 2>&1 | tee "$OUT/graphs.log"
+GRAPHS_RC=${PIPESTATUS[0]}
 T2=$(date +%s)
 
 # ---- 4. the vLLM plugin on CUDA vLLM (opt-in): stock vs lightkv at equal batch
@@ -112,13 +137,18 @@ fi
 T3=$(date +%s)
 
 $PY - "$OUT" "$TESTS_RC" "$BENCH_RC" "$((T1 - T0))" "$((T2 - T1))" "$((T3 - START))" "$VLLM_RC" "$((T3 - T2))" \
-  "$BUDGETS_RC" <<'EOF'
+  "$BUDGETS_RC" "$FA2_RC" "$GRAPHS_RC" <<'EOF'
 import json, sys
-out, tests_rc, bench_rc, t_tests, t_bench, total, vllm_rc, t_vllm, budgets_rc = sys.argv[1:]
+out, tests_rc, bench_rc, t_tests, t_bench, total, vllm_rc, t_vllm, budgets_rc, fa2_rc, graphs_rc = sys.argv[1:]
 json.dump({"cuda_tests": {"rc": int(tests_rc), "seconds": int(t_tests)},
            "budgets": {"rc": int(budgets_rc), "out": f"{out}/budgets",
                        "command": "lightkv bench efficiency ... --models llava_next --presets lightkv tome fastv "
                                   "pdrop elasticcache h2o divprune --kept-fractions 0.55 0.22 0.11"},
+           "budgets_fa2": {"rc": int(fa2_rc), "out": f"{out}/budgets-fa2", "ran": int(fa2_rc) != -1,
+                           "command": "the budgets command with --attn-implementation flash_attention_2 (where "
+                                      "flash_attn imports; lightkv sessions refuse FA2: compressed variants refused)"},
+           "cuda_graph_decoding": {"rc": int(graphs_rc), "log": f"{out}/graphs.log",
+                                   "command": "pytest -m cuda tests/adapters/test_cuda.py -k graph"},
            "vllm_serving": {"rc": int(vllm_rc), "seconds": int(t_vllm), "ran": int(vllm_rc) != -1},
            "efficiency": {"rc": int(bench_rc), "seconds": int(t_bench),
                           "command": "lightkv bench efficiency --device cuda --dtype bfloat16 --width full --layers 32 "
@@ -126,5 +156,6 @@ json.dump({"cuda_tests": {"rc": int(tests_rc), "seconds": int(t_tests)},
                                      "--repeats 10"},
            "seconds": int(total)}, open(f"{out}/gpu_check.json", "w"), indent=1)
 EOF
-echo "gpu_check: tests rc=$TESTS_RC, efficiency rc=$BENCH_RC, budgets rc=$BUDGETS_RC, vllm rc=$VLLM_RC (-1: not run), $((T3 - START)) s; results in $OUT"
-[ "$TESTS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$BUDGETS_RC" -eq 0 ] && { [ "$VLLM_RC" -eq -1 ] || [ "$VLLM_RC" -eq 0 ]; }
+echo "gpu_check: tests rc=$TESTS_RC, efficiency rc=$BENCH_RC, budgets rc=$BUDGETS_RC, fa2 rc=$FA2_RC (-1: no flash_attn), graphs rc=$GRAPHS_RC, vllm rc=$VLLM_RC (-1: not run), $((T3 - START)) s; results in $OUT"
+[ "$TESTS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$BUDGETS_RC" -eq 0 ] && [ "$GRAPHS_RC" -eq 0 ] \
+  && { [ "$FA2_RC" -eq -1 ] || [ "$FA2_RC" -eq 0 ]; } && { [ "$VLLM_RC" -eq -1 ] || [ "$VLLM_RC" -eq 0 ]; }

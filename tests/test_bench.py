@@ -30,6 +30,9 @@ def test_structure(result):
         assert 0 < rec["overhead_share"]
         assert set(rec["overhead_ms"]) == {"layout", "relevance", "stage", "bookkeeping"}
     assert [r["preset"] for r in result["summary"]] == ["lightkv", "fastv", eff.PROJECTED]
+    for rec in m["variants"].values():  # watched on one more, untimed prefill (no warm-up here)
+        assert rec["attention"]["ran"] == {"sdpa": 6} and rec["attention"]["sdpa_kernels"] == 6
+    assert set(m["attention_configured"].values()) == {"sdpa"}
     assert "eager_reference" in m and m["eager_reference"]["matrix_bytes"] == 4 * 1 * m["prompt_tokens"] ** 2
     json.dumps(result)  # serialisable
 
@@ -90,6 +93,39 @@ def test_memory_child_cpu():
     cfg = eff.quick_config(models=("llava",), layers=2, heads=1, progress=False)
     peaks = eff._child_peaks(eff.MODELS["llava"], cfg, ["uncompressed"])
     assert peaks["peak_bytes"]["uncompressed"] > 0
+
+
+def test_a_variant_that_ran_other_attention_fails_naming_it():
+    from lightkv.adapters.attention import AttentionChanged
+    from lightkv.bench.efficiency.runner import check_attention
+
+    loaded = {"": "sdpa", "text_config": "sdpa"}
+    ok = {"ran": {"sdpa": 6}, "configured_after": loaded}
+    check_attention({"uncompressed": ok, "lightkv": ok}, loaded)
+    with pytest.raises(AttentionChanged, match="preset 'h2o' ran .*'eager'.*uncompressed ran \\['sdpa'\\]"):
+        check_attention({"uncompressed": ok, "h2o": {**ok, "ran": {"eager": 6}}}, loaded)
+    with pytest.raises(AttentionChanged, match="preset 'fastv' left the model's attention configured"):
+        check_attention({"uncompressed": ok, "fastv": {**ok, "configured_after": {**loaded, "text_config": "eager"}}},
+                        loaded)
+
+
+def test_flash_attention_2_needs_cuda_and_flash_attn(capsys, monkeypatch):
+    with pytest.raises(ValueError, match="flash_attention_2 needs a CUDA GPU.*--attn-implementation sdpa"):
+        eff.BenchConfig(attn_implementation="flash_attention_2")
+    import importlib.util
+
+    from lightkv.bench.efficiency import shapes
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else object())
+    with pytest.raises(ValueError, match="needs the flash_attn package: pip install flash-attn"):
+        shapes.check_attention_available("flash_attention_2", "cuda", "bfloat16")
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="unknown attention implementation"):
+        eff.BenchConfig(attn_implementation="flex_attention")
+    assert main(["bench", "efficiency", "--device", "cpu", "--attn-implementation", "flash_attention_2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs a CUDA GPU" in err[0]
+    assert build_parser().parse_args(["bench", "efficiency"]).attn_implementation == "sdpa"
 
 
 def test_cli_errors(capsys):
@@ -186,6 +222,10 @@ def test_budgets_put_every_preset_at_each_kept_fraction(tmp_path):
     assert (tmp_path / "efficiency-budgets.png") in files
     assert "visionzip@0.22: tower relevance" in (tmp_path / "efficiency.md").read_text()
     assert "--kept-fractions 0.55 0.22" in command_line(asdict(cfg))
+    assert "--attn-implementation" not in command_line(asdict(cfg))
+    assert "--attn-implementation eager" in command_line({**asdict(cfg), "attn_implementation": "eager"})
+    assert "Attention that ran, every variant alike: llava: sdpa; qwen2_5_vl: sdpa." in (
+        tmp_path / "efficiency.md").read_text()
     with pytest.raises(ValueError, match="budgets are kept fractions"):
         eff.BenchConfig(budgets=(1.5,))
 

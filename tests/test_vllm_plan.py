@@ -176,3 +176,6 @@ def test_the_gpu_checks_vllm_section_dry_runs_without_a_gpu(tmp_path):
     assert "vllm==0.32.0" in proc.stdout
     assert "divprune: 128 of 576 image tokens" in proc.stdout
     assert "lightkv-pre-llm-uniform: 288 of 576 image tokens" in proc.stdout
+    assert "3c. where flash_attn imports: 3b with --attn-implementation flash_attention_2 into " \
+           f"{tmp_path}/budgets-fa2" in proc.stdout
+    assert "3d." in proc.stdout and "-k graph" in proc.stdout

@@ -14,7 +14,8 @@ Modules: to add a model family read `base` (the `Adapter` class) and one family 
 (a mode) read `modes`. The rest is internals of the hooks: `session`
 (`CompressionSession`, which drives the modes), `cache` (also `kv_bytes`, the bytes a cache
 holds), `masks`, `features`, `guards` and `probes`; `trace` and `report` hold what a
-session recorded.
+session recorded; `attention` checks which attention implementation ran (a session must
+never switch it).
 """
 
 from __future__ import annotations

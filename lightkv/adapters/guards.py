@@ -41,11 +41,23 @@ def attention_implementation(config: Any) -> str:
     """
     impl = getattr(config, "_attn_implementation", None) or "eager"
     if impl not in SUPPORTED_ATTENTION:
+        why = ("FlashAttention kernels take no 4-D mask (transformers unpads them by the 2-D attention_mask), so the "
+               "holes, the order and the per-layer lengths of a compressed sequence and cache cannot reach them: the "
+               "answer would be silently wrong" if "flash" in impl else "the compressed layers need a custom 4-D mask")
         raise ValueError(
-            f"lightkv needs attn_implementation in {SUPPORTED_ATTENTION} (the compressed layers need a custom "
-            f"4-D mask); this model uses {impl!r}. Load it with attn_implementation='sdpa'."
+            f"lightkv needs attn_implementation in {SUPPORTED_ATTENTION}; this model uses {impl!r}: {why}. Load it "
+            "with attn_implementation='sdpa' (or set model.set_attn_implementation('sdpa')); in the efficiency "
+            "benchmark pass --attn-implementation sdpa."
         )
     return impl
+
+
+_STATIC_WHY = (
+    "after compression every layer holds its own number of entries, with holes, and transformers builds one "
+    "decoding mask for all layers of a static cache, so lightkv must give each layer its own growing mask, "
+    "which CUDA graphs cannot capture"
+)
+"""Why a static cache cannot hold a compressed prefill (the refusal names it)."""
 
 
 def check_cache(cache: Any, allowed: tuple[type, ...] = (DynamicLayer,), rewritten: Collection[int] = ()) -> None:
@@ -65,7 +77,7 @@ def check_cache(cache: Any, allowed: tuple[type, ...] = (DynamicLayer,), rewritt
         raise TypeError(
             f"lightkv supports the default dynamic cache only (and QuantizedCache, its quantized variant); this "
             f"{type(cache).__name__} has {type(bad).__name__} layers (static, sliding-window and offloaded caches "
-            "are not supported): drop cache_implementation= or past_key_values="
+            "are not supported: " + _STATIC_WHY + "): drop cache_implementation= or past_key_values="
         )
     quantized = sorted(i for i in rewritten if i < len(layers) and is_quantized(layers[i]))
     if quantized:

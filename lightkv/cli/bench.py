@@ -106,6 +106,9 @@ def add_commands(commands) -> None:
     eff.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     eff.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                      help="default: float32 on CPU, bfloat16 on CUDA")
+    eff.add_argument("--attn-implementation", choices=("sdpa", "eager", "flash_attention_2"), default="sdpa",
+                     help="the models' attention (default: sdpa); flash_attention_2 needs CUDA and flash_attn, and "
+                     "lightkv sessions refuse it (listed as refused); every variant must run the same one")
     eff.add_argument("--threads", type=machine_threads, metavar="N", help="torch CPU threads (default: torch's)")
     eff.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     eff.add_argument("--no-plots", action="store_true", help="write JSON and Markdown only")
@@ -278,7 +281,8 @@ def _cmd_bench_efficiency(args: argparse.Namespace) -> int:
     if args.no_eager_reference:
         over["eager_reference"] = False
     over.update(device=device, dtype=args.dtype or ("bfloat16" if device == "cuda" else "float32"),
-                memory=not args.no_memory, progress=not args.no_progress)
+                memory=not args.no_memory, progress=not args.no_progress,
+                attn_implementation=args.attn_implementation)
     try:
         cfg = eff.quick_config(**over) if args.quick else eff.BenchConfig(**over)
     except ValueError as e:

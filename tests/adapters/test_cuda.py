@@ -112,3 +112,24 @@ def test_tap_equals_second_projection_on_cuda(family):
     for x, y in zip(tapped.records, projected.records, strict=True):
         torch.testing.assert_close(x.relevance, y.relevance, rtol=2e-2, atol=1e-3)
     assert a.shape == b.shape
+
+
+def test_graph_decoding_refused_in_a_session_and_exact_after_it():
+    """CUDA graphs need a static cache, which a compressed prefill cannot fill (every layer its
+    own length and holes, one shared decoding mask): inside a session it is refused with the
+    reason; after the session the same model decodes with a static cache compiled into CUDA
+    graphs ("reduce-overhead") and gives the tokens of eager dynamic-cache decoding."""
+    from transformers import CompileConfig
+
+    fam = TINY_MODELS["llava"]
+    _cpu, model = _pair("llava", torch.float32)
+    batch = _on(fam.collate([fam.row(_cpu, seed=3)]), "cuda", torch.float32)
+    gen = {"max_new_tokens": 8, "do_sample": False}
+    eager = model.generate(**batch, **gen)
+    with apply(tiny_lightkv(), model):
+        with pytest.raises(TypeError, match="one decoding mask.*CUDA graphs"):
+            model.generate(**batch, **gen, cache_implementation="static")
+        assert model.generate(**batch, **gen).shape == eager.shape  # the dynamic cache decodes compressed
+    graphs = model.generate(**batch, **gen, cache_implementation="static",
+                            compile_config=CompileConfig(mode="reduce-overhead", fullgraph=False))
+    assert torch.equal(graphs, eager)

@@ -172,7 +172,7 @@ def command_line(config: dict[str, Any]) -> str:
     flags = {"models": "--models", "presets": "--presets", "budgets": "--kept-fractions", "layers": "--layers",
              "heads": "--heads",
              "width": "--width", "repeats": "--repeats", "device": "--device", "dtype": "--dtype",
-             "threads": "--threads"}
+             "threads": "--threads", "attn_implementation": "--attn-implementation"}
     for key, flag in flags.items():
         v, d = config.get(key), base.get(key)
         many = isinstance(v, (list, tuple))
@@ -220,6 +220,11 @@ def markdown_table(result: dict[str, Any]) -> str:
     if refused:
         lines += ["", "Not run (refused by the family's adapter):", ""]
         lines += [f"- {n} / {v}: {why}" for n, v, why in refused]
+    ran = {n: sorted({k for v in m["variants"].values() for k in v.get("attention", {}).get("ran", {})})
+           for n, m in result["models"].items()}
+    if any(ran.values()):  # checked equal across variants by the run (`runner.check_attention`)
+        lines += ["", "Attention that ran, every variant alike: " + "; ".join(f"{n}: {', '.join(r)}"
+                                                                             for n, r in ran.items() if r) + "."]
     eager = [(n, m["eager_reference"]) for n, m in result["models"].items() if "eager_reference" in m]
     if eager:
         lines += [

@@ -3,6 +3,7 @@ models (`run`), with a progress bar."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import platform
 import statistics
@@ -48,6 +49,7 @@ __all__ = ["bench_model", "run"]
 
 def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) -> dict[str, Any]:
     from ...adapters import apply
+    from ...adapters.attention import AttentionWatch, attention_modules, configured_attention
     from ...policies import average_kept_fraction
 
     torch.manual_seed(0)
@@ -75,32 +77,43 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) 
     overhead: dict[str, list[dict[str, float]]] = {p: [] for p in compressed}
     last: dict[str, Any] = {}
     instrument_inline = device.type == "cpu"  # hooks cost microseconds on CPU; on CUDA they sync
+    # what each variant's attention ran (a stage must never switch it, e.g. to eager), watched
+    # on an untimed prefill: the watch costs a Python round trip per torch call in attention
+    loaded, att_mods, attention = configured_attention(model), attention_modules(model), {}
 
-    def prefill(variant: str, timed: bool):
-        with torch.no_grad():
+    def prefill(variant: str, watch: bool = False):
+        watcher = AttentionWatch(model, att_mods) if watch else contextlib.nullcontext()
+        with torch.no_grad(), watcher:
             if variant == UNCOMPRESSED:
                 with Timer(device) as t:
                     out, _tok = first_token(model, inputs)
-                return t.seconds, out, None, None
-            with apply(pipes[variant], model, reuse_projections=variant != PROJECTED) as session:
-                probe = OverheadProbe(session, sync) if instrument_inline else None
-                try:
-                    with Timer(device) as t:
-                        out, _tok = first_token(model, inputs)
-                finally:
-                    if probe is not None:
-                        probe.close()
-                return t.seconds, out, session, (dict(probe.totals) if probe else None)
+                result = t.seconds, out, None, None
+            else:
+                with apply(pipes[variant], model, reuse_projections=variant != PROJECTED) as session:
+                    probe = OverheadProbe(session, sync) if instrument_inline else None
+                    try:
+                        with Timer(device) as t:
+                            out, _tok = first_token(model, inputs)
+                    finally:
+                        if probe is not None:
+                            probe.close()
+                    result = t.seconds, out, session, (dict(probe.totals) if probe else None)
+        if watch:
+            attention[variant] = {**watcher.summary(), "configured_after": configured_attention(model)}
+        return result
 
     for i in range(cfg.warmup + cfg.repeats):
         for variant in variants:
-            seconds, out, session, totals = prefill(variant, i >= cfg.warmup)
+            seconds, out, session, totals = prefill(variant, watch=i == 0 and cfg.warmup > 0)
             if i >= cfg.warmup:
                 times[variant].append(seconds)
                 if totals is not None:
                     overhead[variant].append({**totals, "prefill": seconds})
             last[variant] = (out, session)
             tick(f"{spec.name}/{variant}")
+    for variant in variants if not attention else ():  # no warmup: one more, untimed prefill each
+        prefill(variant, watch=True)
+    check_attention(attention, loaded)
     if not instrument_inline:  # separate instrumented runs (the hooks synchronise the GPU)
         for variant in compressed:
             for _ in range(max(1, min(3, cfg.repeats))):
@@ -121,6 +134,8 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) 
         "reduced_decoder": dict(sizes, head_dim=HEAD_DIM),
         "variants": {},
         "refused": refused,
+        "attention_implementation": cfg.attn_implementation,
+        "attention_configured": loaded,
     }
     base_t = statistics.median(times[UNCOMPRESSED])
     base_flops = None
@@ -134,6 +149,7 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) 
             "ttft_ms_min": 1000 * min(times[variant]),
             "ttft_ms_all": [1000 * x for x in times[variant]],
             **kv,
+            "attention": attention[variant],
         }
         if variant != UNCOMPRESSED:
             # each round's ratio to the uncompressed prefill of the same round: their spread is
@@ -239,6 +255,19 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) 
     model = last = None
     gc.collect()
     return entry
+
+
+def check_attention(attention: dict[str, dict[str, Any]], loaded: dict[str, Any]) -> None:
+    """Raise `lightkv.adapters.attention.AttentionChanged`, naming the preset, when a variant
+    ran other attention implementations than the uncompressed model or left the model's
+    configs naming another one than it was loaded with."""
+    from ...adapters.attention import AttentionChanged, check_same_attention
+
+    check_same_attention({v: a["ran"] for v, a in attention.items()}, UNCOMPRESSED)
+    for variant, a in attention.items():
+        if a["configured_after"] != loaded:
+            raise AttentionChanged(f"preset {variant!r} left the model's attention configured as "
+                                   f"{a['configured_after']} (loaded with {loaded}): a session must restore it")
 
 
 # ---------------------------------------------------------------------------- the run

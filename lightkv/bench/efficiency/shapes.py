@@ -9,6 +9,7 @@ reduced depth; `build_model` builds a random-weight model with a one-row prompt.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -24,6 +25,8 @@ HEAD_DIM = 128
 PRE_TEXT, POST_TEXT = 20, 15
 RESULTS = results_dir()
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ATTENTION = ("sdpa", "eager", "flash_attention_2")
+"""Attention implementations the benchmark can load its models with (``--attn-implementation``)."""
 UNCOMPRESSED = "uncompressed"
 EAGER_REF = "lightkv+eager-scores"
 PROJECTED = "lightkv+second-projection"
@@ -150,6 +153,9 @@ class BenchConfig:
         memory: measure peak memory (CPU: one child process per model).
         eager_reference: time the reference-style H x N x N scoring.
         eager_repeats: prefills with the reference-style scoring.
+        attn_implementation: the models' attention (`ATTENTION`); every variant must run it
+            (`lightkv.adapters.attention`); lightkv sessions refuse ``flash_attention_2``, so
+            its compressed variants are listed as refused.
         device, dtype, threads: where and how (threads: torch intra-op threads; None: default).
         progress: show a progress bar (tqdm when installed, else plain lines).
         quick: a short run (set by `quick_config`).
@@ -170,6 +176,7 @@ class BenchConfig:
     memory: bool = True
     eager_reference: bool = True
     eager_repeats: int = 3
+    attn_implementation: str = "sdpa"
     device: str = "cpu"
     dtype: str = "float32"
     threads: int | None = None
@@ -197,6 +204,7 @@ class BenchConfig:
             raise ValueError("projection_baseline compares against the lightkv preset: include it in presets")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose from {sorted(DTYPES)}")
+        check_attention_available(self.attn_implementation, self.device, self.dtype)
         from ...presets import PRESETS
 
         bad = [p for p in self.presets if p not in PRESETS]
@@ -281,10 +289,32 @@ def variant_placement(name: str, spec: ModelSpec, depth: int) -> str | None:
 
 
 # ---------------------------------------------------------------------------- models
-def build_model(spec: ModelSpec, cfg: BenchConfig, attn: str = "sdpa"):
-    """``(model, inputs, sizes)``: the reduced model on the device and a one-row prompt."""
+def check_attention_available(impl: str, device: str, dtype: str) -> None:
+    """Raise ``ValueError`` naming the fix when the benchmark cannot load its models with
+    attention ``impl`` here: FlashAttention-2 needs a CUDA GPU, the ``flash_attn`` package and
+    half precision."""
+    if impl not in ATTENTION:
+        raise ValueError(f"unknown attention implementation {impl!r}; choose from {list(ATTENTION)}")
+    if impl != "flash_attention_2":
+        return
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"attention flash_attention_2 needs a CUDA GPU (--device cuda), not {device!r}: use "
+                         "--attn-implementation sdpa here")
+    if importlib.util.find_spec("flash_attn") is None:
+        raise ValueError("attention flash_attention_2 needs the flash_attn package: pip install flash-attn "
+                         "--no-build-isolation (it compiles against the installed torch), or use "
+                         "--attn-implementation sdpa")
+    if dtype == "float32":
+        raise ValueError("attention flash_attention_2 runs in half precision only: pass --dtype bfloat16 "
+                         "(or float16)")
+
+
+def build_model(spec: ModelSpec, cfg: BenchConfig, attn: str | None = None):
+    """``(model, inputs, sizes)``: the reduced model on the device and a one-row prompt, with
+    attention ``attn`` (default: ``cfg.attn_implementation``)."""
     from ...testing import TINY_MODELS
 
+    attn = attn or cfg.attn_implementation
     sizes = spec.reduced(cfg.layers, cfg.heads, cfg.width == "full")
     fam = TINY_MODELS[spec.family]
     device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
