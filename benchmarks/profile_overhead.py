@@ -36,7 +36,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    presets = tuple(dict.fromkeys(v for v in args.variants if "+" not in v)) or ("lightkv",)
+    # preset@target variants (e.g. lightkv@0.22) are validated by their preset's name
+    presets = tuple(dict.fromkeys(v.split("@")[0] for v in args.variants if "+" not in v)) or ("lightkv",)
     cfg = BenchConfig(models=(args.model,), presets=presets, layers=args.layers, heads=args.heads, width=args.width,
                       memory=False, eager_reference=False, progress=False)
     t0 = time.perf_counter()

@@ -86,14 +86,14 @@ def add_commands(commands) -> None:
     eff.add_argument("--quick", action="store_true", help="a short run (~2 min on CPU): 6 layers of width 128, 2 presets, 3 repeats")
     eff.add_argument("--models", nargs="+", metavar="MODEL", help="llava, llava_next, llava_onevision, qwen2_5_vl, qwen2_5_vl_video, internvl "
                      "(default: all)")
-    eff.add_argument("--presets", nargs="+", metavar="PRESET", help="presets to compare (default: lightkv tome fastv pdrop)")
+    eff.add_argument("--presets", nargs="+", metavar="PRESET", help="presets to compare (default: lightkv tome fastv pdrop elasticcache h2o)")
     eff.add_argument("--kept-fractions", "--budgets", dest="budgets", nargs="+", type=float, metavar="F",
                      action=_Renamed,
                      help="kept fractions (e.g. 0.55 0.22 0.11): every preset at each, as the quality benchmark "
                           "puts it there (default: each preset's own schedule)")
     eff.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results, "
                      "benchmarks/results/quick with --quick)")
-    eff.add_argument("--repeats", type=_PREFILL_REPEATS, metavar="N", help="timed prefills per variant (default: 5; 3 with --quick)")
+    eff.add_argument("--repeats", type=_PREFILL_REPEATS, metavar="N", help="timed prefills per variant (default: 3)")
     eff.add_argument("--layers", type=_FULL_LAYERS, metavar="N", help="reduced decoder depth (default: 8; 6 with --quick)")
     eff.add_argument("--width", choices=("reduced", "full"), default=None,
                      help="full: the real models' width, heads and MLP (7B: 4096 / 32 heads / 11008), only the depth "

@@ -171,11 +171,11 @@ class BenchConfig:
     width: str = "reduced"
     projection_baseline: bool = False
     internvl_tiles: int = 5
-    repeats: int = 5
+    repeats: int = 3
     warmup: int = 1
     memory: bool = True
     eager_reference: bool = True
-    eager_repeats: int = 3
+    eager_repeats: int = 2
     attn_implementation: str = "sdpa"
     device: str = "cpu"
     dtype: str = "float32"
