@@ -36,8 +36,7 @@ def accumulated_attention(
     head, never ``N x N``; each chunk reads only the key columns up to the last one any of
     its queries may attend to and masks only the columns some of them may not
     (`causal_chunks`): about half of ``N x N`` logits, the same sums as the full masked
-    softmax (bit for bit where the BLAS rounds the shorter products alike, as on the CPUs
-    tested).
+    softmax up to float rounding (the column sums are accumulated in float64).
 
     Args:
         queries: ``[B, H, N, d]`` post-RoPE queries.
@@ -49,40 +48,63 @@ def accumulated_attention(
     """
     b, h, n, d = queries.shape
     acc = _accumulator(queries)
-    k = _match_heads(keys, h).to(acc)
+    k_t = _match_heads(keys, h).to(acc).transpose(-1, -2)  # [B, H, d, N]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    out = torch.zeros(b, n, dtype=acc, device=queries.device)
+    # float64 sums: a column adds one block sum per head and chunk (384 at 7B width), which
+    # added in float32 drifted by 1e-5 relative (measured; near-ties decide what is kept)
+    out = torch.zeros(b, n, dtype=acc if queries.device.type == "mps" else torch.float64, device=queries.device)
     # j is allowed for i iff key_at[j] <= query_at[i]: causal, and both valid (holes never match)
     key_at = origin.masked_fill(~valid, torch.iinfo(origin.dtype).max)
     query_at = origin.masked_fill(~valid, -1)
     plan = causal_chunks(valid, origin, chunk)
-    # Two buffers for every chunk's logits and softmax: chunk x N floats per head are tens
-    # of MB at 7B width, and a fresh allocation of that size is fresh pages, each faulted in
-    # on first touch (measured: 30% of this function's time at 2,928 tokens and 32 heads).
-    size = b * h * min(chunk, n) * max((end for end, _, _ in plan), default=0)
-    logits_buf = torch.empty(size, dtype=acc, device=queries.device)
-    attn_buf = torch.empty(size, dtype=acc, device=queries.device)
-    k_t = k.transpose(-1, -2)
+    # One buffer, reused: a fresh allocation of tens of MB is fresh pages faulted in on first
+    # touch. Blocks of heads x rows x columns of at most _BLOCK floats where one head allows
+    # (one head of a chunk at 7B width, a whole chunk of a small model): each block is
+    # written by its matmul and read back by the softmax and the column sum while it is
+    # still in cache, where one chunk of every head (~100 MB at 7B width) made each pass a
+    # trip to memory.
+    widest = min(chunk, n) * _padded(max((end for end, _, _ in plan), default=0))
+    buf = torch.empty(max(widest, min(_BLOCK, h * widest)), dtype=acc, device=queries.device)
     for start, (end, lo, holes) in zip(range(0, n, chunk), plan):
         if end == 0:  # no valid query in the chunk: it adds nothing
             continue
         stop = start + chunk
-        q = queries[:, :, start:stop].to(acc)
-        shape = (b, h, q.shape[2], end)
-        used = math.prod(shape)
+        q = queries[:, :, start:stop].to(acc) * scale  # scaled here, not the c x end logits
+        c, width = q.shape[2], _padded(end)
+        group = max(1, min(h, _BLOCK // (c * width)))
         # Columns past `end` are masked for every query of the chunk and would add exact
         # zeros, columns before `lo` are allowed for every valid query: only [lo, end) needs
-        # the mask. Every step writes in place.
-        logits = torch.matmul(q, k_t[..., :end], out=logits_buf[:used].view(shape)).mul_(scale)
-        if lo < end:
-            blocked = key_at[:, None, lo:end] > query_at[:, start:stop, None]  # [B, c, end - lo]
-            logits[..., lo:end].masked_fill_(blocked.unsqueeze(1), float("-inf"))
-        attn = torch.ops.aten._softmax.out(logits, -1, False, out=attn_buf[:used].view(shape))
-        if holes:  # padding queries attend to nothing: 0 (what a fully masked row's NaN became)
-            attn.masked_fill_(~valid[:, None, start:stop, None], 0.0)
-        out[:, :end] += attn.sum(dim=(1, 2))
-    return out
+        # the mask.
+        blocked = key_at[:, None, lo:end] > query_at[:, start:stop, None] if lo < end else None  # [B, c, end - lo]
+        for r in range(b):
+            for h0 in range(0, h, group):
+                g = min(group, h - h0)
+                # rows `width` long, the columns past `end` -inf: every real column then takes
+                # the vectorised path of the softmax and of the column sum, so equal attention
+                # sums to equal scores (a column in a kernel's scalar tail is summed in another
+                # order, and an exact tie would be broken by rounding instead of by position)
+                logits = buf[: g * c * width].view(g, c, width)
+                torch.matmul(q[r, h0 : h0 + g], k_t[r, h0 : h0 + g, :, :end], out=logits[..., :end])
+                logits[..., end:].fill_(float("-inf"))
+                if blocked is not None:
+                    logits[..., lo:end].masked_fill_(blocked[r], float("-inf"))
+                # in place on the CPU, whose kernel normalises a row after reading it (one buffer
+                # in cache instead of two); elsewhere a fresh tensor, aliasing unchecked there
+                attn = (torch.ops.aten._softmax.out(logits, -1, False, out=logits) if logits.is_cpu
+                        else torch.softmax(logits, -1))
+                if holes:  # padding queries attend to nothing: 0 (what a fully masked row's NaN became)
+                    attn.masked_fill_(~valid[r, None, start:stop, None], 0.0)
+                out[r, :end] += attn.sum(dim=(0, 1))[:end]
+    return out.to(acc)
 
+
+def _padded(columns: int) -> int:
+    """``columns`` rounded up to a multiple of 64 (a whole number of unrolled vectors)."""
+    return -(-columns // 64) * 64
+
+
+_BLOCK = 1 << 20
+"""Floats per block of logits in `accumulated_attention` (4 MB in float32)."""
 
 _MIN_COLUMNS = 64
 """Shortest softmax row `accumulated_attention` computes (longer than any CPU vector)."""
