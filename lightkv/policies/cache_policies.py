@@ -17,7 +17,8 @@ import torch
 from .partitioners import GlobalPartitioner, Partition, Partitioner
 from .relevance import Relevance, _accumulator, _match_heads
 
-__all__ = ["AccumulatedAttention", "ImportancePartitioner", "accumulated_attention", "causal_chunks", "h2o_keep"]
+__all__ = ["AccumulatedAttention", "ImportancePartitioner", "accumulated_attention", "accumulated_attention_flops",
+           "causal_chunks", "h2o_keep"]
 
 
 def accumulated_attention(
@@ -101,6 +102,26 @@ def accumulated_attention(
     return out.to(acc)
 
 
+def accumulated_attention_flops(valid: torch.Tensor, origin: torch.Tensor, heads: int, head_dim: int,
+                                chunk: int = 256) -> float:
+    """Multiply-add FLOPs (2 per MAC) of the ``q . k`` products `accumulated_attention`
+    computes: each chunk's rows times the key columns it reads (`causal_chunks`: the causal
+    half of ``N x N`` plus the chunks' diagonal blocks), every head and batch row. Counted as
+    the model's own attention is (`lightkv.adapters.probes.LayerShape.flops`): the softmax
+    and the sums, a few operations per logit, are not. One host sync.
+
+    Args:
+        valid: ``[B, N]`` bool.
+        origin: ``[B, N]`` original order, ``-1`` for holes.
+        heads, head_dim: query heads and their size.
+        chunk: query rows per step (as given to `accumulated_attention`).
+    """
+    b, n = valid.shape
+    rows = (min(chunk, n - start) for start in range(0, n, chunk))
+    logits = sum(r * end for r, (end, _, _) in zip(rows, causal_chunks(valid, origin, chunk)))
+    return 2.0 * b * heads * head_dim * logits
+
+
 def _padded(columns: int) -> int:
     """``columns`` rounded up to a multiple of 64 (a whole number of unrolled vectors)."""
     return -(-columns // 64) * 64
@@ -165,14 +186,18 @@ class AccumulatedAttention(Relevance):
     queries (causal, as in the model): the importance of H2O (Zhang et al., NeurIPS 2023) and
     ElasticCache (Liu et al., ECCV 2024).
 
-    Reads every query row and key column (``N x N`` per head, in chunks of ``chunk`` query
-    rows; never the model's own attention weights, so any attention implementation works).
+    Reads every query row and key column, computes the causal half of ``N x N`` per head
+    (in chunks of ``chunk`` query rows, `accumulated_attention_flops`; never the model's own
+    attention weights, so any attention implementation works).
     Logits use ``1 / sqrt(d)``.
     """
 
     query_rows: ClassVar[str] = "all"
     key_cols: ClassVar[str] = "all"
     chunk: int = 256
+
+    def product_flops(self, layout, heads, head_dim):
+        return accumulated_attention_flops(layout.valid_mask, layout.origin, heads, head_dim, self.chunk)
 
     def score(self, queries, keys, layout):
         self._check(queries, keys, layout)

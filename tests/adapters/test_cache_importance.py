@@ -15,6 +15,7 @@ of heads, and on exact ties (they stay exact, so the keep rules' tie-breaks deci
 from __future__ import annotations
 
 import math
+import time
 from unittest import mock
 
 import pytest
@@ -24,6 +25,7 @@ from hypothesis import strategies as st
 
 from lightkv.adapters import apply
 from lightkv.adapters.modes import h2o as h2o_mode
+from lightkv.bench.efficiency.measure import OverheadProbe
 from lightkv.policies import cache_policies
 from lightkv.policies.relevance import _accumulator, _match_heads
 from lightkv.testing import TINY_MODELS
@@ -213,3 +215,82 @@ def test_exact_ties_stay_exact_and_the_keep_rule_breaks_them_by_position(block):
     for r in range(b):
         first = int((~valid[r]).sum())
         assert keep[r].nonzero().flatten().tolist() == list(range(first, first + 5))
+
+
+@pytest.mark.parametrize("method", ["elastic", "h2o-all"])
+def test_the_overhead_probe_times_the_cache_modes_scoring_and_rewrite(method, monkeypatch):
+    """The efficiency benchmark's overhead column: the cache modes score inside the layer
+    (their projection taps) and merge or evict after it; both are the compression's own
+    time and must be in the probe's totals (each made to take 30 ms here)."""
+    model = get_model("llava")
+    fam = TINY_MODELS["llava"]
+    batch = fam.collate(fam.examples(model))
+    pause = 0.03
+    with apply(METHODS[method](), model, **fam.adapter_options) as session:
+        mode = _cache_mode(session)
+        importance, rewrite = mode.importance, mode.rewrite
+        tapped = []
+
+        def slow_importance(call, raw=None):
+            tapped.append(raw is not None)
+            time.sleep(pause)
+            return importance(call, raw)
+
+        def slow_rewrite(call, layer, xi):
+            time.sleep(pause)
+            return rewrite(call, layer, xi)
+
+        monkeypatch.setattr(mode, "importance", slow_importance)
+        monkeypatch.setattr(mode, "rewrite", slow_rewrite)
+        probe = OverheadProbe(session, lambda: None)
+        with torch.no_grad():
+            model.generate(**batch, max_new_tokens=1, do_sample=False)
+        probe.close()
+    layers = len(mode.layers)
+    assert tapped == [True] * layers  # scored inside the attention, by the taps
+    assert probe.totals["relevance"] >= pause * layers
+    assert probe.totals["stage"] >= pause * layers
+    assert probe.totals["bookkeeping"] < pause  # neither counted twice nor elsewhere
+
+
+@pytest.mark.parametrize("n, chunk", [(600, 256), (300, 64), (70, 7)])
+def test_the_flops_count_is_the_products_computed(n, chunk):
+    """`accumulated_attention_flops` counts the ``q . k`` products the function really
+    computes (read off its matmuls): the causal half and the chunks' diagonal blocks, not
+    ``N x N``."""
+    b, h, d = 2, 4, 8
+    gen = torch.Generator().manual_seed(1)
+    q, k = torch.randn(b, h, n, d, generator=gen), torch.randn(b, 2, n, d, generator=gen)
+    valid = torch.ones(b, n, dtype=torch.bool)
+    valid[1, :5] = False
+    origin = torch.arange(n).expand(b, n).masked_fill(~valid, -1)
+    done, matmul = [], torch.matmul
+
+    def counting(x, y, **kw):
+        done.append(2.0 * x.shape[-3] * x.shape[-2] * x.shape[-1] * y.shape[-1])
+        return matmul(x, y, **kw)
+
+    with mock.patch.object(torch, "matmul", counting):
+        cache_policies.accumulated_attention(q, k, valid, origin, chunk=chunk)
+    flops = cache_policies.accumulated_attention_flops(valid, origin, h, d, chunk)
+    assert flops == sum(done)
+    dense = 2.0 * b * h * d * n * n
+    assert 0.5 * dense < flops <= min(1.0, 0.5 + (chunk + 64) / n) * dense  # rows of at least 64 columns
+
+
+@pytest.mark.parametrize("method", ["elastic", "h2o-all"])
+def test_the_session_report_counts_the_causal_products(method, monkeypatch):
+    """ElasticCache and H2O read the layer's own projections, so the report's relevance
+    FLOPs are the importance products alone: per cache layer what the function computes."""
+    model = get_model("llava")
+    fam = TINY_MODELS["llava"]
+    batch = fam.collate(fam.examples(model))
+    with apply(METHODS[method](), model, **fam.adapter_options) as session:
+        mode = _cache_mode(session)
+        model.generate(**batch, max_new_tokens=1, do_sample=False)
+        layout = session.last_prefill.layout
+        want = sum(cache_policies.accumulated_attention_flops(layout.valid_mask, layout.origin, mode.ctx.probes[i].heads,
+                                                              mode.ctx.probes[i].head_dim) for i in mode.layers)
+        report = session.report()
+    # (a prompt of one chunk, as here, computes every column: the causal half is checked above)
+    assert report.relevance_flops == pytest.approx(want, rel=1e-12) and want > 0
