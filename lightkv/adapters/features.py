@@ -96,7 +96,8 @@ def relevance(
         keys = None
     q_rows = n if rows == "all" else (1 if rows == "last" else 0)
     k_cols = n if cols == "all" else (int(layout.text_mask.sum(1).max()) if cols == "text" else 0)
-    flops += 2.0 * b * probe.heads * d * q_rows * k_cols
+    own = rel.product_flops(layout, probe.heads, d)  # e.g. only the causal half
+    flops += own if own is not None else 2.0 * b * probe.heads * d * q_rows * k_cols
     xi = stage.relevance_scores(queries, keys, layout, **extra)
     return xi.to(torch.promote_types(xi.dtype, torch.float32)), flops
 

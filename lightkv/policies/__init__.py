@@ -11,7 +11,13 @@
 """
 
 from .base import ENTRY_POINT_GROUP, Policy
-from .cache_policies import AccumulatedAttention, ImportancePartitioner, accumulated_attention, h2o_keep
+from .cache_policies import (
+    AccumulatedAttention,
+    ImportancePartitioner,
+    accumulated_attention,
+    accumulated_attention_flops,
+    h2o_keep,
+)
 from .inputs import Features, StageInputs
 from .partitioners import (
     GlobalPartitioner,
@@ -91,6 +97,7 @@ __all__ = [
     "H2OSchedule",
     "ImportancePartitioner",
     "accumulated_attention",
+    "accumulated_attention_flops",
     "h2o_keep",
     "BudgetSchedule",
     "CosineDivergence",

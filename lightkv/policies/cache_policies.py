@@ -17,7 +17,8 @@ import torch
 from .partitioners import GlobalPartitioner, Partition, Partitioner
 from .relevance import Relevance, _accumulator, _match_heads
 
-__all__ = ["AccumulatedAttention", "ImportancePartitioner", "accumulated_attention", "causal_chunks", "h2o_keep"]
+__all__ = ["AccumulatedAttention", "ImportancePartitioner", "accumulated_attention", "accumulated_attention_flops",
+           "causal_chunks", "h2o_keep"]
 
 
 def accumulated_attention(
@@ -36,8 +37,7 @@ def accumulated_attention(
     head, never ``N x N``; each chunk reads only the key columns up to the last one any of
     its queries may attend to and masks only the columns some of them may not
     (`causal_chunks`): about half of ``N x N`` logits, the same sums as the full masked
-    softmax (bit for bit where the BLAS rounds the shorter products alike, as on the CPUs
-    tested).
+    softmax up to float rounding (the column sums are accumulated in float64).
 
     Args:
         queries: ``[B, H, N, d]`` post-RoPE queries.
@@ -49,40 +49,87 @@ def accumulated_attention(
     """
     b, h, n, d = queries.shape
     acc = _accumulator(queries)
-    k = _match_heads(keys, h).to(acc)
+    k_t = _match_heads(keys, h).to(acc).transpose(-1, -2)  # [B, H, d, N]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    out = torch.zeros(b, n, dtype=acc, device=queries.device)
+    # float64 sums: a column adds one block sum per head and chunk (384 at 7B width), which
+    # added in float32 drifted by 1e-5 relative (measured; near-ties decide what is kept)
+    out = torch.zeros(b, n, dtype=acc if queries.device.type == "mps" else torch.float64, device=queries.device)
     # j is allowed for i iff key_at[j] <= query_at[i]: causal, and both valid (holes never match)
-    key_at = origin.masked_fill(~valid, torch.iinfo(origin.dtype).max)
+    big = torch.iinfo(origin.dtype).max
+    key_at = origin.masked_fill(~valid, big)
     query_at = origin.masked_fill(~valid, -1)
     plan = causal_chunks(valid, origin, chunk)
-    # Two buffers for every chunk's logits and softmax: chunk x N floats per head are tens
-    # of MB at 7B width, and a fresh allocation of that size is fresh pages, each faulted in
-    # on first touch (measured: 30% of this function's time at 2,928 tokens and 32 heads).
-    size = b * h * min(chunk, n) * max((end for end, _, _ in plan), default=0)
-    logits_buf = torch.empty(size, dtype=acc, device=queries.device)
-    attn_buf = torch.empty(size, dtype=acc, device=queries.device)
-    k_t = k.transpose(-1, -2)
+    key_at = torch.cat([key_at, key_at.new_full((b, _padded(n) - n), big)], 1)  # the rows' padding: seen by none
+    # One buffer, reused: a fresh allocation of tens of MB is fresh pages faulted in on first
+    # touch. Blocks of heads x rows x columns of at most _BLOCK floats per thread where one
+    # head allows (a few heads of a chunk at 7B width, a whole chunk of a small model): each
+    # block is written by its matmul and read back by the softmax and the column sum while
+    # it is still in cache, where one chunk of every head (~100 MB at 7B width) made each
+    # pass a trip to memory (1 thread: 0.67 s -> 0.45 s at 7B width, 32 heads, 2,970 tokens).
+    # Per thread: with 2 threads on 2 shared cores, every parallel operator waits for a
+    # descheduled thread (measured: 1-MB-per-thread blocks 5x slower than 16 MB there).
+    widest = min(chunk, n) * _padded(max((end for end, _, _ in plan), default=0))
+    block = _BLOCK * torch.get_num_threads() if queries.is_cpu else h * widest  # an accelerator: every head at once
+    buf = torch.empty(max(widest, min(block, h * widest)), dtype=acc, device=queries.device)
     for start, (end, lo, holes) in zip(range(0, n, chunk), plan):
         if end == 0:  # no valid query in the chunk: it adds nothing
             continue
         stop = start + chunk
-        q = queries[:, :, start:stop].to(acc)
-        shape = (b, h, q.shape[2], end)
-        used = math.prod(shape)
+        q = queries[:, :, start:stop].to(acc) * scale  # scaled here, not the c x end logits
+        c, width = q.shape[2], _padded(end)
+        group = max(1, min(h, block // (c * width)))
         # Columns past `end` are masked for every query of the chunk and would add exact
         # zeros, columns before `lo` are allowed for every valid query: only [lo, end) needs
-        # the mask. Every step writes in place.
-        logits = torch.matmul(q, k_t[..., :end], out=logits_buf[:used].view(shape)).mul_(scale)
-        if lo < end:
-            blocked = key_at[:, None, lo:end] > query_at[:, start:stop, None]  # [B, c, end - lo]
-            logits[..., lo:end].masked_fill_(blocked.unsqueeze(1), float("-inf"))
-        attn = torch.ops.aten._softmax.out(logits, -1, False, out=attn_buf[:used].view(shape))
-        if holes:  # padding queries attend to nothing: 0 (what a fully masked row's NaN became)
-            attn.masked_fill_(~valid[:, None, start:stop, None], 0.0)
-        out[:, :end] += attn.sum(dim=(1, 2))
-    return out
+        # the mask, and [end, width) is the rows' padding (-inf, in the same operation).
+        blocked = key_at[:, None, lo:width] > query_at[:, start:stop, None]  # [B, c, width - lo]
+        for r in range(b):
+            for h0 in range(0, h, group):
+                g = min(group, h - h0)
+                # rows `width` long, the columns past `end` -inf: every real column then takes
+                # the vectorised path of the softmax and of the column sum, so equal attention
+                # sums to equal scores (a column in a kernel's scalar tail is summed in another
+                # order, and an exact tie would be broken by rounding instead of by position)
+                logits = buf[: g * c * width].view(g, c, width)
+                torch.matmul(q[r, h0 : h0 + g], k_t[r, h0 : h0 + g, :, :end], out=logits[..., :end])
+                logits[..., lo:].masked_fill_(blocked[r], float("-inf"))
+                # in place on the CPU, whose kernel normalises a row after reading it (one buffer
+                # in cache instead of two); elsewhere a fresh tensor, aliasing unchecked there
+                attn = (torch.ops.aten._softmax.out(logits, -1, False, out=logits) if logits.is_cpu
+                        else torch.softmax(logits, -1))
+                if holes:  # padding queries attend to nothing: 0 (what a fully masked row's NaN became)
+                    attn.masked_fill_(~valid[r, None, start:stop, None], 0.0)
+                out[r, :end] += attn.sum(dim=(0, 1))[:end]
+    return out.to(acc)
 
+
+def accumulated_attention_flops(valid: torch.Tensor, origin: torch.Tensor, heads: int, head_dim: int,
+                                chunk: int = 256) -> float:
+    """Multiply-add FLOPs (2 per MAC) of the ``q . k`` products `accumulated_attention`
+    computes: each chunk's rows times the key columns it reads (`causal_chunks`: the causal
+    half of ``N x N`` plus the chunks' diagonal blocks), every head and batch row. Counted as
+    the model's own attention is (`lightkv.adapters.probes.LayerShape.flops`): the softmax
+    and the sums, a few operations per logit, are not. One host sync.
+
+    Args:
+        valid: ``[B, N]`` bool.
+        origin: ``[B, N]`` original order, ``-1`` for holes.
+        heads, head_dim: query heads and their size.
+        chunk: query rows per step (as given to `accumulated_attention`).
+    """
+    b, n = valid.shape
+    rows = (min(chunk, n - start) for start in range(0, n, chunk))
+    logits = sum(r * end for r, (end, _, _) in zip(rows, causal_chunks(valid, origin, chunk)))
+    return 2.0 * b * heads * head_dim * logits
+
+
+def _padded(columns: int) -> int:
+    """``columns`` rounded up to a multiple of 64 (a whole number of unrolled vectors)."""
+    return -(-columns // 64) * 64
+
+
+_BLOCK = 1 << 22
+"""Floats per block of logits and thread in `accumulated_attention` (16 MB in float32;
+measured at 7B width, 1 thread: 4 and 16 MB alike, 32 MB and more slower)."""
 
 _MIN_COLUMNS = 64
 """Shortest softmax row `accumulated_attention` computes (longer than any CPU vector)."""
@@ -139,14 +186,18 @@ class AccumulatedAttention(Relevance):
     queries (causal, as in the model): the importance of H2O (Zhang et al., NeurIPS 2023) and
     ElasticCache (Liu et al., ECCV 2024).
 
-    Reads every query row and key column (``N x N`` per head, in chunks of ``chunk`` query
-    rows; never the model's own attention weights, so any attention implementation works).
+    Reads every query row and key column, computes the causal half of ``N x N`` per head
+    (in chunks of ``chunk`` query rows, `accumulated_attention_flops`; never the model's own
+    attention weights, so any attention implementation works).
     Logits use ``1 / sqrt(d)``.
     """
 
     query_rows: ClassVar[str] = "all"
     key_cols: ClassVar[str] = "all"
     chunk: int = 256
+
+    def product_flops(self, layout, heads, head_dim):
+        return accumulated_attention_flops(layout.valid_mask, layout.origin, heads, head_dim, self.chunk)
 
     def score(self, queries, keys, layout):
         self._check(queries, keys, layout)

@@ -97,6 +97,12 @@ class Relevance(Policy):
         """
         raise NotImplementedError
 
+    def product_flops(self, layout: VisionLayout, heads: int, head_dim: int) -> float | None:
+        """Multiply-add FLOPs (2 per MAC) of the ``q . k`` products `score` computes on
+        ``layout`` with ``heads`` query heads, or None: every query row it reads times every
+        key column it reads (what `lightkv.adapters.features.relevance` then counts)."""
+        return None
+
     @staticmethod
     def _check(queries: torch.Tensor, keys: torch.Tensor, layout: VisionLayout) -> None:
         if queries.dim() != 4 or keys.dim() != 4:

@@ -17,7 +17,7 @@ import torch
 
 from ...graph.layout import TokenKind
 from ...graph.scatter import right_align
-from ...policies.cache_policies import accumulated_attention, h2o_keep
+from ...policies.cache_policies import accumulated_attention, accumulated_attention_flops, h2o_keep
 from ...policies.relevance import _match_heads
 from ..cache import MaskedCacheLayer
 from ..masks import _batch
@@ -71,7 +71,7 @@ class H2OMode(CacheEntriesMode):
         xi = accumulated_attention(q, k, layout.valid_mask, layout.origin, _scale(probe))
         b, n = layout.batch_size, layout.seq_len
         flops = 0.0 if raw is not None else 2.0 * b * n * probe.hidden * (probe.heads + probe.kv_heads) * probe.head_dim
-        return xi, flops + 2.0 * b * probe.heads * probe.head_dim * n * n
+        return xi, flops + accumulated_attention_flops(layout.valid_mask, layout.origin, probe.heads, probe.head_dim)
 
     def rewrite(self, call, layer, importance):
         layout = call.state.layout

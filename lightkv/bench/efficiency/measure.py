@@ -86,10 +86,11 @@ class OverheadProbe:
     Nothing global is patched; remove with `close`.
 
     ``totals`` (seconds, summed over the prefill): ``layout`` (the adapter reading the
-    batch), ``relevance`` (the pre-hooks at merge layers and the projection taps' hooks
-    inside them: ξ from the layer's projections),
-    ``stage`` (post-hooks at merge layers: graph, merge, new masks and positions),
-    ``bookkeeping`` (the pre-hooks of other layers: masks, positions, cache layers).
+    batch), ``relevance`` (the pre-hooks at merge layers and at layers whose cache a mode
+    rewrites, and the projection taps' hooks inside them: ξ or the cache modes' importance
+    from the layer's projections), ``stage`` (post-hooks at those layers: graph, merge, new
+    masks and positions; a cache mode's merge or eviction), ``bookkeeping`` (the pre-hooks
+    of other layers: masks, positions, cache layers).
     """
 
     def __init__(self, session, sync: Callable[[], None]):
@@ -97,16 +98,18 @@ class OverheadProbe:
         self.totals = {"layout": 0.0, "relevance": 0.0, "stage": 0.0, "bookkeeping": 0.0}
         self._t: dict[str, float] = {}
         self._handles = []
-        merge = {s.spec.layer for s in session.stages}
+        # the cache modes (ElasticCache, H2O) score in their taps and rewrite after their layers
+        scored = {s.spec.layer for s in session.stages}.union(*(m.cache_layers for m in session.modes))
         mm = session.adapter.multimodal_module()
         self._pair_pre(mm, "layout")
         for i, layer in enumerate(session.layers):
-            self._pair_pre(layer, "relevance" if i in merge else "bookkeeping")
-            if i in merge:
+            self._pair_pre(layer, "relevance" if i in scored else "bookkeeping")
+            if i in scored:
                 self._pair_post(layer, "stage")
-        for tap in session.taps.values():  # ξ computed inside the attention, as its projections run
-            for module in tap.probe.projections().values():
-                self._pair_post(module, "relevance")
+        projections = {id(module): module for mode in session.modes for tap in getattr(mode, "taps", {}).values()
+                       for module in tap.probe.projections().values()}
+        for module in projections.values():  # computed inside the attention, as its projections run
+            self._pair_post(module, "relevance")
 
     def _start(self, key):
         def hook(*_a, **_k):
