@@ -257,8 +257,14 @@ def test_budget_targets_take_lightkv_where_its_schedule_reaches_the_budget():
     assert out["budgets_lightkv_overhead_le_1pct"] is True
     variants["lightkv-low-budget@0.22"]["overhead_share"] = 0.011
     assert budget_targets(result)["budgets_lightkv_overhead_le_1pct"] is False
+    variants["lightkv@0.55"] = _variant(0.540, 0.566, 0.007, "scaled")  # faster than its FLOPs say
+    out = budget_targets(result)
+    assert (out["budgets_lightkv_ttft_within_1pp_of_flops"], out["budgets_lightkv_ttft_at_most_1pp_above_flops"]) \
+        == (False, True)
     variants["lightkv@0.55"] = _variant(0.590, 0.566, 0.007, "scaled")
-    assert budget_targets(result)["budgets_lightkv_ttft_within_1pp_of_flops"] is False
+    out = budget_targets(result)
+    assert (out["budgets_lightkv_ttft_within_1pp_of_flops"], out["budgets_lightkv_ttft_at_most_1pp_above_flops"]) \
+        == (False, False)
     assert budget_targets({"config": {"width": "reduced"}, "models": result["models"]}) == {}
     table = "\n".join(budget_table(result))
     assert "| fastv | n/a | n/a | +5.0 (+5.0) | 0.2% |" in table

@@ -103,8 +103,8 @@ def lightkv_at(variants: dict[str, Any], target: str) -> str | None:
 
 def budget_targets(result: dict[str, Any]) -> dict[str, Any]:
     """Issue 28's targets of a ``--kept-fractions`` run at full width: LightKV's TTFT ratio
-    within 1 point of its FLOPs ratio and its overhead <= 1% of the prefill at every budget,
-    per model (None where not measured)."""
+    within 1 point of its FLOPs ratio (and, one-sided, at most 1 point above it) and its
+    overhead <= 1% of the prefill at every budget, per model (None where not measured)."""
     out: dict[str, Any] = {}
     targets = sorted({v.split("@")[1] for m in result["models"].values() for v in m["variants"] if "@" in v},
                      key=float, reverse=True)
@@ -119,8 +119,10 @@ def budget_targets(result: dict[str, Any]) -> dict[str, Any]:
                 rows[f"{name}@{t}"] = {"variant": v, "ttft_minus_flops_pp": rec["ttft_minus_flops_pp"],
                                        "overhead_share": rec.get("overhead_share")}
     out["budgets_lightkv"] = rows
-    out["budgets_lightkv_ttft_within_1pp_of_flops"] = (all(abs(r["ttft_minus_flops_pp"]) <= 1 for r in rows.values())
-                                                       if rows else None)
+    gaps = [r["ttft_minus_flops_pp"] for r in rows.values()]
+    out["budgets_lightkv_ttft_within_1pp_of_flops"] = all(abs(g) <= 1 for g in gaps) if gaps else None
+    # the field's complaint is a saving that does not show in time: TTFT *above* FLOPs
+    out["budgets_lightkv_ttft_at_most_1pp_above_flops"] = all(g <= 1 for g in gaps) if gaps else None
     shares = [r["overhead_share"] for r in rows.values()]
     out["budgets_lightkv_overhead_le_1pct"] = (all(s <= 0.01 for s in shares)
                                                if shares and None not in shares else None)
