@@ -78,7 +78,8 @@ def relevance(
             return finish(part, cos, sin)
         out = finish(part, gather_tokens(cos, index), gather_tokens(sin, index))
         full = out.new_zeros(b, heads, n, out.shape[-1])
-        return full.scatter(2, index[:, None, :, None].expand(-1, heads, -1, out.shape[-1]), out)
+        # in place: an out-of-place scatter would copy the [B, H, N, d] zeros once more (48 MB at 7B width)
+        return full.scatter_(2, index[:, None, :, None].expand(-1, heads, -1, out.shape[-1]), out)
 
     all_rows = torch.arange(n, device=cos.device).expand(b, n)
     if rows == "all":

@@ -145,10 +145,11 @@ class QueryAxisSoftmax(Relevance):
         k = _match_heads(keys, h)
         k_text = k.gather(2, text_pos[:, None, :, None].expand(-1, h, -1, d))
         acc = _accumulator(queries)
-        logits = torch.matmul(queries.to(acc), k_text.to(acc).transpose(-1, -2)) / math.sqrt(d)  # [B,H,N,T]
-        logits = logits.masked_fill(~layout.valid_mask[:, None, :, None], float("-inf"))
-        attn = torch.softmax(logits, dim=2)
-        attn = attn.masked_fill(~text_valid[:, None, None, :], 0.0)
+        logits = torch.matmul(queries.to(acc), k_text.to(acc).transpose(-1, -2)).div_(math.sqrt(d))  # [B,H,N,T]
+        # in place on the product (made here): N x T per head is tens of MB at 7B width
+        logits.masked_fill_(~layout.valid_mask[:, None, :, None], float("-inf"))
+        # out of place: softmax's backward reads its output
+        attn = torch.softmax(logits, dim=2).masked_fill(~text_valid[:, None, None, :], 0.0)
         xi = attn.sum(dim=(1, 3)) if self.heads == "sum" else _reduce_heads(attn.sum(dim=3), self.heads)
         return torch.where(layout.vision_mask, xi, torch.zeros_like(xi))
 
