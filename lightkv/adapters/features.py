@@ -65,7 +65,7 @@ def relevance(
     d = probe.head_dim
     flops = 0.0
 
-    def project(what: str, index: torch.Tensor, heads: int) -> torch.Tensor:
+    def project(what: str, index: torch.Tensor, heads: int, packed: bool = False) -> torch.Tensor:
         nonlocal flops
         finish = probe.queries_from if what == "queries" else probe.keys_from
         every = index.shape[1] == n  # every row, in order: nothing to gather or scatter back
@@ -77,6 +77,8 @@ def relevance(
         if every:
             return finish(part, cos, sin)
         out = finish(part, gather_tokens(cos, index), gather_tokens(sin, index))
+        if packed:  # the policy reads these rows as they are (`Relevance.packed_text_keys`)
+            return out
         full = out.new_zeros(b, heads, n, out.shape[-1])
         # in place: an out-of-place scatter would copy the [B, H, N, d] zeros once more (48 MB at 7B width)
         return full.scatter_(2, index[:, None, :, None].expand(-1, heads, -1, out.shape[-1]), out)
@@ -92,7 +94,7 @@ def relevance(
         keys = project("keys", all_rows, probe.kv_heads)
     elif cols == "text":
         text_pos, _ = pack_rows(layout.text_mask)
-        keys = project("keys", text_pos, probe.kv_heads)
+        keys = project("keys", text_pos, probe.kv_heads, packed=rel.packed_text_keys and text_pos.shape[1] < n)
     else:
         keys = None
     q_rows = n if rows == "all" else (1 if rows == "last" else 0)

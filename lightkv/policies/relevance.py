@@ -73,6 +73,12 @@ class Relevance(Policy):
     """Which query rows `score` reads: every token, only the last one, or none."""
     key_cols: ClassVar[Literal["text", "all", "none"]] = "text"
     """Which key columns `score` reads: text tokens only, every token, or none."""
+    packed_text_keys: ClassVar[bool] = False
+    """With ``key_cols == "text"``: whether `score` also takes the text columns' keys
+    packed, ``[B, H_kv, T, d]`` in the order of `lightkv.graph.scatter.pack_rows` of
+    ``layout.text_mask`` (``T < N``: the most text tokens of any row), which adapters then
+    pass instead of a full-length ``[B, H_kv, N, d]`` tensor that is zero outside the text
+    columns (tens of MB per stage at 7B width)."""
     reads_prompt: ClassVar[bool] = False
     """Whether `score` also takes ``prompt=`` (a `lightkv.policies.Prompt`: the prefill's
     token ids), for policies conditioned on what the prompt says (see
@@ -104,11 +110,11 @@ class Relevance(Policy):
         return None
 
     @staticmethod
-    def _check(queries: torch.Tensor, keys: torch.Tensor, layout: VisionLayout) -> None:
+    def _check(queries: torch.Tensor, keys: torch.Tensor, layout: VisionLayout, packed: int | None = None) -> None:
         if queries.dim() != 4 or keys.dim() != 4:
             raise ValueError("queries and keys must be [B, H, N, d]")
         b, _, n, d = queries.shape
-        if (b, n) != (layout.batch_size, layout.seq_len) or keys.shape[0] != b or keys.shape[2] != n:
+        if (b, n) != (layout.batch_size, layout.seq_len) or keys.shape[0] != b or keys.shape[2] not in (n, packed):
             raise ValueError(
                 f"queries {tuple(queries.shape)} / keys {tuple(keys.shape)} do not match the layout "
                 f"[B={layout.batch_size}, N={layout.seq_len}]"
@@ -134,16 +140,20 @@ class QueryAxisSoftmax(Relevance):
     """
 
     heads: Heads = "sum"
+    packed_text_keys: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         _check_heads(self.heads)
 
     def score(self, queries, keys, layout):
-        self._check(queries, keys, layout)
         text_pos, text_valid = pack_rows(layout.text_mask)
+        self._check(queries, keys, layout, packed=text_pos.shape[1])
         h, d = queries.shape[1], queries.shape[-1]
         k = _match_heads(keys, h)
-        k_text = k.gather(2, text_pos[:, None, :, None].expand(-1, h, -1, d))
+        if keys.shape[2] != layout.seq_len:  # the text columns already, packed (`packed_text_keys`)
+            k_text = k
+        else:
+            k_text = k.gather(2, text_pos[:, None, :, None].expand(-1, h, -1, d))
         acc = _accumulator(queries)
         logits = torch.matmul(queries.to(acc), k_text.to(acc).transpose(-1, -2)).div_(math.sqrt(d))  # [B,H,N,T]
         # in place on the product (made here): N x T per head is tens of MB at 7B width
