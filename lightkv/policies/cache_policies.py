@@ -113,7 +113,8 @@ def accumulated_attention_flops(valid: torch.Tensor, origin: torch.Tensor, heads
     Args:
         valid: ``[B, N]`` bool.
         origin: ``[B, N]`` original order, ``-1`` for holes.
-        heads, head_dim: query heads and their size.
+        heads: query heads.
+        head_dim: their size.
         chunk: query rows per step (as given to `accumulated_attention`).
     """
     b, n = valid.shape
