@@ -266,6 +266,11 @@ def test_budget_targets_take_lightkv_where_its_schedule_reaches_the_budget():
     assert (out["budgets_lightkv_ttft_within_1pp_of_flops"], out["budgets_lightkv_ttft_at_most_1pp_above_flops"]) \
         == (False, False)
     assert budget_targets({"config": {"width": "reduced"}, "models": result["models"]}) == {}
+    del variants["lightkv-low-budget@0.22"]  # lightkv@0.22 alone stops short: 22% is not measured
+    out = budget_targets(result)
+    assert out["budgets_lightkv_not_measured"] == ["llava_next@0.22"]
+    assert out["budgets_lightkv_ttft_within_1pp_of_flops"] is None and out["budgets_lightkv_overhead_le_1pct"] is None
+    variants["lightkv-low-budget@0.22"] = _variant(0.240, 0.245, 0.011, "before the LLM")
     table = "\n".join(budget_table(result))
     assert "| fastv | n/a | n/a | +5.0 (+5.0) | 0.2% |" in table
     assert "+1.9 (+1.9) (min)" in table  # lightkv@0.22 stops short of the budget and says so
