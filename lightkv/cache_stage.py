@@ -65,7 +65,8 @@ class CacheStage:
 
     @staticmethod
     def tokens(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(hidden [B, N, 2 * H_kv * d], key features [B, N, H_kv, d])`` of a cache."""
+        """``(hidden [B, N, 2 * H_kv * d], key features [B, N, H_kv, d])`` of a cache (the
+        key features are a view of the hidden's first half)."""
         if keys.dim() != 4 or values.shape[:3] != keys.shape[:3]:
             raise ValueError(f"expected keys and values [B, H_kv, N, d], got {tuple(keys.shape)} and {tuple(values.shape)}")
         b, h, n, dk = keys.shape
@@ -73,9 +74,11 @@ class CacheStage:
         # one pass into the result (flatten-then-cat copied each half twice: 2 x 97 MB of
         # fresh pages per layer at 7B width and 2,970 tokens)
         hidden = keys.new_empty((b, n, h * (dk + values.shape[-1])), dtype=torch.promote_types(keys.dtype, values.dtype))
-        hidden[..., : h * dk].view(b, n, h, dk).copy_(k)
+        key_features = hidden[..., : h * dk].view(b, n, h, dk)
+        key_features.copy_(k)
         hidden[..., h * dk :].view(b, n, h, values.shape[-1]).copy_(v)
-        return hidden, k
+        # the view: a key's heads are one contiguous row, which window blocks copy at once
+        return hidden, key_features
 
     @staticmethod
     def split(hidden: torch.Tensor, keys_like: torch.Tensor, values_like: torch.Tensor):
@@ -108,8 +111,8 @@ class CacheStage:
                 pass `lightkv.adapters.masks.drop_padding`).
         """
         hidden, key_features = self.tokens(keys, values)
-        acc = torch.promote_types(hidden.dtype, torch.float32)
-        result = self.stage(hidden.to(acc), layout, relevance, provenance, key_features)
+        # the stage promotes what it computes with (window blocks, merged rows) itself
+        result = self.stage(hidden, layout, relevance, provenance, key_features)
         if finish is not None:
             result = finish(result)
         k, v = self.split(result.hidden, keys, values)

@@ -182,13 +182,12 @@ class Stage:
         if graph.num_nodes == 0:  # e.g. a text-only batch: nothing to compress
             return self._identity(hidden, layout, provenance)
         acc = torch.promote_types(hidden.dtype, torch.float32)
-        x = graph.gather(hidden).to(acc)
-        xi = graph.gather(relevance).to(acc) if relevance is not None else torch.ones_like(x[:, 0])
-        # Checked on the gathered vision tokens only: text/padding may hold anything.
-        # NaN/inf always make the sum non-finite: one reduction instead of an element-wise
-        # mask; the exact check runs only then (or if a finite sum overflows).
-        if not torch.isfinite(x.sum()) and not torch.isfinite(x).all():
-            raise ValueError("hidden states of vision tokens contain NaN or inf")
+        # The nodes' rows are never gathered as a whole: the scorer gathers its window
+        # blocks and the passer the rows it merges straight from the [B * N, D] tokens.
+        tokens = hidden.reshape(b * n, hidden.shape[-1])
+        node_token = graph.node_row * n + graph.node_pos
+        self._check_finite(tokens, node_token)
+        xi = graph.gather(relevance).to(acc) if relevance is not None else hidden.new_ones(graph.num_nodes, dtype=acc)
         if not torch.isfinite(xi).all() or (xi < 0).any():
             raise ValueError("relevance of vision tokens must be finite and non-negative")
         size = graph.gather(provenance.sizes())
@@ -203,7 +202,7 @@ class Stage:
             graph=graph,
             divergence=best_div,
             relevance=graph.blocks(xi, "src"),
-            identity=graph.blocks(graph.gather(token_identity(layout)), "src").masked_fill(pad, -1),
+            identity=graph.token_blocks(token_identity(layout), "src").masked_fill(pad, -1),
             stage=inputs,
         )
         removed = self.pruner.select(prune, self.spec.removal_ratio)
@@ -211,13 +210,28 @@ class Stage:
         dst = best_dst[removed]
 
         if self.passer.merges:
-            receivers, new = self.passer(x, xi, size, src, dst)
+            # per token: the nodes' ξ and sizes, zero elsewhere (no token outside the graph
+            # is a source or a destination)
+            xi_t = xi.new_zeros(b * n).index_put_((node_token,), xi)
+            size_t = size.new_zeros(b * n).index_put_((node_token,), size)
+            dst_t = torch.where(dst >= 0, node_token[dst.clamp_min(0)], -1)
+            receivers, new = self.passer(tokens, xi_t, size_t, node_token[src], dst_t)
         else:
             dst = torch.full_like(dst, -1)
-            receivers, new = dst[:0], x[:0]
+            receivers, new = dst[:0], tokens[:0].to(acc)
         keep = torch.ones(b, n, dtype=torch.bool, device=hidden.device)
         keep[graph.node_row[src], graph.node_pos[src]] = False
         return self._assemble(hidden, layout, provenance, keep, src, dst, receivers, new, graph)
+
+    @staticmethod
+    def _check_finite(tokens: torch.Tensor, node_token: torch.Tensor) -> None:
+        """A clear error when a vision token's hidden state holds NaN or inf (text and
+        padding may hold anything). NaN/inf make a row's sum non-finite: one reduction
+        per token, no element-wise mask; the exact check runs only on rows whose sum is
+        not finite (a finite row can overflow its sum)."""
+        rows = node_token[~torch.isfinite(tokens.sum(-1)[node_token])]
+        if rows.numel() and not torch.isfinite(tokens[rows]).all():
+            raise ValueError("hidden states of vision tokens contain NaN or inf")
 
     def _identity(self, hidden: torch.Tensor, layout: VisionLayout, provenance: Provenance) -> StageResult:
         b, n, _ = hidden.shape
@@ -233,9 +247,9 @@ class Stage:
         flat = kept_index.clamp_min(0) + torch.arange(b, device=hidden.device).unsqueeze(1) * n
         out = hidden.reshape(b * n, d).index_select(0, flat.reshape(-1)).view(b, width, d)
         out.masked_fill_((kept_index < 0).unsqueeze(-1), 0)
-        if receivers.numel():
-            r_row = graph.node_row[receivers]
-            out[r_row, col[r_row, graph.node_pos[receivers]]] = new.to(hidden.dtype)
+        if receivers.numel():  # token indices into [B * N]
+            r_row, r_pos = receivers // n, receivers % n
+            out[r_row, col[r_row, r_pos]] = new.to(hidden.dtype)
         remap = col.clone()
         if src.numel():
             merged = dst >= 0

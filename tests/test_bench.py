@@ -274,3 +274,44 @@ def test_budget_targets_take_lightkv_where_its_schedule_reaches_the_budget():
     table = "\n".join(budget_table(result))
     assert "| fastv | n/a | n/a | +5.0 (+5.0) | 0.2% |" in table
     assert "+1.9 (+1.9) (min)" in table  # lightkv@0.22 stops short of the budget and says so
+
+
+def test_the_host_allocator_is_an_option_recorded_with_the_result(result):
+    """The timed prefills run on a steady heap by default (freed memory reused, as on a
+    GPU); ``--allocator system`` keeps glibc's defaults; the result says which ran."""
+    import sys
+    from dataclasses import asdict
+
+    from lightkv.bench.allocator import host_allocator
+    from lightkv.bench.efficiency.report import command_line, markdown_table
+
+    expected = "steady" if sys.platform.startswith("linux") else result["machine"]["allocator"]
+    assert result["machine"]["allocator"] == expected
+    assert f"{expected} host allocator" in markdown_table(result)
+    with host_allocator("system") as heap:
+        assert heap == "system"
+    with pytest.raises(ValueError, match="unknown allocator 'jemalloc'"):
+        with host_allocator("jemalloc"):
+            pass
+    with pytest.raises(ValueError, match="allocator must be one of"):
+        eff.BenchConfig(allocator="jemalloc")
+    cfg = eff.BenchConfig(allocator="system")
+    assert command_line(asdict(cfg)) == "lightkv bench efficiency --allocator system"
+    assert build_parser().parse_args(["bench", "efficiency", "--allocator", "system"]).allocator == "system"
+    if sys.platform.startswith("linux"):
+        # in a fresh process: a freed 64 MB tensor goes back to the system (resident memory
+        # drops), inside a steady block it stays in the heap for the next one
+        import subprocess
+
+        code = (
+            "import torch\n"
+            "from lightkv.bench.allocator import host_allocator\n"
+            "def rss():\n"
+            "    return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmRSS'))\n"
+            "for name in ('system', 'steady'):\n"
+            "    with host_allocator(name):\n"
+            "        a = torch.ones(2**24); before = rss(); del a; print(name, before - rss())\n"
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        dropped = {name: int(kb) for name, kb in (line.split() for line in out.splitlines())}
+        assert dropped["system"] > 60_000 and dropped["steady"] < 4_000, dropped

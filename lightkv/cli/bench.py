@@ -110,6 +110,10 @@ def add_commands(commands) -> None:
                      help="the models' attention (default: sdpa); flash_attention_2 needs CUDA and flash_attn, and "
                      "lightkv sessions refuse it (listed as refused); every variant must run the same one")
     eff.add_argument("--threads", type=machine_threads, metavar="N", help="torch CPU threads (default: torch's)")
+    eff.add_argument("--allocator", choices=("steady", "system"), default="steady",
+                     help="host memory of the timed prefills: steady (default) reuses freed memory as PyTorch's "
+                     "caching allocator does on a GPU; system is glibc's default, whose fresh pages for large blocks "
+                     "cost a long prefill more than a short one")
     eff.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     eff.add_argument("--no-plots", action="store_true", help="write JSON and Markdown only")
     eff.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -282,7 +286,7 @@ def _cmd_bench_efficiency(args: argparse.Namespace) -> int:
         over["eager_reference"] = False
     over.update(device=device, dtype=args.dtype or ("bfloat16" if device == "cuda" else "float32"),
                 memory=not args.no_memory, progress=not args.no_progress,
-                attn_implementation=args.attn_implementation)
+                attn_implementation=args.attn_implementation, allocator=args.allocator)
     try:
         cfg = eff.quick_config(**over) if args.quick else eff.BenchConfig(**over)
     except ValueError as e:

@@ -102,7 +102,7 @@ class CDPruner(KeepSetPruner):
         count = question.sum(1)  # [B]
         # mean_m cos(x, t_m) = x . mean_m t_m for unit vectors: one matrix product per row.
         t = (h * question.unsqueeze(-1)).sum(1) / count.clamp_min(1).unsqueeze(-1).to(h.dtype)
-        x = graph.blocks(graph.gather(h), "src")  # [K, a_max, D] unit vision tokens
+        x = graph.token_blocks(h, "src")  # [K, a_max, D] unit vision tokens
         row = graph.node_row[graph.src_slots.clamp_min(0)]  # [K, a_max]
         r = torch.einsum("kad,kad->ka", x, t[row]).to(torch.float64)
         if self.negate:

@@ -87,15 +87,13 @@ class DART(KeepSetPruner):
         layout, dev = stage.layout, valid.device
         windows = torch.arange(k, device=dev)
         feats = stage.features(self.features)
-        feats = feats.reshape(*feats.shape[:2], -1).to(torch.promote_types(feats.dtype, torch.float32))
-        feats = feats / feats.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(feats.dtype).tiny)  # [B, N, F]
-        x = graph.blocks(graph.gather(feats), "src")  # [K, a, F]
+        x = _unit(graph.token_blocks(feats, "src"))  # [K, a, F]
         piv = stage.features(self.pivot_features)
         norm = piv.reshape(*piv.shape[:2], -1).to(torch.promote_types(piv.dtype, torch.float32)).abs().sum(-1)  # [B, N] L1
 
         # Image pivots: the largest norms of the window (stable sort: ties to the earliest).
         n_img = torch.minimum(count, torch.full_like(count, self.pivot_image_tokens))
-        img_norm = graph.blocks(graph.gather(norm), "src").masked_fill(~valid, -math.inf)
+        img_norm = graph.token_blocks(norm, "src").masked_fill(~valid, -math.inf)
         img_order = torch.sort(img_norm, dim=1, descending=True, stable=True).indices[:, : self.pivot_image_tokens]
         img_exists = torch.arange(img_order.shape[1], device=dev) < n_img.unsqueeze(1)  # [K, p_i]
         kept = torch.zeros_like(valid)
@@ -110,7 +108,7 @@ class DART(KeepSetPruner):
         txt_order = txt_order[:, : self.pivot_text_tokens]  # [B, p_t]
         txt_exists = torch.arange(txt_order.shape[1], device=dev) < question.sum(1, keepdim=True)
         row = torch.zeros(k, dtype=torch.long, device=dev).scatter_(0, graph.node_window, graph.node_row)
-        txt_vec = feats[row.unsqueeze(1), txt_order[row]]  # [K, p_t, F]
+        txt_vec = _unit(feats[row.unsqueeze(1), txt_order[row]])  # [K, p_t, F]
 
         vec = torch.cat([img_vec, txt_vec], dim=1)  # [K, P, F], image pivots first
         exists = torch.cat([img_exists, txt_exists[row]], dim=1)  # [K, P]
@@ -127,3 +125,9 @@ class DART(KeepSetPruner):
             slot_rank.scatter_(1, order, torch.arange(a, device=dev).expand_as(order))
             kept |= free & (slot_rank < quota[:, p].unsqueeze(1))
         return kept
+
+
+def _unit(t: torch.Tensor) -> torch.Tensor:
+    """``[K, P, *F]`` -> ``[K, P, F]`` L2-normalised rows, at least float32 (zero rows stay zero)."""
+    t = t.flatten(2).to(torch.promote_types(t.dtype, torch.float32))
+    return t / t.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(t.dtype).tiny)

@@ -49,8 +49,9 @@ class MessagePasser(Policy):
         raise NotImplementedError
 
     def message(self, x_src: torch.Tensor, w_src: torch.Tensor) -> torch.Tensor:
-        """``[R, D]`` messages of the ``R`` removed sources."""
-        return x_src * w_src.unsqueeze(-1)
+        """``[R, D]`` messages of the ``R`` removed sources (``x_src`` is the passer's own
+        copy of their rows: it may be overwritten)."""
+        return x_src.mul_(w_src.unsqueeze(-1))
 
     def aggregate(self, messages: torch.Tensor, w_src: torch.Tensor, dst: torch.Tensor, num_nodes: int):
         """Sum messages and weights per destination: ``([num_nodes, D], [num_nodes])``
@@ -58,9 +59,11 @@ class MessagePasser(Policy):
         return scatter_sum(messages, dst, num_nodes), scatter_sum(w_src, dst, num_nodes)
 
     def update(self, x: torch.Tensor, w: torch.Tensor, agg: torch.Tensor, agg_w: torch.Tensor) -> torch.Tensor:
-        """New features of every node (only receivers change): ``[M, D]``."""
+        """``[Q, D]`` new features of the ``Q`` receivers from their own rows ``x`` (the
+        passer's copy: it may be overwritten), weights ``w [Q]`` and aggregated messages."""
         den = w + agg_w
-        return (x * w.unsqueeze(-1) + agg) / den.unsqueeze(-1)
+        # in place, in the order of (x * w + agg) / den: the same bits, no three [Q, D] temporaries
+        return x.mul_(w.unsqueeze(-1)).add_(agg).div_(den.unsqueeze(-1))
 
     def __call__(
         self,
@@ -73,21 +76,26 @@ class MessagePasser(Policy):
         """Merge ``src`` nodes into ``dst`` nodes.
 
         Args:
-            x: ``[M, D]`` node features (promoted to at least float32 by the caller).
-            relevance: ``[M]`` prompt relevance ξ per node.
-            size: ``[M]`` original tokens each node represents.
-            src: ``[R]`` removed node indices.
-            dst: ``[R]`` their destination nodes.
+            x: ``[M, D]`` features (a `lightkv.Stage` passes every token of the batch,
+                ``[B * N, D]``, in the model's dtype; the rows merged are promoted to at
+                least float32 here).
+            relevance: ``[M]`` prompt relevance ξ per row.
+            size: ``[M]`` original tokens each row represents.
+            src: ``[R]`` removed rows.
+            dst: ``[R]`` their destination rows.
 
         Returns:
-            ``(receivers [Q], features [Q, D])``: the destination nodes that changed and
-            their new features.
+            ``(receivers [Q], features [Q, D])``: the destination rows that changed (sorted)
+            and their new features (at least float32).
         """
+        acc = torch.promote_types(x.dtype, torch.float32)
         receivers = torch.unique(dst)
         if not self.merges or src.numel() == 0:
-            return receivers[:0], x[:0]
-        w = self.weight(relevance, size).to(x.dtype)
-        if (w < 0).any() or not torch.isfinite(w).all():
+            return receivers[:0], x[:0].to(acc)
+        w = self.weight(relevance, size).to(acc)
+        # only the merged rows' weights matter (a Stage's rows outside the graph weigh 0)
+        w_src, w_dst = w[src], w[receivers]
+        if (w_src < 0).any() or (w_dst < 0).any() or not (torch.isfinite(w_src).all() and torch.isfinite(w_dst).all()):
             raise ValueError(f"{type(self).__name__}.weight must be finite and non-negative")
         # Groups whose weights are all zero fall back to a plain mean.
         agg_w0 = scatter_sum(w[src], dst, x.shape[0])
@@ -97,9 +105,15 @@ class MessagePasser(Policy):
         w = torch.where(in_zero_group, torch.ones_like(w), w)
         # Aggregate straight into the Q receivers (receivers is sorted), not into all M nodes.
         slot = torch.searchsorted(receivers, dst)
-        agg, agg_w = self.aggregate(self.message(x[src], w[src]), w[src], slot, receivers.shape[0])
-        new = self.update(x[receivers], w[receivers], agg, agg_w)
+        agg, agg_w = self.aggregate(self.message(self._rows(x, src, acc), w[src]), w[src], slot, receivers.shape[0])
+        new = self.update(self._rows(x, receivers, acc), w[receivers], agg, agg_w)
         return receivers, new
+
+    @staticmethod
+    def _rows(x: torch.Tensor, index: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+        """A fresh ``[len(index), D]`` copy of rows of ``x`` in ``acc``."""
+        rows = x.index_select(0, index)
+        return rows if rows.dtype == acc else rows.to(acc)
 
 
 @MessagePasser.register("relevance_mean")

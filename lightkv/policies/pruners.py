@@ -56,8 +56,8 @@ class PruneInputs:
         identity: int64 identity of each A token, independent of the rest of the batch
             (see `lightkv.policies.hashing.token_identity`), for random policies.
         stage: the stage's `StageInputs` (features, sizes, layout) for pruners that need
-            more; ``graph.blocks(graph.gather(t), "src")`` turns a ``[B, N, ...]`` tensor
-            into A-slot blocks. None when a pruner is called on its own.
+            more; ``graph.token_blocks(t, "src")`` turns a ``[B, N, ...]`` tensor into
+            A-slot blocks. None when a pruner is called on its own.
     """
 
     graph: BipartiteGraph
@@ -389,8 +389,6 @@ class KeepSetPruner(Pruner):
         """``[K, a_max, F]`` the A tokens' features (heads flattened), L2-normalised, in
         float32 at least (bf16 cosines are too coarse to rank near-duplicates); zero on
         padding slots."""
-        graph = inputs.graph
-        x = graph.gather(stage.features(kind))
-        x = x.reshape(x.shape[0], -1).to(torch.promote_types(x.dtype, torch.float32))
-        x = x / x.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
-        return graph.blocks(x, "src")
+        x = inputs.graph.token_blocks(stage.features(kind), "src")
+        x = x.flatten(2).to(torch.promote_types(x.dtype, torch.float32))
+        return x / x.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)

@@ -76,7 +76,25 @@ class EdgeScorer(Policy):
         Returns:
             ``(dst [K, a_max], divergence [K, a_max])`` as `best_edges`.
         """
-        return self.best_edges(graph, graph.gather(inputs.features(self.features)), inputs.divergence_budget)
+        feats = inputs.features(self.features)
+        groups = graph.window_groups()
+        if len(groups) == 1:
+            return self.best_block_edges(graph, graph.token_blocks(feats, "src"), graph.token_blocks(feats, "dst"),
+                                         inputs.divergence_budget)
+        # Windows of very different sizes, one product per group of similar ones: each
+        # entry depends on its own two tokens only, so the pieces are the one-call entries.
+        k, a = graph.src_slots.shape
+        best_dst = graph.src_slots.new_full((k, a), -1)
+        best_div = None
+        for windows in groups:
+            part = graph.select_windows(windows)
+            dst, div = self.best_block_edges(part, part.token_blocks(feats, "src"), part.token_blocks(feats, "dst"),
+                                             inputs.divergence_budget)
+            if best_div is None:
+                best_div = div.new_full((k, a), float("inf"))
+            best_dst[windows, : dst.shape[1]] = dst
+            best_div[windows, : div.shape[1]] = div
+        return best_dst, best_div
 
     def best_edges(
         self, graph: BipartiteGraph, node_features: torch.Tensor, budget: int | None = None
@@ -94,14 +112,21 @@ class EdgeScorer(Policy):
             (``-1`` where the slot is padding or the window has no B node) and its
             divergence (``+inf`` there). Ties go to the earliest B token.
         """
-        feats = node_features.to(torch.promote_types(node_features.dtype, torch.float32))
-        src = graph.blocks(feats, "src")
-        dst = graph.blocks(feats, "dst")
+        return self.best_block_edges(graph, graph.blocks(node_features, "src"), graph.blocks(node_features, "dst"),
+                                     budget)
+
+    def best_block_edges(
+        self, graph: BipartiteGraph, src: torch.Tensor, dst: torch.Tensor, budget: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`best_edges` from the windows' feature blocks (``graph.blocks`` or
+        ``graph.token_blocks``): ``src [K, a_max, *F]``, ``dst [K, b_max, *F]``, zero padding."""
+        acc = torch.promote_types(src.dtype, torch.float32)
+        src, dst = src.to(acc), dst.to(acc)
         k, a = graph.src_slots.shape
         if graph.dst_slots.shape[1] == 0 or a == 0:
-            return graph.src_slots.new_full((k, a), -1), feats.new_full((k, a), float("inf"))
+            return graph.src_slots.new_full((k, a), -1), src.new_full((k, a), float("inf"))
         b = graph.dst_slots.shape[1]
-        pairs = self.chunk_pairs(feats[0].numel(), feats.element_size(), budget)
+        pairs = self.chunk_pairs(src[0, 0].numel(), src.element_size(), budget)
         if self.bilinear or k * a * b <= pairs:
             best_div, best_slot = self._best(src, dst, graph.dst_slots)
         else:

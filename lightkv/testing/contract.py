@@ -223,8 +223,8 @@ def _check_pruner(policy: Pruner) -> None:
     graph = BipartiteGraph.build(part.window, part.is_src)
     dst, div = EdgeScorer.lookup("cosine")().match(inputs, graph)
     pad = graph.src_slots < 0
-    xi = graph.blocks(graph.gather(inputs.relevance.float()), "src")
-    ident = graph.blocks(graph.gather(token_identity(inputs.layout)), "src").masked_fill(pad, -1)
+    xi = graph.token_blocks(inputs.relevance.float(), "src")
+    ident = graph.token_blocks(token_identity(inputs.layout), "src").masked_fill(pad, -1)
     prune = PruneInputs(graph, div, xi, ident, inputs)
     for ratio in (0.0, 0.3, 0.5, 0.9):
         removed = policy.select(prune, ratio)

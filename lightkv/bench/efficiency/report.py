@@ -179,7 +179,7 @@ def command_line(config: dict[str, Any]) -> str:
     flags = {"models": "--models", "presets": "--presets", "budgets": "--kept-fractions", "layers": "--layers",
              "heads": "--heads",
              "width": "--width", "repeats": "--repeats", "device": "--device", "dtype": "--dtype",
-             "threads": "--threads", "attn_implementation": "--attn-implementation"}
+             "threads": "--threads", "attn_implementation": "--attn-implementation", "allocator": "--allocator"}
     for key, flag in flags.items():
         v, d = config.get(key), base.get(key)
         many = isinstance(v, (list, tuple))
@@ -201,7 +201,8 @@ def markdown_table(result: dict[str, Any]) -> str:
     """The summary as Markdown (ratios are compressed / uncompressed)."""
     dev = result["machine"]["device"]
     lines = [
-        (f"Measured on {dev} ({result['machine']['device_name'] or 'unknown'}, {result['machine']['threads']} threads), "
+        (f"Measured on {dev} ({result['machine']['device_name'] or 'unknown'}, {result['machine']['threads']} threads, "
+        f"{result['machine'].get('allocator', 'system')} host allocator), "
         f"torch {result['machine']['torch']}. Ratios are preset / uncompressed; TTFT is the median of "
         f"{result['config']['repeats']} prefills after {result['config']['warmup']} warm-up(s)."),
         "",

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..allocator import host_allocator
 from .measure import (
     OverheadProbe,
     ReferenceScoring,
@@ -318,8 +319,9 @@ def run(config: BenchConfig | None = None) -> dict[str, Any]:
     progress = _Progress(_steps(cfg), cfg.progress)
     models = {}
     try:
-        for name in cfg.models:
-            models[name] = bench_model(MODELS[name], cfg, progress)
+        with host_allocator(cfg.allocator) as heap:
+            for name in cfg.models:
+                models[name] = bench_model(MODELS[name], cfg, progress)
     finally:
         progress.close()
     ref_plan = ExplicitSchedule().plan(32)
@@ -330,6 +332,7 @@ def run(config: BenchConfig | None = None) -> dict[str, Any]:
             "device": cfg.device,
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
             "threads": torch.get_num_threads(),
+            "allocator": heap,
         },
         "headline": "absolute times and ratios" if device.type == "cuda" else "ratios (CPU: absolute times are "
         "for reduced random-weight decoders on a shared machine)",

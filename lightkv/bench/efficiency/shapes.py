@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ...policies.schedulers import scale_layers
+from ..allocator import ALLOCATORS
 from ..paths import results_dir
 
 __all__ = ["DEFAULT_PRESETS", "MODELS", "BenchConfig", "ModelSpec", "build_model", "preset_pipeline", "quick_config",
@@ -157,6 +158,10 @@ class BenchConfig:
             (`lightkv.adapters.attention`); lightkv sessions refuse ``flash_attention_2``, so
             its compressed variants are listed as refused.
         device, dtype, threads: where and how (threads: torch intra-op threads; None: default).
+        allocator: host memory of the timed prefills (`lightkv.bench.allocator`):
+            ``steady`` (default: freed memory is reused, as PyTorch's caching allocator does
+            on a GPU) or ``system`` (glibc's defaults: large blocks are fresh pages each
+            time, which a long prefill pays more than a short one).
         progress: show a progress bar (tqdm when installed, else plain lines).
         quick: a short run (set by `quick_config`).
     """
@@ -180,6 +185,7 @@ class BenchConfig:
     device: str = "cpu"
     dtype: str = "float32"
     threads: int | None = None
+    allocator: str = "steady"
     progress: bool = True
     quick: bool = False
 
@@ -193,6 +199,8 @@ class BenchConfig:
             raise ValueError(f"layers must be at least 2, got {self.layers}")
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError("repeats must be >= 1 and warmup >= 0")
+        if self.allocator not in ALLOCATORS:
+            raise ValueError(f"allocator must be one of {list(ALLOCATORS)}, got {self.allocator!r}")
         if self.width not in ("reduced", "full"):
             raise ValueError(f"width must be 'reduced' or 'full', got {self.width!r}")
         self.budgets = tuple(float(b) for b in self.budgets)
