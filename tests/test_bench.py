@@ -237,7 +237,7 @@ def _variant(ttft, flops, overhead, placement=None, rounds=None):
 
 def test_budget_targets_take_lightkv_where_its_schedule_reaches_the_budget():
     """At each budget LightKV is ``lightkv@t`` unless its schedule stops short (``min``); then
-    ``lightkv-low-budget@t``. The targets hold only if every budget's gap is within a point
+    ``lightkv-first-layer@t`` if it reaches the budget, then ``lightkv-low-budget@t``. The targets hold only if every budget's gap is within a point
     and every overhead at most 1%; a reduced-width run checks none of them."""
     from lightkv.bench.efficiency.report import budget_table, budget_targets, lightkv_at
 
@@ -266,6 +266,12 @@ def test_budget_targets_take_lightkv_where_its_schedule_reaches_the_budget():
     assert (out["budgets_lightkv_ttft_within_1pp_of_flops"], out["budgets_lightkv_ttft_at_most_1pp_above_flops"]) \
         == (False, False)
     assert budget_targets({"config": {"width": "reduced"}, "models": result["models"]}) == {}
+    # after layer 0 comes before the LLM where it reaches the budget, not where it stops short
+    variants["lightkv-first-layer@0.22"] = _variant(0.230, 0.220, 0.003, "scaled")
+    assert lightkv_at(variants, "0.22") == "lightkv-first-layer@0.22"
+    variants["lightkv-first-layer@0.22"]["placement"] = "min"
+    assert lightkv_at(variants, "0.22") == "lightkv-low-budget@0.22"
+    del variants["lightkv-first-layer@0.22"]
     del variants["lightkv-low-budget@0.22"]  # lightkv@0.22 alone stops short: 22% is not measured
     out = budget_targets(result)
     assert out["budgets_lightkv_not_measured"] == ["llava_next@0.22"]

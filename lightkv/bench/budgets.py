@@ -23,7 +23,7 @@ __all__ = ["MAX_RATIO", "REF_DEPTH", "method_pipeline"]
 REF_DEPTH = 32
 """The depth the shipped presets' layer lists are written for (LLaVA-1.5-7B)."""
 
-MAX_RATIO = {"fastv": 0.95, "pdrop": 0.95, "random": 0.95, "pool": 0.75, "dart": 0.99}
+MAX_RATIO = {"fastv": 0.95, "pdrop": 0.95, "random": 0.95, "pool": 0.75, "dart": 0.99, "lightkv-first-layer": 0.99}
 """The most a stage of each method can remove; 0.5 (a parity split) for the others."""
 
 

@@ -34,6 +34,7 @@ _ORDER = (
     "lightkv-video-paper",
     "lightkv-pre-llm",
     "lightkv-low-budget",
+    "lightkv-first-layer",
     "fastv",
     "pdrop",
     "tome",

@@ -1,4 +1,5 @@
-"""The low-budget presets (DivPrune, CDPruner, DART, downsampling, lightkv-low-budget) inside
+"""The low-budget presets (DivPrune, CDPruner, DART, downsampling, lightkv-low-budget,
+lightkv-first-layer) inside
 every family: exact identity at ratio 0, a row alone equals the row in a padded batch (sdpa and eager), bf16
 runs, and families that cannot take a preset refuse it with a clear error.
 
@@ -20,7 +21,7 @@ from lightkv.testing import TINY_MODELS
 from .conftest import assert_rows_match_batch, get_model
 
 GEN = dict(max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True)
-PRESETS = ("divprune", "cdpruner", "dart", "downsample", "lightkv-low-budget")
+PRESETS = ("divprune", "cdpruner", "dart", "downsample", "lightkv-low-budget", "lightkv-first-layer")
 REFUSED = {("qwen3_vl", p): "DeepStack" for p in PRESETS}
 """(family, preset) -> what the refusal says: Qwen3-VL adds visual features in its first
 layers (DeepStack), so nothing may leave before they are all added."""
@@ -84,10 +85,40 @@ def test_bf16_keeps_the_budget_on_llava(preset):
     assert out.shape[1] == batch["input_ids"].shape[1] + 2
     report = session.report()
     # 64-token images at 22% kept: 64 - floor(0.78 * 64) = 15 each (downsampling: a 3 x 5 grid);
-    # DART compresses after a layer (on 4 layers it cannot get below ~26%: what its schedule
-    # promises), the pre-LLM presets before every layer
-    if preset == "dart":
+    # DART and lightkv-first-layer compress after a layer (on 4 layers they cannot get below
+    # ~26%: what their schedules promise), the pre-LLM presets before every layer
+    if preset in ("dart", "lightkv-first-layer"):
         promised = average_kept_fraction(pipe.scheduler.plan(4), 4)
         assert report.kept_vision_fraction == pytest.approx(promised, abs=0.01)
     else:
         assert [(s.vision_in, s.vision_out) for s in report.stages] == [(64 * 3, 15 * 3)]
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_first_layer_keeps_what_low_budget_keeps_with_its_relevance_read_from_the_tap(family):
+    """``lightkv-first-layer`` runs ``lightkv-low-budget``'s merge after layer 0 instead of
+    before it. The relevance is the same (layer 0's projections of the same inputs), so at
+    the same ratio the same tokens survive, per image, in a padded batch; only where each
+    source merges differs (layer 0's outputs, not the embeddings). Its relevance is read
+    from the layer's own projections (tapped) and costs fewer FLOPs than projecting layer 0's
+    query of every token again."""
+    from lightkv import get_preset
+
+    model = get_model(family)
+    fam = TINY_MODELS[family]
+    batch = fam.collate(fam.examples(model))
+    runs = {}
+    for name in ("lightkv-first-layer", "lightkv-low-budget"):
+        pipe = get_preset(name)
+        sched = pipe.scheduler
+        pipe = pipe.with_scheduler(replace(sched, ratio=0.75) if isinstance(sched, PreLLMSchedule)
+                                   else replace(sched, ratios=(0.75,)))
+        with apply(pipe, model, **fam.adapter_options) as session:
+            model(**batch)
+        (record,) = session.last_prefill.stages
+        runs[name] = (record, session.last_prefill.relevance_flops)
+    first, low = runs["lightkv-first-layer"][0], runs["lightkv-low-budget"][0]
+    assert first.layer == 0 and first.tapped and not low.tapped
+    assert torch.equal(first.result.layout.origin, low.result.layout.origin)
+    assert int((first.result.kept_index >= 0).sum()) < first.result.remap.numel()  # it did compress
+    assert runs["lightkv-first-layer"][1] < runs["lightkv-low-budget"][1]

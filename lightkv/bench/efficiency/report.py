@@ -91,14 +91,22 @@ def check_targets(result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+LIGHTKV_PLACEMENTS = ("lightkv", "lightkv-first-layer", "lightkv-low-budget")
+"""Where LightKV can sit at a budget, cheapest relevance first: its own schedule (relevance
+read from the merge layers' own projections), one merge after layer 0 (the same, but layer 0
+keeps every token), one merge before the LLM (layer 0's query of every token projected once
+more)."""
+
+
 def lightkv_at(variants: dict[str, Any], target: str) -> str | None:
-    """The variant that is LightKV at ``target`` (``"0.22"``): ``lightkv@target`` where its
-    in-prefill schedule reaches the target, else ``lightkv-low-budget@target`` (one merge
-    before the LLM) when it was run."""
-    own, low = f"lightkv@{target}", f"lightkv-low-budget@{target}"
-    if own in variants and variants[own].get("placement") != "min":
-        return own
-    return low if low in variants else None
+    """The variant that is LightKV at ``target`` (``"0.22"``): the first of
+    `LIGHTKV_PLACEMENTS` that was run at ``target`` and reaches it (placement not ``min``);
+    None when none does. The order is fixed in advance, not chosen by what was measured."""
+    for preset in LIGHTKV_PLACEMENTS:
+        v = variants.get(f"{preset}@{target}")
+        if v is not None and v.get("placement") != "min":
+            return f"{preset}@{target}"
+    return None
 
 
 def budget_targets(result: dict[str, Any]) -> dict[str, Any]:
