@@ -99,8 +99,9 @@ BENCH_RC=${PIPESTATUS[0]}
 
 # ---- 3b. every budget (issue 28): the LLaVA-NeXT shape at full width, bf16, the prefill and
 #      cache-level presets and DivPrune at 55 / 22 / 11% kept, TTFT against FLOPs per budget
+#      (LightKV's three placements: its own schedule, after layer 0, before the LLM)
 timeout 300 $PY -m lightkv bench efficiency --device cuda --dtype bfloat16 --width full --layers 32 \
-  --models llava_next --presets lightkv tome fastv pdrop elasticcache h2o divprune \
+  --models llava_next --presets lightkv lightkv-first-layer lightkv-low-budget tome fastv pdrop elasticcache h2o divprune \
   --kept-fractions 0.55 0.22 0.11 --repeats 5 --no-eager-reference --no-progress \
   --out "$OUT/budgets" 2>&1 | tee "$OUT/budgets.log"
 BUDGETS_RC=${PIPESTATUS[0]}
@@ -109,7 +110,7 @@ BUDGETS_RC=${PIPESTATUS[0]}
 FA2_RC=-1
 if $PY -c "import flash_attn" 2>/dev/null; then
   timeout 300 $PY -m lightkv bench efficiency --device cuda --dtype bfloat16 --width full --layers 32 \
-    --models llava_next --presets lightkv tome fastv pdrop elasticcache h2o divprune \
+    --models llava_next --presets lightkv lightkv-first-layer lightkv-low-budget tome fastv pdrop elasticcache h2o divprune \
     --kept-fractions 0.55 0.22 0.11 --repeats 5 --no-eager-reference --no-progress \
     --attn-implementation flash_attention_2 --out "$OUT/budgets-fa2" 2>&1 | tee "$OUT/budgets-fa2.log"
   FA2_RC=${PIPESTATUS[0]}
@@ -142,8 +143,9 @@ import json, sys
 out, tests_rc, bench_rc, t_tests, t_bench, total, vllm_rc, t_vllm, budgets_rc, fa2_rc, graphs_rc = sys.argv[1:]
 json.dump({"cuda_tests": {"rc": int(tests_rc), "seconds": int(t_tests)},
            "budgets": {"rc": int(budgets_rc), "out": f"{out}/budgets",
-                       "command": "lightkv bench efficiency ... --models llava_next --presets lightkv tome fastv "
-                                  "pdrop elasticcache h2o divprune --kept-fractions 0.55 0.22 0.11"},
+                       "command": "lightkv bench efficiency ... --models llava_next --presets lightkv "
+                                  "lightkv-first-layer lightkv-low-budget tome fastv pdrop elasticcache h2o "
+                                  "divprune --kept-fractions 0.55 0.22 0.11"},
            "budgets_fa2": {"rc": int(fa2_rc), "out": f"{out}/budgets-fa2", "ran": int(fa2_rc) != -1,
                            "command": "the budgets command with --attn-implementation flash_attention_2 (where "
                                       "flash_attn imports; lightkv sessions refuse FA2: compressed variants refused)"},

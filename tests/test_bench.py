@@ -272,6 +272,15 @@ def test_budget_targets_take_lightkv_where_its_schedule_reaches_the_budget():
     variants["lightkv-first-layer@0.22"]["placement"] = "min"
     assert lightkv_at(variants, "0.22") == "lightkv-low-budget@0.22"
     del variants["lightkv-first-layer@0.22"]
+    # its own schedule with a stage after every layer comes last: a relevance pass per layer
+    at11 = {"lightkv@0.11": _variant(0.15, 0.14, 0.02, "extra stages"),
+            "lightkv-first-layer@0.11": _variant(0.14, 0.13, 0.008, "scaled"),
+            "lightkv-low-budget@0.11": _variant(0.15, 0.13, 0.04, "before the LLM")}
+    assert lightkv_at(at11, "0.11") == "lightkv-first-layer@0.11"
+    del at11["lightkv-first-layer@0.11"]
+    assert lightkv_at(at11, "0.11") == "lightkv-low-budget@0.11"
+    del at11["lightkv-low-budget@0.11"]
+    assert lightkv_at(at11, "0.11") == "lightkv@0.11"
     del variants["lightkv-low-budget@0.22"]  # lightkv@0.22 alone stops short: 22% is not measured
     out = budget_targets(result)
     assert out["budgets_lightkv_not_measured"] == ["llava_next@0.22"]

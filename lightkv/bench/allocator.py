@@ -10,6 +10,11 @@ faults a shorter one does not, and every ratio of a long prefill to a short one 
 `benchmarks/results/low-budget/allocator/`). A steady heap (`mallopt`: no mmap for large
 blocks, no trimming) makes the CPU allocate like the GPU does. It changes how memory is
 obtained, never what is computed.
+
+The price: the heap keeps what it frees, fragmented by every variant's allocations, so a
+process holds more than it uses (a 16-layer full-width run of six variants grew to 24 GB
+and was killed on a 24 GB machine; the same run with fewer variants fitted). Deep runs on
+small machines take ``system``.
 """
 
 from __future__ import annotations

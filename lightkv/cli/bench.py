@@ -112,8 +112,9 @@ def add_commands(commands) -> None:
     eff.add_argument("--threads", type=machine_threads, metavar="N", help="torch CPU threads (default: torch's)")
     eff.add_argument("--allocator", choices=("steady", "system"), default="steady",
                      help="host memory of the timed prefills: steady (default) reuses freed memory as PyTorch's "
-                     "caching allocator does on a GPU; system is glibc's default, whose fresh pages for large blocks "
-                     "cost a long prefill more than a short one")
+                     "caching allocator does on a GPU, but holds what it frees (deep --width full runs may need "
+                     "more memory); system is glibc's default, whose fresh pages for large blocks cost a long "
+                     "prefill more than a short one")
     eff.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     eff.add_argument("--no-plots", action="store_true", help="write JSON and Markdown only")
     eff.add_argument("--no-progress", action="store_true", help="no progress bar")

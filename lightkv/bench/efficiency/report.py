@@ -91,20 +91,23 @@ def check_targets(result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-LIGHTKV_PLACEMENTS = ("lightkv", "lightkv-first-layer", "lightkv-low-budget")
-"""Where LightKV can sit at a budget, cheapest relevance first: its own schedule (relevance
-read from the merge layers' own projections), one merge after layer 0 (the same, but layer 0
-keeps every token), one merge before the LLM (layer 0's query of every token projected once
-more)."""
+LIGHTKV_PLACEMENTS = (("lightkv", ("scaled",)), ("lightkv-first-layer", ("scaled",)),
+                      ("lightkv-low-budget", ("before the LLM",)), ("lightkv", ("extra stages",)))
+"""Where LightKV can sit at a budget, in order, with the placements (`lightkv.bench.budgets`)
+that count: its own stages (relevance read from the merge layers' own projections); one
+merge after layer 0 (the same relevance, but layer 0 keeps every token); one merge before the
+LLM (layer 0's query of every token projected once more); its own schedule with a stage
+after every layer (a relevance pass and a merge per layer: measured 2% of a 16-layer
+prefill against 0.6% for the merge after layer 0)."""
 
 
 def lightkv_at(variants: dict[str, Any], target: str) -> str | None:
     """The variant that is LightKV at ``target`` (``"0.22"``): the first of
-    `LIGHTKV_PLACEMENTS` that was run at ``target`` and reaches it (placement not ``min``);
-    None when none does. The order is fixed in advance, not chosen by what was measured."""
-    for preset in LIGHTKV_PLACEMENTS:
+    `LIGHTKV_PLACEMENTS` that was run at ``target`` with a placement that counts; None when
+    none was. The order is fixed in advance, not chosen by what was measured."""
+    for preset, placements in LIGHTKV_PLACEMENTS:
         v = variants.get(f"{preset}@{target}")
-        if v is not None and v.get("placement") != "min":
+        if v is not None and v.get("placement") in placements:
             return f"{preset}@{target}"
     return None
 
