@@ -87,7 +87,7 @@ class DART(KeepSetPruner):
         layout, dev = stage.layout, valid.device
         windows = torch.arange(k, device=dev)
         feats = stage.features(self.features)
-        x = _unit(graph.token_blocks(feats, "src"))  # [K, a, F]
+        x = self.unit_features(inputs, stage, self.features)  # [K, a, F]
         piv = stage.features(self.pivot_features)
         norm = piv.reshape(*piv.shape[:2], -1).to(torch.promote_types(piv.dtype, torch.float32)).abs().sum(-1)  # [B, N] L1
 
@@ -108,7 +108,7 @@ class DART(KeepSetPruner):
         txt_order = txt_order[:, : self.pivot_text_tokens]  # [B, p_t]
         txt_exists = torch.arange(txt_order.shape[1], device=dev) < question.sum(1, keepdim=True)
         row = torch.zeros(k, dtype=torch.long, device=dev).scatter_(0, graph.node_window, graph.node_row)
-        txt_vec = _unit(feats[row.unsqueeze(1), txt_order[row]])  # [K, p_t, F]
+        txt_vec = self.unit_rows(feats[row.unsqueeze(1), txt_order[row]])  # [K, p_t, F]
 
         vec = torch.cat([img_vec, txt_vec], dim=1)  # [K, P, F], image pivots first
         exists = torch.cat([img_exists, txt_exists[row]], dim=1)  # [K, P]
@@ -126,8 +126,3 @@ class DART(KeepSetPruner):
             kept |= free & (slot_rank < quota[:, p].unsqueeze(1))
         return kept
 
-
-def _unit(t: torch.Tensor) -> torch.Tensor:
-    """``[K, P, *F]`` -> ``[K, P, F]`` L2-normalised rows, at least float32 (zero rows stay zero)."""
-    t = t.flatten(2).to(torch.promote_types(t.dtype, torch.float32))
-    return t / t.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(t.dtype).tiny)

@@ -389,6 +389,11 @@ class KeepSetPruner(Pruner):
         """``[K, a_max, F]`` the A tokens' features (heads flattened), L2-normalised, in
         float32 at least (bf16 cosines are too coarse to rank near-duplicates); zero on
         padding slots."""
-        x = inputs.graph.token_blocks(stage.features(kind), "src")
-        x = x.flatten(2).to(torch.promote_types(x.dtype, torch.float32))
-        return x / x.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
+        return KeepSetPruner.unit_rows(inputs.graph.token_blocks(stage.features(kind), "src"))
+
+    @staticmethod
+    def unit_rows(t: torch.Tensor) -> torch.Tensor:
+        """``[K, P, *F]`` -> ``[K, P, F]``: each row flattened, in float32 at least,
+        L2-normalised (zero rows stay zero)."""
+        t = t.flatten(2).to(torch.promote_types(t.dtype, torch.float32))
+        return t / t.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(t.dtype).tiny)

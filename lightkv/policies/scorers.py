@@ -77,19 +77,21 @@ class EdgeScorer(Policy):
             ``(dst [K, a_max], divergence [K, a_max])`` as `best_edges`.
         """
         feats = inputs.features(self.features)
+
+        def best(part: BipartiteGraph):
+            return self.best_block_edges(part, part.token_blocks(feats, "src"), part.token_blocks(feats, "dst"),
+                                         inputs.divergence_budget)
+
         groups = graph.window_groups()
         if len(groups) == 1:
-            return self.best_block_edges(graph, graph.token_blocks(feats, "src"), graph.token_blocks(feats, "dst"),
-                                         inputs.divergence_budget)
+            return best(graph)
         # Windows of very different sizes, one product per group of similar ones: each
         # entry depends on its own two tokens only, so the pieces are the one-call entries.
         k, a = graph.src_slots.shape
         best_dst = graph.src_slots.new_full((k, a), -1)
         best_div = None
         for windows in groups:
-            part = graph.select_windows(windows)
-            dst, div = self.best_block_edges(part, part.token_blocks(feats, "src"), part.token_blocks(feats, "dst"),
-                                             inputs.divergence_budget)
+            dst, div = best(graph.select_windows(windows))
             if best_div is None:
                 best_div = div.new_full((k, a), float("inf"))
             best_dst[windows, : dst.shape[1]] = dst
