@@ -107,7 +107,7 @@ class Stage:
             )
         if self.passer.merges and self.scorer is None:
             raise ValueError(
-                f"message passer {self.passer.name!r} merges tokens and needs an edge scorer; use passer 'drop'"
+                f"message passer {self.passer.name!r} merges tokens and needs an edge scorer: give one (scorer: cosine) or use passer 'drop'"
             )
 
     @property
@@ -206,22 +206,45 @@ class Stage:
             stage=inputs,
         )
         removed = self.pruner.select(prune, self.spec.removal_ratio)
-        src = graph.src_slots[removed]
-        dst = best_dst[removed]
+        if self.passer.merges and not self.pruner.needs_partner:
+            # A pruner that keeps a set (DivPrune, CDPruner, ...) names no partners: each
+            # token it drops merges into its window's most similar survivor instead.
+            src, dst = self._survivor_partners(inputs, part.window, graph, removed)
+        else:
+            src = graph.src_slots[removed]
+            dst = best_dst[removed]
 
         if self.passer.merges:
             # per token: the nodes' ξ and sizes, zero elsewhere (no token outside the graph
             # is a source or a destination)
             xi_t = xi.new_zeros(b * n).index_put_((node_token,), xi)
             size_t = size.new_zeros(b * n).index_put_((node_token,), size)
-            dst_t = torch.where(dst >= 0, node_token[dst.clamp_min(0)], -1)
-            receivers, new = self.passer(tokens, xi_t, size_t, node_token[src], dst_t)
+            merged = dst >= 0  # a window with no survivor has nothing to merge into: its tokens leave
+            receivers, new = self.passer(tokens, xi_t, size_t, node_token[src[merged]], node_token[dst[merged]])
         else:
             dst = torch.full_like(dst, -1)
             receivers, new = dst[:0], tokens[:0].to(acc)
         keep = torch.ones(b, n, dtype=torch.bool, device=hidden.device)
         keep[graph.node_row[src], graph.node_pos[src]] = False
         return self._assemble(hidden, layout, provenance, keep, src, dst, receivers, new, graph)
+
+    def _survivor_partners(self, inputs: StageInputs, window: torch.Tensor, graph: BipartiteGraph,
+                           removed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(src [R], dst [R])`` node indices: every removed A slot (``removed [K, a_max]``)
+        and its least divergent survivor of the same window in the scorer's metric (``-1``
+        where the window keeps nothing).
+
+        The match runs on a second graph over the same windows whose side A is the removed
+        tokens and side B everything the window keeps (its kept A tokens and its B tokens);
+        built from the same ``window [B, N]`` its nodes are the first graph's, in one order.
+        """
+        src_nodes = graph.src_slots[removed]
+        is_src = torch.zeros(window.shape, dtype=torch.bool, device=window.device)
+        is_src[graph.node_row[src_nodes], graph.node_pos[src_nodes]] = True
+        regraph = BipartiteGraph.build(window, is_src)
+        best_dst, _ = self.scorer.match(inputs, regraph)
+        valid = regraph.src_slots >= 0
+        return regraph.src_slots[valid], best_dst[valid]
 
     @staticmethod
     def _check_finite(tokens: torch.Tensor, node_token: torch.Tensor) -> None:
