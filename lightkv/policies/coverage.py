@@ -40,9 +40,11 @@ class RelevanceCoverage(KeepSetPruner):
        yet (``share = 0``), ``g_j`` is the distance to ``j``'s nearest *other* token, as
        DivPrune's first pick.
 
-    ``share = 0, power = 0`` is DivPrune exactly; ``share = 1`` is a relevance top-k. ξ is
-    the stage's relevance (`lightkv.policies.Relevance`: in the pre-LLM placement computed
-    from decoder layer 0's own projections); uniform ξ makes step 1 keep the earliest tokens.
+    ``share = 0, power = 0, spatial = 0`` is DivPrune exactly; ``share = 1`` is a relevance
+    top-k. ξ is the stage's relevance (`lightkv.policies.Relevance`: in the pre-LLM placement
+    computed from decoder layer 0's own projections). A window whose ξ is constant (uniform
+    relevance, or a prompt without a question) makes no relevance picks: every pick goes by
+    coverage, so turning relevance off leaves coverage, not an arbitrary top-k.
 
     Attributes:
         share: fraction of each window's kept tokens chosen by relevance alone, in ``[0, 1]``.
@@ -87,6 +89,9 @@ class RelevanceCoverage(KeepSetPruner):
 
         # 1. the most relevant tokens (stable sort: ties go to the earlier token)
         n_rel = torch.minimum(torch.ceil(count.double() * self.share - 1e-9).long().clamp_min(0), count)
+        # a window whose ξ says nothing (all equal: uniform relevance) is covered by coverage alone
+        low = xi.masked_fill(~valid, math.inf).amin(dim=1)
+        n_rel = torch.where(low < top.squeeze(1), n_rel, torch.zeros_like(n_rel))
         order = torch.sort((-xi).masked_fill(~valid, math.inf), dim=1, stable=True).indices
         rank = torch.empty_like(order)
         rank.scatter_(1, order, torch.arange(a, device=order.device).expand_as(order))

@@ -46,7 +46,7 @@ def slow_coverage(tokens, xi, coords, diag, keep, share, power, spatial) -> set[
         sp = math.dist(coords[i], coords[j]) / diag
         return _cos_dist(tokens[i], tokens[j]) + spatial * min(sp, 1.0)
 
-    n_rel = min(keep, math.ceil(keep * share - 1e-9))
+    n_rel = min(keep, math.ceil(keep * share - 1e-9)) if min(xi) < max(xi) else 0
     by_rel = sorted(range(n), key=lambda i: (-xi[i], i))
     kept = by_rel[:n_rel]
     top = max(xi)
@@ -102,6 +102,14 @@ def test_share_one_keeps_the_most_relevant():
                         prune.identity, stage)
     removed = RelevanceCoverage(share=1.0).select(prune, 1 - 3 / 7)
     assert kept_positions(prune, removed) == [[2, 4, 6]]
+
+
+def test_uniform_relevance_is_coverage_alone():
+    hidden = torch.randn(12, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    stage = one_image(hidden, relevance=torch.full((1, 12), 0.3, dtype=torch.float64))
+    prune = prune_inputs(stage)
+    assert torch.equal(RelevanceCoverage(share=0.75, spatial=0.5).select(prune, 0.5),
+                       RelevanceCoverage(share=0.0, spatial=0.5).select(prune, 0.5))
 
 
 def test_spatial_keeps_two_identical_tokens_far_apart():
