@@ -31,6 +31,7 @@ from .passers import DropMessages, MessagePasser, RelevanceSizeWeightedMean, Rel
 from .cdpruner import CDPruner
 from .dart import DART
 from .divprune import DivPrune
+from .scope import SCOPE
 from .plugins import EntryPointStatus, PluginError
 from .pooling import AnchorPartitioner, ResizePartitioner, StridedPartitioner
 from .pruners import (
@@ -102,6 +103,7 @@ __all__ = [
     "BudgetSchedule",
     "CosineDivergence",
     "DivPrune",
+    "SCOPE",
     "DropMessages",
     "EdgeScorer",
     "EntryPointStatus",
