@@ -201,6 +201,8 @@ def test_lightkv_schedules_per_model():
         ("divprune", (24, 24), 32, [128]),  # keep 128 of 576, exactly
         ("cdpruner", (24, 24), 32, [128]),
         ("dart", (24, 24), 32, [128]),
+        ("scope", (24, 24), 32, [128]),
+        ("mmtok", (24, 24), 32, [128]),
     ],
 )
 def test_reference_token_counts(name, grid, depth, counts):

@@ -31,6 +31,7 @@ from .passers import DropMessages, MessagePasser, RelevanceSizeWeightedMean, Rel
 from .cdpruner import CDPruner
 from .dart import DART
 from .divprune import DivPrune
+from .mmtok import MMTok
 from .scope import SCOPE
 from .plugins import EntryPointStatus, PluginError
 from .pooling import AnchorPartitioner, ResizePartitioner, StridedPartitioner
@@ -103,6 +104,7 @@ __all__ = [
     "BudgetSchedule",
     "CosineDivergence",
     "DivPrune",
+    "MMTok",
     "SCOPE",
     "DropMessages",
     "EdgeScorer",
