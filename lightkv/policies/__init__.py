@@ -31,6 +31,7 @@ from .passers import DropMessages, MessagePasser, RelevanceSizeWeightedMean, Rel
 from .cdpruner import CDPruner
 from .dart import DART
 from .divprune import DivPrune
+from .holov import HoloV
 from .mmtok import MMTok
 from .scope import SCOPE
 from .plugins import EntryPointStatus, PluginError
@@ -104,6 +105,7 @@ __all__ = [
     "BudgetSchedule",
     "CosineDivergence",
     "DivPrune",
+    "HoloV",
     "MMTok",
     "SCOPE",
     "DropMessages",

@@ -15,7 +15,7 @@ from lightkv.testing import TINY_MODELS
 
 from .conftest import assert_rows_match_batch, get_model
 
-TOWER_PRESETS = ["visionzip", "vispruner", "scope"]
+TOWER_PRESETS = ["visionzip", "vispruner", "scope", "holov"]
 """The presets whose relevance is the vision tower's attention (LLaVA family only)."""
 GEN = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
 
