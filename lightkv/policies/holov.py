@@ -25,7 +25,7 @@ __all__ = ["HoloV"]
 class HoloV(KeepSetPruner):
     """Crop budgets by holistic score, attention top-k inside each crop.
 
-    The rule (paper, Sec. 3: the image is split into crops, each crop scored by its tokens'
+    The rule (paper, method section: the image is split into crops, each crop scored by its tokens'
     saliency plus their semantic diversity, the pruning budget distributed over crops in
     proportion to the scores; the authors' ``HoloV`` function, ``llava/model/utils.py``
     lines 22-151 of github.com/obananas/HoloV at 1d2e65e, called with ``num_patches=16``

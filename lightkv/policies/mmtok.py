@@ -25,7 +25,7 @@ __all__ = ["MMTok"]
 class MMTok(KeepSetPruner):
     """Greedy maximum coverage of ``[P; alpha Q]`` in each window.
 
-    The rule (paper, Sec. 3: vision token selection as a maximum coverage problem whose
+    The rule (paper, method section: vision token selection as a maximum coverage problem whose
     subset covers the text tokens (text-vision coverage) and the original vision tokens
     (vision-vision coverage), optimised greedily as a submodular function; the authors'
     ``SemanticTokenSelector.mm_coverage_selection`` and ``greedy_merged_jit_kernel``,

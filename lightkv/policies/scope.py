@@ -23,7 +23,7 @@ __all__ = ["SCOPE"]
 class SCOPE(KeepSetPruner):
     """Greedy maximisation of ``saliency^alpha x token-coverage gain`` in each window.
 
-    The rule (paper, Sec. 3 "Method": the set-coverage of the selected tokens, the
+    The rule (paper, method section: the set-coverage of the selected tokens, the
     token-coverage gain of an unselected token and the SCOPE score that multiplies it by
     the token's saliency; the authors' ``SCOPE`` function, ``scope/clip_encoder.py`` lines
     140-199 of github.com/kinredon/SCOPE at 6bf7306):
