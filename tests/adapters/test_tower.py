@@ -101,12 +101,13 @@ def test_identity_at_ratio_zero(preset):
         assert torch.equal(a, b)
 
 
-def test_bf16_runs_and_keeps_the_same_count():
+@pytest.mark.parametrize("preset", TOWER_PRESETS)
+def test_bf16_runs_and_keeps_the_same_count(preset):
     model = get_model("llava", dtype=torch.bfloat16)
     fam = TINY_MODELS["llava"]
     batch = fam.collate(fam.examples(model))
     batch["pixel_values"] = batch["pixel_values"].to(torch.bfloat16)
-    with apply(at("visionzip", 1 - 14 / 64), model) as session:
+    with apply(at(preset, 1 - 14 / 64), model) as session:
         out = model.generate(**batch, max_new_tokens=2, do_sample=False)
     assert out.shape[1] == batch["input_ids"].shape[1] + 2
     layout = session.last_prefill.final_layout
