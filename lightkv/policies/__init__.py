@@ -34,6 +34,7 @@ from .divprune import DivPrune
 from .holov import HoloV
 from .mmtok import MMTok
 from .scope import SCOPE
+from .vscan import VScanScan
 from .plugins import EntryPointStatus, PluginError
 from .pooling import AnchorPartitioner, ResizePartitioner, StridedPartitioner
 from .pruners import (
@@ -69,6 +70,7 @@ from .schedulers import (
     H2OSchedule,
     KeptFractionSchedule,
     PreLLMSchedule,
+    PreLLMThenLayer,
     ScaledSchedule,
     ScheduleError,
     Scheduler,
@@ -108,6 +110,7 @@ __all__ = [
     "HoloV",
     "MMTok",
     "SCOPE",
+    "VScanScan",
     "DropMessages",
     "EdgeScorer",
     "EntryPointStatus",
@@ -118,6 +121,7 @@ __all__ = [
     "KeepSetPruner",
     "KeptFractionSchedule",
     "PreLLMSchedule",
+    "PreLLMThenLayer",
     "Prompt",
     "QuestionAttention",
     "TowerAttention",
