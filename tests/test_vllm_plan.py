@@ -46,6 +46,7 @@ def test_the_prompt_agnostic_presets_load(name):
         ("mmtok", "pruner 'mmtok' reads the prompt"),
         ("scope", "vision tower's attention"),
         ("holov", "vision tower's attention"),
+        ("vscan", "after layer(s) 13"),
         ("dart", "need keys of layer 0"),
     ],
 )
