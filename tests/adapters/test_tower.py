@@ -119,3 +119,13 @@ def test_families_without_tower_access_refuse_clearly(preset):
     model = get_model("qwen2_5_vl")
     with pytest.raises(NotImplementedError, match="tower relevance .* supported: llava"):
         apply(at(preset, 0.5), model)
+
+
+@pytest.mark.parametrize("preset", sorted(set(TOWER_PRESETS) | {"vscan"}))
+def test_every_family_but_llava_refuses_the_tower_presets_in_one_line(family, preset):
+    if family == "llava":
+        return
+    model = get_model(family)
+    with pytest.raises(NotImplementedError, match="tower relevance .* supported: llava|DeepStack") as err:
+        apply(lightkv.load(preset), model, **TINY_MODELS[family].adapter_options)
+    assert "\n" not in str(err.value)
