@@ -41,7 +41,7 @@ class MMTok(KeepSetPruner):
       ``sum_r max(0, C[r, j] - best_r)`` (``best`` zero-initialised, lines 44, 55), ties to
       the earliest (``argmax``, line 57), then ``best = max(best, C[:, j])`` (line 63);
     * defaults ``alpha = 0.5``, ``tau_tv = 0.02``, ``tau_vv = 0.2``
-      (``mmtok/llava/llava_inject.py`` ``mmtok()``, the ``mmtok_config`` defaults).
+      (``mmtok/llava/llava_inject.py`` ``mmtok()``, the ``mmtok_config`` defaults, lines 56-62).
 
     The text tokens. The code embeds the question's words (stop words and the answer-format
     sentences removed, ``mmtok/core/text_processor.py``) with the LLM's own token embeddings
@@ -99,7 +99,7 @@ class MMTok(KeepSetPruner):
         graph = inputs.graph
         stage = self.stage_of(inputs, "mmtok")
         valid = graph.src_slots >= 0
-        k, a = valid.shape
+        k = valid.shape[0]
         x = self.unit_features(inputs, stage, self.features).to(torch.float64)
         n = valid.sum(1).clamp_min(1).to(torch.float64)  # [K]
         cos = x @ x.transpose(1, 2)
@@ -134,7 +134,7 @@ class MMTok(KeepSetPruner):
         """``[K, a_max]`` bool: the ``count[k]`` greedy coverage picks of window ``k``."""
         graph = inputs.graph
         valid = graph.src_slots >= 0
-        k, a = valid.shape
+        k = valid.shape[0]
         kept = torch.zeros_like(valid)
         steps = int(count.max()) if k else 0
         if steps == 0:

@@ -48,7 +48,7 @@ class VScanScan(Partitioner):
     * local scan: ``floor(local * k)`` tokens (``int(visual_token_num * local_ratio)``,
       ``local_ratio = 0.5``, lines 270-274) shared evenly over the image's tiles (6 x 6
       tokens on a 24 x 24 grid: ``tiles = 4`` per side), ``floor(floor(local k) / tiles)``
-      each (line 226), the most attended tokens of each tile (``topk``, line 237);
+      each (line 225), the most attended tokens of each tile (``topk``, line 237);
     * global scan: the ``k - (local picks)`` most attended of the other tokens (lines
       276-279: the local picks' attention is zeroed, then ``topk``);
     * every other token is averaged into its most similar kept token by cosine of the
@@ -58,9 +58,9 @@ class VScanScan(Partitioner):
     What is the same: the shares, the per-tile quota, the global top-k, the merge. What
     differs: both scans read one relevance, the stage's (the ``vscan`` preset: the tower's
     CLS attention at the layer the projector reads, averaged over heads, which is the
-    code's global-scan attention, ``image_attentions[-2]``); the code's local scan reads a
-    shallow tower layer's (``image_attentions[5]``), which lightkv's tower relevance does
-    not expose. The global count is ``k`` minus the local picks (the code's ``k - floor(local
+    code's global-scan attention, ``image_attentions[-2]``, line 268, averaged over heads at
+    line 256); the code's local scan reads a shallow tower layer's (``image_attentions[5]``,
+    line 267), which lightkv's tower relevance does not expose. The global count is ``k`` minus the local picks (the code's ``k - floor(local
     k)`` keeps fewer than ``k`` when ``floor(local k)`` is not a multiple of the tile count);
     a tile smaller than its quota gives all its tokens; tiles are `grid_windows`' bands on
     any grid (the code asserts 24 x 24); ties go to the earliest token.

@@ -16,7 +16,7 @@ from lightkv.testing import TINY_MODELS
 
 from .conftest import assert_rows_match_batch, get_model
 
-GEN = dict(max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True)
+GEN = {"max_new_tokens": 3, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
 
 
 def vscan(first: float = 5 / 6, later: float = 0.6666666666666667):

@@ -12,7 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightkv.policies import MMTok, Prompt, StageInputs
-from tests.policies.keep_set_cases import assert_rows_independent, kept_positions, one_image, prune_inputs
+from tests.policies.keep_set_cases import (
+    assert_rows_independent,
+    kept_positions,
+    one_image,
+    prune_inputs,
+)
 from tests.strategies import batches
 
 
