@@ -201,6 +201,9 @@ def test_lightkv_schedules_per_model():
         ("divprune", (24, 24), 32, [128]),  # keep 128 of 576, exactly
         ("cdpruner", (24, 24), 32, [128]),
         ("dart", (24, 24), 32, [128]),
+        ("scope", (24, 24), 32, [128]),
+        ("mmtok", (24, 24), 32, [128]),
+        ("holov", (24, 24), 32, [128]),
     ],
 )
 def test_reference_token_counts(name, grid, depth, counts):
@@ -416,7 +419,7 @@ def test_bad_parameters_name_the_field_value_and_allowed():
         ({"kept_fraction": 0.5, "relative_layers": [1.5]}, "schedule.relative_layers.0", "in [0, 1], got 1.5"),
         ({"layer": [1], "ratios": [0.5]}, "schedule.layer", "unknown field 'layer'; did you mean 'layers'?"),
         ({"layers": [True], "ratios": [0.5]}, "schedule.layers.0", "valid integer, got True"),
-        ({"name": "nope"}, "schedule.name", "unknown scheduler 'nope'; registered schedulers: budget, cache, explicit, h2o, kept_fraction, pre_llm, scaled"),
+        ({"name": "nope"}, "schedule.name", "unknown scheduler 'nope'; registered schedulers: budget, cache, explicit, h2o, kept_fraction, pre_llm, pre_llm_then_layer, scaled"),
     ],
 )
 def test_schedule_errors(schedule, where, fragment):

@@ -43,6 +43,10 @@ def test_the_prompt_agnostic_presets_load(name):
         ("visionzip", "vision tower's attention"),
         ("vispruner", "vision tower's attention"),
         ("cdpruner", "pruner 'cdpruner' reads the prompt"),
+        ("mmtok", "pruner 'mmtok' reads the prompt"),
+        ("scope", "vision tower's attention"),
+        ("holov", "vision tower's attention"),
+        ("vscan", "after layer(s) 13"),
         ("dart", "need keys of layer 0"),
     ],
 )

@@ -30,14 +30,15 @@ MAX_RATIO = {"fastv": 0.95, "pdrop": 0.95, "random": 0.95, "pool": 0.75, "dart":
 def method_pipeline(name: str, num_layers: int, target: float, ref_depth: int = REF_DEPTH):
     """``(pipeline, how)``: preset ``name`` on a ``num_layers`` decoder at ``target``.
 
-    ``how`` is ``"before the LLM"``, ``"cache"``, or `budget_schedule`'s ``"scaled"`` /
-    ``"extra stages"`` / ``"min"``; ``ref_depth`` is the depth the preset's layers are
-    written for.
+    ``how`` is ``"before the LLM"``, ``"before the LLM and later"`` (VScan's two stages:
+    the later stage keeps its ratio, the first one's is fitted), ``"cache"``, or
+    `budget_schedule`'s ``"scaled"`` / ``"extra stages"`` / ``"min"``; ``ref_depth`` is the
+    depth the preset's layers are written for.
 
     Raises:
         TypeError: a preset whose schedule cannot be put at a target.
     """
-    from ..policies import CacheSchedule, H2OSchedule, PreLLMSchedule
+    from ..policies import CacheSchedule, H2OSchedule, PreLLMSchedule, PreLLMThenLayer
     from ..policies.schedulers import ExplicitSchedule, scale_layers
     from ..presets import get_preset
 
@@ -47,6 +48,11 @@ def method_pipeline(name: str, num_layers: int, target: float, ref_depth: int = 
         return replace(pipe, scheduler=replace(sched, removal_ratio=1.0 - target)), "before the LLM"
     if isinstance(sched, CacheSchedule):
         return replace(pipe, scheduler=replace(sched, removal_ratio=round(1.0 - target, 6))), "cache"
+    if isinstance(sched, PreLLMThenLayer):  # stage 1 keeps its share; stage 0 keeps what reaches the target
+        later = sched.later_layer(num_layers)
+        share = (later + 1 + (num_layers - later - 1) * (1.0 - sched.later_removal_ratio)) / num_layers
+        kept = min(1.0, target / share)
+        return replace(pipe, scheduler=replace(sched, removal_ratio=round(1.0 - kept, 6))), "before the LLM and later"
     if isinstance(sched, H2OSchedule):
         return replace(pipe, scheduler=replace(sched, budget=target)), "cache"
     if not isinstance(sched, ExplicitSchedule):

@@ -48,7 +48,7 @@ __all__ = ["ABLATIONS", "CACHE_METHODS", "METHODS", "TARGETS", "AccuracyConfig",
 
 METHODS = ("lightkv", "lightkv-low-budget", "lightkv-paper", "lightkv-no-relevance", "tome", "fastv", "pdrop",
            "random", "pool", "elasticcache", "h2o", "visionzip", "vispruner", "divprune", "cdpruner", "dart",
-           "downsample")
+           "scope", "mmtok", "holov", "vscan", "downsample")
 CACHE_METHODS = ("elasticcache", "h2o")
 """Methods that act on every layer's cache after prefill: at a target ``t`` every layer keeps
 ``t`` of its vision KV (ElasticCache merges ``1 - t`` of each image's entries, H2O keeps a

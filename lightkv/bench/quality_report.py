@@ -16,7 +16,8 @@ from .. import vis
 
 __all__ = ["detail_accuracy", "markdown_table", "plot", "provenance_picture", "write_outputs"]
 
-FLAGS = {"scaled": "", "extra stages": " (+stages)", "min": " (min)", "cache": " (cache)", "before the LLM": " (pre-LLM)"}
+FLAGS = {"scaled": "", "extra stages": " (+stages)", "min": " (min)", "cache": " (cache)", "before the LLM": " (pre-LLM)",
+         "before the LLM and later": " (pre-LLM + later)"}
 
 
 def detail_accuracy(row: dict[str, Any], result: dict[str, Any]) -> float:

@@ -32,6 +32,10 @@ from .cdpruner import CDPruner
 from .dart import DART
 from .divprune import DivPrune
 from .coverage import RelevanceCoverage
+from .holov import HoloV
+from .mmtok import MMTok
+from .scope import SCOPE
+from .vscan import VScanScan
 from .plugins import EntryPointStatus, PluginError
 from .pooling import AnchorPartitioner, ResizePartitioner, StridedPartitioner
 from .pruners import (
@@ -67,6 +71,7 @@ from .schedulers import (
     H2OSchedule,
     KeptFractionSchedule,
     PreLLMSchedule,
+    PreLLMThenLayer,
     ScaledSchedule,
     ScheduleError,
     Scheduler,
@@ -104,6 +109,10 @@ __all__ = [
     "CosineDivergence",
     "DivPrune",
     "RelevanceCoverage",
+    "HoloV",
+    "MMTok",
+    "SCOPE",
+    "VScanScan",
     "DropMessages",
     "EdgeScorer",
     "EntryPointStatus",
@@ -114,6 +123,7 @@ __all__ = [
     "KeepSetPruner",
     "KeptFractionSchedule",
     "PreLLMSchedule",
+    "PreLLMThenLayer",
     "Prompt",
     "QuestionAttention",
     "TowerAttention",

@@ -47,6 +47,10 @@ _ORDER = (
     "divprune",
     "cdpruner",
     "dart",
+    "scope",
+    "mmtok",
+    "holov",
+    "vscan",
     "downsample",
 )
 """Listing order; any other shipped file follows alphabetically."""

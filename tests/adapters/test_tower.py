@@ -1,4 +1,5 @@
-"""Tower relevance and the low-budget pre-LLM presets (VisionZip, downsampling) inside LLaVA."""
+"""Tower relevance and the low-budget pre-LLM presets that read it (VisionZip, VisPruner, SCOPE,
+HoloV) or not (downsampling) inside LLaVA."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from lightkv.testing import TINY_MODELS
 
 from .conftest import assert_rows_match_batch, get_model
 
+TOWER_PRESETS = ["visionzip", "vispruner", "scope", "holov"]
+"""The presets whose relevance is the vision tower's attention (LLaVA family only)."""
 GEN = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
 
 
@@ -57,7 +60,7 @@ def test_mean_queries_average_the_attention_every_token_receives():
         torch.testing.assert_close(rec.relevance[rec.layout.image == img], want[img], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("preset", ["visionzip", "vispruner", "downsample"])
+@pytest.mark.parametrize("preset", TOWER_PRESETS + ["downsample"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_rows_alone_equal_rows_in_the_padded_batch(preset, attn):
     model = get_model("llava", attn)
@@ -69,7 +72,7 @@ def test_rows_alone_equal_rows_in_the_padded_batch(preset, attn):
         assert_rows_match_batch(model, fam, batch, rows, GEN, together)
 
 
-@pytest.mark.parametrize("preset,kept", [("visionzip", [7, 14, 28]), ("vispruner", [7, 14, 28]),
+@pytest.mark.parametrize("preset,kept", [(p, [7, 14, 28]) for p in TOWER_PRESETS] + [
                                          ("downsample", [6, 12, 25])])
 def test_each_image_keeps_the_requested_count(preset, kept):
     """64-token images at 11%, 22% and 44% kept: VisionZip exactly ``k``; downsampling the
@@ -85,7 +88,7 @@ def test_each_image_keeps_the_requested_count(preset, kept):
         assert counts.tolist() == [want] * layout.num_images, (share, counts.tolist())
 
 
-@pytest.mark.parametrize("preset", ["visionzip", "vispruner", "downsample"])
+@pytest.mark.parametrize("preset", TOWER_PRESETS + ["downsample"])
 def test_identity_at_ratio_zero(preset):
     model = get_model("llava")
     fam = TINY_MODELS["llava"]
@@ -98,19 +101,31 @@ def test_identity_at_ratio_zero(preset):
         assert torch.equal(a, b)
 
 
-def test_bf16_runs_and_keeps_the_same_count():
+@pytest.mark.parametrize("preset", TOWER_PRESETS)
+def test_bf16_runs_and_keeps_the_same_count(preset):
     model = get_model("llava", dtype=torch.bfloat16)
     fam = TINY_MODELS["llava"]
     batch = fam.collate(fam.examples(model))
     batch["pixel_values"] = batch["pixel_values"].to(torch.bfloat16)
-    with apply(at("visionzip", 1 - 14 / 64), model) as session:
+    with apply(at(preset, 1 - 14 / 64), model) as session:
         out = model.generate(**batch, max_new_tokens=2, do_sample=False)
     assert out.shape[1] == batch["input_ids"].shape[1] + 2
     layout = session.last_prefill.final_layout
     assert int(layout.vision_mask.sum()) == 14 * layout.num_images
 
 
-def test_families_without_tower_access_refuse_clearly():
+@pytest.mark.parametrize("preset", TOWER_PRESETS)
+def test_families_without_tower_access_refuse_clearly(preset):
     model = get_model("qwen2_5_vl")
     with pytest.raises(NotImplementedError, match="tower relevance .* supported: llava"):
-        apply(at("visionzip", 0.5), model)
+        apply(at(preset, 0.5), model)
+
+
+@pytest.mark.parametrize("preset", sorted(set(TOWER_PRESETS) | {"vscan"}))
+def test_every_family_but_llava_refuses_the_tower_presets_in_one_line(family, preset):
+    if family == "llava":
+        return
+    model = get_model(family)
+    with pytest.raises(NotImplementedError, match="tower relevance .* supported: llava|DeepStack") as err:
+        apply(lightkv.load(preset), model, **TINY_MODELS[family].adapter_options)
+    assert "\n" not in str(err.value)

@@ -13,7 +13,7 @@ from lightkv.testing import check_policy
 from tests.policies.keep_set_cases import assert_rows_independent, kept_positions, prune_inputs
 from tests.strategies import batches
 
-NAMES = ["divprune", "cdpruner", "dart"]
+NAMES = ["divprune", "cdpruner", "dart", "scope", "mmtok", "holov"]
 
 
 def test_ratio_one_minus_k_over_n_keeps_exactly_k_for_every_k_and_n_up_to_600():

@@ -7,6 +7,7 @@
 | ``scaled`` | `ScaledSchedule` | an explicit schedule for ``ref_depth`` layers, moved to the model's depth |
 | ``budget`` | `BudgetSchedule` | a scaled schedule placed and fitted to a target kept fraction |
 | ``pre_llm`` | `PreLLMSchedule` | one stage on the embeddings, before decoder layer 0 |
+| ``pre_llm_then_layer`` | `PreLLMThenLayer` | a stage on the embeddings, then one at a relative depth (VScan) |
 | ``cache`` | `CacheSchedule` | a stage on each listed layer's cached keys and values, after prefill |
 | ``h2o`` | `H2OSchedule` | heavy-hitter eviction of each listed layer's cache, after prefill and every decoding step |
 """
@@ -18,6 +19,7 @@ from .explicit import ExplicitSchedule
 from .kept_fraction import KeptFractionSchedule
 from .pre_llm import PreLLMSchedule
 from .scaled import ScaledSchedule, scale_layers
+from .two_stage import PreLLMThenLayer
 
 __all__ = [
     "BudgetSchedule",
@@ -27,6 +29,7 @@ __all__ = [
     "KeptFractionSchedule",
     "Placement",
     "PreLLMSchedule",
+    "PreLLMThenLayer",
     "ScaledSchedule",
     "ScheduleError",
     "Scheduler",
