@@ -63,6 +63,7 @@ GRIDS = {
               {"preset": "divprune"}, {"preset": "cdpruner"}, {"preset": "lightkv"},
               {"preset": "divprune", "passer": ["size_mean", {}], "scorer": "cosine", "proportional": True},
               {"preset": "cdpruner", "passer": ["relevance_mean", {}], "scorer": "cosine", "proportional": True}],
+    "leaders": [{"preset": p} for p in ("scope", "mmtok", "holov", "vscan")],
     "cover-relevance": [_cover(0.25, 1.0, r) for r in ("last_token", "text_attention", "uniform")],
 }
 

@@ -209,7 +209,7 @@ class Stage:
         if self.passer.merges and not self.pruner.needs_partner:
             # A pruner that keeps a set (DivPrune, CDPruner, ...) names no partners: each
             # token it drops merges into its window's most similar survivor instead.
-            src, dst = self._survivor_partners(inputs, part.window, graph, removed)
+            src, dst = self.scorer.match_survivors(inputs, part.window, graph, removed)
         else:
             src = graph.src_slots[removed]
             dst = best_dst[removed]
@@ -227,24 +227,6 @@ class Stage:
         keep = torch.ones(b, n, dtype=torch.bool, device=hidden.device)
         keep[graph.node_row[src], graph.node_pos[src]] = False
         return self._assemble(hidden, layout, provenance, keep, src, dst, receivers, new, graph)
-
-    def _survivor_partners(self, inputs: StageInputs, window: torch.Tensor, graph: BipartiteGraph,
-                           removed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(src [R], dst [R])`` node indices: every removed A slot (``removed [K, a_max]``)
-        and its least divergent survivor of the same window in the scorer's metric (``-1``
-        where the window keeps nothing).
-
-        The match runs on a second graph over the same windows whose side A is the removed
-        tokens and side B everything the window keeps (its kept A tokens and its B tokens);
-        built from the same ``window [B, N]`` its nodes are the first graph's, in one order.
-        """
-        src_nodes = graph.src_slots[removed]
-        is_src = torch.zeros(window.shape, dtype=torch.bool, device=window.device)
-        is_src[graph.node_row[src_nodes], graph.node_pos[src_nodes]] = True
-        regraph = BipartiteGraph.build(window, is_src)
-        best_dst, _ = self.scorer.match(inputs, regraph)
-        valid = regraph.src_slots >= 0
-        return regraph.src_slots[valid], best_dst[valid]
 
     @staticmethod
     def _check_finite(tokens: torch.Tensor, node_token: torch.Tensor) -> None:

@@ -203,6 +203,7 @@ def test_lightkv_schedules_per_model():
         ("dart", (24, 24), 32, [128]),
         ("scope", (24, 24), 32, [128]),
         ("mmtok", (24, 24), 32, [128]),
+        ("lightkv-cover", (24, 24), 32, [128]),
         ("holov", (24, 24), 32, [128]),
     ],
 )

@@ -46,7 +46,7 @@ from .paths import results_dir
 __all__ = ["ABLATIONS", "CACHE_METHODS", "METHODS", "TARGETS", "AccuracyConfig", "ablation_pipeline",
            "method_pipeline", "run"]
 
-METHODS = ("lightkv", "lightkv-low-budget", "lightkv-paper", "lightkv-no-relevance", "tome", "fastv", "pdrop",
+METHODS = ("lightkv", "lightkv-cover", "lightkv-low-budget", "lightkv-paper", "lightkv-no-relevance", "tome", "fastv", "pdrop",
            "random", "pool", "elasticcache", "h2o", "visionzip", "vispruner", "divprune", "cdpruner", "dart",
            "scope", "mmtok", "holov", "vscan", "downsample")
 CACHE_METHODS = ("elasticcache", "h2o")

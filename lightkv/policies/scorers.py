@@ -98,6 +98,25 @@ class EdgeScorer(Policy):
             best_div[windows, : div.shape[1]] = div
         return best_dst, best_div
 
+    def match_survivors(self, inputs: StageInputs, window: torch.Tensor, graph: BipartiteGraph,
+                        removed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Partners for a pruner that names none (a keep set): ``(src [R], dst [R])`` node
+        indices, every removed A slot of ``graph`` (``removed [K, a_max]`` bool) and its least
+        divergent survivor in the same window (``-1`` where the window keeps nothing).
+
+        The match runs on a second graph over the same windows (``window [B, N]``, the
+        partition's) whose side A is the removed tokens and side B all the window keeps (its
+        kept A tokens and its B tokens); built from the same windows, its nodes are
+        ``graph``'s, in one order.
+        """
+        src_nodes = graph.src_slots[removed]
+        is_src = torch.zeros(window.shape, dtype=torch.bool, device=window.device)
+        is_src[graph.node_row[src_nodes], graph.node_pos[src_nodes]] = True
+        regraph = BipartiteGraph.build(window, is_src)
+        best_dst, _ = self.match(inputs, regraph)
+        valid = regraph.src_slots >= 0
+        return regraph.src_slots[valid], best_dst[valid]
+
     def best_edges(
         self, graph: BipartiteGraph, node_features: torch.Tensor, budget: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,6 +35,7 @@ _ORDER = (
     "lightkv-pre-llm",
     "lightkv-low-budget",
     "lightkv-first-layer",
+    "lightkv-cover",
     "fastv",
     "pdrop",
     "tome",

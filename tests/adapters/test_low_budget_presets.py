@@ -21,7 +21,7 @@ from lightkv.testing import TINY_MODELS
 from .conftest import assert_rows_match_batch, get_model
 
 GEN = dict(max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True)
-PRESETS = ("divprune", "cdpruner", "dart", "mmtok", "downsample", "lightkv-low-budget", "lightkv-first-layer")
+PRESETS = ("divprune", "cdpruner", "dart", "mmtok", "lightkv-cover", "downsample", "lightkv-low-budget", "lightkv-first-layer")
 REFUSED = {("qwen3_vl", p): "DeepStack" for p in PRESETS}
 """(family, preset) -> what the refusal says: Qwen3-VL adds visual features in its first
 layers (DeepStack), so nothing may leave before they are all added."""
