@@ -48,7 +48,7 @@ def lightkv_pipeline(num_layers: int) -> Pipeline:
     """The LightKV preset with its schedule scaled to ``num_layers``."""
     layers = tuple(round(f * num_layers) for f in (12 / 32, 18 / 32, 24 / 32))
     return lightkv.load("lightkv").with_scheduler(
-        ExplicitSchedule(layers=layers, windows_per_side=(4, 2, 1), ratios=(0.5,))
+        ExplicitSchedule(layers=layers, windows_per_side=(4, 2, 1), removal_ratios=(0.5,))
     )
 
 

@@ -27,7 +27,7 @@ WINDOWED = {"schedule": {"name": "pre_llm", "params": {"removal_ratio": 0.5, "wi
 @pytest.mark.parametrize("name", PROMPT_AGNOSTIC_PRESETS)
 def test_the_prompt_agnostic_presets_load(name):
     plan = PreLLMPlan.load(name, num_layers=28)
-    assert plan.stage.spec.before and plan.stage.spec.layer == 0
+    assert plan.stage.spec.mode == "pre_llm" and plan.stage.spec.layer == 0
 
 
 @pytest.mark.parametrize(

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 
 from .common import (
     EXIT_OK,
+    EXIT_USAGE,
+    PROG,
     Parser,
     UsageError,
     at_most,
@@ -23,14 +24,16 @@ from .common import (
 __all__ = ["add_commands"]
 
 
-class _Renamed(argparse.Action):
-    """Store the values; a flag's old spelling (its last option string) still works, with
-    a deprecation warning that names the new one (the first)."""
+def _removed_flag(parser: argparse.ArgumentParser, old: str, new: str) -> None:
+    """Refuse ``old``, a renamed flag, in one line naming ``new`` (exit status 2), before
+    any work; hidden from the help. There is no release to stay compatible with, and a
+    warning nobody sees beside a value silently used is worse than the error."""
 
-    def __call__(self, parser, namespace, values, option_string=None):
-        if option_string is not None and option_string != self.option_strings[0]:
-            warnings.warn(f"{option_string} is deprecated, use {self.option_strings[0]}", DeprecationWarning, stacklevel=2)
-        setattr(namespace, self.dest, values)
+    class Removed(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            parser.exit(EXIT_USAGE, f"{PROG}: error: {old} was renamed; use {new}\n")
+
+    parser.add_argument(old, nargs="*", action=Removed, help=argparse.SUPPRESS)
 
 
 # Upper limits: a typo such as 1e9 is refused before any work, with what one unit costs.
@@ -87,8 +90,7 @@ def add_commands(commands) -> None:
     eff.add_argument("--models", nargs="+", metavar="MODEL", help="llava, llava_next, llava_onevision, qwen2_5_vl, qwen2_5_vl_video, internvl "
                      "(default: all)")
     eff.add_argument("--presets", nargs="+", metavar="PRESET", help="presets to compare (default: lightkv tome fastv pdrop elasticcache h2o)")
-    eff.add_argument("--kept-fractions", "--budgets", dest="budgets", nargs="+", type=float, metavar="F",
-                     action=_Renamed,
+    eff.add_argument("--kept-fractions", dest="budgets", nargs="+", type=float, metavar="F",
                      help="kept fractions (e.g. 0.55 0.22 0.11): every preset at each, as the quality benchmark "
                           "puts it there (default: each preset's own schedule)")
     eff.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results, "
@@ -118,6 +120,7 @@ def add_commands(commands) -> None:
     eff.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     eff.add_argument("--no-plots", action="store_true", help="write JSON and Markdown only")
     eff.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _removed_flag(eff, "--budgets", "--kept-fractions")
     eff.set_defaults(func=_cmd_bench_efficiency)
     sc = bsub.add_parser(
         "scaling",
@@ -164,19 +167,21 @@ def add_commands(commands) -> None:
     qual.add_argument("--episodes", type=_EPISODES, default=600, metavar="N",
                       help="held-out conversations (default: 600)")
     qual.add_argument("--methods", nargs="+", metavar="PRESET", help="presets (default: all eight)")
-    qual.add_argument("--kept-fractions", "--targets", dest="targets", nargs="+", type=float, metavar="F",
-                      action=_Renamed, help="kept fractions (default: 1 .75 .55 .4 .25)")
+    qual.add_argument("--kept-fractions", dest="targets", nargs="+", type=float, metavar="F",
+                      help="kept fractions (default: 1 .75 .55 .4 .25)")
     qual.add_argument("--model", metavar="NAME|DIR", default="scenes",
                       help="a bundled model (scenes, digitgrid, symbolgrid) or a model directory the trainer "
                       "wrote (default: scenes)")
     qual.add_argument("--no-ablations", action="store_true", help="skip the ablation table")
-    qual.add_argument("--ablation-kept-fractions", "--ablation-targets", dest="ablation_targets", nargs="+",
-                      type=float, metavar="F", action=_Renamed,
+    qual.add_argument("--ablation-kept-fractions", dest="ablation_targets", nargs="+",
+                      type=float, metavar="F",
                       help="kept fractions of the ablation table (default: .55)")
     qual.add_argument("--no-followup", action="store_true", help="no follow-up questions")
     qual.add_argument("--batch", type=_BATCH, default=100, metavar="N", help="episodes per batch (default: 100)")
     qual.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results)")
     qual.add_argument("--threads", type=machine_threads, metavar="N", help="torch CPU threads (default: torch's)")
+    _removed_flag(qual, "--targets", "--kept-fractions")
+    _removed_flag(qual, "--ablation-targets", "--ablation-kept-fractions")
     qual.set_defaults(func=_cmd_bench_quality)
     abl = bsub.add_parser(
         "ablation",
@@ -189,12 +194,13 @@ def add_commands(commands) -> None:
     )
     abl.add_argument("--models", nargs="+", metavar="NAME|DIR", help="models (default: symbolgrid digitgrid)")
     abl.add_argument("--episodes", type=_ABLATION_EPISODES, default=240, metavar="N", help="conversations per model (default: 240)")
-    abl.add_argument("--kept-fractions", "--targets", dest="targets", nargs="+", type=float, metavar="F",
-                     action=_Renamed, help="kept fractions (default: .55 .4)")
+    abl.add_argument("--kept-fractions", dest="targets", nargs="+", type=float, metavar="F",
+                     help="kept fractions (default: .55 .4)")
     abl.add_argument("--variants", nargs="+", metavar="NAME", help="variants (default: all)")
     abl.add_argument("--baselines", nargs="+", metavar="PRESET", help="baseline presets (default: six)")
     abl.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results)")
     abl.add_argument("--threads", type=machine_threads, metavar="N", help="torch CPU threads (default: torch's)")
+    _removed_flag(abl, "--targets", "--kept-fractions")
     abl.set_defaults(func=_cmd_bench_ablation)
     bench.set_defaults(func=lambda args: missing_action(bench))
 

@@ -24,7 +24,7 @@ from pydantic_core import PydanticCustomError
 
 from ..policies import FAMILIES, Policy
 from ..policies import pooling as _pooling  # noqa: F401  (registers the "anchor" and "strided" partitioners)
-from ..policies.base import rename_fields
+from ..policies.base import removed_field_message
 
 from .errors import ConfigError, _did_you_mean, _fail, _plain, _short
 
@@ -130,8 +130,7 @@ def _coerce_params(family: type[Policy], spec: PolicySpec, prefix: bool = True) 
     """Check ``spec`` against ``family``'s registry and the policy's parameter types.
 
     Returns the parameters converted to the types the policy declares (e.g. YAML lists
-    to tuples), under their current names (a deprecated name is renamed with a
-    `DeprecationWarning`), ready for ``family.create``; nothing is constructed. Messages
+    to tuples) (a renamed parameter's old name is refused, naming the new one), ready for ``family.create``; nothing is constructed. Messages
     about values start with the family and name (``scheduler 'explicit': ...``) unless
     ``prefix`` is false.
 
@@ -142,7 +141,11 @@ def _coerce_params(family: type[Policy], spec: PolicySpec, prefix: bool = True) 
         impl = family.lookup(spec.name)
     except ValueError as e:
         raise _fail("unknown_policy", f"{e}{_did_you_mean(spec.name, family.registered())}", ("name",)) from None
-    params = rename_fields(impl, dict(spec.params), f"{family.family} {spec.name!r}", stacklevel=4)
+    params = dict(spec.params)
+    removed = removed_field_message(impl, params, f"{family.family} {spec.name!r}")
+    if removed is not None:
+        old = next(k for k in params if k in impl.removed_fields)
+        raise _fail("removed_param", removed, ("params", old))
     if not dataclasses.is_dataclass(impl):
         return params
     fields = {f.name: f for f in dataclasses.fields(impl) if f.init}

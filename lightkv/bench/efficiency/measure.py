@@ -329,8 +329,8 @@ def reference_shape_flops(spec: ModelSpec, name: str, report, n0: int) -> dict[s
     prompt = report.baseline[0] if report.baseline else report.layers[0]  # before any stage, pre-LLM ones too
     length, vision = n0, prompt.vision + prompt.structural
     v0, lengths, visions = vision, [], []
-    before = {p.layer: s for p, s in zip(plan, stages) if p.before}
-    after = {p.layer: s for p, s in zip(plan, stages) if not p.before}
+    before = {p.layer: s for p, s in zip(plan, stages) if p.mode == "pre_llm"}
+    after = {p.layer: s for p, s in zip(plan, stages) if p.mode != "pre_llm"}
     for layer in range(ref["layers"]):
         for at in (before, after):  # a pre-LLM stage shortens layer 0 itself, the others the next layer
             if layer in at:

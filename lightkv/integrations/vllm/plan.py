@@ -90,10 +90,10 @@ def _resolve(spec: Any) -> tuple[Pipeline, str]:
 
 def _refusals(pipeline: Pipeline, stages: list[Stage], name: str) -> list[str]:
     why = []
-    inside = [s.spec for s in stages if not s.spec.before]
+    inside = [s.spec for s in stages if s.spec.mode != "pre_llm"]
     if inside:
-        cached = [str(spec.layer) for spec in inside if spec.cache]
-        after = [str(spec.layer) for spec in inside if not spec.cache]
+        cached = [str(spec.layer) for spec in inside if spec.mode == "cache"]
+        after = [str(spec.layer) for spec in inside if spec.mode != "cache"]
         where = "; ".join(
             f"{what} layer(s) {', '.join(layers[:6])}{', ...' if len(layers) > 6 else ''}"
             for what, layers in (("after", after), ("on the cache of", cached))
@@ -143,7 +143,7 @@ class PreLLMPlan:
     Attributes:
         name: the pipeline's preset name, path or label (for messages).
         pipeline: the lightkv pipeline.
-        stage: its one stage (``stage.spec.before`` is True).
+        stage: its one stage (``stage.spec.mode`` is ``"pre_llm"``).
     """
 
     name: str
