@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..outputs import write_atomic
 from .quality import RESULTS, AccuracyConfig, _row, method_pipeline
 
 __all__ = ["BASELINES", "TARGETS", "VARIANTS", "AblationConfig", "markdown_table", "plot", "run",
@@ -192,7 +193,7 @@ def write_outputs(result: dict[str, Any], out: Path = RESULTS) -> list[Path]:
     """``ablation.json``, ``ablation.md`` and ``ablation.png`` under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "ablation.json", out / "ablation.md", out / "ablation.png"]
-    paths[0].write_text(json.dumps(result, indent=1) + "\n")
-    paths[1].write_text(markdown_table(result))
+    for path, text in zip(paths, [json.dumps(result, indent=1) + "\n", markdown_table(result)]):
+        write_atomic(path, text)  # both rendered before either is written
     plot(result, paths[2])
     return paths

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .. import vis
+from ..outputs import write_atomic
 
 __all__ = ["detail_accuracy", "markdown_table", "plot", "provenance_picture", "write_outputs"]
 
@@ -290,7 +291,7 @@ def write_outputs(result: dict[str, Any], out: Path, model: str | None = None) -
     paths = [out / f"{stem}.json", out / f"{stem}.md", out / f"{stem}.png", out / f"{stem}-provenance.png"]
     result = dict(result)
     result["provenance_example"] = provenance_picture(paths[3], model)
-    paths[0].write_text(json.dumps(result, indent=1) + "\n")
-    paths[1].write_text(markdown_table(result))
+    for path, text in zip(paths, [json.dumps(result, indent=1) + "\n", markdown_table(result)]):
+        write_atomic(path, text)  # both rendered before either is written
     plot(result, paths[2])
     return paths

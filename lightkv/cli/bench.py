@@ -343,6 +343,7 @@ def _cmd_bench_kvquant(args: argparse.Namespace) -> int:
 
     from ..bench.efficiency import RESULTS
     from ..bench.efficiency import kvquant as kq
+    from ..outputs import write_atomic
 
     over = {k: v for k, v in {"models": tuple(args.models) if args.models else None,
                               "backends": tuple(args.backends) if args.backends else None,
@@ -352,8 +353,9 @@ def _cmd_bench_kvquant(args: argparse.Namespace) -> int:
         result = kq.run_kvquant(kq.KVQuantConfig(**over))
     except ValueError as e:
         raise UsageError(str(e).splitlines()[0]) from None
-    (out / "kv-quantization.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "kv-quantization.md").write_text(kq.kvquant_markdown(result))
+    texts = {"kv-quantization.json": json.dumps(result, indent=2) + "\n", "kv-quantization.md": kq.kvquant_markdown(result)}
+    for name, text in texts.items():  # both rendered before either is written
+        write_atomic(out / name, text)
     sys.stdout.write(kq.kvquant_markdown(result))
     print(f"wrote {out / 'kv-quantization.json'}\nwrote {out / 'kv-quantization.md'}")
     return EXIT_OK

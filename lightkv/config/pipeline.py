@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import os
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import (
@@ -20,6 +19,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from ..outputs import write_atomic
 from ..pipeline import DIVERGENCE_MEMORY_MIB, Pipeline, Stage
 from ..policies import FAMILIES, Policy, StageSpec, average_kept_fraction
 from ..quirks import ReleasedQuirks
@@ -311,7 +311,7 @@ class PipelineConfig(BaseModel):
         also written to ``path`` if given."""
         text = dump_yaml(self.to_dict())
         if path is not None:
-            Path(path).write_text(text, encoding="utf-8")
+            write_atomic(path, text)  # whole or not at all
         return text
 
 

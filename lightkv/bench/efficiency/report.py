@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ... import vis
+from ...outputs import write_atomic
 from .shapes import UNCOMPRESSED
 
 __all__ = ["check_targets", "markdown_table", "plots", "summary_rows", "write_outputs"]
@@ -372,8 +373,8 @@ def write_outputs(result: dict[str, Any], out_dir: Path, with_plots: bool = True
     """``efficiency.json``, ``efficiency.md`` and the PNGs in ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     files = [out_dir / "efficiency.json", out_dir / "efficiency.md"]
-    files[0].write_text(json.dumps(_jsonable(result), indent=2) + "\n")
-    files[1].write_text(markdown_table(result))
+    for path, text in zip(files, [json.dumps(_jsonable(result), indent=2) + "\n", markdown_table(result)]):
+        write_atomic(path, text)  # both rendered before either is written
     if with_plots:
         files += plots(result, out_dir)
     return files
