@@ -226,7 +226,7 @@ def test_budgets_put_every_preset_at_each_kept_fraction(tmp_path):
     assert "--attn-implementation eager" in command_line({**asdict(cfg), "attn_implementation": "eager"})
     assert "Attention that ran, every variant alike: llava: sdpa; qwen2_5_vl: sdpa." in (
         tmp_path / "efficiency.md").read_text()
-    with pytest.raises(ValueError, match="budgets are kept fractions"):
+    with pytest.raises(ValueError, match=r"budgets \(--kept-fractions\) takes kept fractions in \[0.01, 1\]"):
         eff.BenchConfig(budgets=(1.5,))
 
 

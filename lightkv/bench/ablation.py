@@ -137,7 +137,15 @@ def _ci(v) -> str:
 
 
 def _detail(row: dict[str, Any], model: dict[str, Any]) -> float:
-    return sum(row["accuracy"][q] for q in model["detail_qtypes"]) / len(model["detail_qtypes"])
+    """Mean accuracy over the detail question types the run asked (NaN if it asked none:
+    a short run, e.g. ``--episodes 2``, may not draw every type)."""
+    asked = [row["accuracy"][q] for q in model["detail_qtypes"] if q in row["accuracy"]]
+    return sum(asked) / len(asked) if asked else float("nan")
+
+
+def _acc(row: dict[str, Any], q: str) -> str:
+    """A row's accuracy on question type ``q``, or "-" when the run drew no such question."""
+    return f"{row['accuracy'][q]:.3f}" if q in row["accuracy"] else "-"
 
 
 def markdown_table(result: dict[str, Any]) -> str:
@@ -149,7 +157,7 @@ def markdown_table(result: dict[str, Any]) -> str:
         title = (f"## {m['name']} ({m['task']}, {m['vision_tokens']} vision tokens, {m['layers']} layers, "
                  f"{result['config']['episodes']} conversations)")
         lines += [title, "",
-                  "Uncompressed: " + ", ".join(f"{q} {m['uncompressed']['accuracy'][q]:.3f}" for q in cols), ""]
+                  "Uncompressed: " + ", ".join(f"{q} {_acc(m['uncompressed'], q)}" for q in cols), ""]
         for target in result["config"]["targets"]:
             intro = (f"At {target:.0%} kept. Last columns: lightkv minus this method, in points of `{detail}` "
                      "accuracy and of overall accuracy, paired bootstrap 95% intervals (positive: lightkv better).")
@@ -159,7 +167,7 @@ def markdown_table(result: dict[str, Any]) -> str:
             for r in (r for r in m["rows"] if r["target"] == target):
                 vs = r.get("vs_lightkv", {}).get("accuracy", {})
                 lines.append(f"| {r['method']} | {r['kept_fraction']:.3f} | "
-                             + " | ".join(f"{r['accuracy'][q]:.3f}" for q in cols)
+                             + " | ".join(_acc(r, q) for q in cols)
                              + f" | {r['kl']['overall']:.2e} | {_ci(vs.get(detail))} | {_ci(vs.get('overall'))} |")
             lines.append("")
     return "\n".join(lines)

@@ -19,6 +19,7 @@ from .common import (
     require,
     writable_dir,
 )
+from .lists import MAX_NAMES, MAX_NUMBERS, merged
 
 
 __all__ = ["add_commands"]
@@ -205,6 +206,20 @@ def add_commands(commands) -> None:
     bench.set_defaults(func=lambda args: missing_action(bench))
 
 
+def _kept_fractions(values, option: str):
+    """``values`` merged (`merged`) and in the one range every benchmark takes
+    (`lightkv.bench.budgets.check_kept_fractions`), or None when not given."""
+    from ..bench.budgets import check_kept_fractions
+
+    values = merged(values, option, MAX_NUMBERS)
+    if values is None:
+        return None
+    try:
+        return check_kept_fractions(values, option)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def _cmd_bench_quality(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -213,15 +228,12 @@ def _cmd_bench_quality(args: argparse.Namespace) -> int:
     from ..bench import quality_report as report
     from ..presets import PRESETS
 
+    args.methods = merged(args.methods, "--methods", MAX_NAMES)
     unknown = [m for m in args.methods or () if m not in PRESETS]
     if unknown:
         raise UsageError(f"unknown preset {unknown[0]!r}; choose from: {', '.join(sorted(PRESETS))}")
-    bad = [t for t in args.targets or () if not 0.0 < t <= 1.0]
-    if bad:
-        raise UsageError(f"--kept-fractions must be in (0, 1], got {bad[0]}")
-    bad = [t for t in args.ablation_targets or () if not 0.0 < t < 1.0]
-    if bad:
-        raise UsageError(f"--ablation-kept-fractions must be in (0, 1), got {bad[0]}")
+    args.targets = _kept_fractions(args.targets, "--kept-fractions")
+    args.ablation_targets = _kept_fractions(args.ablation_targets, "--ablation-kept-fractions")
     cfg = q.AccuracyConfig(model=args.model, episodes=args.episodes, batch=args.batch, threads=args.threads,
                            ablations=not args.no_ablations, followup=not args.no_followup,
                            **({"methods": tuple(args.methods)} if args.methods else {}),
@@ -247,14 +259,16 @@ def _cmd_bench_ablation(args: argparse.Namespace) -> int:
     from ..bench.quality import RESULTS
     from ..presets import PRESETS
 
+    args.models = merged(args.models, "--models", MAX_NAMES)
+    args.baselines = merged(args.baselines, "--baselines", MAX_NAMES)
+    args.variants = merged(args.variants, "--variants", MAX_NAMES)
     unknown = [m for m in args.baselines or () if m not in PRESETS]
     if unknown:
         raise UsageError(f"unknown preset {unknown[0]!r}; choose from: {', '.join(sorted(PRESETS))}")
     bad = [v for v in args.variants or () if v not in ab.VARIANTS]
     if bad:
         raise UsageError(f"unknown variant {bad[0]!r}; choose from: {', '.join(ab.VARIANTS)}")
-    if any(not 0.0 < t < 1.0 for t in args.targets or ()):
-        raise UsageError("--kept-fractions must be in (0, 1)")
+    args.targets = _kept_fractions(args.targets, "--kept-fractions")
     given = {"models": args.models, "targets": args.targets, "variants": args.variants, "baselines": args.baselines}
     cfg = ab.AblationConfig(episodes=args.episodes, threads=args.threads,
                             **{k: tuple(v) for k, v in given.items() if v})
@@ -279,6 +293,9 @@ def _cmd_bench_efficiency(args: argparse.Namespace) -> int:
 
     from ..bench import efficiency as eff
 
+    args.models = merged(args.models, "--models", MAX_NAMES)
+    args.presets = merged(args.presets, "--presets", MAX_NAMES)
+    args.budgets = _kept_fractions(args.budgets, "--kept-fractions")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     over = {k: v for k, v in {
         "models": tuple(args.models) if args.models else None,
@@ -319,6 +336,7 @@ def _cmd_bench_scaling(args: argparse.Namespace) -> int:
     from ..bench.efficiency import RESULTS
     from ..bench.efficiency import scaling as sc
 
+    args.sides = merged(args.sides, "--sides", MAX_NUMBERS)
     over = {k: v for k, v in {"sides": tuple(args.sides) if args.sides else None, "width": args.width,
                               "heads": args.heads, "layers": args.layers, "repeats": args.repeats,
                               "threads": args.threads}.items() if v is not None}
@@ -343,6 +361,9 @@ def _cmd_bench_kvquant(args: argparse.Namespace) -> int:
 
     from ..bench.efficiency import RESULTS
     from ..bench.efficiency import kvquant as kq
+
+    args.models = merged(args.models, "--models", MAX_NAMES)
+    args.backends = merged(args.backends, "--backends", MAX_NAMES)
     from ..outputs import write_atomic
 
     over = {k: v for k, v in {"models": tuple(args.models) if args.models else None,

@@ -33,7 +33,7 @@ from pydantic_core import PydanticCustomError
 from ..policies import ExplicitSchedule, ScheduleError, Scheduler
 from ..policies.base import removed_field_message
 from .errors import _did_you_mean, _fail, _plain
-from .specs import PolicySpec, _build, _cached, _canonical, _jsonable, _spec_of
+from .specs import PolicySpec, _build, _cached, _canonical, _jsonable, _no_bools, _spec_of
 
 __all__ = ["ScheduleConfig", "shorthands"]
 
@@ -49,23 +49,6 @@ def shorthands() -> dict[str, tuple[str, type[Scheduler]]]:
         if key and key not in out and key not in CANONICAL:
             out[key] = (name, impl)
     return out
-
-
-def _no_bools(impl: type | None, params: dict[str, Any]) -> None:
-    """Refuse True/False where a scheduler field wants numbers (pydantic's lax mode would
-    read them as 1 and 0)."""
-    if impl is None or not dataclasses.is_dataclass(impl):
-        return
-    types = {f.name: str(f.type) for f in dataclasses.fields(impl)}
-    for key, value in params.items():
-        if "bool" in types.get(key, "bool"):
-            continue
-        values = value if isinstance(value, list) else [value]
-        for i, v in enumerate(values):
-            if isinstance(v, bool):
-                kind = "integer" if "int" in types[key] else "number"
-                where = ("params", key, i) if isinstance(value, list) else ("params", key)
-                raise _fail("param_value", f"Input should be a valid {kind}, got {v!r}", where)
 
 
 def _relocate(err: PydanticCustomError, form: str) -> PydanticCustomError:

@@ -126,6 +126,23 @@ def _field_adapters(impl: type) -> dict[str, TypeAdapter] | None:
         return None
 
 
+def _no_bools(impl: type | None, params: dict[str, Any]) -> None:
+    """Refuse True/False where a policy's or scheduler's field wants numbers (pydantic's lax
+    mode would read them as 1 and 0: ``frames: true`` was a valid one-frame window)."""
+    if impl is None or not dataclasses.is_dataclass(impl):
+        return
+    types = {f.name: str(f.type) for f in dataclasses.fields(impl)}
+    for key, value in params.items():
+        if "bool" in types.get(key, "bool"):
+            continue
+        values = value if isinstance(value, list) else [value]
+        for i, v in enumerate(values):
+            if isinstance(v, bool):
+                kind = "integer" if "int" in types[key] else "number"
+                where = ("params", key, i) if isinstance(value, list) else ("params", key)
+                raise _fail("param_value", f"Input should be a valid {kind}, got {v!r}", where)
+
+
 def _coerce_params(family: type[Policy], spec: PolicySpec, prefix: bool = True) -> dict[str, Any]:
     """Check ``spec`` against ``family``'s registry and the policy's parameter types.
 
@@ -158,6 +175,7 @@ def _coerce_params(family: type[Policy], spec: PolicySpec, prefix: bool = True) 
             f"its parameters are: {allowed}",
             ("params", bad[0]),
         )
+    _no_bools(impl, params)
     adapters = _field_adapters(impl)
     if adapters is None or not params:
         return params

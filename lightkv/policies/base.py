@@ -102,11 +102,17 @@ class Policy:
         """Class decorator: register an implementation of this family under ``name``.
 
         Raises:
-            ValueError: the name is already taken by another class.
-            TypeError: the class is not a subclass of this family.
+            ValueError: the name is not a non-empty string, or is already taken by another
+                class.
+            TypeError: the class is not a subclass of this family (the family's own base
+                class included: registering it would rename the family).
         """
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"a {cls.family} is registered under a non-empty name, got {name!r}")
 
         def deco(impl: P) -> P:
+            if isinstance(impl, type) and "family" in vars(impl):
+                raise TypeError(f"register a subclass of {impl.__name__}, not the family's base class itself")
             if not (isinstance(impl, type) and issubclass(impl, cls)):
                 raise TypeError(f"{impl!r} must subclass {cls.__name__} to be registered as a {cls.family}")
             existing = cls._registry.get(name)
