@@ -7,7 +7,8 @@ lightkv config validate NAME|FILE [--num-layers N] [--grid HxW]
 lightkv config schema                              JSON Schema of pipeline files
 lightkv bench efficiency [--quick] [--models ...] [--presets ...] [--out DIR] [--repeats N]
 lightkv bench quality [--model digitgrid|DIR] [--episodes N] [--methods ...] [--kept-fractions ...]
-lightkv generate [--model DIR|ID] [--image FILE] [--prompt TEXT] [--preset NAME | --config FILE] [--compare]
+lightkv generate [--model scenes|digitgrid|symbolgrid|DIR|ID] [--image FILE] [--prompt TEXT]
+                 [--preset NAME | --config FILE] [--compare] [--repeats N]
 lightkv demo [--preset NAME] [--questions N]       the bundled Scenes LVLM, with and without LightKV
 lightkv stages-demo [--preset NAME]                the pure core on a real image, no model
 ```
@@ -142,12 +143,10 @@ def _main(argv: Sequence[str] | None) -> int:
         for line in str(e).splitlines():
             print(f"{PROG}: error: {line}", file=sys.stderr)
         return EXIT_INVALID
-    except ModuleNotFoundError as e:  # an optional dependency: name the extra that brings it
+    except ModuleNotFoundError as e:  # an optional dependency: name the extra that brings it, in one line
         extra = EXTRAS.get((e.name or "").split(".")[0])
-        if extra is None:
-            raise
-        print(f"{PROG}: error: this command needs {e.name}, which is not installed: pip install 'lightkv[{extra}]'",
-              file=sys.stderr)
+        fix = f"pip install 'lightkv[{extra}]'" if extra else f"pip install {(e.name or '').split('.')[0] or 'it'}"
+        print(f"{PROG}: error: this command needs {e.name}, which is not installed: {fix}", file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:  # e.g. `lightkv config schema | head`
         devnull = os.open(os.devnull, os.O_WRONLY)
