@@ -192,3 +192,16 @@ def test_the_memory_child_reads_its_job_from_stdin(monkeypatch):
     measure.measure_peaks_in_child(shapes.MODELS["llava"], cfg, cfg.variants)
     assert calls["cmd"][-2:] == ["--memory-child", "-"] and '"budgets"' in calls["input"]
     assert max(len(a) for a in calls["cmd"]) < 200
+
+
+def test_every_bad_stage_override_is_reported(tmp_path, capsys):
+    """Three bad fields in stage overrides were reported as one (the first of the mapping)."""
+    path = tmp_path / "three.yaml"
+    path.write_text("name: x\nschedule: {layers: [1, 2], removal_ratios: [0.5], windows_per_side: [2, 1]}\n"
+                    "stage_overrides: {0: {scorer: nosuch, pruner: nosuch}, 1: {passer: nosuch}}\n"
+                    "proportional_attention: 7\n")
+    assert main(["config", "validate", str(path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    where = [line.split(": ")[2] for line in err]
+    assert where == ["stage_overrides.0.scorer.name", "stage_overrides.0.pruner.name", "stage_overrides.1.passer.name",
+                     "proportional_attention"], err

@@ -17,7 +17,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_core import PydanticCustomError
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from ..outputs import write_atomic
 from ..pipeline import DIVERGENCE_MEMORY_MIB, Pipeline, Stage
@@ -129,9 +129,11 @@ class PipelineConfig(BaseModel):
     @classmethod
     def _known_overrides(cls, overrides: dict[int, dict[str, PolicySpec | None]]) -> dict:
         out: dict[int, dict[str, PolicySpec | None]] = {}
+        problems: list[PydanticCustomError] = []  # every bad override, not only the first (three were two)
         for index in sorted(overrides):
             if index < 0:
-                raise _fail("stage_index", f"stage indices are 0-based and must be >= 0, got {index}", (index,))
+                problems.append(_fail("stage_index", f"stage indices are 0-based and must be >= 0, got {index}", (index,)))
+                continue
             fields = {}
             for field in STAGE_FIELDS:  # canonical order
                 if field not in overrides[index]:
@@ -139,16 +141,21 @@ class PipelineConfig(BaseModel):
                 spec = overrides[index][field]
                 if spec is None:
                     if field != "scorer":
-                        raise _fail("required", f"only scorer may be null, not {field}", (index, field))
+                        problems.append(_fail("required", f"only scorer may be null, not {field}", (index, field)))
                     fields[field] = None
                     continue
                 try:
                     fields[field] = _validated(FAMILIES[field], spec)
                 except PydanticCustomError as e:
                     ctx = e.context or {}
-                    raise _fail(e.type.removeprefix("lightkv_"), ctx.get("message", e.message()),
-                                (index, field) + tuple(ctx.get("subloc", ()))) from None
+                    problems.append(_fail(e.type.removeprefix("lightkv_"), ctx.get("message", e.message()),
+                                          (index, field) + tuple(ctx.get("subloc", ()))))
             out[index] = fields
+        if len(problems) == 1:
+            raise problems[0]
+        if problems:  # several: pydantic merges a nested ValidationError under this field, one line each
+            raise ValidationError.from_exception_data(
+                cls.__name__, [InitErrorDetails(type=p, loc=(), input=overrides) for p in problems])
         return out
 
     @model_validator(mode="after")
