@@ -202,6 +202,6 @@ def test_every_bad_stage_override_is_reported(tmp_path, capsys):
                     "proportional_attention: 7\n")
     assert main(["config", "validate", str(path)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    where = [line.split(": ")[2] for line in err]
+    where = [line.split(f"{path}: ")[1].split(":")[0] for line in err]
     assert where == ["stage_overrides.0.scorer.name", "stage_overrides.0.pruner.name", "stage_overrides.1.passer.name",
                      "proportional_attention"], err
