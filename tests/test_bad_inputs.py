@@ -150,7 +150,8 @@ def test_generate_refuses_an_empty_prompt_and_its_help_is_right(capsys):
     assert code == 2 and "--prompt is empty" in line
     assert main(["generate", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split()).replace("- ", "-")  # argparse wraps at hyphens
-    assert "default: lightkv-budget with the bundled model" in out
+    assert "default: lightkv where its schedule fits the model's depth, else lightkv-budget" in out
+    assert "default: scenes" in out
     assert main(["--help"]) == 0
     assert "llava-hf/llava-1.5-7b-hf" in capsys.readouterr().out
 

@@ -111,10 +111,10 @@ class Policy:
             raise ValueError(f"a {cls.family} is registered under a non-empty name, got {name!r}")
 
         def deco(impl: P) -> P:
-            if isinstance(impl, type) and "family" in vars(impl):
-                raise TypeError(f"register a subclass of {impl.__name__}, not the family's base class itself")
             if not (isinstance(impl, type) and issubclass(impl, cls)):
                 raise TypeError(f"{impl!r} must subclass {cls.__name__} to be registered as a {cls.family}")
+            if "family" in vars(impl):  # the family's base: registering it would rename the family
+                raise TypeError(f"register a subclass of {impl.__name__}, not the family's base class itself")
             existing = cls._registry.get(name)
             if existing is not None and existing.__qualname__ != impl.__qualname__:
                 raise ValueError(f"{cls.family} name {name!r} is already registered by {existing.__qualname__}")
