@@ -48,7 +48,8 @@ def add_commands(commands) -> None:
                      help="the question or instruction (default with a bundled model: a held-out question about "
                      "that image)")
     which = gen.add_mutually_exclusive_group()
-    which.add_argument("--preset", metavar="NAME", help=f"a preset (see `lightkv presets`; default: {DEEP_PRESET} where "
+    which.add_argument("--preset", metavar="NAME",
+                       help=f"a preset (see `lightkv presets`; default: {DEEP_PRESET} where "
                        f"its schedule fits the model's depth, else {SHALLOW_PRESET}, which fits any depth)")
     which.add_argument("--config", metavar="FILE", help="a pipeline YAML file")
     gen.add_argument("--compare", action="store_true", help="also generate without compression and compare")
@@ -148,8 +149,8 @@ def _default_preset(layers: int | None) -> tuple[str, str]:
     try:
         load_config_or_preset(DEEP_PRESET).validate_for_model(layers)
     except (ConfigError, ValueError):
-        return SHALLOW_PRESET, (f"preset {SHALLOW_PRESET} (the default for this {layers}-layer decoder: {DEEP_PRESET}'s "
-                                f"schedule needs a deeper one; --preset chooses another)")
+        return SHALLOW_PRESET, (f"preset {SHALLOW_PRESET} (the default for this {layers}-layer decoder: "
+                                f"{DEEP_PRESET}'s schedule needs a deeper one; --preset chooses another)")
     return DEEP_PRESET, f"preset {DEEP_PRESET} (the default: its schedule fits this {layers}-layer decoder)"
 
 

@@ -132,7 +132,8 @@ class PipelineConfig(BaseModel):
         problems: list[PydanticCustomError] = []  # every bad override, not only the first (three were two)
         for index in sorted(overrides):
             if index < 0:
-                problems.append(_fail("stage_index", f"stage indices are 0-based and must be >= 0, got {index}", (index,)))
+                problems.append(_fail("stage_index", f"stage indices are 0-based and must be >= 0, got {index}",
+                                      (index,)))
                 continue
             fields = {}
             for field in STAGE_FIELDS:  # canonical order
