@@ -205,3 +205,9 @@ def test_every_bad_stage_override_is_reported(tmp_path, capsys):
     where = [line.split(f"{path}: ")[1].split(":")[0] for line in err]
     assert where == ["stage_overrides.0.scorer.name", "stage_overrides.0.pruner.name", "stage_overrides.1.passer.name",
                      "proportional_attention"], err
+
+
+def test_a_directory_given_as_a_pipeline_is_called_a_directory(tmp_path, capsys):
+    assert main(["config", "validate", str(tmp_path)]) == 2
+    line = _one_line(capsys)
+    assert "is a directory, not a file" in line and "not found" not in line
