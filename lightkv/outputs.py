@@ -48,9 +48,12 @@ def write_atomic(path: Path | str, content: Content) -> Path:
             os.fsync(f.fileno())  # the bytes are on disk before the name points at them
         os.chmod(tmp, _mode_for(path))
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename is None and e.errno is not None:
+            # a failed write() names no file: name the result that could not be written
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from e
         raise
     return path
 

@@ -132,3 +132,22 @@ def test_a_full_tmpfs_keeps_the_previous_scaling_results(small_tmpfs):
     assert info.value.errno == errno.ENOSPC
     assert {p.name: p.read_bytes() for p in first} == before and all(before.values())
     assert sorted(p.name for p in Path(small_tmpfs).iterdir()) == sorted(before)
+
+
+def test_a_benchmark_on_a_full_disk_keeps_the_older_results(small_tmpfs, capsys):
+    """The issue's case end to end: the output folder passes the up-front check (an empty
+    file fits), the run goes to the end, and the write fails: one line, and the older
+    ``scaling.json`` / ``scaling.md`` stay as they were, with no empty or temporary file."""
+    from lightkv.cli import main
+
+    old = {"scaling.json": b'{"older": "good"}\n' + b" " * 1500, "scaling.md": b"older table\n"}
+    for name, data in old.items():
+        (small_tmpfs / name).write_bytes(data)
+    free = os.statvfs(small_tmpfs)
+    (small_tmpfs / "filler").write_bytes(b"x" * max(0, free.f_bavail * free.f_frsize - 512))
+    code = main(["bench", "scaling", "--quick", "--no-prefill", "--no-plots", "--out", str(small_tmpfs)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1] == (f"lightkv: error: cannot write {small_tmpfs / 'scaling.json'}: No space left on "
+                                     "device; any previous file there is unchanged"), err
+    assert {name: (small_tmpfs / name).read_bytes() for name in old} == old
+    assert sorted(p.name for p in small_tmpfs.iterdir()) == ["filler", "scaling.json", "scaling.md"]

@@ -155,9 +155,16 @@ def _main(argv: Sequence[str] | None) -> int:
     except OSError as e:
         if e.errno not in _OUTPUT_ERRNOS:
             raise
+        if e.filename:  # a result file (written whole or not at all: the previous one is unchanged)
+            print(f"{PROG}: error: cannot write {e.filename}: {e.strerror}; any previous file there is unchanged",
+                  file=sys.stderr)
+            return EXIT_USAGE
         # e.g. `lightkv config schema > /dev/full`: drop what stdout still holds, say why in one line
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor (captured)
+            pass
         print(f"{PROG}: error: cannot write the output: {e.strerror}", file=sys.stderr)
         return EXIT_USAGE
 
