@@ -30,6 +30,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
+from lightkv.outputs import write_atomic
 from lightkv.adapters.masks import drop_padding
 from lightkv.bench.allocator import ALLOCATORS, host_allocator
 from lightkv.adapters.probes import probe_for_layer
@@ -103,8 +104,7 @@ def main() -> None:
     for k, v in res["seconds"].items():
         print(f"{k}: min {v['min']:.2f} s, median {v['median']:.2f} s")
     if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(res, fh, indent=1)
+        write_atomic(args.out, json.dumps(res, indent=1))
 
 
 def measure(args) -> dict:

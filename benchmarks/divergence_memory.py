@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from lightkv.outputs import write_atomic
 from lightkv.graph import BipartiteGraph
 from lightkv.policies import EdgeScorer
 from lightkv.policies.scorers import DEFAULT_DIVERGENCE_BYTES
@@ -147,8 +148,8 @@ def main() -> None:
         "check_runs": {"unchunked": whole, "chunked_1MiB": small_chunked},
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "divergence-memory.json").write_text(json.dumps(result, indent=2) + "\n")
-    (RESULTS / "divergence-memory.md").write_text(_markdown(result))
+    write_atomic(RESULTS / "divergence-memory.json", json.dumps(result, indent=2) + "\n")
+    write_atomic(RESULTS / "divergence-memory.md", _markdown(result))
     print(_markdown(result))
 
 

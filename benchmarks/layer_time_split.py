@@ -27,6 +27,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
+from lightkv.outputs import write_atomic
 from lightkv.adapters.probes import LayerShape
 
 HIDDEN, HEADS, HEAD_DIM, MLP = 4096, 32, 128, 11008
@@ -87,9 +88,8 @@ def main(argv=None) -> int:
               f"{r['attention_share_of_flops']:.1%} of the FLOPs; GFLOP/s attention {r['gflops_per_s_attention']:.0f}, "
               f"rest {r['gflops_per_s_rest']:.0f}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"command": "python benchmarks/layer_time_split.py " + " ".join(sys.argv[1:] if argv is None else argv), "threads":
-                       torch.get_num_threads(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+        write_atomic(args.out, json.dumps({"command": "python benchmarks/layer_time_split.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                                           "threads": torch.get_num_threads(), "torch": torch.__version__, "rows": rows}, indent=1))
     return 0
 
 

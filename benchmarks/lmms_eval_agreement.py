@@ -22,6 +22,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from lightkv.outputs import write_atomic
+
 RESULTS = Path(__file__).resolve().parent / "results"
 # name: a preset, or (preset, kept-fraction target) scaled the way `lightkv bench quality`
 # scales it (`lightkv.bench.quality.method_pipeline`), given to lmms-eval as a YAML config
@@ -87,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             })
             print(json.dumps(rows[-1]))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "lmms-eval-agreement.json").write_text(json.dumps(rows, indent=2) + "\n")
-    (args.out / "lmms-eval-agreement.md").write_text(markdown(rows))
+    write_atomic(args.out / "lmms-eval-agreement.json", json.dumps(rows, indent=2) + "\n")
+    write_atomic(args.out / "lmms-eval-agreement.md", markdown(rows))
     print(markdown(rows))
     return 0
 

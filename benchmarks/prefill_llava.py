@@ -35,6 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from lightkv.outputs import write_atomic
 import lightkv
 from lightkv import Pipeline
 from lightkv.adapters import apply
@@ -48,7 +49,7 @@ def lightkv_pipeline(num_layers: int) -> Pipeline:
     """The LightKV preset with its schedule scaled to ``num_layers``."""
     layers = tuple(round(f * num_layers) for f in (12 / 32, 18 / 32, 24 / 32))
     return lightkv.load("lightkv").with_scheduler(
-        ExplicitSchedule(layers=layers, windows_per_side=(4, 2, 1), ratios=(0.5,))
+        ExplicitSchedule(layers=layers, windows_per_side=(4, 2, 1), removal_ratios=(0.5,))
     )
 
 
@@ -233,7 +234,7 @@ def main(argv=None) -> int:
         print(f"{shape}: {entry['prompt_tokens']} prompt tokens, ratios {json.dumps(entry['ratios'])}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+    write_atomic(out, json.dumps(results, indent=2))
     print(f"wrote {out}")
     return 0
 

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from lightkv.outputs import write_atomic
 from lightkv.bench.allocator import ALLOCATORS, host_allocator
 from lightkv.bench.efficiency import BenchConfig
 from lightkv.bench.efficiency.measure import first_token
@@ -43,8 +44,7 @@ def main() -> None:
     res = {"model": args.model, "layers": args.layers, "width": "full", "threads": torch.get_num_threads(),
            "allocator": heap, "tokens": int(inputs["input_ids"].shape[1]), "seconds": seconds}
     if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(res, fh, indent=1)
+        write_atomic(args.out, json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from lightkv.outputs import write_atomic
 from lightkv.bench.efficiency import MODELS, RESULTS, BenchConfig
 from lightkv.bench.efficiency.profile import profile_prefill
 
@@ -51,9 +52,9 @@ def main(argv=None) -> int:
            "torch": torch.__version__, "threads": torch.get_num_threads(), "seconds": time.perf_counter() - t0,
            "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1))
+    write_atomic(args.out, json.dumps(out, indent=1))
     md = args.out.with_suffix(".md")
-    md.write_text(markdown(out))
+    write_atomic(md, markdown(out))
     print(f"wrote {args.out}\nwrote {md}")
     return 0
 

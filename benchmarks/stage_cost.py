@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from lightkv.outputs import write_atomic
 import lightkv
 from lightkv import ImageSegment, VisionLayout
 from lightkv.graph import scatter
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_after": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "note": "median wall time after one warm-up run; both stages timed on the uncompressed sequence",
     }
-    output.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
+    write_atomic(output, json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
 
     header = f"{'shape':<11}{'B':>3}{'N':>6}{'backend':>15}  {'stage':<22}{'kept':>6}{'stage ms':>10}{'layer ms':>11}{'stage/layer':>13}"
     print("\n" + header + "\n" + "-" * len(header))

@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from lightkv.outputs import write_atomic
+
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
            "<|image_pad|>", "<|video_pad|>"]
 WORDS = 1000
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.variant:
-        Path(args.result).write_text(json.dumps(serve(args, args.variant)))
+        write_atomic(Path(args.result), json.dumps(serve(args, args.variant)))
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -175,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(json.loads(res.read_text()) if res.exists()
                            else {"variant": variant, "error": proc.stderr[-2000:]})
             print(json.dumps(results[-1])[:400], flush=True)
-    (out / "vllm-serving.json").write_text(json.dumps({"batch": args.batch, "results": results}, indent=1))
-    (out / "vllm-serving.md").write_text(report(results, args))
+    write_atomic(out / "vllm-serving.json", json.dumps({"batch": args.batch, "results": results}, indent=1))
+    write_atomic(out / "vllm-serving.md", report(results, args))
     print(report(results, args))
     return 0 if all("error" not in r for r in results) else 1
 

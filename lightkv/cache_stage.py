@@ -57,7 +57,7 @@ class CacheStage:
     """A `Stage` on a layer's cache.
 
     Attributes:
-        stage: the composed policies and the schedule entry (``stage.spec.cache`` is True
+        stage: the composed policies and the schedule entry (``stage.spec.mode`` is ``"cache"``
             when it comes from a `lightkv.policies.CacheSchedule`).
     """
 

@@ -377,7 +377,7 @@ class Pipeline:
         """
         results, provenance = [], None
         stages = self.stages(num_layers)
-        if any(s.spec.cache for s in stages):
+        if any(s.spec.mode == "cache" for s in stages):
             raise ValueError("this pipeline's stages run on a layer's cached keys and values after prefill, not on "
                              "hidden states: use lightkv.cache_stage.CacheStage (or lightkv.apply on a model)")
         for stage in stages:

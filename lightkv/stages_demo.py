@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from . import ImageSegment, StageResult, VisionLayout, vis
-from .outputs import output_dir_problem
+from .outputs import output_dir_problem, write_atomic
 from .policies import average_kept_fraction
 from .presets import PRESETS, get_preset
 
@@ -293,14 +293,15 @@ def merged_views(report: PresetReport, inputs: DemoInputs) -> tuple[torch.Tensor
 
 
 def save_png(path: Path, reports: list[PresetReport], inputs: DemoInputs) -> Path:
-    """Original | per preset: group mean colour, carried token colour. Saved with skimage."""
-    from skimage import io
+    """Original | per preset: group mean colour, carried token colour. Saved with PIL."""
+    from PIL import Image
 
     gap = torch.full((GRID * PATCH, 12, 3), 255, dtype=torch.uint8)
     panels = [inputs.image]
     for rep in reports:
         panels.extend([gap, *merged_views(rep, inputs)])
-    io.imsave(str(path), torch.cat(panels, dim=1).numpy(), check_contrast=False)
+    picture = torch.cat(panels, dim=1).numpy()
+    write_atomic(path, lambda f: Image.fromarray(picture).save(f, format="PNG"))
     return path
 
 

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from .outputs import write_atomic
+
 __all__ = [
     "draw_group_borders",
     "group_edges",
@@ -142,6 +144,8 @@ def save_figure(fig: Any, path: Path | str, dpi: int = 110, ticks: bool = True) 
             ax.set_xticks([])
             ax.set_yticks([])
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
-    pyplot().close(fig)
+    try:  # rendered into a temporary file, renamed into place: a failed write keeps the old picture
+        write_atomic(path, lambda f: fig.savefig(f, dpi=dpi, format=Path(path).suffix.lstrip(".") or "png"))
+    finally:
+        pyplot().close(fig)
     return Path(path)

@@ -25,6 +25,23 @@ def pytest_addoption(parser):
         action="store_true",
         help="fail (instead of skip) the scatter-backend tests when torch-scatter is missing",
     )
+    parser.addoption(
+        "--require-quant",
+        action="store_true",
+        help="fail (instead of skip) the KV-quantization tests when optimum-quanto (the [quant] extra) is missing",
+    )
+
+
+@pytest.fixture(scope="session")
+def quanto(request):
+    """optimum.quanto, or a skip (a failure under --require-quant, as `make test-quant` runs)."""
+    try:
+        import optimum.quanto as module
+    except ImportError as e:
+        if request.config.getoption("--require-quant"):
+            pytest.fail(f"optimum-quanto is required for this run (--require-quant) but cannot import: {e}")
+        pytest.skip("optimum-quanto is not installed (`make test-quant` installs the [quant] extra)")
+    return module
 
 
 @pytest.fixture

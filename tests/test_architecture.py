@@ -19,13 +19,13 @@ PACKAGE = ROOT / "lightkv"
 
 # Layers, lowest first: a module may import its own layer and the layers below it.
 LAYERS = [
-    ("graph",),
+    ("graph", "outputs"),  # outputs: standard library only (atomic result writes), for every layer
     ("policies",),
     ("pipeline", "cache_stage", "quirks"),
     ("config", "presets"),
     ("adapters",),
     # the tools, each in its own place
-    ("api", "testing", "vis", "outputs", "generate"),  # the facade and what every tool shares
+    ("api", "testing", "vis", "generate"),  # the facade and what every tool shares
     ("tasks",),  # the bundled models' tasks: data, trainer, evaluation
     ("bench",),  # benchmarks over the tasks and the tiny models
     ("demos", "stages_demo"),  # demos: they show the benchmarks' method set-ups and pictures

@@ -12,7 +12,7 @@ from lightkv.cli import main
 from lightkv.config import MAX_CONFIG_BYTES, ConfigError, PipelineConfig
 from lightkv.presets import load_config
 
-VALID = "name: mine\nschedule: {layers: [1], ratios: [0.5]}\n"
+VALID = "name: mine\nschedule: {layers: [1], removal_ratios: [0.5]}\n"
 
 
 def _bomb(levels: int = 9, width: int = 9) -> str:
@@ -74,7 +74,7 @@ def test_huge_files_are_refused_before_reading(tmp_path, capsys):
 
 def test_bad_values_are_described_briefly_whatever_their_size(tmp_path):
     path = tmp_path / "long.yaml"
-    path.write_text("name: x\nschedule: {layers: [1], ratios: [0.5]}\npartitioner: [" + ", ".join(["1"] * 5000) + "]\n")
+    path.write_text("name: x\nschedule: {layers: [1], removal_ratios: [0.5]}\npartitioner: [" + ", ".join(["1"] * 5000) + "]\n")
     msg, took = _timed_error(path)
     assert took < 1.0 and len(msg) < 300 and "..." in msg
 
@@ -127,7 +127,7 @@ def test_a_slipped_key_suggests_the_field_it_starts():
     from lightkv.config import _did_you_mean
 
     with pytest.raises(ConfigError, match="unknown field 'windowz'; did you mean 'windows_per_side'"):
-        PipelineConfig.from_dict({"schedule": {"layers": [1], "ratios": [0.5], "windowz": [2]}})
+        PipelineConfig.from_dict({"schedule": {"layers": [1], "removal_ratios": [0.5], "windowz": [2]}})
     assert "'split'" in _did_you_mean("splitt", ["split", "seed"])
     assert "'grid'" in _did_you_mean("gird", ["grid", "global", "pseudo_square"])
     assert "'window_size'" in _did_you_mean("window_sise", ["window_size", "windows_per_side"])
@@ -150,7 +150,8 @@ def test_generate_refuses_an_empty_prompt_and_its_help_is_right(capsys):
     assert code == 2 and "--prompt is empty" in line
     assert main(["generate", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split()).replace("- ", "-")  # argparse wraps at hyphens
-    assert "default: lightkv-budget with the bundled model" in out
+    assert "default: lightkv where its schedule fits the model's depth, else lightkv-budget" in out
+    assert "default: scenes" in out
     assert main(["--help"]) == 0
     assert "llava-hf/llava-1.5-7b-hf" in capsys.readouterr().out
 

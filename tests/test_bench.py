@@ -226,7 +226,7 @@ def test_budgets_put_every_preset_at_each_kept_fraction(tmp_path):
     assert "--attn-implementation eager" in command_line({**asdict(cfg), "attn_implementation": "eager"})
     assert "Attention that ran, every variant alike: llava: sdpa; qwen2_5_vl: sdpa." in (
         tmp_path / "efficiency.md").read_text()
-    with pytest.raises(ValueError, match="budgets are kept fractions"):
+    with pytest.raises(ValueError, match=r"budgets \(--kept-fractions\) takes kept fractions in \[0.01, 1\]"):
         eff.BenchConfig(budgets=(1.5,))
 
 
@@ -330,3 +330,11 @@ def test_the_host_allocator_is_an_option_recorded_with_the_result(result):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
         dropped = {name: int(kb) for name, kb in (line.split() for line in out.splitlines())}
         assert dropped["system"] > 60_000 and dropped["steady"] < 4_000, dropped
+
+
+def test_the_table_shows_no_internal_acceptance_flags(result):
+    """Issue 40 item 7: ``ttft_within_5pp_of_flops: False`` and the like were printed to the
+    user; they stay in the JSON (``targets``)."""
+    md = eff.markdown_table(result)
+    assert "ttft_within_5pp_of_flops" not in md and "Targets:" not in md
+    assert "ttft_within_5pp_of_flops" in result["targets"]

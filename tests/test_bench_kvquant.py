@@ -1,5 +1,6 @@
 """The KV-quantization benchmark on a tiny shape: bytes, not timings. fp8 needs no extra
-package, so this runs everywhere; quanto's rows are checked where it is installed."""
+package, so this runs everywhere; quanto's rows are checked where it is installed (and
+required under ``--require-quant``, as `make test-quant` runs them in CI)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,10 @@ def test_config_errors(capsys, tmp_path):
     if "quanto-4" not in kq.available_backends():
         with pytest.raises(ValueError, match=r"lightkv\[quant\]"):
             kq.KVQuantConfig(backends=("quanto-4",))
+
+
+def test_quanto_rows_compose_with_lightkv(quanto):
+    res = kq.run_kvquant(kq.KVQuantConfig(models=("llava",), backends=("quanto-4",), layers=6, heads=1))
+    r = res["models"]["llava"]["ratio"]
+    assert r["quanto-4"] < 0.5  # 4-bit entries plus scales and the full-precision residual
+    assert r["quanto-4+lightkv"] < r["quanto-4"] < r["dynamic"]

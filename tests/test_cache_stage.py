@@ -45,7 +45,7 @@ def cache_of(case, seed=0):
 
 
 def elastic(ratio, passer="size_mean", scope="image"):
-    return Stage(StageSpec(0, ratio, windows_per_side=1, cache=True), partitioner=ImportancePartitioner(scope=scope),
+    return Stage(StageSpec(0, ratio, windows_per_side=1, mode="cache"), partitioner=ImportancePartitioner(scope=scope),
                  scorer=CosineDivergence(features="keys"), pruner=SmallestDivergence(),
                  passer=MessagePasser.create(passer))
 
@@ -157,24 +157,24 @@ def test_h2o_keep_equals_a_per_row_loop(seed, b, length):
 def test_policies_keep_the_contract():
     check_policy(ImportancePartitioner)
     check_policy(AccumulatedAttention)
-    check_policy(CacheSchedule, ratio=0.5)
+    check_policy(CacheSchedule, removal_ratio=0.5)
     check_policy(H2OSchedule, budget=0.3)
 
 
 def test_schedules_and_presets():
     specs = CacheSchedule(removal_ratio=0.25, layers=(1, 3)).plan(4)
-    assert [(s.layer, s.ratio, s.cache) for s in specs] == [(1, 0.25, True), (3, 0.25, True)]
+    assert [(s.layer, s.removal_ratio, s.mode == "cache") for s in specs] == [(1, 0.25, True), (3, 0.25, True)]
     assert average_kept_fraction(specs, 4) == pytest.approx((1 + 0.75 + 1 + 0.75) / 4)
     assert len(CacheSchedule().plan(6)) == 6
     with pytest.raises(ValueError, match="only 4 layers"):
         CacheSchedule(layers=(5,)).plan(4)
-    with pytest.raises(ValueError, match="cannot also run before"):
-        StageSpec(0, 0.5, windows_per_side=1, before=True, cache=True)
+    with pytest.raises(ValueError, match="registered mode name"):
+        StageSpec(0, 0.5, windows_per_side=1, mode="")
     assert H2OSchedule().plan(4) == [] and H2OSchedule(layers=(0, 2)).evict_layers(4) == [0, 2]
     heavy, recent = H2OSchedule(budget=0.5, recent_share=0.5).counts(torch.tensor([64, 7]))
     assert heavy.tolist() == [16, 2] and recent.tolist() == [16, 1]
     for name in ("elasticcache", "h2o"):
         cfg = get_preset_config(name)
         assert PipelineConfig.from_yaml_text(cfg.to_yaml()) == cfg
-    assert lightkv.load("elasticcache").stages(4)[0].spec.cache
+    assert lightkv.load("elasticcache").stages(4)[0].spec.mode == "cache"
     assert get_preset_config("elasticcache").average_kept_fraction(4) == 0.5

@@ -290,7 +290,7 @@ def test_huge_grids_and_windows_are_one_line_errors(capsys, tmp_path):
     code, out, err = run(capsys, "config", "validate", "lightkv", "--grid", "100000x100000")
     assert code == 2 and "--grid: at most 1,048,576 tokens" in err and "Traceback" not in err
     path = tmp_path / "big.yaml"
-    path.write_text("name: big\nschedule:\n  layers: [1]\n  ratios: [0.5]\n  windows_per_side: [9223372036854775808]\n")
+    path.write_text("name: big\nschedule:\n  layers: [1]\n  removal_ratios: [0.5]\n  windows_per_side: [9223372036854775808]\n")
     code, out, err = run(capsys, "config", "validate", str(path))
     assert code == 1 and err.strip().endswith("windows_per_side must be at most 65536 (no image side has more "
                                               "tokens), got 9223372036854775808")

@@ -144,7 +144,7 @@ def check_cache_preset(pipe, layout, relevance):
     gen = torch.Generator().manual_seed(2)
     keys, values = (torch.randn(1, 2, layout.seq_len, 8, generator=gen) for _ in range(2))
     stages = pipe.stages(32)
-    assert len(stages) == 32 and all(s.spec.cache for s in stages)
+    assert len(stages) == 32 and all(s.spec.mode == "cache" for s in stages)
     out = CacheStage(stages[0])(keys, values, layout, relevance)
     assert int(out.result.layout.vision_counts()[0]) == 288
     assert int((out.result.layout.kind == lightkv.TokenKind.TEXT).sum()) == 14
@@ -188,7 +188,7 @@ def test_lightkv_schedules_per_model():
     llava = get_preset("lightkv").scheduler
     assert llava == ExplicitSchedule(layers=(12, 18, 24), removal_ratios=(0.5,), windows_per_side=(4, 2, 1))
     qwen = get_preset("lightkv-qwen2_5_vl").scheduler
-    assert [(s.layer, s.windows_per_side, s.ratio) for s in qwen.plan(28)] == [(12, 6, 0.5), (17, 4, 0.5), (22, 2, 0.5)]
+    assert [(s.layer, s.windows_per_side, s.removal_ratio) for s in qwen.plan(28)] == [(12, 6, 0.5), (17, 4, 0.5), (22, 2, 0.5)]
     assert get_preset("lightkv-paper").partitioner.name == "pseudo_square"
 
 
@@ -303,9 +303,9 @@ def test_strided_partitioner_matches_a_stride_lattice():
 # ---------------------------------------------------------------------------- schema basics
 def test_shorthand_scalars_and_defaults():
     cfg = PipelineConfig.from_dict(
-        {"name": "x", "schedule": {"layers": 3, "ratios": 0.25, "window_size": [2, 3]}, "scorer": "l2"}
+        {"name": "x", "schedule": {"layers": 3, "removal_ratios": 0.25, "window_size": [2, 3]}, "scorer": "l2"}
     )
-    assert cfg.schedule.layers == [3] and cfg.schedule.ratios == [0.25] and cfg.schedule.window_size == [(2, 3)]
+    assert cfg.schedule.layers == [3] and cfg.schedule.removal_ratios == [0.25] and cfg.schedule.window_size == [(2, 3)]
     assert cfg.scorer == PolicySpec(name="l2")
     pipe = cfg.build()
     assert isinstance(pipe.scorer, L2Divergence)
@@ -315,7 +315,7 @@ def test_shorthand_scalars_and_defaults():
 
 
 def test_params_are_coerced_to_the_policy_types_and_stored_plain():
-    text = "name: x\nschedule: {layers: [2], ratios: [0.5]}\nscorer: {name: cosine, params: {eps: 1e-6}}\n"
+    text = "name: x\nschedule: {layers: [2], removal_ratios: [0.5]}\nscorer: {name: cosine, params: {eps: 1e-6}}\n"
     cfg = PipelineConfig.from_yaml_text(text)  # PyYAML reads 1e-6 as a string; the policy wants a float
     assert cfg.scorer.params == {"eps": 1e-6}
     assert cfg.build().scorer == CosineDivergence(eps=1e-6)
@@ -407,19 +407,19 @@ def test_bad_parameters_name_the_field_value_and_allowed():
     [
         ({"layers": [12, 18], "removal_ratios": [0.5, 1.0]}, "schedule.removal_ratios.1", "removal ratio must be in [0, 1)"),
         ({"layers": [12], "removal_ratios": [-0.1]}, "schedule.removal_ratios.0", "got -0.1"),
-        ({"layers": [12, 12], "ratios": [0.5]}, "schedule.layers.1", "strictly increasing, got [12, 12]"),
-        ({"layers": [-1], "ratios": [0.5]}, "schedule.layers.0", "0-based and must be >= 0, got -1"),
+        ({"layers": [12, 12], "removal_ratios": [0.5]}, "schedule.layers.1", "strictly increasing, got [12, 12]"),
+        ({"layers": [-1], "removal_ratios": [0.5]}, "schedule.layers.0", "0-based and must be >= 0, got -1"),
         ({"layers": [3, 4], "removal_ratios": [0.5, 0.5, 0.5]}, "schedule.removal_ratios", "3 entries for 2 layers; give 1 or 2"),
         ({"layers": [3]}, "schedule.removal_ratios", "an explicit schedule needs removal_ratios"),
-        ({"layers": [3], "ratios": [0.5], "windows_per_side": [2], "window_size": [[2, 2]]}, "schedule.window_size", "not both"),
-        ({"layers": [3], "ratios": [0.5], "windows_per_side": [0]}, "schedule.windows_per_side.0", "positive integer, got 0"),
-        ({"layers": [1], "ratios": [0.5], "kept_fraction": 0.5}, "schedule", "got layers and kept_fraction"),
-        ({"ratios": [0.5]}, "schedule", "give exactly one of layers"),
-        ({"kept_fraction": 0.5, "ratios": [0.5]}, "schedule.ratios", "cannot be combined with kept_fraction"),
+        ({"layers": [3], "removal_ratios": [0.5], "windows_per_side": [2], "window_size": [[2, 2]]}, "schedule.window_size", "not both"),
+        ({"layers": [3], "removal_ratios": [0.5], "windows_per_side": [0]}, "schedule.windows_per_side.0", "positive integer, got 0"),
+        ({"layers": [1], "removal_ratios": [0.5], "kept_fraction": 0.5}, "schedule", "got layers and kept_fraction"),
+        ({"removal_ratios": [0.5]}, "schedule", "give exactly one of layers"),
+        ({"kept_fraction": 0.5, "removal_ratios": [0.5]}, "schedule.removal_ratios", "cannot be combined with kept_fraction"),
         ({"kept_fraction": 0.0}, "schedule.kept_fraction", "must be in (0, 1], got 0.0"),
         ({"kept_fraction": 0.5, "relative_layers": [1.5]}, "schedule.relative_layers.0", "in [0, 1], got 1.5"),
-        ({"layer": [1], "ratios": [0.5]}, "schedule.layer", "unknown field 'layer'; did you mean 'layers'?"),
-        ({"layers": [True], "ratios": [0.5]}, "schedule.layers.0", "valid integer, got True"),
+        ({"layer": [1], "removal_ratios": [0.5]}, "schedule.layer", "unknown field 'layer'; did you mean 'layers'?"),
+        ({"layers": [True], "removal_ratios": [0.5]}, "schedule.layers.0", "valid integer, got True"),
         ({"name": "nope"}, "schedule.name", "unknown scheduler 'nope'; registered schedulers: budget, cache, explicit, h2o, kept_fraction, pre_llm, pre_llm_then_layer, scaled"),
     ],
 )
@@ -514,7 +514,7 @@ def test_json_schema_accepts_presets_and_rejects_bad_files():
     bad = [
         {"partitioner": "gird"},
         {"scorer": {"name": "cosine", "params": {"features": "values"}}},
-        {"schedule": {"layers": [1], "ratios": [0.5], "bogus": 1}},
+        {"schedule": {"layers": [1], "removal_ratios": [0.5], "bogus": 1}},
         {"stage_overrides": {"0": {"scorr": "l2"}}},
     ]
     for data in bad:
@@ -528,7 +528,7 @@ def test_proportional_attention_key():
     for name, preset in PRESETS.items():
         assert preset.config.build().proportional_attention is False, name
         assert "proportional_attention" not in preset.config.to_dict(), name
-    cfg = PipelineConfig.from_yaml_text("name: x\nschedule: {layers: [2], ratios: [0.5]}\nproportional_attention: true\n")
+    cfg = PipelineConfig.from_yaml_text("name: x\nschedule: {layers: [2], removal_ratios: [0.5]}\nproportional_attention: true\n")
     pipe = cfg.build()
     assert pipe.proportional_attention is True
     assert "proportional_attention: true" in cfg.to_yaml()
@@ -560,7 +560,7 @@ def schedules(draw):
         count = st.sampled_from(sorted({1, n}))
         ratios = draw(st.lists(st.floats(0, 0.99, allow_nan=False), min_size=1, max_size=1).filter(lambda _: True))
         ratios = ratios * draw(count) if len(ratios) == 1 else ratios
-        data = {"layers": layers, "ratios": ratios[: n] if len(ratios) > 1 else ratios}
+        data = {"layers": layers, "removal_ratios": ratios[: n] if len(ratios) > 1 else ratios}
         kind = draw(st.sampled_from(["none", "wps", "size"]))
         if kind == "wps":
             data["windows_per_side"] = draw(st.lists(st.integers(1, 8), min_size=1, max_size=1)) * draw(count)
@@ -572,7 +572,7 @@ def schedules(draw):
         if draw(st.booleans()):
             data["relative_layers"] = draw(st.lists(st.floats(0, 1), min_size=1, max_size=3))
         return data
-    return {"name": "explicit", "params": {"layers": [draw(st.integers(0, 5))], "ratios": [0.5], "windows_per_side": [2]}}
+    return {"name": "explicit", "params": {"layers": [draw(st.integers(0, 5))], "removal_ratios": [0.5], "windows_per_side": [2]}}
 
 
 @settings(max_examples=30)
@@ -602,6 +602,6 @@ def test_schedule_config_round_trips_scheduler_objects():
         ExplicitSchedule(),
         ExplicitSchedule(layers=(3,), removal_ratios=(0.25,), windows_per_side=None, window_size=((2, 3),)),
         KeptFractionSchedule(),
-        KeptFractionSchedule(target=0.3, relative_layers=(0.5,), windows_per_side=(2,)),
+        KeptFractionSchedule(kept_fraction=0.3, relative_layers=(0.5,), windows_per_side=(2,)),
     ]:
         assert ScheduleConfig.from_scheduler(scheduler).build() == scheduler

@@ -2,13 +2,11 @@
 
 Every value is validated once and every policy and scheduler constructed once; a scheduler
 class declares its own YAML shorthand; a pipeline's text survives ``to_yaml(load(f))``;
-renamed keys still load, with a warning that names the new one.
+renamed keys are refused (tests/test_removed_names.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -149,39 +147,4 @@ def test_what_to_yaml_writes_loads_back_even_where_a_shorthand_cannot_say_it(tmp
         assert back.scheduler == pipe.scheduler and lightkv.to_yaml(back) == path.read_text(encoding="utf-8")
 
 
-# ---------------------------------------------------------------------------- renamed keys
-@pytest.mark.parametrize(
-    "old, new, message",
-    [
-        ("schedule:\n  layers: [2]\n  ratios: [0.5]\n", "schedule:\n  layers: [2]\n  removal_ratios: [0.5]\n",
-         "'ratios' is deprecated, use 'removal_ratios'"),
-        ("schedule:\n  kept_fraction: 0.5\n  max_ratio: 0.75\n", "schedule:\n  kept_fraction: 0.5\n  max_removal_ratio: 0.75\n",
-         "'max_ratio' is deprecated, use 'max_removal_ratio'"),
-        ("schedule: {name: kept_fraction, params: {target: 0.4}}\n", "schedule:\n  kept_fraction: 0.4\n",
-         "'target' is deprecated, use 'kept_fraction'"),
-        ("schedule: {name: budget, params: {target: 0.4}}\n", "schedule: {name: budget, params: {kept_fraction: 0.4}}\n",
-         "'target' is deprecated, use 'kept_fraction'"),
-        ("schedule: {name: pre_llm, params: {ratio: 0.3}}\n", "schedule: {name: pre_llm, params: {removal_ratio: 0.3}}\n",
-         "'ratio' is deprecated, use 'removal_ratio'"),
-    ],
-)
-def test_old_yaml_keys_load_with_a_warning_naming_the_new_key(old, new, message):
-    with pytest.warns(DeprecationWarning, match=message):
-        before = PipelineConfig.from_yaml_text(old)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        after = PipelineConfig.from_yaml_text(new)
-        assert before == after and before.to_yaml() == after.to_yaml()
-        assert "ratios:" not in after.to_yaml().replace("removal_ratios:", "")
-
-
-def test_old_python_names_still_work_with_a_warning():
-    with pytest.warns(DeprecationWarning, match="'ratios' is deprecated, use 'removal_ratios'"):
-        old = ExplicitSchedule(layers=(2,), ratios=(0.3,), windows_per_side=(1,))
-    assert old == ExplicitSchedule(layers=(2,), removal_ratios=(0.3,), windows_per_side=(1,)) and old.ratios == (0.3,)
-    with pytest.warns(DeprecationWarning, match="'target' is deprecated, use 'kept_fraction'"):
-        assert KeptFractionSchedule(target=0.4).kept_fraction == 0.4
-    spec = StageSpec(3, 0.5, windows_per_side=1)
-    assert spec.ratio == spec.removal_ratio == 0.5
-    with pytest.warns(DeprecationWarning, match="'ratio' is deprecated"):
-        assert dataclasses.replace(spec, ratio=0.25).removal_ratio == 0.25
+# renamed keys: tests/test_removed_names.py (refused, naming the new key)

@@ -69,7 +69,7 @@ def test_uncompressed_accuracy_floor(bundled, episodes):
 def test_lightkv_at_55_percent_keeps_answering(bundled, episodes):
     model, _, grid = bundled
     pipe, how = method_pipeline("lightkv", model.config.text_config.num_hidden_layers, 0.55)
-    assert how == "scaled" and pipe.scheduler.ratios == (0.5,)  # LightKV's own ratio at its scaled layers
+    assert how == "scaled" and pipe.scheduler.removal_ratios == (0.5,)  # LightKV's own ratio at its scaled layers
     res = ev.evaluate(model, episodes, grid, pipe, batch=48)
     assert 0.5 <= res.kept_fraction <= 0.6
     assert res.kv_bytes_vision < 0.62 * res.kv_bytes_vision_baseline
@@ -85,7 +85,7 @@ def test_empty_schedule_reproduces_uncompressed_answers(bundled, episodes):
 
     from lightkv.policies.schedulers import KeptFractionSchedule
 
-    full = ev.evaluate(model, episodes[:32], grid, replace(budget, scheduler=KeptFractionSchedule(target=1.0)))
+    full = ev.evaluate(model, episodes[:32], grid, replace(budget, scheduler=KeptFractionSchedule(kept_fraction=1.0)))
     assert full.answers == base.answers
     assert full.kept_fraction == 1.0
 

@@ -167,8 +167,8 @@ def test_unsupported_family(assets, tmp_path, capsys):
 
 
 def test_schedule_deeper_than_model(assets, capsys):
-    # the default preset compresses after layer 12; the tiny model has 4 layers
-    code = main(_gen(assets, "--max-new-tokens", "1"))
+    # the lightkv preset compresses after layer 12; the tiny model has 4 layers
+    code = main(_gen(assets, "--preset", "lightkv", "--max-new-tokens", "1"))
     _, err = capsys.readouterr()
     assert code == 1, err
     assert "Traceback" not in err and err.startswith("lightkv: error: ")
@@ -195,3 +195,41 @@ def test_a_missed_target_is_reported_and_warned(assets, capsys, tmp_path):
     code = main(_gen(assets, "--config", assets["config"], "--max-new-tokens", "1", "--json"))
     out, err = capsys.readouterr()
     assert json.loads(out)["missed_target"] is None and "warning" not in err  # on target: silent
+
+
+# ---------------------------------------------------------------------------- issue 40 items 6, 7
+def test_the_default_preset_fits_the_models_depth_and_says_so(assets, capsys):
+    """A 4-layer model without --preset used to get ``lightkv`` (25+ layers) and an error."""
+    code = main(_gen(assets, "--max-new-tokens", "1", "--repeats", "1", "--json"))
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["pipeline"] == "lightkv-budget"
+    assert any("lightkv-budget (the default for this 4-layer decoder" in n for n in data["notes"])
+
+
+def test_ttft_and_generate_time_come_from_the_same_calls(assets, capsys):
+    code = main(_gen(assets, "--config", assets["config"], "--compare", "--max-new-tokens", "4", "--repeats", "3",
+                     "--json"))
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    data = json.loads(out)
+    for run in (data["compressed"], data["baseline"]):
+        assert run["repeats"] == 3 and 0 < run["ttft_s"] <= run["total_s"]  # medians of the same calls
+    code = main(_gen(assets, "--config", assets["config"], "--max-new-tokens", "2", "--repeats", "2"))
+    out, _ = capsys.readouterr()
+    assert "median of 2 generate call(s) each; the first token and the whole call are timed in the same calls" in out
+
+
+def test_an_empty_image_path_is_named(assets, capsys):
+    args = _gen(assets, "--config", assets["config"])
+    args[args.index("--image") + 1] = ""
+    _one_line_error(main(args), capsys, "--image is empty")
+
+
+def test_repeats_are_bounded(assets, capsys):
+    with pytest.raises(SystemExit):
+        from lightkv.cli import parse_args
+
+        parse_args(_gen(assets, "--repeats", "1000"))
+    assert "at most 20" in capsys.readouterr().err

@@ -131,7 +131,7 @@ def test_scaled_schedule_from_yaml_moves_llava_layers_to_8():
     assert cfg.schedule == ScheduleConfig(name="scaled")  # the defaults, spelled out
     stages = cfg.validate_for_model(8)
     assert [s.layer for s in stages] == list(scale_layers((12, 18, 24), 32, 8)) == [2, 4, 5]
-    assert [(s.ratio, s.windows_per_side) for s in stages] == [(0.5, 4), (0.5, 2), (0.5, 1)]
+    assert [(s.removal_ratio, s.windows_per_side) for s in stages] == [(0.5, 4), (0.5, 2), (0.5, 1)]
     assert [s.layer for s in cfg.validate_for_model(32)] == [12, 18, 24]  # as written at the reference depth
     qwen = ScaledSchedule(layers=(12, 17, 22), ref_depth=28, windows_per_side=(6, 4, 2))
     assert [(s.layer, s.windows_per_side) for s in qwen.plan(8)] == [(3, 6), (4, 4), (6, 2)]
@@ -156,7 +156,7 @@ def test_budget_schedule_from_yaml_places_stages_as_the_benchmark(depth, target,
     scheduler = cfg.build().scheduler
     assert isinstance(scheduler, BudgetSchedule) and scheduler.placement(depth) == how
     stages = cfg.validate_for_model(depth)
-    assert tuple(s.layer for s in stages) == layers and {s.ratio for s in stages} == {ratio}
+    assert tuple(s.layer for s in stages) == layers and {s.removal_ratio for s in stages} == {ratio}
     windows = [4, 2, 1] + [1] * (len(layers) - 3)
     assert [s.windows_per_side for s in stages] == windows
     expected, expected_how = budget_schedule(scale_layers((12, 18, 24), 32, depth), depth, target, max_removal_ratio,

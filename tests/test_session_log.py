@@ -143,3 +143,29 @@ def test_a_single_process_accelerate_launch_is_detected():
     one = {"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_CPU": "False"}  # --num_processes 1: no MASTER_ADDR
     assert single_process_launch(one, num_processes=1) is None
     assert single_process_launch({}, num_processes=1) is None  # plain python -m lmms_eval
+
+
+def test_the_launch_warning_reaches_stderr_under_lmms_evals_filter(capsys):
+    """Issue 40 item 8: the warning was a `warnings.warn`, and lmms-eval's entry point runs
+    ``warnings.simplefilter("ignore")``: under that filter the line must still reach stderr."""
+    import logging
+    import warnings
+
+    from lightkv.integrations.session_log import single_process_launch, warn_lmms_eval_user
+
+    message = single_process_launch({"ACCELERATE_MIXED_PRECISION": "no", "MASTER_ADDR": "127.0.0.1"}, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # what lmms-eval does
+        logging.disable(logging.CRITICAL)  # and silencing the standard loggers too
+        try:
+            warn_lmms_eval_user(message)
+        finally:
+            logging.disable(logging.NOTSET)
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"lightkv: warning: {message}"]
+    from pathlib import Path
+
+    import lightkv.integrations  # the model calls it, not warnings.warn (read as text: lmms-eval may be absent)
+
+    source = (Path(lightkv.integrations.__file__).parent / "lmms_eval.py").read_text(encoding="utf-8")
+    assert "warn_lmms_eval_user(alone)" in source and "warnings.warn(f\"lightkv: {alone}\"" not in source

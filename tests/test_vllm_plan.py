@@ -27,7 +27,7 @@ WINDOWED = {"schedule": {"name": "pre_llm", "params": {"removal_ratio": 0.5, "wi
 @pytest.mark.parametrize("name", PROMPT_AGNOSTIC_PRESETS)
 def test_the_prompt_agnostic_presets_load(name):
     plan = PreLLMPlan.load(name, num_layers=28)
-    assert plan.stage.spec.before and plan.stage.spec.layer == 0
+    assert plan.stage.spec.mode == "pre_llm" and plan.stage.spec.layer == 0
 
 
 @pytest.mark.parametrize(
@@ -183,3 +183,19 @@ def test_the_gpu_checks_vllm_section_dry_runs_without_a_gpu(tmp_path):
     assert "3c. where flash_attn imports: 3b with --attn-implementation flash_attention_2 into " \
            f"{tmp_path}/budgets-fa2" in proc.stdout
     assert "3d." in proc.stdout and "-k graph" in proc.stdout
+
+
+def test_the_plan_grid_is_bounded_before_any_tensor():
+    """Issue 40 item 3: ``kept_count(100_000, 100_000)`` tried to allocate 640 GB."""
+    import time
+
+    from lightkv.integrations.vllm.plan import MAX_IMAGE_TOKENS
+
+    plan = PreLLMPlan.load("divprune", num_layers=28)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"at most 16,384 tokens .* got 100,000 x 100,000 = 10,000,000,000"):
+        plan.kept_count(100_000, 100_000)
+    with pytest.raises(ValueError, match="at most 16,384 tokens"):
+        plan.select([torch.zeros(1, 4)], [(1, MAX_IMAGE_TOKENS + 1)])
+    assert time.perf_counter() - start < 1.0
+    assert PreLLMPlan.load("downsample", num_layers=28).kept_count(128, 128) > 0  # the limit itself is served

@@ -17,7 +17,7 @@ from lightkv.policies import ExplicitSchedule, QueryAxisSoftmax
 from lightkv.quirks import ReleasedQuirks
 from lightkv.testing import TINY_MODELS
 
-SCHEDULE = ExplicitSchedule(layers=(1, 2), windows_per_side=(2, 1), ratios=(0.5,))  # 4-layer models
+SCHEDULE = ExplicitSchedule(layers=(1, 2), windows_per_side=(2, 1), removal_ratios=(0.5,))  # 4-layer models
 GEN = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
 
 

@@ -56,7 +56,7 @@ class ReleasedQuirksHook:
                 f"{' and '.join(RELEASED_FAMILIES)} only, not the {adapter.family!r} family; "
                 "turn them off (use lightkv-paper instead of lightkv-paper-released)"
             )
-        if any(s.spec.before or s.spec.cache for s in stages):
+        if any(s.spec.mode == "pre_llm" or s.spec.mode == "cache" for s in stages):
             raise NotImplementedError(
                 f"released_quirks ({on}) apply to merges after a decoder layer; the released code has no pre-LLM "
                 "or cache stages: turn the quirks off or use a schedule of decoder layers"

@@ -164,7 +164,7 @@ class SessionReport:
         first = trace.layers[0] if trace.layers else None
         if first is not None:  # the cache mode compresses layer 0's cache after the layer ran
             first = trace.uncompressed.get(first.layer, first)
-        pre_llm = any(rec.stage.spec.before for rec in trace.stages)
+        pre_llm = any(rec.stage.spec.mode == "pre_llm" for rec in trace.stages)
         if first is not None and pre_llm and trace.layout is not None:
             # the pre-LLM mode compressed the prompt before layer 0 was counted: the baseline is the prompt itself
             first = _prompt_stat(trace.layout, first.layer)
@@ -293,9 +293,9 @@ def _prompt_stat(layout, layer: int) -> LayerStat:
 def _vision_in(trace, rec, first) -> int:
     """Vision tokens a stage received: the prompt's for a pre-LLM stage, the layer's
     uncompressed cache for a cache stage, else the layer's input."""
-    if rec.stage.spec.before:
+    if rec.stage.spec.mode == "pre_llm":
         return int(first.vision.sum())
-    if rec.stage.spec.cache and rec.layer in trace.uncompressed:
+    if rec.stage.spec.mode == "cache" and rec.layer in trace.uncompressed:
         return int(trace.uncompressed[rec.layer].vision.sum())
     return _vision_before(trace, rec.layer)
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..outputs import write_atomic
 from .quality import RESULTS, AccuracyConfig, _row, method_pipeline
 
 __all__ = ["BASELINES", "TARGETS", "VARIANTS", "AblationConfig", "markdown_table", "plot", "run",
@@ -136,7 +137,15 @@ def _ci(v) -> str:
 
 
 def _detail(row: dict[str, Any], model: dict[str, Any]) -> float:
-    return sum(row["accuracy"][q] for q in model["detail_qtypes"]) / len(model["detail_qtypes"])
+    """Mean accuracy over the detail question types the run asked (NaN if it asked none:
+    a short run, e.g. ``--episodes 2``, may not draw every type)."""
+    asked = [row["accuracy"][q] for q in model["detail_qtypes"] if q in row["accuracy"]]
+    return sum(asked) / len(asked) if asked else float("nan")
+
+
+def _acc(row: dict[str, Any], q: str) -> str:
+    """A row's accuracy on question type ``q``, or "-" when the run drew no such question."""
+    return f"{row['accuracy'][q]:.3f}" if q in row["accuracy"] else "-"
 
 
 def markdown_table(result: dict[str, Any]) -> str:
@@ -148,7 +157,7 @@ def markdown_table(result: dict[str, Any]) -> str:
         title = (f"## {m['name']} ({m['task']}, {m['vision_tokens']} vision tokens, {m['layers']} layers, "
                  f"{result['config']['episodes']} conversations)")
         lines += [title, "",
-                  "Uncompressed: " + ", ".join(f"{q} {m['uncompressed']['accuracy'][q]:.3f}" for q in cols), ""]
+                  "Uncompressed: " + ", ".join(f"{q} {_acc(m['uncompressed'], q)}" for q in cols), ""]
         for target in result["config"]["targets"]:
             intro = (f"At {target:.0%} kept. Last columns: lightkv minus this method, in points of `{detail}` "
                      "accuracy and of overall accuracy, paired bootstrap 95% intervals (positive: lightkv better).")
@@ -158,7 +167,7 @@ def markdown_table(result: dict[str, Any]) -> str:
             for r in (r for r in m["rows"] if r["target"] == target):
                 vs = r.get("vs_lightkv", {}).get("accuracy", {})
                 lines.append(f"| {r['method']} | {r['kept_fraction']:.3f} | "
-                             + " | ".join(f"{r['accuracy'][q]:.3f}" for q in cols)
+                             + " | ".join(_acc(r, q) for q in cols)
                              + f" | {r['kl']['overall']:.2e} | {_ci(vs.get(detail))} | {_ci(vs.get('overall'))} |")
             lines.append("")
     return "\n".join(lines)
@@ -192,7 +201,7 @@ def write_outputs(result: dict[str, Any], out: Path = RESULTS) -> list[Path]:
     """``ablation.json``, ``ablation.md`` and ``ablation.png`` under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "ablation.json", out / "ablation.md", out / "ablation.png"]
-    paths[0].write_text(json.dumps(result, indent=1) + "\n")
-    paths[1].write_text(markdown_table(result))
+    for path, text in zip(paths, [json.dumps(result, indent=1) + "\n", markdown_table(result)]):
+        write_atomic(path, text)  # both rendered before either is written
     plot(result, paths[2])
     return paths

@@ -6,10 +6,17 @@ there depends on where its stages run:
 * before the LLM (``pre_llm``: VisionZip, VisPruner, DivPrune, CDPruner, downsampling, the
   LightKV pre-LLM mode): every layer sees the kept tokens, so the removal ratio is ``1 - t``;
 * on each layer's cache (ElasticCache, H2O): every layer keeps ``t`` of its vision entries;
+* a `BudgetSchedule`: its target is set to ``t``; a `KeptFractionSchedule` (``lightkv-budget``):
+  its stages at their relative depths, then as the next case;
 * inside the prefill (LightKV, ToMe, FastV, PyramidDrop, DART, ...): the preset's stages,
   scaled from a reference depth, get one common ratio found by bisection
   (`lightkv.policies.schedulers.budget_schedule`), moved earlier or repeated after every
   layer when the ratio cap (`MAX_RATIO`) cannot reach ``t`` (``how`` says which).
+
+Every benchmark takes kept fractions in one range, ``[MIN_KEPT_FRACTION, 1]``
+(`check_kept_fractions`): 1 is the uncompressed cache, and below 1% a 576-token image keeps
+fewer than 6 tokens, where the targets stop meaning anything (``1e-300`` used to run as
+"target 0.00").
 """
 
 from __future__ import annotations
@@ -18,7 +25,35 @@ from dataclasses import replace
 
 from ..policies.schedulers import budget_schedule
 
-__all__ = ["MAX_RATIO", "REF_DEPTH", "method_pipeline"]
+__all__ = ["MAX_KEPT_FRACTIONS", "MAX_RATIO", "MIN_KEPT_FRACTION", "REF_DEPTH", "check_kept_fractions",
+           "method_pipeline"]
+
+MIN_KEPT_FRACTION = 0.01
+"""The smallest kept fraction a benchmark accepts (the range is ``[0.01, 1]``)."""
+
+MAX_KEPT_FRACTIONS = 16
+"""The most kept fractions one benchmark run takes (each is a run of every method)."""
+
+
+def check_kept_fractions(values, option: str = "--kept-fractions") -> tuple[float, ...]:
+    """``values`` as floats, duplicates merged (first order kept), each checked against the
+    one range every benchmark uses, ``[MIN_KEPT_FRACTION, 1]``.
+
+    Raises:
+        ValueError: one line naming ``option`` and the first bad value (NaN, out of range),
+            or more than `MAX_KEPT_FRACTIONS` distinct values.
+    """
+    out: list[float] = []
+    for v in values:
+        f = float(v)
+        if not MIN_KEPT_FRACTION <= f <= 1.0:  # NaN fails too
+            raise ValueError(f"{option} takes kept fractions in [{MIN_KEPT_FRACTION}, 1] (1 = uncompressed), got {v!r}")
+        if f not in out:
+            out.append(f)
+    if len(out) > MAX_KEPT_FRACTIONS:
+        raise ValueError(f"{option} takes at most {MAX_KEPT_FRACTIONS} distinct values (each runs every method "
+                         f"again), got {len(out):,}")
+    return tuple(out)
 
 REF_DEPTH = 32
 """The depth the shipped presets' layer lists are written for (LLaVA-1.5-7B)."""
@@ -36,9 +71,9 @@ def method_pipeline(name: str, num_layers: int, target: float, ref_depth: int = 
     depth the preset's layers are written for.
 
     Raises:
-        TypeError: a preset whose schedule cannot be put at a target.
+        ValueError: a preset whose schedule cannot be put at a target (one line naming it).
     """
-    from ..policies import CacheSchedule, H2OSchedule, PreLLMSchedule, PreLLMThenLayer
+    from ..policies import BudgetSchedule, CacheSchedule, H2OSchedule, KeptFractionSchedule, PreLLMSchedule, PreLLMThenLayer
     from ..policies.schedulers import ExplicitSchedule, scale_layers
     from ..presets import get_preset
 
@@ -55,8 +90,16 @@ def method_pipeline(name: str, num_layers: int, target: float, ref_depth: int = 
         return replace(pipe, scheduler=replace(sched, removal_ratio=round(1.0 - kept, 6))), "before the LLM and later"
     if isinstance(sched, H2OSchedule):
         return replace(pipe, scheduler=replace(sched, budget=target)), "cache"
+    if isinstance(sched, BudgetSchedule):  # already a target, reached as the benchmarks do: set it
+        return replace(pipe, scheduler=replace(sched, kept_fraction=target)), "budget"
+    if isinstance(sched, KeptFractionSchedule):  # its stages at their relative depths, then as below
+        layers = sorted({min(num_layers - 1, round(f * num_layers)) for f in sched.relative_layers})
+        schedule, how = budget_schedule(layers, num_layers, target, sched.max_removal_ratio,
+                                        windows_per_side=sched.windows_per_side)
+        return replace(pipe, scheduler=schedule), how
     if not isinstance(sched, ExplicitSchedule):
-        raise TypeError(f"preset {name!r} has no explicit schedule to scale")
+        raise ValueError(f"preset {name!r} ({type(sched).__name__}) cannot be put at a kept fraction: "
+                         "leave it out of --kept-fractions runs")
     layers = scale_layers(sched.layers, ref_depth, num_layers)
     schedule, how = budget_schedule(layers, num_layers, target, MAX_RATIO.get(name, 0.5),
                                     windows_per_side=sched.windows_per_side, window_size=sched.window_size)

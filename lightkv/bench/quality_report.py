@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .. import vis
+from ..outputs import write_atomic
 
 __all__ = ["detail_accuracy", "markdown_table", "plot", "provenance_picture", "write_outputs"]
 
@@ -192,6 +193,18 @@ def plot(result: dict[str, Any], path: Path) -> None:
     vis.save_figure(fig, path)
 
 
+TITLE_CHARS = 38
+"""Characters per title line of a 3.6-inch panel at 9 pt: longer titles wrap, so none is
+clipped at the picture's edge."""
+
+
+def _title(ax: Any, text: str) -> None:
+    import textwrap
+
+    lines = [w for line in text.splitlines() for w in (textwrap.wrap(line, TITLE_CHARS) or [""])]
+    ax.set_title("\n".join(lines), fontsize=9)
+
+
 def provenance_picture(path: Path, model_dir: str | None = None, seed: int = 3, target: float = 0.55,
                        methods: Sequence[str] = ("lightkv", "tome")) -> dict[str, Any]:
     """One held-out ``what`` question, in ``2 + len(methods)`` panels: the image; the prompt
@@ -238,9 +251,9 @@ def provenance_picture(path: Path, model_dir: str | None = None, seed: int = 3, 
     area = float(asked_mask.float().mean())
     what = "object" if region_task else "cell"
     colours = ep.image.reshape(3, side, patch, side, patch).mean((2, 4)).permute(1, 2, 0)  # [side, side, 3]
-    fig, axes = plt.subplots(1, 2 + len(methods), figsize=(3.6 * (2 + len(methods)), 4.0))
+    fig, axes = plt.subplots(1, 2 + len(methods), figsize=(3.6 * (2 + len(methods)), 4.4))
     vis.show(axes[0], ep.image.permute(1, 2, 0))
-    axes[0].set_title(f"'{' '.join(ep.question)}' -> {' '.join(ep.answer)}", fontsize=9)
+    _title(axes[0], f"'{' '.join(ep.question)}' -> {' '.join(ep.answer)}")
     drawn: dict[str, Any] = {"question": " ".join(ep.question), "answer": " ".join(ep.answer), "methods": {},
                              "asked_area": area, "asked": what}
 
@@ -261,8 +274,8 @@ def provenance_picture(path: Path, model_dir: str | None = None, seed: int = 3, 
             vis.heatmap(axes[1], xi)
             outline(axes[1], 1)
             share = float(xi[asked_mask].sum() / xi.sum())
-            axes[1].set_title(f"{name} relevance ξ after layer {rec.layer}\n"
-                              f"{share:.0%} of it on the asked {what} (area {area:.1%})", fontsize=9)
+            _title(axes[1], f"{name} relevance ξ after layer {rec.layer}\n"
+                            f"{share:.0%} of it on the asked {what} (area {area:.1%})")
             drawn["relevance_share_asked"] = share
         owner = trace.provenance.owner[0, first_vision:first_vision + n_img]
         groups = torch.unique(owner, return_inverse=True)[1]
@@ -276,8 +289,8 @@ def provenance_picture(path: Path, model_dir: str | None = None, seed: int = 3, 
         own = int(asked.flatten()[0])
         n_left = int(groups.max()) + 1
         kept = session.report().kept_vision_fraction
-        ax.set_title(f"{name} at {kept:.0%} kept: '{' '.join(got)}'\n"
-                     f"{n_left} tokens left; the asked {what}'s token stands for {int(sizes[own])}", fontsize=9)
+        _title(ax, f"{name} at {kept:.0%} kept: '{' '.join(got)}'\n"
+                   f"{n_left} tokens left; the asked {what}'s token stands for {int(sizes[own])}")
         drawn["methods"][name] = {"answer": " ".join(got), "tokens_left": n_left,
                                   "asked_cell_tokens": len(torch.unique(asked)), "asked_group_size": int(sizes[own])}
     vis.save_figure(fig, path, ticks=False)
@@ -291,7 +304,7 @@ def write_outputs(result: dict[str, Any], out: Path, model: str | None = None) -
     paths = [out / f"{stem}.json", out / f"{stem}.md", out / f"{stem}.png", out / f"{stem}-provenance.png"]
     result = dict(result)
     result["provenance_example"] = provenance_picture(paths[3], model)
-    paths[0].write_text(json.dumps(result, indent=1) + "\n")
-    paths[1].write_text(markdown_table(result))
+    for path, text in zip(paths, [json.dumps(result, indent=1) + "\n", markdown_table(result)]):
+        write_atomic(path, text)  # both rendered before either is written
     plot(result, paths[2])
     return paths

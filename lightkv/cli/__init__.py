@@ -7,7 +7,8 @@ lightkv config validate NAME|FILE [--num-layers N] [--grid HxW]
 lightkv config schema                              JSON Schema of pipeline files
 lightkv bench efficiency [--quick] [--models ...] [--presets ...] [--out DIR] [--repeats N]
 lightkv bench quality [--model digitgrid|DIR] [--episodes N] [--methods ...] [--kept-fractions ...]
-lightkv generate [--model DIR|ID] [--image FILE] [--prompt TEXT] [--preset NAME | --config FILE] [--compare]
+lightkv generate [--model scenes|digitgrid|symbolgrid|DIR|ID] [--image FILE] [--prompt TEXT]
+                 [--preset NAME | --config FILE] [--compare] [--repeats N]
 lightkv demo [--preset NAME] [--questions N]       the bundled Scenes LVLM, with and without LightKV
 lightkv stages-demo [--preset NAME]                the pure core on a real image, no model
 ```
@@ -142,12 +143,10 @@ def _main(argv: Sequence[str] | None) -> int:
         for line in str(e).splitlines():
             print(f"{PROG}: error: {line}", file=sys.stderr)
         return EXIT_INVALID
-    except ModuleNotFoundError as e:  # an optional dependency: name the extra that brings it
+    except ModuleNotFoundError as e:  # an optional dependency: name the extra that brings it, in one line
         extra = EXTRAS.get((e.name or "").split(".")[0])
-        if extra is None:
-            raise
-        print(f"{PROG}: error: this command needs {e.name}, which is not installed: pip install 'lightkv[{extra}]'",
-              file=sys.stderr)
+        fix = f"pip install 'lightkv[{extra}]'" if extra else f"pip install {(e.name or '').split('.')[0] or 'it'}"
+        print(f"{PROG}: error: this command needs {e.name}, which is not installed: {fix}", file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:  # e.g. `lightkv config schema | head`
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -156,9 +155,16 @@ def _main(argv: Sequence[str] | None) -> int:
     except OSError as e:
         if e.errno not in _OUTPUT_ERRNOS:
             raise
+        if e.filename:  # a result file (written whole or not at all: the previous one is unchanged)
+            print(f"{PROG}: error: cannot write {e.filename}: {e.strerror}; any previous file there is unchanged",
+                  file=sys.stderr)
+            return EXIT_USAGE
         # e.g. `lightkv config schema > /dev/full`: drop what stdout still holds, say why in one line
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor (captured)
+            pass
         print(f"{PROG}: error: cannot write the output: {e.strerror}", file=sys.stderr)
         return EXIT_USAGE
 

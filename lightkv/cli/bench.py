@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 
 from .common import (
     EXIT_OK,
+    EXIT_USAGE,
+    PROG,
     Parser,
     UsageError,
     at_most,
@@ -18,19 +19,22 @@ from .common import (
     require,
     writable_dir,
 )
+from .lists import MAX_NAMES, MAX_NUMBERS, merged
 
 
 __all__ = ["add_commands"]
 
 
-class _Renamed(argparse.Action):
-    """Store the values; a flag's old spelling (its last option string) still works, with
-    a deprecation warning that names the new one (the first)."""
+def _removed_flag(parser: argparse.ArgumentParser, old: str, new: str) -> None:
+    """Refuse ``old``, a renamed flag, in one line naming ``new`` (exit status 2), before
+    any work; hidden from the help. There is no release to stay compatible with, and a
+    warning nobody sees beside a value silently used is worse than the error."""
 
-    def __call__(self, parser, namespace, values, option_string=None):
-        if option_string is not None and option_string != self.option_strings[0]:
-            warnings.warn(f"{option_string} is deprecated, use {self.option_strings[0]}", DeprecationWarning, stacklevel=2)
-        setattr(namespace, self.dest, values)
+    class Removed(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            parser.exit(EXIT_USAGE, f"{PROG}: error: {old} was renamed; use {new}\n")
+
+    parser.add_argument(old, nargs="*", action=Removed, help=argparse.SUPPRESS)
 
 
 # Upper limits: a typo such as 1e9 is refused before any work, with what one unit costs.
@@ -83,12 +87,11 @@ def add_commands(commands) -> None:
         "Writes efficiency.json, efficiency.md and PNG plots.",
         formatter_class=fmt,
     )
-    eff.add_argument("--quick", action="store_true", help="a short run (~2 min on CPU): 6 layers of width 128, 2 presets, 3 repeats")
+    eff.add_argument("--quick", action="store_true", help="a short run: 6 layers of width 128, 2 presets, 3 repeats (317 s of CPU time measured: about 3-5 min on a quiet 2-core machine, 10 min on a loaded one)")
     eff.add_argument("--models", nargs="+", metavar="MODEL", help="llava, llava_next, llava_onevision, qwen2_5_vl, qwen2_5_vl_video, internvl "
                      "(default: all)")
     eff.add_argument("--presets", nargs="+", metavar="PRESET", help="presets to compare (default: lightkv tome fastv pdrop elasticcache h2o)")
-    eff.add_argument("--kept-fractions", "--budgets", dest="budgets", nargs="+", type=float, metavar="F",
-                     action=_Renamed,
+    eff.add_argument("--kept-fractions", dest="budgets", nargs="+", type=float, metavar="F",
                      help="kept fractions (e.g. 0.55 0.22 0.11): every preset at each, as the quality benchmark "
                           "puts it there (default: each preset's own schedule)")
     eff.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results, "
@@ -118,6 +121,7 @@ def add_commands(commands) -> None:
     eff.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     eff.add_argument("--no-plots", action="store_true", help="write JSON and Markdown only")
     eff.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _removed_flag(eff, "--budgets", "--kept-fractions")
     eff.set_defaults(func=_cmd_bench_efficiency)
     sc = bsub.add_parser(
         "scaling",
@@ -164,19 +168,21 @@ def add_commands(commands) -> None:
     qual.add_argument("--episodes", type=_EPISODES, default=600, metavar="N",
                       help="held-out conversations (default: 600)")
     qual.add_argument("--methods", nargs="+", metavar="PRESET", help="presets (default: all eight)")
-    qual.add_argument("--kept-fractions", "--targets", dest="targets", nargs="+", type=float, metavar="F",
-                      action=_Renamed, help="kept fractions (default: 1 .75 .55 .4 .25)")
+    qual.add_argument("--kept-fractions", dest="targets", nargs="+", type=float, metavar="F",
+                      help="kept fractions (default: 1 .75 .55 .4 .25)")
     qual.add_argument("--model", metavar="NAME|DIR", default="scenes",
                       help="a bundled model (scenes, digitgrid, symbolgrid) or a model directory the trainer "
                       "wrote (default: scenes)")
     qual.add_argument("--no-ablations", action="store_true", help="skip the ablation table")
-    qual.add_argument("--ablation-kept-fractions", "--ablation-targets", dest="ablation_targets", nargs="+",
-                      type=float, metavar="F", action=_Renamed,
+    qual.add_argument("--ablation-kept-fractions", dest="ablation_targets", nargs="+",
+                      type=float, metavar="F",
                       help="kept fractions of the ablation table (default: .55)")
     qual.add_argument("--no-followup", action="store_true", help="no follow-up questions")
     qual.add_argument("--batch", type=_BATCH, default=100, metavar="N", help="episodes per batch (default: 100)")
     qual.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results)")
     qual.add_argument("--threads", type=machine_threads, metavar="N", help="torch CPU threads (default: torch's)")
+    _removed_flag(qual, "--targets", "--kept-fractions")
+    _removed_flag(qual, "--ablation-targets", "--ablation-kept-fractions")
     qual.set_defaults(func=_cmd_bench_quality)
     abl = bsub.add_parser(
         "ablation",
@@ -189,14 +195,29 @@ def add_commands(commands) -> None:
     )
     abl.add_argument("--models", nargs="+", metavar="NAME|DIR", help="models (default: symbolgrid digitgrid)")
     abl.add_argument("--episodes", type=_ABLATION_EPISODES, default=240, metavar="N", help="conversations per model (default: 240)")
-    abl.add_argument("--kept-fractions", "--targets", dest="targets", nargs="+", type=float, metavar="F",
-                     action=_Renamed, help="kept fractions (default: .55 .4)")
+    abl.add_argument("--kept-fractions", dest="targets", nargs="+", type=float, metavar="F",
+                     help="kept fractions (default: .55 .4)")
     abl.add_argument("--variants", nargs="+", metavar="NAME", help="variants (default: all)")
     abl.add_argument("--baselines", nargs="+", metavar="PRESET", help="baseline presets (default: six)")
     abl.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results)")
     abl.add_argument("--threads", type=machine_threads, metavar="N", help="torch CPU threads (default: torch's)")
+    _removed_flag(abl, "--targets", "--kept-fractions")
     abl.set_defaults(func=_cmd_bench_ablation)
     bench.set_defaults(func=lambda args: missing_action(bench))
+
+
+def _kept_fractions(values, option: str):
+    """``values`` merged (`merged`) and in the one range every benchmark takes
+    (`lightkv.bench.budgets.check_kept_fractions`), or None when not given."""
+    from ..bench.budgets import check_kept_fractions
+
+    values = merged(values, option, MAX_NUMBERS)
+    if values is None:
+        return None
+    try:
+        return check_kept_fractions(values, option)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _cmd_bench_quality(args: argparse.Namespace) -> int:
@@ -207,15 +228,12 @@ def _cmd_bench_quality(args: argparse.Namespace) -> int:
     from ..bench import quality_report as report
     from ..presets import PRESETS
 
+    args.methods = merged(args.methods, "--methods", MAX_NAMES)
     unknown = [m for m in args.methods or () if m not in PRESETS]
     if unknown:
         raise UsageError(f"unknown preset {unknown[0]!r}; choose from: {', '.join(sorted(PRESETS))}")
-    bad = [t for t in args.targets or () if not 0.0 < t <= 1.0]
-    if bad:
-        raise UsageError(f"--kept-fractions must be in (0, 1], got {bad[0]}")
-    bad = [t for t in args.ablation_targets or () if not 0.0 < t < 1.0]
-    if bad:
-        raise UsageError(f"--ablation-kept-fractions must be in (0, 1), got {bad[0]}")
+    args.targets = _kept_fractions(args.targets, "--kept-fractions")
+    args.ablation_targets = _kept_fractions(args.ablation_targets, "--ablation-kept-fractions")
     cfg = q.AccuracyConfig(model=args.model, episodes=args.episodes, batch=args.batch, threads=args.threads,
                            ablations=not args.no_ablations, followup=not args.no_followup,
                            **({"methods": tuple(args.methods)} if args.methods else {}),
@@ -241,14 +259,16 @@ def _cmd_bench_ablation(args: argparse.Namespace) -> int:
     from ..bench.quality import RESULTS
     from ..presets import PRESETS
 
+    args.models = merged(args.models, "--models", MAX_NAMES)
+    args.baselines = merged(args.baselines, "--baselines", MAX_NAMES)
+    args.variants = merged(args.variants, "--variants", MAX_NAMES)
     unknown = [m for m in args.baselines or () if m not in PRESETS]
     if unknown:
         raise UsageError(f"unknown preset {unknown[0]!r}; choose from: {', '.join(sorted(PRESETS))}")
     bad = [v for v in args.variants or () if v not in ab.VARIANTS]
     if bad:
         raise UsageError(f"unknown variant {bad[0]!r}; choose from: {', '.join(ab.VARIANTS)}")
-    if any(not 0.0 < t < 1.0 for t in args.targets or ()):
-        raise UsageError("--kept-fractions must be in (0, 1)")
+    args.targets = _kept_fractions(args.targets, "--kept-fractions")
     given = {"models": args.models, "targets": args.targets, "variants": args.variants, "baselines": args.baselines}
     cfg = ab.AblationConfig(episodes=args.episodes, threads=args.threads,
                             **{k: tuple(v) for k, v in given.items() if v})
@@ -273,6 +293,9 @@ def _cmd_bench_efficiency(args: argparse.Namespace) -> int:
 
     from ..bench import efficiency as eff
 
+    args.models = merged(args.models, "--models", MAX_NAMES)
+    args.presets = merged(args.presets, "--presets", MAX_NAMES)
+    args.budgets = _kept_fractions(args.budgets, "--kept-fractions")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     over = {k: v for k, v in {
         "models": tuple(args.models) if args.models else None,
@@ -313,6 +336,7 @@ def _cmd_bench_scaling(args: argparse.Namespace) -> int:
     from ..bench.efficiency import RESULTS
     from ..bench.efficiency import scaling as sc
 
+    args.sides = merged(args.sides, "--sides", MAX_NUMBERS)
     over = {k: v for k, v in {"sides": tuple(args.sides) if args.sides else None, "width": args.width,
                               "heads": args.heads, "layers": args.layers, "repeats": args.repeats,
                               "threads": args.threads}.items() if v is not None}
@@ -338,6 +362,10 @@ def _cmd_bench_kvquant(args: argparse.Namespace) -> int:
     from ..bench.efficiency import RESULTS
     from ..bench.efficiency import kvquant as kq
 
+    args.models = merged(args.models, "--models", MAX_NAMES)
+    args.backends = merged(args.backends, "--backends", MAX_NAMES)
+    from ..outputs import write_atomic
+
     over = {k: v for k, v in {"models": tuple(args.models) if args.models else None,
                               "backends": tuple(args.backends) if args.backends else None,
                               "layers": args.layers}.items() if v is not None}
@@ -346,8 +374,9 @@ def _cmd_bench_kvquant(args: argparse.Namespace) -> int:
         result = kq.run_kvquant(kq.KVQuantConfig(**over))
     except ValueError as e:
         raise UsageError(str(e).splitlines()[0]) from None
-    (out / "kv-quantization.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "kv-quantization.md").write_text(kq.kvquant_markdown(result))
+    texts = {"kv-quantization.json": json.dumps(result, indent=2) + "\n", "kv-quantization.md": kq.kvquant_markdown(result)}
+    for name, text in texts.items():  # both rendered before either is written
+        write_atomic(out / name, text)
     sys.stdout.write(kq.kvquant_markdown(result))
     print(f"wrote {out / 'kv-quantization.json'}\nwrote {out / 'kv-quantization.md'}")
     return EXIT_OK

@@ -110,7 +110,7 @@ def _plan_lines(cfg, num_layers: int, target: str) -> list[str]:
             f"windows_per_side {s.windows_per_side}" if s.windows_per_side is not None
             else f"window_size {s.window_size[0]}x{s.window_size[1]}"  # type: ignore[index]
         )
-        where = ("before layer 0 (pre-LLM)" if s.before else f"on layer {s.layer}'s cache" if s.cache
+        where = ("before layer 0 (pre-LLM)" if s.mode == "pre_llm" else f"on layer {s.layer}'s cache" if s.mode == "cache"
                  else f"after layer {s.layer}")
         lines.append(f"  stage {i}: {where}, removal ratio {s.removal_ratio:g}, {windows}")
     lines.append(f"vision KV kept on average over layers: {cfg.average_kept_fraction(num_layers):.1%}")
@@ -150,7 +150,7 @@ def _dry_run(cfg, num_layers: int, grid: tuple[int, int]) -> str:
     relevance = torch.rand(1, n, generator=gen)
     keys = torch.randn(1, n, 2, 16, generator=gen)  # for key-space policies: 2 heads of 16
     stages = pipe.stages(num_layers)
-    if stages and all(s.spec.cache for s in stages):  # the cache mode: each layer's cache on its own
+    if stages and all(s.spec.mode == "cache" for s in stages):  # the cache mode: each layer's cache on its own
         from ..cache_stage import CacheStage
 
         cache = keys.transpose(1, 2)  # [B, H_kv, N, d]

@@ -1,4 +1,12 @@
-"""``lightkv generate``: answer a prompt about an image with a compressed prefill."""
+"""``lightkv generate``: answer a prompt about an image with a compressed prefill.
+
+With no ``--model`` it runs the bundled Scenes model (as ``lightkv demo`` does) on a held-out
+Scenes image and question; ``--model scenes|digitgrid|symbolgrid`` names a bundled model in
+every command, anything else is a model directory or hub id. The default pipeline fits the
+model's depth (``lightkv`` where its schedule fits, else the kept-fraction preset
+``lightkv-budget``), and the output says which and why; a bundled model given another image
+says in one line that its answers mean nothing there.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +15,14 @@ import json
 import os
 import sys
 
-from .common import EXIT_OK, UsageError, depth, load_config_or_preset, require
+from .common import EXIT_OK, UsageError, at_most, depth, load_config_or_preset, require
 
 __all__ = ["add_commands"]
+
+DEFAULT_MODEL = "scenes"
+"""The bundled model `generate` runs by default (the one `lightkv demo` shows)."""
+DEEP_PRESET, SHALLOW_PRESET = "lightkv", "lightkv-budget"
+"""The default pipeline where LightKV's own schedule fits the decoder, and where it does not."""
 
 
 def add_commands(commands) -> None:
@@ -25,21 +38,27 @@ def add_commands(commands) -> None:
         "without compression.",
         formatter_class=fmt,
     )
-    gen.add_argument("--model", metavar="DIR|ID", default=None,
-                     help="model directory (or hub id) with its processor (default: the bundled DigitGrid LVLM, whose processor takes any image)")
+    gen.add_argument("--model", metavar="NAME|DIR|ID", default=DEFAULT_MODEL,
+                     help="a bundled model (scenes, digitgrid, symbolgrid), or a model directory or hub id with its "
+                     "processor (default: scenes, the bundled Scenes-VQA model)")
     gen.add_argument("--image", metavar="FILE", default=None,
-                     help="image file (any format Pillow reads; default with the bundled model: a held-out DigitGrid image)")
+                     help="image file (any format Pillow reads; default with a bundled model: one of its held-out "
+                     "images; a bundled model answers only about images of its own task)")
     gen.add_argument("--prompt", metavar="TEXT", default=None,
-                     help="the question or instruction (default with the bundled model: a question about that image)")
+                     help="the question or instruction (default with a bundled model: a held-out question about "
+                     "that image)")
     which = gen.add_mutually_exclusive_group()
-    which.add_argument("--preset", metavar="NAME", help="a preset (see `lightkv presets`; default: lightkv-budget "
-                       "with the bundled model, lightkv with --model)")
+    which.add_argument("--preset", metavar="NAME",
+                       help=f"a preset (see `lightkv presets`; default: {DEEP_PRESET} where "
+                       f"its schedule fits the model's depth, else {SHALLOW_PRESET}, which fits any depth)")
     which.add_argument("--config", metavar="FILE", help="a pipeline YAML file")
     gen.add_argument("--compare", action="store_true", help="also generate without compression and compare")
     gen.add_argument("--max-new-tokens", type=depth, default=32, metavar="N", help="tokens to generate (default: 32)")
     gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                      help="default: float32 on CPU, bfloat16 on CUDA")
     gen.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    gen.add_argument("--repeats", type=at_most(20, "each is a whole generation per variant"), default=3,
+                     metavar="N", help="timed generate calls per variant; times are their medians (default: 3)")
     gen.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     gen.set_defaults(func=_cmd_generate)
 
@@ -53,19 +72,23 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     from .. import generate as g
     from ..config import ConfigError
+    from ..tasks.model import BUNDLED_MODELS
 
     if args.preset and ("/" in args.preset or os.sep in args.preset or args.preset.endswith((".yaml", ".yml"))):
         raise UsageError(f"--preset takes a preset name; use --config for the file {args.preset!r}")
-    from ..tasks.model import BUNDLED_MODEL
-
-    bundled = args.model is None
-    model_path = str(BUNDLED_MODEL) if bundled else args.model
+    bundled = args.model if args.model in BUNDLED_MODELS else None
+    model_path = str(BUNDLED_MODELS[bundled]) if bundled else args.model
     if not bundled and (args.image is None or args.prompt is None):
-        raise UsageError("--image and --prompt are required with --model (they default only for the bundled model)")
+        raise UsageError(f"--image and --prompt are required with --model {args.model} (they default only for the "
+                         f"bundled models: {', '.join(BUNDLED_MODELS)})")
     if args.prompt is not None and not args.prompt.strip():
-        raise UsageError("--prompt is empty; give a question, or leave --prompt out for the bundled model's default")
-    # the bundled model has 6 layers: the 32-layer 'lightkv' schedule does not fit it
-    target = args.config if args.config else (args.preset or ("lightkv-budget" if bundled else "lightkv"))
+        raise UsageError("--prompt is empty; give a question, or leave --prompt out for a bundled model's default")
+    notes = []
+    if args.config or args.preset:
+        target = args.config or args.preset
+    else:
+        target, why = _default_preset(g.decoder_depth(model_path))
+        notes.append(why)
     cfg = load_config_or_preset(target)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
@@ -80,17 +103,21 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         prompt = args.prompt
         if args.image is not None:
             image = g.load_image(args.image)  # before loading a possibly large model
+            if bundled:
+                notes.append(f"the bundled {bundled} model was trained only on its own synthetic {bundled} images: "
+                             "its answers about any other image mean nothing")
         else:
-            image, question = _digitgrid_example()
+            image, question = _bundled_example(bundled)
             prompt = prompt or question["question"]
-            example = {"image": f"a held-out DigitGrid image ({question['grid']})", "prompt": prompt,
+            example = {"image": f"a held-out {bundled} image", "prompt": prompt,
                        "expected_answer": question["answer"]}
             if not args.json:  # with --json, stdout is exactly one JSON document
                 print(f"image: {example['image']}")
                 print(f"prompt: {prompt!r} (expected answer: {question['answer']!r})")
         loaded = g.load_model(model_path, dtype=dtype, device=device, check=cfg)
         inputs = g.build_inputs(loaded, image, prompt)
-        result = g.run(loaded, inputs, cfg.build(), compare=args.compare, max_new_tokens=args.max_new_tokens)
+        result = g.run(loaded, inputs, cfg.build(), compare=args.compare, max_new_tokens=args.max_new_tokens,
+                       repeats=args.repeats)
     except g.GenerateError as e:
         raise UsageError(str(e)) from None
     except ConfigError as e:  # e.g. a schedule deeper than the model: name the file or preset
@@ -99,6 +126,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         hub_log.setLevel(hub_level)
         if quiet:
             hf_logging.enable_progress_bar()
+    result.notes.extend(notes)
     if result.report.missed_target:  # stderr, so a --json stdout stays one document
         print(f"lightkv: warning: {result.report.missed_target}", file=sys.stderr)
     if args.json:
@@ -111,15 +139,27 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _digitgrid_example():
-    """A held-out DigitGrid image (PIL) and a cell question about it, for the bundled model."""
-    import random
+def _default_preset(layers: int | None) -> tuple[str, str]:
+    """``(preset, why)``: `DEEP_PRESET` where its schedule fits a decoder of ``layers``,
+    else `SHALLOW_PRESET` (a kept-fraction schedule that fits any depth)."""
+    from ..config import ConfigError
 
-    from ..tasks.digitgrid import data
-    from ..tasks.model import BUNDLED_MODEL, read_grid_config
+    if layers is None:
+        return DEEP_PRESET, f"preset {DEEP_PRESET} (the default; the model's depth could not be read from its config)"
+    try:
+        load_config_or_preset(DEEP_PRESET).validate_for_model(layers)
+    except (ConfigError, ValueError):
+        return SHALLOW_PRESET, (f"preset {SHALLOW_PRESET} (the default for this {layers}-layer decoder: "
+                                f"{DEEP_PRESET}'s schedule needs a deeper one; --preset chooses another)")
+    return DEEP_PRESET, f"preset {DEEP_PRESET} (the default: its schedule fits this {layers}-layer decoder)"
 
-    grid = read_grid_config(BUNDLED_MODEL)
-    ep = data.make_episode(random.Random("generate-example"), "heldout", "what", grid)
-    cells = " / ".join(" ".join("." if v < 0 else str(v) for v in row) for row in ep.grid.tolist())
-    return data.to_pil(ep.image), {"question": " ".join(ep.question), "answer": " ".join(ep.answer),
-                                   "grid": f"cells by row: {cells}"}
+
+def _bundled_example(name: str):
+    """A held-out image (PIL) of bundled model ``name``'s task and a question about it."""
+    from ..tasks import evaluate
+    from ..tasks.digitgrid.images import to_pil
+    from ..tasks.model import BUNDLED_MODELS, read_grid_config
+
+    grid = read_grid_config(BUNDLED_MODELS[name])
+    ep = evaluate.heldout_episodes(1, seed=0, grid=grid)[0]
+    return to_pil(ep.image), {"question": " ".join(ep.question), "answer": " ".join(ep.answer)}

@@ -24,7 +24,7 @@ stage_overrides:
 A schedule is a registered scheduler like any policy, ``{name: ..., params: {...}}``
 (``explicit``, ``kept_fraction``, ``scaled``, ``budget`` or your own); ``layers: ...`` above
 is the shorthand of ``name: explicit``, and ``kept_fraction: 0.55`` that of ``name:
-kept_fraction, params: {target: 0.55}`` (see `ScheduleConfig`). Policy names are checked
+kept_fraction, params: {kept_fraction: 0.55}`` (see `ScheduleConfig`). Policy names are checked
 against the family registries (`lightkv.policies.FAMILIES`), which include third-party
 policies registered with a decorator or through the ``lightkv.policies`` entry-point group.
 

@@ -19,7 +19,7 @@ class ConfigError(ValueError):
 
     Attributes:
         problems: ``(location, message)`` pairs; a location is a dotted path such as
-            ``schedule.ratios.0`` (empty for the document as a whole).
+            ``schedule.removal_ratios.0`` (empty for the document as a whole).
         source: what was being read (a file name or ``preset NAME``), or None.
     """
 

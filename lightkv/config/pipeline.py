@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import os
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import (
@@ -18,8 +17,9 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_core import PydanticCustomError
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from ..outputs import write_atomic
 from ..pipeline import DIVERGENCE_MEMORY_MIB, Pipeline, Stage
 from ..policies import FAMILIES, Policy, StageSpec, average_kept_fraction
 from ..quirks import ReleasedQuirks
@@ -129,9 +129,12 @@ class PipelineConfig(BaseModel):
     @classmethod
     def _known_overrides(cls, overrides: dict[int, dict[str, PolicySpec | None]]) -> dict:
         out: dict[int, dict[str, PolicySpec | None]] = {}
+        problems: list[PydanticCustomError] = []  # every bad override, not only the first (three were two)
         for index in sorted(overrides):
             if index < 0:
-                raise _fail("stage_index", f"stage indices are 0-based and must be >= 0, got {index}", (index,))
+                problems.append(_fail("stage_index", f"stage indices are 0-based and must be >= 0, got {index}",
+                                      (index,)))
+                continue
             fields = {}
             for field in STAGE_FIELDS:  # canonical order
                 if field not in overrides[index]:
@@ -139,16 +142,21 @@ class PipelineConfig(BaseModel):
                 spec = overrides[index][field]
                 if spec is None:
                     if field != "scorer":
-                        raise _fail("required", f"only scorer may be null, not {field}", (index, field))
+                        problems.append(_fail("required", f"only scorer may be null, not {field}", (index, field)))
                     fields[field] = None
                     continue
                 try:
                     fields[field] = _validated(FAMILIES[field], spec)
                 except PydanticCustomError as e:
                     ctx = e.context or {}
-                    raise _fail(e.type.removeprefix("lightkv_"), ctx.get("message", e.message()),
-                                (index, field) + tuple(ctx.get("subloc", ()))) from None
+                    problems.append(_fail(e.type.removeprefix("lightkv_"), ctx.get("message", e.message()),
+                                          (index, field) + tuple(ctx.get("subloc", ()))))
             out[index] = fields
+        if len(problems) == 1:
+            raise problems[0]
+        if problems:  # several: pydantic merges a nested ValidationError under this field, one line each
+            raise ValidationError.from_exception_data(
+                cls.__name__, [InitErrorDetails(type=p, loc=(), input=overrides) for p in problems])
         return out
 
     @model_validator(mode="after")
@@ -311,7 +319,7 @@ class PipelineConfig(BaseModel):
         also written to ``path`` if given."""
         text = dump_yaml(self.to_dict())
         if path is not None:
-            Path(path).write_text(text, encoding="utf-8")
+            write_atomic(path, text)  # whole or not at all
         return text
 
 

@@ -16,7 +16,9 @@ built-in ones do:
 ``to_yaml`` writes the shorthand of a scheduler that has one. Values are checked by the
 scheduler itself (its dataclass and `__post_init__`), which is constructed once; its
 `ScheduleError` names the field and entry, which become the YAML location. Renamed keys
-(``ratios``, ``max_ratio``, ``target``) are still read, with a `DeprecationWarning`.
+(``ratios``, ``ratio``, ``max_ratio``, ``target``) are refused with a message naming the new
+key (there is no release to stay compatible with, and an alias beside its new name was a
+silent wrong configuration).
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..policies import ExplicitSchedule, ScheduleError, Scheduler
-from ..policies.base import rename_fields
+from ..policies.base import removed_field_message
 from .errors import _did_you_mean, _fail, _plain
-from .specs import PolicySpec, _build, _cached, _canonical, _jsonable, _spec_of
+from .specs import PolicySpec, _build, _cached, _canonical, _jsonable, _no_bools, _spec_of
 
 __all__ = ["ScheduleConfig", "shorthands"]
 
@@ -47,23 +49,6 @@ def shorthands() -> dict[str, tuple[str, type[Scheduler]]]:
         if key and key not in out and key not in CANONICAL:
             out[key] = (name, impl)
     return out
-
-
-def _no_bools(impl: type | None, params: dict[str, Any]) -> None:
-    """Refuse True/False where a scheduler field wants numbers (pydantic's lax mode would
-    read them as 1 and 0)."""
-    if impl is None or not dataclasses.is_dataclass(impl):
-        return
-    types = {f.name: str(f.type) for f in dataclasses.fields(impl)}
-    for key, value in params.items():
-        if "bool" in types.get(key, "bool"):
-            continue
-        values = value if isinstance(value, list) else [value]
-        for i, v in enumerate(values):
-            if isinstance(v, bool):
-                kind = "integer" if "int" in types[key] else "number"
-                where = ("params", key, i) if isinstance(value, list) else ("params", key)
-                raise _fail("param_value", f"Input should be a valid {kind}, got {v!r}", where)
 
 
 def _relocate(err: PydanticCustomError, form: str) -> PydanticCustomError:
@@ -102,10 +87,14 @@ def canonical_schedule(data: Any) -> tuple[Any, Scheduler | None]:
     short = shorthands()
     keys = set(CANONICAL)
     for key, (_, impl) in short.items():
-        keys |= {key, *impl.shorthand_keys, *getattr(impl, "renamed_fields", {})}
+        keys |= {key, *impl.shorthand_keys}
     for key in data:
+        for _, impl in short.values():  # a renamed shorthand key: name the new one
+            removed = removed_field_message(impl, [key], "schedule")
+            if removed is not None and key not in keys:
+                raise _fail("removed_field", removed, (key,))
         if key not in keys:
-            allowed = sorted(keys - {k for _, i in short.values() for k in getattr(i, "renamed_fields", {})})
+            allowed = sorted(keys)
             raise _fail("unknown_field", f"unknown field {key!r}{_did_you_mean(key, allowed)} (allowed: {', '.join(allowed)})",
                         (key,))
     form = _form(data, short)
@@ -113,7 +102,6 @@ def canonical_schedule(data: Any) -> tuple[Any, Scheduler | None]:
         allowed, impl = set(CANONICAL), None
     else:
         name, impl = short[form]
-        data = rename_fields(impl, data, "schedule", stacklevel=5)
         allowed = {form, *impl.shorthand_keys}
     for key in data:
         if key not in allowed:
@@ -141,8 +129,10 @@ def canonical_schedule(data: Any) -> tuple[Any, Scheduler | None]:
             lookup = Scheduler.lookup(name)
         except ValueError:
             lookup = None  # reported by _build, with the registered names
-        if lookup is not None:
-            params = rename_fields(lookup, params, f"schedule {name!r}", stacklevel=5)
+        removed = None if lookup is None else removed_field_message(lookup, params, f"schedule {name!r}")
+        if removed is not None:
+            old = next(k for k in params if k in lookup.removed_fields)
+            raise _fail("removed_param", removed, ("params", old))
         _no_bools(lookup, params)
         spec = PolicySpec.model_construct(name=name, params=params)
         scheduler, coerced = _build(Scheduler, spec, prefix=form == "name")
@@ -234,9 +224,6 @@ class ScheduleConfig(BaseModel):
         """The removal ratios of an explicit schedule (None for other schedulers)."""
         s = self._explicit()
         return None if s is None else [float(r) for r in s.removal_ratios]
-
-    ratios = removal_ratios
-    """Deprecated name of `removal_ratios`."""
 
     @property
     def windows_per_side(self) -> list[int] | None:

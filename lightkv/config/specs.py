@@ -24,7 +24,7 @@ from pydantic_core import PydanticCustomError
 
 from ..policies import FAMILIES, Policy
 from ..policies import pooling as _pooling  # noqa: F401  (registers the "anchor" and "strided" partitioners)
-from ..policies.base import rename_fields
+from ..policies.base import removed_field_message
 
 from .errors import ConfigError, _did_you_mean, _fail, _plain, _short
 
@@ -126,12 +126,28 @@ def _field_adapters(impl: type) -> dict[str, TypeAdapter] | None:
         return None
 
 
+def _no_bools(impl: type | None, params: dict[str, Any]) -> None:
+    """Refuse True/False where a policy's or scheduler's field wants numbers (pydantic's lax
+    mode would read them as 1 and 0: ``frames: true`` was a valid one-frame window)."""
+    if impl is None or not dataclasses.is_dataclass(impl):
+        return
+    types = {f.name: str(f.type) for f in dataclasses.fields(impl)}
+    for key, value in params.items():
+        if "bool" in types.get(key, "bool"):
+            continue
+        values = value if isinstance(value, list) else [value]
+        for i, v in enumerate(values):
+            if isinstance(v, bool):
+                kind = "integer" if "int" in types[key] else "number"
+                where = ("params", key, i) if isinstance(value, list) else ("params", key)
+                raise _fail("param_value", f"Input should be a valid {kind}, got {v!r}", where)
+
+
 def _coerce_params(family: type[Policy], spec: PolicySpec, prefix: bool = True) -> dict[str, Any]:
     """Check ``spec`` against ``family``'s registry and the policy's parameter types.
 
     Returns the parameters converted to the types the policy declares (e.g. YAML lists
-    to tuples), under their current names (a deprecated name is renamed with a
-    `DeprecationWarning`), ready for ``family.create``; nothing is constructed. Messages
+    to tuples) (a renamed parameter's old name is refused, naming the new one), ready for ``family.create``; nothing is constructed. Messages
     about values start with the family and name (``scheduler 'explicit': ...``) unless
     ``prefix`` is false.
 
@@ -142,7 +158,11 @@ def _coerce_params(family: type[Policy], spec: PolicySpec, prefix: bool = True) 
         impl = family.lookup(spec.name)
     except ValueError as e:
         raise _fail("unknown_policy", f"{e}{_did_you_mean(spec.name, family.registered())}", ("name",)) from None
-    params = rename_fields(impl, dict(spec.params), f"{family.family} {spec.name!r}", stacklevel=4)
+    params = dict(spec.params)
+    removed = removed_field_message(impl, params, f"{family.family} {spec.name!r}")
+    if removed is not None:
+        old = next(k for k in params if k in impl.removed_fields)
+        raise _fail("removed_param", removed, ("params", old))
     if not dataclasses.is_dataclass(impl):
         return params
     fields = {f.name: f for f in dataclasses.fields(impl) if f.init}
@@ -155,6 +175,7 @@ def _coerce_params(family: type[Policy], spec: PolicySpec, prefix: bool = True) 
             f"its parameters are: {allowed}",
             ("params", bad[0]),
         )
+    _no_bools(impl, params)
     adapters = _field_adapters(impl)
     if adapters is None or not params:
         return params

@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters)")
     print(f"pipeline: {args.preset} ({pipe.scheduler.__class__.__name__}); held-out episodes, seed {args.seed}\n")
     w = 18 if data.__name__.endswith("digitgrid.data") else 26
-    head = (f"{'question':28s} {'truth':{w}s} {'uncompressed':{w}s} {args.preset:{w}s} "
+    head = (f"{'question':{QUESTION_WIDTH}s} {'truth':{w}s} {'uncompressed':{w}s} {args.preset:{w}s} "
             f"{'kept':>5s} {'vision KV':>17s} {'prefill ms':>13s}")
     print(head)
     print("-" * len(head))
@@ -132,9 +132,12 @@ def main(argv: list[str] | None = None) -> int:
         right = [r + o for r, o in zip(right, ok)]
         mark = ["ok" if o else "WRONG" for o in ok]
         kv = f"{rep.kv_bytes_vision / 1024:.0f}/{rep.kv_bytes_vision_baseline / 1024:.0f} KiB"
-        print(f"{' '.join(ep.question):28s} {_short(ep.answer, w)} "
+        question = _question_lines(ep.question)
+        print(f"{question[0]:{QUESTION_WIDTH}s} {_short(ep.answer, w)} "
               f"{_short(base, w, mark[0])} {_short(got, w, mark[1])} "
               f"{rep.kept_vision_fraction:5.2f} {kv:>17s} {t_base:6.1f}/{t_comp:<6.1f}")
+        for more in question[1:]:  # a long question wraps inside its own column
+            print(more)
     n = len(episodes)
     print(f"\ncorrect: {right[0]}/{n} uncompressed, {right[1]}/{n} with {args.preset} "
           "(vision KV: compressed/uncompressed, summed over layers; prefill: uncompressed/compressed, median of 3; "
@@ -151,6 +154,19 @@ def main(argv: list[str] | None = None) -> int:
               f"{drawn['asked_area']:.1%} of the image), and which patches merged into which token with lightkv "
               "and with prompt-agnostic ToMe")
     return 0
+
+
+QUESTION_WIDTH = 30
+"""The question column: a longer question wraps onto lines of its own below the row, quoted,
+so it never runs into the truth column ('where is the red object the yellow object' and its
+answer 'right' once read as one sentence)."""
+
+
+def _question_lines(words: list[str]) -> list[str]:
+    """The question in quotes, wrapped to `QUESTION_WIDTH` (continuation lines indented)."""
+    import textwrap
+
+    return textwrap.wrap(f"'{' '.join(words)}'", QUESTION_WIDTH, subsequent_indent=" ") or ["''"]
 
 
 def _short(words: list[str], width: int, mark: str | None = None) -> str:
@@ -174,7 +190,12 @@ def _contrast(model, grid, num_layers: int, args, target: float) -> None:
     convs = scoring.conversations(args.contrast, grid, seed=args.seed + 1, followup=False)
     methods = ("lightkv", *CONTRAST_METHODS)
     pipes = {m: method_pipeline(m, num_layers, target)[0] for m in methods}
-    scores = {m: scoring.score(model, convs, grid, pipes[m], batch=50) for m in methods}
+    scores = {}
+    t0 = time.perf_counter()
+    for i, m in enumerate(methods, 1):  # minutes in all on 2 cores: say where it is (stderr, one line each)
+        print(f"lightkv demo: [{i}/{len(methods)}] {m} at {target:.0%} kept on {len(convs)} questions "
+              f"({time.perf_counter() - t0:.0f} s so far)", file=sys.stderr, flush=True)
+        scores[m] = scoring.score(model, convs, grid, pipes[m], batch=50)
     right = ", ".join(f"{m} {int(s.correct.sum())} ({s.kept_fraction:.0%} kept)" for m, s in scores.items())
     print(f"\nat {target:.0%} of the vision KV cache, right out of {len(convs)} held-out questions: {right}")
     light = scores["lightkv"].correct

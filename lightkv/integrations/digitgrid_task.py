@@ -28,6 +28,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from ..outputs import write_atomic
+
 __all__ = ["TASK_NAME", "lmms_eval_command", "offline_env", "read_run", "task_episodes", "write_task"]
 
 TASK_NAME = "digitgrid_lightkv"
@@ -103,9 +105,9 @@ def write_task(directory: str | Path, episodes, grid, name: str = TASK_NAME) -> 
                                   "answer": datasets.Value("string"), "qtype": datasets.Value("string")})
     data = directory / "data"
     datasets.DatasetDict({"test": datasets.Dataset.from_dict(rows, features=features)}).save_to_disk(str(data))
-    (directory / "utils.py").write_text(UTILS)
+    write_atomic(directory / "utils.py", UTILS)
     max_new = task_for(grid).answer_length(grid) + 2  # what lightkv's evaluator allows
-    (directory / f"{name}.yaml").write_text(YAML.format(name=name, data=data.resolve(), max_new_tokens=max_new))
+    write_atomic(directory / f"{name}.yaml", YAML.format(name=name, data=data.resolve(), max_new_tokens=max_new))
     return directory
 
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 import json
 import os
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +52,7 @@ from .session_log import (
     placement,
     row_reports,
     single_process_launch,
+    warn_lmms_eval_user,
     uncompressed_rows,
 )
 
@@ -147,8 +147,8 @@ class LightKV(lmms):
         self.pipeline = load_pipeline(preset, config)
         accelerator = Accelerator()
         alone = single_process_launch(os.environ, accelerator.num_processes)
-        if alone:
-            warnings.warn(f"lightkv: {alone}", stacklevel=2)
+        if alone:  # stderr, not warnings.warn: lmms-eval ignores every Python warning
+            warn_lmms_eval_user(alone)
         where = placement(process_index=accelerator.process_index,
                           local_process_index=accelerator.local_process_index,
                           num_processes=accelerator.num_processes, accelerator_device=accelerator.device,

@@ -25,6 +25,7 @@ its totals with the other ranks' (`gather_totals`) before logging the aggregate.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 
 __all__ = ["Placement", "PrefillTimer", "ReportTotals", "gather_totals", "placement", "row_reports",
-           "shard", "single_process_launch", "uncompressed_rows"]
+           "shard", "single_process_launch", "uncompressed_rows", "warn_lmms_eval_user"]
 
 
 def row_reports(session, prefill_s: float | None) -> list[dict[str, Any]]:
@@ -227,6 +228,16 @@ def single_process_launch(env: Mapping[str, str], num_processes: int) -> str | N
                 "start more); every document runs here: for several CPU processes use "
                 "`python -m torch.distributed.run --nproc_per_node N -m lmms_eval ...`")
     return None
+
+
+def warn_lmms_eval_user(message: str, stream=None) -> None:
+    """Print ``lightkv: warning: message`` on stderr (or ``stream``), flushed.
+
+    Not `warnings.warn`: lmms-eval's entry point ignores every Python warning, so a warning
+    about how the run was launched never reached the user. Not `logging` either (lmms-eval
+    logs through loguru and may configure the standard loggers). A plain write to stderr is
+    what no filter of lmms-eval silences."""
+    print(f"lightkv: warning: {message}", file=stream or sys.stderr, flush=True)
 
 
 def placement(*, process_index: int, local_process_index: int, num_processes: int,

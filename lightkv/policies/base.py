@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from typing import Any, Callable, ClassVar, TypeVar
 
 from .plugins import ENTRY_POINT_GROUP, EntryPointStatus, PluginError, load_entry_points
 
-__all__ = ["Policy", "ENTRY_POINT_GROUP", "renamed"]
+__all__ = ["Policy", "ENTRY_POINT_GROUP", "removed_names", "removed_field_message"]
 
 P = TypeVar("P", bound=type)
 
@@ -40,48 +39,44 @@ P = TypeVar("P", bound=type)
 T = TypeVar("T", bound=type)
 
 
-def renamed(**old_to_new: str) -> Callable[[T], T]:
-    """Class decorator (put it above ``@dataclass``): keep accepting renamed fields.
+def removed_names(**old_to_new: str) -> Callable[[T], T]:
+    """Class decorator (put it above ``@dataclass``): refuse field names that were renamed.
 
-    ``@renamed(ratios="removal_ratios")`` makes ``Cls(ratios=...)`` (and
-    ``dataclasses.replace(obj, ratios=...)``) set ``removal_ratios`` with a
-    `DeprecationWarning` that names the new field, and ``obj.ratios`` read it. The mapping
-    is kept as ``renamed_fields`` (inherited and extended by subclasses), so the config
-    layer accepts the old YAML keys the same way. Where both names are given, the old one
-    wins: that is what `dataclasses.replace` with an old name means.
+    lightkv has no release, so renamed fields keep no alias (an alias that silently lost to
+    or won over its new name was a wrong configuration nobody saw). Instead
+    ``@removed_names(ratios="removal_ratios")`` makes ``Cls(ratios=...)`` raise a one-line
+    `TypeError` naming the new field, and the mapping is kept as ``removed_fields``
+    (inherited and extended by subclasses) so the config layer refuses the old YAML keys
+    with the same message.
     """
 
     def deco(cls: T) -> T:
-        mapping = {**getattr(cls, "renamed_fields", {}), **old_to_new}
+        mapping = {**getattr(cls, "removed_fields", {}), **old_to_new}
         init = cls.__init__
 
         @functools.wraps(init)
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            init(self, *args, **rename_fields(cls, kwargs, stacklevel=3))
+            message = removed_field_message(cls, kwargs)
+            if message is not None:
+                raise TypeError(message)
+            init(self, *args, **kwargs)
 
         cls.__init__ = __init__  # type: ignore[misc]
-        cls.renamed_fields = mapping  # type: ignore[attr-defined]
-        for old, new in old_to_new.items():
-            setattr(cls, old, property(lambda self, new=new: getattr(self, new), doc=f"Deprecated name of `{new}`."))
+        cls.removed_fields = mapping  # type: ignore[attr-defined]
         return cls
 
     return deco
 
 
-def rename_fields(cls: type, params: dict[str, Any], where: str | None = None, stacklevel: int = 2) -> dict[str, Any]:
-    """``params`` with every deprecated field name of ``cls`` (see `renamed`) replaced by
-    its new name, warning once per old name; ``where`` prefixes the warning (e.g. the
-    YAML location)."""
-    mapping = getattr(cls, "renamed_fields", {})
-    if not mapping or not any(k in mapping for k in params):
-        return params
-    out = dict(params)
-    for old, new in mapping.items():
-        if old in out:
-            label = where or f"{cls.__name__}"
-            warnings.warn(f"{label}: {old!r} is deprecated, use {new!r}", DeprecationWarning, stacklevel=stacklevel + 1)
-            out[new] = out.pop(old)
-    return out
+def removed_field_message(cls: type, params: Any, where: str | None = None) -> str | None:
+    """The one-line message for the first removed field name of ``cls`` (see
+    `removed_names`) among ``params``' keys, or None; ``where`` prefixes it (e.g. the YAML
+    location, default the class name)."""
+    mapping = getattr(cls, "removed_fields", {})
+    for old in params:
+        if old in mapping:
+            return f"{where or cls.__name__}: {old!r} was renamed; use {mapping[old]!r}"
+    return None
 
 
 class Policy:
@@ -107,13 +102,19 @@ class Policy:
         """Class decorator: register an implementation of this family under ``name``.
 
         Raises:
-            ValueError: the name is already taken by another class.
-            TypeError: the class is not a subclass of this family.
+            ValueError: the name is not a non-empty string, or is already taken by another
+                class.
+            TypeError: the class is not a subclass of this family (the family's own base
+                class included: registering it would rename the family).
         """
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"a {cls.family} is registered under a non-empty name, got {name!r}")
 
         def deco(impl: P) -> P:
             if not (isinstance(impl, type) and issubclass(impl, cls)):
                 raise TypeError(f"{impl!r} must subclass {cls.__name__} to be registered as a {cls.family}")
+            if "family" in vars(impl):  # the family's base: registering it would rename the family
+                raise TypeError(f"register a subclass of {impl.__name__}, not the family's base class itself")
             existing = cls._registry.get(name)
             if existing is not None and existing.__qualname__ != impl.__qualname__:
                 raise ValueError(f"{cls.family} name {name!r} is already registered by {existing.__qualname__}")
@@ -160,7 +161,9 @@ class Policy:
             ValueError: unknown name, or a parameter the policy does not have.
         """
         impl = cls.lookup(name)
-        params = rename_fields(impl, params, f"{cls.family} {name!r}")
+        message = removed_field_message(impl, params, f"{cls.family} {name!r}")
+        if message is not None:
+            raise ValueError(message)
         if dataclasses.is_dataclass(impl):
             allowed = {f.name for f in dataclasses.fields(impl) if f.init}
             bad = sorted(set(params) - allowed)

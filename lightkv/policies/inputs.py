@@ -14,7 +14,6 @@ inputs.features("keys")                                     # [B, N, H_kv, d] or
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -74,17 +73,17 @@ class StageInputs:
         window_size: tuple[int, int] | None = None,
         removal_ratio: float = 0.5,
         layer: int = 0,
-        ratio: float | None = None,
         **tensors: torch.Tensor | Provenance | Prompt | None,
     ) -> "StageInputs":
         """Inputs for a stage built from a layout and window settings, without a scheduler.
 
-        ``tensors`` are the other fields (``relevance``, ``keys``, ``provenance``, ``prompt``);
-        ``ratio`` is the deprecated name of ``removal_ratio``.
+        ``tensors`` are the other fields (``relevance``, ``keys``, ``provenance``, ``prompt``).
+
+        Raises:
+            TypeError: ``ratio`` (renamed ``removal_ratio``) or another unknown keyword.
         """
-        if ratio is not None:
-            warnings.warn("StageInputs.of: 'ratio' is deprecated, use 'removal_ratio'", DeprecationWarning, stacklevel=2)
-            removal_ratio = ratio
+        if "ratio" in tensors:
+            raise TypeError("StageInputs.of: 'ratio' was renamed; use 'removal_ratio'")
         spec = StageSpec(layer, removal_ratio, windows_per_side=windows_per_side, window_size=window_size)
         return cls(layout=layout, spec=spec, hidden=hidden, **tensors)  # type: ignore[arg-type]
 

@@ -18,7 +18,7 @@ import torch
 from ..graph.layout import VisionLayout
 from ..graph.scatter import pack_rows
 from .base import Policy
-from .hashing import seeded_uniform, token_identity
+from .hashing import seeded_uniform, seeded_uniform_pairs, token_identity
 
 __all__ = [
     "Relevance",
@@ -270,24 +270,51 @@ class UniformRelevance(Relevance):
 @Relevance.register("random")
 @dataclass
 class RandomRelevance(Relevance):
-    """ξ uniform in ``[0, 1)`` per vision token, independent of the prompt: what the
-    authors' released LLaVA code merges with, because its hook replaces the attention
-    scores by ``torch.rand_like`` (a leftover marked "TODO: REMOVE THIS"; the
-    ``lightkv-paper-released`` preset).
+    """The authors' released LLaVA code's relevance: `QueryAxisSoftmax` with its scores
+    replaced by random numbers (the ``lightkv-paper-released`` preset).
+
+    The released hook replaces the attention scores of the relevance module by
+    ``torch.rand_like`` (a leftover marked "TODO: REMOVE THIS"), and those scores then go
+    through the module's own softmax over the query axis and its sums over text columns
+    and heads. Summing ``H x T`` softmax entries of uniform scores makes ξ nearly constant
+    (coefficient of variation about ``0.28 / sqrt(H T)``: 0.01-0.02 on LLaVA-1.5-7B), so the
+    released merges are near-plain averages; ξ uniform in ``[0, 1)`` itself (CV 0.58) merged
+    24-72x further from the released code's features than one released run is from another.
+    ``softmax=False`` keeps that raw draw (for ablations).
 
     The released code draws from the global RNG, so its runs differ from each other; here
-    each token's draw is a hash of its grid position and ``seed``
-    (`lightkv.policies.hashing.seeded_uniform`), so a row gets the same ξ alone or inside
-    a batch and on every run: the same distribution, not the same numbers.
+    each score is a hash of its token's grid position, head, text column and ``seed``
+    (`lightkv.policies.hashing.seeded_uniform_pairs`), so a row gets the same ξ alone or
+    inside a batch and on every run: the released distribution, not its numbers. The
+    queries are read for their head count only (the released code computed them too).
 
     Attributes:
         seed: changes the draw.
+        softmax: pass the scores through the module's softmax and sums (the released code).
     """
 
-    query_rows: ClassVar[str] = "none"
-    key_cols: ClassVar[str] = "none"
+    key_cols: ClassVar[str] = "text"
+    packed_text_keys: ClassVar[bool] = True
     seed: int = 0
+    softmax: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.softmax, bool):
+            raise ValueError(f"softmax must be True or False, got {self.softmax!r}")
 
     def score(self, queries, keys, layout):
-        xi = seeded_uniform(token_identity(layout), self.seed)
+        identity = token_identity(layout)
+        if not self.softmax:
+            xi = seeded_uniform(identity, self.seed)
+            return torch.where(layout.vision_mask, xi, torch.zeros_like(xi))
+        text_pos, text_valid = pack_rows(layout.text_mask)
+        heads = 1 if queries is None else int(queries.shape[1])
+        # a text token is known by its place among its row's real tokens (not its padded index)
+        rank = layout.valid_mask.long().cumsum(1) - 1
+        identity = torch.where(layout.image >= 0, identity, rank)
+        scores = seeded_uniform_pairs(identity, identity.gather(1, text_pos), heads, self.seed)  # [B, H, N, T]
+        # then what the released module does with its (replaced) scores: QueryAxisSoftmax's softmax and sums
+        scores.masked_fill_(~layout.valid_mask[:, None, :, None], float("-inf"))
+        attn = torch.softmax(scores, dim=2).masked_fill(~text_valid[:, None, None, :], 0.0)
+        xi = attn.sum(dim=(1, 3))
         return torch.where(layout.vision_mask, xi, torch.zeros_like(xi))

@@ -24,7 +24,7 @@ from typing import Literal
 import torch
 
 from ..graph.scatter import scatter_max, segment_rank
-from ..graph.windows import Bands, band_index, check_bands, grid_window_local
+from ..graph.windows import MAX_SIDE, Bands, band_index, check_bands, grid_window_local
 from .inputs import StageInputs
 from .partitioners import Partition, Partitioner
 
@@ -52,8 +52,9 @@ class SpatioTemporalPartitioner(Partitioner):
 
     def __post_init__(self) -> None:
         check_bands(self.bands)
-        if isinstance(self.frames, bool) or not isinstance(self.frames, int) or self.frames < 0:
-            raise ValueError(f"frames must be a non-negative integer (0: follow the schedule), got {self.frames!r}")
+        if isinstance(self.frames, bool) or not isinstance(self.frames, int) or not 0 <= self.frames <= MAX_SIDE:
+            # bounded like a window side: 10**30 frames overflowed a tensor at the first stage
+            raise ValueError(f"frames must be an integer in [0, {MAX_SIDE}] (0: follow the schedule), got {self.frames!r}")
         if self.split not in ("frames", "parity"):
             raise ValueError(f"unknown split {self.split!r}; choose 'frames' or 'parity'")
 

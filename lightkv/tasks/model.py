@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..outputs import write_atomic
 from .digitgrid.config import DEFAULT_CONFIG, GridConfig
 from .digitgrid.vocab import BOS_ID, CONTENT_IDS, EOS_ID, IMAGE_ID, PAD_ID
 from .registry import Task, get_task
@@ -199,7 +200,7 @@ def save(model, path: str | Path, grid, spec: ModelSpec, extra: dict | None = No
     model.save_pretrained(path)
     build_processor(grid, spec, task).save_pretrained(path)
     meta = {"task": task, "grid": asdict(grid), "spec": asdict(spec), **(extra or {})}
-    (path / GRID_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    write_atomic(path / GRID_FILE, json.dumps(meta, indent=2) + "\n")
     return path
 
 

@@ -64,6 +64,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..outputs import write_atomic
 from . import circuit
 from .labels import label_groups, label_loss, translation, vision_words
 from .model import ModelSpec, alignment_targets, build_model, save
@@ -293,8 +294,9 @@ def run_stage(args) -> None:
         return warm * (0.1 + 0.9 * max(0.0, 1 - s / args.steps)) if args.decay else warm
 
     def checkpoint() -> None:
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "rng": rng.getstate(),
-                    "torch_rng": torch.get_rng_state(), "step": step, "log": log, "args": vars(args)}, ckpt)
+        state = {"model": model.state_dict(), "opt": opt.state_dict(), "rng": rng.getstate(),
+                 "torch_rng": torch.get_rng_state(), "step": step, "log": log, "args": vars(args)}
+        write_atomic(ckpt, lambda f: torch.save(state, f))  # a killed run keeps its last whole checkpoint
 
     n_img = task.data.num_image_tokens(grid, spec.patch)
     mix = _mix(args)

@@ -49,8 +49,8 @@ def test_identity_at_ratio_zero(family, preset):
     ref = model.generate(**batch, **GEN)
     pipe = at(preset, 0.5)
     sched = pipe.scheduler
-    pipe = pipe.with_scheduler(replace(sched, ratio=0.0) if isinstance(sched, PreLLMSchedule)
-                               else replace(sched, ratios=(0.0,)))
+    pipe = pipe.with_scheduler(replace(sched, removal_ratio=0.0) if isinstance(sched, PreLLMSchedule)
+                               else replace(sched, removal_ratios=(0.0,)))
     with apply(pipe, model, **fam.adapter_options):
         gen = model.generate(**batch, **GEN)
     assert torch.equal(gen.sequences, ref.sequences)
@@ -111,8 +111,8 @@ def test_first_layer_keeps_what_low_budget_keeps_with_its_relevance_read_from_th
     for name in ("lightkv-first-layer", "lightkv-low-budget"):
         pipe = get_preset(name)
         sched = pipe.scheduler
-        pipe = pipe.with_scheduler(replace(sched, ratio=0.75) if isinstance(sched, PreLLMSchedule)
-                                   else replace(sched, ratios=(0.75,)))
+        pipe = pipe.with_scheduler(replace(sched, removal_ratio=0.75) if isinstance(sched, PreLLMSchedule)
+                                   else replace(sched, removal_ratios=(0.75,)))
         with apply(pipe, model, **fam.adapter_options) as session:
             model(**batch)
         (record,) = session.last_prefill.stages

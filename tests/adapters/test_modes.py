@@ -39,12 +39,10 @@ def test_the_schedule_chooses_the_modes(llava, preset, modes):
         assert [m.name for m in session.modes] == modes
 
 
-def test_stage_spec_mode_and_its_older_spelling_agree():
+def test_stage_spec_mode_is_its_one_spelling():
     w = dict(windows_per_side=2)
-    assert StageSpec(0, 0.5, before=True, **w) == StageSpec(0, 0.5, mode="pre_llm", **w)
-    assert StageSpec(3, 0.5, cache=True, **w) == StageSpec(3, 0.5, mode="cache", **w)
-    assert StageSpec(3, 0.5, **w).mode == "layer" and StageSpec(3, 0.5, mode="custom", **w).before is False
-    with pytest.raises(ValueError, match="contradicts"):
+    assert StageSpec(3, 0.5, **w).mode == "layer" and StageSpec(3, 0.5, mode="custom", **w).mode == "custom"
+    with pytest.raises(TypeError, match="'before' was renamed"):
         StageSpec(0, 0.5, before=True, mode="cache", **w)
     with pytest.raises(ValueError, match="only at layer 0"):
         StageSpec(2, 0.5, mode="pre_llm", **w)
@@ -56,7 +54,7 @@ def test_a_mode_no_class_registers_fails_when_the_session_starts(llava):
             return [StageSpec(1, 0.5, windows_per_side=2, mode="nowhere")]
 
     model, _ = llava
-    pipe = lightkv.load("lightkv-budget").with_scheduler(Nowhere(layers=(1,), ratios=(0.5,), windows_per_side=(2,)))
+    pipe = lightkv.load("lightkv-budget").with_scheduler(Nowhere(layers=(1,), removal_ratios=(0.5,), windows_per_side=(2,)))
     with pytest.raises(KeyError, match="mode 'nowhere', which is not registered"):
         apply(pipe, model)
 

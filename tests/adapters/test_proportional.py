@@ -196,7 +196,7 @@ def _plain_mask(adapter, layer: int, origin: torch.Tensor, valid: torch.Tensor, 
 
 def _stage_sizes(session, layer: int):
     """Sizes, origins and validity of the tokens layer ``layer`` runs on (None: no stage yet)."""
-    records = [r for r in session.records if r.layer < layer or (r.stage.spec.before and r.layer <= layer)]
+    records = [r for r in session.records if r.layer < layer or (r.stage.spec.mode == "pre_llm" and r.layer <= layer)]
     if not records:
         return None
     res = records[-1].result

@@ -8,7 +8,8 @@ and holds fewer entries in fewer bytes than the uncompressed quantized cache; `k
 counts the packed storage; what cannot work is refused with an error naming the fix.
 
 quanto dequantizes 4-bit entries on CPU through a C++ extension that it compiles on first
-use (once per environment); the quanto tests are skipped where optimum-quanto is missing.
+use (once per environment); the quanto tests are skipped where optimum-quanto is missing,
+and fail there under ``--require-quant`` (`make test-quant`, which CI runs).
 """
 
 from __future__ import annotations
@@ -30,9 +31,7 @@ QUANT = dict(nbits=4, q_group_size=16, residual_length=2)
 SETTINGS = ("nbits", "axis_key", "axis_value", "q_group_size", "residual_length")
 
 
-@pytest.fixture(scope="module")
-def quanto():
-    return pytest.importorskip("optimum.quanto")
+# the `quanto` fixture: tests/conftest.py (skips without optimum-quanto, fails under --require-quant)
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ def _mixed(model):
 
 def _schedule(*layers, ratio=0.5):
     return Pipeline(scheduler=ExplicitSchedule(layers=layers, windows_per_side=(2,) + (1,) * (len(layers) - 1),
-                                               ratios=(ratio,)), name="s")
+                                               removal_ratios=(ratio,)), name="s")
 
 
 @pytest.mark.parametrize("generate", [False, True])

@@ -211,14 +211,17 @@ def test_bad_quirk_values_are_named():
 
 
 def test_random_relevance_is_a_seeded_per_token_draw():
+    """The raw draw (``softmax=False``); the released distribution is in
+    tests/policies/test_random_relevance.py."""
     from lightkv import ImageSegment, VisionLayout
     from lightkv.policies import RandomRelevance
 
+    raw = RandomRelevance(softmax=False)
     both = VisionLayout.from_segments(2, 30, [ImageSegment(0, 2, (4, 5)), ImageSegment(1, 5, (4, 5))])
     alone = VisionLayout.from_segments(1, 30, [ImageSegment(0, 5, (4, 5))])
-    xi = RandomRelevance().score(None, None, both)
+    xi = raw.score(None, None, both)
     assert bool((xi[~both.vision_mask] == 0).all()) and bool((xi < 1).all()) and bool((xi >= 0).all())
     # a token's draw depends on its grid position, not on its row or where the image sits
-    assert torch.equal(xi[0, 2:22], xi[1, 5:25]) and torch.equal(RandomRelevance().score(None, None, alone)[0], xi[1])
+    assert torch.equal(xi[0, 2:22], xi[1, 5:25]) and torch.equal(raw.score(None, None, alone)[0], xi[1])
     assert len(set(xi[0, 2:22].tolist())) == 20
-    assert not torch.equal(RandomRelevance(seed=1).score(None, None, both), xi)
+    assert not torch.equal(RandomRelevance(seed=1, softmax=False).score(None, None, both), xi)

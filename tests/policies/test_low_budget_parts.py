@@ -40,7 +40,7 @@ def layout2():
 
 
 def visionzip_stage(ratio, contextual=10 / 64):
-    return Stage(StageSpec(0, ratio, windows_per_side=1, before=True), partitioner=DominantContextual(contextual),
+    return Stage(StageSpec(0, ratio, windows_per_side=1, mode="pre_llm"), partitioner=DominantContextual(contextual),
                  scorer=EdgeScorer.create("cosine"), pruner=AllSources(), passer=MessagePasser.create("size_mean"))
 
 
@@ -105,7 +105,7 @@ def test_visionzip_needs_relevance():
 
 
 def resize_stage(ratio):
-    return Stage(StageSpec(0, ratio, windows_per_side=1, before=True), partitioner=ResizePartitioner(),
+    return Stage(StageSpec(0, ratio, windows_per_side=1, mode="pre_llm"), partitioner=ResizePartitioner(),
                  scorer=EdgeScorer.create("cosine"), pruner=AllSources(), passer=MessagePasser.create("size_mean"))
 
 

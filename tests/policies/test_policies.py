@@ -80,7 +80,7 @@ def test_relevance_shape_errors():
 
 def test_explicit_schedule_broadcasts_and_checks_depth():
     s = ExplicitSchedule(layers=(12, 18, 24), windows_per_side=(4, 2, 1), removal_ratios=(0.5,))
-    assert [(x.layer, x.windows_per_side, x.ratio) for x in s.plan(32)] == [(12, 4, 0.5), (18, 2, 0.5), (24, 1, 0.5)]
+    assert [(x.layer, x.windows_per_side, x.removal_ratio) for x in s.plan(32)] == [(12, 4, 0.5), (18, 2, 0.5), (24, 1, 0.5)]
     with pytest.raises(ValueError, match="only 16 layers"):
         s.plan(16)
     with pytest.raises(ValueError, match="give 1 or 3"):
@@ -103,7 +103,7 @@ def test_average_kept_fraction_of_the_reference_llava_schedule():
 
 @given(target=st.floats(0.3, 1.0), depth=st.integers(2, 48))
 def test_kept_fraction_schedule_hits_its_target_or_says_it_cannot(target, depth):
-    schedule = KeptFractionSchedule(target=target)
+    schedule = KeptFractionSchedule(kept_fraction=target)
     try:
         plan = schedule.plan(depth)
     except ValueError as err:
@@ -113,17 +113,17 @@ def test_kept_fraction_schedule_hits_its_target_or_says_it_cannot(target, depth)
         tightest = [StageSpec(at - base[0], 0.5, windows_per_side=1) for at in base]
         assert average_kept_fraction(tightest, depth) > target
         return
-    assert all(0 <= s.layer < depth and 0 <= s.ratio <= 0.5 for s in plan)
+    assert all(0 <= s.layer < depth and 0 <= s.removal_ratio <= 0.5 for s in plan)
     assert (average_kept_fraction(plan, depth) if plan else 1.0) == pytest.approx(target, abs=1e-5)
 
 
 def test_kept_fraction_schedule_moves_stages_earlier_when_ratios_cannot_reach_the_target():
     # at 12/18/24 of 32 layers, ratio 0.5 (all of side A) keeps 0.574 > 0.55
-    plan = KeptFractionSchedule(target=0.55).plan(32)
+    plan = KeptFractionSchedule(kept_fraction=0.55).plan(32)
     assert [s.layer for s in plan] == [11, 17, 23]
     assert average_kept_fraction(plan, 32) == pytest.approx(0.55, abs=1e-6)
     # with room in the ratio, the reference layers stay
-    assert [s.layer for s in KeptFractionSchedule(target=0.6).plan(32)] == [12, 18, 24]
+    assert [s.layer for s in KeptFractionSchedule(kept_fraction=0.6).plan(32)] == [12, 18, 24]
 
 
 def test_registries_list_name_and_create_policies():

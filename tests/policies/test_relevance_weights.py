@@ -210,7 +210,7 @@ def test_the_new_policies_load_from_yaml_and_round_trip():
     import lightkv
 
     text = """
-schedule: {layers: [1, 2], ratios: [0.5], windows_per_side: [2, 1]}
+schedule: {layers: [1, 2], removal_ratios: [0.5], windows_per_side: [2, 1]}
 partitioner: {name: relevance_split, params: {sources: 0.75}}
 pruner: {name: relevance_budget, params: {strength: 2.0, scope: row}}
 passer: {name: relevance_size_mean, params: {relevance_power: 0.5}}

@@ -170,10 +170,18 @@ class Mode:
         """Class decorator: run this mode where a schedule names ``name``.
 
         Raises:
-            ValueError: another class is already registered under ``name``.
+            ValueError: ``name`` is not a non-empty string, or another class is already
+                registered under it.
+            TypeError: the class is not a subclass of `Mode` (`Mode` itself included: its
+                name would become the registered one).
         """
+        if not isinstance(name, str) or not name.strip():
+            # a None key used to break every later "not registered" message (sorted names)
+            raise ValueError(f"a mode is registered under a non-empty name, got {name!r}")
 
         def deco(impl: type[Mode]) -> type[Mode]:
+            if impl is Mode:
+                raise TypeError("register a subclass of lightkv.adapters.modes.Mode, not Mode itself")
             if not (isinstance(impl, type) and issubclass(impl, Mode)):
                 raise TypeError(f"{impl!r} must subclass lightkv.adapters.modes.Mode to be registered")
             old = Mode._registry.get(name)

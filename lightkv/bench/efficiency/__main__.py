@@ -1,4 +1,5 @@
-"""The memory child process: ``python -m lightkv.bench.efficiency --memory-child PAYLOAD``
+"""The memory child process: ``python -m lightkv.bench.efficiency --memory-child -`` (the JSON
+job on stdin, or inline in place of ``-``)
 (started by `lightkv.bench.efficiency.measure.measure_peaks_in_child`)."""
 
 import sys

@@ -279,7 +279,9 @@ def measure_peaks_in_child(spec: ModelSpec, cfg: BenchConfig, variants: Sequence
     root = str(Path(__file__).resolve().parents[3])
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     payload = json.dumps({"model": spec.name, "config": asdict(cfg), "variants": list(variants)})
-    done = subprocess.run([sys.executable, "-m", "lightkv.bench.efficiency", "--memory-child", payload],
+    # the configuration goes through stdin, not the command line: its lists (presets, kept
+    # fractions) can be longer than the system's argument limit
+    done = subprocess.run([sys.executable, "-m", "lightkv.bench.efficiency", "--memory-child", "-"], input=payload,
                           capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
         tail = (done.stderr or "").strip().splitlines()[-1:] or ["(no output)"]
@@ -329,8 +331,8 @@ def reference_shape_flops(spec: ModelSpec, name: str, report, n0: int) -> dict[s
     prompt = report.baseline[0] if report.baseline else report.layers[0]  # before any stage, pre-LLM ones too
     length, vision = n0, prompt.vision + prompt.structural
     v0, lengths, visions = vision, [], []
-    before = {p.layer: s for p, s in zip(plan, stages) if p.before}
-    after = {p.layer: s for p, s in zip(plan, stages) if not p.before}
+    before = {p.layer: s for p, s in zip(plan, stages) if p.mode == "pre_llm"}
+    after = {p.layer: s for p, s in zip(plan, stages) if p.mode != "pre_llm"}
     for layer in range(ref["layers"]):
         for at in (before, after):  # a pre-LLM stage shortens layer 0 itself, the others the next layer
             if layer in at:
@@ -360,7 +362,8 @@ def reference_flops(spec: ModelSpec, n0: int) -> float:
 
 
 def memory_child_main(payload: str) -> int:
-    data = json.loads(payload)
+    """The memory child's entry: ``payload`` is the JSON job, or ``-`` to read it from stdin."""
+    data = json.loads(sys.stdin.read() if payload == "-" else payload)
     cfg_dict = data["config"]
     cfg = BenchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in cfg_dict.items()})
     if cfg.threads:

@@ -258,11 +258,13 @@ def write_scaling(result: dict[str, Any], out_dir, with_plots: bool = True) -> l
     import json
     from pathlib import Path
 
+    from ...outputs import write_atomic
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     files = [out_dir / "scaling.json", out_dir / "scaling.md"]
-    files[0].write_text(json.dumps(result, indent=2) + "\n")
-    files[1].write_text(scaling_markdown(result))
+    for path, text in zip(files, [json.dumps(result, indent=2) + "\n", scaling_markdown(result)]):
+        write_atomic(path, text)  # both rendered before either is written
     if with_plots:
         png = scaling_plot(result, out_dir / "efficiency-scaling.png")
         if png is not None:

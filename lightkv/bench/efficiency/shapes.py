@@ -203,9 +203,9 @@ class BenchConfig:
             raise ValueError(f"allocator must be one of {list(ALLOCATORS)}, got {self.allocator!r}")
         if self.width not in ("reduced", "full"):
             raise ValueError(f"width must be 'reduced' or 'full', got {self.width!r}")
-        self.budgets = tuple(float(b) for b in self.budgets)
-        if any(not 0.0 < b < 1.0 for b in self.budgets):
-            raise ValueError(f"budgets are kept fractions in (0, 1), got {list(self.budgets)}")
+        from ..budgets import check_kept_fractions
+
+        self.budgets = check_kept_fractions(self.budgets, "budgets (--kept-fractions)")
         if self.budgets and self.projection_baseline:
             raise ValueError("projection_baseline times the lightkv preset's own schedule: run it without budgets")
         if self.projection_baseline and "lightkv" not in self.presets:

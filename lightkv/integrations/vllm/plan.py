@@ -35,12 +35,18 @@ from ...graph.layout import ImageSegment, VisionLayout
 from ...pipeline import Pipeline, Stage
 from ...quirks import ReleasedQuirks
 
-__all__ = ["PIPELINE_KEY", "PROMPT_AGNOSTIC_PRESETS", "PreLLMPlan", "Selection", "UnsupportedPipeline"]
+__all__ = ["MAX_IMAGE_TOKENS", "PIPELINE_KEY", "PROMPT_AGNOSTIC_PRESETS", "PreLLMPlan", "Selection", "UnsupportedPipeline",
+           "check_grid"]
 
 PIPELINE_KEY = "lightkv"
 """The model config attribute (set through vLLM's ``hf_overrides``) that names the pipeline."""
 
 PROMPT_AGNOSTIC_PRESETS = ("divprune", "downsample")
+
+MAX_IMAGE_TOKENS = 16384
+"""The largest image grid (rows x cols tokens) the plan sizes: Qwen2.5-VL's largest default
+image (16,384 merged tokens at ``max_pixels``). DivPrune's probe holds an N x N similarity
+(1 GiB in float32 at this size); a 100,000 x 100,000 grid used to allocate 640 GB."""
 """Shipped presets that run inside vLLM as they are."""
 
 _FIX = (
@@ -69,6 +75,19 @@ class Selection:
     index: torch.Tensor
 
 
+def check_grid(rows: int, cols: int) -> None:
+    """Refuse a grid that is not positive or larger than `MAX_IMAGE_TOKENS`, before any tensor.
+
+    Raises:
+        ValueError: naming the grid and the limit.
+    """
+    if rows <= 0 or cols <= 0:
+        raise ValueError(f"an image grid must be positive, got {rows} x {cols}")
+    if rows * cols > MAX_IMAGE_TOKENS:
+        raise ValueError(f"an image grid has at most {MAX_IMAGE_TOKENS:,} tokens (Qwen2.5-VL's largest default image)"
+                         f", got {rows:,} x {cols:,} = {rows * cols:,}")
+
+
 def _resolve(spec: Any) -> tuple[Pipeline, str]:
     """A pipeline from a preset name, a YAML path, a mapping (an inline config) or a Pipeline."""
     if isinstance(spec, Pipeline):
@@ -90,10 +109,10 @@ def _resolve(spec: Any) -> tuple[Pipeline, str]:
 
 def _refusals(pipeline: Pipeline, stages: list[Stage], name: str) -> list[str]:
     why = []
-    inside = [s.spec for s in stages if not s.spec.before]
+    inside = [s.spec for s in stages if s.spec.mode != "pre_llm"]
     if inside:
-        cached = [str(spec.layer) for spec in inside if spec.cache]
-        after = [str(spec.layer) for spec in inside if not spec.cache]
+        cached = [str(spec.layer) for spec in inside if spec.mode == "cache"]
+        after = [str(spec.layer) for spec in inside if spec.mode != "cache"]
         where = "; ".join(
             f"{what} layer(s) {', '.join(layers[:6])}{', ...' if len(layers) > 6 else ''}"
             for what, layers in (("after", after), ("on the cache of", cached))
@@ -143,7 +162,7 @@ class PreLLMPlan:
     Attributes:
         name: the pipeline's preset name, path or label (for messages).
         pipeline: the lightkv pipeline.
-        stage: its one stage (``stage.spec.before`` is True).
+        stage: its one stage (``stage.spec.mode`` is ``"pre_llm"``).
     """
 
     name: str
@@ -207,8 +226,7 @@ class PreLLMPlan:
         Computed once per grid by running the stage on seeded random embeddings of that
         grid; `select` checks every real image against it."""
         rows, cols = int(rows), int(cols)
-        if rows <= 0 or cols <= 0:
-            raise ValueError(f"an image grid must be positive, got {rows} x {cols}")
+        check_grid(rows, cols)
         if (rows, cols) not in self._counts:
             self._counts[rows, cols] = self._probe_count((rows, cols), 0)
         return self._counts[rows, cols]
@@ -234,6 +252,8 @@ class PreLLMPlan:
             raise ValueError(f"{len(embeds)} embeddings for {len(grids)} grids")
         if not embeds:
             return []
+        for r, c in grids:
+            check_grid(int(r), int(c))
         sizes = [int(r) * int(c) for r, c in grids]
         for i, (e, n) in enumerate(zip(embeds, sizes)):
             if e.dim() != 2 or e.shape[0] != n:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..base import renamed
+from ..base import removed_names
 from .core import (
     ScheduleError,
     Scheduler,
@@ -70,7 +70,7 @@ def budget_schedule(layers: Sequence[int], num_layers: int, kept_fraction: float
 
 
 @Scheduler.register("budget")
-@renamed(target="kept_fraction", max_ratio="max_removal_ratio")
+@removed_names(target="kept_fraction", max_ratio="max_removal_ratio")
 @dataclass
 class BudgetSchedule(Scheduler):
     """A method's own stages, written for ``ref_depth`` layers, at a kept-fraction budget.

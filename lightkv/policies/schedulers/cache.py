@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from ..base import renamed
+from ..base import removed_names
 from .core import ScheduleError, Scheduler, StageSpec, check_fraction, check_windows
 
 __all__ = ["CacheSchedule", "H2OSchedule"]
@@ -41,7 +41,7 @@ def _check_layers(layers) -> tuple[int, ...] | None:
 
 
 @Scheduler.register("cache")
-@renamed(ratio="removal_ratio")
+@removed_names(ratio="removal_ratio")
 @dataclass
 class CacheSchedule(Scheduler):
     """One cache stage per listed layer (every layer by default), run on the layer's cached
@@ -67,7 +67,7 @@ class CacheSchedule(Scheduler):
     def plan(self, num_layers):
         self._check_depth(num_layers)
         at = _layers(self.layers, num_layers, "cache")
-        return self._validate([StageSpec(layer, float(self.removal_ratio), self.windows_per_side, cache=True) for layer in at], num_layers)
+        return self._validate([StageSpec(layer, float(self.removal_ratio), self.windows_per_side, mode="cache") for layer in at], num_layers)
 
 
 @Scheduler.register("h2o")

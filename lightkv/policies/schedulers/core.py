@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ...graph.windows import check_window_spec
-from ..base import Policy, renamed
+from ..base import Policy, removed_names
 
 __all__ = [
     "ScheduleError",
@@ -27,7 +27,7 @@ class ScheduleError(ValueError):
         param: the dataclass field at fault (None: the scheduler as a whole).
         index: the entry of that field at fault, for a sequence (None: the whole field).
 
-    Configs use both to point at the offending YAML entry (e.g. ``schedule.ratios.1``).
+    Configs use both to point at the offending YAML entry (e.g. ``schedule.removal_ratios.1``).
     """
 
     def __init__(self, message: str, param: str | None = None, index: int | None = None) -> None:
@@ -36,7 +36,12 @@ class ScheduleError(ValueError):
         self.index = index
 
 
-@renamed(ratio="removal_ratio")
+MAX_LAYER = 10_000
+"""Bound on a stage's layer index: the deepest real decoder has 80 layers, and an index such
+as 10**23 is a typo, not a plan."""
+
+
+@removed_names(ratio="removal_ratio", before="mode='pre_llm'", cache="mode='cache'")
 @dataclass(frozen=True)
 class StageSpec:
     """One scheduled stage.
@@ -44,48 +49,35 @@ class StageSpec:
     Attributes:
         layer: 0-based decoder layer after which the stage runs.
         removal_ratio: the removal ratio ``P`` in ``[0, 1)``: the share of the vision tokens
-            entering the stage that it removes (``ratio`` is the deprecated name).
+            entering the stage that it removes.
         windows_per_side: windows per image side, or
         window_size: window ``(rows, cols)`` in tokens.
-        before: run on the layer's *input* instead (only for layer 0: the pre-LLM mode,
-            compressing the embeddings before any decoder layer, so every layer's cache
-            is shorter; a stage before layer ``l > 0`` is the stage after layer ``l - 1``).
-        cache: run on the layer's *cached keys and values* after prefill instead of its
-            output hidden states (the cache mode, `lightkv.cache_stage`): only this
-            layer's cache gets shorter; the prefill itself is unchanged.
         mode: the registered session mode that runs the stage (`lightkv.adapters.modes`):
-            ``layer`` (on the layer's output, the default), ``pre_llm`` (``before``),
-            ``cache`` (``cache``) or a plugin's. Left out, it follows from ``before`` and
-            ``cache``; given, it sets them, so both spellings give equal specs.
+            ``layer`` (on the layer's output hidden states, the default), ``pre_llm`` (on
+            the layer's *input*, only for layer 0: compressing the embeddings before any
+            decoder layer, so every layer's cache is shorter; a stage before layer
+            ``l > 0`` is the stage after layer ``l - 1``), ``cache`` (on the layer's
+            *cached keys and values* after prefill, `lightkv.cache_stage`: only this
+            layer's cache gets shorter) or a plugin's. The booleans ``before`` and
+            ``cache`` that once spelled ``pre_llm`` and ``cache`` are refused, naming
+            ``mode``.
     """
 
     layer: int
     removal_ratio: float
     windows_per_side: int | None = None
     window_size: tuple[int, int] | None = None
-    before: bool = False
-    cache: bool = False
-    mode: str = ""
+    mode: str = "layer"
 
     def __post_init__(self) -> None:
-        if self.cache and self.before:
-            raise ValueError("a cache stage runs on a layer's cache after the layer; it cannot also run before it")
-        # one field chooses the mode; the two booleans stay as its older spelling (and for readers)
-        implied = "pre_llm" if self.before else "cache" if self.cache else "layer"
-        if not self.mode:
-            object.__setattr__(self, "mode", implied)
-        elif implied != "layer" and self.mode != implied:
-            raise ValueError(f"mode={self.mode!r} contradicts {'before' if self.before else 'cache'}=True")
-        if not isinstance(self.mode, str):
+        if not isinstance(self.mode, str) or not self.mode:
             raise ValueError(f"stage mode must be a registered mode name, got {self.mode!r}")
-        object.__setattr__(self, "before", self.mode == "pre_llm")
-        object.__setattr__(self, "cache", self.mode == "cache")
-        if not isinstance(self.layer, int) or self.layer < 0:
-            raise ValueError(f"stage layer must be a non-negative integer, got {self.layer!r}")
-        if self.before and self.layer != 0:
+        if isinstance(self.layer, bool) or not isinstance(self.layer, int) or not 0 <= self.layer < MAX_LAYER:
+            raise ValueError(f"stage layer must be an integer in [0, {MAX_LAYER}), got {self.layer!r}")
+        if self.mode == "pre_llm" and self.layer != 0:
             raise ValueError(
                 f"a stage before layer {self.layer} is the stage after layer {self.layer - 1}; "
-                "use before=True only at layer 0 (the pre-LLM mode)"
+                "use mode='pre_llm' only at layer 0"
             )
         if not (0.0 <= float(self.removal_ratio) < 1.0):
             raise ValueError(f"stage removal ratio must be in [0, 1), got {self.removal_ratio!r}")
@@ -180,7 +172,7 @@ class Scheduler(Policy):
     def _validate(stages: list[StageSpec], num_layers: int) -> list[StageSpec]:
         Scheduler._check_depth(num_layers)
         layers = [s.layer for s in stages]
-        where = [s.layer - 0.5 if s.before else s.layer for s in stages]  # before layer 0 comes first
+        where = [s.layer - 0.5 if s.mode == "pre_llm" else s.layer for s in stages]  # before layer 0 comes first
         if where != sorted(set(where)):
             raise ValueError(f"stage layers must be strictly increasing, got {layers}")
         if layers and layers[-1] >= num_layers:
@@ -213,14 +205,14 @@ def average_kept_fraction(stages: list[StageSpec], num_layers: int) -> float:
     before them. A stage ``before`` layer 0 compresses every layer's cache. A ``cache``
     stage keeps ``1 - P`` of its own layer's cache only.
     """
-    if stages and all(s.cache for s in stages):
+    if stages and all(s.mode == "cache" for s in stages):
         at = {s.layer: 1.0 - s.removal_ratio for s in stages}
         return sum(at.get(layer, 1.0) for layer in range(num_layers)) / num_layers
-    if any(s.cache for s in stages):
+    if any(s.mode == "cache" for s in stages):
         raise ValueError("cache stages and hidden-state stages cannot be mixed in one schedule")
     total, kept, start = 0.0, 1.0, 0
     for s in stages:
-        end = s.layer if s.before else s.layer + 1
+        end = s.layer if s.mode == "pre_llm" else s.layer + 1
         total += (end - start) * kept
         kept *= 1.0 - s.removal_ratio
         start = end

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..base import renamed
+from ..base import removed_names
 from .core import ScheduleError, Scheduler, StageSpec, check_windows, per_stage
 
 __all__ = ["ExplicitSchedule"]
@@ -25,7 +25,7 @@ def _one_or_list(item: dict[str, Any]) -> dict[str, Any]:
 
 
 @Scheduler.register("explicit")
-@renamed(ratios="removal_ratios")
+@removed_names(ratios="removal_ratios")
 @dataclass
 class ExplicitSchedule(Scheduler):
     """Fixed layers, windows and ratios (the reference code's schedules).

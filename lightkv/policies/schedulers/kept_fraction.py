@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..base import renamed
+from ..base import removed_names
 from .explicit import _as_list, _nullable, _one_or_list
 from .core import (
     ScheduleError,
@@ -21,7 +21,7 @@ __all__ = ["KeptFractionSchedule"]
 
 
 @Scheduler.register("kept_fraction")
-@renamed(target="kept_fraction", max_ratio="max_removal_ratio")
+@removed_names(target="kept_fraction", max_ratio="max_removal_ratio")
 @dataclass
 class KeptFractionSchedule(Scheduler):
     """Hit a target vision-KV fraction (averaged over layers) on a model of any depth.

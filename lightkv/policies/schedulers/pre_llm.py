@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..base import renamed
+from ..base import removed_names
 from .core import Scheduler, StageSpec, check_fraction, check_windows
 
 __all__ = ["PreLLMSchedule"]
 
 
 @Scheduler.register("pre_llm")
-@renamed(ratio="removal_ratio")
+@removed_names(ratio="removal_ratio")
 @dataclass
 class PreLLMSchedule(Scheduler):
     """One stage before the first decoder layer.
@@ -47,5 +47,5 @@ class PreLLMSchedule(Scheduler):
 
     def plan(self, num_layers):
         self._check_depth(num_layers)
-        spec = StageSpec(0, float(self.removal_ratio), self.windows_per_side, self.window_size, before=True)
+        spec = StageSpec(0, float(self.removal_ratio), self.windows_per_side, self.window_size, mode="pre_llm")
         return self._validate([spec], num_layers)

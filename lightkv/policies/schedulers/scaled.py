@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..base import renamed
+from ..base import removed_names
 from .core import ScheduleError, Scheduler
 from .explicit import ExplicitSchedule
 
@@ -62,7 +62,7 @@ def check_reference(scheduler, ratios) -> None:
 
 
 @Scheduler.register("scaled")
-@renamed(ratios="removal_ratios")
+@removed_names(ratios="removal_ratios")
 @dataclass
 class ScaledSchedule(Scheduler):
     """An explicit schedule written for a ``ref_depth``-layer decoder, on a model of any depth.

@@ -28,8 +28,9 @@ def _digits() -> tuple[torch.Tensor, torch.Tensor]:
     try:
         from sklearn.datasets import load_digits
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "DigitGrid needs scikit-learn (pip install 'lightkv[demo]' or scikit-learn)"
+        # ModuleNotFoundError naming the module: the command line turns it into one line with the extra
+        raise ModuleNotFoundError(
+            "DigitGrid needs scikit-learn (pip install 'lightkv[demo]' or scikit-learn)", name="sklearn"
         ) from e
     d = load_digits()
     images = torch.as_tensor(d.images, dtype=torch.float32) / 16.0

@@ -1,0 +1,59 @@
+"""`lightkv demo` reads well (issue 40 item 9): long questions wrap inside their column, the
+picture's titles stay inside the picture, and the method comparison says where it is."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightkv.demos import bundled
+
+
+def test_a_long_question_wraps_inside_its_column(capsys):
+    assert bundled.main(["--questions", "12", "--contrast", "0", "--no-png"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("question"))
+    truth_at = lines[head].index("truth")
+    rows = lines[head + 2:lines.index("", head)]
+    assert any(not r.startswith("'") for r in rows)  # a question long enough to wrap (Scenes' two-object one)
+    for r in rows:
+        if r.startswith("'"):  # a row: the question's first line ends before the truth column
+            assert r[truth_at - 1] == " " and r[truth_at] != " ", r
+        else:  # a continuation: the rest of the question, nothing in the other columns
+            assert r.startswith(" ") and len(r.rstrip()) < truth_at, r
+    assert bundled._question_lines("where is the red object the yellow object".split()) == [
+        "'where is the red object the", " yellow object'"]
+
+
+def test_the_comparison_prints_a_progress_line_per_method(capsys):
+    assert bundled.main(["--questions", "1", "--contrast", "4", "--no-png"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    steps = [line for line in err if line.startswith("lightkv demo: [")]
+    methods = 1 + len(bundled.CONTRAST_METHODS)
+    assert len(steps) == 2 * methods  # at 55% and at --low
+    assert steps[0].startswith(f"lightkv demo: [1/{methods}] lightkv at 55% kept on 4 questions")
+
+
+def test_picture_titles_stay_inside_the_picture(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from lightkv import vis
+    from lightkv.bench import quality_report
+
+    figures = []
+    real = vis.save_figure
+
+    def keep(fig, path, **kw):
+        fig.tight_layout()
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        box = fig.bbox
+        figures.append([(ax.title.get_text(), ax.title.get_window_extent(renderer), box) for ax in fig.axes])
+        return real(fig, path, **kw)
+
+    monkeypatch.setattr(vis, "save_figure", keep)
+    quality_report.provenance_picture(tmp_path / "p.png", "scenes")
+    titles = figures[0]
+    assert len(titles) == 4
+    for text, extent, box in titles:
+        assert box.x0 - 0.5 <= extent.x0 and extent.x1 <= box.x1 + 0.5, (text, extent, box)
+        assert extent.y1 <= box.y1 + 0.5, (text, extent, box)
+        assert all(len(line) <= quality_report.TITLE_CHARS for line in text.splitlines()), text
