@@ -522,12 +522,14 @@ def test_json_schema_accepts_presets_and_rejects_bad_files():
 
 
 def test_proportional_attention_key():
-    """Off by default and in every preset; ``proportional_attention: true`` round-trips, is
-    written only when on, and accepts only a boolean (a string must not switch it on)."""
+    """Off by default and in every preset but lightkv-cover's (its merge before the LLM relies
+    on it); ``proportional_attention: true`` round-trips, is written only when on, and accepts
+    only a boolean (a string must not switch it on)."""
     assert PipelineConfig().proportional_attention is False and Pipeline().proportional_attention is False
+    on = {"lightkv-cover"}
     for name, preset in PRESETS.items():
-        assert preset.config.build().proportional_attention is False, name
-        assert "proportional_attention" not in preset.config.to_dict(), name
+        assert preset.config.build().proportional_attention is (name in on), name
+        assert ("proportional_attention" in preset.config.to_dict()) is (name in on), name
     cfg = PipelineConfig.from_yaml_text("name: x\nschedule: {layers: [2], removal_ratios: [0.5]}\nproportional_attention: true\n")
     pipe = cfg.build()
     assert pipe.proportional_attention is True

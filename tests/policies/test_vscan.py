@@ -45,7 +45,7 @@ def slow_scan(coords: list[tuple[int, int]], grid: tuple[int, int], xi: list[flo
 
 
 def _stage(ratio: float) -> Stage:
-    return Stage(spec=StageSpec(0, ratio, windows_per_side=1, before=True), partitioner=VScanScan(),
+    return Stage(spec=StageSpec(0, ratio, windows_per_side=1, mode="pre_llm"), partitioner=VScanScan(),
                  scorer=CosineDivergence(), pruner=AllSources(), passer=SizeWeightedMean())
 
 
@@ -127,7 +127,7 @@ def test_the_partitioner_and_the_schedule_keep_the_contract():
 @pytest.mark.parametrize("layers, later", [(32, 15), (28, 13), (4, 1), (1, 0)])
 def test_the_later_stage_runs_before_the_middle_layer(layers, later):
     stages = PreLLMThenLayer().plan(layers)
-    assert [(s.layer, s.before) for s in stages] == [(0, True), (later, False)]
+    assert [(s.layer, s.mode) for s in stages] == [(0, "pre_llm"), (later, "layer")]
     k0, k1 = 1 / 6, 1 / 3
     want = k0 * ((later + 1) + (layers - later - 1) * k1) / layers
     assert average_kept_fraction(stages, layers) == pytest.approx(want)

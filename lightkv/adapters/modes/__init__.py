@@ -5,7 +5,7 @@ compression mode").
 | name | module | where | chosen by |
 |---|---|---|---|
 | ``sequence`` | `sequence` | every layer: masks, positions and cache holes of the current sequence | always on |
-| ``pre_llm`` | `pre_llm` | a stage on the embeddings, before decoder layer 0 | ``StageSpec.mode`` (``before=True``) |
+| ``pre_llm`` | `pre_llm` | a stage on the embeddings, before decoder layer 0 | ``StageSpec.mode``  |
 | ``layer`` | `layer` | a stage on a decoder layer's output | ``StageSpec.mode`` (the default) |
 | ``cache`` | `cache` | a stage on a layer's cached keys and values after its prefill | ``StageSpec.mode`` (``cache=True``) |
 | ``h2o`` | `h2o` | eviction of cache entries after the prefill and each decoding step | ``Scheduler.modes`` (`H2OSchedule`) |

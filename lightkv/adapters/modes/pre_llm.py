@@ -15,7 +15,7 @@ __all__ = ["PreLLMMode"]
 
 @Mode.register("pre_llm")
 class PreLLMMode(Mode):
-    """Stages on a layer's input (``StageSpec.mode == "pre_llm"``, i.e. ``before=True``).
+    """Stages on a layer's input (``StageSpec.mode == "pre_llm"``).
 
     Attributes:
         stages: the stages by layer (layer 0 only: `StageSpec` refuses others).

@@ -6,7 +6,7 @@ vLLM keeps one sequence length per request for all decoder layers, and it sizes 
 (the number of image placeholder tokens) when it processes the prompt, before the vision
 encoder has run. So a pipeline can run inside vLLM only if
 
-- every stage is pre-LLM (`lightkv.policies.StageSpec.before`: the ``pre_llm`` schedule):
+- every stage is pre-LLM (`lightkv.policies.StageSpec.mode` ``"pre_llm"``: the ``pre_llm`` schedule):
   one stage on the embeddings, before decoder layer 0, so every layer caches the same
   shorter sequence;
 - no policy reads the prompt or the model's internals: the plugin runs where vLLM embeds an

@@ -52,6 +52,6 @@ class PreLLMThenLayer(Scheduler):
 
     def plan(self, num_layers):
         self._check_depth(num_layers)
-        first = StageSpec(0, float(self.removal_ratio), windows_per_side=1, before=True)
+        first = StageSpec(0, float(self.removal_ratio), windows_per_side=1, mode="pre_llm")
         later = StageSpec(self.later_layer(num_layers), float(self.later_removal_ratio), windows_per_side=1)
         return self._validate([first, later], num_layers)
