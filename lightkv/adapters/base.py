@@ -51,6 +51,10 @@ class Adapter:
     """Why this family cannot add ``log(size)`` to its attention logits through the masks
     below (`lightkv.Pipeline.proportional_attention` is then refused with this reason);
     None: it can (every shipped family)."""
+    flash_attention_refused: ClassVar[str | None] = None
+    """Why this family's compressed masks cannot run under FlashAttention-2 (a session on a
+    model loaded with ``attn_implementation="flash_attention_2"`` is then refused with this
+    reason); None: they can."""
 
     def __init__(self, model: nn.Module, **options: Any):
         unknown = set(options) - set(self.options_allowed)

@@ -19,7 +19,9 @@ uncompressed layers keep transformers' own sliding-window cache. Relevance at a 
 sliding layer is scored over the whole prompt (a policy heuristic; the window is not applied).
 
 Exact: images and pan & scan crops, bidirectional image blocks, sliding windows (over original positions).
-Refused: ``use_bidirectional_attention`` text configs, other layer types, non-square ``mm_tokens_per_image``.
+Refused: ``use_bidirectional_attention`` text configs, other layer types, non-square ``mm_tokens_per_image``;
+FlashAttention-2 (transformers' Gemma 3 has no FlashAttention-2 path, and a padding mask can carry
+neither both-ways image blocks nor windows in original columns).
 """
 
 from __future__ import annotations
@@ -54,6 +56,10 @@ class Gemma3Adapter(Adapter):
     family = "gemma3"
     model_types = ("gemma3",)
     cache_layer_types = (DynamicLayer, DynamicSlidingWindowLayer)
+    flash_attention_refused = (
+        "transformers' Gemma 3 has no FlashAttention-2 path, and a 2-D padding mask can carry neither its both-ways "
+        "image blocks nor sliding windows measured in original columns"
+    )
 
     def check_config(self) -> None:
         tc = self.text_config()

@@ -1,6 +1,7 @@
 """What a `CompressionSession` refuses up front, with a clear error, because its hooks
 could not work on it: a ``torch.compile``'d model (compiled code skips module hooks),
-attention implementations that ignore a custom 4-D mask, caches other than the default
+attention implementations lightkv has no masks for (FlashAttention-2 runs, on 2-D padding
+masks, except where `check_flash` says why not), caches other than the default
 dynamic one (and its quantized variant), the cache mode over a quantized cache, and attention
 masks that are not 2-D.
 
@@ -19,17 +20,20 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .cache import accepts_layer, is_quantized
+from .masks import FLASH
 
 __all__ = [
     "SUPPORTED_ATTENTION",
     "attention_implementation",
     "check_attention_mask",
+    "check_flash",
     "check_cache",
     "refuse_compiled",
 ]
 
-SUPPORTED_ATTENTION = ("sdpa", "eager")
-"""Attention implementations the hooks support (a custom 4-D mask must reach the kernel)."""
+SUPPORTED_ATTENTION = ("sdpa", "eager", FLASH)
+"""Attention implementations the hooks support: a 4-D mask per compressed layer (sdpa, eager)
+or a 2-D padding mask per compressed layer over compacted rows (FlashAttention-2)."""
 
 
 def attention_implementation(config: Any) -> str:
@@ -41,15 +45,47 @@ def attention_implementation(config: Any) -> str:
     """
     impl = getattr(config, "_attn_implementation", None) or "eager"
     if impl not in SUPPORTED_ATTENTION:
-        why = ("FlashAttention kernels take no 4-D mask (transformers unpads them by the 2-D attention_mask), so the "
-               "holes, the order and the per-layer lengths of a compressed sequence and cache cannot reach them: the "
-               "answer would be silently wrong" if "flash" in impl else "the compressed layers need a custom 4-D mask")
+        why = (f"lightkv's 2-D padding masks are checked against FlashAttention-2's contract only, not {impl}'s"
+               if "flash" in impl else "the compressed layers need a mask lightkv builds (4-D, or FlashAttention-2's "
+               "2-D padding mask), and this implementation takes neither")
         raise ValueError(
             f"lightkv needs attn_implementation in {SUPPORTED_ATTENTION}; this model uses {impl!r}: {why}. Load it "
-            "with attn_implementation='sdpa' (or set model.set_attn_implementation('sdpa')); in the efficiency "
-            "benchmark pass --attn-implementation sdpa."
+            "with attn_implementation='sdpa' or 'flash_attention_2' (or model.set_attn_implementation(...)); in the "
+            "efficiency benchmark pass --attn-implementation sdpa."
         )
     return impl
+
+
+def check_flash(impl: str, adapter: Any, attention: Sequence[nn.Module], proportional: bool) -> None:
+    """Refuse, under FlashAttention-2, what its kernels cannot compute on a compressed
+    sequence (nothing happens under another ``impl``).
+
+    Args:
+        impl: the decoder's attention implementation.
+        adapter: the family adapter (its `Adapter.flash_attention_refused`).
+        attention: the decoder layers' self-attention modules (their ``sliding_window``).
+        proportional: `lightkv.Pipeline.proportional_attention` is on.
+
+    Raises:
+        ValueError: the family, a sliding-window layer or proportional attention.
+    """
+    if impl != FLASH:
+        return
+    fix = "; load the model with attn_implementation='sdpa' to compress it"
+    reason = type(adapter).flash_attention_refused
+    if reason:
+        raise ValueError(f"lightkv cannot compress the {adapter.family!r} family under flash_attention_2: {reason}"
+                         + fix)
+    windowed = [i for i, m in enumerate(attention) if getattr(m, "sliding_window", None)]
+    if windowed:
+        raise ValueError(
+            f"lightkv cannot compress under flash_attention_2 a model with sliding-window layers {windowed}: the "
+            "kernel measures the window in columns of the compacted row, not in the original positions the "
+            "dropped tokens leave gaps in" + fix)
+    if proportional:
+        raise ValueError(
+            "proportional attention adds log(size) to every key's logit, and FlashAttention-2 takes no bias: set "
+            "proportional_attention: false (Pipeline(proportional_attention=False))" + fix.replace(";", ", or"))
 
 
 _STATIC_WHY = (

@@ -1,6 +1,7 @@
-"""Attention masks and token gathers for a compressed sequence: the 4-D prefill and decode
-masks, `gather_tokens` / `gather_position_ids` (position embeddings and ids of the
-surviving tokens) and `drop_padding` (trim the padding columns a `Stage` keeps).
+"""Attention masks and token gathers for a compressed sequence: the prefill and decode
+masks (4-D under sdpa and eager, 2-D padding masks under FlashAttention-2, `FLASH`),
+`gather_tokens` / `gather_position_ids` (position embeddings and ids of the surviving tokens)
+and `drop_padding` (trim the padding columns a `Stage` keeps).
 
 Internals of `lightkv.adapters.session`; an adapter author does not need them.
 """
@@ -13,12 +14,56 @@ from ..graph.provenance import Provenance
 from ..graph.scatter import right_align
 from ..pipeline import StageResult
 
-__all__ = ["decode_mask", "drop_padding", "finish_mask", "gather_position_ids", "gather_tokens", "prefill_mask"]
+__all__ = [
+    "FLASH",
+    "decode_mask",
+    "drop_padding",
+    "finish_mask",
+    "flash_mask",
+    "gather_position_ids",
+    "gather_tokens",
+    "prefill_mask",
+]
+
+FLASH = "flash_attention_2"
+"""The FlashAttention-2 implementation name: its kernels take a 2-D padding mask (transformers
+unpads by it into varlen sequences, causal aligned bottom-right), never a 4-D one."""
+
+
+def flash_mask(valid: torch.Tensor, check: bool = False) -> torch.Tensor | None:
+    """The 2-D padding mask FlashAttention-2 unpads by: ``valid`` ``[B, L]`` itself, or None
+    when nothing is a hole (the dense causal kernel is then exact).
+
+    Exact only for compacted rows: holes on the left, real entries contiguous at the right in
+    original order (what `drop_padding` and every compressed cache give), since the kernel
+    is causal by column inside each unpadded row.
+
+    Args:
+        valid: ``[B, L]`` bool, False for holes and padding.
+        check: verify the compaction (one host sync; prefill only).
+
+    Raises:
+        RuntimeError: ``check`` and a row has a hole right of a real entry.
+    """
+    if check and bool((valid[:, :-1] & ~valid[:, 1:]).any()):
+        raise RuntimeError(
+            "a compressed row has a hole between real tokens, which FlashAttention-2's 2-D padding mask cannot "
+            "express; this is a lightkv bug (rows must be compacted by drop_padding): report it, or load the "
+            "model with attn_implementation='sdpa'"
+        )
+    return None if bool(valid.all()) else valid
 
 
 def finish_mask(allowed: torch.Tensor, impl: str, dtype: torch.dtype) -> torch.Tensor:
     """``[B, 1, Q, L]`` from ``allowed`` ``[B, Q, L]`` bool: bool under sdpa, additive float
-    (0 or the dtype's minimum) under eager."""
+    (0 or the dtype's minimum) under eager.
+
+    Raises:
+        ValueError: ``impl`` is `FLASH`, whose kernels take no 4-D mask.
+    """
+    if impl == FLASH:
+        raise ValueError("FlashAttention-2 takes no 4-D mask (transformers unpads by a 2-D padding mask): this "
+                         "mask cannot reach it; load the model with attn_implementation='sdpa'")
     allowed = allowed.unsqueeze(1)
     if impl == "sdpa":
         return allowed
@@ -31,14 +76,17 @@ def prefill_mask(origin: torch.Tensor, valid: torch.Tensor, impl: str, dtype: to
     Args:
         origin: ``[B, N]`` original index of each token (``-1`` holes).
         valid: ``[B, N]`` bool, False for holes and padding.
-        impl: ``"sdpa"`` (bool mask, or None when a plain causal mask is exact) or
-            ``"eager"`` (additive float mask).
+        impl: ``"sdpa"`` (bool mask, or None when a plain causal mask is exact),
+            ``"eager"`` (additive float mask) or `FLASH` (2-D padding mask).
         dtype: dtype of the additive mask.
 
     Returns:
         ``[B, 1, N, N]``; an invalid query row attends to itself only, so hole states
-        stay finite.
+        stay finite. Under `FLASH`, `flash_mask` ``[B, N]`` or None: the row order is the
+        original order, so the kernel's causal flag is causal by ``origin``.
     """
+    if impl == FLASH:
+        return flash_mask(valid, check=True)
     if impl == "sdpa" and bool(valid.all()):
         return None
     n = origin.shape[1]
@@ -55,8 +103,12 @@ def decode_mask(valid: torch.Tensor, q_len: int, impl: str, dtype: torch.dtype) 
             (``L`` includes the ``q_len`` new ones).
 
     Returns:
-        ``[B, 1, q_len, L]`` (None under sdpa for one valid token over a hole-free cache).
+        ``[B, 1, q_len, L]`` (None under sdpa for one valid token over a hole-free cache);
+        under `FLASH` `flash_mask` ``[B, L]`` or None (the kernel aligns the new tokens'
+        causal mask bottom-right, so ``q_len`` needs nothing more).
     """
+    if impl == FLASH:
+        return flash_mask(valid)
     total = valid.shape[1]
     if impl == "sdpa" and q_len == 1 and bool(valid.all()):
         return None

@@ -16,7 +16,7 @@ from ..graph.layout import VisionLayout
 from ..pipeline import Stage
 from ..quirks import RELEASED_FAMILIES, ReleasedQuirks
 from .base import Adapter
-from .masks import finish_mask
+from .masks import FLASH, finish_mask, flash_mask
 
 __all__ = ["ReleasedQuirksHook", "renumbered_ids"]
 
@@ -71,17 +71,26 @@ class ReleasedQuirksHook:
                     ".rotary_emb); turn the quirk off"
                 )
 
+    def noncausal(self, layer: int) -> bool:
+        """Whether ``layer`` is the first merge layer, which the released code runs without a
+        causal mask (`prefill_mask`)."""
+        return layer == self.first_merge
+
     def prefill_mask(self, layer: int, layout: VisionLayout, impl: str, dtype: torch.dtype) -> torch.Tensor | None:
         """The mask of the first merge layer during prefill: every real token attends to
         every real token of its row, padding hidden (a padding row attends to itself only,
         so its states stay finite). None for every other layer.
 
         Returns:
-            ``[B, 1, N, N]`` (bool under sdpa, additive float under eager) or None.
+            ``[B, 1, N, N]`` (bool under sdpa, additive float under eager) or None. Under
+            FlashAttention-2 the 2-D padding mask (None without padding): the layer then runs
+            with the kernel's causal flag off (`noncausal`).
         """
         if layer != self.first_merge:
             return None
         valid = layout.valid_mask
+        if impl == FLASH:
+            return flash_mask(valid)
         allowed = valid.unsqueeze(1) & valid.unsqueeze(2)
         allowed |= torch.eye(valid.shape[1], dtype=torch.bool, device=valid.device)
         return finish_mask(allowed, impl, dtype)

@@ -47,7 +47,7 @@ from ..policies.prompt import Prompt
 from . import proportional
 from .base import Adapter, bind_arguments
 from .cache import _Token
-from .guards import attention_implementation, check_attention_mask, check_cache, refuse_compiled
+from .guards import attention_implementation, check_attention_mask, check_cache, check_flash, refuse_compiled
 from .modes import LayerCall, Mode, SessionContext, choose_modes
 from .ownership import ACTIVE, CallOwner, cache_of
 from .probes import LayerShape, probe_for_layer
@@ -135,7 +135,9 @@ class CompressionSession:
         self._rewritten = sorted(set().union(*(m.cache_layers for m in self.modes)))
         self._text_too = any(m.text_too for m in self.modes)
         self._signature = inspect.signature(self._mm.forward)
-        self._attn_impl()  # fail early on unsupported attention
+        # fail early on unsupported attention, and on what FlashAttention-2 cannot compute
+        check_flash(self._attn_impl(), self.adapter, [getattr(layer, "self_attn", None) for layer in self.layers],
+                    pipeline.proportional_attention)
         self._handles: list[Any] = []
         self._owner = False
         self._calls = CallOwner()  # the thread whose calls are compressed, and its forward's state

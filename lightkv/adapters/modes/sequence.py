@@ -2,7 +2,8 @@
 as it is now, whatever shortened it.
 
 In a prefill it records each layer's token counts and, after a hidden-state stage, hands
-every later layer the shorter sequence's 4-D mask (`Adapter.prefill_mask`, plus
+every later layer the shorter sequence's mask (4-D; under FlashAttention-2 the 2-D padding mask
+of its compacted rows) (`Adapter.prefill_mask`, plus
 ``log(size)`` with proportional attention), its position embeddings and ids (gathered at
 the survivors' original positions; a layer with its own RoPE, Gemma 3's local and global,
 gets its own gathered) and a `MaskedCacheLayer` that remembers the holes. In a decoding
@@ -15,7 +16,7 @@ import torch
 
 from ...graph.layout import TokenKind
 from ..cache import MaskedCacheLayer, install_masked_layer
-from ..masks import gather_tokens
+from ..masks import FLASH, gather_tokens
 from ..trace import LayerStat
 from .base import LayerCall, Mode, SessionContext
 
@@ -50,9 +51,10 @@ class SequenceMode(Mode):
         ctx = self.ctx
         if not st.compressed:
             st.full_pos, st.full_pos_ids = kwargs.get("position_embeddings"), kwargs.get("position_ids")
-            unmasked = ctx.released.prefill_mask(i, layout, st.impl, hidden.dtype)  # released code's first merge
-            if unmasked is not None:
-                kwargs["attention_mask"] = unmasked
+            if ctx.released.noncausal(i):  # the released code's first merge layer: no causal mask
+                kwargs["attention_mask"] = ctx.released.prefill_mask(i, layout, st.impl, hidden.dtype)
+                if st.impl == FLASH:  # no mask can lift FlashAttention's causality: its flag can
+                    kwargs["is_causal"] = False
             return
         key = ctx.adapter.mask_key(i)
         if key not in st.masks:
