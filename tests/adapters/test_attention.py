@@ -1,6 +1,7 @@
 """A stage never changes the attention implementation: every preset keeps sdpa (what ran,
-watched per call, and the configs after the session); FlashAttention and static caches are
-refused with errors that say why and name the fix; the watch itself sees eager and a switch."""
+watched per call, and the configs after the session); FlashAttention-3, flex attention and
+static caches are refused with errors that say why and name the fix (FlashAttention-2 runs:
+test_flash.py); the watch itself sees eager and a switch."""
 
 from __future__ import annotations
 
@@ -118,15 +119,16 @@ def test_an_sdpa_call_without_the_kernel_is_named():
     assert calls and dict(watch.ran) == {SDPA_WITHOUT_KERNEL: 1}
 
 
-@pytest.mark.parametrize("impl", ["flash_attention_2", "flash_attention_3", "flex_attention"])
-def test_flash_and_flex_attention_are_refused_at_apply(monkeypatch, impl):
-    """FA2 takes no 4-D mask: the holes and per-layer lengths cannot reach it, so ``apply``
-    refuses (a tiny model's config names it; nothing runs)."""
+@pytest.mark.parametrize("impl", ["flash_attention_3", "flex_attention"])
+def test_other_flash_kernels_and_flex_attention_are_refused_at_apply(monkeypatch, impl):
+    """lightkv's 2-D padding masks are checked against FlashAttention-2's contract only, and
+    flex attention takes a BlockMask lightkv does not build: ``apply`` refuses (a tiny
+    model's config names it; nothing runs). FlashAttention-2 itself runs (test_flash.py)."""
     model = get_model("llava")
     monkeypatch.setattr(model.model.language_model.config, "_attn_implementation", impl)
     with pytest.raises(ValueError, match=f"uses '{impl}'.*attn_implementation='sdpa'"):
         apply(tiny_lightkv(), model)
-    with pytest.raises(ValueError, match="FlashAttention kernels take no 4-D mask" if "flash" in impl else "4-D mask"):
+    with pytest.raises(ValueError, match="FlashAttention-2's contract only" if "flash" in impl else "takes neither"):
         attention_implementation(model.model.language_model.config)
     assert attention_implementation(type("C", (), {"_attn_implementation": "sdpa"})) == "sdpa"
 

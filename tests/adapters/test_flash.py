@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from lightkv import Pipeline
-from lightkv.adapters import apply
+from lightkv.adapters import apply, masks
 from lightkv.adapters.attention import AttentionWatch
 from lightkv.adapters.guards import attention_implementation
 from lightkv.bench.budgets import method_pipeline
@@ -193,3 +193,18 @@ def test_other_kernels_are_still_refused(impl):
     with pytest.raises(ValueError, match=f"uses '{impl}'"):
         attention_implementation(type("C", (), {"_attn_implementation": impl}))
     assert attention_implementation(type("C", (), {"_attn_implementation": NAME})) == NAME
+
+
+def test_a_row_with_a_hole_between_real_tokens_is_never_handed_to_flash():
+    """FlashAttention-2 is causal by column inside each unpadded row: a hole between real
+    tokens would be silently skipped over, so the prefill mask refuses it (a lightkv bug if
+    it ever happens); a compacted row gives its validity, a hole-free batch None."""
+    origin = torch.tensor([[-1, 0, 1, 2], [0, 1, -1, 3]])
+    with pytest.raises(RuntimeError, match="hole between real tokens"):
+        masks.prefill_mask(origin, origin >= 0, NAME, torch.float32)
+    compact = torch.tensor([[False, True, True, True], [True, True, True, True]])
+    assert torch.equal(masks.prefill_mask(origin.abs(), compact, NAME, torch.float32), compact)
+    assert masks.prefill_mask(origin.abs(), torch.ones(2, 4, dtype=torch.bool), NAME, torch.float32) is None
+    assert masks.decode_mask(torch.ones(2, 5, dtype=torch.bool), 1, NAME, torch.float32) is None
+    with pytest.raises(ValueError, match="FlashAttention-2 takes no 4-D mask"):
+        masks.finish_mask(torch.ones(1, 2, 2, dtype=torch.bool), NAME, torch.float32)

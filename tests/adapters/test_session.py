@@ -75,7 +75,7 @@ def test_schedule_deeper_than_model_is_rejected():
 
 def test_unsupported_attention_implementation(monkeypatch):
     model = get_model("llava")
-    monkeypatch.setattr(model.model.language_model.config, "_attn_implementation", "flash_attention_2")
+    monkeypatch.setattr(model.model.language_model.config, "_attn_implementation", "flash_attention_3")
     with pytest.raises(ValueError, match="attn_implementation"):
         apply(tiny_lightkv(), model)
 
