@@ -110,8 +110,8 @@ def add_commands(commands) -> None:
     eff.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                      help="default: float32 on CPU, bfloat16 on CUDA")
     eff.add_argument("--attn-implementation", choices=("sdpa", "eager", "flash_attention_2"), default="sdpa",
-                     help="the models' attention (default: sdpa); flash_attention_2 needs CUDA and flash_attn, and "
-                     "lightkv sessions refuse it (listed as refused); every variant must run the same one")
+                     help="the models' attention, for the uncompressed and the compressed prefills alike (default: "
+                     "sdpa); flash_attention_2 needs CUDA, flash_attn and bf16/fp16; every variant must run the same one")
     eff.add_argument("--threads", type=machine_threads, metavar="N", help="torch CPU threads (default: torch's)")
     eff.add_argument("--allocator", choices=("steady", "system"), default="steady",
                      help="host memory of the timed prefills: steady (default) reuses freed memory as PyTorch's "

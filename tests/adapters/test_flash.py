@@ -208,3 +208,32 @@ def test_a_row_with_a_hole_between_real_tokens_is_never_handed_to_flash():
     assert masks.decode_mask(torch.ones(2, 5, dtype=torch.bool), 1, NAME, torch.float32) is None
     with pytest.raises(ValueError, match="FlashAttention-2 takes no 4-D mask"):
         masks.finish_mask(torch.ones(1, 2, 2, dtype=torch.bool), NAME, torch.float32)
+
+
+def test_the_efficiency_benchmark_runs_stock_and_compressed_under_flash(flash, monkeypatch):
+    """``--attn-implementation flash_attention_2`` loads one model that every variant runs:
+    the uncompressed prefill and each compressed one dispatch to flash_attention_2 on every
+    layer (the stand-in here: the CUDA / flash_attn check and transformers' import check are
+    bypassed by building under sdpa and switching, as `use_flash` does), nothing is refused."""
+    from lightkv.bench import efficiency as eff
+    from lightkv.bench.efficiency import shapes
+
+    monkeypatch.setattr(shapes, "check_attention_available", lambda *a: None)
+    fam = TINY_MODELS["llava"]
+
+    def build(attn_implementation="sdpa", **kw):
+        model = fam.build(attn_implementation="sdpa", **kw)
+        if attn_implementation == NAME:
+            use_flash(model)
+        return model
+
+    monkeypatch.setitem(TINY_MODELS, "llava", replace(fam, build=build))
+    cfg = eff.quick_config(models=("llava",), presets=("lightkv", "divprune"), layers=6, heads=1, repeats=1, warmup=0,
+                           eager_repeats=0, memory=False, progress=False, attn_implementation=NAME,
+                           eager_reference=False)
+    m = eff.run(cfg)["models"]["llava"]
+    assert m["refused"] == {} and set(m["variants"]) == {"uncompressed", "lightkv", "divprune"}
+    assert m["attention_implementation"] == NAME and set(m["attention_configured"].values()) == {NAME}
+    for rec in m["variants"].values():
+        assert rec["attention"]["ran"] == {NAME: 6} and rec["attention"]["sdpa_kernels"] == 0
+    assert flash.counts["masks_4d"] == 0

@@ -155,8 +155,9 @@ class BenchConfig:
         eager_reference: time the reference-style H x N x N scoring.
         eager_repeats: prefills with the reference-style scoring.
         attn_implementation: the models' attention (`ATTENTION`); every variant must run it
-            (`lightkv.adapters.attention`); lightkv sessions refuse ``flash_attention_2``, so
-            its compressed variants are listed as refused.
+            (`lightkv.adapters.attention`): the uncompressed and the compressed prefills of a
+            model all run it (``flash_attention_2`` too: lightkv hands its compressed
+            layers 2-D padding masks there).
         device, dtype, threads: where and how (threads: torch intra-op threads; None: default).
         allocator: host memory of the timed prefills (`lightkv.bench.allocator`):
             ``steady`` (default: freed memory is reused, as PyTorch's caching allocator does
