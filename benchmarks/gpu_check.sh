@@ -16,10 +16,13 @@
 #    elasticcache, h2o and divprune: TTFT against FLOPs per budget, into $OUT/budgets. Every
 #    run records the attention implementation each variant ran and fails if a compressed one
 #    ran another than the uncompressed model (a stage must never force eager attention).
-#    3c. Where flash_attn is importable: 3b again with --attn-implementation flash_attention_2,
-#    into $OUT/budgets-fa2. lightkv sessions refuse FlashAttention (it takes no 4-D mask, so
-#    the holes of a compressed sequence cannot reach it): the uncompressed FA2 prefill is
-#    timed and every compressed variant is listed as refused, with the reason.
+#    3c. Where flash_attn is importable: stock FlashAttention-2 against lightkv under
+#    FlashAttention-2 (issue 38: compressed layers get 2-D padding masks over compacted rows),
+#    bf16, CUDA events, 32 layers at full width: LightKV, DivPrune and lightkv-low-budget at
+#    55 / 22 / 11% kept on the LLaVA-NeXT shape (one row, into $OUT/budgets-fa2), then a
+#    padded batch of 8 rows of unequal images on the LLaVA-1.5 shape
+#    (benchmarks/flash_batch.py, into $OUT/flash-batch). Every variant must run
+#    flash_attention_2, as the stock model does.
 #    3d. CUDA-graph decoding (tests/adapters/test_cuda.py -k graph): inside a session a static
 #    cache is refused with its reason; after it, static-cache decoding compiled with CUDA
 #    graphs ("reduce-overhead") gives the tokens of eager decoding.
@@ -50,7 +53,10 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
   echo "gpu_check (dry run): 2. $PY -m pytest -q -m cuda tests/adapters/test_cuda.py"
   echo "gpu_check (dry run): 3. $PY -m lightkv bench efficiency --device cuda --dtype bfloat16 --width full ..."
   echo "gpu_check (dry run): 3b. the same at --kept-fractions 0.55 0.22 0.11 for the prefill and cache presets"
-  echo "gpu_check (dry run): 3c. where flash_attn imports: 3b with --attn-implementation flash_attention_2 into $OUT/budgets-fa2 (compressed variants refused)"
+  echo "gpu_check (dry run): 3c. where flash_attn imports: stock vs lightkv under --attn-implementation flash_attention_2 (lightkv divprune lightkv-low-budget at 0.55 0.22 0.11) into $OUT/budgets-fa2, and a padded batch of 8 (benchmarks/flash_batch.py) into $OUT/flash-batch"
+  PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} $PY benchmarks/flash_batch.py --dry-run --rows 2 --kept-fractions 0.22 \
+    --out "$OUT/flash-batch-dry-run" >/dev/null || exit 5
+  echo "gpu_check (dry run): 3c. benchmarks/flash_batch.py --dry-run passed (CPU, sdpa)"
   echo "gpu_check (dry run): 3d. $PY -m pytest -q -m cuda tests/adapters/test_cuda.py -k graph (CUDA-graph decoding; static cache refused in a session)"
   if [ "${GPU_CHECK_VLLM:-0}" = 1 ]; then
     echo "gpu_check (dry run): 4. $VLLM_SPEC into $VLLM_VENV; python benchmarks/vllm_serving.py $VLLM_ARGS --out $OUT"
@@ -106,14 +112,17 @@ timeout 300 $PY -m lightkv bench efficiency --device cuda --dtype bfloat16 --wid
   --out "$OUT/budgets" 2>&1 | tee "$OUT/budgets.log"
 BUDGETS_RC=${PIPESTATUS[0]}
 
-# ---- 3c. the budgets again with FlashAttention-2, where flash_attn is installed (-1: not run)
+# ---- 3c. stock FlashAttention-2 vs lightkv under it, where flash_attn is installed (-1: not run)
 FA2_RC=-1
 if $PY -c "import flash_attn" 2>/dev/null; then
-  timeout 300 $PY -m lightkv bench efficiency --device cuda --dtype bfloat16 --width full --layers 32 \
-    --models llava_next --presets lightkv lightkv-first-layer lightkv-low-budget tome fastv pdrop elasticcache h2o divprune \
+  timeout 240 $PY -m lightkv bench efficiency --device cuda --dtype bfloat16 --width full --layers 32 \
+    --models llava_next --presets lightkv divprune lightkv-low-budget \
     --kept-fractions 0.55 0.22 0.11 --repeats 5 --no-eager-reference --no-progress \
     --attn-implementation flash_attention_2 --out "$OUT/budgets-fa2" 2>&1 | tee "$OUT/budgets-fa2.log"
   FA2_RC=${PIPESTATUS[0]}
+  timeout 180 $PY benchmarks/flash_batch.py --rows 8 --layers 32 --repeats 5 --out "$OUT/flash-batch" 2>&1 \
+    | tee "$OUT/flash-batch.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || FA2_RC=1
 fi
 
 # ---- 3d. CUDA-graph decoding after (not inside) a session; static cache refused inside one
@@ -147,8 +156,10 @@ json.dump({"cuda_tests": {"rc": int(tests_rc), "seconds": int(t_tests)},
                                   "lightkv-first-layer lightkv-low-budget tome fastv pdrop elasticcache h2o "
                                   "divprune --kept-fractions 0.55 0.22 0.11"},
            "budgets_fa2": {"rc": int(fa2_rc), "out": f"{out}/budgets-fa2", "ran": int(fa2_rc) != -1,
-                           "command": "the budgets command with --attn-implementation flash_attention_2 (where "
-                                      "flash_attn imports; lightkv sessions refuse FA2: compressed variants refused)"},
+                           "command": "lightkv bench efficiency ... --models llava_next --presets lightkv divprune "
+                                      "lightkv-low-budget --kept-fractions 0.55 0.22 0.11 --attn-implementation "
+                                      "flash_attention_2; python benchmarks/flash_batch.py --rows 8 (where flash_attn "
+                                      "imports)", "flash_batch": f"{out}/flash-batch"},
            "cuda_graph_decoding": {"rc": int(graphs_rc), "log": f"{out}/graphs.log",
                                    "command": "pytest -m cuda tests/adapters/test_cuda.py -k graph"},
            "vllm_serving": {"rc": int(vllm_rc), "seconds": int(t_vllm), "ran": int(vllm_rc) != -1},

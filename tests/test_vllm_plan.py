@@ -4,6 +4,7 @@ the main suite never needs vLLM. The plugin inside a real vLLM engine: tests/vll
 
 from __future__ import annotations
 
+import json
 import sys
 import types
 from dataclasses import dataclass, replace
@@ -180,8 +181,11 @@ def test_the_gpu_checks_vllm_section_dry_runs_without_a_gpu(tmp_path):
     assert "vllm==0.32.0" in proc.stdout
     assert "divprune: 128 of 576 image tokens" in proc.stdout
     assert "lightkv-pre-llm-uniform: 288 of 576 image tokens" in proc.stdout
-    assert "3c. where flash_attn imports: 3b with --attn-implementation flash_attention_2 into " \
-           f"{tmp_path}/budgets-fa2" in proc.stdout
+    assert "3c. where flash_attn imports: stock vs lightkv under --attn-implementation flash_attention_2" in proc.stdout
+    assert f"{tmp_path}/budgets-fa2" in proc.stdout and "padded batch of 8" in proc.stdout
+    assert "3c. benchmarks/flash_batch.py --dry-run passed" in proc.stdout
+    batch = json.loads((tmp_path / "flash-batch-dry-run" / "flash-batch.json").read_text())
+    assert batch["rows"] == 2 and len(batch["variants"]) == 4  # uncompressed + 3 presets at 22%
     assert "3d." in proc.stdout and "-k graph" in proc.stdout
 
 
