@@ -14,7 +14,7 @@ merged); every tile and the global view is its own grid, so windows never cross 
 borders. SmolVLM's video frames reach the model as ordinary images (one global view per
 frame, timestamps in the text); each frame is its own grid, not labelled as a video.
 
-Exact: Idefics3 and SmolVLM images (split or not), several per row; video frames as still images.
+Exact: Idefics3 and SmolVLM images (split or not), several per row; video frames as still images; FlashAttention-2 (2-D padding masks; = the sdpa run under the test stand-in).
 Refused: a vision tower whose patch grid does not divide by scale_factor (the model cannot run it).
 """
 

@@ -3,7 +3,7 @@
 Each image becomes ``(image_size / patch_size)^2`` consecutive placeholder tokens
 (``config.image_token_id``), filled in raster order (24 x 24 = 576 for LLaVA-1.5).
 
-Exact: identity (nothing removed = unhooked logits, prefill and decode), batch rows alone = in a padded batch, sdpa and eager, several images per row, beam search; tower relevance (VisionZip, VisPruner: the CLS attention of the CLIP tower layer `vision_feature_layer` selects, or the mean attention of a SigLIP tower), the only family that exposes it.
+Exact: identity (nothing removed = unhooked logits, prefill and decode), batch rows alone = in a padded batch, sdpa, eager and FlashAttention-2 (2-D padding masks; = the sdpa run under the test stand-in), several images per row, beam search; tower relevance (VisionZip, VisPruner: the CLS attention of the CLIP tower layer `vision_feature_layer` selects, or the mean attention of a SigLIP tower), the only family that exposes it.
 Refused: ``vision_feature_select_strategy`` other than ``default`` (the CLS token would shift the grid).
 """
 

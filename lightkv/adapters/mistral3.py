@@ -18,7 +18,7 @@ the whole ``pixel_values`` tensor, as the tower then encodes it. A prompt withou
 tokens (not the processor's layout) is read as one row per image unless ``image_sizes``
 give the grid.
 
-Exact: Mistral3 and Pixtral-LLaVA images of any size, several per row, break/end tokens structural.
+Exact: Mistral3 and Pixtral-LLaVA images of any size, several per row, break/end tokens structural; FlashAttention-2 (2-D padding masks; = the sdpa run under the test stand-in).
 Refused: sliding-window decoders; Pixtral-LLaVA with vision_feature_select_strategy other than "full".
 """
 

@@ -12,7 +12,7 @@ embedding sees. Surviving tokens keep these 3-D positions. The frames of a video
 their video and frame index (`lightkv.graph.VisionLayout.image_frame`), for
 spatio-temporal windows.
 
-Exact: identity (nothing removed = unhooked logits, prefill and decode), batch rows alone = in a padded batch, sdpa and eager, images and videos mixed in one batch, 3-D M-RoPE positions, beam search.
+Exact: identity (nothing removed = unhooked logits, prefill and decode), batch rows alone = in a padded batch, sdpa, eager and FlashAttention-2 (2-D padding masks; = the sdpa run under the test stand-in), images and videos mixed in one batch, 3-D M-RoPE positions, beam search.
 Refused: sliding-window attention layers (``use_sliding_window``).
 """
 

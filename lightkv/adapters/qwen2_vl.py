@@ -16,7 +16,7 @@ features (or, without them, one video per run of video placeholders). Surviving 
 keep their 3-D positions. Pass ``mm_token_type_ids`` (without it transformers falls back
 to 1-D positions).
 
-Exact: images, videos and both mixed in one batch, in a forward or generate (greedy, sampling, beam search).
+Exact: images, videos and both mixed in one batch, in a forward or generate (greedy, sampling, beam search); FlashAttention-2 (2-D padding masks; = the sdpa run under the test stand-in).
 Refused: sliding-window attention layers (``use_sliding_window``).
 """
 

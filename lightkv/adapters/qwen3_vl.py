@@ -18,7 +18,7 @@ address the full, uncompressed sequence, so a stage that compresses at one of th
 is refused when the session starts (`Qwen3VLAdapter.check_stages`); stages at layer ``D`` or
 later see hidden states that already hold every DeepStack feature, and are exact.
 
-Exact: images, videos and both mixed in one batch, with stages after the last DeepStack layer.
+Exact: images, videos and both mixed in one batch, with stages after the last DeepStack layer; FlashAttention-2 (2-D padding masks; = the sdpa run under the test stand-in).
 Refused: a stage at a decoder layer that still receives DeepStack features (layer < D).
 """
 
