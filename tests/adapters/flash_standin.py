@@ -102,7 +102,9 @@ class FlashStandIn:
             for (qs, qe), (ks, ke) in zip(_segments(cu_q), _segments(cu_k)):
                 of[qs:qe] = _attend(qf[qs:qe], kf[ks:ke], vf[ks:ke], causal, scale)
             out = of.view_as(q)
-        elif pos is not None and b == 1 and lq > 1 and lq == lk and _packed(pos.reshape(-1)):
+        elif pos is not None and b == 1 and lq > 1 and _packed(pos.reshape(-1)):
+            if lq != lk:  # transformers would split queries and keys by the same bounds: wrong
+                raise ValueError(f"packed position ids for {lq} queries over {lk} keys")
             self.counts["varlen"] += 1
             p = pos.reshape(-1)
             starts = (p == p.min()).nonzero().flatten().tolist() + [lq]

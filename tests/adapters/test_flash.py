@@ -237,3 +237,23 @@ def test_the_efficiency_benchmark_runs_stock_and_compressed_under_flash(flash, m
     for rec in m["variants"].values():
         assert rec["attention"]["ran"] == {NAME: 6} and rec["attention"]["sdpa_kernels"] == 0
     assert flash.counts["masks_4d"] == 0
+
+
+def test_beam_search_under_flash_keeps_the_sdpa_beams(flash):
+    """Beam search reorders the cache rows, and with them each layer's hole mask: the 2-D
+    masks built from it give the sdpa run's beams and scores."""
+    model, fam = get_model("llava"), TINY_MODELS["llava"]
+    batch = _batches(fam, model)["padded"]
+    gen = dict(max_new_tokens=STEPS, min_new_tokens=STEPS, num_beams=3, do_sample=False, output_scores=True,
+               return_dict_in_generate=True)
+
+    def beams():
+        with apply(tiny_lightkv(), model):
+            return model.generate(**batch, **gen)
+
+    ref = beams()
+    with flash_attention(model):
+        out = beams()
+    assert torch.equal(out.sequences, ref.sequences)
+    assert (out.sequences_scores - ref.sequences_scores).abs().max().item() <= 1e-5
+    assert flash.counts["masks_4d"] == 0 and flash.counts["varlen"] > 0
