@@ -30,7 +30,7 @@ FLASH = "flash_attention_2"
 unpads by it into varlen sequences, causal aligned bottom-right), never a 4-D one."""
 
 
-def flash_mask(valid: torch.Tensor, check: bool = False) -> torch.Tensor | None:
+def flash_mask(valid: torch.Tensor, origin: torch.Tensor | None = None) -> torch.Tensor | None:
     """The 2-D padding mask FlashAttention-2 unpads by: ``valid`` ``[B, L]`` itself, or None
     when nothing is a hole (the dense causal kernel is then exact).
 
@@ -40,17 +40,23 @@ def flash_mask(valid: torch.Tensor, check: bool = False) -> torch.Tensor | None:
 
     Args:
         valid: ``[B, L]`` bool, False for holes and padding.
-        check: verify the compaction (one host sync; prefill only).
+        origin: ``[B, L]`` original columns: given, the rows are checked (one host sync;
+            prefill only, once per stage).
 
     Raises:
-        RuntimeError: ``check`` and a row has a hole right of a real entry.
+        RuntimeError: ``origin`` given and a row has a hole right of a real entry, or real
+            entries out of original order.
     """
-    if check and bool((valid[:, :-1] & ~valid[:, 1:]).any()):
-        raise RuntimeError(
-            "a compressed row has a hole between real tokens, which FlashAttention-2's 2-D padding mask cannot "
-            "express; this is a lightkv bug (rows must be compacted by drop_padding): report it, or load the "
-            "model with attn_implementation='sdpa'"
-        )
+    if origin is not None:
+        compact = not bool((valid[:, :-1] & ~valid[:, 1:]).any())
+        # with holes only on the left, a real entry's right neighbour is real too
+        ordered = compact and not bool((valid[:, :-1] & (origin[:, 1:] <= origin[:, :-1])).any())
+        if not ordered:
+            raise RuntimeError(
+                "a compressed row has a hole between real tokens or tokens out of original order, which "
+                "FlashAttention-2's causal varlen kernel cannot express; this is a lightkv bug (rows must be "
+                "compacted by drop_padding): report it, or load the model with attn_implementation='sdpa'"
+            )
     return None if bool(valid.all()) else valid
 
 
@@ -86,7 +92,7 @@ def prefill_mask(origin: torch.Tensor, valid: torch.Tensor, impl: str, dtype: to
         original order, so the kernel's causal flag is causal by ``origin``.
     """
     if impl == FLASH:
-        return flash_mask(valid, check=True)
+        return flash_mask(valid, origin)
     if impl == "sdpa" and bool(valid.all()):
         return None
     n = origin.shape[1]

@@ -197,14 +197,18 @@ def test_other_kernels_are_still_refused(impl):
 
 def test_a_row_with_a_hole_between_real_tokens_is_never_handed_to_flash():
     """FlashAttention-2 is causal by column inside each unpadded row: a hole between real
-    tokens would be silently skipped over, so the prefill mask refuses it (a lightkv bug if
-    it ever happens); a compacted row gives its validity, a hole-free batch None."""
+    tokens would be silently skipped over and tokens out of original order would see the
+    wrong keys, so the prefill mask refuses both (a lightkv bug if it ever happens); a
+    compacted row gives its validity, a hole-free batch None."""
     origin = torch.tensor([[-1, 0, 1, 2], [0, 1, -1, 3]])
     with pytest.raises(RuntimeError, match="hole between real tokens"):
         masks.prefill_mask(origin, origin >= 0, NAME, torch.float32)
-    compact = torch.tensor([[False, True, True, True], [True, True, True, True]])
-    assert torch.equal(masks.prefill_mask(origin.abs(), compact, NAME, torch.float32), compact)
-    assert masks.prefill_mask(origin.abs(), torch.ones(2, 4, dtype=torch.bool), NAME, torch.float32) is None
+    swapped = torch.tensor([[-1, 0, 2, 1]])
+    with pytest.raises(RuntimeError, match="out of original order"):
+        masks.prefill_mask(swapped, swapped >= 0, NAME, torch.float32)
+    compact = torch.tensor([[-1, 0, 1, 2], [0, 1, 2, 3]])
+    assert torch.equal(masks.prefill_mask(compact, compact >= 0, NAME, torch.float32), compact >= 0)
+    assert masks.prefill_mask(compact[1:], compact[1:] >= 0, NAME, torch.float32) is None
     assert masks.decode_mask(torch.ones(2, 5, dtype=torch.bool), 1, NAME, torch.float32) is None
     with pytest.raises(ValueError, match="FlashAttention-2 takes no 4-D mask"):
         masks.finish_mask(torch.ones(1, 2, 2, dtype=torch.bool), NAME, torch.float32)
