@@ -19,7 +19,7 @@ import torch
 
 from lightkv import Pipeline
 from lightkv.adapters import apply, masks
-from lightkv.adapters.attention import AttentionWatch
+from lightkv.adapters.attention import AttentionWatch, configured_attention
 from lightkv.adapters.guards import attention_implementation
 from lightkv.bench.budgets import method_pipeline
 from lightkv.presets import PRESETS, get_preset
@@ -47,13 +47,14 @@ def flash():
 
 @contextmanager
 def flash_attention(model):
-    """``model`` under ``flash_attention_2`` inside the block (every config), sdpa after."""
-    assert model.config._attn_implementation == "sdpa"
+    """``model`` under ``flash_attention_2`` inside the block (every config), as before after."""
+    before = configured_attention(model)
     use_flash(model)
     try:
         yield model
     finally:
-        model.config._attn_implementation = "sdpa"
+        model.config._attn_implementation = before  # the setter takes {sub-config: implementation}
+        assert configured_attention(model) == before
 
 
 def _deep_llava(dtype=torch.float32):
