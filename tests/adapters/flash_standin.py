@@ -18,7 +18,7 @@ from their contract, not from their code, and sharing nothing with lightkv:
 
 Everything runs in the inputs' dtype (float32 / float64 here), so its result equals
 ``sdpa``'s to rounding. `FlashStandIn.counts` tells what it saw (calls, varlen calls, 4-D
-masks, masks built).
+masks, masks built, causal layers run with the causal flag off).
 """
 
 from __future__ import annotations
@@ -78,6 +78,8 @@ class FlashStandIn:
         if sliding_window not in (None, -1) or softcap or s_aux is not None or dropout:
             raise NotImplementedError("the stand-in has no sliding window, softcap, sinks or dropout")
         causal = module.is_causal if is_causal is None else is_causal
+        if module.is_causal and not causal:
+            self.counts["causal_off"] += 1  # a causal layer run both ways (the released first merge)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, L, H, D]
         rep = q.shape[2] // k.shape[2]  # grouped-query attention: one kv head serves `rep` heads

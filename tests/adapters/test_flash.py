@@ -112,6 +112,20 @@ def test_every_preset_under_flash_equals_its_sdpa_run(flash, preset):
     assert flash.counts["calls"] > 0 and flash.counts["masks_4d"] == 0
 
 
+def test_the_released_quirks_on_qwen_m_rope_under_flash_equal_the_sdpa_run(flash):
+    """Qwen2.5-VL's 3-D M-RoPE with the released code's renumbered positions and its first
+    merge layer attending both ways (FlashAttention-2's causal flag off there)."""
+    fam = TINY_MODELS["qwen2_5_vl"]
+    if "qwen" not in _MODELS:
+        _MODELS["qwen"] = fam.build(attn_implementation="sdpa", num_layers=DEPTH).eval()
+    model = _MODELS["qwen"]
+    pipe = _preset("lightkv-paper-released-qwen2_5_vl", DEPTH)
+    assert pipe.released_quirks.unmasked_first_merge and pipe.released_quirks.renumber_positions
+    _assert_flash_equals_sdpa(model, fam, pipe, _batches(fam, model)["padded"], 1e-5)
+    assert flash.counts["masks_4d"] == 0
+    assert flash.counts["causal_off"] == 2  # the first merge layer, in the forward and in generate's prefill
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("family", FLASH_FAMILIES)
 def test_every_family_and_mode_under_flash_equals_its_sdpa_run(flash, family, mode):
