@@ -103,10 +103,20 @@ def _batches(fam, model):
     return {"1": fam.collate(rows[:1]), "padded": fam.collate(rows[:2])}
 
 
-@pytest.mark.parametrize("preset", list(PRESETS))
+# main's pre_llm_then_layer scheduler (VScan) still passes StageSpec's removed ``before=``: the
+# preset fails under sdpa too (test_attention.py); strict, so the mark goes when main is fixed
+_BROKEN_ON_MAIN = {"vscan": pytest.mark.xfail(raises=TypeError, strict=True,
+                                              reason="pre_llm_then_layer passes the removed before= (fails under sdpa)")}
+
+
+@pytest.mark.parametrize("preset", [pytest.param(p, marks=_BROKEN_ON_MAIN.get(p, ())) for p in PRESETS])
 def test_every_preset_under_flash_equals_its_sdpa_run(flash, preset):
     model, fam = _deep_llava(), TINY_MODELS["llava"]
     pipe = _preset(preset, DEPTH)
+    if pipe.proportional_attention:  # log(size) per key: FlashAttention-2 takes no bias
+        with flash_attention(model), pytest.raises(ValueError, match="FlashAttention-2 takes no bias"):
+            apply(pipe, model)
+        return
     for batch in _batches(fam, model).values():
         _assert_flash_equals_sdpa(model, fam, pipe, batch, 1e-5)
     assert flash.counts["calls"] > 0 and flash.counts["masks_4d"] == 0
