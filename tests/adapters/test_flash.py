@@ -103,13 +103,7 @@ def _batches(fam, model):
     return {"1": fam.collate(rows[:1]), "padded": fam.collate(rows[:2])}
 
 
-# main's pre_llm_then_layer scheduler (VScan) still passes StageSpec's removed ``before=``: the
-# preset fails under sdpa too (test_attention.py); strict, so the mark goes when main is fixed
-_BROKEN_ON_MAIN = {"vscan": pytest.mark.xfail(raises=TypeError, strict=True,
-                                              reason="pre_llm_then_layer passes the removed before= (fails under sdpa)")}
-
-
-@pytest.mark.parametrize("preset", [pytest.param(p, marks=_BROKEN_ON_MAIN.get(p, ())) for p in PRESETS])
+@pytest.mark.parametrize("preset", list(PRESETS))
 def test_every_preset_under_flash_equals_its_sdpa_run(flash, preset):
     model, fam = _deep_llava(), TINY_MODELS["llava"]
     pipe = _preset(preset, DEPTH)
