@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from method_search import build  # noqa: E402
+from method_search import build
 
-from lightkv import ImageSegment, VisionLayout  # noqa: E402
-from lightkv.policies import Prompt  # noqa: E402
-from lightkv.tasks.scoring import paired_bootstrap  # noqa: E402
+from lightkv import ImageSegment, VisionLayout
+from lightkv.policies import Prompt
+from lightkv.tasks.scoring import paired_bootstrap
 
 LAYERS, GRID = 12, (16, 16)  # the Scenes model
 
@@ -124,19 +124,20 @@ def main(argv=None) -> int:
                 d, lo, hi = paired_bootstrap(x, torch.cat(other["correct"]), 2000, 0)
                 rec[f"minus {ref}"] = [100 * d, 100 * lo, 100 * hi]
         summary.append(rec)
+    def iv(r: dict, key: str) -> str:
+        v = r.get(key)
+        return "" if v is None else f"{v[0]:+.1f} [{v[1]:+.1f}, {v[2]:+.1f}]"
+
     for r in summary:
-        def iv(key):
-            v = r.get(key)
-            return "" if v is None else f"{v[0]:+.1f} [{v[1]:+.1f}, {v[2]:+.1f}]"
         rows.append(f"| {r['method']} | {100 * r['target']:.0f}% | {100 * r['kept_kv']:.1f}% | "
-                    f"{100 * r['kept_tokens']:.1f}% | {100 * r['retained']:.1f}% | {iv('minus divprune')} | "
-                    f"{iv('minus cdpruner')} | {iv('minus lightkv')} | {iv('minus lightkv-cover relevance off')} |")
+                    f"{100 * r['kept_tokens']:.1f}% | {100 * r['retained']:.1f}% | {iv(r, 'minus divprune')} | "
+                    f"{iv(r, 'minus cdpruner')} | {iv(r, 'minus lightkv')} | {iv(r, 'minus lightkv-cover relevance off')} |")
     md = [f"Conversations: {', '.join(p.name for p in args.files)} (n = {full.numel()}); uncompressed "
           f"accuracy {full.mean():.4f}. Differences: points of first-answer accuracy, the row's method minus "
           "the column's on the same conversations, paired bootstrap 95% interval (2,000 resamples).", "",
           "| method | target | vision KV kept (avg over layers) | tokens after last stage | retained | "
           "minus DivPrune | minus CDPruner | minus lightkv | minus lightkv-cover (relevance off) |",
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|", *rows, ""]
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|", *rows, ""]  # fmt: skip
     for suffix, text in ((".json", json.dumps({"uncompressed": float(full.mean()), "n": int(full.numel()),
                                                 "rows": summary}, indent=1)), (".md", "\n".join(md))):
         target = args.out.with_suffix(suffix)

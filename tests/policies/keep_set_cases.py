@@ -3,6 +3,8 @@ with one window per image and every token a candidate, as the presets run them."
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from lightkv import ImageSegment, VisionLayout
@@ -11,6 +13,12 @@ from lightkv.pipeline import Stage
 from lightkv.policies import DropMessages, GlobalPartitioner, PruneInputs, StageInputs, StageSpec
 
 PARTITIONER = GlobalPartitioner(scope="image", split="all_src")
+
+
+def slow_cos(a: list[float], b: list[float]) -> float:
+    """Cosine of two plain lists, one product at a time (the slow references' metric)."""
+    dot = sum(p * q for p, q in zip(a, b))
+    return dot / (math.sqrt(sum(p * p for p in a)) * math.sqrt(sum(q * q for q in b)))
 
 
 def prune_inputs(stage: StageInputs) -> PruneInputs:

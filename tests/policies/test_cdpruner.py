@@ -11,13 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightkv.policies import CDPruner, Prompt, StageInputs
-from tests.policies.keep_set_cases import assert_rows_independent, kept_positions, one_image, prune_inputs
+from tests.policies.keep_set_cases import (
+    assert_rows_independent,
+    kept_positions,
+    one_image,
+    prune_inputs,
+    slow_cos,
+)
 from tests.strategies import batches
-
-
-def _cos(a: list[float], b: list[float]) -> float:
-    dot = sum(p * q for p, q in zip(a, b))
-    return dot / (math.sqrt(sum(p * p for p in a)) * math.sqrt(sum(q * q for q in b)))
 
 
 def slow_quality(tokens: list[list[float]], question: list[list[float]], negate=False, theta=None) -> list[float]:
@@ -25,7 +26,7 @@ def slow_quality(tokens: list[list[float]], question: list[list[float]], negate=
     tokens, (negated,) min-max normalised with +1e-6, (exp(alpha q))."""
     if not question:
         return [1.0] * len(tokens)
-    r = [sum(_cos(x, t) for t in question) / len(question) for x in tokens]
+    r = [sum(slow_cos(x, t) for t in question) / len(question) for x in tokens]
     if negate:
         r = [-v for v in r]
     lo, hi = min(r), max(r)
@@ -38,7 +39,7 @@ def slow_quality(tokens: list[list[float]], question: list[list[float]], negate=
 def slow_dpp_greedy(tokens: list[list[float]], q: list[float], keep: int) -> list[int]:
     """Each step adds the token that maximises det(L_S) (torch.linalg.det, float64)."""
     n = len(tokens)
-    cos = [[1.0 if i == j else _cos(tokens[i], tokens[j]) for j in range(n)] for i in range(n)]
+    cos = [[1.0 if i == j else slow_cos(tokens[i], tokens[j]) for j in range(n)] for i in range(n)]
     kernel = torch.tensor([[q[i] * cos[i][j] * q[j] for j in range(n)] for i in range(n)], dtype=torch.float64)
     picks: list[int] = []
     for _ in range(keep):

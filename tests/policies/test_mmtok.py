@@ -17,13 +17,9 @@ from tests.policies.keep_set_cases import (
     kept_positions,
     one_image,
     prune_inputs,
+    slow_cos,
 )
 from tests.strategies import batches
-
-
-def _cos(a: list[float], b: list[float]) -> float:
-    dot = sum(p * q for p, q in zip(a, b))
-    return dot / (math.sqrt(sum(p * p for p in a)) * math.sqrt(sum(q * q for q in b)))
 
 
 def _softmax(values: list[float]) -> list[float]:
@@ -36,9 +32,9 @@ def slow_coverage_rows(tokens, question, alpha=0.5, tau_tv=0.02, tau_vv=0.2) -> 
     """The rows to cover: ``P[m] = softmax_j(cos(t_m, x_j) / tau_tv) / M`` for each question
     token, then ``alpha * softmax_j(cos(x_i, x_j) / tau_vv) / n`` for each image token."""
     n, m = len(tokens), len(question)
-    rows = [[p / m for p in _softmax([_cos(t, x) / tau_tv for x in tokens])] for t in question]
+    rows = [[p / m for p in _softmax([slow_cos(t, x) / tau_tv for x in tokens])] for t in question]
     for i in range(n):
-        sims = [(1.0 if i == j else _cos(tokens[i], tokens[j])) / tau_vv for j in range(n)]
+        sims = [(1.0 if i == j else slow_cos(tokens[i], tokens[j])) / tau_vv for j in range(n)]
         rows.append([alpha * q / n for q in _softmax(sims)])
     return rows
 

@@ -26,14 +26,18 @@ from lightkv.policies import (
     StageSpec,
 )
 from lightkv.testing.contract import check_policy
-from tests.policies.keep_set_cases import assert_rows_independent, kept_positions, one_image, prune_inputs
+from tests.policies.keep_set_cases import (
+    assert_rows_independent,
+    kept_positions,
+    one_image,
+    prune_inputs,
+    slow_cos,
+)
 from tests.strategies import batches
 
 
 def _cos_dist(a, b) -> float:
-    dot = sum(p * q for p, q in zip(a, b))
-    na, nb = math.sqrt(sum(p * p for p in a)), math.sqrt(sum(q * q for q in b))
-    return 1.0 - dot / (na * nb)
+    return 1.0 - slow_cos(a, b)
 
 
 def slow_coverage(tokens, xi, coords, diag, keep, share, power, spatial) -> set[int]:

@@ -17,20 +17,16 @@ from tests.policies.keep_set_cases import (
     kept_positions,
     one_image,
     prune_inputs,
+    slow_cos,
 )
 from tests.strategies import batches
-
-
-def _cos(a: list[float], b: list[float]) -> float:
-    dot = sum(p * q for p, q in zip(a, b))
-    return dot / (math.sqrt(sum(p * p for p in a)) * math.sqrt(sum(q * q for q in b)))
 
 
 def slow_scope(tokens: list[list[float]], saliency: list[float], keep: int, alpha: float = 1.0) -> list[int]:
     """Each step adds the token of largest ``(C(S + j) - C(S)) * a_j^alpha`` with
     ``C(S) = sum_i max(0, max_{s in S} cos(i, s))``; ties: the earliest."""
     n = len(tokens)
-    sim = [[1.0 if i == j else _cos(tokens[i], tokens[j]) for j in range(n)] for i in range(n)]
+    sim = [[1.0 if i == j else slow_cos(tokens[i], tokens[j]) for j in range(n)] for i in range(n)]
 
     def coverage(picks: list[int]) -> list[float]:
         return [max([0.0] + [sim[i][s] for s in picks]) for i in range(n)]
