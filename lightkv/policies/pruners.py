@@ -351,9 +351,10 @@ def exact_removals(graph: BipartiteGraph, ratio: float | torch.Tensor) -> torch.
 
 class KeepSetPruner(Pruner):
     """Base of the pruners that choose a window's *kept* set jointly (DivPrune, CDPruner,
-    DART): override `keep`. Pure pruning (``needs_partner = False``, use the ``drop``
-    passer); the budget is `exact_removals`, so every window keeps exactly
-    ``|A_w| - r_w`` of its A tokens (with a ``split: all_src`` partitioner: of all its
+    DART): override `keep`. No partners (``needs_partner = False``): with ``drop`` what they
+    do not keep leaves; with a merging passer it merges into its most similar survivor
+    (`lightkv.policies.EdgeScorer.match_survivors`). The budget is `exact_removals`: every
+    window keeps exactly ``|A_w| - r_w`` of its A tokens (with ``split: all_src``: of all its
     tokens). Only A tokens compete; B tokens, if a split makes any, always stay.
     """
 
