@@ -37,6 +37,8 @@ def label(cfg: dict) -> str:
     extra = []
     if "pruner" in cfg and name != "lightkv-cover":
         extra.append(cfg["pruner"][0])
+    if name == "lightkv-cover" and "version" not in cfg:  # before the cost round: question_attention, one window
+        extra.append("v1")
     if name == "lightkv-cover" and cfg.get("relevance", ["question_attention"])[0] == "uniform":
         extra.append("relevance off")
     if "passer" in cfg and name != "lightkv-cover":
@@ -138,6 +140,23 @@ def main(argv=None) -> int:
           "| method | target | vision KV kept (avg over layers) | tokens after last stage | retained | "
           "minus DivPrune | minus CDPruner | minus lightkv | minus lightkv-cover (relevance off) |",
           "|---|---:|---:|---:|---:|---:|---:|---:|---:|", *rows, ""]  # fmt: skip
+    # the most any relevance could win: conversations the uncompressed model answers right and
+    # the method with relevance off answers wrong (and the reverse, which relevance cannot fix)
+    head = []
+    for (name, target), entry in sorted(runs.items(), key=lambda kv: -kv[0][1]):
+        if name == "lightkv-cover relevance off" and entry["files"] == full_files:
+            off = torch.cat(entry["correct"])
+            on = runs.get(("lightkv-cover", target))
+            won = "" if on is None else f"{int(((1 - off) * torch.cat(on['correct'])).sum())}"
+            lost = "" if on is None else f"{int((off * (1 - torch.cat(on['correct']))).sum())}"
+            head.append(f"| {100 * target:.0f}% | {int((full * (1 - off)).sum())} ({100 * float((full * (1 - off)).mean()):.1f}%) | "
+                        f"{int(((1 - full) * off).sum())} | {won} | {lost} |")
+    if head:
+        md += ["Headroom for relevance: of the same conversations, how many the uncompressed model answers "
+               "right and `lightkv-cover` with relevance off answers wrong (the most any relevance could win "
+               "back), the reverse, and how many turning relevance on wins and loses.", "",
+               "| target | uncompressed right, off wrong | off right, uncompressed wrong | on right, off wrong | "
+               "off right, on wrong |", "|---:|---:|---:|---:|---:|", *head, ""]
     for suffix, text in ((".json", json.dumps({"uncompressed": float(full.mean()), "n": int(full.numel()),
                                                 "rows": summary}, indent=1)), (".md", "\n".join(md))):
         target = args.out.with_suffix(suffix)

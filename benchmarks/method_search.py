@@ -27,13 +27,13 @@ from pathlib import Path
 import torch
 
 from lightkv.bench.budgets import method_pipeline
-from lightkv.policies import MessagePasser, Pruner, Relevance
+from lightkv.policies import MessagePasser, Partitioner, Pruner, Relevance
 from lightkv.tasks import model as dg
 from lightkv.tasks import scoring as sc
 
 OUT = Path(__file__).resolve().parent / "results" / "method-search"
 
-FAMILIES = {"pruner": Pruner, "passer": MessagePasser, "relevance": Relevance}
+FAMILIES = {"pruner": Pruner, "passer": MessagePasser, "relevance": Relevance, "partitioner": Partitioner}
 
 
 def _cover(share, power, relevance="question_attention", passer="relevance_mean", spatial=0.0):
@@ -65,6 +65,20 @@ GRIDS = {
               {"preset": "cdpruner", "passer": ["relevance_mean", {}], "scorer": "cosine", "proportional": True}],
     "leaders": [{"preset": p} for p in ("scope", "mmtok", "holov", "vscan")],
     "cover-relevance": [_cover(0.25, 1.0, r) for r in ("last_token", "text_attention", "uniform")],
+    # the cost round: a relevance without layer 0's second projection, and coverage inside
+    # 2 x 2 windows of each image instead of one N x N block per image
+    "cheap": [_cover(0.25, 0.0, r, spatial=0.25) | {"proportional": True} | w
+              for w in ({}, {"partitioner": ["grid", {"split": "all_src"}], "windows": 2})
+              for r in ("question_similarity", "uniform", "question_attention")],
+    # the same windows once relevance_coverage spread each image's exact budget over them
+    # (the runs above kept 23.4 / 12.5%: each window rounded its own count)
+    # the preset as shipped after the cost round (question_similarity, 2 x 2 windows, exact per
+    # image, distances in float32), and the same with relevance off
+    "cover-v2": [{"preset": "lightkv-cover", "version": 2},
+                 {"preset": "lightkv-cover", "version": 2, "relevance": ["uniform", {}]}],
+    "cheap-exact": [_cover(0.25, 0.0, r, spatial=0.25) | {"proportional": True, "budget": "per image"}
+                    | {"partitioner": ["grid", {"split": "all_src"}], "windows": w}
+                    for w in (2, 3) for r in ("question_similarity", "uniform")],
 }
 
 
@@ -79,6 +93,8 @@ def build(cfg: dict, num_layers: int, target: float):
             swaps[family] = cls.create(name, **params)
     if "scorer" in cfg:
         swaps["scorer"] = EdgeScorer.create(cfg["scorer"])
+    if "windows" in cfg:
+        swaps["scheduler"] = replace(pipe.scheduler, windows_per_side=cfg["windows"])
     if cfg.get("proportional"):
         swaps["proportional_attention"] = True
     return replace(pipe, **swaps), how

@@ -124,9 +124,10 @@ class Stage:
                          **context: object) -> torch.Tensor:
         """ξ ``[B, N]`` for this stage from a layer's queries and keys (what adapters call):
         the stage's `relevance` policy, given only the context it reads (``prompt=`` when it
-        `reads_prompt`, ``tower=`` when it `reads_tower`)."""
+        `reads_prompt`, ``tower=`` when it `reads_tower`, ``hidden=`` when it
+        `reads_hidden`)."""
         rel = self.relevance
-        extra = {k: v for k, v in context.items() if (k == "prompt" and rel.reads_prompt) or (k == "tower" and rel.reads_tower)}
+        extra = {k: v for k, v in context.items() if getattr(rel, f"reads_{k}", False)}
         return rel.score(queries, keys, layout, **extra)
 
     # ------------------------------------------------------------------ the stage

@@ -55,8 +55,13 @@ def relevance(
     rel = stage.relevance
     rows, cols = rel.query_rows, rel.key_cols
     extra = {"prompt": prompt, "tower": tower}  # the stage passes on what its policy reads
+    if rel.reads_hidden:
+        if hidden is None:
+            raise RuntimeError(f"layer {layer}: {type(rel).__name__} reads the hidden states, which were not given")
+        extra["hidden"] = hidden
     if rows == "none" and cols == "none":
-        return stage.relevance_scores(None, None, layout, **extra).float(), 0.0
+        flops = rel.hidden_flops(layout, hidden.shape[-1], prompt) if rel.reads_hidden else 0.0
+        return stage.relevance_scores(None, None, layout, **extra).float(), flops
     b, n = layout.batch_size, layout.seq_len
     if pos is None:
         raise RuntimeError(f"layer {layer} received no position_embeddings; cannot compute relevance")

@@ -63,7 +63,7 @@ class ProjectionTap:
     def wanted(stage: Stage) -> bool:
         """Whether ``stage`` reads anything the projections give (queries, keys)."""
         rel = stage.relevance
-        if rel.reads_tower:  # the session computes it before the layer (the tower ran already)
+        if rel.reads_tower or rel.reads_hidden:  # computed before the layer from what the session holds
             return False
         return rel.query_rows != "none" or rel.key_cols != "none" or "keys" in stage.needs
 

@@ -53,6 +53,7 @@ from .pruners import (
 )
 from .prompt import Prompt
 from .question import QuestionAttention
+from .similarity import QuestionSimilarity
 from .relevance import (
     LastTokenAttention,
     QueryAxisSoftmax,
@@ -126,6 +127,7 @@ __all__ = [
     "PreLLMThenLayer",
     "Prompt",
     "QuestionAttention",
+    "QuestionSimilarity",
     "TowerAttention",
     "L2Divergence",
     "LastTokenAttention",

@@ -19,8 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..graph.scatter import scatter_sum
+from .counts import EPS, removal_count
 from .inputs import Features
-from .pruners import KeepSetPruner, Pruner
+from .pruners import KeepSetPruner, Pruner, allocate_removals
 
 __all__ = ["RelevanceCoverage"]
 
@@ -98,15 +100,21 @@ class RelevanceCoverage(KeepSetPruner):
         kept = (rank < n_rel.unsqueeze(1)) & valid
 
         # 2. farthest-point coverage from the kept set
-        dist = (1.0 - x @ x.transpose(1, 2)).to(torch.float64)  # [K, a, a]
+        # in the features' dtype (float32 at least, as DivPrune): a float64 copy of a
+        # [K, a, a] block costs as much as the cosines at 7B width
+        dist = 1.0 - x @ x.transpose(1, 2)  # [K, a, a]
         if self.spatial:
-            dist = dist + self.spatial * self._grid_distance(inputs)
+            dist = dist.add_(self._grid_distance(inputs, dist.dtype), alpha=self.spatial)
         pad_rows = ~valid.unsqueeze(2)
         seeded = kept.any(dim=1)
-        to_kept = dist.masked_fill(~kept.unsqueeze(2) | pad_rows, math.inf).amin(dim=1)
-        self_or_pad = torch.eye(a, dtype=torch.bool, device=x.device) | pad_rows
-        nearest_other = dist.masked_fill(self_or_pad, math.inf).amin(dim=1)
-        gap = torch.where(seeded.unsqueeze(1), to_kept, nearest_other)
+        gap = torch.full_like(dist[:, 0], math.inf)
+        if bool(seeded.any()):  # each [K, a, a] pass below costs a few ms at 7B width: only when needed
+            to_kept = dist.masked_fill(~kept.unsqueeze(2) | pad_rows, math.inf).amin(dim=1)
+            gap = torch.where(seeded.unsqueeze(1), to_kept, gap)
+        if not bool(seeded.all()):
+            self_or_pad = torch.eye(a, dtype=torch.bool, device=x.device) | pad_rows
+            nearest_other = dist.masked_fill(self_or_pad, math.inf).amin(dim=1)
+            gap = torch.where(seeded.unsqueeze(1), gap, nearest_other)
         windows = torch.arange(k, device=x.device)
         rest = count - n_rel
         for t in range(int(rest.max())):
@@ -119,15 +127,47 @@ class RelevanceCoverage(KeepSetPruner):
             seeded = seeded | active
         return kept
 
+    def budget(self, graph, ratio):
+        """``[K]``: the most a window may lose, ``min(ceil(ratio * n_w), |A_w|)`` (`select`
+        spreads each image's exact removals over its windows)."""
+        ideal = graph.window_size.to(torch.float64) * torch.as_tensor(ratio, dtype=torch.float64)
+        return torch.minimum(torch.ceil(ideal - EPS).long().clamp_min(0), graph.src_count)
+
+    def select(self, inputs, ratio):
+        """``[K, a_max]`` bool: the valid A slots that `keep` does not keep.
+
+        The kept count is exact per *image*, whatever the windows: an image of ``n`` tokens
+        loses ``floor(ratio * n)`` (`lightkv.policies.counts.removal_count`), spread over its
+        windows in proportion to their sizes by the largest remainder (`allocate_removals`),
+        so 2 x 2 windows on a 16 x 16 grid keep 57 of 256 at 22%, as one window does, not
+        4 x 15. With one window per image this is `exact_removals`.
+        """
+        graph = inputs.graph
+        valid = graph.src_slots >= 0
+        if inputs.stage is None or graph.src_slots.shape[0] == 0:
+            return super().select(inputs, ratio)
+        image = graph.token_blocks(inputs.stage.layout.image, "src").masked_fill(~valid, -1).amax(dim=1)  # [K]
+        group = torch.unique(image, return_inverse=True)[1]
+        size = graph.window_size
+        groups = int(group.max()) + 1
+        total = removal_count(scatter_sum(size, group, groups), ratio)
+        capacity = graph.src_count
+        total = torch.minimum(total, scatter_sum(capacity, group, groups)).clamp_min(0)
+        ideal = size.to(torch.float64) * torch.as_tensor(ratio, dtype=torch.float64)
+        removals = allocate_removals(ideal, capacity, group, total)
+        if not bool((removals > 0).any()):
+            return torch.zeros_like(valid)
+        return valid & ~self.keep(inputs, valid.sum(1) - removals)
+
     @staticmethod
-    def _grid_distance(inputs) -> torch.Tensor:
-        """``[K, a, a]`` float64 Euclidean distance of two A tokens' grid cells divided by
+    def _grid_distance(inputs, dtype: torch.dtype) -> torch.Tensor:
+        """``[K, a, a]`` Euclidean distance of two A tokens' grid cells divided by
         their image's grid diagonal (in ``[0, 1]``; tokens of two images of one window: 1)."""
         stage, graph = inputs.stage, inputs.graph
         layout = stage.layout
-        coords = graph.token_blocks(layout.coords.to(torch.float64), "src")  # [K, a, 2]
+        coords = graph.token_blocks(layout.coords.to(dtype), "src")  # [K, a, 2]
         image = graph.token_blocks(layout.image, "src").clamp_min(0)  # [K, a]
-        grid = layout.image_grid.to(torch.float64)
+        grid = layout.image_grid.to(dtype)
         diag = grid.pow(2).sum(-1).sqrt().clamp_min(1.0)[image]  # [K, a]
         d = torch.cdist(coords, coords) / diag.unsqueeze(2)
         return torch.where(image.unsqueeze(2) == image.unsqueeze(1), d.clamp_max(1.0), torch.ones_like(d))

@@ -103,6 +103,16 @@ class Relevance(Policy):
         """
         raise NotImplementedError
 
+    reads_hidden: ClassVar[bool] = False
+    """Whether `score` also takes ``hidden=`` (``[B, N, D]``: the hidden states the stage
+    reads; before the LLM the input embeddings), for policies that compare tokens in the
+    residual stream instead of projecting queries and keys (see
+    `lightkv.policies.QuestionSimilarity`)."""
+
+    def hidden_flops(self, layout: VisionLayout, hidden_size: int, prompt=None) -> float:
+        """FLOPs `score` spends on ``hidden=`` (a policy that `reads_hidden`; 0 otherwise)."""
+        return 0.0
+
     def product_flops(self, layout: VisionLayout, heads: int, head_dim: int) -> float | None:
         """Multiply-add FLOPs (2 per MAC) of the ``q . k`` products `score` computes on
         ``layout`` with ``heads`` query heads, or None: every query row it reads times every

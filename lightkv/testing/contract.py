@@ -271,6 +271,8 @@ def _check_relevance(policy: Relevance) -> None:
         extra = {"prompt": Prompt(ids)}
     if policy.reads_tower:  # attention received inside the vision tower, per head
         extra["tower"] = torch.rand(b, HEADS, n, generator=gen)
+    if policy.reads_hidden:  # the residual stream the stage reads
+        extra["hidden"] = torch.randn(b, n, 2 * HEADS * HEAD_DIM, generator=gen)
     xi = policy.score(queries, keys, inputs.layout, **extra)
     if tuple(xi.shape) != (b, n):
         raise _fail(policy, f"score() must return [B, N] = {(b, n)}, got {tuple(xi.shape)}")
@@ -278,8 +280,9 @@ def _check_relevance(policy: Relevance) -> None:
         raise _fail(policy, "relevance must be finite and non-negative")
     for r in range(b):
         one = {"prompt": Prompt(extra["prompt"].token_ids[r : r + 1])} if "prompt" in extra else {}
-        if "tower" in extra:
-            one["tower"] = extra["tower"][r : r + 1]
+        for name in ("tower", "hidden"):
+            if name in extra:
+                one[name] = extra[name][r : r + 1]
         alone = policy.score(queries[r : r + 1], keys[r : r + 1], inputs.layout.row(r), **one)
         vision = inputs.layout.vision_mask[r]
         if not torch.allclose(alone[0][vision], xi[r][vision], rtol=1e-5, atol=1e-7):

@@ -187,3 +187,35 @@ def test_every_keep_set_merges_each_dropped_token_into_its_most_similar_survivor
         want = (w.unsqueeze(1) * x[members]).sum(0) / w.sum() if w.sum() > 0 else x[members].mean(0)
         torch.testing.assert_close(res.hidden[0, int(res.remap[0, s])], want, rtol=1e-12, atol=1e-12)
     assert int(res.sizes[0][res.kept_index[0] >= 0].sum()) == 20
+
+
+# ---------------------------------------------------------------- windows: exact per image
+@settings(max_examples=40, deadline=None)
+@given(case=batches(max_side=8), ratio=st.floats(0.05, 0.95), windows=st.integers(1, 3))
+def test_windows_keep_exactly_the_image_budget(case, ratio, windows):
+    """With grid windows, every image keeps ``n - floor(ratio * n)`` of its ``n`` tokens, as
+    with one window per image, and each window loses the floor or the ceiling of its own
+    share (largest remainder): counted from the stage's output, not from the policy."""
+    from lightkv.policies import DropMessages, GridPartitioner
+    from lightkv.policies.counts import removal_count
+
+    inputs = StageInputs.of(case.layout, case.hidden, windows_per_side=windows, relevance=case.relevance)
+    part = GridPartitioner(split="all_src").partition(inputs)
+    stage = Stage(spec=StageSpec(0, ratio, windows_per_side=windows), partitioner=GridPartitioner(split="all_src"),
+                  scorer=None, pruner=RelevanceCoverage(spatial=0.25), passer=DropMessages())
+    out = stage.run(inputs)
+    kept = torch.zeros_like(case.layout.vision_mask)
+    for b in range(case.layout.batch_size):
+        origin = out.layout.origin[b][out.layout.valid_mask[b]]
+        kept[b, origin] = True
+    vision = case.layout.vision_mask
+    for img in range(case.layout.image_grid.shape[0]):
+        member = vision & (case.layout.image == img)
+        n = int(member.sum())
+        if n == 0:
+            continue
+        assert int((kept & member).sum()) == n - int(removal_count(torch.tensor(n), ratio))
+        for w in part.window[member].unique().tolist():
+            in_w = member & (part.window == w)
+            lost, ideal = int((in_w & ~kept).sum()), ratio * int(in_w.sum())
+            assert math.floor(ideal + 1e-9) <= lost <= math.ceil(ideal - 1e-9)
