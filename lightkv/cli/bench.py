@@ -167,7 +167,8 @@ def add_commands(commands) -> None:
     )
     qual.add_argument("--episodes", type=_EPISODES, default=600, metavar="N",
                       help="held-out conversations (default: 600)")
-    qual.add_argument("--methods", nargs="+", metavar="PRESET", help="presets (default: all eight)")
+    qual.add_argument("--methods", nargs="+", metavar="PRESET",
+                      help="presets (default: every method of the quality results page)")
     qual.add_argument("--kept-fractions", dest="targets", nargs="+", type=float, metavar="F",
                       help="kept fractions (default: 1 .75 .55 .4 .25)")
     qual.add_argument("--model", metavar="NAME|DIR", default="scenes",

@@ -128,18 +128,26 @@ class BipartiteGraph:
         pad = slots < 0
         return out.masked_fill_(pad.view(*pad.shape, *([1] * (values.dim() - 2))), fill)
 
-    def window_groups(self, waste: float = 0.25) -> list[torch.Tensor]:
+    def window_groups(self, waste: float = 0.25, pairs: str = "ab") -> list[torch.Tensor]:
         """Windows grouped by size, so that padding each group to its own largest window
         wastes at most ``waste`` of its ``A x B`` pairs (one group when the whole graph
         does). Windows of very different sizes (an image's base view and its tiles, one
         window per image) otherwise pad the small ones to the largest.
 
+        Args:
+            waste: the share of padded pairs a group may carry.
+            pairs: ``ab`` (A x B, what an edge scorer computes) or ``aa`` (A x A, what a
+                keep-set pruner's pairwise distances cost).
+
         Returns:
             ``[K_g]`` int64 window ids per group (largest windows first), covering every
             window once.
         """
+        if pairs not in ("ab", "aa"):
+            raise ValueError(f"unknown pairs {pairs!r}; choose 'ab' or 'aa'")
         k = self.num_windows
-        a, b = self.src_count.tolist(), self.dst_count.tolist()
+        a = self.src_count.tolist()
+        b = a if pairs == "aa" else self.dst_count.tolist()
         pairs = [x * y for x, y in zip(a, b)]
         if k == 0 or k * max(a) * max(b) <= (1.0 + waste) * max(1, sum(pairs)):
             return [torch.arange(k, device=self.src_slots.device)]

@@ -22,7 +22,7 @@ import torch
 from ..graph.scatter import scatter_sum
 from .counts import EPS, removal_count
 from .inputs import Features
-from .pruners import KeepSetPruner, Pruner, allocate_removals
+from .pruners import KeepSetPruner, PruneInputs, Pruner, allocate_removals
 
 __all__ = ["RelevanceCoverage"]
 
@@ -76,7 +76,26 @@ class RelevanceCoverage(KeepSetPruner):
         return frozenset({self.features}) - {"hidden"}
 
     def keep(self, inputs, count):
-        """``[K, a_max]`` bool: the ``count[k]`` picks of window ``k`` (relevant, then covering)."""
+        """``[K, a_max]`` bool: the ``count[k]`` picks of window ``k`` (relevant, then covering).
+
+        Windows of very different sizes (LLaVA-NeXT's 12 x 12 base windows beside its
+        24 x 24 tile windows) run in groups of similar size, each padded to its own largest
+        window: one ``[K, a_max, a_max]`` block would spend half its distances on padding.
+        Windows are independent, so the picks are the same either way."""
+        graph = inputs.graph
+        groups = graph.window_groups(pairs="aa")
+        if len(groups) == 1:
+            return self._keep(inputs, count)
+        kept = torch.zeros(graph.src_slots.shape, dtype=torch.bool, device=count.device)
+        for g in groups:
+            part = graph.select_windows(g)
+            a = part.src_slots.shape[1]
+            sub = PruneInputs(part, inputs.divergence[g, :a], inputs.relevance[g, :a], inputs.identity[g, :a],
+                              inputs.stage)
+            kept[g, :a] = self._keep(sub, count[g])
+        return kept
+
+    def _keep(self, inputs, count):
         graph = inputs.graph
         x = self.unit_features(inputs, self.stage_of(inputs, "relevance_coverage"), self.features)
         valid = graph.src_slots >= 0

@@ -219,3 +219,29 @@ def test_windows_keep_exactly_the_image_budget(case, ratio, windows):
             in_w = member & (part.window == w)
             lost, ideal = int((in_w & ~kept).sum()), ratio * int(in_w.sum())
             assert math.floor(ideal + 1e-9) <= lost <= math.ceil(ideal - 1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=batches(max_side=9, max_images=3), ratio=st.floats(0.1, 0.9), spatial=st.sampled_from([0.0, 0.5]))
+def test_windows_in_size_groups_pick_as_one_block(case, ratio, spatial):
+    """Windows of different sizes run in groups padded to their own largest window; the
+    picks equal those of one block padded to the largest window of all."""
+    from lightkv.policies import PruneInputs
+
+    inputs = StageInputs.of(case.layout, case.hidden, windows_per_side=1, relevance=case.relevance)
+    prune = prune_inputs(inputs)
+    graph = prune.graph
+    prune = PruneInputs(graph, prune.divergence, graph.token_blocks(case.relevance, "src"), prune.identity, inputs)
+    valid = graph.src_slots >= 0
+    count = valid.sum(1) - torch.floor(valid.sum(1).double() * ratio).long()
+    pruner = RelevanceCoverage(share=0.25, spatial=spatial)
+    assert torch.equal(pruner.keep(prune, count), pruner._keep(prune, count))
+
+
+def test_size_groups_split_a_base_view_from_its_tiles():
+    """LLaVA-NeXT's shape in small: a 2 x 2 base image beside an 8 x 8 tile grid."""
+    layout = VisionLayout.from_segments(1, 70, [ImageSegment(0, 1, (2, 2)), ImageSegment(0, 5, (8, 8))])
+    inputs = StageInputs.of(layout, torch.randn(1, 70, 4, dtype=torch.float64), windows_per_side=1)
+    graph = prune_inputs(inputs).graph
+    assert [g.tolist() for g in graph.window_groups(pairs="aa")] == [[1], [0]]
+    assert len(graph.window_groups(pairs="ab")) == 1  # all sources: no A x B pairs to pad
