@@ -32,7 +32,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from lightkv.outputs import write_atomic
 from lightkv.adapters.masks import drop_padding
-from lightkv.bench.allocator import ALLOCATORS, host_allocator
+from lightkv_lab.bench.allocator import ALLOCATORS, host_allocator
 from lightkv.adapters.probes import probe_for_layer
 from lightkv.cache_stage import CacheStage
 from lightkv.graph.layout import ImageSegment, VisionLayout
@@ -94,7 +94,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--second-projection", action="store_true", help="also time the scoring before the tap")
     ap.add_argument("--allocator", choices=ALLOCATORS, default="steady",
-                    help="host memory (lightkv.bench.allocator; default steady, as the efficiency benchmark)")
+                    help="host memory (lightkv_lab.bench.allocator; default steady, as the efficiency benchmark)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     with host_allocator(args.allocator) as heap:

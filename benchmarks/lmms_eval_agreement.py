@@ -2,10 +2,10 @@
 
 For each method (uncompressed, the presets ``lightkv-budget`` and ``fastv``, and LightKV and
 FastV at ``lightkv bench quality``'s 25% target, given to lmms-eval as YAML files) on the
-bundled DigitGrid model: exact match from `lightkv.tasks.evaluate.evaluate` (batched ``generate``), from
-`lightkv.tasks.scoring.score` (the teacher-forced scorer behind ``lightkv bench
+bundled DigitGrid model: exact match from `lightkv_lab.tasks.evaluate.evaluate` (batched ``generate``), from
+`lightkv_lab.tasks.scoring.score` (the teacher-forced scorer behind ``lightkv bench
 quality``, first turn), and from ``python -m lmms_eval --model lightkv`` on a local task
-built from the same episodes (`lightkv.integrations.digitgrid_task`), with the kept vision
+built from the same episodes (`lightkv_lab.digitgrid_task`), with the kept vision
 fraction each path reports. Needs the lmms-eval extra (``make lmms-eval``):
 
     python benchmarks/lmms_eval_agreement.py              # 200 episodes, ~7 min on 2 CPU cores
@@ -26,7 +26,7 @@ from lightkv.outputs import write_atomic
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # name: a preset, or (preset, kept-fraction target) scaled the way `lightkv bench quality`
-# scales it (`lightkv.bench.quality.method_pipeline`), given to lmms-eval as a YAML config
+# scales it (`lightkv_lab.bench.quality.method_pipeline`), given to lmms-eval as a YAML config
 METHODS = {"uncompressed": None, "lightkv-budget": "lightkv-budget", "fastv": "fastv",
            "lightkv @ 25%": ("lightkv", 0.25), "fastv @ 25%": ("fastv", 0.25)}
 
@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import lightkv
-    from lightkv.bench.quality import method_pipeline
-    from lightkv.integrations.digitgrid_task import (
+    from lightkv_lab.bench.quality import method_pipeline
+    from lightkv_lab.digitgrid_task import (
         TASK_NAME,
         lmms_eval_command,
         offline_env,
@@ -48,9 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         task_episodes,
         write_task,
     )
-    from lightkv.tasks import evaluate as ev
-    from lightkv.tasks import model as dg
-    from lightkv.tasks.scoring import Conversation, score
+    from lightkv_lab.tasks import evaluate as ev
+    from lightkv_lab.tasks import model as dg
+    from lightkv_lab.tasks.scoring import Conversation, score
 
     model, processor, grid = dg.load()
     episodes = task_episodes(args.episodes, processor, grid)

@@ -25,7 +25,7 @@ from method_search import build
 
 from lightkv import ImageSegment, VisionLayout
 from lightkv.policies import Prompt
-from lightkv.tasks.scoring import paired_bootstrap
+from lightkv_lab.tasks.scoring import paired_bootstrap
 
 LAYERS, GRID = 12, (16, 16)  # the Scenes model
 

@@ -10,7 +10,7 @@ search can be stopped and resumed and every try is on record
 
 A configuration is a preset name plus YAML overrides (``pruner``, ``passer``,
 ``relevance`` ...) put at a kept fraction by the benchmarks' rule
-(`lightkv.bench.budgets.method_pipeline`).
+(`lightkv_lab.bench.budgets.method_pipeline`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from lightkv.bench.budgets import method_pipeline
+from lightkv_lab.bench.budgets import method_pipeline
 from lightkv.policies import MessagePasser, Pruner, Relevance
-from lightkv.tasks import model as dg
-from lightkv.tasks import scoring as sc
+from lightkv_lab.tasks import model as dg
+from lightkv_lab.tasks import scoring as sc
 
 OUT = Path(__file__).resolve().parent / "results" / "method-search"
 

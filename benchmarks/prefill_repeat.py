@@ -14,10 +14,10 @@ import time
 import torch
 
 from lightkv.outputs import write_atomic
-from lightkv.bench.allocator import ALLOCATORS, host_allocator
-from lightkv.bench.efficiency import BenchConfig
-from lightkv.bench.efficiency.measure import first_token
-from lightkv.bench.efficiency.shapes import MODELS, build_model
+from lightkv_lab.bench.allocator import ALLOCATORS, host_allocator
+from lightkv_lab.bench.efficiency import BenchConfig
+from lightkv_lab.bench.efficiency.measure import first_token
+from lightkv_lab.bench.efficiency.shapes import MODELS, build_model
 
 
 def main() -> None:

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from lightkv.outputs import write_atomic
-from lightkv.bench.efficiency import MODELS, RESULTS, BenchConfig
-from lightkv.bench.efficiency.profile import profile_prefill
+from lightkv_lab.bench.efficiency import MODELS, RESULTS, BenchConfig
+from lightkv_lab.bench.efficiency.profile import profile_prefill
 
 
 def main(argv=None) -> int:

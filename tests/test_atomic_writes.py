@@ -54,7 +54,7 @@ def test_text_bytes_and_writers_land_whole_with_the_usual_mode(tmp_path):
 
 def test_a_figure_that_fails_to_render_keeps_the_old_picture(tmp_path):
     pytest.importorskip("matplotlib")
-    from lightkv import vis
+    from lightkv_lab import vis
 
     path = tmp_path / "lightkv-demo-provenance.png"
     path.write_bytes(b"old picture")
@@ -70,7 +70,7 @@ def test_a_figure_that_fails_to_render_keeps_the_old_picture(tmp_path):
 def test_a_report_that_fails_to_render_writes_neither_file(tmp_path, monkeypatch):
     """The JSON and the markdown are both rendered before either is written: a failure in
     the second (as the ablation's ``KeyError`` was) keeps the first as it was."""
-    from lightkv.bench.efficiency import report
+    from lightkv_lab.bench.efficiency import report
 
     (tmp_path / "efficiency.json").write_text('{"good": 1}\n')
 
@@ -119,7 +119,7 @@ def small_tmpfs(tmp_path):
 
 
 def test_a_full_tmpfs_keeps_the_previous_scaling_results(small_tmpfs):
-    from lightkv.bench.efficiency import scaling as sc
+    from lightkv_lab.bench.efficiency import scaling as sc
 
     result = {"config": {"sides": [4]}, "stage": {"points": [], "exponents": {}}}
     try:

@@ -29,7 +29,7 @@ def test_every_benchmark_takes_kept_fractions_in_one_range(command, value, capsy
 def test_one_is_a_kept_fraction_everywhere(command, monkeypatch, tmp_path, capsys):
     """(0, 1) in the ablation and efficiency benchmarks, (0, 1] in the quality one: now the
     same range; the run itself is cut short here, after the checks."""
-    from lightkv.bench import ablation, quality
+    from lightkv_lab.bench import ablation, quality
 
     def stop(*a, **k):
         raise ValueError("stopped after the checks")
@@ -41,8 +41,8 @@ def test_one_is_a_kept_fraction_everywhere(command, monkeypatch, tmp_path, capsy
 
 
 def test_the_range_is_one_function():
-    from lightkv.bench.budgets import MIN_KEPT_FRACTION, check_kept_fractions
-    from lightkv.bench.efficiency import BenchConfig
+    from lightkv_lab.bench.budgets import MIN_KEPT_FRACTION, check_kept_fractions
+    from lightkv_lab.bench.efficiency import BenchConfig
 
     assert check_kept_fractions([0.5, 1, 0.5, MIN_KEPT_FRACTION]) == (0.5, 1.0, MIN_KEPT_FRACTION)
     for bad in (0.0, 1e-300, 1.0001, math.nan):
@@ -56,7 +56,7 @@ def test_the_range_is_one_function():
 # ---------------------------------------------------------------------------- item 4: tracebacks
 def test_a_kept_fraction_preset_goes_to_a_budget():
     """``bench efficiency --presets lightkv-budget --kept-fractions 0.5`` was a TypeError."""
-    from lightkv.bench.budgets import method_pipeline
+    from lightkv_lab.bench.budgets import method_pipeline
     from lightkv.policies import average_kept_fraction
 
     for target in (0.55, 0.3, 0.11):  # placed as lightkv is (0.11 is below both: "min", the benchmark says so)
@@ -68,7 +68,7 @@ def test_a_kept_fraction_preset_goes_to_a_budget():
 
 
 def test_a_schedule_that_cannot_take_a_budget_is_a_value_error_naming_the_preset(monkeypatch):
-    from lightkv.bench import budgets
+    from lightkv_lab.bench import budgets
     from lightkv.policies import ScaledSchedule
 
     import lightkv.presets as presets
@@ -82,7 +82,7 @@ def test_a_schedule_that_cannot_take_a_budget_is_a_value_error_naming_the_preset
 def test_the_ablation_table_of_a_short_run_that_missed_question_types():
     """``bench ablation --episodes 2`` ended in ``KeyError: 'exists'`` after the whole run
     (no .md, no .png): a type the run never asked shows as "-"."""
-    from lightkv.bench.ablation import _detail, markdown_table
+    from lightkv_lab.bench.ablation import _detail, markdown_table
 
     row = {"method": "tome", "target": 0.55, "kept_fraction": 0.56, "accuracy": {"what": 1.0, "overall": 1.0},
            "kl": {"overall": 1e-6}}
@@ -153,7 +153,7 @@ def test_long_kept_fraction_lists_are_refused_with_the_limit(capsys):
 
 
 def test_duplicates_are_merged_with_a_note(monkeypatch, tmp_path, capsys):
-    from lightkv.bench import quality
+    from lightkv_lab.bench import quality
 
     seen = {}
 
@@ -176,7 +176,7 @@ def test_the_memory_child_reads_its_job_from_stdin(monkeypatch):
     long lists ended in ``OSError: Argument list too long``."""
     import subprocess
 
-    from lightkv.bench.efficiency import measure, shapes
+    from lightkv_lab.bench.efficiency import measure, shapes
 
     calls = {}
 

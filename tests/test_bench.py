@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lightkv.bench import efficiency as eff
+from lightkv_lab.bench import efficiency as eff
 from lightkv.cli import build_parser, main
 
 
@@ -97,7 +97,7 @@ def test_memory_child_cpu():
 
 def test_a_variant_that_ran_other_attention_fails_naming_it():
     from lightkv.adapters.attention import AttentionChanged
-    from lightkv.bench.efficiency.runner import check_attention
+    from lightkv_lab.bench.efficiency.runner import check_attention
 
     loaded = {"": "sdpa", "text_config": "sdpa"}
     ok = {"ran": {"sdpa": 6}, "configured_after": loaded}
@@ -114,7 +114,7 @@ def test_flash_attention_2_needs_cuda_and_flash_attn(capsys, monkeypatch):
         eff.BenchConfig(attn_implementation="flash_attention_2")
     import importlib.util
 
-    from lightkv.bench.efficiency import shapes
+    from lightkv_lab.bench.efficiency import shapes
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else object())
     with pytest.raises(ValueError, match="needs the flash_attn package: pip install flash-attn"):
@@ -153,7 +153,7 @@ def test_cache_mode_presets_in_both_benchmarks():
     """ElasticCache and H2O: KV bytes cut, prefill FLOPs not (the importance scores add some), and in
     the quality benchmark at the target's kept vision KV; the first answer token comes from the
     uncompressed prefill."""
-    from lightkv.bench.quality import AccuracyConfig, method_pipeline, run
+    from lightkv_lab.bench.quality import AccuracyConfig, method_pipeline, run
     from lightkv.policies import CacheSchedule, H2OSchedule
 
     cfg = eff.quick_config(models=("llava",), presets=("elasticcache", "h2o"), layers=6, heads=1, repeats=1, warmup=0,
@@ -180,7 +180,7 @@ def test_cache_mode_presets_in_both_benchmarks():
 def test_command_line_names_what_differs_from_the_default():
     from dataclasses import asdict
 
-    from lightkv.bench.efficiency.report import command_line
+    from lightkv_lab.bench.efficiency.report import command_line
 
     assert command_line(asdict(eff.BenchConfig())) == "lightkv bench efficiency"
     cfg = eff.BenchConfig(models=("llava_next", "llava"), presets=("lightkv", "tome"), layers=6, width="full",
@@ -198,7 +198,7 @@ def test_budgets_put_every_preset_at_each_kept_fraction(tmp_path):
     refuse a preset listed as refused, and the TTFT-vs-FLOPs plot per budget."""
     from dataclasses import asdict
 
-    from lightkv.bench.efficiency.report import command_line
+    from lightkv_lab.bench.efficiency.report import command_line
 
     cfg = eff.quick_config(models=("llava", "qwen2_5_vl"), presets=("lightkv", "visionzip", "divprune"),
                            budgets=(0.55, 0.22), layers=6, heads=1, repeats=1, warmup=0, memory=False,
@@ -239,7 +239,7 @@ def test_budget_targets_take_lightkv_where_its_schedule_reaches_the_budget():
     """At each budget LightKV is ``lightkv@t`` unless its schedule stops short (``min``); then
     ``lightkv-first-layer@t`` if it reaches the budget, then ``lightkv-low-budget@t``. The targets hold only if every budget's gap is within a point
     and every overhead at most 1%; a reduced-width run checks none of them."""
-    from lightkv.bench.efficiency.report import budget_table, budget_targets, lightkv_at
+    from lightkv_lab.bench.efficiency.report import budget_table, budget_targets, lightkv_at
 
     variants = {
         "lightkv@0.55": _variant(0.570, 0.566, 0.007, "scaled", [0.568, 0.572]),
@@ -297,8 +297,8 @@ def test_the_host_allocator_is_an_option_recorded_with_the_result(result):
     import sys
     from dataclasses import asdict
 
-    from lightkv.bench.allocator import host_allocator
-    from lightkv.bench.efficiency.report import command_line, markdown_table
+    from lightkv_lab.bench.allocator import host_allocator
+    from lightkv_lab.bench.efficiency.report import command_line, markdown_table
 
     expected = "steady" if sys.platform.startswith("linux") else result["machine"]["allocator"]
     assert result["machine"]["allocator"] == expected
@@ -320,7 +320,7 @@ def test_the_host_allocator_is_an_option_recorded_with_the_result(result):
 
         code = (
             "import torch\n"
-            "from lightkv.bench.allocator import host_allocator\n"
+            "from lightkv_lab.bench.allocator import host_allocator\n"
             "def rss():\n"
             "    return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmRSS'))\n"
             "for name in ('system', 'steady'):\n"

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from lightkv.bench import ablation as ab
-from lightkv.bench.quality import method_pipeline
+from lightkv_lab.bench import ablation as ab
+from lightkv_lab.bench.quality import method_pipeline
 
 
 @pytest.fixture(scope="module")

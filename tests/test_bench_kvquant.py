@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightkv.bench.efficiency import kvquant as kq
+from lightkv_lab.bench.efficiency import kvquant as kq
 from lightkv.cli import main
 
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lightkv.bench.efficiency import scaling as sc
+from lightkv_lab.bench.efficiency import scaling as sc
 from lightkv.cli import main
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightkv.demos import bundled
+from lightkv_lab.demos import bundled
 
 
 def test_a_long_question_wraps_inside_its_column(capsys):
@@ -35,8 +35,8 @@ def test_the_comparison_prints_a_progress_line_per_method(capsys):
 
 def test_picture_titles_stay_inside_the_picture(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
-    from lightkv import vis
-    from lightkv.bench import quality_report
+    from lightkv_lab import vis
+    from lightkv_lab.bench import quality_report
 
     figures = []
     real = vis.save_figure

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("sklearn")
 
-from lightkv.tasks.digitgrid import (
+from lightkv_lab.tasks.digitgrid import (
     BOS_ID,
     EOS_ID,
     IGNORE_INDEX,
@@ -36,7 +36,7 @@ from lightkv.tasks.digitgrid import (
     make_scene,
     num_image_tokens,
 )
-from lightkv.tasks.digitgrid.images import _digits
+from lightkv_lab.tasks.digitgrid.images import _digits
 
 NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 seeds = st.integers(min_value=0, max_value=2**32 - 1)
@@ -310,7 +310,7 @@ def test_collate_rejects_empty_batch():
 
 
 def test_the_default_config_is_the_bundled_models():
-    from lightkv.tasks.model import read_grid_config
+    from lightkv_lab.tasks.model import read_grid_config
 
     assert read_grid_config("digitgrid") == GridConfig()
 

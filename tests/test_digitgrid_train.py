@@ -7,8 +7,8 @@ import torch
 
 pytest.importorskip("tqdm")
 
-from lightkv.tasks import model as dg
-from lightkv.tasks.train import main
+from lightkv_lab.tasks import model as dg
+from lightkv_lab.tasks.train import main
 
 TINY = ["--text-width", "32", "--text-layers", "2", "--text-ffn", "64", "--vision-width", "32",
         "--vision-layers", "1", "--batch", "2", "--questions", "2", "--eval-n", "1", "--threads", "1",
@@ -56,7 +56,7 @@ def test_qa_stage_keeps_the_aligned_tower_and_exports(tmp_path):
 
 
 def test_alignment_targets_name_each_cell():
-    from lightkv.tasks.digitgrid.data import WORD_TO_ID
+    from lightkv_lab.tasks.digitgrid.data import WORD_TO_ID
 
     model = dg.build_model(dg.ModelSpec(text_width=32, text_layers=1, text_ffn=32, vision_width=32, vision_layers=1))
     grid = torch.tensor([[[3, -1], [-1, 0]]])  # 2x2 cells

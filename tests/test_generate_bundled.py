@@ -57,4 +57,4 @@ def test_a_missing_extra_is_one_line():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     err = done.stderr.strip().splitlines()
     assert done.returncode == 2, done.stderr
-    assert err == ["lightkv: error: this command needs sklearn, which is not installed: pip install 'lightkv[demo]'"]
+    assert err == ["lightkv: error: this command needs sklearn, which is not installed: pip install 'lightkv-lab'"]

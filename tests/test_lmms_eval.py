@@ -23,7 +23,7 @@ if os.environ.get("LIGHTKV_REQUIRE_LMMS_EVAL"):  # `make test-lmms-eval` (CI): a
 else:
     pytest.importorskip("lmms_eval", reason="lmms-eval is not installed (`make lmms-eval` installs the extra)")
 
-from lightkv.integrations.digitgrid_task import (
+from lightkv_lab.digitgrid_task import (
     TASK_NAME,
     lmms_eval_command,
     offline_env,
@@ -41,8 +41,8 @@ def runs(tmp_path_factory):
     """Episodes, lightkv's own evaluation of them, and the three lmms-eval runs."""
     import lightkv
     from lightkv.policies.schedulers import ExplicitSchedule
-    from lightkv.tasks import evaluate as ev
-    from lightkv.tasks import model as dg
+    from lightkv_lab.tasks import evaluate as ev
+    from lightkv_lab.tasks import model as dg
 
     tmp = tmp_path_factory.mktemp("lmms")
     model, processor, grid = dg.load()

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightkv.tasks.scenes import data as sc
+from lightkv_lab.tasks.scenes import data as sc
 
 CONFIG = sc.GridConfig()
 W = {w: i for i, w in enumerate(sc.VOCAB)}

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightkv.bench.quality import first_stage_layer, method_pipeline
-from lightkv.tasks import evaluate as ev
-from lightkv.tasks import model as dg
-from lightkv.tasks import scoring as sc
-from lightkv.tasks.scenes.measure import near_duplicates, region_relevance
+from lightkv_lab.bench.quality import first_stage_layer, method_pipeline
+from lightkv_lab.tasks import evaluate as ev
+from lightkv_lab.tasks import model as dg
+from lightkv_lab.tasks import scoring as sc
+from lightkv_lab.tasks.scenes.measure import near_duplicates, region_relevance
 
 # Floors under what the shipped model measures on the benchmark's 600 conversations
 # (benchmarks/results/quality-scenes.md), so that only a real regression trips them.

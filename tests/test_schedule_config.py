@@ -141,7 +141,7 @@ def test_scaled_schedule_from_yaml_moves_llava_layers_to_8():
 
 @pytest.mark.parametrize(
     "depth, target, max_removal_ratio, layers, ratio, how",
-    [  # the values of lightkv.bench.quality.budget_schedule (scaled LLaVA layers, 4/2/1 windows)
+    [  # the values of lightkv_lab.bench.quality.budget_schedule (scaled LLaVA layers, 4/2/1 windows)
         (8, 0.55, 0.5, (2, 4, 5), 0.5, "scaled"),
         (8, 0.55, 0.75, (2, 4, 5), 0.5227, "scaled"),
         (8, 0.4, 0.5, (0, 2, 3), 0.4308, "scaled"),

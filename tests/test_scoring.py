@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 
 pytest.importorskip("sklearn")
 
-from lightkv.bench.quality import ablation_pipeline, method_pipeline
-from lightkv.tasks import evaluate as ev
-from lightkv.tasks import model as dg
-from lightkv.tasks import scoring as sc
+from lightkv_lab.bench.quality import ablation_pipeline, method_pipeline
+from lightkv_lab.tasks import evaluate as ev
+from lightkv_lab.tasks import model as dg
+from lightkv_lab.tasks import scoring as sc
 
 
 @pytest.fixture(scope="module")

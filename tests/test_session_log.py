@@ -17,8 +17,8 @@ from lightkv.integrations.session_log import (
     shard,
     uncompressed_rows,
 )
-from lightkv.tasks import evaluate as ev
-from lightkv.tasks import model as dg
+from lightkv_lab.tasks import evaluate as ev
+from lightkv_lab.tasks import model as dg
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def bundled():
 
 
 def _inputs(model, grid, n=6):
-    from lightkv.tasks.registry import task_for
+    from lightkv_lab.tasks.registry import task_for
 
     data = task_for(grid).data
     episodes = ev.heldout_episodes(n, seed=5, grid=grid)

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightkv.tasks.symbolgrid import data as sg
+from lightkv_lab.tasks.symbolgrid import data as sg
 
 CONFIG = sg.GridConfig()
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightkv.bench.quality import method_pipeline
-from lightkv.tasks import evaluate as ev
-from lightkv.tasks import model as dg
-from lightkv.tasks import scoring as sc
+from lightkv_lab.bench.quality import method_pipeline
+from lightkv_lab.tasks import evaluate as ev
+from lightkv_lab.tasks import model as dg
+from lightkv_lab.tasks import scoring as sc
 
 # Floors well under what the shipped model measures (benchmarks/results/quality-symbolgrid.md),
 # so that only a real regression (adapters, policies, data, weights) trips them.

@@ -45,14 +45,15 @@ log = logging.getLogger("mkdocs.hooks.lightkv_docs")
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "lightkv"
+LAB_PACKAGE, LAB_DIR = "lightkv_lab", ROOT / "lab" / "lightkv_lab"  # the laboratory's distribution
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 REFERENCE_DIR = "reference"
 NAV_SECTION = "API reference"
 SKIP_MODULES = {"__main__"}
 # Reading order inside a package; modules not listed follow alphabetically.
 PREFERRED_ORDER = {
-    "lightkv": ["graph", "policies", "pipeline", "config", "presets", "adapters", "api", "testing", "vis", "cli",
-                "stages_demo"],
+    "lightkv": ["graph", "policies", "pipeline", "config", "presets", "adapters", "api", "testing", "cli"],
+    "lightkv_lab": ["tasks", "bench", "demos", "stages_demo", "vis", "cli"],
     "lightkv.graph": ["layout", "windows", "bipartite", "scatter", "provenance"],
     "lightkv.policies": [
         "base",
@@ -517,25 +518,44 @@ def results_files_markdown() -> str:
 
 
 # ---------------------------------------------------------------------------- hooks
-_TREE: Module | None = None
+_TREE: list[Module] | None = None
 _MARKER = re.compile(r"<!--\s*lightkv:([a-z-]+)\s*(.*?)\s*-->")
 
 
-def _tree() -> Module:
+def _discover_all() -> list[Module]:
+    """The library's module tree, then the laboratory's (where this checkout has it)."""
+    trees = [discover()]
+    if (LAB_DIR / "__init__.py").is_file():
+        trees.append(discover(LAB_DIR, LAB_PACKAGE))
+    return trees
+
+
+class _Trees:
+    """The module trees, walked as one."""
+
+    def __init__(self, trees: list[Module]):
+        self.trees = trees
+
+    def walk(self):
+        for tree in self.trees:
+            yield from tree.walk()
+
+
+def _tree() -> _Trees:
     global _TREE
     if _TREE is None:
-        _TREE = discover()
-    return _TREE
+        _TREE = _discover_all()
+    return _Trees(_TREE)
 
 
 def on_config(config, **kwargs):
     global _TREE
-    _TREE = discover()  # re-read on every (re)build
+    _TREE = _discover_all()  # re-read on every (re)build
     for item in config["nav"] or []:
         if isinstance(item, dict) and NAV_SECTION in item:
             section = item[NAV_SECTION]
-            section[:] = [e for e in section if not (isinstance(e, dict) and PACKAGE in e)]
-            section.append(_nav_entry(_tree()))
+            section[:] = [e for e in section if not (isinstance(e, dict) and (PACKAGE in e or LAB_PACKAGE in e))]
+            section.extend(_nav_entry(tree) for tree in _tree().trees)
             break
     else:
         log.warning("lightkv_docs: the nav has no %r section for the generated reference pages", NAV_SECTION)

@@ -37,7 +37,7 @@ from lightkv.policies import (
     SmallestDivergence,
     StageInputs,
 )
-from lightkv.vis import group_mean, outline_groups, paint_patches
+from lightkv_lab.vis import group_mean, outline_groups, paint_patches
 
 GRID, PATCH = 24, 21
 TEXT_BEFORE, TEXT_AFTER = 5, 9
@@ -79,7 +79,7 @@ def inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, VisionLayout, tor
 
 
 def panel(colours: torch.Tensor, owner: torch.Tensor | None, windows: int | None) -> Image.Image:
-    """A ``24*CELL`` square: patch colours, dark group borders (`lightkv.vis`), blue window lines."""
+    """A ``24*CELL`` square: patch colours, dark group borders (`lightkv_lab.vis`), blue window lines."""
     img = paint_patches(colours, (GRID, GRID), CELL)
     if owner is not None:
         img = outline_groups(img, owner, (GRID, GRID), CELL)

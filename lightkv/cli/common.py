@@ -99,9 +99,9 @@ def writable_dir(path):
     return path
 
 
-EXTRAS = {"PIL": "demo", "skimage": "demo", "sklearn": "demo", "matplotlib": "bench", "tqdm": "bench",
-          "torch_scatter": "scatter"}
-"""Top-level module -> the extra of lightkv that installs it (for one-line errors)."""
+EXTRAS = {"PIL": "pillow", "skimage": "lightkv-lab", "sklearn": "lightkv-lab", "matplotlib": "lightkv-lab",
+          "tqdm": "lightkv-lab", "torch_scatter": "lightkv[scatter]", "lightkv_lab": "lightkv-lab"}
+"""Top-level module -> what ``pip install`` takes to install it (for one-line errors)."""
 
 
 def require(*modules: str, why: str = "") -> None:
@@ -116,7 +116,7 @@ def require(*modules: str, why: str = "") -> None:
         if importlib.util.find_spec(name) is None:
             extra = EXTRAS.get(name, name)
             raise UsageError(f"this command needs {name}{' ' + why if why else ''}, which is not installed: "
-                             f"pip install 'lightkv[{extra}]'")
+                             f"pip install '{extra}'")
 
 
 def missing_action(parser: argparse.ArgumentParser) -> int:

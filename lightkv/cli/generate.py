@@ -2,7 +2,10 @@
 
 With no ``--model`` it runs the bundled Scenes model (as ``lightkv demo`` does) on a held-out
 Scenes image and question; ``--model scenes|digitgrid|symbolgrid`` names a bundled model in
-every command, anything else is a model directory or hub id. The default pipeline fits the
+every command, anything else is a model directory or hub id. The bundled models come with
+the laboratory (``lightkv-lab``, found through the entry-point group ``lightkv.models``, see
+`lightkv.lab`); without it, naming one (or giving no ``--model``) says in one line to install
+it. The default pipeline fits the
 model's depth (``lightkv`` where its schedule fits, else the kept-fraction preset
 ``lightkv-budget``), and the output says which and why; a bundled model given another image
 says in one line that its answers mean nothing there.
@@ -71,16 +74,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
     from .. import generate as g
+    from .. import lab
     from ..config import ConfigError
-    from ..tasks.model import BUNDLED_MODELS
 
     if args.preset and ("/" in args.preset or os.sep in args.preset or args.preset.endswith((".yaml", ".yml"))):
         raise UsageError(f"--preset takes a preset name; use --config for the file {args.preset!r}")
-    bundled = args.model if args.model in BUNDLED_MODELS else None
-    model_path = str(BUNDLED_MODELS[bundled]) if bundled else args.model
+    names = lab.bundled_models()
+    found = lab.bundled_model(args.model) if args.model in names else None
+    if found is None and args.model in lab.LAB_MODELS and not os.path.isdir(args.model):
+        raise UsageError(lab.needs_lab(f"--model {args.model} (a bundled model)"))
+    bundled = args.model if found is not None else None
+    model_path = str(found.path) if found is not None else args.model
     if not bundled and (args.image is None or args.prompt is None):
         raise UsageError(f"--image and --prompt are required with --model {args.model} (they default only for the "
-                         f"bundled models: {', '.join(BUNDLED_MODELS)})")
+                         f"bundled models: {', '.join(names or lab.LAB_MODELS)})")
     if args.prompt is not None and not args.prompt.strip():
         raise UsageError("--prompt is empty; give a question, or leave --prompt out for a bundled model's default")
     notes = []
@@ -107,7 +114,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 notes.append(f"the bundled {bundled} model was trained only on its own synthetic {bundled} images: "
                              "its answers about any other image mean nothing")
         else:
-            image, question = _bundled_example(bundled)
+            image, question = found.example()
             prompt = prompt or question["question"]
             example = {"image": f"a held-out {bundled} image", "prompt": prompt,
                        "expected_answer": question["answer"]}
@@ -152,14 +159,3 @@ def _default_preset(layers: int | None) -> tuple[str, str]:
         return SHALLOW_PRESET, (f"preset {SHALLOW_PRESET} (the default for this {layers}-layer decoder: "
                                 f"{DEEP_PRESET}'s schedule needs a deeper one; --preset chooses another)")
     return DEEP_PRESET, f"preset {DEEP_PRESET} (the default: its schedule fits this {layers}-layer decoder)"
-
-
-def _bundled_example(name: str):
-    """A held-out image (PIL) of bundled model ``name``'s task and a question about it."""
-    from ..tasks import evaluate
-    from ..tasks.digitgrid.images import to_pil
-    from ..tasks.model import BUNDLED_MODELS, read_grid_config
-
-    grid = read_grid_config(BUNDLED_MODELS[name])
-    ep = evaluate.heldout_episodes(1, seed=0, grid=grid)[0]
-    return to_pil(ep.image), {"question": " ".join(ep.question), "answer": " ".join(ep.answer)}

@@ -11,7 +11,8 @@ accelerate launch --num_processes 8 -m lmms_eval --model lightkv ...   # one cop
 
 Model arguments (``--model_args k=v,...``):
 
-- ``pretrained``: a hub id, a local model directory, or a bundled model by name (``digitgrid``).
+- ``pretrained``: a hub id, a local model directory, or a bundled model by name (``digitgrid``;
+  the bundled models come with the laboratory, ``lightkv-lab``).
 - ``preset`` (a shipped preset's name) or ``config`` (a pipeline YAML file); neither (or
   ``preset=none``): uncompressed, generated without any lightkv hook.
 - ``dtype`` (``auto``, ``float16``, ``bfloat16``, ``float32``), ``device``, ``device_map``,
@@ -106,9 +107,12 @@ def _load(pretrained: str, dtype: str, device_map: Any, attn_implementation: str
     )
 
     from ..adapters.registry import MODEL_TYPES, SUPPORTED_FAMILIES
-    from ..tasks.model import BUNDLED_MODELS
+    from .. import lab
 
-    path = str(BUNDLED_MODELS.get(pretrained, os.path.expanduser(pretrained)))
+    bundled = lab.bundled_model(pretrained) if pretrained in lab.bundled_models() else None
+    if bundled is None and pretrained in lab.LAB_MODELS and not os.path.isdir(os.path.expanduser(pretrained)):
+        raise ValueError(lab.needs_lab(f"pretrained={pretrained} (a bundled model)"))
+    path = str(bundled.path) if bundled is not None else os.path.expanduser(pretrained)
     local = {"local_files_only": True} if os.path.isdir(path) else {}
     config = AutoConfig.from_pretrained(path, **local)
     if MODEL_TYPES.get(getattr(config, "model_type", None)) is None:

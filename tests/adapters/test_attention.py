@@ -18,7 +18,7 @@ from lightkv.adapters.attention import (
     configured_attention,
 )
 from lightkv.adapters.guards import attention_implementation
-from lightkv.bench.budgets import method_pipeline
+from lightkv_lab.bench.budgets import method_pipeline
 from lightkv.presets import PRESETS, get_preset
 from lightkv.testing import TINY_MODELS
 

@@ -21,7 +21,7 @@ from lightkv import Pipeline
 from lightkv.adapters import apply, masks
 from lightkv.adapters.attention import AttentionWatch, configured_attention
 from lightkv.adapters.guards import attention_implementation
-from lightkv.bench.budgets import method_pipeline
+from lightkv_lab.bench.budgets import method_pipeline
 from lightkv.presets import PRESETS, get_preset
 from lightkv.testing import TINY_MODELS
 
@@ -238,8 +238,8 @@ def test_the_efficiency_benchmark_runs_stock_and_compressed_under_flash(flash, m
     the uncompressed prefill and each compressed one dispatch to flash_attention_2 on every
     layer (the stand-in here: the CUDA / flash_attn check and transformers' import check are
     bypassed by building under sdpa and switching, as `use_flash` does), nothing is refused."""
-    from lightkv.bench import efficiency as eff
-    from lightkv.bench.efficiency import shapes
+    from lightkv_lab.bench import efficiency as eff
+    from lightkv_lab.bench.efficiency import shapes
 
     monkeypatch.setattr(shapes, "check_attention_available", lambda *a: None)
     fam = TINY_MODELS["llava"]

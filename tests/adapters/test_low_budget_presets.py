@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightkv.adapters import apply
-from lightkv.bench.budgets import method_pipeline
+from lightkv_lab.bench.budgets import method_pipeline
 from lightkv.policies import PreLLMSchedule, average_kept_fraction
 from lightkv.testing import TINY_MODELS
 
