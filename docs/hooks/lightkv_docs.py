@@ -430,7 +430,8 @@ def _record_map(data: dict[str, Any]) -> bool:
 
 def json_markdown(data: Any, level: int = 5) -> str:
     """A JSON document as Markdown: lists of records and maps of similar records as
-    tables, flat mappings as key/value tables, nested mappings under headings."""
+    tables, flat mappings as key/value tables, nested mappings under bold labels (not
+    headings: a results page's table of contents shows the page's headings, not JSON keys)."""
     if _records(data):
         return _table(data)
     if not isinstance(data, dict):
@@ -444,7 +445,8 @@ def json_markdown(data: Any, level: int = 5) -> str:
         parts.append(_table(list(nested.values()), keys=list(nested)))
     else:
         for key, value in nested.items():
-            parts.append(f"{'#' * level} {key}\n\n" + json_markdown(value, min(level + 1, 6)))
+            # a bold label, not a heading: the page's table of contents lists its own headings only
+            parts.append(f"**{key}**\n\n" + json_markdown(value, min(level + 1, 6)))
     return "\n\n".join(parts)
 
 
@@ -474,7 +476,8 @@ def results_markdown(patterns: list[str], page_uri: str) -> str:
     here = posixpath.dirname(page_uri)
     for path in matched:
         rel = path.relative_to(ROOT).as_posix()
-        parts.append(f"#### `{rel}`\n")
+        # a caption, not a heading: the table of contents shows the page's headings, not file paths
+        parts.append(f'<p class="lightkv-results-file">From <code>{rel}</code>:</p>\n')
         suffix = path.suffix.lower()
         if suffix == ".json":
             try:
