@@ -144,8 +144,12 @@ scenes-model: install
 	  --eval-every 100 --eval-n 32 --threads 1 --mix texture where count=3 exists=1.5 read relation=2
 	$(DG_TRAIN) export --out runs/scenes --export lab/lightkv_lab/assets/scenes-llava
 
+# ruff's rules and the 100-column format (pyproject.toml [tool.ruff]) over both distributions,
+# the tests, the benchmarks and the docs' scripts; run by .ci/run.
+LINT_PATHS = lightkv lab tests benchmarks docs
 lint: install
-	$(PY) -m ruff check lightkv lab tests benchmarks
+	$(PY) -m ruff check $(LINT_PATHS)
+	$(PY) -m ruff format --check $(LINT_PATHS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build dist *.egg-info

@@ -27,15 +27,15 @@ import statistics
 import time
 
 import torch
+from lightkv_lab.bench.allocator import ALLOCATORS, host_allocator
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from lightkv.outputs import write_atomic
 from lightkv.adapters.masks import drop_padding
-from lightkv_lab.bench.allocator import ALLOCATORS, host_allocator
 from lightkv.adapters.probes import probe_for_layer
 from lightkv.cache_stage import CacheStage
 from lightkv.graph.layout import ImageSegment, VisionLayout
+from lightkv.outputs import write_atomic
 from lightkv.policies.cache_policies import accumulated_attention, causal_chunks
 from lightkv.policies.relevance import _accumulator, _match_heads
 from lightkv.presets import get_preset_config

@@ -40,8 +40,8 @@ from pathlib import Path
 
 import torch
 
-from lightkv.outputs import write_atomic
 from lightkv.graph import BipartiteGraph
+from lightkv.outputs import write_atomic
 from lightkv.policies import EdgeScorer
 from lightkv.policies.scorers import DEFAULT_DIVERGENCE_BYTES
 

@@ -21,12 +21,18 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from lightkv_lab.bench.efficiency import BenchConfig
+from lightkv_lab.bench.efficiency.measure import Timer, first_token
+from lightkv_lab.bench.efficiency.shapes import (
+    MODELS,
+    POST_TEXT,
+    PRE_TEXT,
+    build_model,
+    scaled_pipeline,
+)
 
 from lightkv.adapters import apply
 from lightkv.adapters.attention import AttentionWatch, check_same_attention
-from lightkv_lab.bench.efficiency import BenchConfig
-from lightkv_lab.bench.efficiency.measure import Timer, first_token
-from lightkv_lab.bench.efficiency.shapes import MODELS, POST_TEXT, PRE_TEXT, build_model, scaled_pipeline
 from lightkv.testing import TINY_MODELS
 
 PRESETS = ("lightkv", "divprune", "lightkv-low-budget")

@@ -27,8 +27,8 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from lightkv.outputs import write_atomic
 from lightkv.adapters.probes import LayerShape
+from lightkv.outputs import write_atomic
 
 HIDDEN, HEADS, HEAD_DIM, MLP = 4096, 32, 128, 11008
 

@@ -38,7 +38,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
 
-    import lightkv
     from lightkv_lab.bench.quality import method_pipeline
     from lightkv_lab.digitgrid_task import (
         TASK_NAME,
@@ -51,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     from lightkv_lab.tasks import evaluate as ev
     from lightkv_lab.tasks import model as dg
     from lightkv_lab.tasks.scoring import Conversation, score
+
+    import lightkv
 
     model, processor, grid = dg.load()
     episodes = task_episodes(args.episodes, processor, grid)

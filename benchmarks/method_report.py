@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lightkv_lab.tasks.scoring import paired_bootstrap
 from method_search import build
 
 from lightkv import ImageSegment, VisionLayout
 from lightkv.policies import Prompt
-from lightkv_lab.tasks.scoring import paired_bootstrap
 
 LAYERS, GRID = 12, (16, 16)  # the Scenes model
 

@@ -25,11 +25,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-
 from lightkv_lab.bench.budgets import method_pipeline
-from lightkv.policies import MessagePasser, Pruner, Relevance
 from lightkv_lab.tasks import model as dg
 from lightkv_lab.tasks import scoring as sc
+
+from lightkv.policies import MessagePasser, Pruner, Relevance
 
 OUT = Path(__file__).resolve().parent / "results" / "method-search"
 

@@ -35,10 +35,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lightkv.outputs import write_atomic
 import lightkv
 from lightkv import Pipeline
 from lightkv.adapters import apply
+from lightkv.outputs import write_atomic
 from lightkv.policies import ExplicitSchedule
 from lightkv.testing import IMAGE, build_llava, build_llava_next, text_ids
 

@@ -12,12 +12,12 @@ import json
 import time
 
 import torch
-
-from lightkv.outputs import write_atomic
 from lightkv_lab.bench.allocator import ALLOCATORS, host_allocator
 from lightkv_lab.bench.efficiency import BenchConfig
 from lightkv_lab.bench.efficiency.measure import first_token
 from lightkv_lab.bench.efficiency.shapes import MODELS, build_model
+
+from lightkv.outputs import write_atomic
 
 
 def main() -> None:

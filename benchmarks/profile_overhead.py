@@ -19,10 +19,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-
-from lightkv.outputs import write_atomic
 from lightkv_lab.bench.efficiency import MODELS, RESULTS, BenchConfig
 from lightkv_lab.bench.efficiency.profile import profile_prefill
+
+from lightkv.outputs import write_atomic
 
 
 def main(argv=None) -> int:

@@ -97,7 +97,7 @@ def serve(args: argparse.Namespace, variant: str) -> dict:
     rng = np.random.default_rng(0)
     px = args.image_tokens_side * 28
     prompts = []
-    for i in range(args.batch):
+    for _ in range(args.batch):
         words = " ".join(f"w{j}" for j in rng.integers(0, WORDS, 32))
         image = Image.fromarray(rng.integers(0, 256, (px, px, 3), dtype=np.uint8))
         prompts.append({"prompt": f"{words} <|vision_start|> <|image_pad|> <|vision_end|> {words}",

@@ -23,8 +23,8 @@ from .graph.scatter import right_align
 from .policies.hashing import token_identity
 from .policies.inputs import StageInputs
 from .policies.partitioners import GridPartitioner, Partitioner
-from .policies.prompt import Prompt
 from .policies.passers import MessagePasser, RelevanceWeightedMean
+from .policies.prompt import Prompt
 from .policies.pruners import PruneInputs, Pruner, SmallestDivergence
 from .policies.relevance import QueryAxisSoftmax, Relevance
 from .policies.schedulers import ExplicitSchedule, Scheduler, StageSpec
@@ -394,6 +394,6 @@ class Pipeline:
             results.append(res)
         return results
 
-    def with_scheduler(self, scheduler: Scheduler) -> "Pipeline":
+    def with_scheduler(self, scheduler: Scheduler) -> Pipeline:
         """A copy with another scheduler."""
         return replace(self, scheduler=scheduler)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings

@@ -119,7 +119,7 @@ def test_non_utf8_files_are_named(tmp_path, capsys):
 def test_presets_still_load_through_the_checks():
     from lightkv.presets import PRESETS
 
-    for name, preset in PRESETS.items():
+    for preset in PRESETS.values():
         assert PipelineConfig.from_yaml_text(preset.config.to_yaml()) == preset.config
 
 

@@ -57,6 +57,7 @@ def test_the_range_is_one_function():
 def test_a_kept_fraction_preset_goes_to_a_budget():
     """``bench efficiency --presets lightkv-budget --kept-fractions 0.5`` was a TypeError."""
     from lightkv_lab.bench.budgets import method_pipeline
+
     from lightkv.policies import average_kept_fraction
 
     for target in (0.55, 0.3, 0.11):  # placed as lightkv is (0.11 is below both: "min", the benchmark says so)
@@ -69,9 +70,9 @@ def test_a_kept_fraction_preset_goes_to_a_budget():
 
 def test_a_schedule_that_cannot_take_a_budget_is_a_value_error_naming_the_preset(monkeypatch):
     from lightkv_lab.bench import budgets
-    from lightkv.policies import ScaledSchedule
 
     import lightkv.presets as presets
+    from lightkv.policies import ScaledSchedule
 
     odd = presets.get_preset("lightkv").with_scheduler(ScaledSchedule())
     monkeypatch.setattr(presets, "get_preset", lambda name: odd)

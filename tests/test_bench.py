@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from lightkv_lab.bench import efficiency as eff
+
 from lightkv.cli import build_parser, main
 
 
@@ -96,8 +96,9 @@ def test_memory_child_cpu():
 
 
 def test_a_variant_that_ran_other_attention_fails_naming_it():
-    from lightkv.adapters.attention import AttentionChanged
     from lightkv_lab.bench.efficiency.runner import check_attention
+
+    from lightkv.adapters.attention import AttentionChanged
 
     loaded = {"": "sdpa", "text_config": "sdpa"}
     ok = {"ran": {"sdpa": 6}, "configured_after": loaded}
@@ -154,6 +155,7 @@ def test_cache_mode_presets_in_both_benchmarks():
     the quality benchmark at the target's kept vision KV; the first answer token comes from the
     uncompressed prefill."""
     from lightkv_lab.bench.quality import AccuracyConfig, method_pipeline, run
+
     from lightkv.policies import CacheSchedule, H2OSchedule
 
     cfg = eff.quick_config(models=("llava",), presets=("elasticcache", "h2o"), layers=6, heads=1, repeats=1, warmup=0,

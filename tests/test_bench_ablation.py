@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from lightkv_lab.bench import ablation as ab
 from lightkv_lab.bench.quality import method_pipeline
 

@@ -5,8 +5,8 @@ required under ``--require-quant``, as `make test-quant` runs them in CI)."""
 from __future__ import annotations
 
 import pytest
-
 from lightkv_lab.bench.efficiency import kvquant as kq
+
 from lightkv.cli import main
 
 

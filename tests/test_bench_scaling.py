@@ -9,8 +9,8 @@ import math
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
 from lightkv_lab.bench.efficiency import scaling as sc
+
 from lightkv.cli import main
 
 

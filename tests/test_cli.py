@@ -12,8 +12,8 @@ import yaml
 
 from lightkv.cli import main
 from lightkv.config import PipelineConfig
-from lightkv.presets import PRESETS
 from lightkv.policies import Partitioner
+from lightkv.presets import PRESETS
 
 
 def run(capsys, *argv):

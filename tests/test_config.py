@@ -27,12 +27,12 @@ from lightkv.config import (
 )
 from lightkv.policies import (
     FAMILIES,
-    StageInputs,
     CosineDivergence,
     ExplicitSchedule,
     GlobalPartitioner,
     KeptFractionSchedule,
     L2Divergence,
+    StageInputs,
 )
 from lightkv.policies.pooling import AnchorPartitioner, StridedPartitioner
 from lightkv.presets import PRESETS, Preset, get_preset, get_preset_config, load_config

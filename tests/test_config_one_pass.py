@@ -18,7 +18,6 @@ import lightkv.config
 from lightkv.config import PipelineConfig, PolicySpec, json_schema
 from lightkv.policies import (
     EdgeScorer,
-    ExplicitSchedule,
     KeptFractionSchedule,
     Scheduler,
     StageSpec,

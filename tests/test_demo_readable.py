@@ -4,7 +4,6 @@ picture's titles stay inside the picture, and the method comparison says where i
 from __future__ import annotations
 
 import pytest
-
 from lightkv_lab.demos import bundled
 
 

@@ -8,11 +8,10 @@ import random
 
 import pytest
 import torch
-
 from lightkv_lab.tasks import circuit
+from lightkv_lab.tasks.labels import translation
 from lightkv_lab.tasks.model import ModelSpec, build_model
 from lightkv_lab.tasks.symbolgrid import data as sg
-from lightkv_lab.tasks.labels import translation
 
 GRID = sg.GridConfig()
 SPEC = ModelSpec(patch=4, text_layers=4, text_head_dim=64, text_ffn=64, vision_layers=1, vision_width=32,

@@ -8,10 +8,11 @@ import torch
 
 pytest.importorskip("sklearn")
 
-import lightkv
 from lightkv_lab.bench.quality import method_pipeline
 from lightkv_lab.tasks import evaluate as ev
 from lightkv_lab.tasks import model as dg
+
+import lightkv
 
 # Floors well under what the shipped model measures (see benchmarks/results/quality.md),
 # so that only a real regression (adapters, policies, data, weights) trips them.

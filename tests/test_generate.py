@@ -64,7 +64,7 @@ def _processor(model):
 def assets(tmp_path_factory):
     from PIL import Image
 
-    from lightkv.testing import TINY_MODELS, IMAGE
+    from lightkv.testing import IMAGE, TINY_MODELS
 
     root = tmp_path_factory.mktemp("generate")
     model = TINY_MODELS["llava"].build()

@@ -39,10 +39,11 @@ BATCH = 8
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Episodes, lightkv's own evaluation of them, and the three lmms-eval runs."""
-    import lightkv
-    from lightkv.policies.schedulers import ExplicitSchedule
     from lightkv_lab.tasks import evaluate as ev
     from lightkv_lab.tasks import model as dg
+
+    import lightkv
+    from lightkv.policies.schedulers import ExplicitSchedule
 
     tmp = tmp_path_factory.mktemp("lmms")
     model, processor, grid = dg.load()

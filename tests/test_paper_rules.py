@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import lightkv
-from lightkv import ImageSegment, Pipeline, Stage, StageInputs, VisionLayout
+from lightkv import ImageSegment, Stage, StageInputs, VisionLayout
 from lightkv.graph import grid_windows, pseudo_square_windows
 from lightkv.policies import (
     ExplicitSchedule,
@@ -199,7 +199,6 @@ def test_the_paper_presets_round_budgets_as_the_reference_code(preset):
     """Regression (issue 27, item 13): ``lightkv-paper`` kept 118 of a 12x15 image at P = 0.35
     where the reference code's ``(P * counts).long()`` keeps 117."""
     import lightkv
-    from lightkv.policies import ExplicitSchedule
 
     layout = VisionLayout.from_segments(1, 186, [ImageSegment(0, 3, (12, 15))])
     x = torch.randn(1, 186, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))

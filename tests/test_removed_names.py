@@ -11,7 +11,13 @@ import pytest
 
 from lightkv.cli import main
 from lightkv.config import ConfigError, PipelineConfig
-from lightkv.policies import ExplicitSchedule, KeptFractionSchedule, Scheduler, StageInputs, StageSpec
+from lightkv.policies import (
+    ExplicitSchedule,
+    KeptFractionSchedule,
+    Scheduler,
+    StageInputs,
+    StageSpec,
+)
 from lightkv.policies.schedulers import BudgetSchedule, PreLLMSchedule
 
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from lightkv_lab.tasks.scenes import data as sc
 
 CONFIG = sc.GridConfig()
@@ -90,7 +89,7 @@ def test_pixels_carry_the_labels():
         scene = sc.make_layout(rng, "heldout")
         image = sc.render_image(rng, scene)
         tok = torch.nn.functional.normalize(_tokens(image), dim=-1)
-        for i, ob in enumerate(scene.objects):
+        for i in range(len(scene.objects)):
             t = tok[scene.mask("object", i)]
             assert float((t @ t.T).min()) > 0.9
         lab = scene.labels()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from lightkv_lab.bench.quality import first_stage_layer, method_pipeline
 from lightkv_lab.tasks import evaluate as ev
 from lightkv_lab.tasks import model as dg

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightkv_lab.tasks import evaluate as ev
+from lightkv_lab.tasks import model as dg
 
 import lightkv
 from lightkv.integrations.session_log import (
@@ -17,8 +19,6 @@ from lightkv.integrations.session_log import (
     shard,
     uncompressed_rows,
 )
-from lightkv_lab.tasks import evaluate as ev
-from lightkv_lab.tasks import model as dg
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from lightkv_lab.tasks.symbolgrid import data as sg
 
 CONFIG = sg.GridConfig()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from lightkv_lab.bench.quality import method_pipeline
 from lightkv_lab.tasks import evaluate as ev
 from lightkv_lab.tasks import model as dg

@@ -25,6 +25,7 @@ import argparse
 from pathlib import Path
 
 import torch
+from lightkv_lab.vis import group_mean, outline_groups, paint_patches
 from PIL import Image, ImageDraw, ImageFont
 
 import lightkv
@@ -37,7 +38,6 @@ from lightkv.policies import (
     SmallestDivergence,
     StageInputs,
 )
-from lightkv_lab.vis import group_mean, outline_groups, paint_patches
 
 GRID, PATCH = 24, 21
 TEXT_BEFORE, TEXT_AFTER = 5, 9

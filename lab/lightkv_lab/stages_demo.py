@@ -30,11 +30,10 @@ from pathlib import Path
 import torch
 
 from lightkv import ImageSegment, StageResult, VisionLayout
-
-from lightkv_lab import vis
 from lightkv.outputs import output_dir_problem, write_atomic
 from lightkv.policies import average_kept_fraction
 from lightkv.presets import PRESETS, get_preset
+from lightkv_lab import vis
 
 __all__ = ["DemoInputs", "PresetReport", "build_inputs", "main", "run_preset"]
 

@@ -47,7 +47,13 @@ from ..policies.prompt import Prompt
 from . import proportional
 from .base import Adapter, bind_arguments
 from .cache import _Token
-from .guards import attention_implementation, check_attention_mask, check_cache, check_flash, refuse_compiled
+from .guards import (
+    attention_implementation,
+    check_attention_mask,
+    check_cache,
+    check_flash,
+    refuse_compiled,
+)
 from .modes import LayerCall, Mode, SessionContext, choose_modes
 from .ownership import ACTIVE, CallOwner, cache_of
 from .probes import LayerShape, probe_for_layer

@@ -61,7 +61,7 @@ class TowerTap:
         self.received: torch.Tensor | None = None  # [I, H, T]
 
     @classmethod
-    def for_stages(cls, adapter, stages) -> "TowerTap | None":
+    def for_stages(cls, adapter, stages) -> TowerTap | None:
         """A tap for the stages whose relevance ``reads_tower`` (None without any).
 
         Raises:

@@ -24,7 +24,6 @@ silent wrong configuration).
 from __future__ import annotations
 
 import copy
-import dataclasses
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
@@ -124,7 +123,7 @@ def canonical_schedule(data: Any) -> tuple[Any, Scheduler | None]:
             params = {str(k): _plain(v, str(k)) for k, v in params.items()}
         except PydanticCustomError as e:  # located by parameter name: inside params
             ctx = e.context or {}
-            raise _fail("param_value", ctx.get("message", e.message()), ("params",) + tuple(ctx.get("subloc", ())))
+            raise _fail("param_value", ctx.get("message", e.message()), ("params",) + tuple(ctx.get("subloc", ()))) from e
         try:
             lookup = Scheduler.lookup(name)
         except ValueError:

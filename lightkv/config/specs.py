@@ -19,13 +19,11 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-
 from pydantic_core import PydanticCustomError
 
 from ..policies import FAMILIES, Policy
 from ..policies import pooling as _pooling  # noqa: F401  (registers the "anchor" and "strided" partitioners)
 from ..policies.base import removed_field_message
-
 from .errors import ConfigError, _did_you_mean, _fail, _plain, _short
 
 __all__ = ["STAGE_FIELDS", "PolicySpec"]

@@ -44,7 +44,7 @@ class BipartiteGraph:
     window_size: torch.Tensor
 
     @classmethod
-    def build(cls, window: torch.Tensor, is_src: torch.Tensor) -> "BipartiteGraph":
+    def build(cls, window: torch.Tensor, is_src: torch.Tensor) -> BipartiteGraph:
         """Build the graph from a partition.
 
         Args:
@@ -155,7 +155,7 @@ class BipartiteGraph:
         groups.append(group)
         return [torch.tensor(sorted(g), dtype=torch.long, device=self.src_slots.device) for g in groups]
 
-    def select_windows(self, windows: torch.Tensor) -> "BipartiteGraph":
+    def select_windows(self, windows: torch.Tensor) -> BipartiteGraph:
         """The graph of some windows (``windows``, int64 ids): their slots, trimmed to
         their own largest window. Node arrays are shared with this graph (node ids, and
         ``node_window``, keep this graph's numbering), so node indices from the part are

@@ -15,8 +15,8 @@ so later windows are true spatial regions and positions stay consistent.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -132,7 +132,7 @@ class VisionLayout:
         segments: Sequence[ImageSegment],
         padding_mask: torch.Tensor | None = None,
         device: torch.device | str | None = None,
-    ) -> "VisionLayout":
+    ) -> VisionLayout:
         """Build a layout from image segments; every other position is text (or padding).
 
         Args:
@@ -203,7 +203,7 @@ class VisionLayout:
         image_frame = torch.tensor(frames, dtype=torch.long)
         return cls(kind, image, coords, origin, image_grid, image_row, image_video, image_frame).to(device)
 
-    def to(self, device: torch.device | str) -> "VisionLayout":
+    def to(self, device: torch.device | str) -> VisionLayout:
         """The same layout on another device."""
         return VisionLayout(*(t.to(device) for t in self._tensors()))
 
@@ -273,7 +273,7 @@ class VisionLayout:
         """``[B]`` number of vision tokens per row."""
         return self.vision_mask.sum(dim=1)
 
-    def select(self, index: torch.Tensor) -> "VisionLayout":
+    def select(self, index: torch.Tensor) -> VisionLayout:
         """The layout of a gathered sequence.
 
         Args:
@@ -300,7 +300,7 @@ class VisionLayout:
             image_frame=self.image_frame,
         )
 
-    def row(self, b: int) -> "VisionLayout":
+    def row(self, b: int) -> VisionLayout:
         """The layout of batch row ``b`` alone, with its images renumbered from 0 and
         leading holes/padding created by compression kept as they are."""
         keep = self.image_row == b

@@ -24,12 +24,12 @@ class Provenance:
     current_len: int
 
     @classmethod
-    def identity(cls, batch_size: int, seq_len: int, device: torch.device | str = "cpu") -> "Provenance":
+    def identity(cls, batch_size: int, seq_len: int, device: torch.device | str = "cpu") -> Provenance:
         """Every token represents itself."""
         owner = torch.arange(seq_len, device=device).expand(batch_size, seq_len).clone()
         return cls(owner, seq_len)
 
-    def then(self, remap: torch.Tensor, new_len: int) -> "Provenance":
+    def then(self, remap: torch.Tensor, new_len: int) -> Provenance:
         """Compose with one stage.
 
         Args:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-from typing import Iterator, Literal
+from collections.abc import Iterator
+from typing import Literal
 
 import torch
 

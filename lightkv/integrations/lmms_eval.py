@@ -53,8 +53,8 @@ from .session_log import (
     placement,
     row_reports,
     single_process_launch,
-    warn_lmms_eval_user,
     uncompressed_rows,
+    warn_lmms_eval_user,
 )
 
 __all__ = ["LightKV", "LightKVTokenCounts", "load_pipeline", "manifest"]
@@ -106,8 +106,8 @@ def _load(pretrained: str, dtype: str, device_map: Any, attn_implementation: str
         AutoProcessor,
     )
 
-    from ..adapters.registry import MODEL_TYPES, SUPPORTED_FAMILIES
     from .. import lab
+    from ..adapters.registry import MODEL_TYPES, SUPPORTED_FAMILIES
 
     bundled = lab.bundled_model(pretrained) if pretrained in lab.bundled_models() else None
     if bundled is None and pretrained in lab.LAB_MODELS and not os.path.isdir(os.path.expanduser(pretrained)):

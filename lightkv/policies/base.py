@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, ClassVar, TypeVar
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
 
 from .plugins import ENTRY_POINT_GROUP, EntryPointStatus, PluginError, load_entry_points
 
@@ -154,7 +155,7 @@ class Policy:
         raise ValueError(message)
 
     @classmethod
-    def create(cls, name: str, **params: Any) -> "Policy":
+    def create(cls, name: str, **params: Any) -> Policy:
         """Instantiate the implementation registered under ``name`` with ``params``.
 
         Raises:

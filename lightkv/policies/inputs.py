@@ -74,7 +74,7 @@ class StageInputs:
         removal_ratio: float = 0.5,
         layer: int = 0,
         **tensors: torch.Tensor | Provenance | Prompt | None,
-    ) -> "StageInputs":
+    ) -> StageInputs:
         """Inputs for a stage built from a layout and window settings, without a scheduler.
 
         ``tensors`` are the other fields (``relevance``, ``keys``, ``provenance``, ``prompt``).

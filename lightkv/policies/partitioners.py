@@ -44,7 +44,7 @@ class Partition:
     is_src: torch.Tensor
 
     @classmethod
-    def empty(cls, layout: VisionLayout) -> "Partition":
+    def empty(cls, layout: VisionLayout) -> Partition:
         """No token in the graph (a stage with nothing to do, e.g. a text-only batch)."""
         return cls(torch.full_like(layout.image, -1), torch.zeros_like(layout.vision_mask))
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["ENTRY_POINT_GROUP", "EntryPointStatus", "PluginError", "load_entry_points"]
 

@@ -39,7 +39,6 @@ import torch
 from ..graph.bipartite import BipartiteGraph
 from ..graph.layout import ImageSegment, TokenKind, VisionLayout
 from ..pipeline import Stage
-from ..policies.prompt import Prompt
 from ..policies import (
     EdgeScorer,
     MessagePasser,
@@ -53,6 +52,7 @@ from ..policies import (
     StageSpec,
 )
 from ..policies.hashing import token_identity
+from ..policies.prompt import Prompt
 
 __all__ = ["check_policy", "contract_batch"]
 

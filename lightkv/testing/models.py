@@ -47,13 +47,13 @@ from .common import (  # noqa: F401  (re-exported: tests and docs import them fr
     VISION_START,
     VOCAB,
     Row,
-    stack_tiles,
     TinyModel,
     _batch_ids,
     _finish,
     _seq,
     _text_config,
     left_pad,
+    stack_tiles,
     text_ids,
 )
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightkv_lab.bench.budgets import method_pipeline
 
 from lightkv.adapters import apply
 from lightkv.adapters.attention import (
@@ -18,7 +19,6 @@ from lightkv.adapters.attention import (
     configured_attention,
 )
 from lightkv.adapters.guards import attention_implementation
-from lightkv_lab.bench.budgets import method_pipeline
 from lightkv.presets import PRESETS, get_preset
 from lightkv.testing import TINY_MODELS
 

@@ -16,12 +16,12 @@ from dataclasses import replace
 
 import pytest
 import torch
+from lightkv_lab.bench.budgets import method_pipeline
 
 from lightkv import Pipeline
 from lightkv.adapters import apply, masks
 from lightkv.adapters.attention import AttentionWatch, configured_attention
 from lightkv.adapters.guards import attention_implementation
-from lightkv_lab.bench.budgets import method_pipeline
 from lightkv.presets import PRESETS, get_preset
 from lightkv.testing import TINY_MODELS
 
@@ -193,7 +193,7 @@ def test_rows_of_different_lengths_run_varlen_without_a_4d_mask(flash, mode):
 
 
 def test_what_flash_cannot_compute_is_refused_with_its_reason(flash, monkeypatch):
-    model, fam = get_model("llava"), TINY_MODELS["llava"]
+    model = get_model("llava")
     with flash_attention(model):
         with pytest.raises(ValueError, match="proportional attention .* FlashAttention-2 takes no bias"):
             apply(replace(tiny_lightkv(), proportional_attention=True), model)

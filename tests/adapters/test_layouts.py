@@ -9,7 +9,7 @@ from lightkv import Pipeline
 from lightkv.adapters import apply, get_adapter
 from lightkv.graph.layout import TokenKind
 from lightkv.policies import ExplicitSchedule
-from lightkv.testing import TINY_MODELS, IMAGE, NEWLINE, VIDEO
+from lightkv.testing import IMAGE, NEWLINE, TINY_MODELS, VIDEO
 
 from .conftest import decoder_layers, get_model, tiny_lightkv
 

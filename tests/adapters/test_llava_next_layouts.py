@@ -10,7 +10,7 @@ from lightkv import Pipeline
 from lightkv.adapters import apply
 from lightkv.adapters.llava_next import LlavaNextAdapter
 from lightkv.graph import TokenKind
-from lightkv.testing import TINY_MODELS, IMAGE, build_llava_next, llava_next_tokens
+from lightkv.testing import IMAGE, TINY_MODELS, build_llava_next, llava_next_tokens
 
 from .conftest import get_model, tiny_lightkv
 

@@ -12,9 +12,9 @@ from dataclasses import replace
 
 import pytest
 import torch
+from lightkv_lab.bench.budgets import method_pipeline
 
 from lightkv.adapters import apply
-from lightkv_lab.bench.budgets import method_pipeline
 from lightkv.policies import PreLLMSchedule, average_kept_fraction
 from lightkv.testing import TINY_MODELS
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import lightkv
-from lightkv.adapters import apply, session as session_module
+from lightkv.adapters import apply
+from lightkv.adapters import session as session_module
 from lightkv.adapters.modes import Mode
 from lightkv.policies import StageSpec
 from lightkv.policies.schedulers import ExplicitSchedule, Scheduler

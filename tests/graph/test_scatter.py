@@ -53,7 +53,7 @@ def test_native_max_min_and_args_match_loops(data):
     with use_backend("native"):
         for fn, ref in ((scatter_max, torch.max), (scatter_min, torch.min)):
             value, arg = fn(src, index, g)
-            torch.testing.assert_close(value, loop_reduce(src, index, g, lambda r: ref(r, 0).values, 0.0))
+            torch.testing.assert_close(value, loop_reduce(src, index, g, lambda r: ref(r, 0).values, 0.0))  # noqa: B023 (used at once)
             for i in range(g):
                 rows = (index == i).nonzero().flatten()
                 for d in range(src.shape[1]):

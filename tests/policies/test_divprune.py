@@ -65,7 +65,7 @@ def test_kept_sets_are_nested_and_every_step_maximises_the_min_distance(n, seed)
         (j,) = added
 
         def score(t):
-            others = [i for i in range(n) if i != t] if not previous else sorted(previous)
+            others = [i for i in range(n) if i != t] if not previous else sorted(previous)  # noqa: B023 (called in this iteration)
             return min((_distance(x, i, t) for i in others), default=math.inf)
 
         scores = {t: score(t) for t in range(n) if t not in previous}

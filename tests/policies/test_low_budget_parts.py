@@ -14,7 +14,13 @@ from hypothesis import strategies as st
 
 from lightkv import ImageSegment, VisionLayout
 from lightkv.pipeline import Stage
-from lightkv.policies import AllSources, DominantContextual, EdgeScorer, MessagePasser, ResizePartitioner
+from lightkv.policies import (
+    AllSources,
+    DominantContextual,
+    EdgeScorer,
+    MessagePasser,
+    ResizePartitioner,
+)
 from lightkv.policies.counts import kept_count
 from lightkv.policies.pooling import resized_grid
 from lightkv.policies.schedulers import StageSpec

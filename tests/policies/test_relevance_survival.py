@@ -221,7 +221,7 @@ def test_relevance_budget_is_the_best_rounding_of_its_shares(case, ratio, wps, s
     result = stage(case.hidden, case.layout, case.relevance)
     windows = budget_oracle(case.layout, case.relevance, ratio, wps, strength)
     removed = []
-    for b, img, members, plain, capacity, ideal in windows:
+    for b, _img, members, _plain, capacity, _ideal in windows:
         kept = set(result.kept_index[b][result.kept_index[b] >= 0].tolist())
         removed.append(len(set(members) - kept))
         assert 0 <= removed[-1] <= capacity

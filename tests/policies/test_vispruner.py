@@ -13,7 +13,12 @@ from hypothesis import strategies as st
 from lightkv import ImageSegment, VisionLayout
 from lightkv.policies import StageInputs, VisPruner
 from lightkv.testing import check_policy
-from tests.policies.keep_set_cases import assert_rows_independent, kept_positions, one_image, prune_inputs
+from tests.policies.keep_set_cases import (
+    assert_rows_independent,
+    kept_positions,
+    one_image,
+    prune_inputs,
+)
 
 
 def _cos(x: torch.Tensor, i: int, j: int) -> float:

@@ -73,7 +73,14 @@ def method_pipeline(name: str, num_layers: int, target: float, ref_depth: int = 
     Raises:
         ValueError: a preset whose schedule cannot be put at a target (one line naming it).
     """
-    from lightkv.policies import BudgetSchedule, CacheSchedule, H2OSchedule, KeptFractionSchedule, PreLLMSchedule, PreLLMThenLayer
+    from lightkv.policies import (
+        BudgetSchedule,
+        CacheSchedule,
+        H2OSchedule,
+        KeptFractionSchedule,
+        PreLLMSchedule,
+        PreLLMThenLayer,
+    )
     from lightkv.policies.schedulers import ExplicitSchedule, scale_layers
     from lightkv.presets import get_preset
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from lightkv_lab import vis
 from lightkv.outputs import write_atomic
+from lightkv_lab import vis
 
 __all__ = ["detail_accuracy", "markdown_table", "plot", "provenance_picture", "write_outputs"]
 
@@ -216,9 +216,9 @@ def provenance_picture(path: Path, model_dir: str | None = None, seed: int = 3, 
 
     from lightkv.adapters import apply
     from lightkv.graph.layout import TokenKind
+    from lightkv_lab.bench.quality import method_pipeline
     from lightkv_lab.tasks import evaluate as ev
     from lightkv_lab.tasks import model as dg
-    from lightkv_lab.bench.quality import method_pipeline
 
     plt = vis.pyplot()
     path_ = dg.resolve_model(model_dir)

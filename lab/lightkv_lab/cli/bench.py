@@ -12,7 +12,6 @@ from lightkv.cli.common import (
     Parser,
     UsageError,
     at_most,
-    depth,
     machine_threads,
     missing_action,
     physical_memory,
@@ -20,7 +19,6 @@ from lightkv.cli.common import (
     writable_dir,
 )
 from lightkv.cli.lists import MAX_NAMES, MAX_NUMBERS, merged
-
 
 __all__ = ["add_commands"]
 
@@ -224,9 +222,9 @@ def _cmd_bench_quality(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     require("matplotlib", why="for its plots")
+    from lightkv.presets import PRESETS
     from lightkv_lab.bench import quality as q
     from lightkv_lab.bench import quality_report as report
-    from lightkv.presets import PRESETS
 
     args.methods = merged(args.methods, "--methods", MAX_NAMES)
     unknown = [m for m in args.methods or () if m not in PRESETS]
@@ -255,9 +253,9 @@ def _cmd_bench_ablation(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     require("matplotlib", why="for its plots")
+    from lightkv.presets import PRESETS
     from lightkv_lab.bench import ablation as ab
     from lightkv_lab.bench.quality import RESULTS
-    from lightkv.presets import PRESETS
 
     args.models = merged(args.models, "--models", MAX_NAMES)
     args.baselines = merged(args.baselines, "--baselines", MAX_NAMES)

@@ -70,9 +70,9 @@ def _prefill_ms(model, inputs, session=None, repeats: int = 3) -> float:
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; ``argv`` as on the command line."""
     from lightkv.adapters import apply
-    from lightkv_lab.bench.quality_report import provenance_picture
     from lightkv.outputs import output_dir_problem
     from lightkv.presets import get_preset
+    from lightkv_lab.bench.quality_report import provenance_picture
     from lightkv_lab.tasks import evaluate
     from lightkv_lab.tasks import model as dg
 

@@ -15,7 +15,15 @@ from collections.abc import Callable, Sequence
 import torch
 
 from lightkv_lab.tasks.digitgrid.config import DEFAULT_CONFIG, Episode, GridConfig
-from lightkv_lab.tasks.digitgrid.vocab import BOS_ID, EOS_ID, IGNORE_INDEX, IMAGE_ID, PAD_ID, SEP_ID, encode
+from lightkv_lab.tasks.digitgrid.vocab import (
+    BOS_ID,
+    EOS_ID,
+    IGNORE_INDEX,
+    IMAGE_ID,
+    PAD_ID,
+    SEP_ID,
+    encode,
+)
 
 __all__ = ["collate", "collate_prompts", "collate_scenes", "left_pad", "num_image_tokens"]
 

@@ -11,7 +11,7 @@ __all__ = ["build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m lightkv_lab.tasks.train", 
+    p = argparse.ArgumentParser(prog="python -m lightkv_lab.tasks.train",
                                 description="Train a bundled LVLM on one of the tasks.")
     p.add_argument("stage", choices=("align", "qa", "tune", "export"),
                    help="align: tower + projector; qa: decoder; tune: more decoder steps from qa.pt (fresh "

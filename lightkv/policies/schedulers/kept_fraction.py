@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..base import removed_names
-from .explicit import _as_list, _nullable, _one_or_list
 from .core import (
     ScheduleError,
     Scheduler,
@@ -16,6 +15,7 @@ from .core import (
     check_windows,
     ratio_for_target,
 )
+from .explicit import _as_list, _nullable, _one_or_list
 
 __all__ = ["KeptFractionSchedule"]
 

@@ -56,7 +56,13 @@ from lightkv_lab.bench.efficiency.measure import (
     measure_peaks,
     measure_peaks_in_child,
 )
-from lightkv_lab.bench.efficiency.report import check_targets, markdown_table, plots, summary_rows, write_outputs
+from lightkv_lab.bench.efficiency.report import (
+    check_targets,
+    markdown_table,
+    plots,
+    summary_rows,
+    write_outputs,
+)
 from lightkv_lab.bench.efficiency.runner import bench_model, run
 from lightkv_lab.bench.efficiency.shapes import (
     DEFAULT_PRESETS,

@@ -84,7 +84,12 @@ def run_kvquant(cfg: KVQuantConfig | None = None) -> dict[str, Any]:
     """KV bytes per model and variant, with ratios to the uncompressed dynamic cache."""
     from transformers.cache_utils import DynamicCache, QuantizedCache
 
-    from lightkv_lab.bench.efficiency.shapes import MODELS, BenchConfig, build_model, scaled_pipeline
+    from lightkv_lab.bench.efficiency.shapes import (
+        MODELS,
+        BenchConfig,
+        build_model,
+        scaled_pipeline,
+    )
 
     cfg = cfg or KVQuantConfig()
     t0 = time.perf_counter()
@@ -99,8 +104,8 @@ def run_kvquant(cfg: KVQuantConfig | None = None) -> dict[str, Any]:
         pipe = scaled_pipeline("lightkv", spec, sizes["layers"])
         text = model.config.get_text_config()
         rows: dict[str, int] = {}
-        for label, make in [("dynamic", lambda: DynamicCache(config=model.config)),
-                            *[(b, lambda b=b: QuantizedCache(config=text, **BACKENDS[b])) for b in cfg.backends]]:
+        for label, make in [("dynamic", lambda: DynamicCache(config=model.config)),  # noqa: B023 (called at once, in this iteration)
+                            *[(b, lambda b=b: QuantizedCache(config=text, **BACKENDS[b])) for b in cfg.backends]]:  # noqa: B023
             rows[label] = _bytes_after_prefill(model, inputs, make(), None)
             rows[f"{label}+lightkv"] = _bytes_after_prefill(model, inputs, make(), pipe)
         base = rows["dynamic"]

@@ -19,7 +19,13 @@ import torch
 from torch.autograd.profiler import record_function
 
 from lightkv_lab.bench.efficiency.measure import OverheadProbe, first_token
-from lightkv_lab.bench.efficiency.shapes import PROJECTED, BenchConfig, ModelSpec, build_model, scaled_pipeline
+from lightkv_lab.bench.efficiency.shapes import (
+    PROJECTED,
+    BenchConfig,
+    ModelSpec,
+    build_model,
+    scaled_pipeline,
+)
 
 __all__ = ["ProfileProbe", "profile_prefill"]
 

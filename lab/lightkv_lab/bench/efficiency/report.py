@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lightkv_lab import vis
 from lightkv.outputs import write_atomic
+from lightkv_lab import vis
 from lightkv_lab.bench.efficiency.shapes import UNCOMPRESSED
 
 __all__ = ["check_targets", "markdown_table", "plots", "summary_rows", "write_outputs"]

@@ -118,7 +118,7 @@ def stage_scaling(cfg: ScalingConfig) -> dict[str, Any]:
             relevance = torch.rand(1, n, generator=gen)
             row = {"side": side, "vision_tokens": side * side}
             for name, chain in variants.items():
-                row[name] = _median_ms(lambda chain=chain: chain(hidden, layout, relevance), cfg.repeats)
+                row[name] = _median_ms(lambda chain=chain: chain(hidden, layout, relevance), cfg.repeats)  # noqa: B023 (timed at once)
             points.append(row)
     ns = [p["vision_tokens"] for p in points]
     return {"points": points, "exponents": {name: fit_exponent(ns, [p[name] for p in points]) for name in variants}}

@@ -46,8 +46,13 @@ import torch
 
 # every public name this module had before the split stays importable from it (the noqa ones
 # are re-exported only: not in __all__ and not used below)
-from lightkv_lab.tasks.batching import collate, collate_prompts, collate_scenes, left_pad, num_image_tokens
-from lightkv_lab.tasks.stream import EpisodeStream as _Stream
+from lightkv_lab.tasks.batching import (
+    collate,
+    collate_prompts,
+    collate_scenes,
+    left_pad,
+    num_image_tokens,
+)
 from lightkv_lab.tasks.digitgrid.config import DEFAULT_CONFIG, Episode, GridConfig
 from lightkv_lab.tasks.digitgrid.images import (
     digit_pool,
@@ -82,6 +87,7 @@ from lightkv_lab.tasks.digitgrid.vocab import (
     decode,
     encode,
 )
+from lightkv_lab.tasks.stream import EpisodeStream as _Stream
 
 __all__ = [
     "BOS_ID",

@@ -5,6 +5,6 @@ trainer and evaluation are DigitGrid's (`lightkv_lab.tasks.digitgrid`), parametr
 """
 
 from lightkv_lab.tasks.scenes import data
-from lightkv_lab.tasks.scenes.data import *
+from lightkv_lab.tasks.scenes.data import *  # noqa: F403 (re-exports data.__all__)
 
 __all__ = list(data.__all__)

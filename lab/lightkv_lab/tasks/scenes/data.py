@@ -57,8 +57,15 @@ import torch
 
 from lightkv_lab.tasks import batching as _batching
 from lightkv_lab.tasks.digitgrid.data import IGNORE_INDEX, to_pil
-from lightkv_lab.tasks.stream import EpisodeStream as _Stream
-from lightkv_lab.tasks.scenes.scene import DEFAULT_CONFIG, GridConfig, Obj, Scene, make_layout, render_image, sample_image
+from lightkv_lab.tasks.scenes.scene import (
+    DEFAULT_CONFIG,
+    GridConfig,
+    Obj,
+    Scene,
+    make_layout,
+    render_image,
+    sample_image,
+)
 from lightkv_lab.tasks.scenes.vocab import (
     ASKED_REGION,
     BOS_ID,
@@ -87,6 +94,7 @@ from lightkv_lab.tasks.scenes.vocab import (
     decode,
     encode,
 )
+from lightkv_lab.tasks.stream import EpisodeStream as _Stream
 
 __all__ = [
     "ASKED_REGION",

@@ -5,6 +5,6 @@ model, trainer and evaluation are DigitGrid's (`lightkv_lab.tasks.digitgrid`), p
 """
 
 from lightkv_lab.tasks.symbolgrid import data
-from lightkv_lab.tasks.symbolgrid.data import *
+from lightkv_lab.tasks.symbolgrid.data import *  # noqa: F403 (re-exports data.__all__)
 
 __all__ = list(data.__all__)
