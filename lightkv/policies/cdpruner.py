@@ -89,8 +89,8 @@ class CDPruner(KeepSetPruner):
         return frozenset({self.features}) - {"hidden"}
 
     def quality(self, inputs: PruneInputs, stage: StageInputs) -> torch.Tensor:
-        """``[K, a_max]`` float64 ``q`` per A slot (1 on padding and where there is no
-        question)."""
+        """``[K, a_max]`` float64 ``q`` per A slot (1 on padding, where there is no question
+        and in a one-token window; with ``theta``, ``exp(alpha q)`` of that)."""
         graph = inputs.graph
         valid = graph.src_slots >= 0
         ones = torch.ones(valid.shape, dtype=torch.float64, device=valid.device)

@@ -90,8 +90,8 @@ def test_relevance_equals_the_loop_oracle(case, negate, theta):
         tokens = [case.hidden[row, int(p)].tolist() for p in graph.node_pos[slots]]
         quest = [case.hidden[row, p].tolist() for p in range(case.layout.seq_len) if question[row, p]]
         want = slow_quality(tokens, quest, negate, theta)
-        if len(tokens) == 1 or not quest:  # constant relevance or no question: uniform
-            want = [1.0] * len(tokens)
+        if len(tokens) == 1 or not quest:  # constant relevance or no question: uniform (1, or exp(alpha) with theta)
+            want = [1.0 if theta is None else math.exp(theta / (2.0 * (1.0 - theta)))] * len(tokens)
         torch.testing.assert_close(got[w, : len(tokens)], torch.tensor(want, dtype=torch.float64), rtol=1e-9, atol=1e-9)
 
 
