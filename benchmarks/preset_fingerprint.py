@@ -15,6 +15,7 @@ python benchmarks/preset_fingerprint.py compare before.pt after.pt   # exit 1 if
 
 Everything is compared exactly (``torch.equal``); about 10 minutes on 2 CPU cores.
 """
+
 import sys
 
 import torch
@@ -48,8 +49,12 @@ def run(pipe, model, batch, options):
             out = model.generate(**batch, **gen)
             rep = session.report()
     rows = batch["input_ids"].shape[0]
-    return {"seq": out.sequences, "logits": torch.stack(out.logits),
-            "sources": [rep.sources(r) for r in range(rows)], "report": str(rep)}
+    return {
+        "seq": out.sequences,
+        "logits": torch.stack(out.logits),
+        "sources": [rep.sources(r) for r in range(rows)],
+        "report": str(rep),
+    }
 
 
 def record(path):

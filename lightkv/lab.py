@@ -22,8 +22,17 @@ import warnings
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
-__all__ = ["COMMANDS_GROUP", "INSTALL", "LAB_COMMANDS", "LAB_MODELS", "MODELS_GROUP", "bundled_model",
-           "bundled_models", "commands", "needs_lab"]
+__all__ = [
+    "COMMANDS_GROUP",
+    "INSTALL",
+    "LAB_COMMANDS",
+    "LAB_MODELS",
+    "MODELS_GROUP",
+    "bundled_model",
+    "bundled_models",
+    "commands",
+    "needs_lab",
+]
 
 COMMANDS_GROUP = "lightkv.commands"
 MODELS_GROUP = "lightkv.models"
@@ -51,8 +60,12 @@ def _load(ep: EntryPoint, group: str) -> Any | None:
     try:
         return ep.load()
     except Exception as e:  # noqa: BLE001 - a broken plugin must not break the command line
-        warnings.warn(f"cannot load {ep.name!r} of entry-point group {group} ({ep.value}): "
-                      f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"cannot load {ep.name!r} of entry-point group {group} ({ep.value}): "
+            f"{type(e).__name__}: {e}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return None
 
 

@@ -163,10 +163,18 @@ def test_episodes_draw_only_from_their_split(seed, qtype):
 
 
 def test_stream_pools_disjoint_over_many_episodes():
-    train = {int(i) for ep in EpisodeStream(3, "train", config=HANDWRITTEN).take(60)
-             for i in ep.digit_index.flatten() if i >= 0}
-    held = {int(i) for ep in EpisodeStream(3, "heldout", config=HANDWRITTEN).take(60)
-            for i in ep.digit_index.flatten() if i >= 0}
+    train = {
+        int(i)
+        for ep in EpisodeStream(3, "train", config=HANDWRITTEN).take(60)
+        for i in ep.digit_index.flatten()
+        if i >= 0
+    }
+    held = {
+        int(i)
+        for ep in EpisodeStream(3, "heldout", config=HANDWRITTEN).take(60)
+        for i in ep.digit_index.flatten()
+        if i >= 0
+    }
     assert train and held and not train & held
 
 
@@ -326,7 +334,7 @@ def test_synthetic_glyphs_draw_every_occupied_cell(seed, glyphs):
     img, k = ep.image, cfg.cell
     for r in range(cfg.grid):
         for c in range(cfg.grid):
-            tile = img[:, r * k:(r + 1) * k, c * k:(c + 1) * k]
+            tile = img[:, r * k : (r + 1) * k, c * k : (c + 1) * k]
             if ep.grid[r, c] >= 0:
                 assert float(tile.max()) > 0.5  # ink
             else:
@@ -338,7 +346,9 @@ def test_colour_glyphs_show_their_class_in_every_patch():
     ep = make_episode(random.Random(5), "heldout", "what", cfg)
     hues = {}
     for r, c in (ep.grid >= 0).nonzero().tolist():
-        tile = ep.image[:, r * cfg.cell + 1:(r + 1) * cfg.cell - 1, c * cfg.cell + 1:(c + 1) * cfg.cell - 1]
+        tile = ep.image[
+            :, r * cfg.cell + 1 : (r + 1) * cfg.cell - 1, c * cfg.cell + 1 : (c + 1) * cfg.cell - 1
+        ]
         dominant = tile.mean((1, 2))
         hues.setdefault(int(ep.grid[r, c]), []).append(dominant / dominant.max())
     for cls, colours in hues.items():  # the same class has the same hue in every cell
@@ -363,7 +373,7 @@ def test_collate_scenes_first_question_matches_collate():
     for i, scene in enumerate(scenes):
         row = batch["input_ids"][i][batch["attention_mask"][i].bool()].tolist()
         single = collate([scene[0]], 16)["input_ids"][0].tolist()
-        assert row[:len(single)] == single  # the first turn is exactly a single-question row
+        assert row[: len(single)] == single  # the first turn is exactly a single-question row
         labels = batch["labels"][i][batch["attention_mask"][i].bool()].tolist()
         expected = []
         for ep in scene:

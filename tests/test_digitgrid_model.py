@@ -51,10 +51,17 @@ def test_processor_builds_the_training_format(bundled):
 
     model, processor, grid = bundled
     ep = ev.heldout_episodes(1, seed=3, grid=grid)[0]
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": " ".join(ep.question)}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image"}, {"type": "text", "text": " ".join(ep.question)}],
+        }
+    ]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     inputs = processor(images=data.to_pil(ep.image), text=text, return_tensors="pt")
-    expected = data.collate_prompts([ep], data.num_image_tokens(grid, model.config.vision_config.patch_size))
+    expected = data.collate_prompts(
+        [ep], data.num_image_tokens(grid, model.config.vision_config.patch_size)
+    )
     assert torch.equal(inputs["input_ids"], expected["input_ids"])
     # 8-bit quantisation of the image is the only difference from the training tensors
     assert torch.allclose(inputs["pixel_values"], expected["pixel_values"], atol=1 / 255)
@@ -70,7 +77,9 @@ def test_uncompressed_accuracy_floor(bundled, episodes):
 def test_lightkv_at_55_percent_keeps_answering(bundled, episodes):
     model, _, grid = bundled
     pipe, how = method_pipeline("lightkv", model.config.text_config.num_hidden_layers, 0.55)
-    assert how == "scaled" and pipe.scheduler.removal_ratios == (0.5,)  # LightKV's own ratio at its scaled layers
+    assert how == "scaled" and pipe.scheduler.removal_ratios == (
+        0.5,
+    )  # LightKV's own ratio at its scaled layers
     res = ev.evaluate(model, episodes, grid, pipe, batch=48)
     assert 0.5 <= res.kept_fraction <= 0.6
     assert res.kv_bytes_vision < 0.62 * res.kv_bytes_vision_baseline
@@ -86,7 +95,12 @@ def test_empty_schedule_reproduces_uncompressed_answers(bundled, episodes):
 
     from lightkv.policies.schedulers import KeptFractionSchedule
 
-    full = ev.evaluate(model, episodes[:32], grid, replace(budget, scheduler=KeptFractionSchedule(kept_fraction=1.0)))
+    full = ev.evaluate(
+        model,
+        episodes[:32],
+        grid,
+        replace(budget, scheduler=KeptFractionSchedule(kept_fraction=1.0)),
+    )
     assert full.answers == base.answers
     assert full.kept_fraction == 1.0
 
@@ -118,14 +132,30 @@ def test_demo_checks_its_optional_dependencies_before_any_output(tmp_path, capsy
     from lightkv_lab.demos.bundled import main
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "matplotlib" else real(name, *a),
+    )
     assert main(["--out", str(tmp_path)]) == 2
     captured = capsys.readouterr()
-    assert captured.out == "" and "pip install 'lightkv-lab'" in captured.err and "--no-png" in captured.err
+    assert (
+        captured.out == ""
+        and "pip install 'lightkv-lab'" in captured.err
+        and "--no-png" in captured.err
+    )
 
 
-@pytest.mark.parametrize("argv", [["--questions", "1000000"], ["--contrast", "10000000"], ["--low", "0"],
-                                  ["--low", "1.5"], ["--questions", "0"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--questions", "1000000"],
+        ["--contrast", "10000000"],
+        ["--low", "0"],
+        ["--low", "1.5"],
+        ["--questions", "0"],
+    ],
+)
 def test_demo_refuses_values_past_its_limits_up_front(argv, capsys):
     from lightkv_lab.demos.bundled import main
 

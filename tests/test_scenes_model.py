@@ -117,8 +117,9 @@ def test_attention_finds_the_asked_region_before_the_first_stage(bundled):
     model, _, grid = bundled
     eps = ev.heldout_episodes(30, seed=23, grid=grid)
     first = first_stage_layer(_layers(bundled))
-    out = region_relevance(model, eps, grid, layers=[first],
-                           policies=("last_token", "question_attention", "uniform"))
+    out = region_relevance(
+        model, eps, grid, layers=[first], policies=("last_token", "question_attention", "uniform")
+    )
     best = max(out["layers"][p][first]["ratio"] for p in ("last_token", "question_attention"))
     assert best >= PROMPT_RATIO, out
     assert out["layers"]["uniform"][first]["ratio"] == pytest.approx(1.0, abs=1e-6)

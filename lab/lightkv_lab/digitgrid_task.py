@@ -30,7 +30,14 @@ from pathlib import Path
 
 from lightkv.outputs import write_atomic
 
-__all__ = ["TASK_NAME", "lmms_eval_command", "offline_env", "read_run", "task_episodes", "write_task"]
+__all__ = [
+    "TASK_NAME",
+    "lmms_eval_command",
+    "offline_env",
+    "read_run",
+    "task_episodes",
+    "write_task",
+]
 
 TASK_NAME = "digitgrid_lightkv"
 
@@ -97,39 +104,89 @@ def write_task(directory: str | Path, episodes, grid, name: str = TASK_NAME) -> 
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    rows = {"image": [to_pil(ep.image) for ep in episodes],
-            "question": [" ".join(ep.question) for ep in episodes],
-            "answer": [" ".join(ep.answer) for ep in episodes],
-            "qtype": [ep.qtype for ep in episodes]}
-    features = datasets.Features({"image": datasets.Image(), "question": datasets.Value("string"),
-                                  "answer": datasets.Value("string"), "qtype": datasets.Value("string")})
+    rows = {
+        "image": [to_pil(ep.image) for ep in episodes],
+        "question": [" ".join(ep.question) for ep in episodes],
+        "answer": [" ".join(ep.answer) for ep in episodes],
+        "qtype": [ep.qtype for ep in episodes],
+    }
+    features = datasets.Features(
+        {
+            "image": datasets.Image(),
+            "question": datasets.Value("string"),
+            "answer": datasets.Value("string"),
+            "qtype": datasets.Value("string"),
+        }
+    )
     data = directory / "data"
-    datasets.DatasetDict({"test": datasets.Dataset.from_dict(rows, features=features)}).save_to_disk(str(data))
+    datasets.DatasetDict(
+        {"test": datasets.Dataset.from_dict(rows, features=features)}
+    ).save_to_disk(str(data))
     write_atomic(directory / "utils.py", UTILS)
     max_new = task_for(grid).answer_length(grid) + 2  # what lightkv's evaluator allows
-    write_atomic(directory / f"{name}.yaml", YAML.format(name=name, data=data.resolve(), max_new_tokens=max_new))
+    write_atomic(
+        directory / f"{name}.yaml",
+        YAML.format(name=name, data=data.resolve(), max_new_tokens=max_new),
+    )
     return directory
 
 
-def lmms_eval_command(task_dir: str | Path, out: str | Path, model_args: str, processes: int = 1,
-                      batch_size: int = 8, port: int = 29500, task: str = TASK_NAME) -> list[str]:
+def lmms_eval_command(
+    task_dir: str | Path,
+    out: str | Path,
+    model_args: str,
+    processes: int = 1,
+    batch_size: int = 8,
+    port: int = 29500,
+    task: str = TASK_NAME,
+) -> list[str]:
     """``python -m lmms_eval`` with the ``lightkv`` model on the task in ``task_dir``. With
     ``processes > 1``, started through ``torch.distributed.run``, which is what ``accelerate
     launch --num_processes N`` does on GPUs (``accelerate launch --cpu`` would start one
     process; on the CPU the processes form a gloo group)."""
-    args = ["-m", "lmms_eval", "--model", "lightkv", "--model_args", model_args, "--tasks", task,
-            "--include_path", str(task_dir), "--batch_size", str(batch_size), "--output_path", str(out),
-            "--log_samples", "--verbosity", "WARNING"]
+    args = [
+        "-m",
+        "lmms_eval",
+        "--model",
+        "lightkv",
+        "--model_args",
+        model_args,
+        "--tasks",
+        task,
+        "--include_path",
+        str(task_dir),
+        "--batch_size",
+        str(batch_size),
+        "--output_path",
+        str(out),
+        "--log_samples",
+        "--verbosity",
+        "WARNING",
+    ]
     if processes == 1:
         return [sys.executable, *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-            "--master_port", str(port), *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(processes),
+        "--master_port",
+        str(port),
+        *args,
+    ]
 
 
 def offline_env() -> dict:
     """The environment for offline runs (no hub, one CPU thread per process)."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
     env.pop("LMMS_EVAL_PLUGINS", None)
     return env
 
@@ -141,6 +198,8 @@ def read_run(out: str | Path, task: str = TASK_NAME, log: str = "") -> tuple[dic
     results = glob.glob(str(out / "**" / "*_results.json"), recursive=True)
     samples = glob.glob(str(out / "**" / f"*_samples_{task}.jsonl"), recursive=True)
     if len(results) != 1 or len(samples) != 1:
-        raise RuntimeError(f"lmms-eval wrote no single results file under {out}; its output ends:\n{log[-4000:]}")
+        raise RuntimeError(
+            f"lmms-eval wrote no single results file under {out}; its output ends:\n{log[-4000:]}"
+        )
     rows = [json.loads(line) for line in Path(samples[0]).read_text().splitlines() if line.strip()]
     return json.loads(Path(results[0]).read_text()), sorted(rows, key=lambda r: r["doc_id"])

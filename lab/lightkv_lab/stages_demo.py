@@ -335,7 +335,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m lightkv_lab.stage
     out_dir = Path(args.out)
     problem = None if args.no_png else output_dir_problem(out_dir)  # checked before any output
     if problem:
-        parser.error(f"--out {args.out}: {problem}; --out names a writable directory for lightkv-demo.png")
+        parser.error(
+            f"--out {args.out}: {problem}; --out names a writable directory for lightkv-demo.png"
+        )
 
     inputs = build_inputs()
     print(

@@ -52,10 +52,16 @@ def group_mean(owner: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     valid = owner >= 0
     idx = owner.clamp_min(0)
     n = int(idx.max()) + 1 if valid.any() else 1
-    total = torch.zeros(n, values.shape[1], dtype=values.dtype).index_add_(0, idx[valid], values[valid])
-    count = torch.zeros(n, dtype=values.dtype).index_add_(0, idx[valid], torch.ones(int(valid.sum()), dtype=values.dtype))
+    total = torch.zeros(n, values.shape[1], dtype=values.dtype).index_add_(
+        0, idx[valid], values[valid]
+    )
+    count = torch.zeros(n, dtype=values.dtype).index_add_(
+        0, idx[valid], torch.ones(int(valid.sum()), dtype=values.dtype)
+    )
     mean = total / count.clamp_min(1).unsqueeze(1)
-    return torch.where(valid.unsqueeze(1), mean[idx], torch.zeros(1, values.shape[1], dtype=values.dtype))
+    return torch.where(
+        valid.unsqueeze(1), mean[idx], torch.zeros(1, values.shape[1], dtype=values.dtype)
+    )
 
 
 def group_edges(owner: torch.Tensor, grid: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,8 +80,9 @@ def paint_patches(colours: torch.Tensor, grid: tuple[int, int], cell: int) -> to
     return img.repeat_interleave(cell, dim=0).repeat_interleave(cell, dim=1)
 
 
-def outline_groups(img: torch.Tensor, owner: torch.Tensor, grid: tuple[int, int], cell: int,
-                   darken: int = 3) -> torch.Tensor:
+def outline_groups(
+    img: torch.Tensor, owner: torch.Tensor, grid: tuple[int, int], cell: int, darken: int = 3
+) -> torch.Tensor:
     """A copy of ``img`` (``paint_patches`` output) with the borders between provenance groups
     drawn two pixels wide at ``1 / darken`` of their brightness."""
     below, right = group_edges(owner, grid)
@@ -87,7 +94,9 @@ def outline_groups(img: torch.Tensor, owner: torch.Tensor, grid: tuple[int, int]
     return torch.where(border.unsqueeze(-1), img // darken, img)
 
 
-def merged_view(owner: torch.Tensor, colours: torch.Tensor, grid: tuple[int, int], cell: int) -> torch.Tensor:
+def merged_view(
+    owner: torch.Tensor, colours: torch.Tensor, grid: tuple[int, int], cell: int
+) -> torch.Tensor:
     """The "merged image": every patch painted with the mean colour of its provenance group
     (``colours``: ``[P, 3]`` in ``[0, 1]``), group borders darkened; ``uint8 [h*cell, w*cell, 3]``."""
     return outline_groups(paint_patches(group_mean(owner, colours), grid, cell), owner, grid, cell)
@@ -114,8 +123,9 @@ def heatmap(ax: Any, values: torch.Tensor, cmap: str = "magma") -> None:
     ax.imshow(values.float().numpy(), cmap=cmap, interpolation="nearest")
 
 
-def draw_group_borders(ax: Any, owner: torch.Tensor, grid: tuple[int, int], color: str = "white",
-                       lw: float = 0.4) -> None:
+def draw_group_borders(
+    ax: Any, owner: torch.Tensor, grid: tuple[int, int], color: str = "white", lw: float = 0.4
+) -> None:
     """Lines between patches of different provenance groups, over an image drawn with one
     pixel per patch (`show`)."""
     from matplotlib.collections import LineCollection
@@ -124,16 +134,34 @@ def draw_group_borders(ax: Any, owner: torch.Tensor, grid: tuple[int, int], colo
     segments = [[(c - 0.5, r + 0.5), (c + 0.5, r + 0.5)] for r, c in below.nonzero().tolist()]
     segments += [[(c + 0.5, r - 0.5), (c + 0.5, r + 0.5)] for r, c in right.nonzero().tolist()]
     if segments:
-        ax.add_collection(LineCollection(segments, colors=color, linewidths=lw, capstyle="projecting"))
+        ax.add_collection(
+            LineCollection(segments, colors=color, linewidths=lw, capstyle="projecting")
+        )
 
 
-def outline_box(ax: Any, x: float, y: float, size: float, color: str = "red", lw: float = 2.5,
-                height: float | None = None) -> None:
+def outline_box(
+    ax: Any,
+    x: float,
+    y: float,
+    size: float,
+    color: str = "red",
+    lw: float = 2.5,
+    height: float | None = None,
+) -> None:
     """A rectangle outline whose top-left pixel is ``(x, y)`` (column, row), ``size`` pixels
     wide and ``height`` (default ``size``) high."""
     from matplotlib.patches import Rectangle
 
-    ax.add_patch(Rectangle((x - 0.5, y - 0.5), size, size if height is None else height, fill=False, lw=lw, ec=color))
+    ax.add_patch(
+        Rectangle(
+            (x - 0.5, y - 0.5),
+            size,
+            size if height is None else height,
+            fill=False,
+            lw=lw,
+            ec=color,
+        )
+    )
 
 
 def save_figure(fig: Any, path: Path | str, dpi: int = 110, ticks: bool = True) -> Path:
@@ -145,7 +173,9 @@ def save_figure(fig: Any, path: Path | str, dpi: int = 110, ticks: bool = True) 
             ax.set_yticks([])
     fig.tight_layout()
     try:  # rendered into a temporary file, renamed into place: a failed write keeps the old picture
-        write_atomic(path, lambda f: fig.savefig(f, dpi=dpi, format=Path(path).suffix.lstrip(".") or "png"))
+        write_atomic(
+            path, lambda f: fig.savefig(f, dpi=dpi, format=Path(path).suffix.lstrip(".") or "png")
+        )
     finally:
         pyplot().close(fig)
     return Path(path)

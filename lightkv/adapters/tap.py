@@ -69,7 +69,10 @@ class ProjectionTap:
 
     def install(self) -> list[Any]:
         """Register the hooks; returns their handles (the session removes them)."""
-        return [module.register_forward_hook(self._hook(name)) for name, module in self.probe.projections().items()]
+        return [
+            module.register_forward_hook(self._hook(name))
+            for name, module in self.probe.projections().items()
+        ]
 
     def arm(self, stage: Stage, pos, layout: VisionLayout, prompt=None) -> None:
         """Read the next forward of the projections (rows must be ``layout.seq_len``) for
@@ -77,8 +80,12 @@ class ProjectionTap:
         `lightkv.policies.Prompt`) is for a policy that reads it."""
 
         def score(raw: dict[str, torch.Tensor]) -> TapResult:
-            xi, flops = features.relevance(self.probe, stage, None, pos, layout, self.layer, raw=raw, prompt=prompt)
-            keys = features.stage_keys(self.probe, None, raw=raw)[0] if "keys" in stage.needs else None
+            xi, flops = features.relevance(
+                self.probe, stage, None, pos, layout, self.layer, raw=raw, prompt=prompt
+            )
+            keys = (
+                features.stage_keys(self.probe, None, raw=raw)[0] if "keys" in stage.needs else None
+            )
             return TapResult(xi, flops, keys)
 
         self.arm_with(score, layout.seq_len)

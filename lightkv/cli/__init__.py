@@ -63,17 +63,20 @@ exit status: 0 ok, 1 invalid configuration, 2 usage error (bad arguments, missin
 unknown preset)."""
 
 
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for documentation tools)."""
     from .. import __version__
 
     parser = Parser(
-        prog=PROG, description=_DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=PROG,
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands", parser_class=Parser)
+    commands = parser.add_subparsers(
+        dest="command", metavar="COMMAND", title="commands", parser_class=Parser
+    )
     for group in (configs, generate):
         group.add_commands(commands)
     added = lab.commands()
@@ -99,12 +102,16 @@ def _add_missing(commands, name: str) -> None:
     def anything() -> argparse.ArgumentParser:
         return Anything(add_help=False)
 
-    missing = commands.add_parser(name, help=f"(needs the laboratory: {lab.INSTALL})", add_help=False)
+    missing = commands.add_parser(
+        name, help=f"(needs the laboratory: {lab.INSTALL})", add_help=False
+    )
     missing.set_defaults(func=run, forward_to=anything)
 
 
 # ---------------------------------------------------------------------------- entry point
-def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+def parse_args(
+    argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None
+) -> argparse.Namespace:
     """Parse a command line as `main` does (raises SystemExit on --help or a usage error).
 
     A command that sets ``forward_to`` (``lightkv demo`` and ``lightkv stages-demo`` of the
@@ -176,10 +183,19 @@ def _main(argv: Sequence[str] | None) -> int:
         for line in str(e).splitlines():
             print(f"{PROG}: error: {line}", file=sys.stderr)
         return EXIT_INVALID
-    except ModuleNotFoundError as e:  # an optional dependency: name the extra that brings it, in one line
+    except (
+        ModuleNotFoundError
+    ) as e:  # an optional dependency: name the extra that brings it, in one line
         extra = EXTRAS.get((e.name or "").split(".")[0])
-        fix = f"pip install '{extra}'" if extra else f"pip install {(e.name or '').split('.')[0] or 'it'}"
-        print(f"{PROG}: error: this command needs {e.name}, which is not installed: {fix}", file=sys.stderr)
+        fix = (
+            f"pip install '{extra}'"
+            if extra
+            else f"pip install {(e.name or '').split('.')[0] or 'it'}"
+        )
+        print(
+            f"{PROG}: error: this command needs {e.name}, which is not installed: {fix}",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     except BrokenPipeError:  # e.g. `lightkv config schema | head`
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -189,14 +205,20 @@ def _main(argv: Sequence[str] | None) -> int:
         if e.errno not in _OUTPUT_ERRNOS:
             raise
         if e.filename:  # a result file (written whole or not at all: the previous one is unchanged)
-            print(f"{PROG}: error: cannot write {e.filename}: {e.strerror}; any previous file there is unchanged",
-                  file=sys.stderr)
+            print(
+                f"{PROG}: error: cannot write {e.filename}: {e.strerror}; any previous file there is unchanged",
+                file=sys.stderr,
+            )
             return EXIT_USAGE
         # e.g. `lightkv config schema > /dev/full`: drop what stdout still holds, say why in one line
         try:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
-        except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor (captured)
+        except (
+            OSError,
+            ValueError,
+            AttributeError,
+        ):  # a stdout without a file descriptor (captured)
             pass
         print(f"{PROG}: error: cannot write the output: {e.strerror}", file=sys.stderr)
         return EXIT_USAGE

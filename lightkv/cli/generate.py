@@ -41,27 +41,61 @@ def add_commands(commands) -> None:
         "without compression.",
         formatter_class=fmt,
     )
-    gen.add_argument("--model", metavar="NAME|DIR|ID", default=DEFAULT_MODEL,
-                     help="a bundled model (scenes, digitgrid, symbolgrid), or a model directory or hub id with its "
-                     "processor (default: scenes, the bundled Scenes-VQA model)")
-    gen.add_argument("--image", metavar="FILE", default=None,
-                     help="image file (any format Pillow reads; default with a bundled model: one of its held-out "
-                     "images; a bundled model answers only about images of its own task)")
-    gen.add_argument("--prompt", metavar="TEXT", default=None,
-                     help="the question or instruction (default with a bundled model: a held-out question about "
-                     "that image)")
+    gen.add_argument(
+        "--model",
+        metavar="NAME|DIR|ID",
+        default=DEFAULT_MODEL,
+        help="a bundled model (scenes, digitgrid, symbolgrid), or a model directory or hub id with its "
+        "processor (default: scenes, the bundled Scenes-VQA model)",
+    )
+    gen.add_argument(
+        "--image",
+        metavar="FILE",
+        default=None,
+        help="image file (any format Pillow reads; default with a bundled model: one of its held-out "
+        "images; a bundled model answers only about images of its own task)",
+    )
+    gen.add_argument(
+        "--prompt",
+        metavar="TEXT",
+        default=None,
+        help="the question or instruction (default with a bundled model: a held-out question about "
+        "that image)",
+    )
     which = gen.add_mutually_exclusive_group()
-    which.add_argument("--preset", metavar="NAME",
-                       help=f"a preset (see `lightkv presets`; default: {DEEP_PRESET} where "
-                       f"its schedule fits the model's depth, else {SHALLOW_PRESET}, which fits any depth)")
+    which.add_argument(
+        "--preset",
+        metavar="NAME",
+        help=f"a preset (see `lightkv presets`; default: {DEEP_PRESET} where "
+        f"its schedule fits the model's depth, else {SHALLOW_PRESET}, which fits any depth)",
+    )
     which.add_argument("--config", metavar="FILE", help="a pipeline YAML file")
-    gen.add_argument("--compare", action="store_true", help="also generate without compression and compare")
-    gen.add_argument("--max-new-tokens", type=depth, default=32, metavar="N", help="tokens to generate (default: 32)")
-    gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                     help="default: float32 on CPU, bfloat16 on CUDA")
-    gen.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
-    gen.add_argument("--repeats", type=at_most(20, "each is a whole generation per variant"), default=3,
-                     metavar="N", help="timed generate calls per variant; times are their medians (default: 3)")
+    gen.add_argument(
+        "--compare", action="store_true", help="also generate without compression and compare"
+    )
+    gen.add_argument(
+        "--max-new-tokens",
+        type=depth,
+        default=32,
+        metavar="N",
+        help="tokens to generate (default: 32)",
+    )
+    gen.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="default: float32 on CPU, bfloat16 on CUDA",
+    )
+    gen.add_argument(
+        "--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available"
+    )
+    gen.add_argument(
+        "--repeats",
+        type=at_most(20, "each is a whole generation per variant"),
+        default=3,
+        metavar="N",
+        help="timed generate calls per variant; times are their medians (default: 3)",
+    )
     gen.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     gen.set_defaults(func=_cmd_generate)
 
@@ -77,7 +111,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from .. import lab
     from ..config import ConfigError
 
-    if args.preset and ("/" in args.preset or os.sep in args.preset or args.preset.endswith((".yaml", ".yml"))):
+    if args.preset and (
+        "/" in args.preset or os.sep in args.preset or args.preset.endswith((".yaml", ".yml"))
+    ):
         raise UsageError(f"--preset takes a preset name; use --config for the file {args.preset!r}")
     names = lab.bundled_models()
     found = lab.bundled_model(args.model) if args.model in names else None
@@ -86,10 +122,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     bundled = args.model if found is not None else None
     model_path = str(found.path) if found is not None else args.model
     if not bundled and (args.image is None or args.prompt is None):
-        raise UsageError(f"--image and --prompt are required with --model {args.model} (they default only for the "
-                         f"bundled models: {', '.join(names or lab.LAB_MODELS)})")
+        raise UsageError(
+            f"--image and --prompt are required with --model {args.model} (they default only for the "
+            f"bundled models: {', '.join(names or lab.LAB_MODELS)})"
+        )
     if args.prompt is not None and not args.prompt.strip():
-        raise UsageError("--prompt is empty; give a question, or leave --prompt out for a bundled model's default")
+        raise UsageError(
+            "--prompt is empty; give a question, or leave --prompt out for a bundled model's default"
+        )
     notes = []
     if args.config or args.preset:
         target = args.config or args.preset
@@ -111,24 +151,37 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if args.image is not None:
             image = g.load_image(args.image)  # before loading a possibly large model
             if bundled:
-                notes.append(f"the bundled {bundled} model was trained only on its own synthetic {bundled} images: "
-                             "its answers about any other image mean nothing")
+                notes.append(
+                    f"the bundled {bundled} model was trained only on its own synthetic {bundled} images: "
+                    "its answers about any other image mean nothing"
+                )
         else:
             image, question = found.example()
             prompt = prompt or question["question"]
-            example = {"image": f"a held-out {bundled} image", "prompt": prompt,
-                       "expected_answer": question["answer"]}
+            example = {
+                "image": f"a held-out {bundled} image",
+                "prompt": prompt,
+                "expected_answer": question["answer"],
+            }
             if not args.json:  # with --json, stdout is exactly one JSON document
                 print(f"image: {example['image']}")
                 print(f"prompt: {prompt!r} (expected answer: {question['answer']!r})")
         loaded = g.load_model(model_path, dtype=dtype, device=device, check=cfg)
         inputs = g.build_inputs(loaded, image, prompt)
-        result = g.run(loaded, inputs, cfg.build(), compare=args.compare, max_new_tokens=args.max_new_tokens,
-                       repeats=args.repeats)
+        result = g.run(
+            loaded,
+            inputs,
+            cfg.build(),
+            compare=args.compare,
+            max_new_tokens=args.max_new_tokens,
+            repeats=args.repeats,
+        )
     except g.GenerateError as e:
         raise UsageError(str(e)) from None
     except ConfigError as e:  # e.g. a schedule deeper than the model: name the file or preset
-        raise (e if e.source else e.with_source(target if args.config else f"preset {target}")) from None
+        raise (
+            e if e.source else e.with_source(target if args.config else f"preset {target}")
+        ) from None
     finally:
         hub_log.setLevel(hub_level)
         if quiet:
@@ -152,10 +205,18 @@ def _default_preset(layers: int | None) -> tuple[str, str]:
     from ..config import ConfigError
 
     if layers is None:
-        return DEEP_PRESET, f"preset {DEEP_PRESET} (the default; the model's depth could not be read from its config)"
+        return (
+            DEEP_PRESET,
+            f"preset {DEEP_PRESET} (the default; the model's depth could not be read from its config)",
+        )
     try:
         load_config_or_preset(DEEP_PRESET).validate_for_model(layers)
     except (ConfigError, ValueError):
-        return SHALLOW_PRESET, (f"preset {SHALLOW_PRESET} (the default for this {layers}-layer decoder: "
-                                f"{DEEP_PRESET}'s schedule needs a deeper one; --preset chooses another)")
-    return DEEP_PRESET, f"preset {DEEP_PRESET} (the default: its schedule fits this {layers}-layer decoder)"
+        return SHALLOW_PRESET, (
+            f"preset {SHALLOW_PRESET} (the default for this {layers}-layer decoder: "
+            f"{DEEP_PRESET}'s schedule needs a deeper one; --preset chooses another)"
+        )
+    return (
+        DEEP_PRESET,
+        f"preset {DEEP_PRESET} (the default: its schedule fits this {layers}-layer decoder)",
+    )

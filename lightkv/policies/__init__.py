@@ -90,7 +90,10 @@ from .visionzip import DominantContextual
 from .vispruner import VisPruner
 from .vscan import VScanScan
 
-FAMILIES = {family.family: family for family in (Partitioner, EdgeScorer, Pruner, MessagePasser, Relevance, Scheduler)}
+FAMILIES = {
+    family.family: family
+    for family in (Partitioner, EdgeScorer, Pruner, MessagePasser, Relevance, Scheduler)
+}
 """Family name -> family base class. A family's name is its key in pipeline files and in
 error messages (``scorer: cosine``; "unknown scorer 'x'")."""
 

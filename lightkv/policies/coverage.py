@@ -65,7 +65,12 @@ class RelevanceCoverage(KeepSetPruner):
     def __post_init__(self) -> None:
         for name, hi in (("share", 1.0), ("power", math.inf), ("spatial", math.inf)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= hi or value == math.inf:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not 0.0 <= value <= hi
+                or value == math.inf
+            ):
                 bound = "in [0, 1]" if hi == 1.0 else "a finite number >= 0"
                 raise ValueError(f"relevance_coverage: {name} must be {bound}, got {value!r}")
 
@@ -88,7 +93,9 @@ class RelevanceCoverage(KeepSetPruner):
         weight = q.pow(self.power) if self.power else torch.ones_like(q)
 
         # 1. the most relevant tokens (stable sort: ties go to the earlier token)
-        n_rel = torch.minimum(torch.ceil(count.double() * self.share - 1e-9).long().clamp_min(0), count)
+        n_rel = torch.minimum(
+            torch.ceil(count.double() * self.share - 1e-9).long().clamp_min(0), count
+        )
         # a window whose ξ says nothing (all equal: uniform relevance) is covered by coverage alone
         low = xi.masked_fill(~valid, math.inf).amin(dim=1)
         n_rel = torch.where(low < top.squeeze(1), n_rel, torch.zeros_like(n_rel))
@@ -111,7 +118,9 @@ class RelevanceCoverage(KeepSetPruner):
         rest = count - n_rel
         for t in range(int(rest.max())):
             active = rest > t
-            score = gap if self.power == 0 else gap.clamp_max(2.0) * weight  # inf: a window's lone token
+            score = (
+                gap if self.power == 0 else gap.clamp_max(2.0) * weight
+            )  # inf: a window's lone token
             j = score.masked_fill(~valid | kept, -math.inf).argmax(dim=1)  # first maximum
             kept[windows, j] |= active
             picked = dist[windows, j]
@@ -130,4 +139,6 @@ class RelevanceCoverage(KeepSetPruner):
         grid = layout.image_grid.to(torch.float64)
         diag = grid.pow(2).sum(-1).sqrt().clamp_min(1.0)[image]  # [K, a]
         d = torch.cdist(coords, coords) / diag.unsqueeze(2)
-        return torch.where(image.unsqueeze(2) == image.unsqueeze(1), d.clamp_max(1.0), torch.ones_like(d))
+        return torch.where(
+            image.unsqueeze(2) == image.unsqueeze(1), d.clamp_max(1.0), torch.ones_like(d)
+        )

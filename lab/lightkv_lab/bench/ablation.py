@@ -31,15 +31,26 @@ import torch
 from lightkv.outputs import write_atomic
 from lightkv_lab.bench.quality import RESULTS, AccuracyConfig, _row, method_pipeline
 
-__all__ = ["BASELINES", "TARGETS", "VARIANTS", "AblationConfig", "markdown_table", "plot", "run",
-           "variant_pipeline", "write_outputs"]
+__all__ = [
+    "BASELINES",
+    "TARGETS",
+    "VARIANTS",
+    "AblationConfig",
+    "markdown_table",
+    "plot",
+    "run",
+    "variant_pipeline",
+    "write_outputs",
+]
 
 VARIANTS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
     "size-aware messages": {"passer": ("relevance_size_mean", {})},
     "size-weighted mean (ToMe's)": {"passer": ("size_mean", {})},
     "relevance split": {"partitioner": ("relevance_split", {"sources": "ratio"})},
-    "relevance split + budget": {"partitioner": ("relevance_split", {"sources": 0.75}),
-                                 "pruner": ("relevance_budget", {})},
+    "relevance split + budget": {
+        "partitioner": ("relevance_split", {"sources": 0.75}),
+        "pruner": ("relevance_budget", {}),
+    },
     "relevance: max over heads": {"relevance": ("query_softmax", {"heads": "max"})},
     "relevance: last token": {"relevance": ("last_token", {})},
     "relevance: text attention": {"relevance": ("text_attention", {})},
@@ -77,8 +88,10 @@ def variant_pipeline(name: str, num_layers: int, target: float):
     if name not in VARIANTS:
         raise ValueError(f"unknown variant {name!r}; choose from: {', '.join(VARIANTS)}")
     pipe, how = method_pipeline("lightkv", num_layers, target)
-    swaps = {key: FAMILIES[key].create(*value[:1], **value[1]) if key in FAMILIES else value
-             for key, value in VARIANTS[name].items()}
+    swaps = {
+        key: FAMILIES[key].create(*value[:1], **value[1]) if key in FAMILIES else value
+        for key, value in VARIANTS[name].items()
+    }
     return replace(pipe, name=f"lightkv ({name})", **swaps), how
 
 
@@ -106,27 +119,49 @@ def run(config: AblationConfig = AblationConfig(), progress: bool = True) -> dic
         rows = []
         for target in config.targets:
             runs = [(m, *method_pipeline(m, layers, target)) for m in config.baselines]
-            runs += [(f"lightkv ({v})", *variant_pipeline(v, layers, target)) for v in config.variants]
-            scores = {m: (how, pipe, sc.score(model, convs, grid, pipe, batch=config.batch)) for m, pipe, how in runs}
+            runs += [
+                (f"lightkv ({v})", *variant_pipeline(v, layers, target)) for v in config.variants
+            ]
+            scores = {
+                m: (how, pipe, sc.score(model, convs, grid, pipe, batch=config.batch))
+                for m, pipe, how in runs
+            }
             light = scores["lightkv"][2] if "lightkv" in scores else None
             for m, (how, pipe, res) in scores.items():
                 rows.append(_row(m, target, how, pipe.scheduler, res, base, light, q_cfg))
                 if progress:
                     acc = " ".join(f"{q}={a:.3f}" for q, a in res.accuracy().items())
-                    print(f"[{time.time() - t0:6.0f}s] {name} {m:36s} target {target:.2f} "
-                          f"kept {res.kept_fraction:.3f} {acc}", flush=True)
-        models.append({
-            "name": name, "task": task.name, "layers": layers,
-            "vision_tokens": task.data.num_image_tokens(grid, model.config.vision_config.patch_size),
-            "qtypes": list(task.asked(grid)),
-            "detail_qtypes": list(getattr(task.data, "DETAIL_QTYPES", ("what",))),
-            "uncompressed": _row("uncompressed", 1.0, "scaled", None, base, base, None, q_cfg),
-            "rows": rows,
-        })
-    return {"benchmark": "ablation", "config": asdict(config), "variants": {k: VARIANTS[k] for k in config.variants},
-            "models": models,
-            "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
-            "seconds": time.time() - t0}
+                    print(
+                        f"[{time.time() - t0:6.0f}s] {name} {m:36s} target {target:.2f} "
+                        f"kept {res.kept_fraction:.3f} {acc}",
+                        flush=True,
+                    )
+        models.append(
+            {
+                "name": name,
+                "task": task.name,
+                "layers": layers,
+                "vision_tokens": task.data.num_image_tokens(
+                    grid, model.config.vision_config.patch_size
+                ),
+                "qtypes": list(task.asked(grid)),
+                "detail_qtypes": list(getattr(task.data, "DETAIL_QTYPES", ("what",))),
+                "uncompressed": _row("uncompressed", 1.0, "scaled", None, base, base, None, q_cfg),
+                "rows": rows,
+            }
+        )
+    return {
+        "benchmark": "ablation",
+        "config": asdict(config),
+        "variants": {k: VARIANTS[k] for k in config.variants},
+        "models": models,
+        "machine": {
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+        },
+        "seconds": time.time() - t0,
+    }
 
 
 def _ci(v) -> str:
@@ -154,21 +189,33 @@ def markdown_table(result: dict[str, Any]) -> str:
     for m in result["models"]:
         cols = m["qtypes"] + (["followup"] if "followup" in m["uncompressed"]["accuracy"] else [])
         detail = m["detail_qtypes"][0]
-        title = (f"## {m['name']} ({m['task']}, {m['vision_tokens']} vision tokens, {m['layers']} layers, "
-                 f"{result['config']['episodes']} conversations)")
-        lines += [title, "",
-                  "Uncompressed: " + ", ".join(f"{q} {_acc(m['uncompressed'], q)}" for q in cols), ""]
+        title = (
+            f"## {m['name']} ({m['task']}, {m['vision_tokens']} vision tokens, {m['layers']} layers, "
+            f"{result['config']['episodes']} conversations)"
+        )
+        lines += [
+            title,
+            "",
+            "Uncompressed: " + ", ".join(f"{q} {_acc(m['uncompressed'], q)}" for q in cols),
+            "",
+        ]
         for target in result["config"]["targets"]:
-            intro = (f"At {target:.0%} kept. Last columns: lightkv minus this method, in points of `{detail}` "
-                     "accuracy and of overall accuracy, paired bootstrap 95% intervals (positive: lightkv better).")
-            header = ("| method | kept | " + " | ".join(cols) + f" | KL | lightkv - this, {detail} | "
-                      "lightkv - this, overall |")
+            intro = (
+                f"At {target:.0%} kept. Last columns: lightkv minus this method, in points of `{detail}` "
+                "accuracy and of overall accuracy, paired bootstrap 95% intervals (positive: lightkv better)."
+            )
+            header = (
+                "| method | kept | " + " | ".join(cols) + f" | KL | lightkv - this, {detail} | "
+                "lightkv - this, overall |"
+            )
             lines += [intro, "", header, "|---" * (len(cols) + 5) + "|"]
             for r in (r for r in m["rows"] if r["target"] == target):
                 vs = r.get("vs_lightkv", {}).get("accuracy", {})
-                lines.append(f"| {r['method']} | {r['kept_fraction']:.3f} | "
-                             + " | ".join(_acc(r, q) for q in cols)
-                             + f" | {r['kl']['overall']:.2e} | {_ci(vs.get(detail))} | {_ci(vs.get('overall'))} |")
+                lines.append(
+                    f"| {r['method']} | {r['kept_fraction']:.3f} | "
+                    + " | ".join(_acc(r, q) for q in cols)
+                    + f" | {r['kl']['overall']:.2e} | {_ci(vs.get(detail))} | {_ci(vs.get('overall'))} |"
+                )
             lines.append("")
     return "\n".join(lines)
 
@@ -185,13 +232,25 @@ def plot(result: dict[str, Any], path: Path) -> None:
         methods = list(dict.fromkeys(r["method"] for r in m["rows"]))
         width = 0.8 / len(targets)
         for j, t in enumerate(targets):
-            vals = [next(_detail(r, m) for r in m["rows"] if r["method"] == k and r["target"] == t) for k in methods]
-            ax.barh([i + j * width for i in range(len(methods))], vals, height=width, label=f"{t:.0%} kept")
+            vals = [
+                next(_detail(r, m) for r in m["rows"] if r["method"] == k and r["target"] == t)
+                for k in methods
+            ]
+            ax.barh(
+                [i + j * width for i in range(len(methods))],
+                vals,
+                height=width,
+                label=f"{t:.0%} kept",
+            )
         ax.axvline(_detail(m["uncompressed"], m), color="k", lw=1, ls="--", label="uncompressed")
-        ax.set_yticks([i + width * (len(targets) - 1) / 2 for i in range(len(methods))], methods, fontsize=8)
+        ax.set_yticks(
+            [i + width * (len(targets) - 1) / 2 for i in range(len(methods))], methods, fontsize=8
+        )
         ax.invert_yaxis()
         ax.set_xlabel(f"held-out exact match, detail questions ({', '.join(m['detail_qtypes'])})")
-        ax.set_title(f"{m['name']}: {m['vision_tokens']} vision tokens, {m['layers']} layers", fontsize=10)
+        ax.set_title(
+            f"{m['name']}: {m['vision_tokens']} vision tokens, {m['layers']} layers", fontsize=10
+        )
         ax.grid(alpha=0.3, axis="x")
         ax.legend(fontsize=8)
     vis.save_figure(fig, path)

@@ -25,8 +25,14 @@ from dataclasses import replace
 
 from lightkv.policies.schedulers import budget_schedule
 
-__all__ = ["MAX_KEPT_FRACTIONS", "MAX_RATIO", "MIN_KEPT_FRACTION", "REF_DEPTH", "check_kept_fractions",
-           "method_pipeline"]
+__all__ = [
+    "MAX_KEPT_FRACTIONS",
+    "MAX_RATIO",
+    "MIN_KEPT_FRACTION",
+    "REF_DEPTH",
+    "check_kept_fractions",
+    "method_pipeline",
+]
 
 MIN_KEPT_FRACTION = 0.01
 """The smallest kept fraction a benchmark accepts (the range is ``[0.01, 1]``)."""
@@ -47,18 +53,30 @@ def check_kept_fractions(values, option: str = "--kept-fractions") -> tuple[floa
     for v in values:
         f = float(v)
         if not MIN_KEPT_FRACTION <= f <= 1.0:  # NaN fails too
-            raise ValueError(f"{option} takes kept fractions in [{MIN_KEPT_FRACTION}, 1] (1 = uncompressed), got {v!r}")
+            raise ValueError(
+                f"{option} takes kept fractions in [{MIN_KEPT_FRACTION}, 1] (1 = uncompressed), got {v!r}"
+            )
         if f not in out:
             out.append(f)
     if len(out) > MAX_KEPT_FRACTIONS:
-        raise ValueError(f"{option} takes at most {MAX_KEPT_FRACTIONS} distinct values (each runs every method "
-                         f"again), got {len(out):,}")
+        raise ValueError(
+            f"{option} takes at most {MAX_KEPT_FRACTIONS} distinct values (each runs every method "
+            f"again), got {len(out):,}"
+        )
     return tuple(out)
+
 
 REF_DEPTH = 32
 """The depth the shipped presets' layer lists are written for (LLaVA-1.5-7B)."""
 
-MAX_RATIO = {"fastv": 0.95, "pdrop": 0.95, "random": 0.95, "pool": 0.75, "dart": 0.99, "lightkv-first-layer": 0.99}
+MAX_RATIO = {
+    "fastv": 0.95,
+    "pdrop": 0.95,
+    "random": 0.95,
+    "pool": 0.75,
+    "dart": 0.99,
+    "lightkv-first-layer": 0.99,
+}
 """The most a stage of each method can remove; 0.5 (a parity split) for the others."""
 
 
@@ -86,28 +104,53 @@ def method_pipeline(name: str, num_layers: int, target: float, ref_depth: int = 
 
     pipe = get_preset(name)
     sched = pipe.scheduler
-    if isinstance(sched, PreLLMSchedule):  # every layer sees the kept tokens: kept fraction = 1 - ratio
+    if isinstance(
+        sched, PreLLMSchedule
+    ):  # every layer sees the kept tokens: kept fraction = 1 - ratio
         return replace(pipe, scheduler=replace(sched, removal_ratio=1.0 - target)), "before the LLM"
     if isinstance(sched, CacheSchedule):
-        return replace(pipe, scheduler=replace(sched, removal_ratio=round(1.0 - target, 6))), "cache"
-    if isinstance(sched, PreLLMThenLayer):  # stage 1 keeps its share; stage 0 keeps what reaches the target
+        return replace(
+            pipe, scheduler=replace(sched, removal_ratio=round(1.0 - target, 6))
+        ), "cache"
+    if isinstance(
+        sched, PreLLMThenLayer
+    ):  # stage 1 keeps its share; stage 0 keeps what reaches the target
         later = sched.later_layer(num_layers)
-        share = (later + 1 + (num_layers - later - 1) * (1.0 - sched.later_removal_ratio)) / num_layers
+        share = (
+            later + 1 + (num_layers - later - 1) * (1.0 - sched.later_removal_ratio)
+        ) / num_layers
         kept = min(1.0, target / share)
-        return replace(pipe, scheduler=replace(sched, removal_ratio=round(1.0 - kept, 6))), "before the LLM and later"
+        return replace(
+            pipe, scheduler=replace(sched, removal_ratio=round(1.0 - kept, 6))
+        ), "before the LLM and later"
     if isinstance(sched, H2OSchedule):
         return replace(pipe, scheduler=replace(sched, budget=target)), "cache"
     if isinstance(sched, BudgetSchedule):  # already a target, reached as the benchmarks do: set it
         return replace(pipe, scheduler=replace(sched, kept_fraction=target)), "budget"
-    if isinstance(sched, KeptFractionSchedule):  # its stages at their relative depths, then as below
+    if isinstance(
+        sched, KeptFractionSchedule
+    ):  # its stages at their relative depths, then as below
         layers = sorted({min(num_layers - 1, round(f * num_layers)) for f in sched.relative_layers})
-        schedule, how = budget_schedule(layers, num_layers, target, sched.max_removal_ratio,
-                                        windows_per_side=sched.windows_per_side)
+        schedule, how = budget_schedule(
+            layers,
+            num_layers,
+            target,
+            sched.max_removal_ratio,
+            windows_per_side=sched.windows_per_side,
+        )
         return replace(pipe, scheduler=schedule), how
     if not isinstance(sched, ExplicitSchedule):
-        raise ValueError(f"preset {name!r} ({type(sched).__name__}) cannot be put at a kept fraction: "
-                         "leave it out of --kept-fractions runs")
+        raise ValueError(
+            f"preset {name!r} ({type(sched).__name__}) cannot be put at a kept fraction: "
+            "leave it out of --kept-fractions runs"
+        )
     layers = scale_layers(sched.layers, ref_depth, num_layers)
-    schedule, how = budget_schedule(layers, num_layers, target, MAX_RATIO.get(name, 0.5),
-                                    windows_per_side=sched.windows_per_side, window_size=sched.window_size)
+    schedule, how = budget_schedule(
+        layers,
+        num_layers,
+        target,
+        MAX_RATIO.get(name, 0.5),
+        windows_per_side=sched.windows_per_side,
+        window_size=sched.window_size,
+    )
     return replace(pipe, scheduler=schedule), how

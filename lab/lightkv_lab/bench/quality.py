@@ -43,12 +43,41 @@ import torch
 from lightkv_lab.bench.budgets import MAX_RATIO, REF_DEPTH, method_pipeline  # noqa: F401  (re-exported: the quality benchmark's names)
 from lightkv_lab.bench.paths import results_dir
 
-__all__ = ["ABLATIONS", "CACHE_METHODS", "METHODS", "TARGETS", "AccuracyConfig", "ablation_pipeline",
-           "method_pipeline", "run"]
+__all__ = [
+    "ABLATIONS",
+    "CACHE_METHODS",
+    "METHODS",
+    "TARGETS",
+    "AccuracyConfig",
+    "ablation_pipeline",
+    "method_pipeline",
+    "run",
+]
 
-METHODS = ("lightkv", "lightkv-cover", "lightkv-low-budget", "lightkv-paper", "lightkv-no-relevance", "tome", "fastv", "pdrop",
-           "random", "pool", "elasticcache", "h2o", "visionzip", "vispruner", "divprune", "cdpruner", "dart",
-           "scope", "mmtok", "holov", "vscan", "downsample")
+METHODS = (
+    "lightkv",
+    "lightkv-cover",
+    "lightkv-low-budget",
+    "lightkv-paper",
+    "lightkv-no-relevance",
+    "tome",
+    "fastv",
+    "pdrop",
+    "random",
+    "pool",
+    "elasticcache",
+    "h2o",
+    "visionzip",
+    "vispruner",
+    "divprune",
+    "cdpruner",
+    "dart",
+    "scope",
+    "mmtok",
+    "holov",
+    "vscan",
+    "downsample",
+)
 CACHE_METHODS = ("elasticcache", "h2o")
 """Methods that act on every layer's cache after prefill: at a target ``t`` every layer keeps
 ``t`` of its vision KV (ElasticCache merges ``1 - t`` of each image's entries, H2O keeps a
@@ -56,7 +85,6 @@ budget of ``t`` of each row's vision entries), so the kept fraction averaged ove
 ``t`` as for the others, while the prefill itself is never compressed."""
 TARGETS = (1.0, 0.75, 0.55, 0.40, 0.25)
 RESULTS = results_dir()
-
 
 
 ABLATIONS = {
@@ -96,14 +124,16 @@ class AccuracyConfig:
     threads: int | None = None
 
 
-
 def ablation_pipeline(name: str, num_layers: int, target: float = ABLATION_TARGET):
     """``(pipeline, how)``: the ``lightkv`` preset at ``target`` with `ABLATIONS` ``[name]`` swapped in."""
     from lightkv.policies import EdgeScorer, Relevance
 
     families = {"scorer": EdgeScorer, "relevance": Relevance}
     pipe, how = method_pipeline("lightkv", num_layers, target)
-    swaps = {family: families[family].create(policy, **params) for family, (policy, params) in ABLATIONS[name].items()}
+    swaps = {
+        family: families[family].create(policy, **params)
+        for family, (policy, params) in ABLATIONS[name].items()
+    }
     return replace(pipe, name=f"lightkv ({name})", **swaps), how
 
 
@@ -137,7 +167,9 @@ def run(config: AccuracyConfig = AccuracyConfig(), progress: bool = True) -> dic
             pipe, how = method_pipeline(name, num_layers, target)
             res = sc.score(model, convs, grid, pipe, batch=config.batch)
             runs.append((name, target, how, pipe.scheduler, res))
-            log(f"{name:22s} target {target:.2f} kept {res.kept_fraction:.3f} {_fmt(res.accuracy())}")
+            log(
+                f"{name:22s} target {target:.2f} kept {res.kept_fraction:.3f} {_fmt(res.accuracy())}"
+            )
     ablations = []
     if config.ablations:
         for target in config.ablation_targets:
@@ -145,18 +177,41 @@ def run(config: AccuracyConfig = AccuracyConfig(), progress: bool = True) -> dic
                 pipe, how = ablation_pipeline(name, num_layers, target)
                 res = sc.score(model, convs, grid, pipe, batch=config.batch)
                 ablations.append((pipe.name, target, how, pipe.scheduler, res))
-                log(f"{pipe.name:22s} target {target:.2f} kept {res.kept_fraction:.3f} {_fmt(res.accuracy())}")
+                log(
+                    f"{pipe.name:22s} target {target:.2f} kept {res.kept_fraction:.3f} {_fmt(res.accuracy())}"
+                )
     lightkv_at = {t: r for m, t, _, _, r in runs if m == "lightkv"}
-    rows = [_row(m, t, how, sched, res, base, lightkv_at.get(t), config) for m, t, how, sched, res in runs]
-    ablation_rows = [_row(m, t, how, sched, res, base, lightkv_at.get(t) or _lightkv_at(model, convs, grid, config, t),
-                          config) for m, t, how, sched, res in ablations]
+    rows = [
+        _row(m, t, how, sched, res, base, lightkv_at.get(t), config)
+        for m, t, how, sched, res in runs
+    ]
+    ablation_rows = [
+        _row(
+            m,
+            t,
+            how,
+            sched,
+            res,
+            base,
+            lightkv_at.get(t) or _lightkv_at(model, convs, grid, config, t),
+            config,
+        )
+        for m, t, how, sched, res in ablations
+    ]
     relevance = region = redundancy = None
     if config.relevance_episodes and getattr(task.data, "ASKED_REGION", False):
         region, redundancy = _region_measures(model, grid, num_layers, config)
-        log(f"relevance on the asked region (x area share): {region['layers']}; redundancy: {redundancy}")
+        log(
+            f"relevance on the asked region (x area share): {region['layers']}; redundancy: {redundancy}"
+        )
     elif config.relevance_episodes:
-        what = [e for e in ev.heldout_episodes(4 * config.relevance_episodes, seed=config.seed + 1, grid=grid)
-                if e.qtype == "what"][: config.relevance_episodes]
+        what = [
+            e
+            for e in ev.heldout_episodes(
+                4 * config.relevance_episodes, seed=config.seed + 1, grid=grid
+            )
+            if e.qtype == "what"
+        ][: config.relevance_episodes]
         relevance = ev.relevance_mass(model, what, grid)
         log(f"relevance mass on the asked cell: {relevance['layers']}")
     return {
@@ -165,15 +220,25 @@ def run(config: AccuracyConfig = AccuracyConfig(), progress: bool = True) -> dic
         "region_relevance": region,
         "redundancy": redundancy,
         "config": asdict(config),
-        "model": {"name": config.model or "digitgrid", "task": task.name, "layers": num_layers,
-                  "vision_tokens": task.data.num_image_tokens(grid, model.config.vision_config.patch_size)},
+        "model": {
+            "name": config.model or "digitgrid",
+            "task": task.name,
+            "layers": num_layers,
+            "vision_tokens": task.data.num_image_tokens(
+                grid, model.config.vision_config.patch_size
+            ),
+        },
         "grid": asdict(grid),
         "qtypes": list(task.asked(grid)),
         "detail_qtypes": list(getattr(task.data, "DETAIL_QTYPES", ("what",))),
         "uncompressed": _row("uncompressed", 1.0, "scaled", None, base, base, None, config),
         "rows": rows,
         "ablations": ablation_rows,
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "machine": {
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+        },
         "seconds": time.time() - t0,
     }
 
@@ -199,9 +264,19 @@ def _region_measures(model, grid, num_layers: int, config: AccuracyConfig):
 
     first = first_stage_layer(num_layers)
     eps = ev.heldout_episodes(config.relevance_episodes, seed=config.seed + 1, grid=grid)
-    region = region_relevance(model, eps, grid, layers=range(first + 1),
-                              policies=("query_softmax", "last_token", "text_attention", "question_attention",
-                                        "tower_attention"))
+    region = region_relevance(
+        model,
+        eps,
+        grid,
+        layers=range(first + 1),
+        policies=(
+            "query_softmax",
+            "last_token",
+            "text_attention",
+            "question_attention",
+            "tower_attention",
+        ),
+    )
     region["first_stage_layer"] = first
     return region, near_duplicates(model, eps, grid, first)
 
@@ -244,20 +319,30 @@ def _row(method, target, how, schedule, res, base, lightkv, config) -> dict[str,
     kl2 = kl(base, res, followup=True) if fup else None
     # log-probability drop of the reference answer, on episodes the uncompressed model gets right
     right = base.correct
-    drop = (base.logp - res.logp)
+    drop = base.logp - res.logp
     row: dict[str, Any] = {
-        "method": method, "target": target, "how": how,
-        "schedule": None if schedule is None else (
+        "method": method,
+        "target": target,
+        "how": how,
+        "schedule": None
+        if schedule is None
+        else (
             {"layers": list(schedule.layers), "removal_ratios": list(schedule.removal_ratios)}
             if hasattr(schedule, "removal_ratios")
-            else {"name": schedule.name, **schedule.params()}),
-        "kept_fraction": res.kept_fraction, "kv_bytes_vision": res.kv_bytes_vision,
+            else {"name": schedule.name, **schedule.params()}
+        ),
+        "kept_fraction": res.kept_fraction,
+        "kv_bytes_vision": res.kv_bytes_vision,
         "kv_bytes_vision_baseline": res.kv_bytes_vision_baseline,
-        "accuracy": _by_type(res, res.correct.double(), res.followup_correct.double() if fup else None),
+        "accuracy": _by_type(
+            res, res.correct.double(), res.followup_correct.double() if fup else None
+        ),
         "kl": _by_type(res, kl1, kl2),
         # per type; None where the uncompressed model got no episode of that type right
-        "logp_drop": {k: (None if math.isnan(v) else v)
-                      for k, v in _by_type(res, torch.where(right, drop, torch.nan), None).items()},
+        "logp_drop": {
+            k: (None if math.isnan(v) else v)
+            for k, v in _by_type(res, torch.where(right, drop, torch.nan), None).items()
+        },
     }
     acc, bacc = res.correct.double(), base.correct.double()
     facc = res.followup_correct.double() if fup else None
@@ -268,6 +353,8 @@ def _row(method, target, how, schedule, res, base, lightkv, config) -> dict[str,
         flacc = lightkv.followup_correct.double() if fup else None
         lkl1 = kl(base, lightkv)
         lkl2 = kl(base, lightkv, followup=True) if fup else None
-        row["vs_lightkv"] = {"accuracy": _intervals(res, lacc, acc, flacc, facc, config),
-                             "kl": _intervals(res, lkl1, kl1, lkl2, kl2, config)}
+        row["vs_lightkv"] = {
+            "accuracy": _intervals(res, lacc, acc, flacc, facc, config),
+            "kl": _intervals(res, lkl1, kl1, lkl2, kl2, config),
+        }
     return row

@@ -15,10 +15,12 @@ def add_demo(commands) -> None:
     demo = commands.add_parser(
         "demo",
         help="a bundled LVLM (Scenes by default) answers held-out questions with and without LightKV "
-             "(options: lightkv demo --help)",
+        "(options: lightkv demo --help)",
         add_help=False,  # --help goes to the demo's own parser
     )
-    demo.set_defaults(func=_cmd_demo, forward_to=_demo_parser)  # options forwarded untouched (parse_args)
+    demo.set_defaults(
+        func=_cmd_demo, forward_to=_demo_parser
+    )  # options forwarded untouched (parse_args)
 
 
 def add_stages_demo(commands) -> None:

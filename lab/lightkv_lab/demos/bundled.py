@@ -36,19 +36,38 @@ def build_parser(prog: str = "lightkv demo") -> argparse.ArgumentParser:
     from lightkv.presets import PRESETS
 
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].replace("``", ""))
-    p.add_argument("--model", default="scenes",
-                   help="a bundled model (scenes, digitgrid, symbolgrid) or a model directory written by the "
-                   "trainer (default: scenes)")
-    p.add_argument("--preset", default="lightkv-budget", choices=sorted(PRESETS),
-                   help="pipeline to compare with the uncompressed model (default: lightkv-budget)")
+    p.add_argument(
+        "--model",
+        default="scenes",
+        help="a bundled model (scenes, digitgrid, symbolgrid) or a model directory written by the "
+        "trainer (default: scenes)",
+    )
+    p.add_argument(
+        "--preset",
+        default="lightkv-budget",
+        choices=sorted(PRESETS),
+        help="pipeline to compare with the uncompressed model (default: lightkv-budget)",
+    )
     p.add_argument("--questions", type=int, default=8, help="held-out questions to ask (default 8)")
     p.add_argument("--seed", type=int, default=7, help="which held-out episodes (default 7)")
-    p.add_argument("--contrast", type=int, default=100, metavar="N",
-                   help="held-out questions every method answers at 55%% and at --low kept (0: skip; at most "
-                   f"{MAX_CONTRAST})")
-    p.add_argument("--low", type=float, default=0.25, metavar="F",
-                   help="the low kept fraction of the method comparison (default 0.25)")
-    p.add_argument("--out", default=".", help="directory for lightkv-demo-provenance.png (default: .)")
+    p.add_argument(
+        "--contrast",
+        type=int,
+        default=100,
+        metavar="N",
+        help="held-out questions every method answers at 55%% and at --low kept (0: skip; at most "
+        f"{MAX_CONTRAST})",
+    )
+    p.add_argument(
+        "--low",
+        type=float,
+        default=0.25,
+        metavar="F",
+        help="the low kept fraction of the method comparison (default 0.25)",
+    )
+    p.add_argument(
+        "--out", default=".", help="directory for lightkv-demo-provenance.png (default: .)"
+    )
     p.add_argument("--no-png", action="store_true", help="do not write the provenance picture")
     return p
 
@@ -78,28 +97,45 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     if not 1 <= args.questions <= MAX_QUESTIONS or not 0 <= args.contrast <= MAX_CONTRAST:
-        print(f"lightkv demo: --questions must be in [1, {MAX_QUESTIONS}] and --contrast in [0, {MAX_CONTRAST}] "
-              "(about 0.3 s per question, 0.1 s per contrast question and method on 2 cores)", file=sys.stderr)
+        print(
+            f"lightkv demo: --questions must be in [1, {MAX_QUESTIONS}] and --contrast in [0, {MAX_CONTRAST}] "
+            "(about 0.3 s per question, 0.1 s per contrast question and method on 2 cores)",
+            file=sys.stderr,
+        )
         return 2
     if not 0.0 < args.low < 1.0:
-        print(f"lightkv demo: --low must be a kept fraction in (0, 1), got {args.low}", file=sys.stderr)
+        print(
+            f"lightkv demo: --low must be a kept fraction in (0, 1), got {args.low}",
+            file=sys.stderr,
+        )
         return 2
     if not args.no_png and importlib.util.find_spec("matplotlib") is None:
-        print("lightkv demo: the picture needs matplotlib, which is not installed: pip install 'lightkv-lab' "
-              "(or pass --no-png)", file=sys.stderr)
+        print(
+            "lightkv demo: the picture needs matplotlib, which is not installed: pip install 'lightkv-lab' "
+            "(or pass --no-png)",
+            file=sys.stderr,
+        )
         return 2
     out = Path(args.out)
-    problem = None if args.no_png else output_dir_problem(out)  # before any work, not after a minute of it
+    problem = (
+        None if args.no_png else output_dir_problem(out)
+    )  # before any work, not after a minute of it
     if problem:
-        print(f"lightkv demo: --out {out}: {problem}; give a writable directory for lightkv-demo-provenance.png "
-              "(or --no-png)", file=sys.stderr)
+        print(
+            f"lightkv demo: --out {out}: {problem}; give a writable directory for lightkv-demo-provenance.png "
+            "(or --no-png)",
+            file=sys.stderr,
+        )
         return 2
     path = dg.resolve_model(args.model)
     try:
         model, _, grid = dg.load(path)
         data = dg.read_task(path).data
     except (FileNotFoundError, OSError, ValueError) as e:
-        print(f"lightkv demo: cannot load the model from {path}: {str(e).splitlines()[0]}", file=sys.stderr)
+        print(
+            f"lightkv demo: cannot load the model from {path}: {str(e).splitlines()[0]}",
+            file=sys.stderr,
+        )
         return 2
     torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
     pipe = get_preset(args.preset)
@@ -107,17 +143,25 @@ def main(argv: list[str] | None = None) -> int:
     try:
         session = apply(pipe, model)
     except ValueError as e:
-        print(f"lightkv demo: preset {args.preset!r} does not fit this {num_layers}-layer model: {e}",
-              file=sys.stderr)
+        print(
+            f"lightkv demo: preset {args.preset!r} does not fit this {num_layers}-layer model: {e}",
+            file=sys.stderr,
+        )
         return 2
     episodes = evaluate.heldout_episodes(args.questions, seed=args.seed, grid=grid)
     n_img = data.num_image_tokens(grid, model.config.vision_config.patch_size)
-    print(f"model: {path} ({num_layers} decoder layers, {n_img} vision tokens per image, "
-          f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters)")
-    print(f"pipeline: {args.preset} ({pipe.scheduler.__class__.__name__}); held-out episodes, seed {args.seed}\n")
+    print(
+        f"model: {path} ({num_layers} decoder layers, {n_img} vision tokens per image, "
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters)"
+    )
+    print(
+        f"pipeline: {args.preset} ({pipe.scheduler.__class__.__name__}); held-out episodes, seed {args.seed}\n"
+    )
     w = 18 if data.__name__.endswith("digitgrid.data") else 26
-    head = (f"{'question':{QUESTION_WIDTH}s} {'truth':{w}s} {'uncompressed':{w}s} {args.preset:{w}s} "
-            f"{'kept':>5s} {'vision KV':>17s} {'prefill ms':>13s}")
+    head = (
+        f"{'question':{QUESTION_WIDTH}s} {'truth':{w}s} {'uncompressed':{w}s} {args.preset:{w}s} "
+        f"{'kept':>5s} {'vision KV':>17s} {'prefill ms':>13s}"
+    )
     print(head)
     print("-" * len(head))
     right = [0, 0]
@@ -133,15 +177,19 @@ def main(argv: list[str] | None = None) -> int:
         mark = ["ok" if o else "WRONG" for o in ok]
         kv = f"{rep.kv_bytes_vision / 1024:.0f}/{rep.kv_bytes_vision_baseline / 1024:.0f} KiB"
         question = _question_lines(ep.question)
-        print(f"{question[0]:{QUESTION_WIDTH}s} {_short(ep.answer, w)} "
-              f"{_short(base, w, mark[0])} {_short(got, w, mark[1])} "
-              f"{rep.kept_vision_fraction:5.2f} {kv:>17s} {t_base:6.1f}/{t_comp:<6.1f}")
+        print(
+            f"{question[0]:{QUESTION_WIDTH}s} {_short(ep.answer, w)} "
+            f"{_short(base, w, mark[0])} {_short(got, w, mark[1])} "
+            f"{rep.kept_vision_fraction:5.2f} {kv:>17s} {t_base:6.1f}/{t_comp:<6.1f}"
+        )
         for more in question[1:]:  # a long question wraps inside its own column
             print(more)
     n = len(episodes)
-    print(f"\ncorrect: {right[0]}/{n} uncompressed, {right[1]}/{n} with {args.preset} "
-          "(vision KV: compressed/uncompressed, summed over layers; prefill: uncompressed/compressed, median of 3; "
-          "on a model this small the hooks cost more than the layers they shorten)")
+    print(
+        f"\ncorrect: {right[0]}/{n} uncompressed, {right[1]}/{n} with {args.preset} "
+        "(vision KV: compressed/uncompressed, summed over layers; prefill: uncompressed/compressed, median of 3; "
+        "on a model this small the hooks cost more than the layers they shorten)"
+    )
     if args.contrast:
         for target in (0.55, args.low):
             _contrast(model, grid, num_layers, args, target)
@@ -149,10 +197,12 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         target = out / "lightkv-demo-provenance.png"
         drawn = provenance_picture(target, str(path))
-        print(f"\nwrote {target}: '{drawn['question']}' (answer {drawn['answer']}): the image, lightkv's prompt "
-              f"relevance ({drawn['relevance_share_asked']:.0%} on the asked {drawn['asked']}, which is "
-              f"{drawn['asked_area']:.1%} of the image), and which patches merged into which token with lightkv "
-              "and with prompt-agnostic ToMe")
+        print(
+            f"\nwrote {target}: '{drawn['question']}' (answer {drawn['answer']}): the image, lightkv's prompt "
+            f"relevance ({drawn['relevance_share_asked']:.0%} on the asked {drawn['asked']}, which is "
+            f"{drawn['asked_area']:.1%} of the image), and which patches merged into which token with lightkv "
+            "and with prompt-agnostic ToMe"
+        )
     return 0
 
 
@@ -192,19 +242,40 @@ def _contrast(model, grid, num_layers: int, args, target: float) -> None:
     pipes = {m: method_pipeline(m, num_layers, target)[0] for m in methods}
     scores = {}
     t0 = time.perf_counter()
-    for i, m in enumerate(methods, 1):  # minutes in all on 2 cores: say where it is (stderr, one line each)
-        print(f"lightkv demo: [{i}/{len(methods)}] {m} at {target:.0%} kept on {len(convs)} questions "
-              f"({time.perf_counter() - t0:.0f} s so far)", file=sys.stderr, flush=True)
+    for i, m in enumerate(
+        methods, 1
+    ):  # minutes in all on 2 cores: say where it is (stderr, one line each)
+        print(
+            f"lightkv demo: [{i}/{len(methods)}] {m} at {target:.0%} kept on {len(convs)} questions "
+            f"({time.perf_counter() - t0:.0f} s so far)",
+            file=sys.stderr,
+            flush=True,
+        )
         scores[m] = scoring.score(model, convs, grid, pipes[m], batch=50)
-    right = ", ".join(f"{m} {int(s.correct.sum())} ({s.kept_fraction:.0%} kept)" for m, s in scores.items())
-    print(f"\nat {target:.0%} of the vision KV cache, right out of {len(convs)} held-out questions: {right}")
+    right = ", ".join(
+        f"{m} {int(s.correct.sum())} ({s.kept_fraction:.0%} kept)" for m, s in scores.items()
+    )
+    print(
+        f"\nat {target:.0%} of the vision KV cache, right out of {len(convs)} held-out questions: {right}"
+    )
     light = scores["lightkv"].correct
-    wins = [i for i in range(len(convs)) if light[i] and any(not scores[m].correct[i] for m in CONTRAST_METHODS)]
-    losses = [i for i in range(len(convs)) if not light[i] and any(scores[m].correct[i] for m in CONTRAST_METHODS)]
+    wins = [
+        i
+        for i in range(len(convs))
+        if light[i] and any(not scores[m].correct[i] for m in CONTRAST_METHODS)
+    ]
+    losses = [
+        i
+        for i in range(len(convs))
+        if not light[i] and any(scores[m].correct[i] for m in CONTRAST_METHODS)
+    ]
     if not wins and not losses:
         print("  on these questions every method that answers, answers as lightkv does")
         return
-    for label, found in (("lightkv right, another wrong", wins), ("lightkv wrong, another right", losses)):
+    for label, found in (
+        ("lightkv right, another wrong", wins),
+        ("lightkv wrong, another right", losses),
+    ):
         if not found:
             continue
         ep = convs[found[0]].first

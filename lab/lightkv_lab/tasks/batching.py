@@ -36,7 +36,10 @@ def num_image_tokens(config: GridConfig = DEFAULT_CONFIG, patch: int = 4) -> int
 
 
 def collate(
-    episodes: Sequence[Episode], num_image_tokens: int, *, with_answer: bool = True,
+    episodes: Sequence[Episode],
+    num_image_tokens: int,
+    *,
+    with_answer: bool = True,
     encoder: Callable[[Sequence[str]], list[int]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Batch episodes for a LLaVA-style model.
@@ -68,24 +71,31 @@ def collate(
     return batch
 
 
-def left_pad(rows: list[list[int]], label_rows: list[list[int]] | None, pad_id: int = PAD_ID) -> dict[str, torch.Tensor]:
+def left_pad(
+    rows: list[list[int]], label_rows: list[list[int]] | None, pad_id: int = PAD_ID
+) -> dict[str, torch.Tensor]:
     """``input_ids``, ``attention_mask`` (and ``labels``) ``[B, L]``, left-padded with ``pad_id``."""
     length = max(len(r) for r in rows)
     b = len(rows)
-    out = {"input_ids": torch.full((b, length), pad_id, dtype=torch.int64),
-           "attention_mask": torch.zeros((b, length), dtype=torch.int64)}
+    out = {
+        "input_ids": torch.full((b, length), pad_id, dtype=torch.int64),
+        "attention_mask": torch.zeros((b, length), dtype=torch.int64),
+    }
     if label_rows is not None:
         out["labels"] = torch.full((b, length), IGNORE_INDEX, dtype=torch.int64)
     for i, row in enumerate(rows):
-        out["input_ids"][i, length - len(row):] = torch.tensor(row)
-        out["attention_mask"][i, length - len(row):] = 1
+        out["input_ids"][i, length - len(row) :] = torch.tensor(row)
+        out["attention_mask"][i, length - len(row) :] = 1
         if label_rows is not None:
-            out["labels"][i, length - len(row):] = torch.tensor(label_rows[i])
+            out["labels"][i, length - len(row) :] = torch.tensor(label_rows[i])
     return out
 
 
-def collate_scenes(scenes: Sequence[Sequence[Episode]], num_image_tokens: int,
-                   encoder: Callable[[Sequence[str]], list[int]] | None = None) -> dict[str, torch.Tensor]:
+def collate_scenes(
+    scenes: Sequence[Sequence[Episode]],
+    num_image_tokens: int,
+    encoder: Callable[[Sequence[str]], list[int]] | None = None,
+) -> dict[str, torch.Tensor]:
     """Batch scenes (several questions about one image) as one sequence per image.
 
     A row is ``<bos> <image>*n <sep> q1 a1 <eos> q2 a2 <eos> ...``: its first
@@ -113,7 +123,8 @@ def collate_scenes(scenes: Sequence[Sequence[Episode]], num_image_tokens: int,
 
 
 def collate_prompts(
-    episodes: Sequence[Episode], num_image_tokens: int,
+    episodes: Sequence[Episode],
+    num_image_tokens: int,
     encoder: Callable[[Sequence[str]], list[int]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Prompt-only batch for evaluation/generation (no answer, no ``labels``).

@@ -77,7 +77,10 @@ def structure_embeddings(model, data, seed: int = 0) -> None:
     emb = model.get_input_embeddings().weight
     n = data.MAX_GRID
     gen = torch.Generator().manual_seed(20_000 + seed)
-    rows, cols = torch.randn(n, emb.shape[1], generator=gen), torch.randn(n, emb.shape[1], generator=gen)
+    rows, cols = (
+        torch.randn(n, emb.shape[1], generator=gen),
+        torch.randn(n, emb.shape[1], generator=gen),
+    )
     with torch.no_grad():
         for r in range(n):
             for c in range(n):
@@ -108,8 +111,14 @@ def _ridge(x: torch.Tensor, y: torch.Tensor, lam: float = 1e-6) -> torch.Tensor:
 
 
 @torch.no_grad()
-def install(model, data, grid: int, vision: torch.Tensor, symbols: torch.Tensor,
-            spec: CircuitSpec = CircuitSpec()) -> list[int]:
+def install(
+    model,
+    data,
+    grid: int,
+    vision: torch.Tensor,
+    symbols: torch.Tensor,
+    spec: CircuitSpec = CircuitSpec(),
+) -> list[int]:
     """Build the cell head (head 0) and the symbol heads (1, 2, ...) in ``spec.layer``.
 
     The key and value projections are least-squares probes (`_ridge`) fitted on
@@ -136,11 +145,16 @@ def install(model, data, grid: int, vision: torch.Tensor, symbols: torch.Tensor,
     inv = invariant_dims(dh)
     n_sym, g2 = len(data.CONTENT_IDS), grid * grid
     if 2 * grid > inv.numel() or n_sym > inv.numel():
-        raise ValueError(f"head_dim {dh} has {inv.numel()} RoPE-invariant dimensions; need "
-                         f"{max(2 * grid, n_sym)} (use a larger head_dim)")
+        raise ValueError(
+            f"head_dim {dh} has {inv.numel()} RoPE-invariant dimensions; need "
+            f"{max(2 * grid, n_sym)} (use a larger head_dim)"
+        )
     emb = model.get_input_embeddings().weight.detach()
     norm = layer.input_layernorm
-    xv, xt = norm(vision), norm(emb)  # what the layer's projections see (its residual is still the input)
+    xv, xt = (
+        norm(vision),
+        norm(emb),
+    )  # what the layer's projections see (its residual is still the input)
     # words weigh more than single tokens: a few hundred words against thousands of tokens,
     # and ``<bos>`` (the sink) most, since one row sets its key
     weight = torch.full((xt.shape[0], 1), 10.0)
@@ -149,7 +163,9 @@ def install(model, data, grid: int, vision: torch.Tensor, symbols: torch.Tensor,
     cell = torch.arange(g2).repeat(vision.shape[0] // g2)
     zeros = torch.zeros(xt.shape[0], 1)
 
-    def fit(hot: torch.Tensor, text_target: torch.Tensor | None = None, lift: float = 0.0) -> torch.Tensor:
+    def fit(
+        hot: torch.Tensor, text_target: torch.Tensor | None = None, lift: float = 0.0
+    ) -> torch.Tensor:
         """A probe reading ``hot [M, K]`` (0/1 classes) plus ``lift`` from vision tokens and
         ``text_target`` (default 0) from words. One refit makes the mean read-out of each
         class exactly 1 above the others: the first fit falls short by a different factor
@@ -163,8 +179,13 @@ def install(model, data, grid: int, vision: torch.Tensor, symbols: torch.Tensor,
         gain = torch.where(hot.any(0), 1 / (on - off).clamp(min=1e-3), torch.ones_like(on))
         return _ridge(x, torch.cat([hot * gain + lift, text]))
 
-    rows_cols = torch.cat([torch.nn.functional.one_hot(cell // grid, grid),
-                           torch.nn.functional.one_hot(cell % grid, grid)], 1).float()
+    rows_cols = torch.cat(
+        [
+            torch.nn.functional.one_hot(cell // grid, grid),
+            torch.nn.functional.one_hot(cell % grid, grid),
+        ],
+        1,
+    ).float()
     sym_hot = torch.nn.functional.one_hot(symbols, n_sym).float()
     cell_map, sym_map = _codes(model, data, grid)
     scale = 1 / math.sqrt(dh)
@@ -216,7 +237,7 @@ def freeze(model, layer: int, heads: list[int], query_only: list[int] = ()) -> N
     def mask(which) -> torch.Tensor:
         rows = torch.zeros(attn.q_proj.weight.shape[0], dtype=torch.bool)
         for h in which:
-            rows[h * dh:(h + 1) * dh] = True
+            rows[h * dh : (h + 1) * dh] = True
         return rows
 
     full, query = mask(heads), mask(list(heads) + list(query_only))

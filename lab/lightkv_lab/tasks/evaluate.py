@@ -32,8 +32,13 @@ from lightkv_lab.tasks.registry import task_for
 __all__ = ["EvalResult", "answer", "evaluate", "heldout_episodes", "relevance_mass"]
 
 
-def heldout_episodes(n: int, seed: int = 0, grid: GridConfig = DEFAULT_CONFIG,
-                     qtypes: Sequence[str] | None = None, split: str = "heldout") -> list[Episode]:
+def heldout_episodes(
+    n: int,
+    seed: int = 0,
+    grid: GridConfig = DEFAULT_CONFIG,
+    qtypes: Sequence[str] | None = None,
+    split: str = "heldout",
+) -> list[Episode]:
     """``n`` held-out episodes, question types in equal shares (round-robin), seeded."""
     task = task_for(grid)
     data = task.data
@@ -52,7 +57,9 @@ def _words(ids: list[int], vocab: Sequence[str] = VOCAB) -> list[str]:
 
 
 @torch.no_grad()
-def answer(model, episodes: Sequence[Episode], grid: GridConfig, max_new_tokens: int | None = None) -> list[list[str]]:
+def answer(
+    model, episodes: Sequence[Episode], grid: GridConfig, max_new_tokens: int | None = None
+) -> list[list[str]]:
     """Greedy answers (word lists) for one batch of episodes (of the task ``grid`` belongs to;
     by default up to two words more than its longest answer)."""
     task = task_for(grid)
@@ -61,9 +68,15 @@ def answer(model, episodes: Sequence[Episode], grid: GridConfig, max_new_tokens:
     inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
     if max_new_tokens is None:
         max_new_tokens = task.answer_length(grid) + 2
-    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                         pad_token_id=PAD_ID, eos_token_id=EOS_ID)
-    return [_words(row, task.vocab) for row in out[:, inputs["input_ids"].shape[1]:].tolist()]
+    out = model.generate(
+        **inputs,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        num_beams=1,
+        pad_token_id=PAD_ID,
+        eos_token_id=EOS_ID,
+    )
+    return [_words(row, task.vocab) for row in out[:, inputs["input_ids"].shape[1] :].tolist()]
 
 
 @dataclass
@@ -92,7 +105,9 @@ class EvalResult:
         return d
 
 
-def evaluate(model, episodes: Sequence[Episode], grid: GridConfig, pipeline=None, batch: int = 64) -> EvalResult:
+def evaluate(
+    model, episodes: Sequence[Episode], grid: GridConfig, pipeline=None, batch: int = 64
+) -> EvalResult:
     """Accuracy of ``model`` on ``episodes``, compressing every prefill with ``pipeline``
     (None: uncompressed). KV figures come from the session report (uncompressed runs use
     the report's baseline of a no-op session, so both are measured the same way)."""
@@ -100,7 +115,9 @@ def evaluate(model, episodes: Sequence[Episode], grid: GridConfig, pipeline=None
 
     pipe = pipeline if pipeline is not None else _identity_pipeline()
     if not isinstance(pipe, Pipeline):
-        raise TypeError(f"pipeline must be a lightkv.Pipeline or None, got {type(pipeline).__name__}")
+        raise TypeError(
+            f"pipeline must be a lightkv.Pipeline or None, got {type(pipeline).__name__}"
+        )
     right: dict[str, int] = defaultdict(int)
     count: dict[str, int] = defaultdict(int)
     answers: list[list[str]] = []
@@ -108,11 +125,13 @@ def evaluate(model, episodes: Sequence[Episode], grid: GridConfig, pipeline=None
     t0 = time.perf_counter()
     session = apply(pipe, model)
     for i in range(0, len(episodes), batch):
-        chunk = list(episodes[i:i + batch])
+        chunk = list(episodes[i : i + batch])
         with session:
             got = answer(model, chunk, grid)
         rep = session.report()
-        kept_sum += (rep.kept_vision_fraction if rep.kept_vision_fraction is not None else 1.0) * len(chunk)
+        kept_sum += (
+            rep.kept_vision_fraction if rep.kept_vision_fraction is not None else 1.0
+        ) * len(chunk)
         bytes_sum += rep.kv_bytes_vision
         base_sum += rep.kv_bytes_vision_baseline
         for ep, words in zip(chunk, got):
@@ -124,20 +143,30 @@ def evaluate(model, episodes: Sequence[Episode], grid: GridConfig, pipeline=None
     return EvalResult(
         accuracy={q: right[q] / count[q] for q in qtypes if count[q]},
         count={q: count[q] for q in qtypes if count[q]},
-        kept_fraction=kept_sum / n, kv_bytes_vision=bytes_sum / n, kv_bytes_vision_baseline=base_sum / n,
-        seconds=time.perf_counter() - t0, answers=answers,
+        kept_fraction=kept_sum / n,
+        kv_bytes_vision=bytes_sum / n,
+        kv_bytes_vision_baseline=base_sum / n,
+        seconds=time.perf_counter() - t0,
+        answers=answers,
     )
 
 
 def _identity_pipeline():
     from lightkv.policies.schedulers import ExplicitSchedule
 
-    return get_preset("lightkv").with_scheduler(ExplicitSchedule(layers=(), removal_ratios=(), windows_per_side=None))
+    return get_preset("lightkv").with_scheduler(
+        ExplicitSchedule(layers=(), removal_ratios=(), windows_per_side=None)
+    )
 
 
 @torch.no_grad()
-def relevance_mass(model, episodes: Sequence[Episode], grid: GridConfig, layers: Sequence[int] | None = None,
-                   batch: int = 32) -> dict:
+def relevance_mass(
+    model,
+    episodes: Sequence[Episode],
+    grid: GridConfig,
+    layers: Sequence[int] | None = None,
+    batch: int = 32,
+) -> dict:
     """Where relevance goes for ``what`` questions (about occupied cells, for DigitGrid).
 
     For every layer ``l`` in ``layers`` (default: all but the last) a one-stage pipeline
@@ -163,12 +192,18 @@ def relevance_mass(model, episodes: Sequence[Episode], grid: GridConfig, layers:
     layers = list(range(num_layers - 1)) if layers is None else list(layers)
     patch = model.config.vision_config.patch_size
     n_img = data.num_image_tokens(grid, patch)
-    _, cell_of = task.token_words(eps[0].grid[None], grid.cell // patch)  # [N] word id of each token's cell
+    _, cell_of = task.token_words(
+        eps[0].grid[None], grid.cell // patch
+    )  # [N] word id of each token's cell
     rng = random.Random("relevance-control")
     controls = []
     for e in eps:
-        others = [(r, c) for r in range(grid.grid) for c in range(grid.grid)
-                  if e.grid[r, c] >= 0 and (r, c) != (e.meta["row"], e.meta["col"])]
+        others = [
+            (r, c)
+            for r in range(grid.grid)
+            for c in range(grid.grid)
+            if e.grid[r, c] >= 0 and (r, c) != (e.meta["row"], e.meta["col"])
+        ]
         controls.append(rng.choice(others) if others else None)
 
     def cell_id(r: int, c: int) -> int:
@@ -178,12 +213,17 @@ def relevance_mass(model, episodes: Sequence[Episode], grid: GridConfig, layers:
     for policy in ("query_softmax", "last_token"):
         for layer in layers:
             # a stage that barely merges, only so that the session records ξ at this layer
-            pipe = replace(get_preset("lightkv"), relevance=Relevance.create(policy),
-                           scheduler=ExplicitSchedule(layers=(layer,), removal_ratios=(0.01,), windows_per_side=(1,)))
+            pipe = replace(
+                get_preset("lightkv"),
+                relevance=Relevance.create(policy),
+                scheduler=ExplicitSchedule(
+                    layers=(layer,), removal_ratios=(0.01,), windows_per_side=(1,)
+                ),
+            )
             asked_sum = control_sum = 0.0
             n_control = 0
             for i in range(0, len(eps), batch):
-                chunk, ctrl = eps[i:i + batch], controls[i:i + batch]
+                chunk, ctrl = eps[i : i + batch], controls[i : i + batch]
                 inputs = data.collate_prompts(chunk, n_img)
                 with apply(pipe, model, record=True) as session:
                     model(**inputs)
@@ -198,5 +238,7 @@ def relevance_mass(model, episodes: Sequence[Episode], grid: GridConfig, layers:
                         control_sum += float(mass[cell_of == cell_id(*cc)].sum())
                         n_control += 1
             out["layers"].setdefault(str(layer), {})[policy] = {
-                "asked": asked_sum / len(eps), "control": control_sum / max(1, n_control)}
+                "asked": asked_sum / len(eps),
+                "control": control_sum / max(1, n_control),
+            }
     return out

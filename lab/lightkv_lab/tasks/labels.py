@@ -27,7 +27,9 @@ def _label_logits(model, feats: torch.Tensor, group, translate) -> torch.Tensor:
     return feats @ emb.T / emb.shape[1] ** 0.5
 
 
-def label_loss(model, feats: torch.Tensor, labels: torch.Tensor, groups, translate=None) -> torch.Tensor:
+def label_loss(
+    model, feats: torch.Tensor, labels: torch.Tensor, groups, translate=None
+) -> torch.Tensor:
     """Align loss of a task with several labels per token (``labels [B, G, G, S]`` word ids,
     ``groups``: the word ids each label takes): the squared error to ``E[<image>] + sum of
     E[label]`` plus a cross-entropy per label over its group's words."""
@@ -41,7 +43,9 @@ def label_loss(model, feats: torch.Tensor, labels: torch.Tensor, groups, transla
         index = torch.full((max(group) + 1,), -1, dtype=torch.long)  # word id -> class in the group
         index[list(group)] = torch.arange(len(group))
         truth = index[words[..., s]]
-        loss = loss + F.cross_entropy(_label_logits(model, feats, group, translate).flatten(0, 1), truth.flatten())
+        loss = loss + F.cross_entropy(
+            _label_logits(model, feats, group, translate).flatten(0, 1), truth.flatten()
+        )
     return loss
 
 

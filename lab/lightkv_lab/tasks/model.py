@@ -45,8 +45,11 @@ __all__ = [
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUNDLED_MODEL = ASSETS / "digitgrid-llava"
 """Where the trained DigitGrid model ships inside the package."""
-BUNDLED_MODELS = {"scenes": ASSETS / "scenes-llava", "digitgrid": BUNDLED_MODEL,
-                  "symbolgrid": ASSETS / "symbolgrid-llava"}
+BUNDLED_MODELS = {
+    "scenes": ASSETS / "scenes-llava",
+    "digitgrid": BUNDLED_MODEL,
+    "symbolgrid": ASSETS / "symbolgrid-llava",
+}
 """The models that ship inside the package, by name (``--model NAME`` on the command line)."""
 
 
@@ -56,6 +59,7 @@ def resolve_model(name_or_path: str | Path | None) -> Path:
     if name_or_path is None:
         return BUNDLED_MODEL
     return BUNDLED_MODELS.get(str(name_or_path), Path(name_or_path))
+
 
 GRID_FILE = "digitgrid.json"
 
@@ -89,8 +93,12 @@ class ModelSpec:
 DEFAULT_SPEC = ModelSpec()
 
 
-def build_model(spec: ModelSpec = DEFAULT_SPEC, grid: GridConfig = DEFAULT_CONFIG, seed: int = 0,
-                task: str = "digitgrid"):
+def build_model(
+    spec: ModelSpec = DEFAULT_SPEC,
+    grid: GridConfig = DEFAULT_CONFIG,
+    seed: int = 0,
+    task: str = "digitgrid",
+):
     """A freshly initialised ``LlavaForConditionalGeneration`` over ``task``'s vocabulary
     (word embeddings ~ N(0, 1), tied with the output head)."""
     from transformers import (
@@ -101,23 +109,41 @@ def build_model(spec: ModelSpec = DEFAULT_SPEC, grid: GridConfig = DEFAULT_CONFI
     )
 
     if grid.image_size % spec.patch or grid.cell % spec.patch:
-        raise ValueError(f"patch {spec.patch} must divide the cell ({grid.cell}) and image ({grid.image_size})")
+        raise ValueError(
+            f"patch {spec.patch} must divide the cell ({grid.cell}) and image ({grid.image_size})"
+        )
     vision = CLIPVisionConfig(
-        hidden_size=spec.vision_width, intermediate_size=4 * spec.vision_width,
-        num_hidden_layers=spec.vision_layers, num_attention_heads=spec.vision_heads,
-        image_size=grid.image_size, patch_size=spec.patch, num_channels=3,
+        hidden_size=spec.vision_width,
+        intermediate_size=4 * spec.vision_width,
+        num_hidden_layers=spec.vision_layers,
+        num_attention_heads=spec.vision_heads,
+        image_size=grid.image_size,
+        patch_size=spec.patch,
+        num_channels=3,
     )
     text = LlamaConfig(
-        vocab_size=len(get_task(task).vocab), hidden_size=spec.text_width, intermediate_size=spec.text_ffn,
-        num_hidden_layers=spec.text_layers, num_attention_heads=spec.text_heads,
-        num_key_value_heads=spec.text_heads, max_position_embeddings=1024, rope_theta=spec.rope_theta,
+        vocab_size=len(get_task(task).vocab),
+        hidden_size=spec.text_width,
+        intermediate_size=spec.text_ffn,
+        num_hidden_layers=spec.text_layers,
+        num_attention_heads=spec.text_heads,
+        num_key_value_heads=spec.text_heads,
+        max_position_embeddings=1024,
+        rope_theta=spec.rope_theta,
         head_dim=spec.text_head_dim or spec.text_width // spec.text_heads,
-        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, tie_word_embeddings=True,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        tie_word_embeddings=True,
     )
     config = LlavaConfig(
-        vision_config=vision, text_config=text, image_token_id=IMAGE_ID,
-        vision_feature_layer=-1, vision_feature_select_strategy="default",
-        projector_hidden_act="gelu", tie_word_embeddings=True,
+        vision_config=vision,
+        text_config=text,
+        image_token_id=IMAGE_ID,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        projector_hidden_act="gelu",
+        tie_word_embeddings=True,
     )
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config)
@@ -140,32 +166,54 @@ def build_tokenizer(task: str = "digitgrid"):
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-        unk_token="<pad>", padding_side="left", extra_special_tokens={"image_token": "<image>"},
+        tokenizer_object=core,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<pad>",
+        padding_side="left",
+        extra_special_tokens={"image_token": "<image>"},
     )
     tok.add_bos_token = False
     return tok
 
 
-def build_processor(grid: GridConfig = DEFAULT_CONFIG, spec: ModelSpec = DEFAULT_SPEC, task: str = "digitgrid"):
+def build_processor(
+    grid: GridConfig = DEFAULT_CONFIG, spec: ModelSpec = DEFAULT_SPEC, task: str = "digitgrid"
+):
     """A ``LlavaProcessor`` whose chat template writes the training format
     ``<bos> <image> <sep> question``; ``<image>`` expands to the tower's tokens."""
     from transformers import CLIPImageProcessorPil, LlavaProcessor
 
     images = CLIPImageProcessorPil(
-        do_resize=True, size={"height": grid.image_size, "width": grid.image_size},
-        do_center_crop=False, do_rescale=True, rescale_factor=1 / 255, do_normalize=False,
+        do_resize=True,
+        size={"height": grid.image_size, "width": grid.image_size},
+        do_center_crop=False,
+        do_rescale=True,
+        rescale_factor=1 / 255,
+        do_normalize=False,
         do_convert_rgb=True,
     )
     return LlavaProcessor(
-        image_processor=images, tokenizer=build_tokenizer(task), patch_size=spec.patch,
-        vision_feature_select_strategy="default", image_token="<image>", num_additional_image_tokens=1,
+        image_processor=images,
+        tokenizer=build_tokenizer(task),
+        patch_size=spec.patch,
+        vision_feature_select_strategy="default",
+        image_token="<image>",
+        num_additional_image_tokens=1,
         chat_template=CHAT_TEMPLATE,
     )
 
 
-def alignment_targets(model, grid: torch.Tensor, patch: int, cell: int, *,
-                      task: str | Task = "digitgrid", translate: torch.Tensor | None = None) -> torch.Tensor:
+def alignment_targets(
+    model,
+    grid: torch.Tensor,
+    patch: int,
+    cell: int,
+    *,
+    task: str | Task = "digitgrid",
+    translate: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``[B, N, D]`` targets for the projected vision tokens of grids ``[B, G, G]``.
 
     Token ``(y, x)`` of the patch grid lies in cell ``(y // k, x // k)`` with ``k = cell /
@@ -191,8 +239,14 @@ def content_class(grid: torch.Tensor) -> torch.Tensor:
     return torch.where(grid >= 0, grid, len(CONTENT_IDS) - 1)
 
 
-def save(model, path: str | Path, grid, spec: ModelSpec, extra: dict | None = None,
-         task: str = "digitgrid") -> Path:
+def save(
+    model,
+    path: str | Path,
+    grid,
+    spec: ModelSpec,
+    extra: dict | None = None,
+    task: str = "digitgrid",
+) -> Path:
     """Write a Hugging Face directory (weights as safetensors) with the processor and
     ``digitgrid.json`` (task name, grid config, sizes)."""
     path = Path(path)
@@ -207,7 +261,9 @@ def save(model, path: str | Path, grid, spec: ModelSpec, extra: dict | None = No
 def _meta(path: str | Path) -> dict:
     meta_file = resolve_model(path) / GRID_FILE
     if not meta_file.exists():
-        raise FileNotFoundError(f"{path} is not a DigitGrid/SymbolGrid model directory (no {GRID_FILE})")
+        raise FileNotFoundError(
+            f"{path} is not a DigitGrid/SymbolGrid model directory (no {GRID_FILE})"
+        )
     return json.loads(meta_file.read_text())
 
 
@@ -231,7 +287,9 @@ def load(path: str | Path = BUNDLED_MODEL, dtype: torch.dtype = torch.float32):
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a weights bar on stderr for a 7 MB local file is noise
     try:
-        model = LlavaForConditionalGeneration.from_pretrained(path, dtype=dtype, local_files_only=True).eval()
+        model = LlavaForConditionalGeneration.from_pretrained(
+            path, dtype=dtype, local_files_only=True
+        ).eval()
     finally:
         if bar:
             hf_logging.enable_progress_bar()

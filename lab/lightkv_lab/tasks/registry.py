@@ -56,7 +56,9 @@ class Task:
         """Word ids of what a token can show (the content read-out classes, in order)."""
         return self.data.CONTENT_IDS
 
-    def image_batch(self, rng: random.Random, split: str, n: int, config) -> tuple[torch.Tensor, torch.Tensor]:
+    def image_batch(
+        self, rng: random.Random, split: str, n: int, config
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(grids [B, G, G], images [B, 3, H, W])`` of ``n`` fresh images."""
         grids, images = zip(*(self.data.sample_image(rng, split, config) for _ in range(n)))
         return torch.stack(grids), torch.stack(images)
@@ -67,7 +69,9 @@ class Task:
         cells are the last class) and the word id naming its cell."""
         b, g, _ = grids.shape
         classes = torch.where(grids >= 0, grids, len(self.content_ids()) - 1)
-        names = torch.tensor([[self.data.WORD_TO_ID[self.data.cell_word(r, c)] for c in range(g)] for r in range(g)])
+        names = torch.tensor(
+            [[self.data.WORD_TO_ID[self.data.cell_word(r, c)] for c in range(g)] for r in range(g)]
+        )
         content = classes.repeat_interleave(k, 1).repeat_interleave(k, 2).reshape(b, -1)
         cells = names.repeat_interleave(k, 0).repeat_interleave(k, 1).reshape(-1)
         return content, cells
@@ -75,7 +79,9 @@ class Task:
 
 TASKS: dict[str, Task] = {
     "digitgrid": Task("digitgrid", "lightkv_lab.tasks.digitgrid.data", lambda config: 1),
-    "symbolgrid": Task("symbolgrid", "lightkv_lab.tasks.symbolgrid.data", lambda config: 2 * config.read_len - 1),
+    "symbolgrid": Task(
+        "symbolgrid", "lightkv_lab.tasks.symbolgrid.data", lambda config: 2 * config.read_len - 1
+    ),
     "scenes": Task("scenes", "lightkv_lab.tasks.scenes.data", lambda config: 5),
 }
 
@@ -93,4 +99,6 @@ def task_for(config) -> Task:
     for task in TASKS.values():
         if isinstance(config, task.grid_config):
             return task
-    raise TypeError(f"{type(config).__name__} is not the GridConfig of a known task ({', '.join(TASKS)})")
+    raise TypeError(
+        f"{type(config).__name__} is not the GridConfig of a known task ({', '.join(TASKS)})"
+    )

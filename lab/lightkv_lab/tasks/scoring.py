@@ -45,7 +45,9 @@ class Conversation:
     """An ``Episode`` about the same image, asked after the first answer."""
 
 
-def conversations(n: int, grid, seed: int = 0, followup: bool = True, split: str = "heldout") -> list[Conversation]:
+def conversations(
+    n: int, grid, seed: int = 0, followup: bool = True, split: str = "heldout"
+) -> list[Conversation]:
     """``n`` held-out conversations: first-question types in equal shares (round-robin), each
     followed (``followup``) by a question about another region: the task's own ``followup``
     where its data module has one (Scenes: another object's texture), else a ``what``
@@ -68,14 +70,25 @@ def _followup(rng: random.Random, ep, grid, data):
     g = grid.grid
     far = max(1, g // 4)
     r0, c0 = ep.meta.get("row"), ep.meta.get("col")
-    cells = [(r, c) for r in range(g) for c in range(g)
-             if r0 is None or max(abs(r - r0), abs(c - c0)) >= far]
+    cells = [
+        (r, c)
+        for r in range(g)
+        for c in range(g)
+        if r0 is None or max(abs(r - r0), abs(c - c0)) >= far
+    ]
     r, c = rng.choice(cells)
     meta = {"row": r, "col": c}
     kwargs = {"rare": ep.rare} if hasattr(ep, "rare") else {"digit_index": ep.digit_index}
-    return type(ep)(image=ep.image, grid=ep.grid, question=["what", "is", "at", data.cell_word(r, c)],
-                    answer=data.answer_for(ep.grid, "what", meta), qtype="what", split=ep.split, meta=meta,
-                    **kwargs)
+    return type(ep)(
+        image=ep.image,
+        grid=ep.grid,
+        question=["what", "is", "at", data.cell_word(r, c)],
+        answer=data.answer_for(ep.grid, "what", meta),
+        qtype="what",
+        split=ep.split,
+        meta=meta,
+        **kwargs,
+    )
 
 
 @dataclass
@@ -112,7 +125,9 @@ def _ids(task, words) -> list[int]:
 
 
 @torch.no_grad()
-def score(model, convs: Sequence[Conversation], grid, pipeline=None, batch: int = 64) -> ScoreResult:
+def score(
+    model, convs: Sequence[Conversation], grid, pipeline=None, batch: int = 64
+) -> ScoreResult:
     """Teacher-forced scores of ``model`` compressed by ``pipeline`` (None: uncompressed,
     through a session that removes nothing, so both are measured the same way)."""
     from lightkv_lab.tasks.evaluate import _identity_pipeline
@@ -129,7 +144,7 @@ def score(model, convs: Sequence[Conversation], grid, pipeline=None, batch: int 
     kept_sum = bytes_sum = base_sum = 0.0
     session = apply(pipe, model)
     for i in range(0, len(convs), batch):
-        chunk = list(convs[i:i + batch])
+        chunk = list(convs[i : i + batch])
         prompt = data.collate_prompts([c.first for c in chunk], n_img)
         pmask = prompt["attention_mask"]
         # continuation: answer <eos> [follow-up question, answer <eos>], right-padded
@@ -148,25 +163,37 @@ def score(model, convs: Sequence[Conversation], grid, pipeline=None, batch: int 
         cont = torch.full((len(rows), t), PAD_ID, dtype=torch.int64)
         cmask = torch.zeros((len(rows), t), dtype=torch.int64)
         for b, r in enumerate(rows):
-            cont[b, :len(r)] = torch.tensor(r)
-            cmask[b, :len(r)] = 1
+            cont[b, : len(r)] = torch.tensor(r)
+            cmask[b, : len(r)] = 1
         ppos = (pmask.cumsum(-1) - 1).clamp_min(0)
         cpos = pmask.sum(-1, keepdim=True) + (cmask.cumsum(-1) - 1).clamp_min(0)
         with session:
-            out = model(input_ids=prompt["input_ids"], attention_mask=pmask, position_ids=ppos,
-                        pixel_values=prompt["pixel_values"].to(model.dtype), use_cache=True)
-            nxt = model(input_ids=cont, attention_mask=torch.cat([pmask, cmask], 1), position_ids=cpos,
-                        cache=_cache(out), use_cache=True)
+            out = model(
+                input_ids=prompt["input_ids"],
+                attention_mask=pmask,
+                position_ids=ppos,
+                pixel_values=prompt["pixel_values"].to(model.dtype),
+                use_cache=True,
+            )
+            nxt = model(
+                input_ids=cont,
+                attention_mask=torch.cat([pmask, cmask], 1),
+                position_ids=cpos,
+                cache=_cache(out),
+                use_cache=True,
+            )
         rep = session.report()
-        kept_sum += (rep.kept_vision_fraction if rep.kept_vision_fraction is not None else 1.0) * len(chunk)
+        kept_sum += (
+            rep.kept_vision_fraction if rep.kept_vision_fraction is not None else 1.0
+        ) * len(chunk)
         bytes_sum += rep.kv_bytes_vision
         base_sum += rep.kv_bytes_vision_baseline
         # logits predicting cont[j]: the prompt's last position for j = 0, else cont position j - 1
         logits = torch.cat([out.logits[:, -1:], nxt.logits[:, :-1]], 1).double().log_softmax(-1)
         for b, span in enumerate(spans):
             for turn, (start, length) in enumerate(span):
-                lp = logits[b, start:start + length]
-                target = cont[b, start:start + length]
+                lp = logits[b, start : start + length]
+                target = cont[b, start : start + length]
                 ok = bool((lp.argmax(-1) == target).all())
                 total = float(lp.gather(-1, target[:, None]).sum())
                 (correct if turn == 0 else f_correct).append(ok)
@@ -174,12 +201,16 @@ def score(model, convs: Sequence[Conversation], grid, pipeline=None, batch: int 
                 (logprobs if turn == 0 else f_logprobs).append(lp.clone())
     n = max(1, len(convs))
     return ScoreResult(
-        qtypes=[c.first.qtype for c in convs], correct=torch.tensor(correct, dtype=torch.bool),
-        logp=torch.tensor(logp, dtype=torch.float64), logprobs=logprobs,
+        qtypes=[c.first.qtype for c in convs],
+        correct=torch.tensor(correct, dtype=torch.bool),
+        logp=torch.tensor(logp, dtype=torch.float64),
+        logprobs=logprobs,
         followup_correct=torch.tensor(f_correct, dtype=torch.bool) if with_followup else None,
         followup_logp=torch.tensor(f_logp, dtype=torch.float64) if with_followup else None,
         followup_logprobs=f_logprobs if with_followup else None,
-        kept_fraction=kept_sum / n, kv_bytes_vision=bytes_sum / n, kv_bytes_vision_baseline=base_sum / n,
+        kept_fraction=kept_sum / n,
+        kv_bytes_vision=bytes_sum / n,
+        kv_bytes_vision_baseline=base_sum / n,
     )
 
 
@@ -195,7 +226,9 @@ def kl(reference: ScoreResult, other: ScoreResult, followup: bool = False) -> to
     ref = reference.followup_logprobs if followup else reference.logprobs
     oth = other.followup_logprobs if followup else other.logprobs
     if ref is None or oth is None or len(ref) != len(oth):
-        raise ValueError("kl needs two scores of the same conversations (with follow-ups when followup=True)")
+        raise ValueError(
+            "kl needs two scores of the same conversations (with follow-ups when followup=True)"
+        )
     out = []
     for p, q in zip(ref, oth):
         # >= 0 in exact arithmetic; clamp the last-digit rounding of near-equal distributions
@@ -203,11 +236,15 @@ def kl(reference: ScoreResult, other: ScoreResult, followup: bool = False) -> to
     return torch.tensor(out, dtype=torch.float64)
 
 
-def paired_bootstrap(x: torch.Tensor, y: torch.Tensor, n_boot: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+def paired_bootstrap(
+    x: torch.Tensor, y: torch.Tensor, n_boot: int = 2000, seed: int = 0
+) -> tuple[float, float, float]:
     """``(mean(x - y), low, high)``: the paired difference of two per-episode metrics on the
     same episodes, with a 95% percentile-bootstrap interval (episodes resampled together)."""
     if x.shape != y.shape or x.dim() != 1 or x.numel() == 0:
-        raise ValueError(f"paired_bootstrap needs two 1-D tensors of one length, got {tuple(x.shape)}, {tuple(y.shape)}")
+        raise ValueError(
+            f"paired_bootstrap needs two 1-D tensors of one length, got {tuple(x.shape)}, {tuple(y.shape)}"
+        )
     d = x.double() - y.double()
     gen = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, d.numel(), (n_boot, d.numel()), generator=gen)

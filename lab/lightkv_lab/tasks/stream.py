@@ -34,8 +34,14 @@ class EpisodeStream:
     sample: ClassVar[Callable[..., Any]]
     """``sample(rng, split, qtype, config)``: the task's ``make_episode``."""
 
-    def __init__(self, seed: int, split: str = "train", *, qtypes: Sequence[str] | None = None,
-                 config: Any = None) -> None:
+    def __init__(
+        self,
+        seed: int,
+        split: str = "train",
+        *,
+        qtypes: Sequence[str] | None = None,
+        config: Any = None,
+    ) -> None:
         if split not in self.SPLITS:
             raise ValueError(f"split must be one of {self.SPLITS}, got {split!r}")
         qtypes = tuple(self.QTYPES if qtypes is None else qtypes)

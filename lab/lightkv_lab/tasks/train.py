@@ -75,8 +75,14 @@ from lightkv_lab.tasks.train_eval import _projected, evaluate_align, evaluate_qa
 __all__ = ["evaluate_qa", "main"]
 
 
-def _content_ce(model, feats: torch.Tensor, grids: torch.Tensor, spec: ModelSpec, grid,
-                translate: torch.Tensor | None = None) -> torch.Tensor:
+def _content_ce(
+    model,
+    feats: torch.Tensor,
+    grids: torch.Tensor,
+    spec: ModelSpec,
+    grid,
+    translate: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Cross-entropy of every token's content read-out (dot products with the content word
     embeddings): a sharper signal for the hard part of the target than the squared error."""
     task = task_for(grid)
@@ -86,8 +92,14 @@ def _content_ce(model, feats: torch.Tensor, grids: torch.Tensor, spec: ModelSpec
     return F.cross_entropy(logits.flatten(0, 1), truth.flatten())
 
 
-def _cell_ce(model, feats: torch.Tensor, grids: torch.Tensor, spec: ModelSpec, grid,
-             translate: torch.Tensor | None = None) -> torch.Tensor:
+def _cell_ce(
+    model,
+    feats: torch.Tensor,
+    grids: torch.Tensor,
+    spec: ModelSpec,
+    grid,
+    translate: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Cross-entropy of every token's cell read-out (dot products with the grid's cell word
     embeddings): where a cell is one token, the squared error alone leaves positions blurred."""
     _, cells = task_for(grid).token_words(grids[:1], grid.cell // spec.patch)  # [N] cell word ids
@@ -97,9 +109,18 @@ def _cell_ce(model, feats: torch.Tensor, grids: torch.Tensor, spec: ModelSpec, g
     return F.cross_entropy(logits.flatten(0, 1), truth.repeat(feats.shape[0]))
 
 
-def _mimetic_init(model, qk: float = 1.5, vo: float = 0.7, noise: float = 0.02, seed: int = 0,
-                  first: int = 0, translate: torch.Tensor | None = None, lookup_heads: int = 0,
-                  lookup_qk: float = 3.0, lookup_from: int = 0) -> None:
+def _mimetic_init(
+    model,
+    qk: float = 1.5,
+    vo: float = 0.7,
+    noise: float = 0.02,
+    seed: int = 0,
+    first: int = 0,
+    translate: torch.Tensor | None = None,
+    lookup_heads: int = 0,
+    lookup_qk: float = 3.0,
+    lookup_from: int = 0,
+) -> None:
     """Query/key projections near ``qk * I`` (attention compares like with like) and value/
     output projections near ``vo * I`` (heads copy what they read), plus N(0, noise) noise,
     in layers ``first`` and later. Layers before ``first`` start as no-ops (zero attention
@@ -113,13 +134,20 @@ def _mimetic_init(model, qk: float = 1.5, vo: float = 0.7, noise: float = 0.02, 
                 attn.o_proj.weight.zero_()
                 layer.mlp.down_proj.weight.zero_()
                 continue
-            for proj, scale in ((attn.q_proj, qk), (attn.k_proj, qk), (attn.v_proj, vo), (attn.o_proj, vo)):
+            for proj, scale in (
+                (attn.q_proj, qk),
+                (attn.k_proj, qk),
+                (attn.v_proj, vo),
+                (attn.o_proj, vo),
+            ):
                 w = proj.weight
                 eye = torch.eye(w.shape[0], w.shape[1])
                 w.copy_(scale * eye + noise * torch.randn(w.shape, generator=gen))
             if translate is not None and lookup_heads and i >= lookup_from:
                 rows = slice(0, lookup_heads * attn.head_dim)
-                attn.q_proj.weight[rows] = lookup_qk * translate[rows] + noise * torch.randn_like(attn.q_proj.weight[rows])
+                attn.q_proj.weight[rows] = lookup_qk * translate[rows] + noise * torch.randn_like(
+                    attn.q_proj.weight[rows]
+                )
                 out = attn.o_proj.weight
                 out[:, rows] = vo * translate.T[:, rows] + noise * torch.randn_like(out[:, rows])
 
@@ -133,10 +161,12 @@ def _freeze_lookup(model, first: int, heads: int) -> None:
         attn = layer.self_attn
         rows = heads * attn.head_dim
         for proj in (attn.q_proj, attn.k_proj):
+
             def hook(grad, rows=rows):
                 grad = grad.clone()
                 grad[:rows] = 0
                 return grad
+
             proj.weight.register_hook(hook)
 
 
@@ -152,7 +182,10 @@ def _trainable(model, stage: str) -> list[torch.nn.Parameter]:
     for p in model.parameters():
         p.requires_grad_(False)
     if stage == "align":
-        mods = [model.model.vision_tower, model.model.multi_modal_projector]  # qa and tune: the decoder
+        mods = [
+            model.model.vision_tower,
+            model.model.multi_modal_projector,
+        ]  # qa and tune: the decoder
     else:
         mods = [model.model.language_model]
     params = [p for m in mods for p in m.parameters()]
@@ -175,10 +208,16 @@ def _spec(args):
     else:
         grid = task.grid_config()
         patch = grid.cell
-    spec = ModelSpec(patch=patch, rope_theta=getattr(args, "rope_theta", 10000.0), text_width=args.text_width,
-                     text_layers=args.text_layers, text_head_dim=getattr(args, "head_dim", None),
-                     text_ffn=args.text_ffn or 4 * args.text_width,
-                     vision_width=args.vision_width, vision_layers=args.vision_layers)
+    spec = ModelSpec(
+        patch=patch,
+        rope_theta=getattr(args, "rope_theta", 10000.0),
+        text_width=args.text_width,
+        text_layers=args.text_layers,
+        text_head_dim=getattr(args, "head_dim", None),
+        text_ffn=args.text_ffn or 4 * args.text_width,
+        vision_width=args.vision_width,
+        vision_layers=args.vision_layers,
+    )
     return grid, spec
 
 
@@ -198,12 +237,17 @@ def _mix(args) -> dict:
     for item in args.mix:
         name, _, weight = item.partition("=")
         if name not in _task(args).data.QTYPES:
-            raise SystemExit(f"--mix: {name!r} is not a question type of {_task(args).name} "
-                             f"({', '.join(_task(args).data.QTYPES)})")
+            raise SystemExit(
+                f"--mix: {name!r} is not a question type of {_task(args).name} "
+                f"({', '.join(_task(args).data.QTYPES)})"
+            )
         qtypes.append(name)
         weights.append(float(weight) if weight else 1.0)
     # uniform mixes draw exactly as the default does (rng.choice), so older recipes reproduce
-    return {"qtypes": tuple(qtypes), **({} if len(set(weights)) == 1 else {"weights": tuple(weights)})}
+    return {
+        "qtypes": tuple(qtypes),
+        **({} if len(set(weights)) == 1 else {"weights": tuple(weights)}),
+    }
 
 
 def export(args) -> Path:
@@ -217,8 +261,14 @@ def export(args) -> Path:
         grid = replace(grid, asked=tuple(args.asked))
     model = build_model(spec, grid, seed=saved.seed, task=_task(saved).name)
     model.load_state_dict(state["model"])
-    path = save(model, args.export, grid, spec, task=_task(saved).name,
-                extra={"train": state["args"], "step": state["step"], "log": state["log"][-1:]})
+    path = save(
+        model,
+        args.export,
+        grid,
+        spec,
+        task=_task(saved).name,
+        extra={"train": state["args"], "step": state["step"], "log": state["log"][-1:]},
+    )
     print(f"exported step {state['step']} to {path}")
     return path
 
@@ -239,7 +289,9 @@ def run_stage(args) -> None:
     model = build_model(spec, grid, seed=args.seed, task=task.name)
     if getattr(args, "circuit", False):
         circuit.structure_embeddings(model, task.data, args.seed)
-    translate = translation(spec.text_width, args.seed) if getattr(args, "translate", False) else None
+    translate = (
+        translation(spec.text_width, args.seed) if getattr(args, "translate", False) else None
+    )
     ckpt = out / f"{args.stage}.pt"
     step = 0
     prev = out / "align.pt"
@@ -247,23 +299,44 @@ def run_stage(args) -> None:
         # fine-tuning starts from the qa stage's final weights, with a fresh optimiser
         start = out / "qa.pt"
         if not start.exists():
-            raise SystemExit(f"tune starts from {start}, which does not exist: run the qa stage first")
+            raise SystemExit(
+                f"tune starts from {start}, which does not exist: run the qa stage first"
+            )
         model.load_state_dict(torch.load(start, weights_only=False)["model"])
     elif args.stage == "qa" and prev.exists():
         aligned = torch.load(prev, weights_only=False)["model"]
-        keep = ("model.vision_tower.", "model.multi_modal_projector.", "model.language_model.embed_tokens.",
-                "lm_head.")
+        keep = (
+            "model.vision_tower.",
+            "model.multi_modal_projector.",
+            "model.language_model.embed_tokens.",
+            "lm_head.",
+        )
         missing, unexpected = model.load_state_dict(
-            {k: v for k, v in aligned.items() if k.startswith(keep)}, strict=False)
+            {k: v for k, v in aligned.items() if k.startswith(keep)}, strict=False
+        )
         if unexpected or any(k.startswith(keep) for k in missing):
-            raise ValueError(f"{prev} does not match this model's sizes (missing {missing}, unexpected "
-                             f"{unexpected}); train qa with the align stage's --vision-* sizes")
+            raise ValueError(
+                f"{prev} does not match this model's sizes (missing {missing}, unexpected "
+                f"{unexpected}); train qa with the align stage's --vision-* sizes"
+            )
         if args.mimetic:
-            _mimetic_init(model, seed=args.seed, first=args.mimetic_from, translate=translate,
-                          lookup_heads=args.lookup_heads, lookup_qk=args.lookup_qk, lookup_from=args.lookup_from)
+            _mimetic_init(
+                model,
+                seed=args.seed,
+                first=args.mimetic_from,
+                translate=translate,
+                lookup_heads=args.lookup_heads,
+                lookup_qk=args.lookup_qk,
+                lookup_from=args.lookup_from,
+            )
         if getattr(args, "circuit", False):
-            heads = circuit.install(model, task.data, grid.grid, *_vision_sample(model, task, grid),
-                                    circuit.CircuitSpec(layer=args.circuit_layer))
+            heads = circuit.install(
+                model,
+                task.data,
+                grid.grid,
+                *_vision_sample(model, task, grid),
+                circuit.CircuitSpec(layer=args.circuit_layer),
+            )
     params = _trainable(model, args.stage)
     if args.stage == "qa" and getattr(args, "circuit", False):
         circuit.freeze(model, args.circuit_layer, heads)
@@ -274,9 +347,15 @@ def run_stage(args) -> None:
     if args.stage == "qa" and slow:
         # the first layers learn at a fraction of the rate: what they write into the residual
         # stream moves slowly, so the lookups of the layers after them keep their inputs
-        early = {id(p) for layer in list(model.model.language_model.layers)[:slow] for p in layer.parameters()}
-        groups = [{"params": [p for p in params if id(p) not in early], "base_lr": args.lr},
-                  {"params": [p for p in params if id(p) in early], "base_lr": args.lr * args.slow_lr}]
+        early = {
+            id(p)
+            for layer in list(model.model.language_model.layers)[:slow]
+            for p in layer.parameters()
+        }
+        groups = [
+            {"params": [p for p in params if id(p) not in early], "base_lr": args.lr},
+            {"params": [p for p in params if id(p) in early], "base_lr": args.lr * args.slow_lr},
+        ]
     opt = torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.98))
     rng = random.Random(f"train:{args.seed}:{args.stage}")
     log = []
@@ -294,9 +373,18 @@ def run_stage(args) -> None:
         return warm * (0.1 + 0.9 * max(0.0, 1 - s / args.steps)) if args.decay else warm
 
     def checkpoint() -> None:
-        state = {"model": model.state_dict(), "opt": opt.state_dict(), "rng": rng.getstate(),
-                 "torch_rng": torch.get_rng_state(), "step": step, "log": log, "args": vars(args)}
-        write_atomic(ckpt, lambda f: torch.save(state, f))  # a killed run keeps its last whole checkpoint
+        state = {
+            "model": model.state_dict(),
+            "opt": opt.state_dict(),
+            "rng": rng.getstate(),
+            "torch_rng": torch.get_rng_state(),
+            "step": step,
+            "log": log,
+            "args": vars(args),
+        }
+        write_atomic(
+            ckpt, lambda f: torch.save(state, f)
+        )  # a killed run keeps its last whole checkpoint
 
     n_img = task.data.num_image_tokens(grid, spec.patch)
     mix = _mix(args)
@@ -314,12 +402,19 @@ def run_stage(args) -> None:
             if label_groups(task) is not None:
                 loss = label_loss(model, feats, grids, label_groups(task), translate)
             else:
-                target = alignment_targets(model, grids, spec.patch, grid.cell, task=task, translate=translate)
-                loss = F.mse_loss(feats, target) + _content_ce(model, feats, grids, spec, grid, translate)
+                target = alignment_targets(
+                    model, grids, spec.patch, grid.cell, task=task, translate=translate
+                )
+                loss = F.mse_loss(feats, target) + _content_ce(
+                    model, feats, grids, spec, grid, translate
+                )
             if args.cell_ce:
                 loss = loss + _cell_ce(model, feats, grids, spec, grid, translate)
         else:
-            scenes = [task.data.make_scene(rng, "train", args.questions, grid, **mix) for _ in range(args.batch)]
+            scenes = [
+                task.data.make_scene(rng, "train", args.questions, grid, **mix)
+                for _ in range(args.batch)
+            ]
             batch = task.data.collate_scenes(scenes, n_img)
             loss = model(**batch).loss
         opt.zero_grad(set_to_none=True)
@@ -343,7 +438,14 @@ def run_stage(args) -> None:
             checkpoint()
     bar.close()
     if args.export and args.stage in ("qa", "tune"):
-        save(model, args.export, grid, spec, task=task.name, extra={"train": vars(args), "step": step, "log": log[-1:]})
+        save(
+            model,
+            args.export,
+            grid,
+            spec,
+            task=task.name,
+            extra={"train": vars(args), "step": step, "log": log[-1:]},
+        )
         print(f"exported to {args.export}")
 
 

@@ -20,8 +20,14 @@ def _projected(model, pixel_values: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate_align(model, spec: ModelSpec, grid, n: int = 256, seed: int = 1234,
-                   translate: torch.Tensor | None = None) -> dict:
+def evaluate_align(
+    model,
+    spec: ModelSpec,
+    grid,
+    n: int = 256,
+    seed: int = 1234,
+    translate: torch.Tensor | None = None,
+) -> dict:
     """Read-out accuracy of the projected tokens on held-out images: each cell's content
     (nearest content word embedding, averaged over the cell's tokens) and each token's
     position (``position_acc``: the nearest cell word is its own cell's)."""
@@ -46,14 +52,18 @@ def evaluate_align(model, spec: ModelSpec, grid, n: int = 256, seed: int = 1234,
     nearest = names[(feats @ vision_words(model, names, translate).T).argmax(-1)]  # [B, N] word ids
     where = nearest == cells  # the nearest cell word is the token's own
     model.train()
-    return {"cell_acc": float((per_cell == truth).float().mean()), "position_acc": float(where.float().mean()),
-            "occupied_acc": float((per_cell == truth)[occ].float().mean()),
-            "grid_exact": float((per_cell == truth).all(-1).all(-1).float().mean())}
+    return {
+        "cell_acc": float((per_cell == truth).float().mean()),
+        "position_acc": float(where.float().mean()),
+        "occupied_acc": float((per_cell == truth)[occ].float().mean()),
+        "grid_exact": float((per_cell == truth).all(-1).all(-1).float().mean()),
+    }
 
 
 @torch.no_grad()
-def evaluate_qa(model, grid, n_per_type: int = 64, seed: int = 4321, batch: int = 64,
-                split: str = "heldout") -> dict:
+def evaluate_qa(
+    model, grid, n_per_type: int = 64, seed: int = 4321, batch: int = 64, split: str = "heldout"
+) -> dict:
     """Greedy exact-match accuracy per question type on ``n_per_type`` held-out episodes each."""
     from lightkv_lab.tasks.evaluate import answer
 
@@ -63,7 +73,11 @@ def evaluate_qa(model, grid, n_per_type: int = 64, seed: int = 4321, batch: int 
     for qtype in data.QTYPES:
         rng = random.Random(f"qa-eval:{seed}:{qtype}")
         eps = [data.make_episode(rng, split, qtype, grid) for _ in range(n_per_type)]
-        got = [words for i in range(0, len(eps), batch) for words in answer(model, eps[i:i + batch], grid)]
+        got = [
+            words
+            for i in range(0, len(eps), batch)
+            for words in answer(model, eps[i : i + batch], grid)
+        ]
         result[qtype] = sum(g == ep.answer for g, ep in zip(got, eps)) / len(eps)
     model.train()
     return result

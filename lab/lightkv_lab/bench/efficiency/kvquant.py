@@ -32,8 +32,10 @@ along the head dimension fit any number of entries)."""
 
 def available_backends() -> list[str]:
     """The `BACKENDS` that can run in this environment."""
-    have_quanto = importlib.util.find_spec("optimum") is not None and \
-        importlib.util.find_spec("optimum.quanto") is not None
+    have_quanto = (
+        importlib.util.find_spec("optimum") is not None
+        and importlib.util.find_spec("optimum.quanto") is not None
+    )
     return [n for n, s in BACKENDS.items() if s["backend"] != "quanto" or have_quanto]
 
 
@@ -63,7 +65,9 @@ class KVQuantConfig:
             raise ValueError(f"unknown backend(s) {bad}; choose from {sorted(BACKENDS)}")
         missing = [b for b in (self.backends or ()) if b not in available_backends()]
         if missing:
-            raise ValueError(f"backend(s) {missing} need optimum-quanto: pip install 'lightkv[quant]'")
+            raise ValueError(
+                f"backend(s) {missing} need optimum-quanto: pip install 'lightkv[quant]'"
+            )
         self.models = tuple(self.models)
         self.backends = tuple(self.backends) if self.backends else tuple(available_backends())
 
@@ -93,10 +97,19 @@ def run_kvquant(cfg: KVQuantConfig | None = None) -> dict[str, Any]:
 
     cfg = cfg or KVQuantConfig()
     t0 = time.perf_counter()
-    bench = BenchConfig(models=cfg.models, layers=cfg.layers, heads=cfg.heads, memory=False, progress=False)
-    out: dict[str, Any] = {"config": {"models": list(cfg.models), "backends": list(cfg.backends),
-                                      "layers": cfg.layers, "heads": cfg.heads},
-                           "settings": {b: BACKENDS[b] for b in cfg.backends}, "models": {}}
+    bench = BenchConfig(
+        models=cfg.models, layers=cfg.layers, heads=cfg.heads, memory=False, progress=False
+    )
+    out: dict[str, Any] = {
+        "config": {
+            "models": list(cfg.models),
+            "backends": list(cfg.backends),
+            "layers": cfg.layers,
+            "heads": cfg.heads,
+        },
+        "settings": {b: BACKENDS[b] for b in cfg.backends},
+        "models": {},
+    }
     for name in cfg.models:
         spec = MODELS[name]
         torch.manual_seed(0)
@@ -104,13 +117,22 @@ def run_kvquant(cfg: KVQuantConfig | None = None) -> dict[str, Any]:
         pipe = scaled_pipeline("lightkv", spec, sizes["layers"])
         text = model.config.get_text_config()
         rows: dict[str, int] = {}
-        for label, make in [("dynamic", lambda: DynamicCache(config=model.config)),  # noqa: B023 (called at once, in this iteration)
-                            *[(b, lambda b=b: QuantizedCache(config=text, **BACKENDS[b])) for b in cfg.backends]]:  # noqa: B023
+        for label, make in [
+            ("dynamic", lambda m=model: DynamicCache(config=m.config)),
+            *[
+                (b, lambda b=b, t=text: QuantizedCache(config=t, **BACKENDS[b]))
+                for b in cfg.backends
+            ],
+        ]:
             rows[label] = _bytes_after_prefill(model, inputs, make(), None)
             rows[f"{label}+lightkv"] = _bytes_after_prefill(model, inputs, make(), pipe)
         base = rows["dynamic"]
-        out["models"][name] = {"title": spec.title, "decoder": dict(sizes, head_dim=128), "kv_bytes": rows,
-                               "ratio": {k: v / base for k, v in rows.items()}}
+        out["models"][name] = {
+            "title": spec.title,
+            "decoder": dict(sizes, head_dim=128),
+            "kv_bytes": rows,
+            "ratio": {k: v / base for k, v in rows.items()},
+        }
         model = None
     out["seconds"] = time.perf_counter() - t0
     return out
@@ -119,9 +141,13 @@ def run_kvquant(cfg: KVQuantConfig | None = None) -> dict[str, Any]:
 def kvquant_markdown(result: dict[str, Any]) -> str:
     """One row per model: KV bytes of each variant as a fraction of the uncompressed cache."""
     labels = list(next(iter(result["models"].values()))["ratio"])
-    lines = ["KV bytes after prefill, as a fraction of the uncompressed `DynamicCache` (bytes from "
-             "`lightkv.adapters.kv_bytes`: quantized storage with its scales, plus any full-precision residual):", "",
-             "| model | " + " | ".join(f"`{x}`" for x in labels) + " |", "|---|" + "---:|" * len(labels)]
+    lines = [
+        "KV bytes after prefill, as a fraction of the uncompressed `DynamicCache` (bytes from "
+        "`lightkv.adapters.kv_bytes`: quantized storage with its scales, plus any full-precision residual):",
+        "",
+        "| model | " + " | ".join(f"`{x}`" for x in labels) + " |",
+        "|---|" + "---:|" * len(labels),
+    ]
     for name, m in result["models"].items():
         lines.append(f"| {name} | " + " | ".join(f"{m['ratio'][x]:.3f}" for x in labels) + " |")
     lines += ["", "Settings: " + "; ".join(f"`{b}`: {s}" for b, s in result["settings"].items())]

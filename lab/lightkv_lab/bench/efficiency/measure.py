@@ -36,7 +36,14 @@ from lightkv_lab.bench.efficiency.shapes import (
     text_after_image,
 )
 
-__all__ = ["OverheadProbe", "ReferenceScoring", "Timer", "first_token", "measure_peaks", "measure_peaks_in_child"]
+__all__ = [
+    "OverheadProbe",
+    "ReferenceScoring",
+    "Timer",
+    "first_token",
+    "measure_peaks",
+    "measure_peaks_in_child",
+]
 
 
 def sync_device(device: torch.device) -> None:
@@ -64,7 +71,10 @@ class Timer:
 
     def __enter__(self):
         if self.device.type == "cuda":
-            self._a, self._b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self._a, self._b = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
             self._a.record()
         else:
             self._t = time.perf_counter()
@@ -99,15 +109,21 @@ class OverheadProbe:
         self._t: dict[str, float] = {}
         self._handles = []
         # the cache modes (ElasticCache, H2O) score in their taps and rewrite after their layers
-        scored = {s.spec.layer for s in session.stages}.union(*(m.cache_layers for m in session.modes))
+        scored = {s.spec.layer for s in session.stages}.union(
+            *(m.cache_layers for m in session.modes)
+        )
         mm = session.adapter.multimodal_module()
         self._pair_pre(mm, "layout")
         for i, layer in enumerate(session.layers):
             self._pair_pre(layer, "relevance" if i in scored else "bookkeeping")
             if i in scored:
                 self._pair_post(layer, "stage")
-        projections = {id(module): module for mode in session.modes for tap in getattr(mode, "taps", {}).values()
-                       for module in tap.probe.projections().values()}
+        projections = {
+            id(module): module
+            for mode in session.modes
+            for tap in getattr(mode, "taps", {}).values()
+            for module in tap.probe.projections().values()
+        }
         for module in projections.values():  # computed inside the attention, as its projections run
             self._pair_post(module, "relevance")
 
@@ -115,12 +131,14 @@ class OverheadProbe:
         def hook(*_a, **_k):
             self.sync()
             self._t[key] = time.perf_counter()
+
         return hook
 
     def _stop(self, key):
         def hook(*_a, **_k):
             self.sync()
             self.totals[key] += time.perf_counter() - self._t.pop(key)
+
         return hook
 
     def _pair_pre(self, module, key):
@@ -160,7 +178,9 @@ class ReferenceScoring:
         for s in session.stages:
             layer = session.layers[s.spec.layer]
             probe = probe_for_layer(layer)
-            self._handles.append(layer.register_forward_pre_hook(self._hook(probe), with_kwargs=True))
+            self._handles.append(
+                layer.register_forward_pre_hook(self._hook(probe), with_kwargs=True)
+            )
 
     def _hook(self, probe):
         def hook(module, args, kwargs):
@@ -172,6 +192,7 @@ class ReferenceScoring:
             self.sync()
             self.seconds += time.perf_counter() - t0
             del scores
+
         return hook
 
     def scores(self, probe, hidden, pos):
@@ -186,8 +207,8 @@ class ReferenceScoring:
         logits = torch.matmul(q, k.transpose(-1, -2)) * probe.head_dim**-0.5  # [B, H, N, N]
         self.matrix_bytes = max(self.matrix_bytes, logits.numel() * logits.element_size())
         attn = logits.softmax(dim=-2)  # over the query axis, every key column
-        text = torch.cat([attn[..., : self.pre], attn[..., n - self.post:]], dim=-1)
-        return text[:, :, self.pre: n - self.post].sum(dim=(1, 3))  # [B, vision]
+        text = torch.cat([attn[..., : self.pre], attn[..., n - self.post :]], dim=-1)
+        return text[:, :, self.pre : n - self.post].sum(dim=(1, 3))  # [B, vision]
 
     def reset(self):
         self.seconds = 0.0
@@ -239,7 +260,11 @@ def measure_peaks(spec: ModelSpec, cfg: BenchConfig, variants: Sequence[str]) ->
         name = "lightkv" if variant in (EAGER_REF, PROJECTED) else variant
         pipe = scaled_pipeline(name, spec, sizes["layers"])
         with apply(pipe, model, reuse_projections=variant != PROJECTED) as session:
-            ref = ReferenceScoring(session, (PRE_TEXT, text_after_image(inputs)), sync) if variant == EAGER_REF else None
+            ref = (
+                ReferenceScoring(session, (PRE_TEXT, text_after_image(inputs)), sync)
+                if variant == EAGER_REF
+                else None
+            )
             try:
                 res = first_token(model, inputs)
             finally:
@@ -267,28 +292,45 @@ def measure_peaks(spec: ModelSpec, cfg: BenchConfig, variants: Sequence[str]) ->
                 base = _status_kb("VmRSS")
                 r = one(variant)
                 peak = _status_kb("VmHWM") - base if ok else _status_kb("VmRSS") - base
-                out["method"] = "VmHWM (reset via /proc/self/clear_refs) - VmRSS before" if ok else "VmRSS delta"
+                out["method"] = (
+                    "VmHWM (reset via /proc/self/clear_refs) - VmRSS before"
+                    if ok
+                    else "VmRSS delta"
+                )
             del r
             out["peak_bytes"][variant] = int(peak)
     return out
 
 
-def measure_peaks_in_child(spec: ModelSpec, cfg: BenchConfig, variants: Sequence[str]) -> dict[str, Any]:
+def measure_peaks_in_child(
+    spec: ModelSpec, cfg: BenchConfig, variants: Sequence[str]
+) -> dict[str, Any]:
     env = dict(os.environ)
-    env["MALLOC_MMAP_THRESHOLD_"] = "262144"  # fixed threshold: freed tensors go back to the OS at once
-    lab = Path(__file__).resolve().parents[3]  # the folder above lightkv_lab, and in a checkout the library's
-    roots = [str(lab)] + ([str(lab.parent)] if (lab.parent / "lightkv" / "__init__.py").is_file() else [])
+    env["MALLOC_MMAP_THRESHOLD_"] = (
+        "262144"  # fixed threshold: freed tensors go back to the OS at once
+    )
+    lab = (
+        Path(__file__).resolve().parents[3]
+    )  # the folder above lightkv_lab, and in a checkout the library's
+    roots = [str(lab)] + (
+        [str(lab.parent)] if (lab.parent / "lightkv" / "__init__.py").is_file() else []
+    )
     env["PYTHONPATH"] = os.pathsep.join(roots + [env.get("PYTHONPATH", "")])
     payload = json.dumps({"model": spec.name, "config": asdict(cfg), "variants": list(variants)})
     # the configuration goes through stdin, not the command line: its lists (presets, kept
     # fractions) can be longer than the system's argument limit
-    done = subprocess.run([sys.executable, "-m", "lightkv_lab.bench.efficiency", "--memory-child", "-"], input=payload,
-                          capture_output=True, text=True, env=env, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "lightkv_lab.bench.efficiency", "--memory-child", "-"],
+        input=payload,
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     if done.returncode != 0:
         tail = (done.stderr or "").strip().splitlines()[-1:] or ["(no output)"]
         raise RuntimeError(f"memory measurement of {spec.name} failed: {tail[0]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
-
 
 
 def kv_from_cache(cache, report) -> dict[str, Any]:
@@ -297,7 +339,10 @@ def kv_from_cache(cache, report) -> dict[str, Any]:
     total = vision = 0
     lengths = []
     for i, layer in enumerate(cache.layers):
-        nbytes = layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+        nbytes = (
+            layer.keys.numel() * layer.keys.element_size()
+            + layer.values.numel() * layer.values.element_size()
+        )
         length = int(layer.keys.shape[-2])
         total += nbytes
         lengths.append(length)
@@ -313,8 +358,14 @@ def reference_shape_flops(spec: ModelSpec, name: str, report, n0: int) -> dict[s
     from lightkv.adapters.probes import LayerShape
 
     ref = spec.ref
-    shape = LayerShape(hidden=ref["hidden"], heads=ref["heads"], kv_heads=ref["kv_heads"], head_dim=HEAD_DIM,
-                       mlp_hidden=ref["intermediate"], mlp_matrices=3)
+    shape = LayerShape(
+        hidden=ref["hidden"],
+        heads=ref["heads"],
+        kv_heads=ref["kv_heads"],
+        head_dim=HEAD_DIM,
+        mlp_hidden=ref["intermediate"],
+        mlp_matrices=3,
+    )
     pipe = preset_pipeline(name, spec)
     plan = pipe.scheduler.plan(ref["layers"])
     modes = set(pipe.scheduler.modes(ref["layers"]))
@@ -329,13 +380,18 @@ def reference_shape_flops(spec: ModelSpec, name: str, report, n0: int) -> dict[s
     stages = report.stages
     if len(plan) != len(stages):  # a depth-dependent schedule: not comparable stage by stage
         return {}
-    prompt = report.baseline[0] if report.baseline else report.layers[0]  # before any stage, pre-LLM ones too
+    prompt = (
+        report.baseline[0] if report.baseline else report.layers[0]
+    )  # before any stage, pre-LLM ones too
     length, vision = n0, prompt.vision + prompt.structural
     v0, lengths, visions = vision, [], []
     before = {p.layer: s for p, s in zip(plan, stages) if p.mode == "pre_llm"}
     after = {p.layer: s for p, s in zip(plan, stages) if p.mode != "pre_llm"}
     for layer in range(ref["layers"]):
-        for at in (before, after):  # a pre-LLM stage shortens layer 0 itself, the others the next layer
+        for at in (
+            before,
+            after,
+        ):  # a pre-LLM stage shortens layer 0 itself, the others the next layer
             if layer in at:
                 s = at[layer]
                 length, vision = s.width_out, vision - (s.vision_in - s.vision_out)
@@ -356,10 +412,15 @@ def reference_flops(spec: ModelSpec, n0: int) -> float:
     from lightkv.adapters.probes import LayerShape
 
     ref = spec.ref
-    shape = LayerShape(hidden=ref["hidden"], heads=ref["heads"], kv_heads=ref["kv_heads"], head_dim=HEAD_DIM,
-                       mlp_hidden=ref["intermediate"], mlp_matrices=3)
+    shape = LayerShape(
+        hidden=ref["hidden"],
+        heads=ref["heads"],
+        kv_heads=ref["kv_heads"],
+        head_dim=HEAD_DIM,
+        mlp_hidden=ref["intermediate"],
+        mlp_matrices=3,
+    )
     return ref["layers"] * shape.flops(n0, (n0 + 1) / 2)
-
 
 
 def memory_child_main(payload: str) -> int:
@@ -371,4 +432,3 @@ def memory_child_main(payload: str) -> int:
         torch.set_num_threads(cfg.threads)
     print(json.dumps(measure_peaks(MODELS[data["model"]], cfg, data["variants"])))
     return 0
-

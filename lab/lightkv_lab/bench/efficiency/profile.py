@@ -47,6 +47,7 @@ class ProfileProbe(OverheadProbe):
             timed(*a, **k)
             self._ranges[key] = record_function(PREFIX + key)
             self._ranges[key].__enter__()
+
         return hook
 
     def _stop(self, key):
@@ -57,6 +58,7 @@ class ProfileProbe(OverheadProbe):
             if rf is not None:
                 rf.__exit__(None, None, None)
             timed(*a, **k)
+
         return hook
 
 
@@ -67,7 +69,7 @@ def _ops_inside(events) -> dict[str, dict[str, list[float]]]:
     def walk(ev, part):
         for child in ev.cpu_children:
             if child.name.startswith(PREFIX):
-                walk(child, child.name[len(PREFIX):])
+                walk(child, child.name[len(PREFIX) :])
                 continue
             if part is not None:
                 acc = out[part][child.name]
@@ -78,14 +80,15 @@ def _ops_inside(events) -> dict[str, dict[str, list[float]]]:
     for ev in events:
         if ev.cpu_parent is None:
             if ev.name.startswith(PREFIX):
-                walk(ev, ev.name[len(PREFIX):])
+                walk(ev, ev.name[len(PREFIX) :])
             else:
                 walk(ev, None)
     return out
 
 
-def profile_prefill(spec: ModelSpec, cfg: BenchConfig, variant: str = "lightkv", top: int = 12,
-                    warmup: int = 1) -> dict[str, Any]:
+def profile_prefill(
+    spec: ModelSpec, cfg: BenchConfig, variant: str = "lightkv", top: int = 12, warmup: int = 1
+) -> dict[str, Any]:
     """Profile one compressed prefill of ``spec`` (built as the efficiency benchmark builds
     it from ``cfg``) with ``variant`` (a preset, or `PROJECTED`).
 
@@ -115,8 +118,16 @@ def profile_prefill(spec: ModelSpec, cfg: BenchConfig, variant: str = "lightkv",
     ops = _ops_inside(events)
     parts = {k: 1000 * v for k, v in probe.totals.items()}
     return {
-        "model": spec.name, "variant": variant, "decoder": sizes, "prefill_ms": prefill_ms, "parts_ms": parts,
+        "model": spec.name,
+        "variant": variant,
+        "decoder": sizes,
+        "prefill_ms": prefill_ms,
+        "parts_ms": parts,
         "share": sum(parts.values()) / prefill_ms if prefill_ms else None,
-        "ops": {part: sorted(([n, round(ms, 3), c] for n, (ms, c) in table.items()), key=lambda r: -r[1])[:top]
-                for part, table in ops.items()},
+        "ops": {
+            part: sorted(
+                ([n, round(ms, 3), c] for n, (ms, c) in table.items()), key=lambda r: -r[1]
+            )[:top]
+            for part, table in ops.items()
+        },
     }

@@ -64,7 +64,9 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) 
     n_vis = int(((ids == IMAGE) | (ids == VIDEO)).sum())  # image and video placeholders
     pipes = {p: scaled_pipeline(p, spec, sizes["layers"]) for p in cfg.variants}
     refused = {}
-    for variant in list(pipes):  # e.g. tower relevance on a family whose adapter does not expose its tower
+    for variant in list(
+        pipes
+    ):  # e.g. tower relevance on a family whose adapter does not expose its tower
         try:
             apply(pipes[variant], model).close()
         except (NotImplementedError, ValueError) as e:
@@ -90,7 +92,9 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) 
                     out, _tok = first_token(model, inputs)
                 result = t.seconds, out, None, None
             else:
-                with apply(pipes[variant], model, reuse_projections=variant != PROJECTED) as session:
+                with apply(
+                    pipes[variant], model, reuse_projections=variant != PROJECTED
+                ) as session:
                     probe = OverheadProbe(session, sync) if instrument_inline else None
                     try:
                         with Timer(device) as t:
@@ -100,7 +104,10 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) 
                             probe.close()
                     result = t.seconds, out, session, (dict(probe.totals) if probe else None)
         if watch:
-            attention[variant] = {**watcher.summary(), "configured_after": configured_attention(model)}
+            attention[variant] = {
+                **watcher.summary(),
+                "configured_after": configured_attention(model),
+            }
         return result
 
     for i in range(cfg.warmup + cfg.repeats):
@@ -118,7 +125,10 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) 
     if not instrument_inline:  # separate instrumented runs (the hooks synchronise the GPU)
         for variant in compressed:
             for _ in range(max(1, min(3, cfg.repeats))):
-                with torch.no_grad(), apply(pipes[variant], model, reuse_projections=variant != PROJECTED) as session:
+                with (
+                    torch.no_grad(),
+                    apply(pipes[variant], model, reuse_projections=variant != PROJECTED) as session,
+                ):
                     probe = OverheadProbe(session, sync)
                     with Timer(device) as t:
                         first_token(model, inputs)
@@ -127,8 +137,9 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) 
 
     entry: dict[str, Any] = {
         "title": spec.title,
-        "image": spec.image_note if spec.family != "internvl" else f"{cfg.internvl_tiles} tile(s) of 16x16 "
-        f"({cfg.internvl_tiles * 256} tokens)",
+        "image": spec.image_note
+        if spec.family != "internvl"
+        else f"{cfg.internvl_tiles} tile(s) of 16x16 ({cfg.internvl_tiles * 256} tokens)",
         "prompt_tokens": n0,
         "vision_tokens": n_vis,
         "reference_decoder": dict(spec.ref, head_dim=HEAD_DIM),
@@ -173,9 +184,16 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) 
                 kv_bytes_report=report.kv_bytes,
                 kv_bytes_vision_baseline=report.kv_bytes_vision_baseline,
             )
-            rec.update(reference_shape_flops(spec, "lightkv" if variant == PROJECTED else variant, report, n0))
+            rec.update(
+                reference_shape_flops(
+                    spec, "lightkv" if variant == PROJECTED else variant, report, n0
+                )
+            )
             if overhead[variant]:
-                parts = {k: statistics.median(o[k] for o in overhead[variant]) for k in overhead[variant][0]}
+                parts = {
+                    k: statistics.median(o[k] for o in overhead[variant])
+                    for k in overhead[variant][0]
+                }
                 prefill_s = parts.pop("prefill")
                 total = sum(parts.values())
                 rec["overhead_ms"] = {k: 1000 * v for k, v in parts.items()}
@@ -184,10 +202,20 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) 
                 # the same at the full-size decoder, assuming this machine's FLOP rate: relevance
                 # (projections) grows with width^2, the stage (hidden-state features) with width
                 w = spec.ref["hidden"] / sizes["hidden"]
-                est = parts["layout"] + parts["bookkeeping"] + parts["relevance"] * w * w + parts["stage"] * w
+                est = (
+                    parts["layout"]
+                    + parts["bookkeeping"]
+                    + parts["relevance"] * w * w
+                    + parts["stage"] * w
+                )
                 flops_full = rec.get("flops_ratio_reference_shape")
                 if flops_full is not None:
-                    ref_prefill = base_t * reference_flops(spec, n0) / report.prefill_flops_baseline * flops_full
+                    ref_prefill = (
+                        base_t
+                        * reference_flops(spec, n0)
+                        / report.prefill_flops_baseline
+                        * flops_full
+                    )
                     rec["overhead_share_reference_estimate"] = est / ref_prefill
         entry["variants"][variant] = rec
     # the uncompressed variant's vision bytes and FLOPs (from the first compressed report)
@@ -204,7 +232,9 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) 
             "flops": rec["flops"] / unc["flops"],
             "ttft": rec["ttft_ms_median"] / unc["ttft_ms_median"],
             "kv_bytes": rec["kv_bytes"] / unc["kv_bytes"],
-            "kv_bytes_vision": rec["kv_bytes_vision"] / unc["kv_bytes_vision"] if unc["kv_bytes_vision"] else None,
+            "kv_bytes_vision": rec["kv_bytes_vision"] / unc["kv_bytes_vision"]
+            if unc["kv_bytes_vision"]
+            else None,
         }
         rec["ttft_minus_flops_pp"] = 100 * (rec["ratios"]["ttft"] - rec["ratios"]["flops"])
 
@@ -229,7 +259,11 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) 
             "share_of_lightkv_prefill": r / (entry["variants"]["lightkv"]["ttft_ms_median"] / 1000),
             "matrix_bytes": ref.matrix_bytes,
             "matrix_shape": f"[1, {sizes['heads']}, N, N] at each merge layer; largest N={n0}",
-            "matrix_bytes_reference_decoder": 4 * spec.ref["heads"] * n0 * n0 * (2 if cfg.dtype != "float32" else 1),
+            "matrix_bytes_reference_decoder": 4
+            * spec.ref["heads"]
+            * n0
+            * n0
+            * (2 if cfg.dtype != "float32" else 1),
         }
 
     if cfg.memory:
@@ -247,7 +281,9 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) 
                 entry["variants"][v]["peak_bytes"] = p
         up = peaks["peak_bytes"][UNCOMPRESSED]
         for v in compressed:
-            entry["variants"][v]["ratios"]["peak_memory"] = peaks["peak_bytes"][v] / up if up else None
+            entry["variants"][v]["ratios"]["peak_memory"] = (
+                peaks["peak_bytes"][v] / up if up else None
+            )
         if EAGER_REF in peaks["peak_bytes"]:
             er = entry.setdefault("eager_reference", {})
             er["peak_bytes_lightkv"] = peaks["peak_bytes"]["lightkv"]
@@ -267,8 +303,10 @@ def check_attention(attention: dict[str, dict[str, Any]], loaded: dict[str, Any]
     check_same_attention({v: a["ran"] for v, a in attention.items()}, UNCOMPRESSED)
     for variant, a in attention.items():
         if a["configured_after"] != loaded:
-            raise AttentionChanged(f"preset {variant!r} left the model's attention configured as "
-                                   f"{a['configured_after']} (loaded with {loaded}): a session must restore it")
+            raise AttentionChanged(
+                f"preset {variant!r} left the model's attention configured as "
+                f"{a['configured_after']} (loaded with {loaded}): a session must restore it"
+            )
 
 
 # ---------------------------------------------------------------------------- the run
@@ -290,7 +328,10 @@ class _Progress:
 
                 self.bar = tqdm(total=total, desc="efficiency", unit="run", file=sys.stderr)
             except ImportError:
-                print("(tqdm is not installed: plain progress lines; pip install 'lightkv-lab')", file=sys.stderr)
+                print(
+                    "(tqdm is not installed: plain progress lines; pip install 'lightkv-lab')",
+                    file=sys.stderr,
+                )
 
     def __call__(self, what: str) -> None:
         self.n += 1
@@ -328,13 +369,19 @@ def run(config: BenchConfig | None = None) -> dict[str, Any]:
     result = {
         "config": asdict(cfg),
         "machine": {
-            "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "platform": platform.platform(),
             "device": cfg.device,
-            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+            "device_name": torch.cuda.get_device_name(device)
+            if device.type == "cuda"
+            else platform.processor(),
             "threads": torch.get_num_threads(),
             "allocator": heap,
         },
-        "headline": "absolute times and ratios" if device.type == "cuda" else "ratios (CPU: absolute times are "
+        "headline": "absolute times and ratios"
+        if device.type == "cuda"
+        else "ratios (CPU: absolute times are "
         "for reduced random-weight decoders on a shared machine)",
         "reductions": _reductions_note(cfg),
         "lightkv_reference_schedule": {
@@ -359,8 +406,9 @@ def _reductions_note(cfg: BenchConfig) -> str:
             f"(heads {ref['heads']}/{ref['kv_heads']} -> {r['heads']}/{r['kv_heads']}, head_dim 128, "
             f"MLP {ref['intermediate']} -> {r['intermediate']})"
         )
-    return ("; ".join(parts) + ". Vision-token counts are the real ones; vision towers are 1-layer stand-ins. "
-            "Explicit schedules are scaled to the reduced depth by `scale_layers` (layers left uncompressed by "
-            "each stage scaled by depth ratio).")
-
-
+    return (
+        "; ".join(parts)
+        + ". Vision-token counts are the real ones; vision towers are 1-layer stand-ins. "
+        "Explicit schedules are scaled to the reduced depth by `scale_layers` (layers left uncompressed by "
+        "each stage scaled by depth ratio)."
+    )

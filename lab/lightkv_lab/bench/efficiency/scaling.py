@@ -27,8 +27,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["ScalingConfig", "fit_exponent", "prefill_scaling", "quick_scaling", "run_scaling", "scaling_markdown",
-           "scaling_plot", "stage_scaling", "write_scaling"]
+__all__ = [
+    "ScalingConfig",
+    "fit_exponent",
+    "prefill_scaling",
+    "quick_scaling",
+    "run_scaling",
+    "scaling_markdown",
+    "scaling_plot",
+    "stage_scaling",
+    "write_scaling",
+]
 
 TEXT_BEFORE, TEXT_AFTER = 20, 15
 
@@ -92,6 +101,7 @@ def _stage_chain(pipe, num_layers: int):
             hidden, layout, prov = out.hidden, out.layout, out.provenance
             xi = relevance.gather(1, layout.origin.clamp_min(0))  # the survivors' ξ (random here)
         return hidden
+
     return run
 
 
@@ -104,10 +114,18 @@ def stage_scaling(cfg: ScalingConfig) -> dict[str, Any]:
 
     pipe = get_preset("lightkv")
     sched = pipe.scheduler
-    fixed = pipe.with_scheduler(ExplicitSchedule(layers=sched.layers, removal_ratios=sched.removal_ratios, windows_per_side=None,
-                                                 window_size=((cfg.window, cfg.window),)))
-    variants = {"preset windows (4, 2, 1 per side)": _stage_chain(pipe, 32),
-                f"fixed {cfg.window}x{cfg.window}-token windows": _stage_chain(fixed, 32)}
+    fixed = pipe.with_scheduler(
+        ExplicitSchedule(
+            layers=sched.layers,
+            removal_ratios=sched.removal_ratios,
+            windows_per_side=None,
+            window_size=((cfg.window, cfg.window),),
+        )
+    )
+    variants = {
+        "preset windows (4, 2, 1 per side)": _stage_chain(pipe, 32),
+        f"fixed {cfg.window}x{cfg.window}-token windows": _stage_chain(fixed, 32),
+    }
     gen = torch.Generator().manual_seed(0)
     points = []
     with torch.inference_mode():
@@ -118,10 +136,16 @@ def stage_scaling(cfg: ScalingConfig) -> dict[str, Any]:
             relevance = torch.rand(1, n, generator=gen)
             row = {"side": side, "vision_tokens": side * side}
             for name, chain in variants.items():
-                row[name] = _median_ms(lambda chain=chain: chain(hidden, layout, relevance), cfg.repeats)  # noqa: B023 (timed at once)
+                row[name] = _median_ms(
+                    lambda chain=chain, h=hidden, lo=layout, r=relevance: chain(h, lo, r),
+                    cfg.repeats,
+                )
             points.append(row)
     ns = [p["vision_tokens"] for p in points]
-    return {"points": points, "exponents": {name: fit_exponent(ns, [p[name] for p in points]) for name in variants}}
+    return {
+        "points": points,
+        "exponents": {name: fit_exponent(ns, [p[name] for p in points]) for name in variants},
+    }
 
 
 def prefill_scaling(cfg: ScalingConfig) -> dict[str, Any]:
@@ -139,8 +163,15 @@ def prefill_scaling(cfg: ScalingConfig) -> dict[str, Any]:
     points = []
     for side in cfg.sides:
         torch.manual_seed(0)
-        model = fam.build(num_layers=cfg.layers, hidden_size=sizes["hidden"], intermediate_size=sizes["intermediate"],
-                          num_heads=sizes["heads"], num_kv_heads=sizes["kv_heads"], image_size=2 * side, patch_size=2)
+        model = fam.build(
+            num_layers=cfg.layers,
+            hidden_size=sizes["hidden"],
+            intermediate_size=sizes["intermediate"],
+            num_heads=sizes["heads"],
+            num_kv_heads=sizes["kv_heads"],
+            image_size=2 * side,
+            patch_size=2,
+        )
         inputs = fam.collate([fam.row(model, 1, pre=TEXT_BEFORE, post=TEXT_AFTER, seed=0)])
         times = {"uncompressed": [], "lightkv": []}
         parts: list[dict[str, float]] = []
@@ -159,7 +190,11 @@ def prefill_scaling(cfg: ScalingConfig) -> dict[str, Any]:
                     times["uncompressed"].append(1000 * unc)
                     times["lightkv"].append(1000 * comp)
                     parts.append({k: 1000 * v for k, v in probe.totals.items()})
-        row = {"side": side, "vision_tokens": side * side, "prompt_tokens": int(inputs["input_ids"].shape[1])}
+        row = {
+            "side": side,
+            "vision_tokens": side * side,
+            "prompt_tokens": int(inputs["input_ids"].shape[1]),
+        }
         row.update({f"{k}_ms": statistics.median(v) for k, v in times.items()})
         row.update({f"{k}_ms": statistics.median(p[k] for p in parts) for k in parts[0]})
         row["overhead_share"] = sum(row[f"{k}_ms"] for k in parts[0]) / row["lightkv_ms"]
@@ -167,8 +202,11 @@ def prefill_scaling(cfg: ScalingConfig) -> dict[str, Any]:
         model = None
     ns = [p["vision_tokens"] for p in points]
     keys = ["uncompressed_ms", "lightkv_ms", "stage_ms", "relevance_ms"]
-    return {"decoder": dict(sizes, head_dim=128), "points": points,
-            "exponents": {k: fit_exponent(ns, [max(p[k], 1e-6) for p in points]) for k in keys}}
+    return {
+        "decoder": dict(sizes, head_dim=128),
+        "points": points,
+        "exponents": {k: fit_exponent(ns, [max(p[k], 1e-6) for p in points]) for k in keys},
+    }
 
 
 def run_scaling(cfg: ScalingConfig | None = None) -> dict[str, Any]:
@@ -179,8 +217,14 @@ def run_scaling(cfg: ScalingConfig | None = None) -> dict[str, Any]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
-    out: dict[str, Any] = {"config": asdict(cfg), "machine": {"torch": torch.__version__, "threads": torch.get_num_threads(),
-                                                           "platform": platform.platform()}}
+    out: dict[str, Any] = {
+        "config": asdict(cfg),
+        "machine": {
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "platform": platform.platform(),
+        },
+    }
     out["stage"] = stage_scaling(cfg)
     if cfg.prefill:
         out["prefill"] = prefill_scaling(cfg)
@@ -199,28 +243,44 @@ def scaling_markdown(result: dict[str, Any]) -> str:
     st = result["stage"]
     names = list(st["exponents"])
     cfg = result["config"]
-    lines = [f"Stage chain of the `lightkv` preset (3 stages) on random `[1, N, {cfg['width']}]` hidden states, "
-             f"median of {cfg['repeats']} runs, {result['machine']['threads']} threads:", "",
-             "| vision tokens | " + " | ".join(f"{n} (ms)" for n in names) + " |",
-             "|---:|" + "---:|" * len(names)]
+    lines = [
+        f"Stage chain of the `lightkv` preset (3 stages) on random `[1, N, {cfg['width']}]` hidden states, "
+        f"median of {cfg['repeats']} runs, {result['machine']['threads']} threads:",
+        "",
+        "| vision tokens | " + " | ".join(f"{n} (ms)" for n in names) + " |",
+        "|---:|" + "---:|" * len(names),
+    ]
     for p in st["points"]:
-        lines.append(f"| {p['vision_tokens']:,} | " + " | ".join(f"{p[n]:.1f}" for n in names) + " |")
-    lines.append("| **fitted exponent k** (t ~ N^k) | " + " | ".join(f"**{st['exponents'][n]:.2f}**" for n in names)
-                 + " |")
+        lines.append(
+            f"| {p['vision_tokens']:,} | " + " | ".join(f"{p[n]:.1f}" for n in names) + " |"
+        )
+    lines.append(
+        "| **fitted exponent k** (t ~ N^k) | "
+        + " | ".join(f"**{st['exponents'][n]:.2f}**" for n in names)
+        + " |"
+    )
     pf = result.get("prefill")
     if pf:
         d = pf["decoder"]
-        lines += ["", f"Whole prefill, LLaVA-shaped random model ({d['layers']} layers, width {d['hidden']}, "
-                  f"MLP {d['intermediate']}), uncompressed vs `lightkv` (schedule scaled to the depth):", "",
-                  "| vision tokens | uncompressed ms | lightkv ms | ratio | stage ms | relevance ms | overhead |",
-                  "|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"Whole prefill, LLaVA-shaped random model ({d['layers']} layers, width {d['hidden']}, "
+            f"MLP {d['intermediate']}), uncompressed vs `lightkv` (schedule scaled to the depth):",
+            "",
+            "| vision tokens | uncompressed ms | lightkv ms | ratio | stage ms | relevance ms | overhead |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for p in pf["points"]:
-            lines.append(f"| {p['vision_tokens']:,} | {p['uncompressed_ms']:.0f} | {p['lightkv_ms']:.0f} | "
-                         f"{p['lightkv_ms'] / p['uncompressed_ms']:.3f} | {p['stage_ms']:.1f} | "
-                         f"{p['relevance_ms']:.1f} | {p['overhead_share']:.1%} |")
+            lines.append(
+                f"| {p['vision_tokens']:,} | {p['uncompressed_ms']:.0f} | {p['lightkv_ms']:.0f} | "
+                f"{p['lightkv_ms'] / p['uncompressed_ms']:.3f} | {p['stage_ms']:.1f} | "
+                f"{p['relevance_ms']:.1f} | {p['overhead_share']:.1%} |"
+            )
         e = pf["exponents"]
-        lines.append(f"| **fitted exponent k** | **{e['uncompressed_ms']:.2f}** | **{e['lightkv_ms']:.2f}** | | "
-                     f"**{e['stage_ms']:.2f}** | **{e['relevance_ms']:.2f}** | |")
+        lines.append(
+            f"| **fitted exponent k** | **{e['uncompressed_ms']:.2f}** | **{e['lightkv_ms']:.2f}** | | "
+            f"**{e['stage_ms']:.2f}** | **{e['relevance_ms']:.2f}** | |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -240,10 +300,18 @@ def scaling_plot(result: dict[str, Any], path) -> Any:
     pf = result.get("prefill")
     if pf:
         ns2 = [p["vision_tokens"] for p in pf["points"]]
-        for key, label, style in [("uncompressed_ms", "prefill, uncompressed", "s--"),
-                                  ("lightkv_ms", "prefill, lightkv", "s-"),
-                                  ("stage_ms", "in-model stages", "^:"), ("relevance_ms", "in-model relevance", "v:")]:
-            ax.plot(ns2, [p[key] for p in pf["points"]], style, label=f"{label} (k={pf['exponents'][key]:.2f})")
+        for key, label, style in [
+            ("uncompressed_ms", "prefill, uncompressed", "s--"),
+            ("lightkv_ms", "prefill, lightkv", "s-"),
+            ("stage_ms", "in-model stages", "^:"),
+            ("relevance_ms", "in-model relevance", "v:"),
+        ]:
+            ax.plot(
+                ns2,
+                [p[key] for p in pf["points"]],
+                style,
+                label=f"{label} (k={pf['exponents'][key]:.2f})",
+            )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("vision tokens")

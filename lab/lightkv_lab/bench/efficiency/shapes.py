@@ -19,8 +19,17 @@ from lightkv.policies.schedulers import scale_layers
 from lightkv_lab.bench.allocator import ALLOCATORS
 from lightkv_lab.bench.paths import results_dir
 
-__all__ = ["DEFAULT_PRESETS", "MODELS", "BenchConfig", "ModelSpec", "build_model", "preset_pipeline", "quick_config",
-           "scaled_pipeline", "text_after_image"]
+__all__ = [
+    "DEFAULT_PRESETS",
+    "MODELS",
+    "BenchConfig",
+    "ModelSpec",
+    "build_model",
+    "preset_pipeline",
+    "quick_config",
+    "scaled_pipeline",
+    "text_after_image",
+]
 
 HEAD_DIM = 128
 PRE_TEXT, POST_TEXT = 20, 15
@@ -61,21 +70,35 @@ class ModelSpec:
     image_note: str
     video: Any = None
 
-    def reduced(self, layers: int, heads: int | None = None, full_width: bool = False) -> dict[str, int]:
+    def reduced(
+        self, layers: int, heads: int | None = None, full_width: bool = False
+    ) -> dict[str, int]:
         """The benchmarked decoder: ``layers`` deep; the real width, heads and MLP with
         ``full_width``, else ``heads`` (default: this shape's reduced count) x 128 wide."""
         if full_width:
             ref = self.ref
-            return {"layers": layers, "hidden": ref["hidden"], "heads": ref["heads"], "kv_heads": ref["kv_heads"],
-                    "intermediate": ref["intermediate"]}
+            return {
+                "layers": layers,
+                "hidden": ref["hidden"],
+                "heads": ref["heads"],
+                "kv_heads": ref["kv_heads"],
+                "intermediate": ref["intermediate"],
+            }
         heads = heads or self.heads
         kv = max(1, heads * self.ref["kv_heads"] // self.ref["heads"])
         hidden = heads * HEAD_DIM
         inter = round(hidden * self.ref["intermediate"] / self.ref["hidden"] / 16) * 16
-        return {"layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv, "intermediate": inter}
+        return {
+            "layers": layers,
+            "hidden": hidden,
+            "heads": heads,
+            "kv_heads": kv,
+            "intermediate": inter,
+        }
 
-    def weight_bytes(self, layers: int, heads: int | None = None, full_width: bool = False,
-                     element: int = 4) -> int:
+    def weight_bytes(
+        self, layers: int, heads: int | None = None, full_width: bool = False, element: int = 4
+    ) -> int:
         """Bytes of the benchmarked decoder's weights (projections and MLP; embeddings and
         norms left out): what a run must hold in memory at least."""
         d = self.reduced(layers, heads, full_width)
@@ -86,47 +109,81 @@ class ModelSpec:
 
 MODELS: dict[str, ModelSpec] = {
     "llava": ModelSpec(
-        "llava", "LLaVA-1.5-7B", "llava",
+        "llava",
+        "LLaVA-1.5-7B",
+        "llava",
         {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 32, "intermediate": 11008},
-        heads=4, kv_heads=4, lightkv_preset="lightkv",
-        build_kwargs={"image_size": 48, "patch_size": 2}, image=1,
+        heads=4,
+        kv_heads=4,
+        lightkv_preset="lightkv",
+        build_kwargs={"image_size": 48, "patch_size": 2},
+        image=1,
         image_note="one 24x24 image (576 tokens)",
     ),
     "llava_next": ModelSpec(
-        "llava_next", "LLaVA-NeXT-7B (Vicuna)", "llava_next",
+        "llava_next",
+        "LLaVA-NeXT-7B (Vicuna)",
+        "llava_next",
         {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 32, "intermediate": 11008},
-        heads=4, kv_heads=4, lightkv_preset="lightkv",
-        build_kwargs={"image_size": 48, "patch_size": 2, "pinpoints": ((96, 96), (48, 96), (96, 48))},
+        heads=4,
+        kv_heads=4,
+        lightkv_preset="lightkv",
+        build_kwargs={
+            "image_size": 48,
+            "patch_size": 2,
+            "pinpoints": ((96, 96), (48, 96), (96, 48)),
+        },
         image=[(96, 96)],
         image_note="a 2x2-tile image: 24x24 base grid + 48x48 high-res grid with 48 row newlines (2,928 tokens)",
     ),
     "qwen2_5_vl": ModelSpec(
-        "qwen2_5_vl", "Qwen2.5-VL-7B", "qwen2_5_vl",
+        "qwen2_5_vl",
+        "Qwen2.5-VL-7B",
+        "qwen2_5_vl",
         {"layers": 28, "hidden": 3584, "heads": 28, "kv_heads": 4, "intermediate": 18944},
-        heads=7, kv_heads=1, lightkv_preset="lightkv-qwen2_5_vl",
-        build_kwargs={"patch_size": 2}, image=[(1, 64, 64)],
+        heads=7,
+        kv_heads=1,
+        lightkv_preset="lightkv-qwen2_5_vl",
+        build_kwargs={"patch_size": 2},
+        image=[(1, 64, 64)],
         image_note="a 64x64-patch image, 2x2 merge: 32x32 grid (1,024 tokens)",
     ),
     "internvl": ModelSpec(
-        "internvl", "InternVL3-8B (Qwen2.5-7B decoder)", "internvl",
+        "internvl",
+        "InternVL3-8B (Qwen2.5-7B decoder)",
+        "internvl",
         {"layers": 28, "hidden": 3584, "heads": 28, "kv_heads": 4, "intermediate": 18944},
-        heads=7, kv_heads=1, lightkv_preset="lightkv",
-        build_kwargs={"image_size": 64, "patch_size": 2}, image=[5],
+        heads=7,
+        kv_heads=1,
+        lightkv_preset="lightkv",
+        build_kwargs={"image_size": 64, "patch_size": 2},
+        image=[5],
         image_note="5 tiles of 16x16 (2x2 tiles + thumbnail, 1,280 tokens)",
     ),
     "llava_onevision": ModelSpec(
-        "llava_onevision", "LLaVA-OneVision-7B (Qwen2-7B decoder)", "llava_onevision",
+        "llava_onevision",
+        "LLaVA-OneVision-7B (Qwen2-7B decoder)",
+        "llava_onevision",
         {"layers": 28, "hidden": 3584, "heads": 28, "kv_heads": 4, "intermediate": 18944},
-        heads=7, kv_heads=1, lightkv_preset="lightkv",
-        build_kwargs={"image_size": 54, "patch_size": 2, "max_tiles": 3}, image=[(162, 162)],
+        heads=7,
+        kv_heads=1,
+        lightkv_preset="lightkv",
+        build_kwargs={"image_size": 54, "patch_size": 2, "max_tiles": 3},
+        image=[(162, 162)],
         image_note="an anyres-max-9 image of 3x3 tiles of 27x27: base tile (729) + 81x81 stitched grid: "
-                   "7,290 vision tokens and 81 structural row newlines",
+        "7,290 vision tokens and 81 structural row newlines",
     ),
     "qwen2_5_vl_video": ModelSpec(
-        "qwen2_5_vl_video", "Qwen2.5-VL-7B, video", "qwen2_5_vl",
+        "qwen2_5_vl_video",
+        "Qwen2.5-VL-7B, video",
+        "qwen2_5_vl",
         {"layers": 28, "hidden": 3584, "heads": 28, "kv_heads": 4, "intermediate": 18944},
-        heads=7, kv_heads=1, lightkv_preset="lightkv-video",
-        build_kwargs={"patch_size": 2}, image=[], video=[(16, 32, 32)],
+        heads=7,
+        kv_heads=1,
+        lightkv_preset="lightkv-video",
+        build_kwargs={"patch_size": 2},
+        image=[],
+        video=[(16, 32, 32)],
         image_note="a 16-frame video of 32x32 patches per frame, 2x2 merge: 16 frames of 16x16 (4,096 tokens)",
     ),
 }
@@ -208,9 +265,13 @@ class BenchConfig:
 
         self.budgets = check_kept_fractions(self.budgets, "budgets (--kept-fractions)")
         if self.budgets and self.projection_baseline:
-            raise ValueError("projection_baseline times the lightkv preset's own schedule: run it without budgets")
+            raise ValueError(
+                "projection_baseline times the lightkv preset's own schedule: run it without budgets"
+            )
         if self.projection_baseline and "lightkv" not in self.presets:
-            raise ValueError("projection_baseline compares against the lightkv preset: include it in presets")
+            raise ValueError(
+                "projection_baseline compares against the lightkv preset: include it in presets"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose from {sorted(DTYPES)}")
         check_attention_available(self.attn_implementation, self.device, self.dtype)
@@ -220,7 +281,6 @@ class BenchConfig:
         if bad:
             raise ValueError(f"unknown preset(s) {bad}; see `lightkv presets`")
         self.models, self.presets = tuple(self.models), tuple(self.presets)
-
 
     @property
     def variants(self) -> tuple[str, ...]:
@@ -239,8 +299,16 @@ def quick_config(**over: Any) -> BenchConfig:
     """A short run (about 2 minutes on 2 idle CPU cores): 6 layers of one 128-wide head,
     one InternVL tile, lightkv and fastv, 3 timed prefills. Token counts stay real; the
     ratios of so narrow a decoder say little about time (overheads dominate)."""
-    base = {"layers": 6, "heads": 1, "internvl_tiles": 1, "presets": ("lightkv", "fastv"), "repeats": 3, "warmup": 1,
-                "eager_repeats": 1, "quick": True}
+    base = {
+        "layers": 6,
+        "heads": 1,
+        "internvl_tiles": 1,
+        "presets": ("lightkv", "fastv"),
+        "repeats": 3,
+        "warmup": 1,
+        "eager_repeats": 1,
+        "quick": True,
+    }
     base.update(over)
     cfg = BenchConfig(**base)
     return cfg
@@ -248,11 +316,14 @@ def quick_config(**over: Any) -> BenchConfig:
 
 # ---------------------------------------------------------------------------- schedules
 
+
 def _variant(name: str, spec: ModelSpec) -> tuple[str, float | None]:
     """``(preset, target)`` of a variant name (``preset`` or ``preset@target``); ``lightkv``
     is the shape's own LightKV preset."""
     preset, _, target = name.partition("@")
-    return (spec.lightkv_preset if preset == "lightkv" else preset), (float(target) if target else None)
+    return (spec.lightkv_preset if preset == "lightkv" else preset), (
+        float(target) if target else None
+    )
 
 
 def preset_pipeline(name: str, spec: ModelSpec):
@@ -279,10 +350,14 @@ def scaled_pipeline(name: str, spec: ModelSpec, depth: int):
         pipe = preset_pipeline(name, spec)
         sched = pipe.scheduler
         if isinstance(sched, ExplicitSchedule) and depth != spec.ref["layers"]:
-            pipe = pipe.with_scheduler(replace(sched, layers=scale_layers(sched.layers, spec.ref["layers"], depth)))
+            pipe = pipe.with_scheduler(
+                replace(sched, layers=scale_layers(sched.layers, spec.ref["layers"], depth))
+            )
         return pipe
     except ValueError as e:  # name the option that set the depth
-        raise ValueError(f"preset {preset!r} on a {depth}-layer decoder (--layers {depth}): {e}") from None
+        raise ValueError(
+            f"preset {preset!r} on a {depth}-layer decoder (--layers {depth}): {e}"
+        ) from None
 
 
 def variant_placement(name: str, spec: ModelSpec, depth: int) -> str | None:
@@ -303,19 +378,27 @@ def check_attention_available(impl: str, device: str, dtype: str) -> None:
     attention ``impl`` here: FlashAttention-2 needs a CUDA GPU, the ``flash_attn`` package and
     half precision."""
     if impl not in ATTENTION:
-        raise ValueError(f"unknown attention implementation {impl!r}; choose from {list(ATTENTION)}")
+        raise ValueError(
+            f"unknown attention implementation {impl!r}; choose from {list(ATTENTION)}"
+        )
     if impl != "flash_attention_2":
         return
     if torch.device(device).type != "cuda":
-        raise ValueError(f"attention flash_attention_2 needs a CUDA GPU (--device cuda), not {device!r}: use "
-                         "--attn-implementation sdpa here")
+        raise ValueError(
+            f"attention flash_attention_2 needs a CUDA GPU (--device cuda), not {device!r}: use "
+            "--attn-implementation sdpa here"
+        )
     if importlib.util.find_spec("flash_attn") is None:
-        raise ValueError("attention flash_attention_2 needs the flash_attn package: pip install flash-attn "
-                         "--no-build-isolation (it compiles against the installed torch), or use "
-                         "--attn-implementation sdpa")
+        raise ValueError(
+            "attention flash_attention_2 needs the flash_attn package: pip install flash-attn "
+            "--no-build-isolation (it compiles against the installed torch), or use "
+            "--attn-implementation sdpa"
+        )
     if dtype == "float32":
-        raise ValueError("attention flash_attention_2 runs in half precision only: pass --dtype bfloat16 "
-                         "(or float16)")
+        raise ValueError(
+            "attention flash_attention_2 runs in half precision only: pass --dtype bfloat16 "
+            "(or float16)"
+        )
 
 
 def build_model(spec: ModelSpec, cfg: BenchConfig, attn: str | None = None):
@@ -329,18 +412,27 @@ def build_model(spec: ModelSpec, cfg: BenchConfig, attn: str | None = None):
     device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
     # on a GPU the weights are created there (a 7B-wide decoder initialises in seconds)
     with torch.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        model = fam.build(attn_implementation=attn, num_layers=sizes["layers"], hidden_size=sizes["hidden"],
-                          intermediate_size=sizes["intermediate"], num_heads=sizes["heads"],
-                          num_kv_heads=sizes["kv_heads"], **spec.build_kwargs)
+        model = fam.build(
+            attn_implementation=attn,
+            num_layers=sizes["layers"],
+            hidden_size=sizes["hidden"],
+            intermediate_size=sizes["intermediate"],
+            num_heads=sizes["heads"],
+            num_kv_heads=sizes["kv_heads"],
+            **spec.build_kwargs,
+        )
     image = [cfg.internvl_tiles] if spec.family == "internvl" else spec.image
     extra = {"videos": spec.video} if spec.video is not None else {}
     row = fam.row(model, image, pre=PRE_TEXT, post=POST_TEXT, seed=0, **extra)
     inputs = fam.collate([row])
     model = model.to(device=device, dtype=dtype)
-    inputs = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) if isinstance(v, torch.Tensor)
-              else v for k, v in inputs.items()}
+    inputs = {
+        k: (v.to(device, dtype) if v.is_floating_point() else v.to(device))
+        if isinstance(v, torch.Tensor)
+        else v
+        for k, v in inputs.items()
+    }
     return model, inputs, sizes
-
 
 
 def text_after_image(inputs) -> int:
@@ -350,4 +442,3 @@ def text_after_image(inputs) -> int:
     ids = inputs["input_ids"][0]
     pos = ((ids == IMAGE) | (ids == VIDEO)).nonzero()
     return int(ids.shape[0] - 1 - pos[-1]) if pos.numel() else POST_TEXT
-

@@ -19,4 +19,6 @@ def __getattr__(name: str) -> Any:
     try:
         return getattr(data, name)
     except AttributeError:
-        raise AttributeError(f"module 'lightkv_lab.tasks.digitgrid' has no attribute {name!r}") from None
+        raise AttributeError(
+            f"module 'lightkv_lab.tasks.digitgrid' has no attribute {name!r}"
+        ) from None

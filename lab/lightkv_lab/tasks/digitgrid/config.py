@@ -49,7 +49,7 @@ class GridConfig:
             raise ValueError(f"grid must be in [1, {MAX_GRID}], got {self.grid}")
         if not 0 <= self.min_digits <= self.max_digits <= min(MAX_COUNT, self.grid**2):
             raise ValueError(
-                f"need 0 <= min_digits <= max_digits <= {min(MAX_COUNT, self.grid ** 2)}, "
+                f"need 0 <= min_digits <= max_digits <= {min(MAX_COUNT, self.grid**2)}, "
                 f"got {self.min_digits}, {self.max_digits}"
             )
         if self.max_digits < 1:

@@ -185,7 +185,7 @@ def _choose_meta(rng: random.Random, grid: torch.Tensor, qtype: str, config: Gri
         if not unique:
             return None
         d = rng.choice(unique)
-        (r, c), = (grid == d).nonzero().tolist()
+        ((r, c),) = (grid == d).nonzero().tolist()
         return {"digit": d, "row": r, "col": c}
     if qtype == "count":
         return {}
@@ -263,8 +263,18 @@ def make_scene(
         meta = _choose_meta(rng, grid, qtype, config)
         if meta is None:
             continue
-        out.append(Episode(image=image, grid=grid, digit_index=index, question=_question(qtype, meta),
-                           answer=answer_for(grid, qtype, meta), qtype=qtype, split=split, meta=meta))
+        out.append(
+            Episode(
+                image=image,
+                grid=grid,
+                digit_index=index,
+                question=_question(qtype, meta),
+                answer=answer_for(grid, qtype, meta),
+                qtype=qtype,
+                split=split,
+                meta=meta,
+            )
+        )
     return out
 
 

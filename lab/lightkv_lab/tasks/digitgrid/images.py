@@ -30,7 +30,8 @@ def _digits() -> tuple[torch.Tensor, torch.Tensor]:
     except ImportError as e:  # pragma: no cover - depends on the environment
         # ModuleNotFoundError naming the module: the command line turns it into one line with the extra
         raise ModuleNotFoundError(
-            "DigitGrid needs scikit-learn (pip install 'lightkv-lab' or scikit-learn)", name="sklearn"
+            "DigitGrid needs scikit-learn (pip install 'lightkv-lab' or scikit-learn)",
+            name="sklearn",
         ) from e
     d = load_digits()
     images = torch.as_tensor(d.images, dtype=torch.float32) / 16.0
@@ -84,8 +85,9 @@ def _hue(cls: int) -> torch.Tensor:
     return hue_rgb(cls / 10)
 
 
-def _colour_tiles(image: torch.Tensor, digit_index: torch.Tensor, config: GridConfig,
-                  rng: random.Random) -> torch.Tensor:
+def _colour_tiles(
+    image: torch.Tensor, digit_index: torch.Tensor, config: GridConfig, rng: random.Random
+) -> torch.Tensor:
     """Colour every occupied cell in its class hue: a dim tile (1-pixel margin) under the
     grey glyph, which takes the hue at full strength."""
     cell = config.cell
@@ -96,7 +98,10 @@ def _colour_tiles(image: torch.Tensor, digit_index: torch.Tensor, config: GridCo
             if cls < 0:
                 continue
             hue = _hue(cls)[:, None, None]
-            ys, xs = slice(r * cell + 1, (r + 1) * cell - 1), slice(c * cell + 1, (c + 1) * cell - 1)
+            ys, xs = (
+                slice(r * cell + 1, (r + 1) * cell - 1),
+                slice(c * cell + 1, (c + 1) * cell - 1),
+            )
             grey = image[0, ys, xs]
             tile = 0.3 + 0.15 * rng.random()
             out[:, ys, xs] = hue * torch.maximum(grey, torch.full_like(grey, tile))
@@ -138,7 +143,9 @@ def make_grid(
     return grid, index
 
 
-def sample_image(rng: random.Random, split: str, config: GridConfig = DEFAULT_CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_image(
+    rng: random.Random, split: str, config: GridConfig = DEFAULT_CONFIG
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(grid, image)`` of one fresh image (what the trainer's align stage draws)."""
     grid, index = make_grid(rng, split, config)
     return grid, render_image(rng, index, config)

@@ -58,14 +58,22 @@ CELL_WORDS = tuple(f"r{r}c{c}" for r in range(1, MAX_GRID + 1) for c in range(1,
 """``r{row}c{column}`` (1-based): one word names one cell, row-major."""
 COUNT_WORDS = tuple(f"n{i}" for i in range(MAX_COUNT + 1))
 TEMPLATE_WORDS = (
-    "what", "is", "at", "where", "the", "digit",
-    "how", "many", "digits", "there", "a",
+    "what",
+    "is",
+    "at",
+    "where",
+    "the",
+    "digit",
+    "how",
+    "many",
+    "digits",
+    "there",
+    "a",
 )
 ANSWER_WORDS = ("none", "yes", "no")
 
 VOCAB: tuple[str, ...] = (
-    SPECIAL_TOKENS + TEMPLATE_WORDS + ANSWER_WORDS + DIGIT_WORDS + CELL_WORDS
-    + COUNT_WORDS
+    SPECIAL_TOKENS + TEMPLATE_WORDS + ANSWER_WORDS + DIGIT_WORDS + CELL_WORDS + COUNT_WORDS
 )
 """The fixed word vocabulary; a word's id is its index. Special tokens come first."""
 WORD_TO_ID: dict[str, int] = {w: i for i, w in enumerate(VOCAB)}

@@ -175,12 +175,24 @@ def _question_and_answer(scene: Scene, qtype: str, meta: dict) -> tuple[list[str
             return ["what", "texture", "is", "the", name, "object"], [TEXTURES[ob.texture]]
         cr, cc = ob.centre
         half = (scene.size - 1) / 2
-        return ["where", "is", "the", name, "object"], [VERTICAL[int(cr > half)], HORIZONTAL[int(cc > half)]]
+        return ["where", "is", "the", name, "object"], [
+            VERTICAL[int(cr > half)],
+            HORIZONTAL[int(cc > half)],
+        ]
     if qtype == "relation":
         a, b = (scene.objects[i] for i in meta["pair"])
         qa, qb = _quadrant(scene, a), _quadrant(scene, b)
         word = HORIZONTAL[int(qa[1] > qb[1])] if qa[0] == qb[0] else VERTICAL[int(qa[0] > qb[0])]
-        return ["where", "is", "the", COLOURS[a.colour], "object", "the", COLOURS[b.colour], "object"], [word]
+        return [
+            "where",
+            "is",
+            "the",
+            COLOURS[a.colour],
+            "object",
+            "the",
+            COLOURS[b.colour],
+            "object",
+        ], [word]
     if qtype in ("count", "exists"):
         n = sum(k == meta["colour"] for _, _, k in scene.gems)
         name = COLOURS[meta["colour"]]
@@ -201,8 +213,12 @@ def _quadrant(scene: Scene, ob) -> tuple[int, int]:
 def _relation_pairs(scene: Scene) -> list[tuple[int, int]]:
     """Ordered pairs of objects in side-by-side or stacked quadrants (one quadrant index differs)."""
     quads = [_quadrant(scene, ob) for ob in scene.objects]
-    return [(i, j) for i in range(len(quads)) for j in range(len(quads))
-            if (quads[i][0] == quads[j][0]) != (quads[i][1] == quads[j][1])]
+    return [
+        (i, j)
+        for i in range(len(quads))
+        for j in range(len(quads))
+        if (quads[i][0] == quads[j][0]) != (quads[i][1] == quads[j][1])
+    ]
 
 
 def _askable(scene: Scene, qtype: str) -> bool:
@@ -210,14 +226,20 @@ def _askable(scene: Scene, qtype: str) -> bool:
     return qtype != "relation" or bool(_relation_pairs(scene))
 
 
-def _choose_meta(rng: random.Random, scene: Scene, qtype: str, want: bool | None = None) -> dict | None:
+def _choose_meta(
+    rng: random.Random, scene: Scene, qtype: str, want: bool | None = None
+) -> dict | None:
     if qtype == "relation":
         pairs = _relation_pairs(scene)
         if not pairs:
             return None
         i, j = rng.choice(pairs)
-        return {"object": i, "colour": scene.objects[i].colour, "pair": (i, j),
-                "region": scene.mask("object", i) | scene.mask("object", j)}
+        return {
+            "object": i,
+            "colour": scene.objects[i].colour,
+            "pair": (i, j),
+            "region": scene.mask("object", i) | scene.mask("object", j),
+        }
     if qtype in ("texture", "where"):
         i = rng.randrange(len(scene.objects))
         return {"object": i, "colour": scene.objects[i].colour, "region": scene.mask("object", i)}
@@ -236,11 +258,19 @@ def _choose_meta(rng: random.Random, scene: Scene, qtype: str, want: bool | None
 
 def _episode(image, scene, qtype, meta, split) -> Episode:
     q, a = _question_and_answer(scene, qtype, meta)
-    return Episode(image=image, scene=scene, question=q, answer=a, qtype=qtype, split=split, meta=meta)
+    return Episode(
+        image=image, scene=scene, question=q, answer=a, qtype=qtype, split=split, meta=meta
+    )
 
 
-def make_episode(rng: random.Random, split: str = "train", qtype: str | None = None,
-                 config: GridConfig = DEFAULT_CONFIG, *, max_tries: int = 1000) -> Episode:
+def make_episode(
+    rng: random.Random,
+    split: str = "train",
+    qtype: str | None = None,
+    config: GridConfig = DEFAULT_CONFIG,
+    *,
+    max_tries: int = 1000,
+) -> Episode:
     """Sample one episode; ``qtype=None`` picks one of `QTYPES` uniformly. ``count`` and
     ``exists`` ask about a colour with gems half of the time (``exists`` is yes/no 50/50)."""
     if qtype is None:
@@ -258,9 +288,14 @@ def make_episode(rng: random.Random, split: str = "train", qtype: str | None = N
     return _episode(render_image(rng, scene, config), scene, qtype, meta, split)
 
 
-def make_scene(rng: random.Random, split: str = "train", n_questions: int = 4,
-               config: GridConfig = DEFAULT_CONFIG, qtypes: Sequence[str] = QTYPES,
-               weights: Sequence[float] | None = None) -> list[Episode]:
+def make_scene(
+    rng: random.Random,
+    split: str = "train",
+    n_questions: int = 4,
+    config: GridConfig = DEFAULT_CONFIG,
+    qtypes: Sequence[str] = QTYPES,
+    weights: Sequence[float] | None = None,
+) -> list[Episode]:
     """``n_questions`` episodes about one image (a conversation; see `collate_scenes`), each of
     a type drawn from ``qtypes`` (uniformly, or in proportion to ``weights``)."""
     if n_questions < 1:
@@ -274,7 +309,9 @@ def make_scene(rng: random.Random, split: str = "train", n_questions: int = 4,
     image = render_image(rng, scene, config)
     out: list[Episode] = []
     while len(out) < n_questions:
-        qtype = rng.choice(tuple(qtypes)) if weights is None else rng.choices(tuple(qtypes), weights)[0]
+        qtype = (
+            rng.choice(tuple(qtypes)) if weights is None else rng.choices(tuple(qtypes), weights)[0]
+        )
         meta = _choose_meta(rng, scene, qtype)
         if meta is not None:
             out.append(_episode(image, scene, qtype, meta, split))
@@ -304,11 +341,15 @@ class EpisodeStream(_Stream):
 def num_image_tokens(config: GridConfig = DEFAULT_CONFIG, patch: int | None = None) -> int:
     """Vision tokens of a Scenes image: one per cell (``patch`` must equal the cell)."""
     if patch is not None and patch != config.cell:
-        raise ValueError(f"Scenes needs the tower's patch ({patch}) to equal the cell ({config.cell})")
+        raise ValueError(
+            f"Scenes needs the tower's patch ({patch}) to equal the cell ({config.cell})"
+        )
     return config.grid**2
 
 
-def collate(episodes: Sequence[Episode], num_image_tokens: int, *, with_answer: bool = True) -> dict[str, torch.Tensor]:
+def collate(
+    episodes: Sequence[Episode], num_image_tokens: int, *, with_answer: bool = True
+) -> dict[str, torch.Tensor]:
     """Batch episodes for a LLaVA-style model (`lightkv_lab.tasks.batching.collate` with this vocabulary)."""
     return _batching.collate(episodes, num_image_tokens, with_answer=with_answer, encoder=encode)
 
@@ -318,6 +359,8 @@ def collate_prompts(episodes: Sequence[Episode], num_image_tokens: int) -> dict[
     return collate(episodes, num_image_tokens, with_answer=False)
 
 
-def collate_scenes(scenes: Sequence[Sequence[Episode]], num_image_tokens: int) -> dict[str, torch.Tensor]:
+def collate_scenes(
+    scenes: Sequence[Sequence[Episode]], num_image_tokens: int
+) -> dict[str, torch.Tensor]:
     """One row per image: ``<bos> <image>*n <sep> q1 a1 <eos> q2 a2 <eos> ...``."""
     return _batching.collate_scenes(scenes, num_image_tokens, encoder=encode)

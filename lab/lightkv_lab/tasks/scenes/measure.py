@@ -31,8 +31,15 @@ POLICIES = ("query_softmax", "last_token", "text_attention")
 
 
 @torch.no_grad()
-def near_duplicates(model, episodes: Sequence, grid, layer: int, windows_per_side: int = 4,
-                    threshold: float = 0.9, batch: int = 32) -> dict:
+def near_duplicates(
+    model,
+    episodes: Sequence,
+    grid,
+    layer: int,
+    windows_per_side: int = 4,
+    threshold: float = 0.9,
+    batch: int = 32,
+) -> dict:
     """Redundancy of the vision tokens in the hidden states after decoder layer ``layer``.
 
     For each vision token, the highest cosine similarity to another token of its window
@@ -56,7 +63,7 @@ def near_duplicates(model, episodes: Sequence, grid, layer: int, windows_per_sid
     same.fill_diagonal_(False)
     best_all: dict[str, list[torch.Tensor]] = {}
     for i in range(0, len(episodes), batch):
-        inputs = data.collate_prompts(list(episodes[i:i + batch]), n_img)
+        inputs = data.collate_prompts(list(episodes[i : i + batch]), n_img)
         out = model(**inputs, output_hidden_states=True)
         hidden = out.hidden_states[layer + 1]
         vis = inputs["input_ids"] == data.IMAGE_ID
@@ -67,15 +74,26 @@ def near_duplicates(model, episodes: Sequence, grid, layer: int, windows_per_sid
             best_all.setdefault(key, []).append(cos.amax(-1).flatten())
     best = torch.cat(best_all["centred"])
     raw = torch.cat(best_all["raw"])
-    return {"share": float((best >= threshold).float().mean()), "mean_best": float(best.mean()),
-            "tokens": int(best.numel()), "layer": layer, "threshold": threshold,
-            "shares": {str(t): float((best >= t).float().mean()) for t in (0.9, 0.95, 0.99)},
-            "raw_shares": {str(t): float((raw >= t).float().mean()) for t in (0.9, 0.95, 0.99)}}
+    return {
+        "share": float((best >= threshold).float().mean()),
+        "mean_best": float(best.mean()),
+        "tokens": int(best.numel()),
+        "layer": layer,
+        "threshold": threshold,
+        "shares": {str(t): float((best >= t).float().mean()) for t in (0.9, 0.95, 0.99)},
+        "raw_shares": {str(t): float((raw >= t).float().mean()) for t in (0.9, 0.95, 0.99)},
+    }
 
 
 @torch.no_grad()
-def region_relevance(model, episodes: Sequence, grid, layers: Sequence[int] | None = None,
-                     policies: Sequence[str] = POLICIES, batch: int = 32) -> dict:
+def region_relevance(
+    model,
+    episodes: Sequence,
+    grid,
+    layers: Sequence[int] | None = None,
+    policies: Sequence[str] = POLICIES,
+    batch: int = 32,
+) -> dict:
     """Relevance on the asked region, as a multiple of its area share, per policy and layer.
 
     For each layer a one-stage pipeline after it (removing almost nothing) records the ξ
@@ -95,11 +113,16 @@ def region_relevance(model, episodes: Sequence, grid, layers: Sequence[int] | No
     for policy in policies:
         per_layer = {}
         for layer in layers:
-            pipe = replace(get_preset("lightkv"), relevance=Relevance.create(policy),
-                           scheduler=ExplicitSchedule(layers=(layer,), removal_ratios=(0.01,), windows_per_side=(1,)))
+            pipe = replace(
+                get_preset("lightkv"),
+                relevance=Relevance.create(policy),
+                scheduler=ExplicitSchedule(
+                    layers=(layer,), removal_ratios=(0.01,), windows_per_side=(1,)
+                ),
+            )
             ratio_sum = hits = 0.0
             for i in range(0, len(eps), batch):
-                chunk = eps[i:i + batch]
+                chunk = eps[i : i + batch]
                 with apply(pipe, model, record=True) as session:
                     model(**data.collate_prompts(chunk, n_img))
                 rec = session.last_prefill.stages[0]

@@ -25,7 +25,15 @@ from lightkv_lab.tasks.scenes.vocab import (
     _ids,
 )
 
-__all__ = ["DEFAULT_CONFIG", "GridConfig", "Obj", "Scene", "make_layout", "render_image", "sample_image"]
+__all__ = [
+    "DEFAULT_CONFIG",
+    "GridConfig",
+    "Obj",
+    "Scene",
+    "make_layout",
+    "render_image",
+    "sample_image",
+]
 
 
 @dataclass(frozen=True)
@@ -50,9 +58,13 @@ class GridConfig:
         if not self.asked or any(q not in QTYPES for q in self.asked):
             raise ValueError(f"asked must be a non-empty subset of {QTYPES}, got {self.asked}")
         if self.grid % 2 or not 10 <= self.grid <= 32:
-            raise ValueError(f"grid must be even and in [10, 32] (four quadrants of objects), got {self.grid}")
+            raise ValueError(
+                f"grid must be even and in [10, 32] (four quadrants of objects), got {self.grid}"
+            )
         if self.cell != 4:
-            raise ValueError(f"cell must be 4 pixels (textures and glyphs are drawn on 4x4), got {self.cell}")
+            raise ValueError(
+                f"cell must be 4 pixels (textures and glyphs are drawn on 4x4), got {self.cell}"
+            )
         if not 1 <= self.min_objects <= self.max_objects <= len(COLOURS):
             raise ValueError(f"need 1 <= min_objects <= max_objects <= {len(COLOURS)}")
         if not 0 <= self.max_gem_colours <= len(COLOURS):
@@ -80,7 +92,11 @@ class Obj:
     w: int
 
     def cells(self) -> list[tuple[int, int]]:
-        return [(r, c) for r in range(self.top, self.top + self.h) for c in range(self.left, self.left + self.w)]
+        return [
+            (r, c)
+            for r in range(self.top, self.top + self.h)
+            for c in range(self.left, self.left + self.w)
+        ]
 
     @property
     def centre(self) -> tuple[float, float]:
@@ -111,7 +127,9 @@ class Scene:
         (texture index for objects, slot for the sign, 0 otherwise)."""
         g = self.size
         line = torch.arange(g)
-        side = (line[:, None] if self.split_axis == 0 else line[None, :]).expand(g, g) >= self.split_at
+        side = (line[:, None] if self.split_axis == 0 else line[None, :]).expand(
+            g, g
+        ) >= self.split_at
         kind = torch.zeros(g, g, dtype=torch.int64)
         what = torch.tensor(self.materials)[side.long()]
         how = torch.zeros(g, g, dtype=torch.int64)
@@ -122,7 +140,11 @@ class Scene:
             kind[r, c], what[r, c] = 2, k
         r, c, glyphs = self.sign
         n = len(glyphs)
-        kind[r, c:c + n], what[r, c:c + n], how[r, c:c + n] = 3, torch.tensor(glyphs), torch.arange(n)
+        kind[r, c : c + n], what[r, c : c + n], how[r, c : c + n] = (
+            3,
+            torch.tensor(glyphs),
+            torch.arange(n),
+        )
         return kind, what, how
 
     def labels(self) -> torch.Tensor:
@@ -131,7 +153,14 @@ class Scene:
         kind, what, how = self.maps()
         g, half = self.size, self.size // 2
         what_id = torch.stack([_table(MATERIALS), _table(COLOURS), _table(COLOURS), _table(GLYPHS)])
-        how_id = torch.stack([_table(("ground",) * 4), _table(TEXTURES), _table(("gem",) * 4), _table(SLOTS + ("s1",))])
+        how_id = torch.stack(
+            [
+                _table(("ground",) * 4),
+                _table(TEXTURES),
+                _table(("gem",) * 4),
+                _table(SLOTS + ("s1",)),
+            ]
+        )
         line = torch.arange(g)
         vert = _table(VERTICAL)[(line >= half).long()][:, None].expand(g, g)
         horiz = _table(HORIZONTAL)[(line >= half).long()][None, :].expand(g, g)
@@ -149,7 +178,7 @@ class Scene:
                 m[r, c] = m[r, c] or k == colour
         elif kind == "sign":
             r, c, _ = self.sign
-            m[r, c:c + len(SLOTS)] = True
+            m[r, c : c + len(SLOTS)] = True
         return m
 
 
@@ -168,7 +197,12 @@ _SIZE_WEIGHTS = (0.16, 0.2, 0.22, 0.22, 0.2)
 
 def _free(taken: torch.Tensor, r0: int, c0: int, h: int, w: int, margin: int = 1) -> bool:
     g = taken.shape[0]
-    return not bool(taken[max(0, r0 - margin):min(g, r0 + h + margin), max(0, c0 - margin):min(g, c0 + w + margin)].any())
+    return not bool(
+        taken[
+            max(0, r0 - margin) : min(g, r0 + h + margin),
+            max(0, c0 - margin) : min(g, c0 + w + margin),
+        ].any()
+    )
 
 
 def make_layout(rng: random.Random, split: str, config: GridConfig = DEFAULT_CONFIG) -> Scene:
@@ -189,7 +223,7 @@ def make_layout(rng: random.Random, split: str, config: GridConfig = DEFAULT_CON
             r0, c0 = qr + rng.randrange(half - h + 1), qc + rng.randrange(half - w + 1)
             if _free(taken, r0, c0, h, w):
                 objects.append(Obj(colour, rng.randrange(len(TEXTURES)), r0, c0, h, w))
-                taken[r0:r0 + h, c0:c0 + w] = True
+                taken[r0 : r0 + h, c0 : c0 + w] = True
                 break
     # the sign: three cells in a row, clear of objects
     for _ in range(200):
@@ -199,7 +233,7 @@ def make_layout(rng: random.Random, split: str, config: GridConfig = DEFAULT_CON
     else:  # pragma: no cover - a 16 x 16 grid always has room
         raise RuntimeError("no room for the sign")
     sign = (r0, c0, tuple(rng.randrange(len(GLYPHS)) for _ in SLOTS))
-    taken[r0, c0:c0 + len(SLOTS)] = True
+    taken[r0, c0 : c0 + len(SLOTS)] = True
     gems: list[tuple[int, int, int]] = []
     for colour in rng.sample(range(len(COLOURS)), rng.randint(0, config.max_gem_colours)):
         for _ in range(rng.randint(0, MAX_COUNT)):
@@ -219,8 +253,14 @@ def make_layout(rng: random.Random, split: str, config: GridConfig = DEFAULT_CON
 def _textures() -> torch.Tensor:
     """``[4, 4, 4]`` ink masks of the object textures."""
     y, x = torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij")
-    return torch.stack([torch.ones(4, 4), (y % 2 == 0).float(), ((y // 2 + x // 2) % 2 == 0).float(),
-                        ((y % 2 == 0) & (x % 2 == 0)).float()])
+    return torch.stack(
+        [
+            torch.ones(4, 4),
+            (y % 2 == 0).float(),
+            ((y // 2 + x // 2) % 2 == 0).float(),
+            ((y % 2 == 0) & (x % 2 == 0)).float(),
+        ]
+    )
 
 
 @lru_cache(maxsize=1)
@@ -248,7 +288,9 @@ def _hues() -> torch.Tensor:
     return torch.stack([_dg.hue_rgb(k / len(COLOURS)) for k in range(len(COLOURS))])
 
 
-_MATERIAL_RGB = torch.tensor([[0.10, 0.30, 0.10], [0.34, 0.28, 0.14], [0.08, 0.14, 0.34], [0.24, 0.24, 0.24]])
+_MATERIAL_RGB = torch.tensor(
+    [[0.10, 0.30, 0.10], [0.34, 0.28, 0.14], [0.08, 0.14, 0.34], [0.24, 0.24, 0.24]]
+)
 _PLATE_RGB = torch.tensor([[1.0, 0.95, 0.7], [0.7, 0.95, 1.0], [0.95, 0.75, 1.0]])
 
 
@@ -256,20 +298,27 @@ _PLATE_RGB = torch.tensor([[1.0, 0.95, 0.7], [0.7, 0.95, 1.0], [0.95, 0.75, 1.0]
 def _material_patterns() -> torch.Tensor:
     """``[4, 4, 4]`` faint texture of each ground material (field, sand, water, stone)."""
     y, x = torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij")
-    return torch.stack([(x % 2 == 0).float(), ((x + y) % 3 == 0).float(), (y == 1).float(), torch.zeros(4, 4)])
+    return torch.stack(
+        [(x % 2 == 0).float(), ((x + y) % 3 == 0).float(), (y == 1).float(), torch.zeros(4, 4)]
+    )
 
 
-def render_image(rng: random.Random, scene: Scene, config: GridConfig = DEFAULT_CONFIG) -> torch.Tensor:
+def render_image(
+    rng: random.Random, scene: Scene, config: GridConfig = DEFAULT_CONFIG
+) -> torch.Tensor:
     """Draw the ``[3, H, W]`` image of a scene (lighting, ink strength and noise seeded by ``rng``)."""
     gen = torch.Generator().manual_seed(rng.getrandbits(63))
     g = scene.size
     kind, what, how = scene.maps()
     line = torch.arange(g)
-    side = (line[:, None] if scene.split_axis == 0 else line[None, :]).expand(g, g) >= scene.split_at
+    side = (line[:, None] if scene.split_axis == 0 else line[None, :]).expand(
+        g, g
+    ) >= scene.split_at
     material = torch.tensor(scene.materials)[side.long()]  # [G, G]
     light = 0.85 + 0.3 * torch.rand(len(MATERIALS), generator=gen)
-    ground = (_MATERIAL_RGB[material] * light[material, None])[..., None, None] \
-        * (1 + 0.35 * _material_patterns()[material])[:, :, None]  # [G, G, 3, 4, 4]
+    ground = (_MATERIAL_RGB[material] * light[material, None])[..., None, None] * (
+        1 + 0.35 * _material_patterns()[material]
+    )[:, :, None]  # [G, G, 3, 4, 4]
     hue = _hues()[what.clamp(max=len(COLOURS) - 1)][..., None, None]  # [G, G, 3, 1, 1]
     obj = hue * (0.3 + 0.7 * _textures()[how.clamp(max=len(TEXTURES) - 1)])[:, :, None]
     gem = torch.where(_gem().bool(), hue, ground)
@@ -284,7 +333,9 @@ def render_image(rng: random.Random, scene: Scene, config: GridConfig = DEFAULT_
     return img.clamp_(0.0, 1.0)
 
 
-def sample_image(rng: random.Random, split: str, config: GridConfig = DEFAULT_CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_image(
+    rng: random.Random, split: str, config: GridConfig = DEFAULT_CONFIG
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(labels [G, G, 4], image)`` of one fresh image (what the trainer's align stage draws)."""
     scene = make_layout(rng, split, config)
     return scene.labels(), render_image(rng, scene, config)

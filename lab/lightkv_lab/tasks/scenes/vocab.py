@@ -60,15 +60,48 @@ MAX_COUNT = 3
 COUNT_WORDS = tuple(f"n{i}" for i in range(MAX_COUNT + 1))
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<image>", "<sep>")
-TEMPLATE_WORDS = ("what", "texture", "is", "the", "object", "where", "how", "many", "gems", "there", "a",
-                  "gem", "read", "sign", "yes", "no", "ground")
-VOCAB: tuple[str, ...] = (SPECIAL_TOKENS + TEMPLATE_WORDS + COLOURS + TEXTURES + MATERIALS + GLYPHS + SLOTS
-                          + VERTICAL + HORIZONTAL + COUNT_WORDS)
+TEMPLATE_WORDS = (
+    "what",
+    "texture",
+    "is",
+    "the",
+    "object",
+    "where",
+    "how",
+    "many",
+    "gems",
+    "there",
+    "a",
+    "gem",
+    "read",
+    "sign",
+    "yes",
+    "no",
+    "ground",
+)
+VOCAB: tuple[str, ...] = (
+    SPECIAL_TOKENS
+    + TEMPLATE_WORDS
+    + COLOURS
+    + TEXTURES
+    + MATERIALS
+    + GLYPHS
+    + SLOTS
+    + VERTICAL
+    + HORIZONTAL
+    + COUNT_WORDS
+)
 """The fixed word vocabulary; a word's id is its index (special tokens first, DigitGrid's ids)."""
 WORD_TO_ID: dict[str, int] = {w: i for i, w in enumerate(VOCAB)}
 assert len(WORD_TO_ID) == len(VOCAB), "duplicate word in VOCAB"
 PAD_ID, BOS_ID, EOS_ID, IMAGE_ID, SEP_ID = (WORD_TO_ID[t] for t in SPECIAL_TOKENS)
-assert (PAD_ID, BOS_ID, EOS_ID, IMAGE_ID, SEP_ID) == (_dg.PAD_ID, _dg.BOS_ID, _dg.EOS_ID, _dg.IMAGE_ID, _dg.SEP_ID)
+assert (PAD_ID, BOS_ID, EOS_ID, IMAGE_ID, SEP_ID) == (
+    _dg.PAD_ID,
+    _dg.BOS_ID,
+    _dg.EOS_ID,
+    _dg.IMAGE_ID,
+    _dg.SEP_ID,
+)
 
 
 def _ids(words: Sequence[str]) -> tuple[int, ...]:

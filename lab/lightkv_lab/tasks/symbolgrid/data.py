@@ -97,15 +97,22 @@ COUNT_WORDS = tuple(f"n{i}" for i in range(MAX_COUNT + 1))
 TEMPLATE_WORDS = ("what", "is", "at", "read", "how", "many", "there", "a")
 ANSWER_WORDS = ("yes", "no")
 
-VOCAB: tuple[str, ...] = SPECIAL_TOKENS + TEMPLATE_WORDS + ANSWER_WORDS + SYMBOL_WORDS + CELL_WORDS + COUNT_WORDS
+VOCAB: tuple[str, ...] = (
+    SPECIAL_TOKENS + TEMPLATE_WORDS + ANSWER_WORDS + SYMBOL_WORDS + CELL_WORDS + COUNT_WORDS
+)
 """The fixed word vocabulary; a word's id is its index. Special tokens come first (the
 same ids as DigitGrid's)."""
 WORD_TO_ID: dict[str, int] = {w: i for i, w in enumerate(VOCAB)}
 assert len(WORD_TO_ID) == len(VOCAB), "duplicate word in VOCAB"
 
 PAD_ID, BOS_ID, EOS_ID, IMAGE_ID, SEP_ID = (WORD_TO_ID[t] for t in SPECIAL_TOKENS)
-assert (PAD_ID, BOS_ID, EOS_ID, IMAGE_ID, SEP_ID) == (_dg.PAD_ID, _dg.BOS_ID, _dg.EOS_ID, _dg.IMAGE_ID, _dg.SEP_ID), (
-    "SymbolGrid shares DigitGrid's special-token ids (one collation, one tokenizer layout)")
+assert (PAD_ID, BOS_ID, EOS_ID, IMAGE_ID, SEP_ID) == (
+    _dg.PAD_ID,
+    _dg.BOS_ID,
+    _dg.EOS_ID,
+    _dg.IMAGE_ID,
+    _dg.SEP_ID,
+), "SymbolGrid shares DigitGrid's special-token ids (one collation, one tokenizer layout)"
 CONTENT_IDS = tuple(WORD_TO_ID[w] for w in SYMBOL_WORDS)
 
 
@@ -152,9 +159,13 @@ class GridConfig:
         if not 2 <= self.grid <= MAX_GRID:
             raise ValueError(f"grid must be in [2, {MAX_GRID}], got {self.grid}")
         if self.cell < 4:
-            raise ValueError(f"cell must be >= 4 pixels (a symbol is drawn on 4x4), got {self.cell}")
+            raise ValueError(
+                f"cell must be >= 4 pixels (a symbol is drawn on 4x4), got {self.cell}"
+            )
         if not 1 <= self.rare < len(SYMBOL_WORDS) or not 0 <= self.max_rare <= MAX_COUNT:
-            raise ValueError(f"need 1 <= rare < {len(SYMBOL_WORDS)} and 0 <= max_rare <= {MAX_COUNT}")
+            raise ValueError(
+                f"need 1 <= rare < {len(SYMBOL_WORDS)} and 0 <= max_rare <= {MAX_COUNT}"
+            )
         if self.rare * self.max_rare > self.grid**2:
             raise ValueError("rare * max_rare exceeds the number of cells")
         if not 1 <= self.read_len <= self.grid:
@@ -224,7 +235,9 @@ def cell_word(row: int, col: int) -> str:
 # --------------------------------------------------------------------------- grids and images
 
 
-def make_grid(rng: random.Random, split: str, config: GridConfig = DEFAULT_CONFIG) -> tuple[torch.Tensor, tuple]:
+def make_grid(
+    rng: random.Random, split: str, config: GridConfig = DEFAULT_CONFIG
+) -> tuple[torch.Tensor, tuple]:
     """Sample ``(grid, rare)``: the symbol of every cell and the image's rare symbols."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
@@ -240,13 +253,17 @@ def make_grid(rng: random.Random, split: str, config: GridConfig = DEFAULT_CONFI
     return torch.tensor(cells, dtype=torch.int64).reshape(g, g), rare
 
 
-def sample_image(rng: random.Random, split: str, config: GridConfig = DEFAULT_CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_image(
+    rng: random.Random, split: str, config: GridConfig = DEFAULT_CONFIG
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(grid, image)`` of one fresh image (what the trainer's align stage draws)."""
     grid, _ = make_grid(rng, split, config)
     return grid, render_image(rng, grid, config)
 
 
-def render_image(rng: random.Random, grid: torch.Tensor, config: GridConfig = DEFAULT_CONFIG) -> torch.Tensor:
+def render_image(
+    rng: random.Random, grid: torch.Tensor, config: GridConfig = DEFAULT_CONFIG
+) -> torch.Tensor:
     """Draw the ``[3, H, W]`` image of a symbol grid (noise, ink and texture seeded by ``rng``)."""
     gen = torch.Generator().manual_seed(rng.getrandbits(63))
     g, cell = config.grid, config.cell
@@ -263,14 +280,18 @@ def render_image(rng: random.Random, grid: torch.Tensor, config: GridConfig = DE
         glyph = torch.nn.functional.pad(glyph, (pad // 2, pad - pad // 2, pad // 2, pad - pad // 2))
     noise = torch.rand((3, g * cell, g * cell), generator=gen) * config.noise
     ink_rgb = glyph[:, None] * colour[:, :, None, None]  # [N, 3, cell, cell]
-    ink_rgb = ink_rgb.reshape(g, g, 3, cell, cell).permute(2, 0, 3, 1, 4).reshape(3, g * cell, g * cell)
+    ink_rgb = (
+        ink_rgb.reshape(g, g, 3, cell, cell).permute(2, 0, 3, 1, 4).reshape(3, g * cell, g * cell)
+    )
     return torch.maximum(noise, ink_rgb).clamp_(0.0, 1.0)
 
 
 # --------------------------------------------------------------------------- questions
 
 
-def answer_for(grid: torch.Tensor, qtype: str, meta: dict, config: GridConfig = DEFAULT_CONFIG) -> list[str]:
+def answer_for(
+    grid: torch.Tensor, qtype: str, meta: dict, config: GridConfig = DEFAULT_CONFIG
+) -> list[str]:
     """The answer words to a question of ``qtype`` about ``meta`` on ``grid``."""
     if qtype == "what":
         return [SYMBOL_WORDS[int(grid[meta["row"], meta["col"]])]]
@@ -301,8 +322,14 @@ def _question(qtype: str, meta: dict) -> list[str]:
     raise ValueError(f"qtype must be one of {QTYPES}, got {qtype!r}")
 
 
-def _choose_meta(rng: random.Random, grid: torch.Tensor, rare: tuple, qtype: str, config: GridConfig,
-                 want: bool | None = None):
+def _choose_meta(
+    rng: random.Random,
+    grid: torch.Tensor,
+    rare: tuple,
+    qtype: str,
+    config: GridConfig,
+    want: bool | None = None,
+):
     """Pick what to ask about, or ``None`` when this grid cannot host the question (``want``:
     the ``exists`` answer to ask for; drawn 50/50 when None)."""
     g = config.grid
@@ -320,12 +347,26 @@ def _choose_meta(rng: random.Random, grid: torch.Tensor, rare: tuple, qtype: str
 
 
 def _episode(image, grid, rare, qtype, meta, split, config) -> Episode:
-    return Episode(image=image, grid=grid, rare=rare, question=_question(qtype, meta),
-                   answer=answer_for(grid, qtype, meta, config), qtype=qtype, split=split, meta=meta)
+    return Episode(
+        image=image,
+        grid=grid,
+        rare=rare,
+        question=_question(qtype, meta),
+        answer=answer_for(grid, qtype, meta, config),
+        qtype=qtype,
+        split=split,
+        meta=meta,
+    )
 
 
-def make_episode(rng: random.Random, split: str = "train", qtype: str | None = None,
-                 config: GridConfig = DEFAULT_CONFIG, *, max_tries: int = 1000) -> Episode:
+def make_episode(
+    rng: random.Random,
+    split: str = "train",
+    qtype: str | None = None,
+    config: GridConfig = DEFAULT_CONFIG,
+    *,
+    max_tries: int = 1000,
+) -> Episode:
     """Sample one episode; ``qtype=None`` picks one of `QTYPES` uniformly. All randomness
     comes from ``rng``; grids that cannot host the question are resampled, keeping the
     ``exists`` answer drawn first, so yes and no are 50/50."""
@@ -344,8 +385,13 @@ def make_episode(rng: random.Random, split: str = "train", qtype: str | None = N
     return _episode(render_image(rng, grid, config), grid, rare, qtype, meta, split, config)
 
 
-def make_scene(rng: random.Random, split: str = "train", n_questions: int = 4,
-               config: GridConfig = DEFAULT_CONFIG, qtypes: Sequence[str] = QTYPES) -> list[Episode]:
+def make_scene(
+    rng: random.Random,
+    split: str = "train",
+    n_questions: int = 4,
+    config: GridConfig = DEFAULT_CONFIG,
+    qtypes: Sequence[str] = QTYPES,
+) -> list[Episode]:
     """``n_questions`` episodes about one image (a conversation; see `collate_scenes`). The
     grid is fixed, so an ``exists`` question asks for "no" only where a rare symbol is absent
     (about one in three ``exists`` questions of a scene is a "no")."""
@@ -376,11 +422,15 @@ class EpisodeStream(_Stream):
 def num_image_tokens(config: GridConfig = DEFAULT_CONFIG, patch: int | None = None) -> int:
     """Vision tokens of a SymbolGrid image: one per cell (``patch`` must equal the cell)."""
     if patch is not None and patch != config.cell:
-        raise ValueError(f"SymbolGrid needs the tower's patch ({patch}) to equal the cell ({config.cell})")
+        raise ValueError(
+            f"SymbolGrid needs the tower's patch ({patch}) to equal the cell ({config.cell})"
+        )
     return config.grid**2
 
 
-def collate(episodes: Sequence[Episode], num_image_tokens: int, *, with_answer: bool = True) -> dict[str, torch.Tensor]:
+def collate(
+    episodes: Sequence[Episode], num_image_tokens: int, *, with_answer: bool = True
+) -> dict[str, torch.Tensor]:
     """Batch episodes for a LLaVA-style model (`lightkv_lab.tasks.digitgrid.data.collate` with this
     vocabulary)."""
     return _dg.collate(episodes, num_image_tokens, with_answer=with_answer, encoder=encode)
@@ -391,6 +441,8 @@ def collate_prompts(episodes: Sequence[Episode], num_image_tokens: int) -> dict[
     return collate(episodes, num_image_tokens, with_answer=False)
 
 
-def collate_scenes(scenes: Sequence[Sequence[Episode]], num_image_tokens: int) -> dict[str, torch.Tensor]:
+def collate_scenes(
+    scenes: Sequence[Sequence[Episode]], num_image_tokens: int
+) -> dict[str, torch.Tensor]:
     """One row per image: ``<bos> <image>*n <sep> q1 a1 <eos> q2 a2 <eos> ...``."""
     return _dg.collate_scenes(scenes, num_image_tokens, encoder=encode)
