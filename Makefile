@@ -17,7 +17,7 @@ STAMP := $(VENV)/.lightkv-installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml lab/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@if command -v nvidia-smi >/dev/null 2>&1; then \
@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 	  $(PY) -m pip install -q --timeout 15 --retries 1 --extra-index-url $(TORCH_CPU_INDEX) "$(TORCH_SPEC)"; \
 	fi
 	@$(PY) -c "import torch; print('torch: installed', torch.__version__, '(CUDA ' + torch.version.cuda + ' build)' if torch.version.cuda else '(CPU build)')"
-	$(PY) -m pip install -q -e ".[dev,demo,bench]"
+	$(PY) -m pip install -q -e ".[dev]" -e ./lab
 	touch $(STAMP)
 
 # The suite runs in TEST_WORKERS processes (pytest-xdist; each test uses one torch thread):
@@ -105,18 +105,18 @@ bench-quality: install
 SC_BENCH = --kept-fractions 1 0.55 0.25 0.22 0.11 --ablation-kept-fractions 0.55 0.22
 
 # Retrain the bundled DigitGrid model from its seed (~40 min on 2 CPU cores) into
-# runs/digitgrid, then export it over lightkv/assets/digitgrid-llava.
-DG_TRAIN = $(PY) -m lightkv.tasks.train
+# runs/digitgrid, then export it over lab/lightkv_lab/assets/digitgrid-llava.
+DG_TRAIN = $(PY) -m lightkv_lab.tasks.train
 DG_ARGS = --glyphs colour --out runs/digitgrid
 DG_QA = --batch 16 --questions 4 --warmup 100 --mimetic --text-ffn 256
 digitgrid-model: install
 	$(DG_TRAIN) align $(DG_ARGS) --steps 300 --lr 2e-3 --warmup 30
 	$(DG_TRAIN) qa $(DG_ARGS) $(DG_QA) --steps 1550 --lr 1e-3
 	$(DG_TRAIN) qa $(DG_ARGS) $(DG_QA) --steps 2000 --lr 6e-4 --decay
-	$(DG_TRAIN) export --out runs/digitgrid --export lightkv/assets/digitgrid-llava
+	$(DG_TRAIN) export --out runs/digitgrid --export lab/lightkv_lab/assets/digitgrid-llava
 
 # Retrain the bundled SymbolGrid model from its seed (~8 + 40 minutes on 2 CPU cores) into
-# runs/symbolgrid, then export it over lightkv/assets/symbolgrid-llava. Each second call
+# runs/symbolgrid, then export it over lab/lightkv_lab/assets/symbolgrid-llava. Each second call
 # resumes from the first one's checkpoint: align at step 300 with a decaying rate, stopping
 # at 600; qa at step 700, decaying to step 900. The export records that the model is asked
 # what/read/exists (it was trained on count too, and counts 0-1 only; see the docs).
@@ -128,10 +128,10 @@ symbolgrid-model: install
 	$(DG_TRAIN) align $(SG_ARGS) --steps 900 --lr 2e-3 --warmup 30 --decay --until 600
 	$(DG_TRAIN) qa $(SG_ARGS) $(SG_QA) --steps 1500 --lr 1e-3 --until 700
 	$(DG_TRAIN) qa $(SG_ARGS) $(SG_QA) --steps 900 --lr 1e-3 --decay
-	$(DG_TRAIN) export --out runs/symbolgrid --export lightkv/assets/symbolgrid-llava --asked what read exists
+	$(DG_TRAIN) export --out runs/symbolgrid --export lab/lightkv_lab/assets/symbolgrid-llava --asked what read exists
 
 # Retrain the bundled Scenes model (the default model) from its seed into runs/scenes, then
-# export it over lightkv/assets/scenes-llava: align (tower + projector, ~4 min on 2 CPU cores),
+# export it over lab/lightkv_lab/assets/scenes-llava: align (tower + projector, ~4 min on 2 CPU cores),
 # qa (the 12-layer decoder, mimetic initialisation, every layer trains, on the first five
 # question types; ~98 min), then tune (600 steps from qa's weights with a fresh optimiser,
 # adding the two-object `relation` question and weighting `count` up; ~20 min).
@@ -142,10 +142,14 @@ scenes-model: install
 	  --eval-every 300 --eval-n 32 --mix texture where count exists read
 	$(DG_TRAIN) tune $(SC_ARGS) --batch 16 --questions 6 --warmup 50 --steps 600 --lr 6e-4 --decay \
 	  --eval-every 100 --eval-n 32 --threads 1 --mix texture where count=3 exists=1.5 read relation=2
-	$(DG_TRAIN) export --out runs/scenes --export lightkv/assets/scenes-llava
+	$(DG_TRAIN) export --out runs/scenes --export lab/lightkv_lab/assets/scenes-llava
 
+# ruff's rules and the 100-column format (pyproject.toml [tool.ruff]) over both distributions,
+# the tests, the benchmarks and the docs' scripts; run by .ci/run.
+LINT_PATHS = lightkv lab tests benchmarks docs
 lint: install
-	$(PY) -m ruff check lightkv tests benchmarks
+	$(PY) -m ruff check $(LINT_PATHS)
+	$(PY) -m ruff format --check $(LINT_PATHS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build dist *.egg-info

@@ -27,15 +27,15 @@ import statistics
 import time
 
 import torch
+from lightkv_lab.bench.allocator import ALLOCATORS, host_allocator
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from lightkv.outputs import write_atomic
 from lightkv.adapters.masks import drop_padding
-from lightkv.bench.allocator import ALLOCATORS, host_allocator
 from lightkv.adapters.probes import probe_for_layer
 from lightkv.cache_stage import CacheStage
 from lightkv.graph.layout import ImageSegment, VisionLayout
+from lightkv.outputs import write_atomic
 from lightkv.policies.cache_policies import accumulated_attention, causal_chunks
 from lightkv.policies.relevance import _accumulator, _match_heads
 from lightkv.presets import get_preset_config
@@ -48,10 +48,12 @@ def full_chunked(queries, keys, valid, origin, scale, chunk=256):
     k = _match_heads(keys, h).to(acc)
     out = torch.zeros(b, n, dtype=acc)
     for start in range(0, n, chunk):
-        q = queries[:, :, start:start + chunk].to(acc)
+        q = queries[:, :, start : start + chunk].to(acc)
         logits = torch.matmul(q, k.transpose(-1, -2)) * scale
-        allowed = (origin.unsqueeze(1) <= origin[:, start:start + chunk].unsqueeze(2)) & valid.unsqueeze(1)
-        allowed &= valid[:, start:start + chunk].unsqueeze(2)
+        allowed = (
+            origin.unsqueeze(1) <= origin[:, start : start + chunk].unsqueeze(2)
+        ) & valid.unsqueeze(1)
+        allowed &= valid[:, start : start + chunk].unsqueeze(2)
         logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
         out += torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=(1, 2))
     return out
@@ -73,16 +75,16 @@ def unblocked_chunked(queries, keys, valid, origin, scale, chunk=256):
     for start, (end, lo, holes) in zip(range(0, n, chunk), plan):
         if end == 0:
             continue
-        q = queries[:, :, start:start + chunk].to(acc)
+        q = queries[:, :, start : start + chunk].to(acc)
         shape = (b, h, q.shape[2], end)
         used = math.prod(shape)
         logits = torch.matmul(q, k_t[..., :end], out=logits_buf[:used].view(shape)).mul_(scale)
         if lo < end:
-            blocked = key_at[:, None, lo:end] > query_at[:, start:start + chunk, None]
+            blocked = key_at[:, None, lo:end] > query_at[:, start : start + chunk, None]
             logits[..., lo:end].masked_fill_(blocked.unsqueeze(1), float("-inf"))
         attn = torch.ops.aten._softmax.out(logits, -1, False, out=attn_buf[:used].view(shape))
         if holes:
-            attn.masked_fill_(~valid[:, None, start:start + chunk, None], 0.0)
+            attn.masked_fill_(~valid[:, None, start : start + chunk, None], 0.0)
         out[:, :end] += attn.sum(dim=(1, 2))
     return out
 
@@ -92,9 +94,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2970)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--second-projection", action="store_true", help="also time the scoring before the tap")
-    ap.add_argument("--allocator", choices=ALLOCATORS, default="steady",
-                    help="host memory (lightkv.bench.allocator; default steady, as the efficiency benchmark)")
+    ap.add_argument(
+        "--second-projection", action="store_true", help="also time the scoring before the tap"
+    )
+    ap.add_argument(
+        "--allocator",
+        choices=ALLOCATORS,
+        default="steady",
+        help="host memory (lightkv_lab.bench.allocator; default steady, as the efficiency benchmark)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     with host_allocator(args.allocator) as heap:
@@ -112,8 +120,13 @@ def measure(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008,
-                      attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        intermediate_size=11008,
+        attn_implementation="sdpa",
+    )
     layer = LlamaDecoderLayer(cfg, 0).eval()
     n = args.tokens
     hidden = torch.randn(1, n, 4096)
@@ -123,9 +136,14 @@ def measure(args) -> dict:
     valid, origin = torch.ones(1, n, dtype=torch.bool), pos_ids.clone()
     # LLaVA-NeXT's anyres prompt: the base image and the tiles (2,928 tokens at 2,970)
     base = 24 if n >= 600 + 24 * 24 else 2
-    layout = VisionLayout.from_segments(1, n, [ImageSegment(row=0, offset=20, grid=(base, base)),
-                                               ImageSegment(row=0, offset=20 + base * base,
-                                                            grid=((n - 42 - base * base) // 48, 48))])
+    layout = VisionLayout.from_segments(
+        1,
+        n,
+        [
+            ImageSegment(row=0, offset=20, grid=(base, base)),
+            ImageSegment(row=0, offset=20 + base * base, grid=((n - 42 - base * base) // 48, 48)),
+        ],
+    )
     stage = get_preset_config("elasticcache").build().stages(1)[0]
     scale = 1.0 / math.sqrt(probe.head_dim)
     with torch.no_grad():
@@ -136,24 +154,44 @@ def measure(args) -> dict:
             layer(hidden, attention_mask=None, position_ids=pos_ids, position_embeddings=(cos, sin))
 
         def tapped():
-            return accumulated_attention(probe.queries_from(raw, cos, sin), probe.keys_from(raw, cos, sin), valid,
-                                         origin, scale)
+            return accumulated_attention(
+                probe.queries_from(raw, cos, sin),
+                probe.keys_from(raw, cos, sin),
+                valid,
+                origin,
+                scale,
+            )
 
         def tapped_unblocked():
-            return unblocked_chunked(probe.queries_from(raw, cos, sin), probe.keys_from(raw, cos, sin), valid,
-                                     origin, scale)
+            return unblocked_chunked(
+                probe.queries_from(raw, cos, sin),
+                probe.keys_from(raw, cos, sin),
+                valid,
+                origin,
+                scale,
+            )
 
         xi = torch.where(layout.vision_mask, tapped(), 0.0)
-        cache_k, cache_v = probe.keys_from(raw, cos, sin), probe.keys_from(raw, None, None)  # values' shape
+        cache_k, cache_v = (
+            probe.keys_from(raw, cos, sin),
+            probe.keys_from(raw, None, None),
+        )  # values' shape
 
         def merge():
             CacheStage(stage)(cache_k, cache_v, layout, xi, None, finish=drop_padding)
 
         def second_projection():
             xn = probe.normed(hidden)
-            full_chunked(probe.queries(xn, cos, sin), probe.keys(xn, cos, sin), valid, origin, scale)
+            full_chunked(
+                probe.queries(xn, cos, sin), probe.keys(xn, cos, sin), valid, origin, scale
+            )
 
-        runs = {"layer": run_layer, "tapped": tapped, "tapped_unblocked": tapped_unblocked, "merge": merge}
+        runs = {
+            "layer": run_layer,
+            "tapped": tapped,
+            "tapped_unblocked": tapped_unblocked,
+            "merge": merge,
+        }
         if args.second_projection:
             runs["second_projection"] = second_projection
         times: dict[str, list[float]] = {k: [] for k in runs}
@@ -164,13 +202,23 @@ def measure(args) -> dict:
                 t = time.perf_counter()
                 f()
                 times[name].append(time.perf_counter() - t)
-    res = {"tokens": n, "vision_tokens": int(layout.vision_mask.sum()), "threads": torch.get_num_threads(), "repeats": args.repeats,
-           "seconds": {k: {"min": min(v), "median": statistics.median(v), "all": v} for k, v in times.items()}}
+    res = {
+        "tokens": n,
+        "vision_tokens": int(layout.vision_mask.sum()),
+        "threads": torch.get_num_threads(),
+        "repeats": args.repeats,
+        "seconds": {
+            k: {"min": min(v), "median": statistics.median(v), "all": v} for k, v in times.items()
+        },
+    }
     for stat in ("min", "median"):
         base = res["seconds"]["layer"][stat]
-        res[f"layer_ratio_{stat}"] = {k: (base + res["seconds"][k][stat]) / base for k in runs if k != "layer"}
-        res[f"layer_ratio_{stat}"]["elasticcache"] = (base + res["seconds"]["tapped"][stat]
-                                                     + res["seconds"]["merge"][stat]) / base
+        res[f"layer_ratio_{stat}"] = {
+            k: (base + res["seconds"][k][stat]) / base for k in runs if k != "layer"
+        }
+        res[f"layer_ratio_{stat}"]["elasticcache"] = (
+            base + res["seconds"]["tapped"][stat] + res["seconds"]["merge"][stat]
+        ) / base
     return res
 
 

@@ -40,8 +40,8 @@ from pathlib import Path
 
 import torch
 
-from lightkv.outputs import write_atomic
 from lightkv.graph import BipartiteGraph
+from lightkv.outputs import write_atomic
 from lightkv.policies import EdgeScorer
 from lightkv.policies.scorers import DEFAULT_DIVERGENCE_BYTES
 
@@ -82,7 +82,7 @@ def child(tokens: int, budget: int, repeats: int, fraction: float, out: str | No
     window = torch.zeros(1, tokens, dtype=torch.long)
     is_src = (torch.arange(tokens) % 2 == 0).unsqueeze(0)  # parity split
     rows = round((tokens - tokens // 2) * fraction)
-    window[0, 2 * rows::2] = -1  # sources past the first rows leave the graph
+    window[0, 2 * rows :: 2] = -1  # sources past the first rows leave the graph
     graph = BipartiteGraph.build(window, is_src)
     keys = torch.randn(tokens, HEADS, HEAD_DIM, generator=g)
     scorer = KeyJS()
@@ -97,12 +97,33 @@ def child(tokens: int, budget: int, repeats: int, fraction: float, out: str | No
         torch.save((dst, div), out)
     a = int(graph.src_count[0])
     b = int(graph.dst_count[0])
-    print(json.dumps({"tokens": tokens, "pairs": a * b, "source_fraction": fraction, "budget_bytes": budget,
-                      "peak_bytes": max(peak, 0), "seconds": min(times), "threads": torch.get_num_threads()}))
+    print(
+        json.dumps(
+            {
+                "tokens": tokens,
+                "pairs": a * b,
+                "source_fraction": fraction,
+                "budget_bytes": budget,
+                "peak_bytes": max(peak, 0),
+                "seconds": min(times),
+                "threads": torch.get_num_threads(),
+            }
+        )
+    )
 
 
-def _run(tokens: int, budget: int, repeats: int, out: str | None = None, fraction: float = 1.0) -> dict:
-    cmd = [sys.executable, __file__, "--child", str(tokens), str(budget), str(repeats), str(fraction)]
+def _run(
+    tokens: int, budget: int, repeats: int, out: str | None = None, fraction: float = 1.0
+) -> dict:
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        str(tokens),
+        str(budget),
+        str(repeats),
+        str(fraction),
+    ]
     cmd += [out] if out else []
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -111,13 +132,23 @@ def _run(tokens: int, budget: int, repeats: int, out: str | None = None, fractio
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--fraction", type=float, default=0.25,
-                        help="share of the 1,464 source rows timed at full width (1: all; the time is scaled)")
+    parser.add_argument(
+        "--fraction",
+        type=float,
+        default=0.25,
+        help="share of the 1,464 source rows timed at full width (1: all; the time is scaled)",
+    )
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         tokens, budget, repeats = (int(v) for v in args.child[:3])
-        child(tokens, budget, repeats, float(args.child[3]), args.child[4] if len(args.child) > 4 else None)
+        child(
+            tokens,
+            budget,
+            repeats,
+            float(args.child[3]),
+            args.child[4] if len(args.child) > 4 else None,
+        )
         return
     unlimited = 2**62
     before = [_run(n, unlimited, args.repeats) for n in SMALL]
@@ -126,8 +157,13 @@ def main() -> None:
     tmp = RESULTS / "_divergence_check"
     tmp.mkdir(parents=True, exist_ok=True)
     whole = _run(SMALL[-1], unlimited, 1, str(tmp / "whole.pt"))
-    small_chunked = _run(SMALL[-1], 2**20, 1, str(tmp / "chunked.pt"))  # 1 MiB: many chunks at 288 tokens
-    same = all(torch.equal(x, y) for x, y in zip(torch.load(tmp / "whole.pt"), torch.load(tmp / "chunked.pt")))
+    small_chunked = _run(
+        SMALL[-1], 2**20, 1, str(tmp / "chunked.pt")
+    )  # 1 MiB: many chunks at 288 tokens
+    same = all(
+        torch.equal(x, y)
+        for x, y in zip(torch.load(tmp / "whole.pt"), torch.load(tmp / "chunked.pt"))
+    )
     for f in tmp.iterdir():
         f.unlink()
     tmp.rmdir()
@@ -137,12 +173,19 @@ def main() -> None:
     result = {
         "scorer": "Jensen-Shannon over per-head key softmaxes (fp32), one global window, parity split",
         "width": {"heads": HEADS, "head_dim": HEAD_DIM},
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": after["threads"],
-                    "torch": torch.__version__},
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "threads": after["threads"],
+            "torch": torch.__version__,
+        },
         "before_measured": before,
         "before_peak_bytes_per_pair": per_pair,
-        "before_full_estimate": {"tokens": FULL_TOKENS, "pairs": full_pairs, "peak_bytes": per_pair * full_pairs,
-                                 "measured": False},
+        "before_full_estimate": {
+            "tokens": FULL_TOKENS,
+            "pairs": full_pairs,
+            "peak_bytes": per_pair * full_pairs,
+            "measured": False,
+        },
         "after_full": after,
         "chunked_equals_unchunked_at_288_tokens": same,
         "check_runs": {"unchunked": whole, "chunked_1MiB": small_chunked},
@@ -166,15 +209,25 @@ def _markdown(r: dict) -> str:
         "|---:|---:|---|---:|---:|",
     ]
     for m in r["before_measured"]:
-        lines.append(f"| {m['tokens']:,} | {m['pairs']:,} | unchunked (measured) | {m['peak_bytes'] / gib:.2f} GiB | "
-                     f"{m['seconds']:.2f} s |")
+        lines.append(
+            f"| {m['tokens']:,} | {m['pairs']:,} | unchunked (measured) | {m['peak_bytes'] / gib:.2f} GiB | "
+            f"{m['seconds']:.2f} s |"
+        )
     est = r["before_full_estimate"]
-    lines.append(f"| {est['tokens']:,} | {est['pairs']:,} | unchunked (**estimated**, cannot allocate here) | "
-                 f"{est['peak_bytes'] / gib:,.0f} GiB | - |")
+    lines.append(
+        f"| {est['tokens']:,} | {est['pairs']:,} | unchunked (**estimated**, cannot allocate here) | "
+        f"{est['peak_bytes'] / gib:,.0f} GiB | - |"
+    )
     a = r["after_full"]
-    timed = "measured" if a["source_fraction"] == 1 else f"{a['seconds']:.1f} s measured on {a['source_fraction']:.0%} of the source rows, scaled"
-    lines.append(f"| {a['tokens']:,} | {a['pairs_whole_window']:,} | chunked, {a['budget_bytes'] // 2**20} MiB budget (peak measured) | "
-                 f"{a['peak_bytes'] / gib:.2f} GiB | {a['seconds_whole_window']:.0f} s ({timed}) |")
+    timed = (
+        "measured"
+        if a["source_fraction"] == 1
+        else f"{a['seconds']:.1f} s measured on {a['source_fraction']:.0%} of the source rows, scaled"
+    )
+    lines.append(
+        f"| {a['tokens']:,} | {a['pairs_whole_window']:,} | chunked, {a['budget_bytes'] // 2**20} MiB budget (peak measured) | "
+        f"{a['peak_bytes'] / gib:.2f} GiB | {a['seconds_whole_window']:.0f} s ({timed}) |"
+    )
     lines += [
         "",
         f"The estimate is the largest measured peak per pair ({r['before_peak_bytes_per_pair']:,.0f} bytes) times "

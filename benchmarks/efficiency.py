@@ -4,7 +4,7 @@ Random-weight models with the real vision-token counts (576, 2,928, 7,290 + 81, 
 4,096 for 16 frames, 5 x 256) and
 the real head dimension, MLP and grouped-query ratios, with reduced decoders (8 layers,
 width 512 / 896; schedules scaled to that depth). The logic lives in
-`lightkv.bench.efficiency`; this script is the same as ``lightkv bench efficiency``:
+`lightkv_lab.bench.efficiency`; this script is the same as ``lightkv bench efficiency``:
 
     python benchmarks/efficiency.py              # full run (~14 min on 2 idle CPU cores: six shapes, six presets)
     python benchmarks/efficiency.py --quick      # < 2 min, to benchmarks/results/quick/

@@ -21,12 +21,18 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from lightkv_lab.bench.efficiency import BenchConfig
+from lightkv_lab.bench.efficiency.measure import Timer, first_token
+from lightkv_lab.bench.efficiency.shapes import (
+    MODELS,
+    POST_TEXT,
+    PRE_TEXT,
+    build_model,
+    scaled_pipeline,
+)
 
 from lightkv.adapters import apply
 from lightkv.adapters.attention import AttentionWatch, check_same_attention
-from lightkv.bench.efficiency import BenchConfig
-from lightkv.bench.efficiency.measure import Timer, first_token
-from lightkv.bench.efficiency.shapes import MODELS, POST_TEXT, PRE_TEXT, build_model, scaled_pipeline
 from lightkv.testing import TINY_MODELS
 
 PRESETS = ("lightkv", "divprune", "lightkv-low-budget")
@@ -37,14 +43,25 @@ def padded_batch(model, rows: int, device, dtype) -> dict:
     """``rows`` left-padded rows of the LLaVA-1.5 shape: one image on even rows, two on odd
     ones, text before them of different lengths (unequal rows, so every row is padded)."""
     fam = TINY_MODELS["llava"]
-    batch = fam.collate([fam.row(model, 1 + i % 2, pre=PRE_TEXT + 3 * i, post=POST_TEXT, seed=i) for i in range(rows)])
-    return {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) if isinstance(v, torch.Tensor) else v
-            for k, v in batch.items()}
+    batch = fam.collate(
+        [
+            fam.row(model, 1 + i % 2, pre=PRE_TEXT + 3 * i, post=POST_TEXT, seed=i)
+            for i in range(rows)
+        ]
+    )
+    return {
+        k: (v.to(device, dtype) if v.is_floating_point() else v.to(device))
+        if isinstance(v, torch.Tensor)
+        else v
+        for k, v in batch.items()
+    }
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dry-run", action="store_true", help="CPU, sdpa, a tiny decoder: checks the script")
+    ap.add_argument(
+        "--dry-run", action="store_true", help="CPU, sdpa, a tiny decoder: checks the script"
+    )
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
@@ -53,12 +70,28 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="folder for flash-batch.json / .md")
     args = ap.parse_args(argv)
     if args.dry_run:
-        cfg = BenchConfig(models=("llava",), layers=6, heads=1, device="cpu", dtype="float32", memory=False,
-                          eager_reference=False, attn_implementation="sdpa")
+        cfg = BenchConfig(
+            models=("llava",),
+            layers=6,
+            heads=1,
+            device="cpu",
+            dtype="float32",
+            memory=False,
+            eager_reference=False,
+            attn_implementation="sdpa",
+        )
         repeats, warmup = 1, 0
     else:
-        cfg = BenchConfig(models=("llava",), layers=args.layers, width="full", device="cuda", dtype="bfloat16",
-                          memory=False, eager_reference=False, attn_implementation="flash_attention_2")
+        cfg = BenchConfig(
+            models=("llava",),
+            layers=args.layers,
+            width="full",
+            device="cuda",
+            dtype="bfloat16",
+            memory=False,
+            eager_reference=False,
+            attn_implementation="flash_attention_2",
+        )
         repeats, warmup = args.repeats, 1
     spec = MODELS["llava"]
     if args.dry_run:  # 8x8 patches per image instead of 24x24: the same code paths in seconds
@@ -67,8 +100,13 @@ def main(argv=None) -> int:
     model, _, sizes = build_model(spec, cfg)
     inputs = padded_batch(model, args.rows, device, next(model.parameters()).dtype)
     variants = {"uncompressed": None}
-    variants.update({f"{p}@{f}": scaled_pipeline(f"{p}@{f}", spec, sizes["layers"])
-                     for p in args.presets for f in args.kept_fractions})
+    variants.update(
+        {
+            f"{p}@{f}": scaled_pipeline(f"{p}@{f}", spec, sizes["layers"])
+            for p in args.presets
+            for f in args.kept_fractions
+        }
+    )
     times: dict[str, list[float]] = {v: [] for v in variants}
     ran, kept = {}, {}
     with torch.no_grad():
@@ -76,7 +114,9 @@ def main(argv=None) -> int:
             for name, pipe in variants.items():
                 with ExitStack() as stack:
                     session = stack.enter_context(apply(pipe, model)) if pipe is not None else None
-                    watch = stack.enter_context(AttentionWatch(model)) if i == 0 else None  # untimed: warm-up
+                    watch = (
+                        stack.enter_context(AttentionWatch(model)) if i == 0 else None
+                    )  # untimed: warm-up
                     with Timer(device) as t:
                         first_token(model, inputs)
                 if watch is not None:
@@ -86,22 +126,43 @@ def main(argv=None) -> int:
                     kept[name] = layout.valid_mask.sum(1).tolist() if layout is not None else None
                 if i >= warmup:
                     times[name].append(t.seconds)
-    check_same_attention(ran, "uncompressed")  # a compressed run on another kernel would not compare
+    check_same_attention(
+        ran, "uncompressed"
+    )  # a compressed run on another kernel would not compare
     base = statistics.median(times["uncompressed"])
     result = {
-        "model": spec.title, "rows": args.rows, "layers": sizes["layers"], "width": sizes["hidden"],
-        "device": cfg.device, "dtype": cfg.dtype, "attention": cfg.attn_implementation, "dry_run": args.dry_run,
+        "model": spec.title,
+        "rows": args.rows,
+        "layers": sizes["layers"],
+        "width": sizes["hidden"],
+        "device": cfg.device,
+        "dtype": cfg.dtype,
+        "attention": cfg.attn_implementation,
+        "dry_run": args.dry_run,
         "prompt_tokens_per_row": inputs["attention_mask"].sum(1).tolist(),
-        "variants": {v: {"ttft_ms": 1000 * statistics.median(ts), "ttft_ms_all": [1000 * s for s in ts],
-                         "vs_uncompressed": statistics.median(ts) / base, "ran": ran[v], "kept_per_row": kept.get(v)}
-                     for v, ts in times.items()},
+        "variants": {
+            v: {
+                "ttft_ms": 1000 * statistics.median(ts),
+                "ttft_ms_all": [1000 * s for s in ts],
+                "vs_uncompressed": statistics.median(ts) / base,
+                "ran": ran[v],
+                "kept_per_row": kept.get(v),
+            }
+            for v, ts in times.items()
+        },
     }
-    lines = [f"# {spec.title}, {args.rows} padded rows, {cfg.attn_implementation}, {cfg.dtype}, "
-             f"{sizes['layers']} layers of width {sizes['hidden']}", "",
-             "| variant | TTFT ms (median) | / uncompressed | ran | tokens per row |", "|---|---|---|---|---|"]
+    lines = [
+        f"# {spec.title}, {args.rows} padded rows, {cfg.attn_implementation}, {cfg.dtype}, "
+        f"{sizes['layers']} layers of width {sizes['hidden']}",
+        "",
+        "| variant | TTFT ms (median) | / uncompressed | ran | tokens per row |",
+        "|---|---|---|---|---|",
+    ]
     for v, r in result["variants"].items():
-        lines.append(f"| {v} | {r['ttft_ms']:.1f} | {r['vs_uncompressed']:.3f} | {', '.join(r['ran'])} | "
-                     f"{r['kept_per_row'] or result['prompt_tokens_per_row']} |")
+        lines.append(
+            f"| {v} | {r['ttft_ms']:.1f} | {r['vs_uncompressed']:.3f} | {', '.join(r['ran'])} | "
+            f"{r['kept_per_row'] or result['prompt_tokens_per_row']} |"
+        )
     print("\n".join(lines))
     if args.out:
         out = Path(args.out)

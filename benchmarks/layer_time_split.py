@@ -27,8 +27,8 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from lightkv.outputs import write_atomic
 from lightkv.adapters.probes import LayerShape
+from lightkv.outputs import write_atomic
 
 HIDDEN, HEADS, HEAD_DIM, MLP = 4096, 32, 128, 11008
 
@@ -44,8 +44,14 @@ def _best(fn, repeats: int) -> tuple[float, float]:
 
 
 def measure(n: int, repeats: int) -> dict:
-    cfg = LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=HEADS,
-                      intermediate_size=MLP, num_hidden_layers=1, attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        intermediate_size=MLP,
+        num_hidden_layers=1,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     layer = LlamaDecoderLayer(cfg, 0).eval()
     rope = LlamaRotaryEmbedding(cfg)
@@ -55,16 +61,31 @@ def measure(n: int, repeats: int) -> dict:
     mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
     with torch.no_grad():
         layer_t = _best(lambda: layer(x, attention_mask=None, position_embeddings=pos), repeats)
-        causal_t = _best(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), repeats)
-        masked_t = _best(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask), repeats)
-    shape = LayerShape(hidden=HIDDEN, heads=HEADS, kv_heads=HEADS, head_dim=HEAD_DIM, mlp_hidden=MLP, mlp_matrices=3)
+        causal_t = _best(
+            lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+            repeats,
+        )
+        masked_t = _best(
+            lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+            repeats,
+        )
+    shape = LayerShape(
+        hidden=HIDDEN,
+        heads=HEADS,
+        kv_heads=HEADS,
+        head_dim=HEAD_DIM,
+        mlp_hidden=MLP,
+        mlp_matrices=3,
+    )
     total = shape.flops(n, (n + 1) / 2)
     attn = 2 * 2 * n * (n + 1) / 2 * HEADS * HEAD_DIM
     rest_t = layer_t[0] - causal_t[0]
     return {
         "tokens": n,
-        "layer_s": layer_t[0], "layer_s_median": layer_t[1],
-        "attention_causal_s": causal_t[0], "attention_masked_s": masked_t[0],
+        "layer_s": layer_t[0],
+        "layer_s_median": layer_t[1],
+        "attention_causal_s": causal_t[0],
+        "attention_masked_s": masked_t[0],
         "attention_share_of_time": causal_t[0] / layer_t[0],
         "attention_share_of_flops": attn / total,
         "gflops_per_s_attention": attn / causal_t[0] / 1e9,
@@ -83,13 +104,26 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     rows = [measure(n, args.repeats) for n in args.tokens]
     for r in rows:
-        print(f"N={r['tokens']:5d}: layer {r['layer_s']:.3f} s, attention {r['attention_causal_s']:.3f} s "
-              f"(masked {r['attention_masked_s']:.3f} s), attention {r['attention_share_of_time']:.1%} of the time vs "
-              f"{r['attention_share_of_flops']:.1%} of the FLOPs; GFLOP/s attention {r['gflops_per_s_attention']:.0f}, "
-              f"rest {r['gflops_per_s_rest']:.0f}")
+        print(
+            f"N={r['tokens']:5d}: layer {r['layer_s']:.3f} s, attention {r['attention_causal_s']:.3f} s "
+            f"(masked {r['attention_masked_s']:.3f} s), attention {r['attention_share_of_time']:.1%} of the time vs "
+            f"{r['attention_share_of_flops']:.1%} of the FLOPs; GFLOP/s attention {r['gflops_per_s_attention']:.0f}, "
+            f"rest {r['gflops_per_s_rest']:.0f}"
+        )
     if args.out:
-        write_atomic(args.out, json.dumps({"command": "python benchmarks/layer_time_split.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                                           "threads": torch.get_num_threads(), "torch": torch.__version__, "rows": rows}, indent=1))
+        write_atomic(
+            args.out,
+            json.dumps(
+                {
+                    "command": "python benchmarks/layer_time_split.py "
+                    + " ".join(sys.argv[1:] if argv is None else argv),
+                    "threads": torch.get_num_threads(),
+                    "torch": torch.__version__,
+                    "rows": rows,
+                },
+                indent=1,
+            ),
+        )
     return 0
 
 

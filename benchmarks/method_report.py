@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lightkv_lab.tasks.scoring import paired_bootstrap
 from method_search import build
 
 from lightkv import ImageSegment, VisionLayout
 from lightkv.policies import Prompt
-from lightkv.tasks.scoring import paired_bootstrap
 
 LAYERS, GRID = 12, (16, 16)  # the Scenes model
 
@@ -37,7 +37,9 @@ def label(cfg: dict) -> str:
     extra = []
     if "pruner" in cfg and name != "lightkv-cover":
         extra.append(cfg["pruner"][0])
-    if name == "lightkv-cover" and "version" not in cfg:  # before the cost round: question_attention, one window
+    if (
+        name == "lightkv-cover" and "version" not in cfg
+    ):  # before the cost round: question_attention, one window
         extra.append("v1")
     if name == "lightkv-cover" and cfg.get("relevance", ["question_attention"])[0] == "uniform":
         extra.append("relevance off")
@@ -58,8 +60,14 @@ def tokens_after_last_stage(cfg: dict, target: float) -> float:
     hidden = torch.randn(1, n + 4, 16, generator=gen)
     keys = torch.randn(1, n + 4, 2, 8, generator=gen)
     try:
-        results = pipe.run(hidden, layout, LAYERS, relevance=torch.rand(1, n + 4, generator=gen) + 0.1, keys=keys,
-                           prompt=Prompt(torch.arange(n + 4).unsqueeze(0)))
+        results = pipe.run(
+            hidden,
+            layout,
+            LAYERS,
+            relevance=torch.rand(1, n + 4, generator=gen) + 0.1,
+            keys=keys,
+            prompt=Prompt(torch.arange(n + 4).unsqueeze(0)),
+        )
     except (ValueError, NotImplementedError):  # a cache method (no hidden-state stages)
         return float("nan")
     return int(results[-1].layout.vision_counts()[0]) / n if results else 1.0
@@ -81,16 +89,20 @@ def load(paths: list[Path]) -> dict:
 
 def write_list(paths: list[Path], out: Path) -> int:
     """Every configuration of the files with its accuracy at each target (a development log)."""
-    lines = ["| file | configuration | target | kept | accuracy | count | read | follow-up |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| file | configuration | target | kept | accuracy | count | read | follow-up |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for path in paths:
         for rec in map(json.loads, path.read_text().splitlines()):
             acc = rec["accuracy"]
             overall = rec.get("overall", sum(rec["correct"]) / len(rec["correct"]))
             cfg = json.dumps(rec["cfg"], separators=(",", ":")).replace("|", "/")
-            lines.append(f"| {path.name} | `{cfg}` | {rec['target']:.2f} | {rec['kept']:.3f} | {overall:.4f} | "
-                         f"{acc.get('count', float('nan')):.3f} | {acc.get('read', float('nan')):.3f} | "
-                         f"{acc.get('followup', float('nan')):.3f} |")
+            lines.append(
+                f"| {path.name} | `{cfg}` | {rec['target']:.2f} | {rec['kept']:.3f} | {overall:.4f} | "
+                f"{acc.get('count', float('nan')):.3f} | {acc.get('read', float('nan')):.3f} | "
+                f"{acc.get('followup', float('nan')):.3f} |"
+            )
     target = out.with_suffix(".md")
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
@@ -104,8 +116,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="+", type=Path)
     ap.add_argument("--out", type=Path, required=True, help="writes OUT.json and OUT.md")
-    ap.add_argument("--list", action="store_true",
-                    help="list every configuration tried (a development log) instead of the paired table")
+    ap.add_argument(
+        "--list",
+        action="store_true",
+        help="list every configuration tried (a development log) instead of the paired table",
+    )
     args = ap.parse_args(argv)
     if args.list:
         return write_list(args.files, args.out)
@@ -117,23 +132,32 @@ def main(argv=None) -> int:
         if name == "uncompressed" or entry["files"] != full_files:
             continue  # only what ran on every file's conversations
         x = torch.cat(entry["correct"])
-        rec = {"method": name, "target": target, "kept_kv": sum(entry["kept"]) / len(entry["kept"]),
-               "kept_tokens": tokens_after_last_stage(entry["cfg"], target), "n": int(x.numel()),
-               "accuracy": float(x.mean()), "retained": float(x.mean() / full.mean())}
+        rec = {
+            "method": name,
+            "target": target,
+            "kept_kv": sum(entry["kept"]) / len(entry["kept"]),
+            "kept_tokens": tokens_after_last_stage(entry["cfg"], target),
+            "n": int(x.numel()),
+            "accuracy": float(x.mean()),
+            "retained": float(x.mean() / full.mean()),
+        }
         for ref in ("divprune", "cdpruner", "lightkv-cover relevance off", "lightkv"):
             other = runs.get((ref, target))
             if other is not None and ref != name and other["files"] == full_files:
                 d, lo, hi = paired_bootstrap(x, torch.cat(other["correct"]), 2000, 0)
                 rec[f"minus {ref}"] = [100 * d, 100 * lo, 100 * hi]
         summary.append(rec)
+
     def iv(r: dict, key: str) -> str:
         v = r.get(key)
         return "" if v is None else f"{v[0]:+.1f} [{v[1]:+.1f}, {v[2]:+.1f}]"
 
     for r in summary:
-        rows.append(f"| {r['method']} | {100 * r['target']:.0f}% | {100 * r['kept_kv']:.1f}% | "
-                    f"{100 * r['kept_tokens']:.1f}% | {100 * r['retained']:.1f}% | {iv(r, 'minus divprune')} | "
-                    f"{iv(r, 'minus cdpruner')} | {iv(r, 'minus lightkv')} | {iv(r, 'minus lightkv-cover relevance off')} |")
+        rows.append(
+            f"| {r['method']} | {100 * r['target']:.0f}% | {100 * r['kept_kv']:.1f}% | "
+            f"{100 * r['kept_tokens']:.1f}% | {100 * r['retained']:.1f}% | {iv(r, 'minus divprune')} | "
+            f"{iv(r, 'minus cdpruner')} | {iv(r, 'minus lightkv')} | {iv(r, 'minus lightkv-cover relevance off')} |"
+        )
     md = [f"Conversations: {', '.join(p.name for p in args.files)} (n = {full.numel()}); uncompressed "
           f"accuracy {full.mean():.4f}. Differences: points of first-answer accuracy, the row's method minus "
           "the column's on the same conversations, paired bootstrap 95% interval (2,000 resamples).", "",
@@ -149,16 +173,32 @@ def main(argv=None) -> int:
             on = runs.get(("lightkv-cover", target))
             won = "" if on is None else f"{int(((1 - off) * torch.cat(on['correct'])).sum())}"
             lost = "" if on is None else f"{int((off * (1 - torch.cat(on['correct']))).sum())}"
-            head.append(f"| {100 * target:.0f}% | {int((full * (1 - off)).sum())} ({100 * float((full * (1 - off)).mean()):.1f}%) | "
-                        f"{int(((1 - full) * off).sum())} | {won} | {lost} |")
+            head.append(
+                f"| {100 * target:.0f}% | {int((full * (1 - off)).sum())} ({100 * float((full * (1 - off)).mean()):.1f}%) | "
+                f"{int(((1 - full) * off).sum())} | {won} | {lost} |"
+            )
     if head:
-        md += ["Headroom for relevance: of the same conversations, how many the uncompressed model answers "
-               "right and `lightkv-cover` with relevance off answers wrong (the most any relevance could win "
-               "back), the reverse, and how many turning relevance on wins and loses.", "",
-               "| target | uncompressed right, off wrong | off right, uncompressed wrong | on right, off wrong | "
-               "off right, on wrong |", "|---:|---:|---:|---:|---:|", *head, ""]
-    for suffix, text in ((".json", json.dumps({"uncompressed": float(full.mean()), "n": int(full.numel()),
-                                                "rows": summary}, indent=1)), (".md", "\n".join(md))):
+        md += [
+            "Headroom for relevance: of the same conversations, how many the uncompressed model answers "
+            "right and `lightkv-cover` with relevance off answers wrong (the most any relevance could win "
+            "back), the reverse, and how many turning relevance on wins and loses.",
+            "",
+            "| target | uncompressed right, off wrong | off right, uncompressed wrong | on right, off wrong | "
+            "off right, on wrong |",
+            "|---:|---:|---:|---:|---:|",
+            *head,
+            "",
+        ]
+    for suffix, text in (
+        (
+            ".json",
+            json.dumps(
+                {"uncompressed": float(full.mean()), "n": int(full.numel()), "rows": summary},
+                indent=1,
+            ),
+        ),
+        (".md", "\n".join(md)),
+    ):
         target = args.out.with_suffix(suffix)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
         with os.fdopen(fd, "w") as f:

@@ -35,10 +35,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lightkv.outputs import write_atomic
 import lightkv
 from lightkv import Pipeline
 from lightkv.adapters import apply
+from lightkv.outputs import write_atomic
 from lightkv.policies import ExplicitSchedule
 from lightkv.testing import IMAGE, build_llava, build_llava_next, text_ids
 
@@ -54,24 +54,37 @@ def lightkv_pipeline(num_layers: int) -> Pipeline:
 
 
 def build(shape: str, args) -> tuple[torch.nn.Module, dict]:
-    sizes = dict(num_layers=args.layers, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                 num_heads=args.heads, num_kv_heads=args.heads)
+    sizes = dict(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_heads=args.heads,
+        num_kv_heads=args.heads,
+    )
     g = torch.Generator().manual_seed(0)
     if shape == "llava":
         model = build_llava(image_size=48, patch_size=2, **sizes)  # 24 x 24 = 576 tokens
         n_vis = 576
         pixels = {"pixel_values": torch.randn(1, 3, 48, 48, generator=g)}
     elif shape == "llava_next":
-        model = build_llava_next(image_size=48, patch_size=2, pinpoints=((96, 96), (48, 96), (96, 48)), **sizes)
+        model = build_llava_next(
+            image_size=48, patch_size=2, pinpoints=((96, 96), (48, 96), (96, 48)), **sizes
+        )
         n_vis = 24 * 24 + 48 * 49  # base + 2x2-tile high-res grid with newlines = 2,928
-        pixels = {"pixel_values": torch.randn(1, 5, 3, 48, 48, generator=g), "image_sizes": torch.tensor([[96, 96]])}
+        pixels = {
+            "pixel_values": torch.randn(1, 5, 3, 48, 48, generator=g),
+            "image_sizes": torch.tensor([[96, 96]]),
+        }
     else:
         raise ValueError(shape)
     ids = torch.cat([text_ids(20, g), torch.full((n_vis,), IMAGE), text_ids(15, g)]).unsqueeze(0)
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), **pixels}
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     model = model.to(device=device, dtype=dtype)
-    inputs = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) for k, v in inputs.items()}
+    inputs = {
+        k: (v.to(device, dtype) if v.is_floating_point() else v.to(device))
+        for k, v in inputs.items()
+    }
     return model, inputs
 
 
@@ -111,7 +124,10 @@ def run_shape(model, inputs, args) -> dict:
     for variant in pipes:
         out, session = last[variant]
         layers = out.cache.layers
-        kv = sum(l.keys.numel() * l.keys.element_size() + l.values.numel() * l.values.element_size() for l in layers)
+        kv = sum(
+            l.keys.numel() * l.keys.element_size() + l.values.numel() * l.values.element_size()
+            for l in layers
+        )
         result = {
             "prefill_s_min": min(times[variant]),
             "prefill_s_median": statistics.median(times[variant]),
@@ -186,8 +202,12 @@ def child(shape: str, variant: str, args) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", nargs="+", default=["llava", "llava_next"], choices=["llava", "llava_next"])
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--shapes", nargs="+", default=["llava", "llava_next"], choices=["llava", "llava_next"]
+    )
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--intermediate", type=int, default=688)
@@ -197,7 +217,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("--no-memory", action="store_true", help="skip the per-variant subprocess memory runs")
+    p.add_argument(
+        "--no-memory", action="store_true", help="skip the per-variant subprocess memory runs"
+    )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "prefill_llava.json"))
     p.add_argument("--child", nargs=2, metavar=("SHAPE", "VARIANT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -207,8 +229,14 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     results = {
         "config": {k: v for k, v in vars(args).items() if k not in ("child", "out")},
-        "machine": {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
-                    "device_name": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor()},
+        "machine": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "platform": platform.platform(),
+            "device_name": torch.cuda.get_device_name()
+            if args.device == "cuda"
+            else platform.processor(),
+        },
         "shapes": {},
     }
     for shape in args.shapes:
@@ -229,9 +257,14 @@ def main(argv=None) -> int:
             "flops_estimate": comp["flops_estimate"] / comp["flops_estimate_baseline"],
         }
         if "peak_bytes_above_model" in base:
-            entry["ratios"]["peak_memory"] = comp["peak_bytes_above_model"] / max(1, base["peak_bytes_above_model"])
+            entry["ratios"]["peak_memory"] = comp["peak_bytes_above_model"] / max(
+                1, base["peak_bytes_above_model"]
+            )
         results["shapes"][shape] = entry
-        print(f"{shape}: {entry['prompt_tokens']} prompt tokens, ratios {json.dumps(entry['ratios'])}", flush=True)
+        print(
+            f"{shape}: {entry['prompt_tokens']} prompt tokens, ratios {json.dumps(entry['ratios'])}",
+            flush=True,
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, json.dumps(results, indent=2))
@@ -240,9 +273,22 @@ def main(argv=None) -> int:
 
 
 def _forward_args(args) -> list[str]:
-    return ["--layers", str(args.layers), "--hidden", str(args.hidden), "--intermediate", str(args.intermediate),
-            "--heads", str(args.heads), "--threads", str(args.threads), "--device", args.device,
-            "--dtype", args.dtype]
+    return [
+        "--layers",
+        str(args.layers),
+        "--hidden",
+        str(args.hidden),
+        "--intermediate",
+        str(args.intermediate),
+        "--heads",
+        str(args.heads),
+        "--threads",
+        str(args.threads),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+    ]
 
 
 if __name__ == "__main__":

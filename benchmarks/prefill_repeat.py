@@ -12,12 +12,12 @@ import json
 import time
 
 import torch
+from lightkv_lab.bench.allocator import ALLOCATORS, host_allocator
+from lightkv_lab.bench.efficiency import BenchConfig
+from lightkv_lab.bench.efficiency.measure import first_token
+from lightkv_lab.bench.efficiency.shapes import MODELS, build_model
 
 from lightkv.outputs import write_atomic
-from lightkv.bench.allocator import ALLOCATORS, host_allocator
-from lightkv.bench.efficiency import BenchConfig
-from lightkv.bench.efficiency.measure import first_token
-from lightkv.bench.efficiency.shapes import MODELS, build_model
 
 
 def main() -> None:
@@ -30,8 +30,14 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    cfg = BenchConfig(models=(args.model,), width="full", layers=args.layers, memory=False, eager_reference=False,
-                      allocator=args.allocator)
+    cfg = BenchConfig(
+        models=(args.model,),
+        width="full",
+        layers=args.layers,
+        memory=False,
+        eager_reference=False,
+        allocator=args.allocator,
+    )
     seconds = []
     with host_allocator(cfg.allocator) as heap, torch.no_grad():
         model, inputs, _ = build_model(MODELS[args.model], cfg)
@@ -41,8 +47,15 @@ def main() -> None:
             seconds.append(time.perf_counter() - t)
             del out
             print(f"prefill {i}: {seconds[-1]:.2f} s", flush=True)
-    res = {"model": args.model, "layers": args.layers, "width": "full", "threads": torch.get_num_threads(),
-           "allocator": heap, "tokens": int(inputs["input_ids"].shape[1]), "seconds": seconds}
+    res = {
+        "model": args.model,
+        "layers": args.layers,
+        "width": "full",
+        "threads": torch.get_num_threads(),
+        "allocator": heap,
+        "tokens": int(inputs["input_ids"].shape[1]),
+        "seconds": seconds,
+    }
     if args.out:
         write_atomic(args.out, json.dumps(res, indent=1))
 

@@ -3,7 +3,7 @@
 The bundled DigitGrid LVLM (a trained `LlavaForConditionalGeneration`, 256 vision tokens,
 6 decoder layers) answers 2,000 held-out questions whose answers live in one image region;
 each preset runs with its schedule scaled to the model's depth and one common ratio chosen
-for each kept-fraction target. The logic lives in `lightkv.bench.quality`; this script is
+for each kept-fraction target. The logic lives in `lightkv_lab.bench.quality`; this script is
 the same as ``lightkv bench quality``:
 
     python benchmarks/quality.py                       # full run (~20 min on 2 CPU cores)

@@ -42,10 +42,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lightkv.outputs import write_atomic
 import lightkv
 from lightkv import ImageSegment, VisionLayout
 from lightkv.graph import scatter
+from lightkv.outputs import write_atomic
 
 HIDDEN = 4096
 HEADS = 32

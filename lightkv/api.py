@@ -17,11 +17,14 @@ print(session.report())
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .config import config_from_pipeline
 from .pipeline import Pipeline
 from .presets import get_preset, is_config_path, load_config
+
+if TYPE_CHECKING:  # the adapters need transformers: imported for the annotation only
+    from .adapters.session import CompressionSession
 
 __all__ = ["apply", "load", "to_yaml"]
 
@@ -30,6 +33,19 @@ def load(name_or_path: str | os.PathLike) -> Pipeline:
     """A shipped preset by name, or a YAML pipeline file by path, built.
 
     See `lightkv.presets.is_config_path` for how a string is read as a name or a path.
+
+    Returns:
+        The pipeline: its scheduler and stage compositions, ready for `apply` (or for
+        ``pipeline.stages(num_layers)`` to run a stage on tensors directly).
+
+    Examples:
+        ```python
+        import lightkv
+
+        pipe = lightkv.load("lightkv")           # a shipped preset (`lightkv presets` lists them)
+        pipe = lightkv.load("configs/mine.yaml")  # a pipeline file
+        stage = pipe.stages(num_layers=32)[0]    # the first stage, a pure function of tensors
+        ```
 
     Raises:
         FileNotFoundError: a path that does not exist.
@@ -47,7 +63,7 @@ def to_yaml(pipeline: Pipeline, path: str | os.PathLike | None = None) -> str:
     return config_from_pipeline(pipeline).to_yaml(path)
 
 
-def apply(pipeline: Pipeline | str | os.PathLike, model: Any, **options: Any):
+def apply(pipeline: Pipeline | str | os.PathLike, model: Any, **options: Any) -> CompressionSession:
     """Compress ``model``'s prefill with ``pipeline`` inside a ``with`` block.
 
     ``pipeline`` may also be a preset name or a YAML path (see `load`). Hooks are installed
@@ -55,7 +71,29 @@ def apply(pipeline: Pipeline | str | os.PathLike, model: Any, **options: Any):
     are those of `lightkv.adapters.apply` (``adapter``, ``record``, family options).
 
     Returns:
-        a `lightkv.adapters.CompressionSession` (a context manager).
+        The session, a context manager: entering it installs the hooks, leaving it removes
+        them. Inside and after the block, its ``report()``
+        (`lightkv.adapters.session.CompressionSession.report`) says what happened
+        (kept vision fraction, per-layer KV lengths and bytes, estimated prefill FLOPs).
+
+    Examples:
+        ```python
+        import lightkv
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        model = AutoModelForImageTextToText.from_pretrained("llava-hf/llava-1.5-7b-hf")
+        processor = AutoProcessor.from_pretrained("llava-hf/llava-1.5-7b-hf")
+        inputs = processor(images=image, text=prompt, return_tensors="pt")
+        with lightkv.apply("lightkv", model) as session:   # a preset name, a YAML path or a Pipeline
+            out = model.generate(**inputs, max_new_tokens=32)
+        print(session.report())                            # kept fraction, KV bytes, per-layer lengths
+        ```
+
+    Raises:
+        ValueError: an unknown preset; a model family or attention implementation lightkv
+            does not support (the message lists the supported ones); a schedule that does
+            not fit the model's depth.
+        lightkv.config.ConfigError: an invalid pipeline file.
     """
     from .adapters import apply as apply_to_model  # transformers: only when a model is hooked
 

@@ -68,12 +68,16 @@ class CacheStage:
         """``(hidden [B, N, 2 * H_kv * d], key features [B, N, H_kv, d])`` of a cache (the
         key features are a view of the hidden's first half)."""
         if keys.dim() != 4 or values.shape[:3] != keys.shape[:3]:
-            raise ValueError(f"expected keys and values [B, H_kv, N, d], got {tuple(keys.shape)} and {tuple(values.shape)}")
+            raise ValueError(
+                f"expected keys and values [B, H_kv, N, d], got {tuple(keys.shape)} and {tuple(values.shape)}"
+            )
         b, h, n, dk = keys.shape
         k, v = keys.transpose(1, 2), values.transpose(1, 2)
         # one pass into the result (flatten-then-cat copied each half twice: 2 x 97 MB of
         # fresh pages per layer at 7B width and 2,970 tokens)
-        hidden = keys.new_empty((b, n, h * (dk + values.shape[-1])), dtype=torch.promote_types(keys.dtype, values.dtype))
+        hidden = keys.new_empty(
+            (b, n, h * (dk + values.shape[-1])), dtype=torch.promote_types(keys.dtype, values.dtype)
+        )
         key_features = hidden[..., : h * dk].view(b, n, h, dk)
         key_features.copy_(k)
         hidden[..., h * dk :].view(b, n, h, values.shape[-1]).copy_(v)

@@ -32,8 +32,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["GenerateError", "GenerateResult", "Loaded", "MAX_REPEATS", "Run", "build_inputs", "decoder_depth",
-           "load_image", "load_model", "run"]
+__all__ = [
+    "GenerateError",
+    "GenerateResult",
+    "Loaded",
+    "MAX_REPEATS",
+    "Run",
+    "build_inputs",
+    "decoder_depth",
+    "load_image",
+    "load_model",
+    "run",
+]
 
 MAX_REPEATS = 20
 """The most timed generate calls per variant (each is a whole generation)."""
@@ -109,7 +119,9 @@ class GenerateResult:
             f"model: {m.source} ({m.family}, {type(m.model).__name__}, {_dtype_name(m.model.dtype)}, {m.device})",
             f"pipeline: {self.pipeline}; prompt: {self.prompt_tokens} tokens",
         ]
-        lines += [f"note: {n}" for n in self.notes]  # before the answers: e.g. that they mean nothing here
+        lines += [
+            f"note: {n}" for n in self.notes
+        ]  # before the answers: e.g. that they mean nothing here
         lines += [f"answer (lightkv): {self.compressed.answer!r}"]
         if self.baseline is not None:
             lines.append(f"answer (baseline): {self.baseline.answer!r}")
@@ -119,22 +131,37 @@ class GenerateResult:
         lines += [
             "report:",
             f"  kept vision fraction (avg over layers): {kept}"
-            + ("" if rep.target_kept_fraction is None else f" (target {rep.target_kept_fraction:.3f})"),
-            (f"  vision KV bytes: {rep.kv_bytes_vision:,} with lightkv / {rep.kv_bytes_vision_baseline:,} without "
-             f"({_ratio(rep.kv_bytes_vision, rep.kv_bytes_vision_baseline)})"),
-            (f"  total KV bytes: {rep.kv_bytes:,} with lightkv / {rep.kv_bytes_baseline:,} without "
-             f"({_ratio(rep.kv_bytes, rep.kv_bytes_baseline)})"),
+            + (
+                ""
+                if rep.target_kept_fraction is None
+                else f" (target {rep.target_kept_fraction:.3f})"
+            ),
+            (
+                f"  vision KV bytes: {rep.kv_bytes_vision:,} with lightkv / {rep.kv_bytes_vision_baseline:,} without "
+                f"({_ratio(rep.kv_bytes_vision, rep.kv_bytes_vision_baseline)})"
+            ),
+            (
+                f"  total KV bytes: {rep.kv_bytes:,} with lightkv / {rep.kv_bytes_baseline:,} without "
+                f"({_ratio(rep.kv_bytes, rep.kv_bytes_baseline)})"
+            ),
         ]
         for s in rep.stages:
-            lines.append(f"  stage after layer {s.layer}: vision tokens {s.vision_in} -> {s.vision_out}")
+            lines.append(
+                f"  stage after layer {s.layer}: vision tokens {s.vision_in} -> {s.vision_out}"
+            )
         c, b = self.compressed, self.baseline
-        lines.append(f"  time to first token: {_ms(c.ttft_s)} with lightkv" + (f" / {_ms(b.ttft_s)} without" if b else ""))
+        lines.append(
+            f"  time to first token: {_ms(c.ttft_s)} with lightkv"
+            + (f" / {_ms(b.ttft_s)} without" if b else "")
+        )
         lines.append(
             f"  generate time: {_ms(c.total_s)} with lightkv ({c.new_tokens} new tokens)"
             + (f" / {_ms(b.total_s)} without ({b.new_tokens} new tokens)" if b else "")
         )
-        lines.append(f"  (times: median of {c.repeats} generate call(s) each; the first token and the whole call "
-                     "are timed in the same calls)")
+        lines.append(
+            f"  (times: median of {c.repeats} generate call(s) each; the first token and the whole call "
+            "are timed in the same calls)"
+        )
         return "\n".join(lines)
 
 
@@ -163,7 +190,9 @@ def _looks_like_path(text: str) -> bool:
     return text.count("/") > 1
 
 
-def load_model(source: str, *, dtype: str = "float32", device: str | None = None, check=None) -> Loaded:
+def load_model(
+    source: str, *, dtype: str = "float32", device: str | None = None, check=None
+) -> Loaded:
     """Load a supported model and its processor from a local directory or a hub id.
 
     ``check``, when given, is a `lightkv.config.PipelineConfig` whose schedule is checked
@@ -189,11 +218,15 @@ def load_model(source: str, *, dtype: str = "float32", device: str | None = None
     else:
         source_path = source  # a hub id (needs the network or the local cache)
     if local and not os.path.isfile(os.path.join(expanded, "config.json")):
-        raise GenerateError(f"{source}: no config.json in this directory (not a saved transformers model)")
+        raise GenerateError(
+            f"{source}: no config.json in this directory (not a saved transformers model)"
+        )
     try:
         config = AutoConfig.from_pretrained(source_path)
     except (OSError, ValueError, KeyError) as e:
-        raise GenerateError(f"cannot load the model config from {source!r}: {_first_line(e)}") from None
+        raise GenerateError(
+            f"cannot load the model config from {source!r}: {_first_line(e)}"
+        ) from None
     family = MODEL_TYPES.get(getattr(config, "model_type", None))
     if family is None:
         raise GenerateError(
@@ -211,7 +244,9 @@ def load_model(source: str, *, dtype: str = "float32", device: str | None = None
     try:
         processor = AutoProcessor.from_pretrained(source_path)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise GenerateError(f"cannot load the processor from {source!r}: {_first_line(e)}") from None
+        raise GenerateError(
+            f"cannot load the processor from {source!r}: {_first_line(e)}"
+        ) from None
     model = _load_weights(source, source_path, config, DTYPES[dtype])
     model = model.to(dev).eval()
     return Loaded(model=model, processor=processor, family=family, source=source, device=dev)
@@ -223,14 +258,20 @@ def _load_weights(source: str, path: str, config, dtype: torch.dtype):
     errors = []
     for auto in (AutoModelForImageTextToText, AutoModelForCausalLM):
         try:
-            return auto.from_pretrained(path, config=config, dtype=dtype, attn_implementation="sdpa")
+            return auto.from_pretrained(
+                path, config=config, dtype=dtype, attn_implementation="sdpa"
+            )
         except ValueError as e:  # config not in this auto class's mapping
             if "Unrecognized configuration class" in str(e):
                 errors.append(e)
                 continue
-            raise GenerateError(f"cannot load the model from {source!r}: {_first_line(e)}") from None
+            raise GenerateError(
+                f"cannot load the model from {source!r}: {_first_line(e)}"
+            ) from None
         except (OSError, RuntimeError, KeyError) as e:
-            raise GenerateError(f"cannot load the model from {source!r}: {_first_line(e)}") from None
+            raise GenerateError(
+                f"cannot load the model from {source!r}: {_first_line(e)}"
+            ) from None
     raise GenerateError(f"cannot load the model from {source!r}: {_first_line(errors[-1])}")
 
 
@@ -283,7 +324,9 @@ def build_inputs(loaded: Loaded, image, prompt: str) -> dict[str, Any]:
     img = load_image(image) if isinstance(image, (str, os.PathLike)) else image
     image_token = getattr(proc, "image_token", None)
     if getattr(proc, "chat_template", None):
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+        messages = [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}
+        ]
         try:
             text = proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # noqa: BLE001 - a template error is the checkpoint's, not a crash of ours
@@ -332,7 +375,9 @@ class _FirstTokenClock:
         pass
 
 
-def _generate(loaded: Loaded, inputs: dict[str, Any], max_new_tokens: int) -> tuple[torch.Tensor, float, float]:
+def _generate(
+    loaded: Loaded, inputs: dict[str, Any], max_new_tokens: int
+) -> tuple[torch.Tensor, float, float]:
     """One greedy generate call: ``(output ids, seconds to the first new token, seconds in all)``."""
     model = loaded.model
     pad = getattr(loaded.processor, "tokenizer", None)
@@ -342,8 +387,14 @@ def _generate(loaded: Loaded, inputs: dict[str, Any], max_new_tokens: int) -> tu
     _sync(loaded.device)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, streamer=clock,
-                             **extra)
+        out = model.generate(
+            **inputs,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            num_beams=1,
+            streamer=clock,
+            **extra,
+        )
     _sync(loaded.device)
     end = time.perf_counter()
     return out, (clock.first or end) - t0, end - t0
@@ -354,14 +405,27 @@ def _one(loaded: Loaded, inputs: dict[str, Any], max_new_tokens: int, repeats: i
     the medians of their times, both timed in each call."""
     calls = [_generate(loaded, inputs, max_new_tokens) for _ in range(repeats)]
     out = calls[0][0]
-    new = out[0, inputs["input_ids"].shape[1]:]
+    new = out[0, inputs["input_ids"].shape[1] :]
     answer = loaded.processor.decode(new, skip_special_tokens=True).strip()
-    return Run(answer=answer, new_tokens=int(new.shape[0]), ttft_s=statistics.median(c[1] for c in calls),
-               total_s=statistics.median(c[2] for c in calls), repeats=repeats)
+    return Run(
+        answer=answer,
+        new_tokens=int(new.shape[0]),
+        ttft_s=statistics.median(c[1] for c in calls),
+        total_s=statistics.median(c[2] for c in calls),
+        repeats=repeats,
+    )
 
 
-def run(loaded: Loaded, inputs: dict[str, Any], pipeline, *, compare: bool = False, max_new_tokens: int = 32,
-        warmup: bool = True, repeats: int = 3) -> GenerateResult:
+def run(
+    loaded: Loaded,
+    inputs: dict[str, Any],
+    pipeline,
+    *,
+    compare: bool = False,
+    max_new_tokens: int = 32,
+    warmup: bool = True,
+    repeats: int = 3,
+) -> GenerateResult:
     """Greedy generation with ``pipeline`` compressing the prefill (and without, with
     ``compare``); times are medians over ``repeats`` generate calls per variant.
 
@@ -379,7 +443,9 @@ def run(loaded: Loaded, inputs: dict[str, Any], pipeline, *, compare: bool = Fal
     except (ValueError, TypeError) as e:
         raise GenerateError(f"cannot compress this model: {_first_line(e)}") from None
     if not 1 <= int(repeats) <= MAX_REPEATS:
-        raise GenerateError(f"repeats must be in [1, {MAX_REPEATS}] (each is a whole generation), got {repeats!r}")
+        raise GenerateError(
+            f"repeats must be in [1, {MAX_REPEATS}] (each is a whole generation), got {repeats!r}"
+        )
     if warmup:  # first calls pay one-off costs (allocations, kernels); keep them out of the timings
         _generate(loaded, inputs, 1)
     baseline = _one(loaded, inputs, max_new_tokens, repeats) if compare else None

@@ -23,8 +23,8 @@ from .graph.scatter import right_align
 from .policies.hashing import token_identity
 from .policies.inputs import StageInputs
 from .policies.partitioners import GridPartitioner, Partitioner
-from .policies.prompt import Prompt
 from .policies.passers import MessagePasser, RelevanceWeightedMean
+from .policies.prompt import Prompt
 from .policies.pruners import PruneInputs, Pruner, SmallestDivergence
 from .policies.relevance import QueryAxisSoftmax, Relevance
 from .policies.schedulers import ExplicitSchedule, Scheduler, StageSpec
@@ -120,8 +120,13 @@ class Stage:
                 out |= policy.needs
         return out
 
-    def relevance_scores(self, queries: torch.Tensor | None, keys: torch.Tensor | None, layout: VisionLayout,
-                         **context: object) -> torch.Tensor:
+    def relevance_scores(
+        self,
+        queries: torch.Tensor | None,
+        keys: torch.Tensor | None,
+        layout: VisionLayout,
+        **context: object,
+    ) -> torch.Tensor:
         """ξ ``[B, N]`` for this stage from a layer's queries and keys (what adapters call):
         the stage's `relevance` policy, given only the context it reads (``prompt=`` when it
         `reads_prompt`, ``tower=`` when it `reads_tower`, ``hidden=`` when it
@@ -154,7 +159,9 @@ class Stage:
             a `StageResult`.
         """
         if not isinstance(hidden, torch.Tensor) or not isinstance(layout, VisionLayout):
-            raise TypeError("Stage expects (hidden: torch.Tensor [B, N, D], layout: VisionLayout, ...)")
+            raise TypeError(
+                "Stage expects (hidden: torch.Tensor [B, N, D], layout: VisionLayout, ...)"
+            )
         return self.run(StageInputs(layout, self.spec, hidden, relevance, keys, provenance, prompt))
 
     def run(self, inputs: StageInputs) -> StageResult:
@@ -168,13 +175,20 @@ class Stage:
         inputs.check()
         for name in sorted(self.needs):
             inputs.features(name)  # a clear error now, not deep inside a policy
-        hidden, layout, relevance, provenance = inputs.hidden, inputs.layout, inputs.relevance, inputs.provenance
+        hidden, layout, relevance, provenance = (
+            inputs.hidden,
+            inputs.layout,
+            inputs.relevance,
+            inputs.provenance,
+        )
         b, n, _ = hidden.shape
         if provenance is None:
             provenance = Provenance.identity(b, n, hidden.device)
             inputs = replace(inputs, provenance=provenance)
         elif provenance.current_len != n or provenance.owner.shape[0] != b:
-            raise ValueError("provenance does not describe the current sequence (length or batch size differ)")
+            raise ValueError(
+                "provenance does not describe the current sequence (length or batch size differ)"
+            )
         if self.spec.removal_ratio == 0.0:
             return self._identity(hidden, layout, provenance)
 
@@ -188,7 +202,11 @@ class Stage:
         tokens = hidden.reshape(b * n, hidden.shape[-1])
         node_token = graph.node_row * n + graph.node_pos
         self._check_finite(tokens, node_token)
-        xi = graph.gather(relevance).to(acc) if relevance is not None else hidden.new_ones(graph.num_nodes, dtype=acc)
+        xi = (
+            graph.gather(relevance).to(acc)
+            if relevance is not None
+            else hidden.new_ones(graph.num_nodes, dtype=acc)
+        )
         if not torch.isfinite(xi).all() or (xi < 0).any():
             raise ValueError("relevance of vision tokens must be finite and non-negative")
         size = graph.gather(provenance.sizes())
@@ -220,8 +238,12 @@ class Stage:
             # is a source or a destination)
             xi_t = xi.new_zeros(b * n).index_put_((node_token,), xi)
             size_t = size.new_zeros(b * n).index_put_((node_token,), size)
-            merged = dst >= 0  # a window with no survivor has nothing to merge into: its tokens leave
-            receivers, new = self.passer(tokens, xi_t, size_t, node_token[src[merged]], node_token[dst[merged]])
+            merged = (
+                dst >= 0
+            )  # a window with no survivor has nothing to merge into: its tokens leave
+            receivers, new = self.passer(
+                tokens, xi_t, size_t, node_token[src[merged]], node_token[dst[merged]]
+            )
         else:
             dst = torch.full_like(dst, -1)
             receivers, new = dst[:0], tokens[:0].to(acc)
@@ -239,7 +261,9 @@ class Stage:
         if rows.numel() and not torch.isfinite(tokens[rows]).all():
             raise ValueError("hidden states of vision tokens contain NaN or inf")
 
-    def _identity(self, hidden: torch.Tensor, layout: VisionLayout, provenance: Provenance) -> StageResult:
+    def _identity(
+        self, hidden: torch.Tensor, layout: VisionLayout, provenance: Provenance
+    ) -> StageResult:
         b, n, _ = hidden.shape
         index = torch.arange(n, device=hidden.device).expand(b, n).clone()
         return StageResult(hidden, layout, index, provenance, index)
@@ -328,11 +352,17 @@ class Pipeline:
 
     def __post_init__(self) -> None:
         if not isinstance(self.released_quirks, ReleasedQuirks):
-            raise TypeError(f"released_quirks must be a lightkv.quirks.ReleasedQuirks, got {self.released_quirks!r}")
+            raise TypeError(
+                f"released_quirks must be a lightkv.quirks.ReleasedQuirks, got {self.released_quirks!r}"
+            )
         if self.layout not in ("native", "reference"):
-            raise ValueError(f"unknown layout {self.layout!r}; choose 'native' (lightkv) or 'reference' (authors' code)")
+            raise ValueError(
+                f"unknown layout {self.layout!r}; choose 'native' (lightkv) or 'reference' (authors' code)"
+            )
         if not isinstance(self.proportional_attention, bool):
-            raise TypeError(f"proportional_attention must be True or False, got {self.proportional_attention!r}")
+            raise TypeError(
+                f"proportional_attention must be True or False, got {self.proportional_attention!r}"
+            )
         check_memory(self.divergence_memory_mib)
 
     def stages(self, num_layers: int) -> list[Stage]:
@@ -352,9 +382,13 @@ class Pipeline:
             )
             unknown = set(self.stage_overrides.get(i, {})) - set(policies)
             if unknown:
-                raise ValueError(f"stage_overrides[{i}] names unknown field(s) {sorted(unknown)}; allowed: {sorted(policies)}")
+                raise ValueError(
+                    f"stage_overrides[{i}] names unknown field(s) {sorted(unknown)}; allowed: {sorted(policies)}"
+                )
             policies.update(self.stage_overrides.get(i, {}))
-            stages.append(Stage(spec=spec, divergence_memory_mib=self.divergence_memory_mib, **policies))
+            stages.append(
+                Stage(spec=spec, divergence_memory_mib=self.divergence_memory_mib, **policies)
+            )
         return stages
 
     def run(
@@ -379,8 +413,10 @@ class Pipeline:
         results, provenance = [], None
         stages = self.stages(num_layers)
         if any(s.spec.mode == "cache" for s in stages):
-            raise ValueError("this pipeline's stages run on a layer's cached keys and values after prefill, not on "
-                             "hidden states: use lightkv.cache_stage.CacheStage (or lightkv.apply on a model)")
+            raise ValueError(
+                "this pipeline's stages run on a layer's cached keys and values after prefill, not on "
+                "hidden states: use lightkv.cache_stage.CacheStage (or lightkv.apply on a model)"
+            )
         for stage in stages:
             res = stage(hidden, layout, relevance, provenance, keys, prompt)
             hole = res.kept_index < 0
@@ -395,6 +431,6 @@ class Pipeline:
             results.append(res)
         return results
 
-    def with_scheduler(self, scheduler: Scheduler) -> "Pipeline":
+    def with_scheduler(self, scheduler: Scheduler) -> Pipeline:
         """A copy with another scheduler."""
         return replace(self, scheduler=scheduler)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -11,8 +12,17 @@ from hypothesis import HealthCheck, settings
 # gains (about 30x slower forwards on a shared 2-core machine).
 torch.set_num_threads(1)
 
-settings.register_profile("default", deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture], derandomize=True)
+settings.register_profile(
+    "default",
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.register_profile(
+    "ci",
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    derandomize=True,
+)
 settings.load_profile("ci")
 
 
@@ -39,8 +49,12 @@ def quanto(request):
         import optimum.quanto as module
     except ImportError as e:
         if request.config.getoption("--require-quant"):
-            pytest.fail(f"optimum-quanto is required for this run (--require-quant) but cannot import: {e}")
-        pytest.skip("optimum-quanto is not installed (`make test-quant` installs the [quant] extra)")
+            pytest.fail(
+                f"optimum-quanto is required for this run (--require-quant) but cannot import: {e}"
+            )
+        pytest.skip(
+            "optimum-quanto is not installed (`make test-quant` installs the [quant] extra)"
+        )
     return module
 
 
@@ -48,6 +62,8 @@ def quanto(request):
 def torch_scatter_available(request):
     if importlib.util.find_spec("torch_scatter") is None:
         if request.config.getoption("--require-scatter"):
-            pytest.fail("torch-scatter is required for this run (--require-scatter) but not importable")
+            pytest.fail(
+                "torch-scatter is required for this run (--require-scatter) but not importable"
+            )
         pytest.skip("torch-scatter not installed (run `make test-scatter`)")
     return True

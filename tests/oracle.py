@@ -39,12 +39,18 @@ def band_of(index: int, lengths: list[int]) -> int:
     raise AssertionError(f"cell {index} is beyond the side ({end} cells)")
 
 
-def window_of(r: int, c: int, h: int, w: int, windows_per_side: int, rule: str = "proportional") -> tuple[int, int]:
+def window_of(
+    r: int, c: int, h: int, w: int, windows_per_side: int, rule: str = "proportional"
+) -> tuple[int, int]:
     """True 2-D window of cell (r, c) on an h x w grid."""
-    return band_of(r, band_lengths(h, windows_per_side, rule)), band_of(c, band_lengths(w, windows_per_side, rule))
+    return band_of(r, band_lengths(h, windows_per_side, rule)), band_of(
+        c, band_lengths(w, windows_per_side, rule)
+    )
 
 
-def pseudo_square_window(k: int, n: int, windows_per_side: int, rule: str = "leading") -> tuple[int, int]:
+def pseudo_square_window(
+    k: int, n: int, windows_per_side: int, rule: str = "leading"
+) -> tuple[int, int]:
     """The k-th of n tokens laid row-major into the smallest square that holds them."""
     side = 1
     while side * side < n:
@@ -61,7 +67,15 @@ def cosine_divergence(a: list[float], b: list[float]) -> float:
 
 
 def oracle_stage(
-    hidden, layout, relevance, ratio, windows_per_side, pseudo_square=False, bands=None, cap="sources", min_tokens=0
+    hidden,
+    layout,
+    relevance,
+    ratio,
+    windows_per_side,
+    pseudo_square=False,
+    bands=None,
+    cap="sources",
+    min_tokens=0,
 ):
     """Returns, per row, (kept positions in the input sequence, new features as a list of
     lists, {kept position: sorted list of absorbed input positions}).
@@ -86,7 +100,9 @@ def oracle_stage(
         for i, k in enumerate(kind[b]):
             if k == VISION:
                 per_image.setdefault(image[b][i], []).append(i)
-        if min_tokens and any(len(m) < min_tokens * windows_per_side**2 for m in per_image.values()):
+        if min_tokens and any(
+            len(m) < min_tokens * windows_per_side**2 for m in per_image.values()
+        ):
             kept = list(range(len(kind[b])))
             rows.append((kept, [x[i] for i in kept], {i: [i] for i in kept}))
             continue
@@ -130,7 +146,10 @@ def oracle_stage(
                     weights = [1.0] * len(weights)
                 feats = [x[dst]] + [x[s] for s in srcs]
                 total = sum(weights)
-                new_x[dst] = [sum(wt * f[d] for wt, f in zip(weights, feats)) / total for d in range(len(x[dst]))]
+                new_x[dst] = [
+                    sum(wt * f[d] for wt, f in zip(weights, feats)) / total
+                    for d in range(len(x[dst]))
+                ]
                 absorbed[dst] = sorted([dst] + srcs)
         kept = [i for i in range(len(kind[b])) if i not in removed]
         rows.append((kept, [new_x[i] for i in kept], {i: absorbed[i] for i in kept}))

@@ -44,7 +44,7 @@ def batches(draw, max_rows=3, max_images=3, max_side=9, newlines=True, padding=T
         shift = n - lengths[b] if padding else 0
         pad[b, :shift] = True
         if not padding:
-            pad[b, lengths[b]:] = True
+            pad[b, lengths[b] :] = True
         segments += [ImageSegment(s.row, s.offset + shift, s.grid, s.newline_every) for s in segs]
     layout = VisionLayout.from_segments(rows, n, segments, padding_mask=pad)
     seed = draw(st.integers(0, 2**31 - 1))

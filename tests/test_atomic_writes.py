@@ -54,7 +54,7 @@ def test_text_bytes_and_writers_land_whole_with_the_usual_mode(tmp_path):
 
 def test_a_figure_that_fails_to_render_keeps_the_old_picture(tmp_path):
     pytest.importorskip("matplotlib")
-    from lightkv import vis
+    from lightkv_lab import vis
 
     path = tmp_path / "lightkv-demo-provenance.png"
     path.write_bytes(b"old picture")
@@ -70,7 +70,7 @@ def test_a_figure_that_fails_to_render_keeps_the_old_picture(tmp_path):
 def test_a_report_that_fails_to_render_writes_neither_file(tmp_path, monkeypatch):
     """The JSON and the markdown are both rendered before either is written: a failure in
     the second (as the ablation's ``KeyError`` was) keeps the first as it was."""
-    from lightkv.bench.efficiency import report
+    from lightkv_lab.bench.efficiency import report
 
     (tmp_path / "efficiency.json").write_text('{"good": 1}\n')
 
@@ -97,7 +97,9 @@ def test_to_yaml_on_a_failing_writer_keeps_the_old_file(tmp_path, monkeypatch):
     monkeypatch.setattr(config_pipeline, "write_atomic", fails)
     with pytest.raises(OSError):
         lightkv.load_config("lightkv").to_yaml(path)
-    assert path.read_text() == "old: yes\n" and sorted(p.name for p in tmp_path.iterdir()) == ["mine.yaml"]
+    assert path.read_text() == "old: yes\n" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "mine.yaml"
+    ]
 
 
 @pytest.fixture
@@ -106,8 +108,11 @@ def small_tmpfs(tmp_path):
     where = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
     where.mkdir()
     try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)],
-                              capture_output=True, timeout=10)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)],
+            capture_output=True,
+            timeout=10,
+        )
     except (OSError, subprocess.TimeoutExpired):
         pytest.skip("mount is not available")
     if done.returncode != 0:
@@ -119,7 +124,7 @@ def small_tmpfs(tmp_path):
 
 
 def test_a_full_tmpfs_keeps_the_previous_scaling_results(small_tmpfs):
-    from lightkv.bench.efficiency import scaling as sc
+    from lightkv_lab.bench.efficiency import scaling as sc
 
     result = {"config": {"sides": [4]}, "stage": {"points": [], "exponents": {}}}
     try:
@@ -145,9 +150,13 @@ def test_a_benchmark_on_a_full_disk_keeps_the_older_results(small_tmpfs, capsys)
         (small_tmpfs / name).write_bytes(data)
     free = os.statvfs(small_tmpfs)
     (small_tmpfs / "filler").write_bytes(b"x" * max(0, free.f_bavail * free.f_frsize - 512))
-    code = main(["bench", "scaling", "--quick", "--no-prefill", "--no-plots", "--out", str(small_tmpfs)])
+    code = main(
+        ["bench", "scaling", "--quick", "--no-prefill", "--no-plots", "--out", str(small_tmpfs)]
+    )
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and err[-1] == (f"lightkv: error: cannot write {small_tmpfs / 'scaling.json'}: No space left on "
-                                     "device; any previous file there is unchanged"), err
+    assert code == 2 and err[-1] == (
+        f"lightkv: error: cannot write {small_tmpfs / 'scaling.json'}: No space left on "
+        "device; any previous file there is unchanged"
+    ), err
     assert {name: (small_tmpfs / name).read_bytes() for name in old} == old
     assert sorted(p.name for p in small_tmpfs.iterdir()) == ["filler", "scaling.json", "scaling.md"]

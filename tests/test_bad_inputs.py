@@ -74,7 +74,11 @@ def test_huge_files_are_refused_before_reading(tmp_path, capsys):
 
 def test_bad_values_are_described_briefly_whatever_their_size(tmp_path):
     path = tmp_path / "long.yaml"
-    path.write_text("name: x\nschedule: {layers: [1], removal_ratios: [0.5]}\npartitioner: [" + ", ".join(["1"] * 5000) + "]\n")
+    path.write_text(
+        "name: x\nschedule: {layers: [1], removal_ratios: [0.5]}\npartitioner: ["
+        + ", ".join(["1"] * 5000)
+        + "]\n"
+    )
     msg, took = _timed_error(path)
     assert took < 1.0 and len(msg) < 300 and "..." in msg
 
@@ -119,15 +123,19 @@ def test_non_utf8_files_are_named(tmp_path, capsys):
 def test_presets_still_load_through_the_checks():
     from lightkv.presets import PRESETS
 
-    for name, preset in PRESETS.items():
+    for preset in PRESETS.values():
         assert PipelineConfig.from_yaml_text(preset.config.to_yaml()) == preset.config
 
 
 def test_a_slipped_key_suggests_the_field_it_starts():
     from lightkv.config import _did_you_mean
 
-    with pytest.raises(ConfigError, match="unknown field 'windowz'; did you mean 'windows_per_side'"):
-        PipelineConfig.from_dict({"schedule": {"layers": [1], "removal_ratios": [0.5], "windowz": [2]}})
+    with pytest.raises(
+        ConfigError, match="unknown field 'windowz'; did you mean 'windows_per_side'"
+    ):
+        PipelineConfig.from_dict(
+            {"schedule": {"layers": [1], "removal_ratios": [0.5], "windowz": [2]}}
+        )
     assert "'split'" in _did_you_mean("splitt", ["split", "seed"])
     assert "'grid'" in _did_you_mean("gird", ["grid", "global", "pseudo_square"])
     assert "'window_size'" in _did_you_mean("window_sise", ["window_size", "windows_per_side"])
@@ -140,7 +148,9 @@ def test_a_decompression_bomb_image_is_one_line(tmp_path, monkeypatch):
 
     path = tmp_path / "huge.png"
     Image.new("RGB", (40, 40)).save(path)
-    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # 1,600 pixels is then a "bomb", as 20000 x 20000 is
+    monkeypatch.setattr(
+        Image, "MAX_IMAGE_PIXELS", 100
+    )  # 1,600 pixels is then a "bomb", as 20000 x 20000 is
     with pytest.raises(g.GenerateError, match="too large to decode safely"):
         g.load_image(path)
 
@@ -161,7 +171,12 @@ def test_stages_demo_checks_out_before_any_output(tmp_path, capsys):
     target.write_text("x")
     code = main(["stages-demo", "--out", str(target)])
     out, err = capsys.readouterr()
-    assert code == 2 and out == "" and f"--out {target}: not a directory" in err and "Traceback" not in err
+    assert (
+        code == 2
+        and out == ""
+        and f"--out {target}: not a directory" in err
+        and "Traceback" not in err
+    )
 
 
 def test_a_missing_extra_is_named_in_one_line(capsys, monkeypatch):
@@ -172,4 +187,4 @@ def test_a_missing_extra_is_named_in_one_line(capsys, monkeypatch):
 
     monkeypatch.setattr(cli, "_cmd_presets", needs_skimage)
     code, line = _one_line(capsys, "presets")
-    assert code == 2 and "pip install 'lightkv[demo]'" in line
+    assert code == 2 and "pip install 'lightkv-lab'" in line

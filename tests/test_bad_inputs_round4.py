@@ -17,19 +17,24 @@ def _one_line(capsys) -> str:
 
 
 # ---------------------------------------------------------------------------- item 5: one kept-fraction range
-@pytest.mark.parametrize("command", [["bench", "quality"], ["bench", "ablation"], ["bench", "efficiency", "--quick"]])
+@pytest.mark.parametrize(
+    "command", [["bench", "quality"], ["bench", "ablation"], ["bench", "efficiency", "--quick"]]
+)
 @pytest.mark.parametrize("value", ["1e-300", "0", "1.5", "nan", "-0.5"])
 def test_every_benchmark_takes_kept_fractions_in_one_range(command, value, capsys):
     assert main([*command, "--kept-fractions", "0.5", value]) == 2
     line = _one_line(capsys)
-    assert line.startswith("lightkv: error: --kept-fractions takes kept fractions in [0.01, 1]") and value in line
+    assert (
+        line.startswith("lightkv: error: --kept-fractions takes kept fractions in [0.01, 1]")
+        and value in line
+    )
 
 
 @pytest.mark.parametrize("command", [["bench", "quality"], ["bench", "ablation"]])
 def test_one_is_a_kept_fraction_everywhere(command, monkeypatch, tmp_path, capsys):
     """(0, 1) in the ablation and efficiency benchmarks, (0, 1] in the quality one: now the
     same range; the run itself is cut short here, after the checks."""
-    from lightkv.bench import ablation, quality
+    from lightkv_lab.bench import ablation, quality
 
     def stop(*a, **k):
         raise ValueError("stopped after the checks")
@@ -41,14 +46,16 @@ def test_one_is_a_kept_fraction_everywhere(command, monkeypatch, tmp_path, capsy
 
 
 def test_the_range_is_one_function():
-    from lightkv.bench.budgets import MIN_KEPT_FRACTION, check_kept_fractions
-    from lightkv.bench.efficiency import BenchConfig
+    from lightkv_lab.bench.budgets import MIN_KEPT_FRACTION, check_kept_fractions
+    from lightkv_lab.bench.efficiency import BenchConfig
 
     assert check_kept_fractions([0.5, 1, 0.5, MIN_KEPT_FRACTION]) == (0.5, 1.0, MIN_KEPT_FRACTION)
     for bad in (0.0, 1e-300, 1.0001, math.nan):
         with pytest.raises(ValueError, match=r"in \[0.01, 1\]"):
             check_kept_fractions([bad])
-    with pytest.raises(ValueError, match=r"budgets \(--kept-fractions\) takes kept fractions in \[0.01, 1\]"):
+    with pytest.raises(
+        ValueError, match=r"budgets \(--kept-fractions\) takes kept fractions in \[0.01, 1\]"
+    ):
         BenchConfig(budgets=(1e-300,))
     assert BenchConfig(budgets=(1.0, 0.5, 0.5)).budgets == (1.0, 0.5)
 
@@ -56,22 +63,29 @@ def test_the_range_is_one_function():
 # ---------------------------------------------------------------------------- item 4: tracebacks
 def test_a_kept_fraction_preset_goes_to_a_budget():
     """``bench efficiency --presets lightkv-budget --kept-fractions 0.5`` was a TypeError."""
-    from lightkv.bench.budgets import method_pipeline
+    from lightkv_lab.bench.budgets import method_pipeline
+
     from lightkv.policies import average_kept_fraction
 
-    for target in (0.55, 0.3, 0.11):  # placed as lightkv is (0.11 is below both: "min", the benchmark says so)
+    for target in (
+        0.55,
+        0.3,
+        0.11,
+    ):  # placed as lightkv is (0.11 is below both: "min", the benchmark says so)
         pipe, how = method_pipeline("lightkv-budget", 12, target)
         light, light_how = method_pipeline("lightkv", 12, target)
         kept = average_kept_fraction(pipe.scheduler.plan(12), 12)
-        assert how == light_how and kept == pytest.approx(average_kept_fraction(light.scheduler.plan(12), 12), abs=0.02)
+        assert how == light_how and kept == pytest.approx(
+            average_kept_fraction(light.scheduler.plan(12), 12), abs=0.02
+        )
         assert kept == pytest.approx(target, abs=0.02) or how == "min"
 
 
 def test_a_schedule_that_cannot_take_a_budget_is_a_value_error_naming_the_preset(monkeypatch):
-    from lightkv.bench import budgets
-    from lightkv.policies import ScaledSchedule
+    from lightkv_lab.bench import budgets
 
     import lightkv.presets as presets
+    from lightkv.policies import ScaledSchedule
 
     odd = presets.get_preset("lightkv").with_scheduler(ScaledSchedule())
     monkeypatch.setattr(presets, "get_preset", lambda name: odd)
@@ -82,38 +96,62 @@ def test_a_schedule_that_cannot_take_a_budget_is_a_value_error_naming_the_preset
 def test_the_ablation_table_of_a_short_run_that_missed_question_types():
     """``bench ablation --episodes 2`` ended in ``KeyError: 'exists'`` after the whole run
     (no .md, no .png): a type the run never asked shows as "-"."""
-    from lightkv.bench.ablation import _detail, markdown_table
+    from lightkv_lab.bench.ablation import _detail, markdown_table
 
-    row = {"method": "tome", "target": 0.55, "kept_fraction": 0.56, "accuracy": {"what": 1.0, "overall": 1.0},
-           "kl": {"overall": 1e-6}}
-    model = {"name": "digitgrid", "task": "digitgrid", "vision_tokens": 64, "layers": 4,
-             "qtypes": ["what", "exists"], "detail_qtypes": ["what", "exists"],
-             "uncompressed": {**row, "method": "uncompressed"}, "rows": [row]}
+    row = {
+        "method": "tome",
+        "target": 0.55,
+        "kept_fraction": 0.56,
+        "accuracy": {"what": 1.0, "overall": 1.0},
+        "kl": {"overall": 1e-6},
+    }
+    model = {
+        "name": "digitgrid",
+        "task": "digitgrid",
+        "vision_tokens": 64,
+        "layers": 4,
+        "qtypes": ["what", "exists"],
+        "detail_qtypes": ["what", "exists"],
+        "uncompressed": {**row, "method": "uncompressed"},
+        "rows": [row],
+    }
     md = markdown_table({"config": {"episodes": 2, "targets": [0.55]}, "models": [model]})
     assert "| tome | 0.560 | 1.000 | - |" in md and "exists -" in md
     assert _detail(row, model) == 1.0 and math.isnan(_detail({"accuracy": {}}, model))
 
 
-@pytest.mark.parametrize("frames, message", [
-    (10**30, r"frames must be an integer in \[0, 65536\]"),
-    (True, "valid integer, got True"),
-])
+@pytest.mark.parametrize(
+    "frames, message",
+    [
+        (10**30, r"frames must be an integer in \[0, 65536\]"),
+        (True, "valid integer, got True"),
+    ],
+)
 def test_spatiotemporal_frames_out_of_range_or_a_bool(frames, message):
     from lightkv.config import ConfigError, PipelineConfig
 
     with pytest.raises(ConfigError, match=message):
-        PipelineConfig.from_dict({"name": "x", "schedule": {"layers": [1], "removal_ratios": [0.5]},
-                                  "partitioner": {"name": "spatiotemporal", "params": {"frames": frames}}})
+        PipelineConfig.from_dict(
+            {
+                "name": "x",
+                "schedule": {"layers": [1], "removal_ratios": [0.5]},
+                "partitioner": {"name": "spatiotemporal", "params": {"frames": frames}},
+            }
+        )
 
 
 def test_a_layer_index_past_any_decoder_is_refused():
     from lightkv.config import ConfigError, PipelineConfig
     from lightkv.policies import StageSpec
 
-    with pytest.raises(ValueError, match=r"stage layer must be an integer in \[0, 10000\), got 10+"):
+    with pytest.raises(
+        ValueError, match=r"stage layer must be an integer in \[0, 10000\), got 10+"
+    ):
         StageSpec(10**23, 0.5, windows_per_side=1)
     with pytest.raises(ConfigError, match="stage layer must be an integer"):
-        PipelineConfig.from_dict({"name": "x", "schedule": {"layers": [10**23], "removal_ratios": [0.5]}}).build()
+        PipelineConfig.from_dict(
+            {"name": "x", "schedule": {"layers": [10**23], "removal_ratios": [0.5]}}
+        ).build()
 
 
 def test_mode_and_policy_registration_refuse_no_name_and_the_base_class():
@@ -135,25 +173,34 @@ def test_mode_and_policy_registration_refuse_no_name_and_the_base_class():
 
 
 # ---------------------------------------------------------------------------- item 3: list lengths
-@pytest.mark.parametrize("argv, option, limit", [
-    (["bench", "quality", "--methods"], "--methods", 64),
-    (["bench", "efficiency", "--quick", "--presets"], "--presets", 64),
-    (["bench", "efficiency", "--quick", "--models"], "--models", 64),
-    (["bench", "ablation", "--baselines"], "--baselines", 64),
-])
+@pytest.mark.parametrize(
+    "argv, option, limit",
+    [
+        (["bench", "quality", "--methods"], "--methods", 64),
+        (["bench", "efficiency", "--quick", "--presets"], "--presets", 64),
+        (["bench", "efficiency", "--quick", "--models"], "--models", 64),
+        (["bench", "ablation", "--baselines"], "--baselines", 64),
+    ],
+)
 def test_long_name_lists_are_refused_with_the_limit(argv, option, limit, capsys):
     assert main([*argv, *(f"name{i}" for i in range(100_000))]) == 2
-    assert _one_line(capsys) == f"lightkv: error: {option} takes at most {limit} distinct values, got 100,000"
+    assert (
+        _one_line(capsys)
+        == f"lightkv: error: {option} takes at most {limit} distinct values, got 100,000"
+    )
 
 
 def test_long_kept_fraction_lists_are_refused_with_the_limit(capsys):
     values = [f"{0.5 + i / 1e6:.6f}" for i in range(100_000)]
     assert main(["bench", "efficiency", "--quick", "--kept-fractions", *values]) == 2
-    assert _one_line(capsys) == "lightkv: error: --kept-fractions takes at most 16 distinct values, got 100,000"
+    assert (
+        _one_line(capsys)
+        == "lightkv: error: --kept-fractions takes at most 16 distinct values, got 100,000"
+    )
 
 
 def test_duplicates_are_merged_with_a_note(monkeypatch, tmp_path, capsys):
-    from lightkv.bench import quality
+    from lightkv_lab.bench import quality
 
     seen = {}
 
@@ -162,8 +209,17 @@ def test_duplicates_are_merged_with_a_note(monkeypatch, tmp_path, capsys):
         raise ValueError("stopped")
 
     monkeypatch.setattr(quality, "run", stop)
-    argv = ["bench", "quality", "--out", str(tmp_path), "--methods", *["lightkv"] * 50_000, "tome",
-            "--kept-fractions", *["0.55"] * 50_000]
+    argv = [
+        "bench",
+        "quality",
+        "--out",
+        str(tmp_path),
+        "--methods",
+        *["lightkv"] * 50_000,
+        "tome",
+        "--kept-fractions",
+        *["0.55"] * 50_000,
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "lightkv: note: --methods: 49,999 repeated value(s) merged; running lightkv tome" in err
@@ -176,7 +232,7 @@ def test_the_memory_child_reads_its_job_from_stdin(monkeypatch):
     long lists ended in ``OSError: Argument list too long``."""
     import subprocess
 
-    from lightkv.bench.efficiency import measure, shapes
+    from lightkv_lab.bench.efficiency import measure, shapes
 
     calls = {}
 
@@ -197,14 +253,20 @@ def test_the_memory_child_reads_its_job_from_stdin(monkeypatch):
 def test_every_bad_stage_override_is_reported(tmp_path, capsys):
     """Three bad fields in stage overrides were reported as one (the first of the mapping)."""
     path = tmp_path / "three.yaml"
-    path.write_text("name: x\nschedule: {layers: [1, 2], removal_ratios: [0.5], windows_per_side: [2, 1]}\n"
-                    "stage_overrides: {0: {scorer: nosuch, pruner: nosuch}, 1: {passer: nosuch}}\n"
-                    "proportional_attention: 7\n")
+    path.write_text(
+        "name: x\nschedule: {layers: [1, 2], removal_ratios: [0.5], windows_per_side: [2, 1]}\n"
+        "stage_overrides: {0: {scorer: nosuch, pruner: nosuch}, 1: {passer: nosuch}}\n"
+        "proportional_attention: 7\n"
+    )
     assert main(["config", "validate", str(path)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     where = [line.split(f"{path}: ")[1].split(":")[0] for line in err]
-    assert where == ["stage_overrides.0.scorer.name", "stage_overrides.0.pruner.name", "stage_overrides.1.passer.name",
-                     "proportional_attention"], err
+    assert where == [
+        "stage_overrides.0.scorer.name",
+        "stage_overrides.0.pruner.name",
+        "stage_overrides.1.passer.name",
+        "proportional_attention",
+    ], err
 
 
 def test_a_directory_given_as_a_pipeline_is_called_a_directory(tmp_path, capsys):

@@ -6,16 +6,24 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from lightkv.bench import ablation as ab
-from lightkv.bench.quality import method_pipeline
+from lightkv_lab.bench import ablation as ab
+from lightkv_lab.bench.quality import method_pipeline
 
 
 @pytest.fixture(scope="module")
 def result():
-    return ab.run(ab.AblationConfig(models=("digitgrid",), episodes=12, targets=(0.55,),
-                                    variants=("size-aware messages", "relevance split"),
-                                    baselines=("lightkv", "tome"), batch=12, bootstrap=200), progress=False)
+    return ab.run(
+        ab.AblationConfig(
+            models=("digitgrid",),
+            episodes=12,
+            targets=(0.55,),
+            variants=("size-aware messages", "relevance split"),
+            baselines=("lightkv", "tome"),
+            batch=12,
+            bootstrap=200,
+        ),
+        progress=False,
+    )
 
 
 @pytest.mark.parametrize("name", list(ab.VARIANTS))
@@ -23,7 +31,14 @@ def test_a_variant_swaps_only_its_parts(name):
     ref, how = method_pipeline("lightkv", 8, 0.55)
     var, vhow = ab.variant_pipeline(name, 8, 0.55)
     assert vhow == how and var.scheduler == ref.scheduler  # same budget, same stages
-    for family in ("partitioner", "scorer", "pruner", "passer", "relevance", "proportional_attention"):
+    for family in (
+        "partitioner",
+        "scorer",
+        "pruner",
+        "passer",
+        "relevance",
+        "proportional_attention",
+    ):
         swapped = family in ab.VARIANTS[name]
         assert (getattr(var, family) != getattr(ref, family)) == swapped, family
         if swapped and family != "proportional_attention":
@@ -38,7 +53,12 @@ def test_unknown_variant_is_refused_by_name():
 def test_rows_cover_every_method_on_the_same_conversations(result):
     (m,) = result["models"]
     methods = [r["method"] for r in m["rows"]]
-    assert methods == ["lightkv", "tome", "lightkv (size-aware messages)", "lightkv (relevance split)"]
+    assert methods == [
+        "lightkv",
+        "tome",
+        "lightkv (size-aware messages)",
+        "lightkv (relevance split)",
+    ]
     assert {r["target"] for r in m["rows"]} == {0.55}
     light = m["rows"][0]
     assert "vs_lightkv" not in light  # lightkv is the reference of the intervals
@@ -52,7 +72,9 @@ def test_rows_cover_every_method_on_the_same_conversations(result):
 def test_outputs(result, tmp_path):
     paths = ab.write_outputs(result, tmp_path)
     assert [p.name for p in paths] == ["ablation.json", "ablation.md", "ablation.png"]
-    assert json.loads(paths[0].read_text())["models"][0]["rows"] == json.loads(json.dumps(result["models"][0]["rows"]))
+    assert json.loads(paths[0].read_text())["models"][0]["rows"] == json.loads(
+        json.dumps(result["models"][0]["rows"])
+    )
     md = paths[1].read_text()
     assert "| lightkv (relevance split) |" in md and "At 55% kept" in md
     assert paths[2].stat().st_size > 0

@@ -5,8 +5,8 @@ required under ``--require-quant``, as `make test-quant` runs them in CI)."""
 from __future__ import annotations
 
 import pytest
+from lightkv_lab.bench.efficiency import kvquant as kq
 
-from lightkv.bench.efficiency import kvquant as kq
 from lightkv.cli import main
 
 
@@ -39,7 +39,9 @@ def test_config_errors(capsys, tmp_path):
 
 
 def test_quanto_rows_compose_with_lightkv(quanto):
-    res = kq.run_kvquant(kq.KVQuantConfig(models=("llava",), backends=("quanto-4",), layers=6, heads=1))
+    res = kq.run_kvquant(
+        kq.KVQuantConfig(models=("llava",), backends=("quanto-4",), layers=6, heads=1)
+    )
     r = res["models"]["llava"]["ratio"]
     assert r["quanto-4"] < 0.5  # 4-bit entries plus scales and the full-precision residual
     assert r["quanto-4+lightkv"] < r["quanto-4"] < r["dynamic"]

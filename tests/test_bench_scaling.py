@@ -9,13 +9,16 @@ import math
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from lightkv_lab.bench.efficiency import scaling as sc
 
-from lightkv.bench.efficiency import scaling as sc
 from lightkv.cli import main
 
 
-@given(k=st.floats(-2, 3), c=st.floats(1e-3, 1e3),
-       ns=st.lists(st.integers(2, 10**5), min_size=2, max_size=6, unique=True))
+@given(
+    k=st.floats(-2, 3),
+    c=st.floats(1e-3, 1e3),
+    ns=st.lists(st.integers(2, 10**5), min_size=2, max_size=6, unique=True),
+)
 def test_fit_exponent_recovers_a_power_law(k, c, ns):
     assert sc.fit_exponent(ns, [c * n**k for n in ns]) == pytest.approx(k, abs=1e-6)
 
@@ -50,7 +53,9 @@ def test_prefill_points_split_the_compressed_prefill():
     for p in res["points"]:
         assert p["vision_tokens"] < p["prompt_tokens"]
         parts = sum(p[f"{k}_ms"] for k in ("layout", "relevance", "stage", "bookkeeping"))
-        assert 0 < parts < p["lightkv_ms"] and p["overhead_share"] == pytest.approx(parts / p["lightkv_ms"])
+        assert 0 < parts < p["lightkv_ms"] and p["overhead_share"] == pytest.approx(
+            parts / p["lightkv_ms"]
+        )
     assert set(res["exponents"]) == {"uncompressed_ms", "lightkv_ms", "stage_ms", "relevance_ms"}
 
 
@@ -59,5 +64,8 @@ def test_config_errors_and_cli(tmp_path, capsys):
         sc.ScalingConfig(sides=(24,))
     assert main(["bench", "scaling", "--sides", "8", "--quick"]) == 2
     assert "two image sides" in capsys.readouterr().err
-    assert main(["bench", "scaling", "--quick", "--no-prefill", "--no-plots", "--out", str(tmp_path)]) == 0
+    assert (
+        main(["bench", "scaling", "--quick", "--no-prefill", "--no-plots", "--out", str(tmp_path)])
+        == 0
+    )
     assert (tmp_path / "scaling.md").exists()

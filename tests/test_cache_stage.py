@@ -40,19 +40,29 @@ H, D = 2, 3
 def cache_of(case, seed=0):
     gen = torch.Generator().manual_seed(seed)
     b, n = case.layout.batch_size, case.layout.seq_len
-    return (torch.randn(b, H, n, D, generator=gen, dtype=torch.float64),
-            torch.randn(b, H, n, D + 1, generator=gen, dtype=torch.float64))
+    return (
+        torch.randn(b, H, n, D, generator=gen, dtype=torch.float64),
+        torch.randn(b, H, n, D + 1, generator=gen, dtype=torch.float64),
+    )
 
 
 def elastic(ratio, passer="size_mean", scope="image"):
-    return Stage(StageSpec(0, ratio, windows_per_side=1, mode="cache"), partitioner=ImportancePartitioner(scope=scope),
-                 scorer=CosineDivergence(features="keys"), pruner=SmallestDivergence(),
-                 passer=MessagePasser.create(passer))
+    return Stage(
+        StageSpec(0, ratio, windows_per_side=1, mode="cache"),
+        partitioner=ImportancePartitioner(scope=scope),
+        scorer=CosineDivergence(features="keys"),
+        pruner=SmallestDivergence(),
+        passer=MessagePasser.create(passer),
+    )
 
 
 @settings(max_examples=60, deadline=None)
-@given(case=batches(), ratio=ratios, passer=st.sampled_from(["size_mean", "relevance_mean"]),
-       scope=st.sampled_from(["image", "row"]))
+@given(
+    case=batches(),
+    ratio=ratios,
+    passer=st.sampled_from(["size_mean", "relevance_mean"]),
+    scope=st.sampled_from(["image", "row"]),
+)
 def test_merged_cache_entries_are_convex_combinations_of_their_sources(case, ratio, passer, scope):
     keys, values = cache_of(case)
     out = CacheStage(elastic(ratio, passer, scope))(keys, values, case.layout, case.relevance)
@@ -63,7 +73,11 @@ def test_merged_cache_entries_are_convex_combinations_of_their_sources(case, rat
             if not src:
                 assert not bool(out.valid[b, j]) and bool((out.keys[b, :, j] == 0).all())
                 continue
-            w = case.relevance[b, src] if passer == "relevance_mean" else torch.ones(len(src), dtype=torch.float64)
+            w = (
+                case.relevance[b, src]
+                if passer == "relevance_mean"
+                else torch.ones(len(src), dtype=torch.float64)
+            )
             w = w / w.sum()
             assert (w >= 0).all() and math.isclose(float(w.sum()), 1.0)
             k_exp = (w[None, :, None] * keys[b][:, src]).sum(1)
@@ -93,21 +107,27 @@ def test_anchors_are_the_most_important_and_each_source_joins_its_nearest_anchor
             anchors = members[~part.is_src[b, members]]
             assert src.numel() == leave
             if leave:
-                assert float(case.relevance[b, src].max()) <= float(case.relevance[b, anchors].min())
+                assert float(case.relevance[b, src].max()) <= float(
+                    case.relevance[b, anchors].min()
+                )
             owner = out.result.provenance.owner[b]
             for s in src.tolist():
                 cos = torch.nn.functional.cosine_similarity(k[b, s][None], k[b, anchors], dim=-1)
                 best = int(anchors[int(torch.argmax(cos))])
                 assert int(owner[s]) == int(owner[best])
     # vision entries left: exactly the anchors
-    assert int(out.result.layout.vision_counts().sum()) == int((part.window >= 0).sum() - part.is_src.sum())
+    assert int(out.result.layout.vision_counts().sum()) == int(
+        (part.window >= 0).sum() - part.is_src.sum()
+    )
 
 
 @settings(max_examples=30, deadline=None)
 @given(case=batches())
 def test_a_cache_stage_that_removes_nothing_is_the_identity(case):
     keys, values = cache_of(case)
-    out = CacheStage(elastic(0.0))(keys.float(), values.float(), case.layout, case.relevance.float())
+    out = CacheStage(elastic(0.0))(
+        keys.float(), values.float(), case.layout, case.relevance.float()
+    )
     assert torch.equal(out.keys, keys.float()) and torch.equal(out.values, values.float())
     assert torch.equal(out.origin, case.layout.origin)
 
@@ -127,7 +147,9 @@ def test_accumulated_attention_equals_the_explicit_softmax(case, causal):
         for i in range(n):
             if not lay.valid_mask[r, i]:
                 continue
-            cols = [j for j in range(n) if lay.valid_mask[r, j] and lay.origin[r, j] <= lay.origin[r, i]]
+            cols = [
+                j for j in range(n) if lay.valid_mask[r, j] and lay.origin[r, j] <= lay.origin[r, i]
+            ]
             logits = torch.einsum("hd,hjd->hj", q[r, :, i], kk[r][:, cols]) / math.sqrt(D)
             ref[r, cols] += torch.softmax(logits, dim=-1).sum(0)
     torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
@@ -163,7 +185,10 @@ def test_policies_keep_the_contract():
 
 def test_schedules_and_presets():
     specs = CacheSchedule(removal_ratio=0.25, layers=(1, 3)).plan(4)
-    assert [(s.layer, s.removal_ratio, s.mode == "cache") for s in specs] == [(1, 0.25, True), (3, 0.25, True)]
+    assert [(s.layer, s.removal_ratio, s.mode == "cache") for s in specs] == [
+        (1, 0.25, True),
+        (3, 0.25, True),
+    ]
     assert average_kept_fraction(specs, 4) == pytest.approx((1 + 0.75 + 1 + 0.75) / 4)
     assert len(CacheSchedule().plan(6)) == 6
     with pytest.raises(ValueError, match="only 4 layers"):

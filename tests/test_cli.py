@@ -12,8 +12,8 @@ import yaml
 
 from lightkv.cli import main
 from lightkv.config import PipelineConfig
-from lightkv.presets import PRESETS
 from lightkv.policies import Partitioner
+from lightkv.presets import PRESETS
 
 
 def run(capsys, *argv):
@@ -62,7 +62,11 @@ def test_config_show_file_json_and_plan(capsys, tmp_path):
     path.write_text("name: mine\nschedule: {kept_fraction: 0.5}\nscorer: l2\n")
     code, out, _ = run(capsys, "config", "show", str(path), "--num-layers", "40")
     assert code == 0
-    assert "scorer: l2" in out and "# on a 40-layer model, 3 stage(s):" in out and "# vision KV kept" in out
+    assert (
+        "scorer: l2" in out
+        and "# on a 40-layer model, 3 stage(s):" in out
+        and "# vision KV kept" in out
+    )
     assert yaml.safe_load(out)["name"] == "mine"  # the plan is YAML comments
     code, out, _ = run(capsys, "config", "show", str(path), "--format", "json")
     assert code == 0 and json.loads(out)["schedule"] == {"kept_fraction": 0.5}
@@ -71,7 +75,9 @@ def test_config_show_file_json_and_plan(capsys, tmp_path):
 def test_config_validate_ok(capsys, tmp_path):
     path = tmp_path / "ok.yaml"
     path.write_text(PRESETS["lightkv-qwen2_5_vl"].config.to_yaml())
-    code, out, err = run(capsys, "config", "validate", str(path), "--num-layers", "28", "--grid", "32x32")
+    code, out, err = run(
+        capsys, "config", "validate", str(path), "--num-layers", "28", "--grid", "32x32"
+    )
     assert code == 0 and not err
     assert out.splitlines()[0] == f"{path}: valid pipeline 'lightkv-qwen2_5_vl'"
     assert "stage 1: after layer 17, removal ratio 0.5, windows_per_side 4" in out
@@ -82,7 +88,9 @@ def test_config_validate_ok(capsys, tmp_path):
 
 def test_config_validate_invalid_file_exit_1(capsys, tmp_path):
     path = tmp_path / "bad.yaml"
-    path.write_text("name: bad\nschedule:\n  layers: [12, 18]\n  removal_ratios: [0.5, 1.5]\npartitioner: gird\n")
+    path.write_text(
+        "name: bad\nschedule:\n  layers: [12, 18]\n  removal_ratios: [0.5, 1.5]\npartitioner: gird\n"
+    )
     code, out, err = run(capsys, "config", "validate", str(path))
     assert code == 1 and not out
     lines = err.splitlines()
@@ -90,7 +98,8 @@ def test_config_validate_invalid_file_exit_1(capsys, tmp_path):
         f"lightkv: error: {path}: schedule.removal_ratios.1: removal ratio must be in [0, 1) (0 keeps every token), got 1.5",
         (
             f"lightkv: error: {path}: partitioner.name: unknown partitioner 'gird'; registered partitioners: "
-            + ", ".join(Partitioner.registered()) + "; did you mean 'grid'?"
+            + ", ".join(Partitioner.registered())
+            + "; did you mean 'grid'?"
         ),
     ]
 
@@ -115,8 +124,14 @@ def test_config_validate_bad_yaml(capsys, tmp_path):
     "argv, message",
     [
         (["config", "validate", "missing.yaml"], "lightkv: error: missing.yaml: does not exist"),
-        (["config", "show", "lightkvv"], "lightkv: error: no preset or file named 'lightkvv'; did you mean 'lightkv'?; presets: "),
-        (["config", "show", "no/such/dir.yaml"], "lightkv: error: no/such/dir.yaml: does not exist"),
+        (
+            ["config", "show", "lightkvv"],
+            "lightkv: error: no preset or file named 'lightkvv'; did you mean 'lightkv'?; presets: ",
+        ),
+        (
+            ["config", "show", "no/such/dir.yaml"],
+            "lightkv: error: no/such/dir.yaml: does not exist",
+        ),
     ],
 )
 def test_usage_errors_are_one_line_exit_2(capsys, argv, message):
@@ -127,11 +142,18 @@ def test_usage_errors_are_one_line_exit_2(capsys, argv, message):
 
 
 def test_directory_is_not_a_file(capsys, tmp_path):
-    code, _, err = run(capsys, "config", "validate", str(tmp_path / ""), )
+    code, _, err = run(
+        capsys,
+        "config",
+        "validate",
+        str(tmp_path / ""),
+    )
     assert code == 2 and "is a directory, not a file" in err
 
 
-@pytest.mark.parametrize("argv", [["bogus"], ["config", "show"], ["config", "validate", "x.yaml", "--grid", "3y3"], []])
+@pytest.mark.parametrize(
+    "argv", [["bogus"], ["config", "show"], ["config", "validate", "x.yaml", "--grid", "3y3"], []]
+)
 def test_bad_arguments_exit_2(capsys, argv):
     code, _, err = run(capsys, *argv)
     assert code == 2 and "usage: lightkv" in err and "Traceback" not in err
@@ -148,10 +170,17 @@ def test_console_script_and_module_entry_point(tmp_path):
     scripts = metadata.entry_points(group="console_scripts", name="lightkv")
     assert [ep.value for ep in scripts] == ["lightkv.cli:main"]
     proc = subprocess.run(
-        [sys.executable, "-m", "lightkv", "config", "show", "nope"], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-m", "lightkv", "config", "show", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert proc.returncode == 2 and not proc.stdout
-    assert proc.stderr.startswith("lightkv: error: no preset or file named 'nope'") and "Traceback" not in proc.stderr
+    assert (
+        proc.stderr.startswith("lightkv: error: no preset or file named 'nope'")
+        and "Traceback" not in proc.stderr
+    )
 
 
 @pytest.mark.parametrize("preset", ["elasticcache", "h2o", "lightkv-pre-llm"])
@@ -167,17 +196,20 @@ def test_config_validate_accepts_every_mode(capsys, preset):
         assert "stage 0: before layer 0 (pre-LLM)" in out
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["bench", "efficiency", "--repeats", "1000000000"], "--repeats: at most 100"),
-    (["bench", "efficiency", "--layers", "100000"], "--layers: at most 80"),
-    (["bench", "efficiency", "--heads", "5000"], "--heads: at most 128"),
-    (["bench", "scaling", "--width", "1000000000"], "--width: at most 16,384"),
-    (["bench", "scaling", "--sides", "24", "100000"], "--sides: at most 256"),
-    (["bench", "kvquant", "--layers", "1000"], "--layers: at most 80"),
-    (["bench", "quality", "--episodes", "1000000000"], "--episodes: at most 20,000"),
-    (["bench", "quality", "--threads", "100000"], "--threads: at most"),
-    (["bench", "ablation", "--episodes", "1000000000"], "--episodes: at most 20,000"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["bench", "efficiency", "--repeats", "1000000000"], "--repeats: at most 100"),
+        (["bench", "efficiency", "--layers", "100000"], "--layers: at most 80"),
+        (["bench", "efficiency", "--heads", "5000"], "--heads: at most 128"),
+        (["bench", "scaling", "--width", "1000000000"], "--width: at most 16,384"),
+        (["bench", "scaling", "--sides", "24", "100000"], "--sides: at most 256"),
+        (["bench", "kvquant", "--layers", "1000"], "--layers: at most 80"),
+        (["bench", "quality", "--episodes", "1000000000"], "--episodes: at most 20,000"),
+        (["bench", "quality", "--threads", "100000"], "--threads: at most"),
+        (["bench", "ablation", "--episodes", "1000000000"], "--episodes: at most 20,000"),
+    ],
+)
 def test_sizes_past_a_stated_limit_are_refused_up_front(capsys, argv, needle):
     """Regression (issue 27, items 6 and 9): huge sizes ran for minutes or ended in tracebacks."""
     code, out, err = run(capsys, *argv)
@@ -186,22 +218,35 @@ def test_sizes_past_a_stated_limit_are_refused_up_front(capsys, argv, needle):
 
 
 def test_a_decoder_whose_weights_cannot_fit_is_refused_with_the_estimate(capsys, monkeypatch):
-    monkeypatch.setattr("lightkv.cli.bench.physical_memory", lambda: 16 * 2**30)
-    code, out, err = run(capsys, "bench", "efficiency", "--width", "full", "--layers", "40", "--models", "llava")
+    monkeypatch.setattr("lightkv_lab.cli.bench.physical_memory", lambda: 16 * 2**30)
+    code, out, err = run(
+        capsys, "bench", "efficiency", "--width", "full", "--layers", "40", "--models", "llava"
+    )
     assert code == 2 and not out
-    assert err.strip() == ("lightkv: error: --layers 40 at --width full needs about 30.2 GiB of weights (0.75 GiB a "
-                           "layer) and this machine has 16.0 GiB: use --layers 16 or fewer")
+    assert err.strip() == (
+        "lightkv: error: --layers 40 at --width full needs about 30.2 GiB of weights (0.75 GiB a "
+        "layer) and this machine has 16.0 GiB: use --layers 16 or fewer"
+    )
 
 
-@pytest.mark.parametrize("command", [["bench", "quality", "--episodes", "4"], ["bench", "scaling", "--quick"],
-                                     ["bench", "kvquant"], ["bench", "efficiency", "--quick"],
-                                     ["bench", "ablation", "--episodes", "4"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["bench", "quality", "--episodes", "4"],
+        ["bench", "scaling", "--quick"],
+        ["bench", "kvquant"],
+        ["bench", "efficiency", "--quick"],
+        ["bench", "ablation", "--episodes", "4"],
+    ],
+)
 def test_an_unwritable_out_is_refused_before_any_work(capsys, tmp_path, command):
     """Regression (issue 27, item 7): a file or an unwritable --out failed after the whole run."""
     afile = tmp_path / "afile"
     afile.write_text("x")
     code, out, err = run(capsys, *command, "--out", str(afile))
-    assert code == 2 and not out and err.strip() == f"lightkv: error: --out {afile}: not a directory"
+    assert (
+        code == 2 and not out and err.strip() == f"lightkv: error: --out {afile}: not a directory"
+    )
 
 
 def test_a_full_disk_is_one_line(tmp_path):
@@ -211,8 +256,13 @@ def test_a_full_disk_is_one_line(tmp_path):
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full on this system")
     with open("/dev/full", "w") as full:
-        proc = subprocess.run([sys.executable, "-m", "lightkv", "config", "schema"], stdout=full,
-                              stderr=subprocess.PIPE, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-m", "lightkv", "config", "schema"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
     assert proc.returncode == 2
     assert proc.stderr.strip() == "lightkv: error: cannot write the output: No space left on device"
 
@@ -224,10 +274,26 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
 
     # a test runner's worker may ignore SIGINT, and children inherit that: restore the default
     # so the child installs Python's own handler, as in a terminal
-    proc = subprocess.Popen([sys.executable, "-m", "lightkv", "bench", "quality", "--episodes", "2000",
-                             "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    time.sleep(15)  # past the imports and the model load (slower on a loaded machine): inside the run
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lightkv",
+            "bench",
+            "quality",
+            "--episodes",
+            "2000",
+            "--out",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    time.sleep(
+        15
+    )  # past the imports and the model load (slower on a loaded machine): inside the run
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
@@ -237,7 +303,7 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
 
 def test_default_results_go_under_the_current_directory_outside_a_checkout(tmp_path):
     """Regression (issue 27, item 15): from a pip install, results went into site-packages."""
-    from lightkv.bench.paths import results_dir
+    from lightkv_lab.bench.paths import results_dir
 
     installed, here = tmp_path / "site-packages", tmp_path / "work"
     installed.mkdir()
@@ -258,30 +324,40 @@ def test_a_too_shallow_bench_names_layers(capsys, tmp_path):
 def test_an_empty_cache_layer_list_is_refused(capsys, tmp_path):
     """Regression (issue 27, item 12): ``layers: []`` in a cache schedule compressed nothing, silently."""
     path = tmp_path / "empty.yaml"
-    path.write_text("name: empty\nschedule:\n  name: cache\n  params: {layers: []}\npartitioner: grid\n"
-                    "scorer: cosine\npruner: divergence\npasser: size_mean\nrelevance: uniform\n")
+    path.write_text(
+        "name: empty\nschedule:\n  name: cache\n  params: {layers: []}\npartitioner: grid\n"
+        "scorer: cosine\npruner: divergence\npasser: size_mean\nrelevance: uniform\n"
+    )
     code, out, err = run(capsys, "config", "validate", str(path))
-    assert code == 1 and "schedule.params.layers: scheduler 'cache': layers is empty, so nothing would" in err
+    assert (
+        code == 1
+        and "schedule.params.layers: scheduler 'cache': layers is empty, so nothing would" in err
+    )
 
 
-@pytest.mark.parametrize("argv, module, extra", [
-    (["generate", "--max-new-tokens", "1"], "PIL", "demo"),
-    (["bench", "quality", "--episodes", "4"], "matplotlib", "bench"),
-    (["bench", "ablation", "--episodes", "4"], "matplotlib", "bench"),
-    (["bench", "efficiency", "--quick"], "matplotlib", "bench"),
-    (["bench", "scaling", "--quick"], "matplotlib", "bench"),
-])
+@pytest.mark.parametrize(
+    "argv, module, extra",
+    [
+        (["generate", "--max-new-tokens", "1"], "PIL", "pillow"),
+        (["bench", "quality", "--episodes", "4"], "matplotlib", "lightkv-lab"),
+        (["bench", "ablation", "--episodes", "4"], "matplotlib", "lightkv-lab"),
+        (["bench", "efficiency", "--quick"], "matplotlib", "lightkv-lab"),
+        (["bench", "scaling", "--quick"], "matplotlib", "lightkv-lab"),
+    ],
+)
 def test_a_missing_extra_is_named_before_any_work(capsys, monkeypatch, argv, module, extra):
     """Regression (issue 27, item 14): from a pip install without extras, commands ran for
     minutes, then failed on an import (``generate``: a raw ImportError traceback)."""
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a)
+    )
     code, out, err = run(capsys, *argv)
     assert code == 2 and not out
     assert err.strip().startswith(f"lightkv: error: this command needs {module}")
-    assert err.strip().endswith(f"pip install 'lightkv[{extra}]'")
+    assert err.strip().endswith(f"pip install '{extra}'")
 
 
 def test_huge_grids_and_windows_are_one_line_errors(capsys, tmp_path):
@@ -290,17 +366,23 @@ def test_huge_grids_and_windows_are_one_line_errors(capsys, tmp_path):
     code, out, err = run(capsys, "config", "validate", "lightkv", "--grid", "100000x100000")
     assert code == 2 and "--grid: at most 1,048,576 tokens" in err and "Traceback" not in err
     path = tmp_path / "big.yaml"
-    path.write_text("name: big\nschedule:\n  layers: [1]\n  removal_ratios: [0.5]\n  windows_per_side: [9223372036854775808]\n")
+    path.write_text(
+        "name: big\nschedule:\n  layers: [1]\n  removal_ratios: [0.5]\n  windows_per_side: [9223372036854775808]\n"
+    )
     code, out, err = run(capsys, "config", "validate", str(path))
-    assert code == 1 and err.strip().endswith("windows_per_side must be at most 65536 (no image side has more "
-                                              "tokens), got 9223372036854775808")
+    assert code == 1 and err.strip().endswith(
+        "windows_per_side must be at most 65536 (no image side has more "
+        "tokens), got 9223372036854775808"
+    )
 
 
-@pytest.mark.parametrize("command, prog", [(["demo"], "lightkv demo"), (["stages-demo"], "lightkv stages-demo")])
+@pytest.mark.parametrize(
+    "command, prog", [(["demo"], "lightkv demo"), (["stages-demo"], "lightkv stages-demo")]
+)
 def test_the_demos_refuse_an_unwritable_out_by_their_command_name(capsys, command, prog):
     """Regression (issue 27, items 7 and 12): as root, a permission check passed for /proc and
-    the demos failed later; stages-demo's errors named ``python -m lightkv.stages_demo``."""
+    the demos failed later; stages-demo's errors named ``python -m lightkv_lab.stages_demo``."""
     code, out, err = run(capsys, *command, "--out", "/proc/lightkv-nope")
     assert code == 2
     assert f"{prog}" in err and "--out /proc/lightkv-nope: cannot write there" in err
-    assert "python -m lightkv.stages_demo" not in err
+    assert "python -m lightkv_lab.stages_demo" not in err

@@ -27,23 +27,34 @@ from lightkv.config import (
 )
 from lightkv.policies import (
     FAMILIES,
-    StageInputs,
     CosineDivergence,
     ExplicitSchedule,
     GlobalPartitioner,
     KeptFractionSchedule,
     L2Divergence,
+    StageInputs,
 )
 from lightkv.policies.pooling import AnchorPartitioner, StridedPartitioner
 from lightkv.presets import PRESETS, Preset, get_preset, get_preset_config, load_config
 
 PRESET_NAMES = list(PRESETS)
-REQUIRED = {"lightkv", "lightkv-paper", "fastv", "tome", "pdrop", "random", "pool", "lightkv-qwen2_5_vl"}
+REQUIRED = {
+    "lightkv",
+    "lightkv-paper",
+    "fastv",
+    "tome",
+    "pdrop",
+    "random",
+    "pool",
+    "lightkv-qwen2_5_vl",
+}
 
 
 def llava_layout(grid=(24, 24), before=5, after=9, rows=1):
     n = before + grid[0] * grid[1] + after
-    return VisionLayout.from_segments(rows, n, [ImageSegment(row=r, offset=before, grid=grid) for r in range(rows)])
+    return VisionLayout.from_segments(
+        rows, n, [ImageSegment(row=r, offset=before, grid=grid) for r in range(rows)]
+    )
 
 
 def problems(exc: ConfigError) -> dict[str, str]:
@@ -53,7 +64,9 @@ def problems(exc: ConfigError) -> dict[str, str]:
 # ---------------------------------------------------------------------------- presets
 def test_required_presets_are_shipped_as_yaml():
     assert REQUIRED <= set(PRESETS)
-    files = {e.name for e in resources.files("lightkv.presets").iterdir() if e.name.endswith(".yaml")}
+    files = {
+        e.name for e in resources.files("lightkv.presets").iterdir() if e.name.endswith(".yaml")
+    }
     assert files == {f"{n}.yaml" for n in PRESETS}
     assert PRESET_NAMES[0] == "lightkv"
 
@@ -75,7 +88,9 @@ def test_preset_yaml_round_trip_is_exact(name):
 def test_preset_pipeline_to_config_round_trip(name):
     preset = PRESETS[name]
     pipe = preset.build()
-    cfg = config_from_pipeline(pipe, summary=preset.summary, description=preset.description, source=preset.source)
+    cfg = config_from_pipeline(
+        pipe, summary=preset.summary, description=preset.description, source=preset.source
+    )
     assert cfg.build() == pipe
     # the same up to parameters the preset spells out although they equal the defaults
     assert cfg.schedule == preset.config.schedule
@@ -95,7 +110,9 @@ def test_preset_has_summary_description_and_source(name):
     assert len(p.description) > 150 and "\n" not in p.description
     assert p.source
     # the description cites a paper (a year) or says it is a baseline
-    assert any(str(y) in p.description + p.source for y in range(2019, 2030)) or "baseline" in p.source
+    assert (
+        any(str(y) in p.description + p.source for y in range(2019, 2030)) or "baseline" in p.source
+    )
 
 
 @pytest.mark.parametrize("name", PRESET_NAMES)
@@ -105,12 +122,18 @@ def test_released_quirks_only_in_the_released_presets(name):
     released = name.startswith("lightkv-paper-released")
     assert pipe.released_quirks.any == released
     # the reference code's float32 budget is arithmetic, not a quirk: every lightkv-paper* preset has it
-    assert (getattr(pipe.pruner, "budget_dtype", "float64") == "float32") == name.startswith("lightkv-paper")
+    assert (getattr(pipe.pruner, "budget_dtype", "float64") == "float32") == name.startswith(
+        "lightkv-paper"
+    )
     assert (pipe.relevance.name == "random") == (name == "lightkv-paper-released")
     if released:
         base = PRESETS[name.replace("-released", "")].build()
-        assert dataclasses.replace(pipe, name=base.name, relevance=base.relevance,
-                                   released_quirks=base.released_quirks) == base
+        assert (
+            dataclasses.replace(
+                pipe, name=base.name, relevance=base.relevance, released_quirks=base.released_quirks
+            )
+            == base
+        )
         assert pipe.released_quirks.enabled() == ["renumber_positions", "unmasked_first_merge"]
 
 
@@ -121,12 +144,16 @@ def test_released_quirks_in_yaml():
     assert cfg.to_yaml().endswith("released_quirks: {renumber_positions: true}\n")
     assert "released_quirks" not in PipelineConfig.from_yaml_text("name: x\n").to_yaml()
     with pytest.raises(ConfigError) as e:
-        PipelineConfig.from_yaml_text("name: x\nreleased_quirks: {renumber_position: true, unmasked_first_merge: 1}\n")
+        PipelineConfig.from_yaml_text(
+            "name: x\nreleased_quirks: {renumber_position: true, unmasked_first_merge: 1}\n"
+        )
     got = problems(e.value)
     assert "did you mean 'renumber_positions'?" in got["released_quirks.renumber_position"]
     assert "boolean" in got["released_quirks.unmasked_first_merge"]
-    assert set(json_schema()["$defs"]["ReleasedQuirksConfig"]["properties"]) == {"renumber_positions",
-                                                                                "unmasked_first_merge"}
+    assert set(json_schema()["$defs"]["ReleasedQuirksConfig"]["properties"]) == {
+        "renumber_positions",
+        "unmasked_first_merge",
+    }
 
 
 CACHE_MODE = ("elasticcache", "h2o")
@@ -159,7 +186,9 @@ def test_every_preset_runs_on_a_llava_layout(name):
     if name in CACHE_MODE:  # stages on a layer's cache, not on hidden states
         return check_cache_preset(pipe, layout, relevance)
     keys = None
-    if any("keys" in s.needs for s in pipe.stages(32)):  # e.g. DART's pivots: a clear refusal without keys
+    if any(
+        "keys" in s.needs for s in pipe.stages(32)
+    ):  # e.g. DART's pivots: a clear refusal without keys
         with pytest.raises(ValueError, match="this stage has no keys features"):
             pipe.run(hidden, layout, num_layers=32)
         keys = torch.randn(1, layout.seq_len, 2, 8, generator=torch.Generator().manual_seed(2))
@@ -169,7 +198,9 @@ def test_every_preset_runs_on_a_llava_layout(name):
         assert results, name
         counts = [int(r.layout.vision_counts()[0]) for r in results]
         assert all(0 < c < 576 for c in counts) and counts == sorted(counts, reverse=True)
-        assert int((results[-1].layout.kind == lightkv.TokenKind.TEXT).sum()) == 14  # text untouched
+        assert (
+            int((results[-1].layout.kind == lightkv.TokenKind.TEXT).sum()) == 14
+        )  # text untouched
 
 
 def test_get_preset_returns_fresh_pipelines_and_lists_names_when_unknown():
@@ -186,9 +217,15 @@ def test_get_preset_returns_fresh_pipelines_and_lists_names_when_unknown():
 
 def test_lightkv_schedules_per_model():
     llava = get_preset("lightkv").scheduler
-    assert llava == ExplicitSchedule(layers=(12, 18, 24), removal_ratios=(0.5,), windows_per_side=(4, 2, 1))
+    assert llava == ExplicitSchedule(
+        layers=(12, 18, 24), removal_ratios=(0.5,), windows_per_side=(4, 2, 1)
+    )
     qwen = get_preset("lightkv-qwen2_5_vl").scheduler
-    assert [(s.layer, s.windows_per_side, s.removal_ratio) for s in qwen.plan(28)] == [(12, 6, 0.5), (17, 4, 0.5), (22, 2, 0.5)]
+    assert [(s.layer, s.windows_per_side, s.removal_ratio) for s in qwen.plan(28)] == [
+        (12, 6, 0.5),
+        (17, 4, 0.5),
+        (22, 2, 0.5),
+    ]
     assert get_preset("lightkv-paper").partitioner.name == "pseudo_square"
 
 
@@ -196,7 +233,12 @@ def test_lightkv_schedules_per_model():
     "name, grid, depth, counts",
     [
         ("lightkv-paper", (24, 24), 32, [288, 145, 73]),  # the paper's LLaVA-1.5 counts
-        ("lightkv-paper-qwen2_5_vl", (32, 32), 28, [520, 260, 131]),  # the reference Qwen2.5-VL counts
+        (
+            "lightkv-paper-qwen2_5_vl",
+            (32, 32),
+            28,
+            [520, 260, 131],
+        ),  # the reference Qwen2.5-VL counts
         ("lightkv", (24, 24), 32, [288, 144, 72]),
         ("divprune", (24, 24), 32, [128]),  # keep 128 of 576, exactly
         ("cdpruner", (24, 24), 32, [128]),
@@ -210,7 +252,9 @@ def test_lightkv_schedules_per_model():
 def test_reference_token_counts(name, grid, depth, counts):
     layout = llava_layout(grid)
     hidden = torch.randn(1, layout.seq_len, 16, generator=torch.Generator().manual_seed(0))
-    keys = torch.randn(1, layout.seq_len, 2, 8, generator=torch.Generator().manual_seed(1))  # for DART's pivots
+    keys = torch.randn(
+        1, layout.seq_len, 2, 8, generator=torch.Generator().manual_seed(1)
+    )  # for DART's pivots
     results = get_preset(name).run(hidden, layout, num_layers=depth, keys=keys)
     assert [int(r.layout.vision_counts()[0]) for r in results] == counts
 
@@ -227,7 +271,9 @@ def test_fastv_drops_the_least_attended_half_after_layer_1():
     top = vision[relevance[0, vision].argsort(descending=True)[:12]]
     kept = res.layout.origin[0][res.layout.vision_mask[0]]
     assert sorted(kept.tolist()) == sorted(top.tolist())
-    assert torch.equal(res.hidden[0][res.layout.vision_mask[0]], hidden[0, kept])  # dropped, not merged
+    assert torch.equal(
+        res.hidden[0][res.layout.vision_mask[0]], hidden[0, kept]
+    )  # dropped, not merged
 
 
 def test_pdrop_is_a_pyramid_of_attention_drops():
@@ -242,7 +288,9 @@ def test_pdrop_is_a_pyramid_of_attention_drops():
     final = results[-1].layout.origin[0][results[-1].layout.vision_mask[0]]
     top = vision[relevance[0, vision].argsort(descending=True)[:72]]
     assert sorted(final.tolist()) == sorted(top.tolist())
-    assert get_preset_config("pdrop").average_kept_fraction(32) == pytest.approx((8 + 8 * 0.5 + 8 * 0.25 + 8 * 0.125) / 32)
+    assert get_preset_config("pdrop").average_kept_fraction(32) == pytest.approx(
+        (8 + 8 * 0.5 + 8 * 0.25 + 8 * 0.125) / 32
+    )
 
 
 @pytest.mark.parametrize("grid", [(24, 24), (5, 7), (3, 2)])
@@ -252,12 +300,19 @@ def test_pool_is_2x2_average_pooling(grid):
     hidden = torch.randn(1, layout.seq_len, 6, dtype=torch.float64)
     (res,) = get_preset("pool").run(hidden, layout, num_layers=32)
     image = hidden[0, 3 : 3 + h * w].reshape(h, w, 6).permute(2, 0, 1).unsqueeze(0)
-    pooled = F.avg_pool2d(image, kernel_size=2, stride=2, ceil_mode=True)  # partial windows: mean of what is there
+    pooled = F.avg_pool2d(
+        image, kernel_size=2, stride=2, ceil_mode=True
+    )  # partial windows: mean of what is there
     expected = pooled[0].permute(1, 2, 0).reshape(-1, 6)
     got = res.hidden[0][res.layout.vision_mask[0]]
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
-    assert torch.equal(res.layout.coords[0][res.layout.vision_mask[0]] % 2, torch.zeros_like(expected[:, :2], dtype=torch.long))
-    assert torch.equal(res.hidden[0, :3], hidden[0, :3]) and torch.equal(res.hidden[0, -2:], hidden[0, -2:])
+    assert torch.equal(
+        res.layout.coords[0][res.layout.vision_mask[0]] % 2,
+        torch.zeros_like(expected[:, :2], dtype=torch.long),
+    )
+    assert torch.equal(res.hidden[0, :3], hidden[0, :3]) and torch.equal(
+        res.hidden[0, -2:], hidden[0, -2:]
+    )
 
 
 def test_pool_on_images_smaller_than_a_window():
@@ -266,7 +321,9 @@ def test_pool_on_images_smaller_than_a_window():
     hidden = torch.randn(1, 7, 4, dtype=torch.float64)
     (res,) = get_preset("pool").run(hidden, layout, num_layers=32)
     vis = res.hidden[0][res.layout.vision_mask[0]]
-    torch.testing.assert_close(vis, torch.stack([hidden[0, 1:3].mean(0), hidden[0, 3], hidden[0, 5]]))
+    torch.testing.assert_close(
+        vis, torch.stack([hidden[0, 1:3].mean(0), hidden[0, 3], hidden[0, 5]])
+    )
 
 
 def test_random_preset_is_deterministic():
@@ -303,9 +360,17 @@ def test_strided_partitioner_matches_a_stride_lattice():
 # ---------------------------------------------------------------------------- schema basics
 def test_shorthand_scalars_and_defaults():
     cfg = PipelineConfig.from_dict(
-        {"name": "x", "schedule": {"layers": 3, "removal_ratios": 0.25, "window_size": [2, 3]}, "scorer": "l2"}
+        {
+            "name": "x",
+            "schedule": {"layers": 3, "removal_ratios": 0.25, "window_size": [2, 3]},
+            "scorer": "l2",
+        }
     )
-    assert cfg.schedule.layers == [3] and cfg.schedule.removal_ratios == [0.25] and cfg.schedule.window_size == [(2, 3)]
+    assert (
+        cfg.schedule.layers == [3]
+        and cfg.schedule.removal_ratios == [0.25]
+        and cfg.schedule.window_size == [(2, 3)]
+    )
     assert cfg.scorer == PolicySpec(name="l2")
     pipe = cfg.build()
     assert isinstance(pipe.scorer, L2Divergence)
@@ -316,10 +381,14 @@ def test_shorthand_scalars_and_defaults():
 
 def test_params_are_coerced_to_the_policy_types_and_stored_plain():
     text = "name: x\nschedule: {layers: [2], removal_ratios: [0.5]}\nscorer: {name: cosine, params: {eps: 1e-6}}\n"
-    cfg = PipelineConfig.from_yaml_text(text)  # PyYAML reads 1e-6 as a string; the policy wants a float
+    cfg = PipelineConfig.from_yaml_text(
+        text
+    )  # PyYAML reads 1e-6 as a string; the policy wants a float
     assert cfg.scorer.params == {"eps": 1e-6}
     assert cfg.build().scorer == CosineDivergence(eps=1e-6)
-    cfg = PipelineConfig.from_dict({"partitioner": {"name": "strided", "params": {"stride": (1, 2)}}})
+    cfg = PipelineConfig.from_dict(
+        {"partitioner": {"name": "strided", "params": {"stride": (1, 2)}}}
+    )
     assert cfg.partitioner.params == {"stride": [1, 2]}
     assert cfg.build().partitioner == StridedPartitioner(stride=(1, 2))
     assert PipelineConfig.from_yaml_text(cfg.to_yaml()) == cfg
@@ -332,7 +401,9 @@ def test_kept_fraction_schedule_for_any_depth():
         stages = cfg.validate_for_model(depth)
         assert len(stages) == 3 and [s.windows_per_side for s in stages] == [4, 2, 1]
         assert cfg.average_kept_fraction(depth) == pytest.approx(0.5, abs=1e-4)
-    custom = PipelineConfig.from_dict({"schedule": {"kept_fraction": 0.6, "relative_layers": [0.5, 0.75]}})
+    custom = PipelineConfig.from_dict(
+        {"schedule": {"kept_fraction": 0.6, "relative_layers": [0.5, 0.75]}}
+    )
     assert [s.windows_per_side for s in custom.validate_for_model(32)] == [1, 1]
     # at 16/24 even ratio 0.5 keeps 71%: both stages move 5 layers earlier to reach 60%
     assert [s.layer for s in custom.validate_for_model(32)] == [11, 19]
@@ -341,7 +412,9 @@ def test_kept_fraction_schedule_for_any_depth():
 
 
 def test_registered_scheduler_form():
-    cfg = PipelineConfig.from_dict({"schedule": {"name": "explicit", "params": {"layers": [4, 8], "windows_per_side": [2, 1]}}})
+    cfg = PipelineConfig.from_dict(
+        {"schedule": {"name": "explicit", "params": {"layers": [4, 8], "windows_per_side": [2, 1]}}}
+    )
     assert [s.layer for s in cfg.validate_for_model(16)] == [4, 8]
     assert PipelineConfig.from_yaml_text(cfg.to_yaml()) == cfg
 
@@ -352,7 +425,9 @@ def test_stage_overrides():
     )
     assert list(cfg.stage_overrides[2]) == ["partitioner", "scorer"]  # canonical order
     stages = cfg.build().stages(32)
-    assert isinstance(stages[2].scorer, L2Divergence) and isinstance(stages[2].partitioner, GlobalPartitioner)
+    assert isinstance(stages[2].scorer, L2Divergence) and isinstance(
+        stages[2].partitioner, GlobalPartitioner
+    )
     assert isinstance(stages[0].scorer, CosineDivergence)
     text = cfg.to_yaml()
     assert "stage_overrides:\n  2: {partitioner: global, scorer: l2}\n" in text
@@ -370,7 +445,9 @@ def test_yaml_files(tmp_path):
     assert load_config(str(path)) == cfg and load_config("lightkv") == PRESETS["lightkv"].config
     with pytest.raises(FileNotFoundError, match="missing.yaml: does not exist"):
         PipelineConfig.from_yaml(tmp_path / "missing.yaml")
-    with pytest.raises(ValueError, match=r"no preset or file named 'lightkvv'; did you mean 'lightkv'\?; presets: "):
+    with pytest.raises(
+        ValueError, match=r"no preset or file named 'lightkvv'; did you mean 'lightkv'\?; presets: "
+    ):
         load_config("lightkvv")
 
 
@@ -394,33 +471,95 @@ def test_unknown_policy_name_lists_the_registered_ones():
 
 
 def test_bad_parameters_name_the_field_value_and_allowed():
-    msg = problems(_error({"partitioner": {"name": "grid", "params": {"splitt": "parity"}}}))["partitioner.params.splitt"]
-    assert "has no parameter 'splitt' (did you mean 'split'?); its parameters are: bands, min_tokens_per_window, seed, split, src_parity" in msg
-    msg = problems(_error({"partitioner": {"name": "grid", "params": {"split": "zigzag"}}}))["partitioner.params.split"]
+    msg = problems(_error({"partitioner": {"name": "grid", "params": {"splitt": "parity"}}}))[
+        "partitioner.params.splitt"
+    ]
+    assert (
+        "has no parameter 'splitt' (did you mean 'split'?); its parameters are: bands, min_tokens_per_window, seed, split, src_parity"
+        in msg
+    )
+    msg = problems(_error({"partitioner": {"name": "grid", "params": {"split": "zigzag"}}}))[
+        "partitioner.params.split"
+    ]
     assert "'parity', 'checkerboard', 'random' or 'all_src'" in msg and "'zigzag'" in msg
-    msg = problems(_error({"scorer": {"name": "cosine", "params": {"eps": "abc"}}}))["scorer.params.eps"]
+    msg = problems(_error({"scorer": {"name": "cosine", "params": {"eps": "abc"}}}))[
+        "scorer.params.eps"
+    ]
     assert "valid number" in msg and "'abc'" in msg
 
 
 @pytest.mark.parametrize(
     "schedule, where, fragment",
     [
-        ({"layers": [12, 18], "removal_ratios": [0.5, 1.0]}, "schedule.removal_ratios.1", "removal ratio must be in [0, 1)"),
+        (
+            {"layers": [12, 18], "removal_ratios": [0.5, 1.0]},
+            "schedule.removal_ratios.1",
+            "removal ratio must be in [0, 1)",
+        ),
         ({"layers": [12], "removal_ratios": [-0.1]}, "schedule.removal_ratios.0", "got -0.1"),
-        ({"layers": [12, 12], "removal_ratios": [0.5]}, "schedule.layers.1", "strictly increasing, got [12, 12]"),
-        ({"layers": [-1], "removal_ratios": [0.5]}, "schedule.layers.0", "0-based and must be >= 0, got -1"),
-        ({"layers": [3, 4], "removal_ratios": [0.5, 0.5, 0.5]}, "schedule.removal_ratios", "3 entries for 2 layers; give 1 or 2"),
+        (
+            {"layers": [12, 12], "removal_ratios": [0.5]},
+            "schedule.layers.1",
+            "strictly increasing, got [12, 12]",
+        ),
+        (
+            {"layers": [-1], "removal_ratios": [0.5]},
+            "schedule.layers.0",
+            "0-based and must be >= 0, got -1",
+        ),
+        (
+            {"layers": [3, 4], "removal_ratios": [0.5, 0.5, 0.5]},
+            "schedule.removal_ratios",
+            "3 entries for 2 layers; give 1 or 2",
+        ),
         ({"layers": [3]}, "schedule.removal_ratios", "an explicit schedule needs removal_ratios"),
-        ({"layers": [3], "removal_ratios": [0.5], "windows_per_side": [2], "window_size": [[2, 2]]}, "schedule.window_size", "not both"),
-        ({"layers": [3], "removal_ratios": [0.5], "windows_per_side": [0]}, "schedule.windows_per_side.0", "positive integer, got 0"),
-        ({"layers": [1], "removal_ratios": [0.5], "kept_fraction": 0.5}, "schedule", "got layers and kept_fraction"),
+        (
+            {
+                "layers": [3],
+                "removal_ratios": [0.5],
+                "windows_per_side": [2],
+                "window_size": [[2, 2]],
+            },
+            "schedule.window_size",
+            "not both",
+        ),
+        (
+            {"layers": [3], "removal_ratios": [0.5], "windows_per_side": [0]},
+            "schedule.windows_per_side.0",
+            "positive integer, got 0",
+        ),
+        (
+            {"layers": [1], "removal_ratios": [0.5], "kept_fraction": 0.5},
+            "schedule",
+            "got layers and kept_fraction",
+        ),
         ({"removal_ratios": [0.5]}, "schedule", "give exactly one of layers"),
-        ({"kept_fraction": 0.5, "removal_ratios": [0.5]}, "schedule.removal_ratios", "cannot be combined with kept_fraction"),
+        (
+            {"kept_fraction": 0.5, "removal_ratios": [0.5]},
+            "schedule.removal_ratios",
+            "cannot be combined with kept_fraction",
+        ),
         ({"kept_fraction": 0.0}, "schedule.kept_fraction", "must be in (0, 1], got 0.0"),
-        ({"kept_fraction": 0.5, "relative_layers": [1.5]}, "schedule.relative_layers.0", "in [0, 1], got 1.5"),
-        ({"layer": [1], "removal_ratios": [0.5]}, "schedule.layer", "unknown field 'layer'; did you mean 'layers'?"),
-        ({"layers": [True], "removal_ratios": [0.5]}, "schedule.layers.0", "valid integer, got True"),
-        ({"name": "nope"}, "schedule.name", "unknown scheduler 'nope'; registered schedulers: budget, cache, explicit, h2o, kept_fraction, pre_llm, pre_llm_then_layer, scaled"),
+        (
+            {"kept_fraction": 0.5, "relative_layers": [1.5]},
+            "schedule.relative_layers.0",
+            "in [0, 1], got 1.5",
+        ),
+        (
+            {"layer": [1], "removal_ratios": [0.5]},
+            "schedule.layer",
+            "unknown field 'layer'; did you mean 'layers'?",
+        ),
+        (
+            {"layers": [True], "removal_ratios": [0.5]},
+            "schedule.layers.0",
+            "valid integer, got True",
+        ),
+        (
+            {"name": "nope"},
+            "schedule.name",
+            "unknown scheduler 'nope'; registered schedulers: budget, cache, explicit, h2o, kept_fraction, pre_llm, pre_llm_then_layer, scaled",
+        ),
     ],
 )
 def test_schedule_errors(schedule, where, fragment):
@@ -431,14 +570,22 @@ def test_schedule_errors(schedule, where, fragment):
 
 def test_structural_errors():
     msg = problems(_error({"schedul": {}}))["schedul"]
-    assert "unknown field 'schedul'; did you mean 'schedule'?" in msg and "allowed: name, summary" in msg
-    assert "registered policy name or {name: ..., params: {...}}, got None" in problems(_error({"partitioner": None}))["partitioner"]
+    assert (
+        "unknown field 'schedul'; did you mean 'schedule'?" in msg
+        and "allowed: name, summary" in msg
+    )
+    assert (
+        "registered policy name or {name: ..., params: {...}}, got None"
+        in problems(_error({"partitioner": None}))["partitioner"]
+    )
     assert "needs an edge scorer" in problems(_error({"scorer": None}))["scorer"]
     msg = problems(_error({"stage_overrides": {0: {"scorr": "l2"}}}))["stage_overrides.0.scorr"]
     assert "unknown field 'scorr'; did you mean 'scorer'?" in msg
     msg = problems(_error({"stage_overrides": {5: {"scorer": "l2"}}}))["stage_overrides.5"]
     assert "beyond the schedule, which has 3 stage(s)" in msg
-    msg = problems(_error({"scorer": {"name": "cosine", "params": {"eps": math.inf}}}))["scorer.params.eps"]
+    msg = problems(_error({"scorer": {"name": "cosine", "params": {"eps": math.inf}}}))[
+        "scorer.params.eps"
+    ]
     assert "finite" in msg
     fastv_like = {"scorer": None, "pruner": "lowest_relevance", "passer": "relevance_mean"}
     assert "merges tokens and needs an edge scorer" in problems(_error(fastv_like))["scorer"]
@@ -464,13 +611,21 @@ def test_layer_beyond_the_model_depth_names_the_depth():
     assert [s.layer for s in cfg.validate_for_model(23)] == [12, 17, 22]
     with pytest.raises(ConfigError, match="positive integer"):
         cfg.validate_for_model(0)
-    over = PipelineConfig.from_dict({"schedule": {"kept_fraction": 0.8}, "stage_overrides": {2: {"scorer": "l2"}}})
-    with pytest.raises(ConfigError, match=r"stage 2 does not exist: on a model with 2 layers the schedule has 1 stage\(s\)"):
+    over = PipelineConfig.from_dict(
+        {"schedule": {"kept_fraction": 0.8}, "stage_overrides": {2: {"scorer": "l2"}}}
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"stage 2 does not exist: on a model with 2 layers the schedule has 1 stage\(s\)",
+    ):
         over.validate_for_model(2)
 
 
 def test_yaml_level_errors():
-    with pytest.raises(ConfigError, match=r"f.yaml: not valid YAML: line 3, column 1: (did not find )?expected ',' or ']'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"f.yaml: not valid YAML: line 3, column 1: (did not find )?expected ',' or ']'",
+    ):
         PipelineConfig.from_yaml_text("name: x\nschedule: [1\n", source="f.yaml")
     with pytest.raises(ConfigError, match=r"duplicate key 'name' \(line 2, column 1\)"):
         PipelineConfig.from_yaml_text("name: x\nname: y\n")
@@ -488,7 +643,9 @@ def test_unregistered_policy_objects_cannot_be_described():
     with pytest.raises(ConfigError, match="Local is not a registered policy"):
         config_from_pipeline(pipe)
     # the class default (4, 2, 1) fits three layers only: refused at construction, naming it
-    with pytest.raises(ValueError, match=r"windows_per_side defaults to \(4, 2, 1\), one entry per default layer"):
+    with pytest.raises(
+        ValueError, match=r"windows_per_side defaults to \(4, 2, 1\), one entry per default layer"
+    ):
         ExplicitSchedule(layers=(2,), removal_ratios=(0.75,))
     assert ExplicitSchedule(layers=(2,), window_size=((2, 2),)).windows_per_side is None
 
@@ -501,7 +658,12 @@ def test_json_schema_export():
     part = schema["$defs"]["PartitionerSpec"]
     assert part["anyOf"][0]["enum"] == list(FAMILIES["partitioner"].registered())
     grid = next(v for v in part["anyOf"][1]["oneOf"] if v["title"] == "grid")
-    assert grid["properties"]["params"]["properties"]["split"]["enum"] == ["parity", "checkerboard", "random", "all_src"]
+    assert grid["properties"]["params"]["properties"]["split"]["enum"] == [
+        "parity",
+        "checkerboard",
+        "random",
+        "all_src",
+    ]
     assert "PolicySpec" not in str(schema)
 
 
@@ -525,17 +687,24 @@ def test_proportional_attention_key():
     """Off by default and in every preset but lightkv-cover's (its merge before the LLM relies
     on it); ``proportional_attention: true`` round-trips, is written only when on, and accepts
     only a boolean (a string must not switch it on)."""
-    assert PipelineConfig().proportional_attention is False and Pipeline().proportional_attention is False
+    assert (
+        PipelineConfig().proportional_attention is False
+        and Pipeline().proportional_attention is False
+    )
     on = {"lightkv-cover"}
     for name, preset in PRESETS.items():
         assert preset.config.build().proportional_attention is (name in on), name
         assert ("proportional_attention" in preset.config.to_dict()) is (name in on), name
-    cfg = PipelineConfig.from_yaml_text("name: x\nschedule: {layers: [2], removal_ratios: [0.5]}\nproportional_attention: true\n")
+    cfg = PipelineConfig.from_yaml_text(
+        "name: x\nschedule: {layers: [2], removal_ratios: [0.5]}\nproportional_attention: true\n"
+    )
     pipe = cfg.build()
     assert pipe.proportional_attention is True
     assert "proportional_attention: true" in cfg.to_yaml()
     assert PipelineConfig.from_yaml_text(cfg.to_yaml()) == cfg == config_from_pipeline(pipe)
-    assert config_from_pipeline(pipe.with_scheduler(ExplicitSchedule(layers=(3,), windows_per_side=(1,)))).proportional_attention
+    assert config_from_pipeline(
+        pipe.with_scheduler(ExplicitSchedule(layers=(3,), windows_per_side=(1,)))
+    ).proportional_attention
     assert "proportional_attention: true" in lightkv.to_yaml(pipe)
     for bad in ('"yes"', "1", "[true]"):
         with pytest.raises(ConfigError, match="proportional_attention"):
@@ -560,12 +729,18 @@ def schedules(draw):
         layers = sorted(draw(st.sets(st.integers(0, 40), min_size=1, max_size=4)))
         n = len(layers)
         count = st.sampled_from(sorted({1, n}))
-        ratios = draw(st.lists(st.floats(0, 0.99, allow_nan=False), min_size=1, max_size=1).filter(lambda _: True))
+        ratios = draw(
+            st.lists(st.floats(0, 0.99, allow_nan=False), min_size=1, max_size=1).filter(
+                lambda _: True
+            )
+        )
         ratios = ratios * draw(count) if len(ratios) == 1 else ratios
-        data = {"layers": layers, "removal_ratios": ratios[: n] if len(ratios) > 1 else ratios}
+        data = {"layers": layers, "removal_ratios": ratios[:n] if len(ratios) > 1 else ratios}
         kind = draw(st.sampled_from(["none", "wps", "size"]))
         if kind == "wps":
-            data["windows_per_side"] = draw(st.lists(st.integers(1, 8), min_size=1, max_size=1)) * draw(count)
+            data["windows_per_side"] = draw(
+                st.lists(st.integers(1, 8), min_size=1, max_size=1)
+            ) * draw(count)
         elif kind == "size":
             data["window_size"] = [[draw(st.integers(1, 6)), draw(st.integers(1, 6))]] * draw(count)
         return data
@@ -574,7 +749,14 @@ def schedules(draw):
         if draw(st.booleans()):
             data["relative_layers"] = draw(st.lists(st.floats(0, 1), min_size=1, max_size=3))
         return data
-    return {"name": "explicit", "params": {"layers": [draw(st.integers(0, 5))], "removal_ratios": [0.5], "windows_per_side": [2]}}
+    return {
+        "name": "explicit",
+        "params": {
+            "layers": [draw(st.integers(0, 5))],
+            "removal_ratios": [0.5],
+            "windows_per_side": [2],
+        },
+    }
 
 
 @settings(max_examples=30)
@@ -582,12 +764,31 @@ def schedules(draw):
     schedule=schedules(),
     name=_text,
     description=_text,
-    scorer=st.sampled_from([None, "cosine", {"name": "l2"}, {"name": "cosine", "params": {"features": "keys", "eps": 1e-9}}]),
-    partitioner=st.sampled_from(["grid", {"name": "grid", "params": {"split": "checkerboard", "src_parity": 1}},
-                                 {"name": "strided", "params": {"stride": [2, 1]}}, "anchor"]),
+    scorer=st.sampled_from(
+        [
+            None,
+            "cosine",
+            {"name": "l2"},
+            {"name": "cosine", "params": {"features": "keys", "eps": 1e-9}},
+        ]
+    ),
+    partitioner=st.sampled_from(
+        [
+            "grid",
+            {"name": "grid", "params": {"split": "checkerboard", "src_parity": 1}},
+            {"name": "strided", "params": {"stride": [2, 1]}},
+            "anchor",
+        ]
+    ),
 )
 def test_yaml_round_trip_property(schedule, name, description, scorer, partitioner):
-    data = {"name": name, "description": description, "schedule": schedule, "partitioner": partitioner, "scorer": scorer}
+    data = {
+        "name": name,
+        "description": description,
+        "schedule": schedule,
+        "partitioner": partitioner,
+        "scorer": scorer,
+    }
     if scorer is None:
         data.update(pruner="random", passer="drop")
     cfg = PipelineConfig.from_dict(data)
@@ -602,7 +803,9 @@ def test_yaml_round_trip_property(schedule, name, description, scorer, partition
 def test_schedule_config_round_trips_scheduler_objects():
     for scheduler in [
         ExplicitSchedule(),
-        ExplicitSchedule(layers=(3,), removal_ratios=(0.25,), windows_per_side=None, window_size=((2, 3),)),
+        ExplicitSchedule(
+            layers=(3,), removal_ratios=(0.25,), windows_per_side=None, window_size=((2, 3),)
+        ),
         KeptFractionSchedule(),
         KeptFractionSchedule(kept_fraction=0.3, relative_layers=(0.5,), windows_per_side=(2,)),
     ]:

@@ -18,7 +18,6 @@ import lightkv.config
 from lightkv.config import PipelineConfig, PolicySpec, json_schema
 from lightkv.policies import (
     EdgeScorer,
-    ExplicitSchedule,
     KeptFractionSchedule,
     Scheduler,
     StageSpec,
@@ -54,7 +53,9 @@ class EveryK(Scheduler):
 
     def plan(self, num_layers):
         at = range(self.every - 1, num_layers - 1, self.every)
-        return self._validate([StageSpec(layer, self.removal_ratio, windows_per_side=1) for layer in at], num_layers)
+        return self._validate(
+            [StageSpec(layer, self.removal_ratio, windows_per_side=1) for layer in at], num_layers
+        )
 
 
 @pytest.fixture
@@ -94,8 +95,12 @@ def test_build_copies_without_constructing_again_and_edits_are_validated_again(p
     assert a == b and a.scorer is not b.scorer and a.scheduler is not b.scheduler
     a.scorer.eps = 0.5  # a pipeline's policies are its own
     assert cfg.build().scorer.eps == 1e-9
-    cfg.scorer = PolicySpec(name="counting_cosine", params={"eps": 0.25})  # not validated on assignment
-    assert cfg.build().scorer.eps == 0.25 and BUILT["scorer"] == 4  # the edited config, validated as a whole
+    cfg.scorer = PolicySpec(
+        name="counting_cosine", params={"eps": 0.25}
+    )  # not validated on assignment
+    assert (
+        cfg.build().scorer.eps == 0.25 and BUILT["scorer"] == 4
+    )  # the edited config, validated as a whole
     cfg.scorer = PolicySpec(name="counting_cosine", params={"eps": "big"})
     with pytest.raises(lightkv.config.ConfigError, match="scorer.params.eps"):
         cfg.build()
@@ -104,7 +109,9 @@ def test_build_copies_without_constructing_again_and_edits_are_validated_again(p
 def test_kept_fraction_shorthand_constructs_its_scheduler_once(monkeypatch):
     calls = []
     check = KeptFractionSchedule.__post_init__
-    monkeypatch.setattr(KeptFractionSchedule, "__post_init__", lambda self: (calls.append(1), check(self))[1])
+    monkeypatch.setattr(
+        KeptFractionSchedule, "__post_init__", lambda self: (calls.append(1), check(self))[1]
+    )
     cfg = PipelineConfig.from_yaml_text("schedule:\n  kept_fraction: 0.55\n")
     pipe = cfg.build()
     cfg.to_yaml()
@@ -114,10 +121,15 @@ def test_kept_fraction_shorthand_constructs_its_scheduler_once(monkeypatch):
 
 def test_a_plugin_scheduler_has_its_own_shorthand(plugins):
     cfg = PipelineConfig.from_yaml_text("schedule:\n  every: 5\n  removal_ratio: 0.5\n")
-    assert cfg.schedule.model_dump() == {"name": "every_k", "params": {"every": 5, "removal_ratio": 0.5}}
+    assert cfg.schedule.model_dump() == {
+        "name": "every_k",
+        "params": {"every": 5, "removal_ratio": 0.5},
+    }
     assert cfg.schedule.to_yaml_value() == {"every": 5, "removal_ratio": 0.5}
     assert PipelineConfig.from_yaml_text(cfg.to_yaml()) == cfg
-    assert cfg == PipelineConfig.from_dict({"schedule": {"name": "every_k", "params": {"every": 5, "removal_ratio": 0.5}}})
+    assert cfg == PipelineConfig.from_dict(
+        {"schedule": {"name": "every_k", "params": {"every": 5, "removal_ratio": 0.5}}}
+    )
     forms = json_schema()["$defs"]["ScheduleConfig"]["anyOf"]
     assert any(f.get("required") == ["every"] for f in forms)
     with pytest.raises(lightkv.config.ConfigError, match="schedule: every must be >= 1"):
@@ -129,8 +141,12 @@ def test_a_plugin_scheduler_has_its_own_shorthand(plugins):
 @pytest.mark.parametrize("path", sorted(PRESET_DIR.glob("*.yaml")), ids=lambda p: p.stem)
 def test_to_yaml_of_a_loaded_file_is_the_file(path):
     text = path.read_text(encoding="utf-8")
-    assert lightkv.to_yaml(lightkv.load(str(path))) == text  # summary, description and source included
-    assert lightkv.config.PipelineConfig.from_yaml_text(text).to_yaml() == text  # presets stay canonical
+    assert (
+        lightkv.to_yaml(lightkv.load(str(path))) == text
+    )  # summary, description and source included
+    assert (
+        lightkv.config.PipelineConfig.from_yaml_text(text).to_yaml() == text
+    )  # presets stay canonical
 
 
 def test_what_to_yaml_writes_loads_back_even_where_a_shorthand_cannot_say_it(tmp_path):
@@ -138,13 +154,19 @@ def test_what_to_yaml_writes_loads_back_even_where_a_shorthand_cannot_say_it(tmp
     was written as the ``layers: []`` shorthand, which loading refuses."""
     from lightkv.policies.schedulers import ExplicitSchedule
 
-    pipes = [lightkv.load(name).with_scheduler(ExplicitSchedule(layers=(), removal_ratios=(), windows_per_side=None))
-             for name in ("lightkv", "tome")] + [lightkv.load(name) for name in lightkv.PRESETS]
+    pipes = [
+        lightkv.load(name).with_scheduler(
+            ExplicitSchedule(layers=(), removal_ratios=(), windows_per_side=None)
+        )
+        for name in ("lightkv", "tome")
+    ] + [lightkv.load(name) for name in lightkv.PRESETS]
     for i, pipe in enumerate(pipes):
         path = tmp_path / f"p{i}.yaml"
         lightkv.to_yaml(pipe, path)
         back = lightkv.load(str(path))
-        assert back.scheduler == pipe.scheduler and lightkv.to_yaml(back) == path.read_text(encoding="utf-8")
+        assert back.scheduler == pipe.scheduler and lightkv.to_yaml(back) == path.read_text(
+            encoding="utf-8"
+        )
 
 
 # renamed keys: tests/test_removed_names.py (refused, naming the new key)

@@ -1,4 +1,4 @@
-"""The bundled demo (`lightkv stages-demo`, `python -m lightkv.stages_demo`) runs offline and reports the paper's counts."""
+"""The bundled demo (`lightkv stages-demo`, `python -m lightkv_lab.stages_demo`) runs offline and reports the paper's counts."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("skimage")
 
-from lightkv import stages_demo as demo
+from lightkv_lab import stages_demo as demo
 
 
 def _stage_counts(out: str, preset: str) -> list[int]:

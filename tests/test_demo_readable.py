@@ -4,8 +4,7 @@ picture's titles stay inside the picture, and the method comparison says where i
 from __future__ import annotations
 
 import pytest
-
-from lightkv.demos import bundled
+from lightkv_lab.demos import bundled
 
 
 def test_a_long_question_wraps_inside_its_column(capsys):
@@ -13,15 +12,19 @@ def test_a_long_question_wraps_inside_its_column(capsys):
     lines = capsys.readouterr().out.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("question"))
     truth_at = lines[head].index("truth")
-    rows = lines[head + 2:lines.index("", head)]
-    assert any(not r.startswith("'") for r in rows)  # a question long enough to wrap (Scenes' two-object one)
+    rows = lines[head + 2 : lines.index("", head)]
+    assert any(
+        not r.startswith("'") for r in rows
+    )  # a question long enough to wrap (Scenes' two-object one)
     for r in rows:
         if r.startswith("'"):  # a row: the question's first line ends before the truth column
             assert r[truth_at - 1] == " " and r[truth_at] != " ", r
         else:  # a continuation: the rest of the question, nothing in the other columns
             assert r.startswith(" ") and len(r.rstrip()) < truth_at, r
     assert bundled._question_lines("where is the red object the yellow object".split()) == [
-        "'where is the red object the", " yellow object'"]
+        "'where is the red object the",
+        " yellow object'",
+    ]
 
 
 def test_the_comparison_prints_a_progress_line_per_method(capsys):
@@ -35,8 +38,8 @@ def test_the_comparison_prints_a_progress_line_per_method(capsys):
 
 def test_picture_titles_stay_inside_the_picture(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
-    from lightkv import vis
-    from lightkv.bench import quality_report
+    from lightkv_lab import vis
+    from lightkv_lab.bench import quality_report
 
     figures = []
     real = vis.save_figure
@@ -46,7 +49,9 @@ def test_picture_titles_stay_inside_the_picture(tmp_path, monkeypatch):
         fig.canvas.draw()
         renderer = fig.canvas.get_renderer()
         box = fig.bbox
-        figures.append([(ax.title.get_text(), ax.title.get_window_extent(renderer), box) for ax in fig.axes])
+        figures.append(
+            [(ax.title.get_text(), ax.title.get_window_extent(renderer), box) for ax in fig.axes]
+        )
         return real(fig, path, **kw)
 
     monkeypatch.setattr(vis, "save_figure", keep)

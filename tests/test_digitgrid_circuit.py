@@ -8,15 +8,21 @@ import random
 
 import pytest
 import torch
-
-from lightkv.tasks import circuit
-from lightkv.tasks.model import ModelSpec, build_model
-from lightkv.tasks.symbolgrid import data as sg
-from lightkv.tasks.labels import translation
+from lightkv_lab.tasks import circuit
+from lightkv_lab.tasks.labels import translation
+from lightkv_lab.tasks.model import ModelSpec, build_model
+from lightkv_lab.tasks.symbolgrid import data as sg
 
 GRID = sg.GridConfig()
-SPEC = ModelSpec(patch=4, text_layers=4, text_head_dim=64, text_ffn=64, vision_layers=1, vision_width=32,
-                 rope_theta=1e8)
+SPEC = ModelSpec(
+    patch=4,
+    text_layers=4,
+    text_head_dim=64,
+    text_ffn=64,
+    vision_layers=1,
+    vision_width=32,
+    rope_theta=1e8,
+)
 LAYER = 1
 
 
@@ -41,8 +47,14 @@ def built():
             if i != LAYER:
                 layer.self_attn.o_proj.weight.zero_()
                 layer.mlp.down_proj.weight.zero_()
-    heads = circuit.install(model, sg, 16, _vision(model, grids, m).flatten(0, 1), grids.flatten(),
-                            circuit.CircuitSpec(layer=LAYER))
+    heads = circuit.install(
+        model,
+        sg,
+        16,
+        _vision(model, grids, m).flatten(0, 1),
+        grids.flatten(),
+        circuit.CircuitSpec(layer=LAYER),
+    )
     return model.eval(), m, heads
 
 
@@ -51,10 +63,20 @@ def _run(model, m, episodes):
     rows = []
     for ep in episodes:
         words = torch.tensor([sg.WORD_TO_ID[w] for w in ep.question])
-        rows.append(torch.cat([emb.weight[[sg.BOS_ID]], _vision(model, ep.grid[None], m)[0],
-                               emb.weight[[sg.SEP_ID]], emb(words)]))
+        rows.append(
+            torch.cat(
+                [
+                    emb.weight[[sg.BOS_ID]],
+                    _vision(model, ep.grid[None], m)[0],
+                    emb.weight[[sg.SEP_ID]],
+                    emb(words),
+                ]
+            )
+        )
     with torch.no_grad():
-        out = model.model.language_model(inputs_embeds=torch.stack(rows))  # same length per question type
+        out = model.model.language_model(
+            inputs_embeds=torch.stack(rows)
+        )  # same length per question type
         return model.lm_head(out.last_hidden_state[:, -1])
 
 
@@ -106,11 +128,16 @@ def test_freeze_keeps_the_built_heads(built):
     fresh.load_state_dict(model.state_dict())
     circuit.freeze(fresh, LAYER, heads)
     fresh.train()
-    out = fresh(input_ids=torch.tensor([[sg.BOS_ID, sg.SEP_ID, sg.WORD_TO_ID["what"]]]),
-                labels=torch.tensor([[-100, sg.SEP_ID, sg.EOS_ID]]))
+    out = fresh(
+        input_ids=torch.tensor([[sg.BOS_ID, sg.SEP_ID, sg.WORD_TO_ID["what"]]]),
+        labels=torch.tensor([[-100, sg.SEP_ID, sg.EOS_ID]]),
+    )
     out.loss.backward()
     a = fresh.model.language_model.layers[LAYER].self_attn
     rows = slice(0, len(heads) * attn.head_dim)
     for proj in (a.q_proj, a.k_proj, a.v_proj):
-        assert proj.weight.grad[rows].abs().max() == 0 and proj.weight.grad[rows.stop:].abs().max() > 0
+        assert (
+            proj.weight.grad[rows].abs().max() == 0
+            and proj.weight.grad[rows.stop :].abs().max() > 0
+        )
     assert a.o_proj.weight.grad[:, rows].abs().max() == 0

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("sklearn")
 
-from lightkv.tasks.digitgrid import (
+from lightkv_lab.tasks.digitgrid import (
     BOS_ID,
     EOS_ID,
     IGNORE_INDEX,
@@ -36,7 +36,7 @@ from lightkv.tasks.digitgrid import (
     make_scene,
     num_image_tokens,
 )
-from lightkv.tasks.digitgrid.images import _digits
+from lightkv_lab.tasks.digitgrid.images import _digits
 
 NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 seeds = st.integers(min_value=0, max_value=2**32 - 1)
@@ -163,10 +163,18 @@ def test_episodes_draw_only_from_their_split(seed, qtype):
 
 
 def test_stream_pools_disjoint_over_many_episodes():
-    train = {int(i) for ep in EpisodeStream(3, "train", config=HANDWRITTEN).take(60)
-             for i in ep.digit_index.flatten() if i >= 0}
-    held = {int(i) for ep in EpisodeStream(3, "heldout", config=HANDWRITTEN).take(60)
-            for i in ep.digit_index.flatten() if i >= 0}
+    train = {
+        int(i)
+        for ep in EpisodeStream(3, "train", config=HANDWRITTEN).take(60)
+        for i in ep.digit_index.flatten()
+        if i >= 0
+    }
+    held = {
+        int(i)
+        for ep in EpisodeStream(3, "heldout", config=HANDWRITTEN).take(60)
+        for i in ep.digit_index.flatten()
+        if i >= 0
+    }
     assert train and held and not train & held
 
 
@@ -310,7 +318,7 @@ def test_collate_rejects_empty_batch():
 
 
 def test_the_default_config_is_the_bundled_models():
-    from lightkv.tasks.model import read_grid_config
+    from lightkv_lab.tasks.model import read_grid_config
 
     assert read_grid_config("digitgrid") == GridConfig()
 
@@ -326,7 +334,7 @@ def test_synthetic_glyphs_draw_every_occupied_cell(seed, glyphs):
     img, k = ep.image, cfg.cell
     for r in range(cfg.grid):
         for c in range(cfg.grid):
-            tile = img[:, r * k:(r + 1) * k, c * k:(c + 1) * k]
+            tile = img[:, r * k : (r + 1) * k, c * k : (c + 1) * k]
             if ep.grid[r, c] >= 0:
                 assert float(tile.max()) > 0.5  # ink
             else:
@@ -338,7 +346,9 @@ def test_colour_glyphs_show_their_class_in_every_patch():
     ep = make_episode(random.Random(5), "heldout", "what", cfg)
     hues = {}
     for r, c in (ep.grid >= 0).nonzero().tolist():
-        tile = ep.image[:, r * cfg.cell + 1:(r + 1) * cfg.cell - 1, c * cfg.cell + 1:(c + 1) * cfg.cell - 1]
+        tile = ep.image[
+            :, r * cfg.cell + 1 : (r + 1) * cfg.cell - 1, c * cfg.cell + 1 : (c + 1) * cfg.cell - 1
+        ]
         dominant = tile.mean((1, 2))
         hues.setdefault(int(ep.grid[r, c]), []).append(dominant / dominant.max())
     for cls, colours in hues.items():  # the same class has the same hue in every cell
@@ -363,7 +373,7 @@ def test_collate_scenes_first_question_matches_collate():
     for i, scene in enumerate(scenes):
         row = batch["input_ids"][i][batch["attention_mask"][i].bool()].tolist()
         single = collate([scene[0]], 16)["input_ids"][0].tolist()
-        assert row[:len(single)] == single  # the first turn is exactly a single-question row
+        assert row[: len(single)] == single  # the first turn is exactly a single-question row
         labels = batch["labels"][i][batch["attention_mask"][i].bool()].tolist()
         expected = []
         for ep in scene:

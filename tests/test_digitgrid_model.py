@@ -8,10 +8,11 @@ import torch
 
 pytest.importorskip("sklearn")
 
+from lightkv_lab.bench.quality import method_pipeline
+from lightkv_lab.tasks import evaluate as ev
+from lightkv_lab.tasks import model as dg
+
 import lightkv
-from lightkv.bench.quality import method_pipeline
-from lightkv.tasks import evaluate as ev
-from lightkv.tasks import model as dg
 
 # Floors well under what the shipped model measures (see benchmarks/results/quality.md),
 # so that only a real regression (adapters, policies, data, weights) trips them.
@@ -46,14 +47,21 @@ def test_bundled_model_is_a_small_offline_llava(monkeypatch, bundled):
 
 
 def test_processor_builds_the_training_format(bundled):
-    from lightkv.tasks.digitgrid import data
+    from lightkv_lab.tasks.digitgrid import data
 
     model, processor, grid = bundled
     ep = ev.heldout_episodes(1, seed=3, grid=grid)[0]
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": " ".join(ep.question)}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image"}, {"type": "text", "text": " ".join(ep.question)}],
+        }
+    ]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     inputs = processor(images=data.to_pil(ep.image), text=text, return_tensors="pt")
-    expected = data.collate_prompts([ep], data.num_image_tokens(grid, model.config.vision_config.patch_size))
+    expected = data.collate_prompts(
+        [ep], data.num_image_tokens(grid, model.config.vision_config.patch_size)
+    )
     assert torch.equal(inputs["input_ids"], expected["input_ids"])
     # 8-bit quantisation of the image is the only difference from the training tensors
     assert torch.allclose(inputs["pixel_values"], expected["pixel_values"], atol=1 / 255)
@@ -69,7 +77,9 @@ def test_uncompressed_accuracy_floor(bundled, episodes):
 def test_lightkv_at_55_percent_keeps_answering(bundled, episodes):
     model, _, grid = bundled
     pipe, how = method_pipeline("lightkv", model.config.text_config.num_hidden_layers, 0.55)
-    assert how == "scaled" and pipe.scheduler.removal_ratios == (0.5,)  # LightKV's own ratio at its scaled layers
+    assert how == "scaled" and pipe.scheduler.removal_ratios == (
+        0.5,
+    )  # LightKV's own ratio at its scaled layers
     res = ev.evaluate(model, episodes, grid, pipe, batch=48)
     assert 0.5 <= res.kept_fraction <= 0.6
     assert res.kv_bytes_vision < 0.62 * res.kv_bytes_vision_baseline
@@ -85,7 +95,12 @@ def test_empty_schedule_reproduces_uncompressed_answers(bundled, episodes):
 
     from lightkv.policies.schedulers import KeptFractionSchedule
 
-    full = ev.evaluate(model, episodes[:32], grid, replace(budget, scheduler=KeptFractionSchedule(kept_fraction=1.0)))
+    full = ev.evaluate(
+        model,
+        episodes[:32],
+        grid,
+        replace(budget, scheduler=KeptFractionSchedule(kept_fraction=1.0)),
+    )
     assert full.answers == base.answers
     assert full.kept_fraction == 1.0
 
@@ -114,19 +129,35 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
 def test_demo_checks_its_optional_dependencies_before_any_output(tmp_path, capsys, monkeypatch):
     import importlib.util
 
-    from lightkv.demos.bundled import main
+    from lightkv_lab.demos.bundled import main
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "matplotlib" else real(name, *a),
+    )
     assert main(["--out", str(tmp_path)]) == 2
     captured = capsys.readouterr()
-    assert captured.out == "" and "pip install 'lightkv[demo]'" in captured.err and "--no-png" in captured.err
+    assert (
+        captured.out == ""
+        and "pip install 'lightkv-lab'" in captured.err
+        and "--no-png" in captured.err
+    )
 
 
-@pytest.mark.parametrize("argv", [["--questions", "1000000"], ["--contrast", "10000000"], ["--low", "0"],
-                                  ["--low", "1.5"], ["--questions", "0"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--questions", "1000000"],
+        ["--contrast", "10000000"],
+        ["--low", "0"],
+        ["--low", "1.5"],
+        ["--questions", "0"],
+    ],
+)
 def test_demo_refuses_values_past_its_limits_up_front(argv, capsys):
-    from lightkv.demos.bundled import main
+    from lightkv_lab.demos.bundled import main
 
     assert main([*argv, "--no-png"]) == 2
     captured = capsys.readouterr()
@@ -134,7 +165,7 @@ def test_demo_refuses_values_past_its_limits_up_front(argv, capsys):
 
 
 def test_demo_refuses_a_file_as_out_before_any_output(tmp_path, capsys):
-    from lightkv.demos.bundled import main
+    from lightkv_lab.demos.bundled import main
 
     target = tmp_path / "taken"
     target.write_text("x")
@@ -144,7 +175,7 @@ def test_demo_refuses_a_file_as_out_before_any_output(tmp_path, capsys):
 
 
 def test_demo_rejects_a_model_that_is_not_there(tmp_path, capsys):
-    from lightkv.demos.bundled import main
+    from lightkv_lab.demos.bundled import main
 
     assert main(["--model", str(tmp_path / "nope"), "--no-png"]) == 2
     assert "cannot load the model" in capsys.readouterr().err
@@ -175,7 +206,7 @@ def test_generate_json_on_the_bundled_model_prints_one_json_document(capsys):
 def test_demo_refuses_an_unwritable_out_before_any_output(tmp_path, capsys):
     """Issue 27, item 7: an --out the demo cannot write into is refused up front (a file in
     the way of the directory, here), not after the run."""
-    from lightkv.demos.bundled import main
+    from lightkv_lab.demos.bundled import main
 
     (tmp_path / "file").write_text("x")
     assert main(["--out", str(tmp_path / "file" / "sub")]) == 2

@@ -7,12 +7,35 @@ import torch
 
 pytest.importorskip("tqdm")
 
-from lightkv.tasks import model as dg
-from lightkv.tasks.train import main
+from lightkv_lab.tasks import model as dg
+from lightkv_lab.tasks.train import main
 
-TINY = ["--text-width", "32", "--text-layers", "2", "--text-ffn", "64", "--vision-width", "32",
-        "--vision-layers", "1", "--batch", "2", "--questions", "2", "--eval-n", "1", "--threads", "1",
-        "--glyphs", "colour", "--warmup", "1", "--eval-every", "1000"]
+TINY = [
+    "--text-width",
+    "32",
+    "--text-layers",
+    "2",
+    "--text-ffn",
+    "64",
+    "--vision-width",
+    "32",
+    "--vision-layers",
+    "1",
+    "--batch",
+    "2",
+    "--questions",
+    "2",
+    "--eval-n",
+    "1",
+    "--threads",
+    "1",
+    "--glyphs",
+    "colour",
+    "--warmup",
+    "1",
+    "--eval-every",
+    "1000",
+]
 
 
 def _weights(path):
@@ -43,8 +66,17 @@ def test_qa_stage_keeps_the_aligned_tower_and_exports(tmp_path):
     main(["qa", "--out", str(out), "--steps", "2", "--mimetic", "--export", str(export), *TINY])
     aligned = _weights(out / "align.pt")
     trained = _weights(out / "qa.pt")
-    frozen = [k for k in aligned if k.startswith(("model.vision_tower.", "model.multi_modal_projector.",
-                                                    "model.language_model.embed_tokens."))]
+    frozen = [
+        k
+        for k in aligned
+        if k.startswith(
+            (
+                "model.vision_tower.",
+                "model.multi_modal_projector.",
+                "model.language_model.embed_tokens.",
+            )
+        )
+    ]
     assert frozen and all(torch.equal(aligned[k], trained[k]) for k in frozen)
     decoder = [k for k in trained if k.startswith("model.language_model.layers.")]
     assert any(not torch.equal(aligned[k], trained[k]) for k in decoder)
@@ -56,9 +88,11 @@ def test_qa_stage_keeps_the_aligned_tower_and_exports(tmp_path):
 
 
 def test_alignment_targets_name_each_cell():
-    from lightkv.tasks.digitgrid.data import WORD_TO_ID
+    from lightkv_lab.tasks.digitgrid.data import WORD_TO_ID
 
-    model = dg.build_model(dg.ModelSpec(text_width=32, text_layers=1, text_ffn=32, vision_width=32, vision_layers=1))
+    model = dg.build_model(
+        dg.ModelSpec(text_width=32, text_layers=1, text_ffn=32, vision_width=32, vision_layers=1)
+    )
     grid = torch.tensor([[[3, -1], [-1, 0]]])  # 2x2 cells
     t = alignment = dg.alignment_targets(model, grid, patch=4, cell=8)  # 2x2 tokens per cell
     assert alignment.shape == (1, 16, 32)
@@ -81,7 +115,9 @@ def test_scenes_align_and_qa_resume_exactly_and_export(tmp_path, capsys):
     aligned = _weights(tmp_path / "a" / "align.pt")
     for run in ("b", "c"):
         (tmp_path / run).mkdir()
-        torch.save(torch.load(tmp_path / "a" / "align.pt", weights_only=False), tmp_path / run / "align.pt")
+        torch.save(
+            torch.load(tmp_path / "a" / "align.pt", weights_only=False), tmp_path / run / "align.pt"
+        )
     main(["qa", "--out", str(tmp_path / "b"), "--steps", "2", "--mimetic", *SCENES])
     main(["qa", "--out", str(tmp_path / "b"), "--steps", "3", "--mimetic", *SCENES])
     assert "resumed" in capsys.readouterr().out
@@ -102,7 +138,9 @@ def test_scenes_tune_starts_from_qa_and_resumes_exactly(tmp_path, capsys):
     mix = ["--mix", "texture", "count=3", "relation=2"]
     for run in ("b", "c"):
         (tmp_path / run).mkdir()
-        torch.save(torch.load(tmp_path / "q" / "qa.pt", weights_only=False), tmp_path / run / "qa.pt")
+        torch.save(
+            torch.load(tmp_path / "q" / "qa.pt", weights_only=False), tmp_path / run / "qa.pt"
+        )
     main(["tune", "--out", str(tmp_path / "b"), "--steps", "2", *mix, *SCENES])
     main(["tune", "--out", str(tmp_path / "b"), "--steps", "3", *mix, *SCENES])
     assert "resumed" in capsys.readouterr().out

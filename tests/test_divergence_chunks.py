@@ -66,7 +66,9 @@ def _graph(windows: int, size: int, seed: int) -> tuple[BipartiteGraph, int]:
 )
 def test_chunked_result_is_the_one_call_result(windows, size, heads, budget, dtype, seed):
     graph, n = _graph(windows, size, seed)
-    feats = torch.randn(graph.num_nodes, heads, 4, generator=torch.Generator().manual_seed(seed + 1), dtype=dtype)
+    feats = torch.randn(
+        graph.num_nodes, heads, 4, generator=torch.Generator().manual_seed(seed + 1), dtype=dtype
+    )
     scorer = Recording()
     whole = scorer.best_edges(graph, feats, budget=2**40)
     assert len(scorer.calls) <= 1
@@ -96,18 +98,24 @@ def test_a_bilinear_scorer_is_one_call_whatever_the_budget():
 
 
 def test_the_stage_runs_a_js_scorer_within_its_pipeline_budget():
-    layout = VisionLayout.from_segments(1, 4 + 24 * 24, [ImageSegment(row=0, offset=2, grid=(24, 24))])
+    layout = VisionLayout.from_segments(
+        1, 4 + 24 * 24, [ImageSegment(row=0, offset=2, grid=(24, 24))]
+    )
     n = layout.seq_len
     hidden = torch.randn(1, n, 16)
     keys = torch.randn(1, n, 4, 8)
     scorer = Recording()
-    stage = Stage(spec=StageSpec(0, 0.5, windows_per_side=1), scorer=scorer, divergence_memory_mib=1)
+    stage = Stage(
+        spec=StageSpec(0, 0.5, windows_per_side=1), scorer=scorer, divergence_memory_mib=1
+    )
     out = stage(hidden, layout, keys=keys)
     budget = 2**20
     per_pair = scorer.pair_intermediates * 4 * 8 * 4
     assert len(scorer.calls) > 1 and all(k * a * b * per_pair <= budget for k, a, b in scorer.calls)
     scorer.calls.clear()
-    again = Stage(spec=stage.spec, scorer=scorer, divergence_memory_mib=4096)(hidden, layout, keys=keys)
+    again = Stage(spec=stage.spec, scorer=scorer, divergence_memory_mib=4096)(
+        hidden, layout, keys=keys
+    )
     assert len(scorer.calls) == 1  # one call when it fits
     assert torch.equal(out.hidden, again.hidden) and torch.equal(out.kept_index, again.kept_index)
 

@@ -58,9 +58,14 @@ def blocks(path: Path) -> list[tuple[int, str, str]]:
         if m:
             indent, fence = m.group("indent"), m.group("fence")
             end = next(
-                j for j in range(i + 1, len(lines)) if lines[j].strip().startswith(fence) and not lines[j].strip().strip(fence[0])
+                j
+                for j in range(i + 1, len(lines))
+                if lines[j].strip().startswith(fence) and not lines[j].strip().strip(fence[0])
             )
-            body = [ln[len(indent) :] if ln.startswith(indent) else ln.lstrip() for ln in lines[i + 1 : end]]
+            body = [
+                ln[len(indent) :] if ln.startswith(indent) else ln.lstrip()
+                for ln in lines[i + 1 : end]
+            ]
             title = TITLE.search(m.group("rest"))
             lang = f"file:{title.group('title')}" if title else m.group("lang").lower()
             if lang in ("python", "py") and previous.strip() == CONTINUES:
@@ -135,7 +140,9 @@ def test_python_examples_run(page: Path, one_thread, clean_registries, tmp_path)
                 with contextlib.redirect_stdout(io.StringIO()):
                     exec(compile(code, f"{page.relative_to(ROOT)}:{line}", "exec"), module.__dict__)  # noqa: S102
             except Exception as e:  # pragma: no cover - the message is what matters
-                raise AssertionError(f"{page.relative_to(ROOT)}, block at line {line} failed: {e!r}\n{code}") from e
+                raise AssertionError(
+                    f"{page.relative_to(ROOT)}, block at line {line} failed: {e!r}\n{code}"
+                ) from e
     finally:
         del sys.modules[name]
         sys.path.remove(str(tmp_path))
@@ -187,14 +194,18 @@ def test_figure_script_runs(tmp_path, one_thread):
 
     pytest.importorskip("skimage")
     pytest.importorskip("PIL")
-    spec = importlib.util.spec_from_file_location("make_figures", DOCS / "scripts" / "make_figures.py")
+    spec = importlib.util.spec_from_file_location(
+        "make_figures", DOCS / "scripts" / "make_figures.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     with contextlib.redirect_stdout(io.StringIO()):
         assert module.main(["--out", str(tmp_path)]) == 0
     made = sorted(p.name for p in tmp_path.glob("*.png"))
     committed = sorted(p.name for p in (DOCS / "assets").glob("*.png"))
-    assert made and set(made) <= set(committed), f"figures not committed to docs/assets: {set(made) - set(committed)}"
+    assert made and set(made) <= set(committed), (
+        f"figures not committed to docs/assets: {set(made) - set(committed)}"
+    )
     assert sum(p.stat().st_size for p in (DOCS / "assets").glob("*.png")) < 300_000
 
 

@@ -22,7 +22,9 @@ def test_every_family_says_what_is_exact_and_what_is_refused():
     assert set(rows) == set(SUPPORTED_FAMILIES)
     for family, cells in rows.items():
         exact, refused = cells[5].strip(), cells[6].strip()
-        assert exact and refused, f"{family}: its adapter module's docstring needs 'Exact:' and 'Refused:' lines"
+        assert exact and refused, (
+            f"{family}: its adapter module's docstring needs 'Exact:' and 'Refused:' lines"
+        )
 
 
 def test_docstring_fields_stop_at_a_blank_line_or_the_next_field():

@@ -39,8 +39,12 @@ def _processor(model):
     from lightkv.testing import IMAGE
 
     cfg = model.config
-    specials = {"<pad>": cfg.text_config.pad_token_id, "<s>": cfg.text_config.bos_token_id,
-                "</s>": cfg.text_config.eos_token_id, "<image>": IMAGE}
+    specials = {
+        "<pad>": cfg.text_config.pad_token_id,
+        "<s>": cfg.text_config.bos_token_id,
+        "</s>": cfg.text_config.eos_token_id,
+        "<image>": IMAGE,
+    }
     words = ["<unk>", "USER", "ASSISTANT", ":", "what", "is", "this", "?", "a", "cat"]
     vocab = dict(specials)
     free = (i for i in range(cfg.text_config.vocab_size) if i not in specials.values())
@@ -51,20 +55,30 @@ def _processor(model):
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.add_special_tokens(list(specials))  # "<image><image>..." must split into image tokens
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
-                                        bos_token="<s>", eos_token="</s>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+    )
     side = cfg.vision_config.image_size
     images = ImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
     # CLIP adds one CLS token that the "default" strategy drops: (side / patch)^2 image tokens
-    return LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=cfg.vision_config.patch_size,
-                          vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    return LlavaProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=cfg.vision_config.patch_size,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+    )
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     from PIL import Image
 
-    from lightkv.testing import TINY_MODELS, IMAGE
+    from lightkv.testing import IMAGE, TINY_MODELS
 
     root = tmp_path_factory.mktemp("generate")
     model = TINY_MODELS["llava"].build()
@@ -76,7 +90,11 @@ def assets(tmp_path_factory):
     Image.new("RGB", (40, 30), (200, 120, 40)).save(image)
     # the processor inserts as many image tokens as the model expects
     vc = model.config.vision_config
-    ids = proc(images=Image.open(image), text="USER: <image>\nwhat is this? ASSISTANT:", return_tensors="pt")["input_ids"]
+    ids = proc(
+        images=Image.open(image),
+        text="USER: <image>\nwhat is this? ASSISTANT:",
+        return_tensors="pt",
+    )["input_ids"]
     assert int((ids == IMAGE).sum()) == (vc.image_size // vc.patch_size) ** 2
     config = root / "tiny.yaml"
     config.write_text(CONFIG)
@@ -84,17 +102,36 @@ def assets(tmp_path_factory):
 
 
 def _gen(assets, *extra):
-    return ["generate", "--model", assets["model"], "--image", assets["image"], "--prompt", "what is this?", *extra]
+    return [
+        "generate",
+        "--model",
+        assets["model"],
+        "--image",
+        assets["image"],
+        "--prompt",
+        "what is this?",
+        *extra,
+    ]
 
 
 def test_generate_compare_end_to_end(assets, capsys):
     code = main(_gen(assets, "--config", assets["config"], "--compare", "--max-new-tokens", "3"))
     out, err = capsys.readouterr()
     assert code == 0, err
-    for needle in ("answer (lightkv):", "answer (baseline):", "answers identical:",
-                   "kept vision fraction (avg over layers): 0.", "vision KV bytes:", "total KV bytes:",
-                   "time to first token:", "generate time:", "stage after layer 1: vision tokens 64 -> 32",
-                   "stage after layer 2: vision tokens 32 -> 16", "pipeline: tiny", "(llava, LlavaForConditionalGeneration"):
+    for needle in (
+        "answer (lightkv):",
+        "answer (baseline):",
+        "answers identical:",
+        "kept vision fraction (avg over layers): 0.",
+        "vision KV bytes:",
+        "total KV bytes:",
+        "time to first token:",
+        "generate time:",
+        "stage after layer 1: vision tokens 64 -> 32",
+        "stage after layer 2: vision tokens 32 -> 16",
+        "pipeline: tiny",
+        "(llava, LlavaForConditionalGeneration",
+    ):
         assert needle in out, (needle, out)
     assert "without" in out.split("time to first token:")[1].splitlines()[0]
 
@@ -141,7 +178,9 @@ def test_unknown_preset(assets, capsys):
 
 
 def test_missing_config_file(assets, capsys):
-    _one_line_error(main(_gen(assets, "--config", str(assets["root"] / "missing.yaml"))), capsys, "missing.yaml")
+    _one_line_error(
+        main(_gen(assets, "--config", str(assets["root"] / "missing.yaml"))), capsys, "missing.yaml"
+    )
 
 
 def test_missing_model_dir(assets, capsys):
@@ -159,8 +198,13 @@ def test_directory_without_model(assets, capsys):
 def test_unsupported_family(assets, tmp_path, capsys):
     from transformers import LlamaConfig
 
-    LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                num_attention_heads=2).save_pretrained(tmp_path)
+    LlamaConfig(
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+    ).save_pretrained(tmp_path)
     args = _gen(assets, "--config", assets["config"])
     args[args.index("--model") + 1] = str(tmp_path)
     _one_line_error(main(args), capsys, "'llama' is not supported", "supported families: llava")
@@ -180,9 +224,11 @@ def test_a_missed_target_is_reported_and_warned(assets, capsys, tmp_path):
     the pre-LLM stage is asked to remove 80% with a parity split (at most half a window):
     the JSON carries target and achieved, and stderr says it missed, in one line."""
     config = tmp_path / "greedy.yaml"
-    config.write_text("name: greedy\nschedule:\n  name: pre_llm\n  params: {removal_ratio: 0.8, windows_per_side: 2}\n"
-                      "partitioner: grid\nscorer: cosine\npruner: divergence\npasser: relevance_mean\n"
-                      "relevance: query_softmax\n")
+    config.write_text(
+        "name: greedy\nschedule:\n  name: pre_llm\n  params: {removal_ratio: 0.8, windows_per_side: 2}\n"
+        "partitioner: grid\nscorer: cosine\npruner: divergence\npasser: relevance_mean\n"
+        "relevance: query_softmax\n"
+    )
     code = main(_gen(assets, "--config", str(config), "--max-new-tokens", "1", "--json"))
     out, err = capsys.readouterr()
     assert code == 0, err
@@ -209,16 +255,34 @@ def test_the_default_preset_fits_the_models_depth_and_says_so(assets, capsys):
 
 
 def test_ttft_and_generate_time_come_from_the_same_calls(assets, capsys):
-    code = main(_gen(assets, "--config", assets["config"], "--compare", "--max-new-tokens", "4", "--repeats", "3",
-                     "--json"))
+    code = main(
+        _gen(
+            assets,
+            "--config",
+            assets["config"],
+            "--compare",
+            "--max-new-tokens",
+            "4",
+            "--repeats",
+            "3",
+            "--json",
+        )
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
     data = json.loads(out)
     for run in (data["compressed"], data["baseline"]):
-        assert run["repeats"] == 3 and 0 < run["ttft_s"] <= run["total_s"]  # medians of the same calls
-    code = main(_gen(assets, "--config", assets["config"], "--max-new-tokens", "2", "--repeats", "2"))
+        assert (
+            run["repeats"] == 3 and 0 < run["ttft_s"] <= run["total_s"]
+        )  # medians of the same calls
+    code = main(
+        _gen(assets, "--config", assets["config"], "--max-new-tokens", "2", "--repeats", "2")
+    )
     out, _ = capsys.readouterr()
-    assert "median of 2 generate call(s) each; the first token and the whole call are timed in the same calls" in out
+    assert (
+        "median of 2 generate call(s) each; the first token and the whole call are timed in the same calls"
+        in out
+    )
 
 
 def test_an_empty_image_path_is_named(assets, capsys):

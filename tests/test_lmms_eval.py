@@ -18,12 +18,16 @@ import subprocess
 
 import pytest
 
-if os.environ.get("LIGHTKV_REQUIRE_LMMS_EVAL"):  # `make test-lmms-eval` (CI): a skip would hide a broken install
+if os.environ.get(
+    "LIGHTKV_REQUIRE_LMMS_EVAL"
+):  # `make test-lmms-eval` (CI): a skip would hide a broken install
     import lmms_eval  # noqa: F401
 else:
-    pytest.importorskip("lmms_eval", reason="lmms-eval is not installed (`make lmms-eval` installs the extra)")
+    pytest.importorskip(
+        "lmms_eval", reason="lmms-eval is not installed (`make lmms-eval` installs the extra)"
+    )
 
-from lightkv.integrations.digitgrid_task import (
+from lightkv_lab.digitgrid_task import (
     TASK_NAME,
     lmms_eval_command,
     offline_env,
@@ -39,16 +43,19 @@ BATCH = 8
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Episodes, lightkv's own evaluation of them, and the three lmms-eval runs."""
+    from lightkv_lab.tasks import evaluate as ev
+    from lightkv_lab.tasks import model as dg
+
     import lightkv
     from lightkv.policies.schedulers import ExplicitSchedule
-    from lightkv.tasks import evaluate as ev
-    from lightkv.tasks import model as dg
 
     tmp = tmp_path_factory.mktemp("lmms")
     model, processor, grid = dg.load()
     episodes = task_episodes(N_EPISODES, processor, grid)
     task_dir = write_task(tmp / "task", episodes, grid)
-    identity = lightkv.load("lightkv").with_scheduler(ExplicitSchedule(layers=(), removal_ratios=(), windows_per_side=None))
+    identity = lightkv.load("lightkv").with_scheduler(
+        ExplicitSchedule(layers=(), removal_ratios=(), windows_per_side=None)
+    )
     lightkv.to_yaml(identity, tmp / "identity.yaml")
     specs = {
         "uncompressed": ("pretrained=digitgrid,dtype=float32", 1),
@@ -59,12 +66,24 @@ def runs(tmp_path_factory):
         procs = {}
         for name, (model_args, n) in specs.items():
             log = stack.enter_context(open(tmp / f"{name}.log", "w"))
-            cmd = lmms_eval_command(task_dir, tmp / name, model_args, n, BATCH, port=29500 + os.getpid() % 1000)
-            procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=offline_env(), cwd=tmp,
-                                           start_new_session=True)  # its own process group (torchrun's workers)
+            cmd = lmms_eval_command(
+                task_dir, tmp / name, model_args, n, BATCH, port=29500 + os.getpid() % 1000
+            )
+            procs[name] = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=offline_env(),
+                cwd=tmp,
+                start_new_session=True,
+            )  # its own process group (torchrun's workers)
         try:  # lightkv's own evaluator on the same episodes, meanwhile
-            own = {"uncompressed": ev.evaluate(model, episodes, grid, None, batch=BATCH),
-                   "budget": ev.evaluate(model, episodes, grid, lightkv.load("lightkv-budget"), batch=BATCH)}
+            own = {
+                "uncompressed": ev.evaluate(model, episodes, grid, None, batch=BATCH),
+                "budget": ev.evaluate(
+                    model, episodes, grid, lightkv.load("lightkv-budget"), batch=BATCH
+                ),
+            }
             for proc in procs.values():
                 proc.wait(timeout=240)
         finally:
@@ -81,7 +100,10 @@ def _accuracy(results: dict) -> float:
 
 
 def _answers(samples: list[dict]) -> list[str]:
-    return [s["filtered_resps"] if isinstance(s["filtered_resps"], str) else s["filtered_resps"][0] for s in samples]
+    return [
+        s["filtered_resps"] if isinstance(s["filtered_resps"], str) else s["filtered_resps"][0]
+        for s in samples
+    ]
 
 
 def test_uncompressed_accuracy_equals_lightkvs_evaluator(runs):
@@ -107,13 +129,17 @@ def test_compressed_run_reports_its_kept_fraction(runs):
     _, own, got = runs
     results, samples = got["budget"]
     rows = [s["token_counts"][0]["lightkv"] for s in samples]
-    assert all(r["pipeline"] == "lightkv-budget" and 0 < r["kept_vision_fraction"] < 1 for r in rows)
+    assert all(
+        r["pipeline"] == "lightkv-budget" and 0 < r["kept_vision_fraction"] < 1 for r in rows
+    )
     assert all(r["kv_bytes_vision"] < r["kv_bytes_vision_baseline"] for r in rows)
     assert all(r["prefill_s"] > 0 for r in rows)
     kept = results["throughput"]["avg_lightkv_kept_vision_fraction"]
     assert kept == pytest.approx(sum(r["kept_vision_fraction"] for r in rows) / len(rows))
     assert kept == pytest.approx(own["budget"].kept_fraction, abs=1e-9)
-    assert results["throughput"][f"avg_lightkv_{TASK_NAME}_kept_vision_fraction"] == pytest.approx(kept)
+    assert results["throughput"][f"avg_lightkv_{TASK_NAME}_kept_vision_fraction"] == pytest.approx(
+        kept
+    )
     assert _accuracy(results) == pytest.approx(own["budget"].overall, abs=1e-12)
 
 
@@ -129,7 +155,9 @@ def test_data_parallel_run_shards_like_lmms_eval_and_aggregates_every_rank(runs)
     for rank in (0, 1):
         mine = [s["doc_id"] for s in samples if s["token_counts"][0]["lightkv"]["rank"] == rank]
         assert mine == shard(N_EPISODES, rank, 2)
-        assert [i for i, _ in create_iterator(enumerate(range(N_EPISODES)), rank=rank, world_size=2)] == mine
+        assert [
+            i for i, _ in create_iterator(enumerate(range(N_EPISODES)), rank=rank, world_size=2)
+        ] == mine
     assert results["throughput"]["avg_lightkv_samples"] == N_EPISODES
 
 
@@ -140,8 +168,9 @@ def test_lightkvs_shard_is_lmms_evals(world):
     from lightkv.integrations.session_log import shard
 
     for rank in range(world):
-        assert shard(10, rank, world) == [i for i, _ in create_iterator(enumerate(range(10)), rank=rank,
-                                                                         world_size=world)]
+        assert shard(10, rank, world) == [
+            i for i, _ in create_iterator(enumerate(range(10)), rank=rank, world_size=world)
+        ]
 
 
 def test_entry_point_registers_the_model():

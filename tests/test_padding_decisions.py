@@ -23,15 +23,21 @@ def _pair(dtype):
     alone = VisionLayout.from_segments(1, N, [ImageSegment(0, 5, (24, 24))])
     pad = torch.zeros(2, N + PAD, dtype=torch.bool)
     pad[0, :PAD] = True
-    both = VisionLayout.from_segments(2, N + PAD, [ImageSegment(0, 5 + PAD, (24, 24)), ImageSegment(1, 5, (24, 24))],
-                                      padding_mask=pad)
+    both = VisionLayout.from_segments(
+        2,
+        N + PAD,
+        [ImageSegment(0, 5 + PAD, (24, 24)), ImageSegment(1, 5, (24, 24))],
+        padding_mask=pad,
+    )
     h = torch.randn(1, N, D, generator=g, dtype=dtype)
     hb = torch.randn(2, N + PAD, D, generator=g, dtype=dtype)
     hb[0, PAD:] = h[0]
     return alone, both, h, hb, g
 
 
-@pytest.mark.parametrize("preset", ["lightkv", "lightkv-paper", "lightkv-paper-released", "tome", "pool"])
+@pytest.mark.parametrize(
+    "preset", ["lightkv", "lightkv-paper", "lightkv-paper-released", "tome", "pool"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_a_row_merges_alike_alone_and_left_padded(preset, dtype):
     alone, both, h, hb, g = _pair(dtype)
@@ -43,7 +49,9 @@ def test_a_row_merges_alike_alone_and_left_padded(preset, dtype):
     ka, kb = a.kept_index[0], b.kept_index[0]
     ka, kb = ka[ka >= 0], kb[kb >= PAD] - PAD
     assert torch.equal(ka, kb)
-    torch.testing.assert_close(b.hidden[0, PAD:PAD + len(kb)], a.hidden[0, :len(ka)], rtol=0, atol=0)
+    torch.testing.assert_close(
+        b.hidden[0, PAD : PAD + len(kb)], a.hidden[0, : len(ka)], rtol=0, atol=0
+    )
 
 
 def test_query_softmax_relevance_is_padding_free():

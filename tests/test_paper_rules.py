@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import lightkv
-from lightkv import ImageSegment, Pipeline, Stage, StageInputs, VisionLayout
+from lightkv import ImageSegment, Stage, StageInputs, VisionLayout
 from lightkv.graph import grid_windows, pseudo_square_windows
 from lightkv.policies import (
     ExplicitSchedule,
@@ -28,7 +28,7 @@ from tests.strategies import batches
 
 def _bands_along_rows(window: torch.Tensor, h: int, w: int) -> list[int]:
     """Lengths of the runs of equal window ids down the first column of an h x w image."""
-    col = window[0, :h * w].view(h, w)[:, 0].tolist()
+    col = window[0, : h * w].view(h, w)[:, 0].tolist()
     runs, last = [], None
     for v in col:
         if v == last:
@@ -39,7 +39,9 @@ def _bands_along_rows(window: torch.Tensor, h: int, w: int) -> list[int]:
     return runs
 
 
-@pytest.mark.parametrize("rule,expected", [("leading", [6, 6, 5, 5, 5, 5]), ("proportional", [6, 5, 5, 6, 5, 5])])
+@pytest.mark.parametrize(
+    "rule,expected", [("leading", [6, 6, 5, 5, 5, 5]), ("proportional", [6, 5, 5, 6, 5, 5])]
+)
 def test_window_bands_of_a_32_token_side_into_6(rule, expected):
     layout = VisionLayout.from_segments(1, 32 * 32, [ImageSegment(0, 0, (32, 32))])
     assert _bands_along_rows(grid_windows(layout, 6, bands=rule), 32, 32) == expected
@@ -53,7 +55,9 @@ def test_the_two_band_rules_differ_in_survivors_on_qwens_grid():
     x = torch.randn(1, 1024, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     kept = {}
     for rule in ("leading", "proportional"):
-        res = Stage(StageSpec(0, 0.5, windows_per_side=6), partitioner=GridPartitioner(bands=rule))(x, layout)
+        res = Stage(StageSpec(0, 0.5, windows_per_side=6), partitioner=GridPartitioner(bands=rule))(
+            x, layout
+        )
         kept[rule] = set(res.kept_index[0].tolist())
         assert len(kept[rule]) == 520  # counts agree ...
     assert kept["leading"] != kept["proportional"]  # ... windows do not
@@ -62,12 +66,19 @@ def test_the_two_band_rules_differ_in_survivors_on_qwens_grid():
 @pytest.mark.parametrize("rule", ["leading", "proportional"])
 @given(case=batches(), ratio=st.sampled_from([0.5, 0.75]), wps=st.integers(1, 4))
 def test_grid_bands_match_the_oracle(rule, case, ratio, wps):
-    stage = Stage(StageSpec(0, ratio, windows_per_side=wps), partitioner=GridPartitioner(bands=rule))
+    stage = Stage(
+        StageSpec(0, ratio, windows_per_side=wps), partitioner=GridPartitioner(bands=rule)
+    )
     _compare(stage, case, ratio, wps, bands=rule)
 
 
-@given(case=batches(newlines=False), ratio=st.sampled_from([0.5, 0.75, 0.9]), wps=st.integers(1, 3),
-       cap=st.sampled_from(["sources", "half"]), min_tokens=st.sampled_from([0, 1, 2]))
+@given(
+    case=batches(newlines=False),
+    ratio=st.sampled_from([0.5, 0.75, 0.9]),
+    wps=st.integers(1, 3),
+    cap=st.sampled_from(["sources", "half"]),
+    min_tokens=st.sampled_from([0, 1, 2]),
+)
 def test_paper_rules_match_the_oracle(case, ratio, wps, cap, min_tokens):
     stage = Stage(
         StageSpec(0, ratio, windows_per_side=wps),
@@ -83,7 +94,9 @@ def _compare(stage, case, ratio, wps, **rules):
     for b, (kept, feats, _) in enumerate(expected):
         keep = res.kept_index[b] >= 0
         assert res.kept_index[b][keep].tolist() == kept
-        torch.testing.assert_close(res.hidden[b][keep], torch.tensor(feats, dtype=torch.float64), rtol=0, atol=1e-12)
+        torch.testing.assert_close(
+            res.hidden[b][keep], torch.tensor(feats, dtype=torch.float64), rtol=0, atol=1e-12
+        )
 
 
 @pytest.mark.parametrize("cap,left", [("sources", 143), ("half", 145)])
@@ -93,9 +106,15 @@ def test_budget_cap_above_one_half(cap, left):
     # removes 41 + 36 + 36 + 32 = 145 (143 left), floor(n/2) removes 40 + 36 + 36 + 31 = 143
     # (145 left, the reference code).
     layout = VisionLayout.from_segments(1, 300, [ImageSegment(0, 2, (16, 18))])
-    stage = Stage(StageSpec(0, 0.75, windows_per_side=2), partitioner=PseudoSquarePartitioner(),
-                  pruner=SmallestDivergence(cap=cap))
-    assert int(stage(torch.randn(1, 300, 4, dtype=torch.float64), layout).layout.vision_counts()) == left
+    stage = Stage(
+        StageSpec(0, 0.75, windows_per_side=2),
+        partitioner=PseudoSquarePartitioner(),
+        pruner=SmallestDivergence(cap=cap),
+    )
+    assert (
+        int(stage(torch.randn(1, 300, 4, dtype=torch.float64), layout).layout.vision_counts())
+        == left
+    )
 
 
 @pytest.mark.parametrize(
@@ -111,8 +130,11 @@ def test_float32_budget_product(grid, ratio, exact, float32):
     x = torch.randn(1, n + 6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     kept = {}
     for dtype in ("float64", "float32"):
-        stage = Stage(StageSpec(0, ratio, windows_per_side=1), partitioner=PseudoSquarePartitioner(),
-                      pruner=SmallestDivergence(cap="half", budget_dtype=dtype))
+        stage = Stage(
+            StageSpec(0, ratio, windows_per_side=1),
+            partitioner=PseudoSquarePartitioner(),
+            pruner=SmallestDivergence(cap="half", budget_dtype=dtype),
+        )
         kept[dtype] = int(stage(x, layout).layout.vision_counts())
     assert (kept["float64"], kept["float32"]) == (exact, float32)
     with pytest.raises(ValueError, match="unknown budget_dtype 'float16'.*'float64'.*'float32'"):
@@ -132,7 +154,10 @@ def _counts(preset, grid, layers=28, schedule=None):
     pipe = lightkv.load(preset)
     if schedule is not None:
         pipe.scheduler = schedule
-    return [int(r.layout.vision_counts()) for r in pipe.run(torch.randn(1, n, 8), layout, num_layers=layers)]
+    return [
+        int(r.layout.vision_counts())
+        for r in pipe.run(torch.randn(1, n, 8), layout, num_layers=layers)
+    ]
 
 
 def test_skip_rule_on_qwens_smallest_image():
@@ -142,8 +167,9 @@ def test_skip_rule_on_qwens_smallest_image():
 
 
 def test_skip_rule_is_per_row_and_off_by_default():
-    layout = VisionLayout.from_segments(2, 80, [ImageSegment(0, 0, (8, 8)), ImageSegment(1, 0, (8, 8)),
-                                                ImageSegment(1, 70, (3, 3))])
+    layout = VisionLayout.from_segments(
+        2, 80, [ImageSegment(0, 0, (8, 8)), ImageSegment(1, 0, (8, 8)), ImageSegment(1, 70, (3, 3))]
+    )
     x = torch.randn(2, 80, 4, dtype=torch.float64)
     spec = StageSpec(0, 0.5, windows_per_side=1)
     skip = Stage(spec, partitioner=PseudoSquarePartitioner(min_tokens_per_window=16))(x, layout)
@@ -167,8 +193,15 @@ def test_paper_counts_still_hold_with_all_rules(preset, grid, expected):
 
 
 @pytest.mark.parametrize("policy", [QueryAxisSoftmax(), LastTokenAttention()])
-@pytest.mark.parametrize("dtype,want", [(torch.float64, torch.float64), (torch.float32, torch.float32),
-                                        (torch.bfloat16, torch.float32), (torch.float16, torch.float32)])
+@pytest.mark.parametrize(
+    "dtype,want",
+    [
+        (torch.float64, torch.float64),
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float32),
+    ],
+)
 def test_relevance_precision_is_at_least_float32_and_never_below_the_input(policy, dtype, want):
     layout = VisionLayout.from_segments(1, 12, [ImageSegment(0, 2, (2, 3))])
     gen = torch.Generator().manual_seed(0)
@@ -199,10 +232,11 @@ def test_the_paper_presets_round_budgets_as_the_reference_code(preset):
     """Regression (issue 27, item 13): ``lightkv-paper`` kept 118 of a 12x15 image at P = 0.35
     where the reference code's ``(P * counts).long()`` keeps 117."""
     import lightkv
-    from lightkv.policies import ExplicitSchedule
 
     layout = VisionLayout.from_segments(1, 186, [ImageSegment(0, 3, (12, 15))])
     x = torch.randn(1, 186, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    pipe = lightkv.load(preset).with_scheduler(ExplicitSchedule(layers=(0,), removal_ratios=(0.35,), windows_per_side=(1,)))
+    pipe = lightkv.load(preset).with_scheduler(
+        ExplicitSchedule(layers=(0,), removal_ratios=(0.35,), windows_per_side=(1,))
+    )
     (result,) = pipe.run(x, layout, num_layers=4)
     assert int(result.layout.vision_counts()) == 117

@@ -15,7 +15,7 @@ import pytest
 from lightkv.config import ConfigError, PipelineConfig
 from lightkv.policies import ENTRY_POINT_GROUP, EdgeScorer, PluginError, Policy
 
-GOOD = '''
+GOOD = """
 from dataclasses import dataclass
 import torch
 from lightkv.policies import EdgeScorer
@@ -25,11 +25,11 @@ from lightkv.policies import EdgeScorer
 class Good(EdgeScorer):
     def divergence(self, src, dst):
         return torch.cdist(src.flatten(2), dst.flatten(2))
-'''
-BROKEN = '''
+"""
+BROKEN = """
 import a_module_that_does_not_exist_anywhere
-'''
-UNDECORATED = '''
+"""
+UNDECORATED = """
 from dataclasses import dataclass
 import torch
 from lightkv.policies import EdgeScorer
@@ -38,8 +38,8 @@ from lightkv.policies import EdgeScorer
 class Plain(EdgeScorer):
     def divergence(self, src, dst):
         return torch.cdist(src.flatten(2), dst.flatten(2))
-'''
-RENAMED = '''
+"""
+RENAMED = """
 from dataclasses import dataclass
 import torch
 from lightkv.policies import EdgeScorer
@@ -49,11 +49,11 @@ from lightkv.policies import EdgeScorer
 class Renamed(EdgeScorer):
     def divergence(self, src, dst):
         return torch.cdist(src.flatten(2), dst.flatten(2))
-'''
-NOT_A_POLICY = '''
+"""
+NOT_A_POLICY = """
 class Helper:
     pass
-'''
+"""
 
 
 @pytest.fixture
@@ -67,8 +67,12 @@ def install(tmp_path, monkeypatch):
         lines = [f"[{ENTRY_POINT_GROUP}]"]
         for ep, (module, source) in entry_points.items():
             (tmp_path / f"{module}.py").write_text(textwrap.dedent(source))
-            attr = {"plugin_broken": "Anything", "plugin_plain": "Plain", "plugin_alias": "Renamed",
-                    "plugin_helper": "Helper"}.get(ep, "Good")
+            attr = {
+                "plugin_broken": "Anything",
+                "plugin_plain": "Plain",
+                "plugin_alias": "Renamed",
+                "plugin_helper": "Helper",
+            }.get(ep, "Good")
             lines.append(f"{ep} = {module}:{attr}")
             created.append(module)
         info = tmp_path / f"{dist}-0.1.dist-info"
@@ -86,7 +90,10 @@ def install(tmp_path, monkeypatch):
 def test_a_broken_plugin_does_not_hide_a_healthy_one(install):
     install("broken_dist", {"plugin_broken": ("lkv_broken_mod", BROKEN)})
     install("good_dist", {"plugin_good": ("lkv_good_mod", GOOD)})
-    with pytest.warns(UserWarning, match="plugin_broken = lkv_broken_mod:Anything failed to load: ModuleNotFoundError"):
+    with pytest.warns(
+        UserWarning,
+        match="plugin_broken = lkv_broken_mod:Anything failed to load: ModuleNotFoundError",
+    ):
         assert EdgeScorer.registered()["plugin_good"].__name__ == "Good"
     assert EdgeScorer.lookup("plugin_good").__name__ == "Good"
 
@@ -95,9 +102,12 @@ def test_asking_for_a_broken_plugin_names_it_and_its_exception(install):
     install("broken_dist", {"plugin_broken": ("lkv_broken_mod", BROKEN)})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(PluginError, match=r"scorer 'plugin_broken' comes from a plugin that failed to load: "
-                           r"plugin_broken = lkv_broken_mod:Anything \(ModuleNotFoundError: No module named "
-                           r"'a_module_that_does_not_exist_anywhere'\)"):
+        with pytest.raises(
+            PluginError,
+            match=r"scorer 'plugin_broken' comes from a plugin that failed to load: "
+            r"plugin_broken = lkv_broken_mod:Anything \(ModuleNotFoundError: No module named "
+            r"'a_module_that_does_not_exist_anywhere'\)",
+        ):
             EdgeScorer.lookup("plugin_broken")
 
 
@@ -105,8 +115,11 @@ def test_an_unknown_name_lists_the_plugins_that_failed(install):
     install("broken_dist", {"plugin_broken": ("lkv_broken_mod", BROKEN)})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(ValueError, match=r"unknown scorer 'nope'; registered scorers: .*cosine.*; "
-                           r"plugins that failed to load: plugin_broken = lkv_broken_mod:Anything"):
+        with pytest.raises(
+            ValueError,
+            match=r"unknown scorer 'nope'; registered scorers: .*cosine.*; "
+            r"plugins that failed to load: plugin_broken = lkv_broken_mod:Anything",
+        ):
             EdgeScorer.lookup("nope")
         with pytest.raises(ConfigError, match="plugins that failed to load: plugin_broken"):
             PipelineConfig.from_yaml_text("scorer: nope\n")
@@ -123,15 +136,20 @@ def test_only_the_asked_entry_point_is_loaded_when_it_has_the_name(install):
 
 def test_an_undecorated_class_is_registered_under_its_entry_point_name_with_a_warning(install):
     install("plain_dist", {"plugin_plain": ("lkv_plain_mod", UNDECORATED)})
-    with pytest.warns(UserWarning, match=r"Plain is not decorated with @EdgeScorer.register\(\.\.\.\); registered it as "
-                      r"scorer 'plugin_plain'"):
+    with pytest.warns(
+        UserWarning,
+        match=r"Plain is not decorated with @EdgeScorer.register\(\.\.\.\); registered it as "
+        r"scorer 'plugin_plain'",
+    ):
         cls = EdgeScorer.lookup("plugin_plain")
     assert cls.__name__ == "Plain" and cls.name == "plugin_plain"
 
 
 def test_an_entry_point_named_unlike_its_policy_warns(install):
     install("alias_dist", {"plugin_alias": ("lkv_alias_mod", RENAMED)})
-    with pytest.warns(UserWarning, match="registers Renamed as scorer 'plugin_real_name', not 'plugin_alias'"):
+    with pytest.warns(
+        UserWarning, match="registers Renamed as scorer 'plugin_real_name', not 'plugin_alias'"
+    ):
         with pytest.raises(ValueError, match="unknown scorer 'plugin_alias'"):
             EdgeScorer.lookup("plugin_alias")
     assert EdgeScorer.lookup("plugin_real_name").__name__ == "Renamed"
@@ -168,5 +186,7 @@ def test_the_cli_prints_a_broken_plugin_as_one_line_once(install, capsys):
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if "plugin_broken" in line]
     assert code == 0 and code2 == 0
-    assert len(lines) == 1 and lines[0].startswith("lightkv: warning: lightkv plugin plugin_broken = broken_mod")
+    assert len(lines) == 1 and lines[0].startswith(
+        "lightkv: warning: lightkv plugin plugin_broken = broken_mod"
+    )
     assert "UserWarning" not in err

@@ -64,7 +64,9 @@ def research_package(tmp_path, monkeypatch):
     info = tmp_path / f"{PACKAGE}-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {PACKAGE}\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\nmy_divergence = {PACKAGE}:MyDivergence\n")
+    (info / "entry_points.txt").write_text(
+        f"[{ENTRY_POINT_GROUP}]\nmy_divergence = {PACKAGE}:MyDivergence\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(Policy, "_entry_points", {})  # each entry point is tried once per process
     assert "my_divergence" not in EdgeScorer._registry
@@ -112,7 +114,9 @@ def test_entry_point_parameters_are_validated(research_package):
 
 def test_without_the_package_the_name_is_unknown(monkeypatch):
     monkeypatch.setattr(Policy, "_entry_points", {})
-    with pytest.raises(ConfigError, match=r"unknown scorer 'my_divergence'; registered scorers: cosine, l2"):
+    with pytest.raises(
+        ConfigError, match=r"unknown scorer 'my_divergence'; registered scorers: cosine, l2"
+    ):
         PipelineConfig.from_yaml_text(YAML)
 
 
@@ -128,20 +132,26 @@ def test_decorator_registration_is_enough_for_yaml():
             layout = inputs.layout
             inside = layout.vision_mask
             col = layout.coords[..., 1]
-            window = torch.where(inside, layout.image.clamp_min(0) * 10_000 + col, torch.full_like(col, -1))
+            window = torch.where(
+                inside, layout.image.clamp_min(0) * 10_000 + col, torch.full_like(col, -1)
+            )
             _, compact = torch.unique(window[inside], return_inverse=True)
             window = window.clone()
             window[inside] = compact
             return Partition(window, inside & (layout.coords[..., 0] % 2 == 0))
 
     try:
-        cfg = PipelineConfig.from_yaml_text(YAML.replace("partitioner: grid", "partitioner: test_columns").replace(
-            "scorer:\n  name: my_divergence\n  params: {temperature: 2.0}", "scorer: cosine"))
+        cfg = PipelineConfig.from_yaml_text(
+            YAML.replace("partitioner: grid", "partitioner: test_columns").replace(
+                "scorer:\n  name: my_divergence\n  params: {temperature: 2.0}", "scorer: cosine"
+            )
+        )
         pipe = cfg.build()
         assert isinstance(pipe.partitioner, Columns)
         results = run_tiny(pipe)
         assert int(results[0].layout.vision_counts()[0]) == 8  # half of each 4-token column
         with pytest.raises(ValueError, match="already registered"):
+
             @Partitioner.register("test_columns")
             @dataclass
             class Other(Partitioner):

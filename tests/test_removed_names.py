@@ -11,7 +11,13 @@ import pytest
 
 from lightkv.cli import main
 from lightkv.config import ConfigError, PipelineConfig
-from lightkv.policies import ExplicitSchedule, KeptFractionSchedule, Scheduler, StageInputs, StageSpec
+from lightkv.policies import (
+    ExplicitSchedule,
+    KeptFractionSchedule,
+    Scheduler,
+    StageInputs,
+    StageSpec,
+)
 from lightkv.policies.schedulers import BudgetSchedule, PreLLMSchedule
 
 
@@ -19,14 +25,30 @@ from lightkv.policies.schedulers import BudgetSchedule, PreLLMSchedule
     "yaml_text, old, new",
     [
         ("schedule:\n  layers: [2]\n  ratios: [0.5]\n", "ratios", "removal_ratios"),
-        ("schedule:\n  layers: [2]\n  ratios: [0.5]\n  removal_ratios: [0.3]\n", "ratios", "removal_ratios"),
+        (
+            "schedule:\n  layers: [2]\n  ratios: [0.5]\n  removal_ratios: [0.3]\n",
+            "ratios",
+            "removal_ratios",
+        ),
         ("schedule:\n  kept_fraction: 0.5\n  max_ratio: 0.75\n", "max_ratio", "max_removal_ratio"),
         ("schedule: {target: 0.4}\n", "target", "kept_fraction"),
         ("schedule: {name: kept_fraction, params: {target: 0.4}}\n", "target", "kept_fraction"),
-        ("schedule: {name: budget, params: {target: 0.4, kept_fraction: 0.3}}\n", "target", "kept_fraction"),
-        ("schedule: {name: pre_llm, params: {ratio: 0.5, removal_ratio: 0.3}}\n", "ratio", "removal_ratio"),
+        (
+            "schedule: {name: budget, params: {target: 0.4, kept_fraction: 0.3}}\n",
+            "target",
+            "kept_fraction",
+        ),
+        (
+            "schedule: {name: pre_llm, params: {ratio: 0.5, removal_ratio: 0.3}}\n",
+            "ratio",
+            "removal_ratio",
+        ),
         ("schedule: {name: cache, params: {ratio: 0.5}}\n", "ratio", "removal_ratio"),
-        ("schedule: {name: scaled, params: {ratios: [0.5, 0.5, 0.5]}}\n", "ratios", "removal_ratios"),
+        (
+            "schedule: {name: scaled, params: {ratios: [0.5, 0.5, 0.5]}}\n",
+            "ratios",
+            "removal_ratios",
+        ),
     ],
 )
 def test_an_old_yaml_key_is_one_error_naming_the_new_one(yaml_text, old, new):
@@ -61,7 +83,9 @@ def test_stage_spec_modes_and_no_old_attributes():
     assert spec.mode == "pre_llm" and StageSpec(1, 0.5, windows_per_side=1).mode == "layer"
     for old in ("ratio", "before", "cache"):
         assert not hasattr(spec, old)
-    assert not hasattr(ExplicitSchedule(layers=(2,), removal_ratios=(0.3,), windows_per_side=(1,)), "ratios")
+    assert not hasattr(
+        ExplicitSchedule(layers=(2,), removal_ratios=(0.3,), windows_per_side=(1,)), "ratios"
+    )
 
 
 def test_stage_inputs_of_refuses_ratio():
@@ -76,7 +100,11 @@ def test_stage_inputs_of_refuses_ratio():
     "argv, old, new",
     [
         (["bench", "quality", "--targets", "0.5"], "--targets", "--kept-fractions"),
-        (["bench", "quality", "--ablation-targets", "0.5"], "--ablation-targets", "--ablation-kept-fractions"),
+        (
+            ["bench", "quality", "--ablation-targets", "0.5"],
+            "--ablation-targets",
+            "--ablation-kept-fractions",
+        ),
         (["bench", "efficiency", "--quick", "--budgets", "0.5"], "--budgets", "--kept-fractions"),
         (["bench", "ablation", "--targets", "0.5"], "--targets", "--kept-fractions"),
     ],

@@ -10,8 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from lightkv.tasks.scenes import data as sc
+from lightkv_lab.tasks.scenes import data as sc
 
 CONFIG = sc.GridConfig()
 W = {w: i for i, w in enumerate(sc.VOCAB)}
@@ -21,7 +20,7 @@ def test_vocabulary_and_label_groups_are_disjoint():
     assert len(set(sc.VOCAB)) == len(sc.VOCAB)
     assert list(sc.VOCAB[:5]) == ["<pad>", "<bos>", "<eos>", "<image>", "<sep>"]
     groups = [set(g) for g in sc.LABEL_GROUPS]
-    assert all(not (a & b) for i, a in enumerate(groups) for b in groups[i + 1:])
+    assert all(not (a & b) for i, a in enumerate(groups) for b in groups[i + 1 :])
 
 
 def test_streams_are_seeded_and_splits_differ():
@@ -39,7 +38,9 @@ def _tokens(image: torch.Tensor) -> torch.Tensor:
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10**6), qtype=st.sampled_from(sc.QTYPES), split=st.sampled_from(sc.SPLITS))
+@given(
+    seed=st.integers(0, 10**6), qtype=st.sampled_from(sc.QTYPES), split=st.sampled_from(sc.SPLITS)
+)
 def test_answers_follow_from_the_labels(seed, qtype, split):
     """Each answer re-derived from the per-token labels alone (not from the scene objects)."""
     ep = sc.make_episode(random.Random(seed), split, qtype)
@@ -62,12 +63,18 @@ def test_answers_follow_from_the_labels(seed, qtype, split):
         masks = [(lab[..., 0] == W[ep.question[i]]) & (lab[..., 1] != W["gem"]) for i in (3, 6)]
         assert torch.equal(masks[0] | masks[1], region) and all(m.any() for m in masks)
         quads = [tuple(int(v) for v in (m.nonzero() >= half).all(0)) for m in masks]
-        assert all(tuple(int(v) for v in (m.nonzero() >= half).any(0)) == q for m, q in zip(masks, quads))
+        assert all(
+            tuple(int(v) for v in (m.nonzero() >= half).any(0)) == q for m, q in zip(masks, quads)
+        )
         (ra, ca), (rb, cb) = quads
         assert (ra == rb) != (ca == cb)
-        assert ep.answer == ([("left", "right")[ca > cb]] if ra == rb else [("top", "bottom")[ra > rb]])
+        assert ep.answer == (
+            [("left", "right")[ca > cb]] if ra == rb else [("top", "bottom")[ra > rb]]
+        )
     elif qtype in ("count", "exists"):
-        gems = (lab[..., 0] == W[ep.question[2 if qtype == "count" else 3]]) & (lab[..., 1] == W["gem"])
+        gems = (lab[..., 0] == W[ep.question[2 if qtype == "count" else 3]]) & (
+            lab[..., 1] == W["gem"]
+        )
         assert torch.equal(gems, region)
         n = int(gems.sum())
         assert ep.answer == ([f"n{n}"] if qtype == "count" else ["yes" if n else "no"])
@@ -90,7 +97,7 @@ def test_pixels_carry_the_labels():
         scene = sc.make_layout(rng, "heldout")
         image = sc.render_image(rng, scene)
         tok = torch.nn.functional.normalize(_tokens(image), dim=-1)
-        for i, ob in enumerate(scene.objects):
+        for i in range(len(scene.objects)):
             t = tok[scene.mask("object", i)]
             assert float((t @ t.T).min()) > 0.9
         lab = scene.labels()
@@ -100,7 +107,9 @@ def test_pixels_carry_the_labels():
                 assert float((tok[same] @ tok[r, c]).max()) < 0.97
         r, c, glyphs = scene.sign
         for j, k in enumerate(glyphs):
-            glyph_pixels.setdefault(k, []).append((_tokens(image)[r, c + j].reshape(3, 16).sum(0) < 0.5).float())
+            glyph_pixels.setdefault(k, []).append(
+                (_tokens(image)[r, c + j].reshape(3, 16).sum(0) < 0.5).float()
+            )
     for k, shots in glyph_pixels.items():
         ref = shots[0]
         assert all(float((s != ref).float().mean()) < 0.15 for s in shots), sc.GLYPHS[k]
@@ -117,7 +126,9 @@ def test_most_tokens_are_near_duplicates_of_a_window_neighbour():
     same = (window[:, None] == window[None, :]).fill_diagonal_(False)
     for _ in range(20):
         scene = sc.make_layout(rng, "heldout")
-        tok = torch.nn.functional.normalize(_tokens(sc.render_image(rng, scene)).reshape(g * g, -1), dim=-1)
+        tok = torch.nn.functional.normalize(
+            _tokens(sc.render_image(rng, scene)).reshape(g * g, -1), dim=-1
+        )
         best = (tok @ tok.T).masked_fill(~same, -2).amax(-1)
         shares.append(float((best >= 0.9).float().mean()))
         fine = scene.mask("sign").reshape(-1).clone()
@@ -151,11 +162,19 @@ def test_question_mixes_weight_the_types_and_uniform_ones_draw_as_the_default():
     b = sc.make_scene(random.Random(9), "train", 6, qtypes=old, weights=None)
     assert [(e.qtype, e.question) for e in a] == [(e.qtype, e.question) for e in b]
     rng = random.Random(3)
-    drawn = [e.qtype for _ in range(60) for e in sc.make_scene(rng, "train", 6, qtypes=("texture", "count"),
-                                                              weights=(1, 4))]
+    drawn = [
+        e.qtype
+        for _ in range(60)
+        for e in sc.make_scene(rng, "train", 6, qtypes=("texture", "count"), weights=(1, 4))
+    ]
     assert 0.7 < drawn.count("count") / len(drawn) < 0.9
     rel = [e for _ in range(30) for e in sc.make_scene(rng, "heldout", 2, qtypes=("relation",))]
-    assert {e.qtype for e in rel} == {"relation"} and {e.answer[0] for e in rel} == {"top", "bottom", "left", "right"}
+    assert {e.qtype for e in rel} == {"relation"} and {e.answer[0] for e in rel} == {
+        "top",
+        "bottom",
+        "left",
+        "right",
+    }
     with pytest.raises(ValueError, match="weights"):
         sc.make_scene(rng, "train", 2, qtypes=("texture",), weights=(1, 2))
 

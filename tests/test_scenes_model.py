@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from lightkv.bench.quality import first_stage_layer, method_pipeline
-from lightkv.tasks import evaluate as ev
-from lightkv.tasks import model as dg
-from lightkv.tasks import scoring as sc
-from lightkv.tasks.scenes.measure import near_duplicates, region_relevance
+from lightkv_lab.bench.quality import first_stage_layer, method_pipeline
+from lightkv_lab.tasks import evaluate as ev
+from lightkv_lab.tasks import model as dg
+from lightkv_lab.tasks import scoring as sc
+from lightkv_lab.tasks.scenes.measure import near_duplicates, region_relevance
 
 # Floors under what the shipped model measures on the benchmark's 600 conversations
 # (benchmarks/results/quality-scenes.md), so that only a real regression trips them.
@@ -118,8 +117,9 @@ def test_attention_finds_the_asked_region_before_the_first_stage(bundled):
     model, _, grid = bundled
     eps = ev.heldout_episodes(30, seed=23, grid=grid)
     first = first_stage_layer(_layers(bundled))
-    out = region_relevance(model, eps, grid, layers=[first],
-                           policies=("last_token", "question_attention", "uniform"))
+    out = region_relevance(
+        model, eps, grid, layers=[first], policies=("last_token", "question_attention", "uniform")
+    )
     best = max(out["layers"][p][first]["ratio"] for p in ("last_token", "question_attention"))
     assert best >= PROMPT_RATIO, out
     assert out["layers"]["uniform"][first]["ratio"] == pytest.approx(1.0, abs=1e-6)

@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 
 pytest.importorskip("sklearn")
 
-from lightkv.bench.quality import ablation_pipeline, method_pipeline
-from lightkv.tasks import evaluate as ev
-from lightkv.tasks import model as dg
-from lightkv.tasks import scoring as sc
+from lightkv_lab.bench.quality import ablation_pipeline, method_pipeline
+from lightkv_lab.tasks import evaluate as ev
+from lightkv_lab.tasks import model as dg
+from lightkv_lab.tasks import scoring as sc
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,9 @@ def test_identity_scores_equal_the_unhooked_model_exactly(digitgrid, convs, unco
     assert sc.kl(uncompressed, again).abs().max() < 1e-6
     same = sc.score(model, convs, grid, None, batch=12)
     assert torch.equal(sc.kl(uncompressed, same), torch.zeros(len(convs), dtype=torch.float64))
-    assert torch.equal(sc.kl(uncompressed, same, followup=True), torch.zeros(len(convs), dtype=torch.float64))
+    assert torch.equal(
+        sc.kl(uncompressed, same, followup=True), torch.zeros(len(convs), dtype=torch.float64)
+    )
     # the uncompressed log-probabilities are the plain model's, without any session
     data = dg.read_task("digitgrid").data
     c = convs[0]
@@ -48,7 +50,7 @@ def test_identity_scores_equal_the_unhooked_model_exactly(digitgrid, convs, unco
     with torch.no_grad():
         logits = model(input_ids=prompt["input_ids"], pixel_values=prompt["pixel_values"]).logits[0]
     n_answer = len(c.first.answer) + 1
-    plain = logits[-n_answer - 1:-1].float().log_softmax(-1)
+    plain = logits[-n_answer - 1 : -1].float().log_softmax(-1)
     assert torch.allclose(plain.double(), alone.logprobs[0], atol=1e-4)
     assert torch.equal(plain.argmax(-1), alone.logprobs[0].argmax(-1))
 
@@ -68,7 +70,10 @@ def test_followups_are_about_another_region(convs):
     for c in convs:
         assert c.followup.qtype == "what" and c.followup.image is c.first.image
         if "row" in c.first.meta:
-            far = max(abs(c.followup.meta["row"] - c.first.meta["row"]), abs(c.followup.meta["col"] - c.first.meta["col"]))
+            far = max(
+                abs(c.followup.meta["row"] - c.first.meta["row"]),
+                abs(c.followup.meta["col"] - c.first.meta["col"]),
+            )
             assert far >= 1
 
 
@@ -86,7 +91,12 @@ def test_ablations_swap_one_part():
     base, _ = method_pipeline("lightkv", 6, 0.55)
     assert type(pipe.scorer).__name__ == "RandomDivergence"
     assert (pipe.partitioner, pipe.pruner, pipe.passer, pipe.relevance, pipe.scheduler) == (
-        base.partitioner, base.pruner, base.passer, base.relevance, base.scheduler)
+        base.partitioner,
+        base.pruner,
+        base.passer,
+        base.relevance,
+        base.scheduler,
+    )
 
 
 @settings(max_examples=30, deadline=None)
@@ -105,6 +115,8 @@ def test_paired_bootstrap_brackets_the_mean(values, shift):
 def test_bootstrap_and_kl_refuse_mismatched_inputs(uncompressed):
     with pytest.raises(ValueError, match="one length"):
         sc.paired_bootstrap(torch.zeros(3), torch.zeros(4))
-    short = sc.ScoreResult(qtypes=[], correct=torch.zeros(0, dtype=torch.bool), logp=torch.zeros(0), logprobs=[])
+    short = sc.ScoreResult(
+        qtypes=[], correct=torch.zeros(0, dtype=torch.bool), logp=torch.zeros(0), logprobs=[]
+    )
     with pytest.raises(ValueError, match="same conversations"):
         sc.kl(uncompressed, short)

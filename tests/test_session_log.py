@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightkv_lab.tasks import evaluate as ev
+from lightkv_lab.tasks import model as dg
 
 import lightkv
 from lightkv.integrations.session_log import (
@@ -17,8 +19,6 @@ from lightkv.integrations.session_log import (
     shard,
     uncompressed_rows,
 )
-from lightkv.tasks import evaluate as ev
-from lightkv.tasks import model as dg
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +27,13 @@ def bundled():
 
 
 def _inputs(model, grid, n=6):
-    from lightkv.tasks.registry import task_for
+    from lightkv_lab.tasks.registry import task_for
 
     data = task_for(grid).data
     episodes = ev.heldout_episodes(n, seed=5, grid=grid)
-    return data.collate_prompts(episodes, data.num_image_tokens(grid, model.config.vision_config.patch_size))
+    return data.collate_prompts(
+        episodes, data.num_image_tokens(grid, model.config.vision_config.patch_size)
+    )
 
 
 @pytest.mark.parametrize("preset", ["lightkv-budget", "fastv"])
@@ -62,7 +64,9 @@ def test_prefill_timer_times_the_first_forward_only(bundled):
     handle = model.register_forward_hook(lambda *a: calls.append(1))
     try:
         with torch.no_grad(), PrefillTimer(model) as timer:
-            model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+            model.generate(
+                **inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0
+            )
     finally:
         handle.remove()
     assert len(calls) == 3 and timer.seconds > 0
@@ -76,8 +80,15 @@ def test_uncompressed_rows():
 
 
 def _row(kept, kv, base, prefill=0.4, batch=2, out=3):
-    return {"kept_vision_fraction": kept, "kv_bytes_vision": kv, "kv_bytes_vision_baseline": base,
-            "prefill_s": prefill, "generate_s": 2 * prefill, "batch_size": batch, "output_tokens": out}
+    return {
+        "kept_vision_fraction": kept,
+        "kv_bytes_vision": kv,
+        "kv_bytes_vision_baseline": base,
+        "prefill_s": prefill,
+        "generate_s": 2 * prefill,
+        "batch_size": batch,
+        "output_tokens": out,
+    }
 
 
 def test_totals_merged_over_fake_ranks_equal_one_process():
@@ -97,9 +108,13 @@ def test_totals_merged_over_fake_ranks_equal_one_process():
     assert merged.metrics() == pytest.approx(whole.metrics())
     m = whole.metrics()
     assert m["lightkv_samples"] == 10
-    assert m["lightkv_kept_vision_fraction"] == pytest.approx(sum(r["kept_vision_fraction"] for r in rows) / 10)
+    assert m["lightkv_kept_vision_fraction"] == pytest.approx(
+        sum(r["kept_vision_fraction"] for r in rows) / 10
+    )
     assert m["lightkv_prefill_s"] == pytest.approx(0.2)  # 0.4 s per batch of two
-    assert gather_totals({"": whole}, world_size=1)[""].metrics() == m  # one process: its own totals
+    assert (
+        gather_totals({"": whole}, world_size=1)[""].metrics() == m
+    )  # one process: its own totals
 
 
 def test_shards_cover_every_document_once():
@@ -113,8 +128,15 @@ def test_shards_cover_every_document_once():
 def test_placement_of_a_data_parallel_process():
     """``accelerate launch --num_processes 4`` on two nodes of two GPUs: the process with
     global rank 3 is the second on its node."""
-    p = placement(process_index=3, local_process_index=1, num_processes=4, accelerator_device="cuda:1")
-    assert (p.rank, p.world_size, p.device, p.device_map) == (3, 4, torch.device("cuda:1"), {"": "cuda:1"})
+    p = placement(
+        process_index=3, local_process_index=1, num_processes=4, accelerator_device="cuda:1"
+    )
+    assert (p.rank, p.world_size, p.device, p.device_map) == (
+        3,
+        4,
+        torch.device("cuda:1"),
+        {"": "cuda:1"},
+    )
     p = placement(process_index=3, local_process_index=1, num_processes=4)
     assert p.device == torch.device("cuda:1")
     p = placement(process_index=1, local_process_index=1, num_processes=2, accelerator_device="cpu")
@@ -134,13 +156,20 @@ def test_a_single_process_accelerate_launch_is_detected():
     model warns instead of silently evaluating everything in one process."""
     from lightkv.integrations.session_log import single_process_launch
 
-    simple = {"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_CPU": "False", "MASTER_ADDR": "127.0.0.1",
-              "MASTER_PORT": "29500"}
+    simple = {
+        "ACCELERATE_MIXED_PRECISION": "no",
+        "ACCELERATE_USE_CPU": "False",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }
     message = single_process_launch(simple, num_processes=1)
     assert message and "torch.distributed.run --nproc_per_node N" in message
     torchrun = dict(simple, WORLD_SIZE="2", RANK="0", LOCAL_RANK="0")
     assert single_process_launch(torchrun, num_processes=2) is None  # really several processes
-    one = {"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_CPU": "False"}  # --num_processes 1: no MASTER_ADDR
+    one = {
+        "ACCELERATE_MIXED_PRECISION": "no",
+        "ACCELERATE_USE_CPU": "False",
+    }  # --num_processes 1: no MASTER_ADDR
     assert single_process_launch(one, num_processes=1) is None
     assert single_process_launch({}, num_processes=1) is None  # plain python -m lmms_eval
 
@@ -153,7 +182,9 @@ def test_the_launch_warning_reaches_stderr_under_lmms_evals_filter(capsys):
 
     from lightkv.integrations.session_log import single_process_launch, warn_lmms_eval_user
 
-    message = single_process_launch({"ACCELERATE_MIXED_PRECISION": "no", "MASTER_ADDR": "127.0.0.1"}, 1)
+    message = single_process_launch(
+        {"ACCELERATE_MIXED_PRECISION": "no", "MASTER_ADDR": "127.0.0.1"}, 1
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # what lmms-eval does
         logging.disable(logging.CRITICAL)  # and silencing the standard loggers too
@@ -167,5 +198,9 @@ def test_the_launch_warning_reaches_stderr_under_lmms_evals_filter(capsys):
 
     import lightkv.integrations  # the model calls it, not warnings.warn (read as text: lmms-eval may be absent)
 
-    source = (Path(lightkv.integrations.__file__).parent / "lmms_eval.py").read_text(encoding="utf-8")
-    assert "warn_lmms_eval_user(alone)" in source and "warnings.warn(f\"lightkv: {alone}\"" not in source
+    source = (Path(lightkv.integrations.__file__).parent / "lmms_eval.py").read_text(
+        encoding="utf-8"
+    )
+    assert (
+        "warn_lmms_eval_user(alone)" in source and 'warnings.warn(f"lightkv: {alone}"' not in source
+    )

@@ -55,11 +55,17 @@ def test_window_groups_cover_every_window_once_within_the_waste(sizes, batch, se
 
 
 @settings(max_examples=40, deadline=None)
-@given(sizes=sizes_st, batch=st.integers(1, 3), seed=st.integers(0, 2**16),
-       scorer=st.sampled_from([CosineDivergence(), L2Divergence(), KeyJS(features="hidden")]))
+@given(
+    sizes=sizes_st,
+    batch=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+    scorer=st.sampled_from([CosineDivergence(), L2Divergence(), KeyJS(features="hidden")]),
+)
 def test_grouped_matching_is_the_one_call_matching(sizes, batch, seed, scorer):
     graph, n = _uneven_graph(sizes, batch, seed)
-    hidden = torch.randn(batch, n, 2, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    hidden = torch.randn(
+        batch, n, 2, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)
+    )
     layout = VisionLayout.from_segments(batch, n, [])
     inputs = StageInputs(layout, StageSpec(0, 0.5, windows_per_side=1), hidden)
     grouped = scorer.match(inputs, graph)
@@ -69,16 +75,27 @@ def test_grouped_matching_is_the_one_call_matching(sizes, batch, seed, scorer):
 
 
 @settings(max_examples=25, deadline=None)
-@given(sizes=sizes_st, batch=st.integers(1, 3), seed=st.integers(0, 2**16), side=st.sampled_from(["src", "dst"]))
+@given(
+    sizes=sizes_st,
+    batch=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+    side=st.sampled_from(["src", "dst"]),
+)
 def test_token_blocks_are_blocks_of_the_gathered_nodes(sizes, batch, seed, side):
     graph, n = _uneven_graph(sizes, batch, seed)
     values = torch.randn(batch, n, 3, 2).transpose(2, 3)  # not contiguous
-    assert torch.equal(graph.token_blocks(values, side, fill=-7.0), graph.blocks(graph.gather(values), side, fill=-7.0))
+    assert torch.equal(
+        graph.token_blocks(values, side, fill=-7.0),
+        graph.blocks(graph.gather(values), side, fill=-7.0),
+    )
 
 
 def _layout():
-    return VisionLayout.from_segments(2, 40, [ImageSegment(row=0, offset=2, grid=(4, 6)),
-                                             ImageSegment(row=1, offset=5, grid=(5, 6))])
+    return VisionLayout.from_segments(
+        2,
+        40,
+        [ImageSegment(row=0, offset=2, grid=(4, 6)), ImageSegment(row=1, offset=5, grid=(5, 6))],
+    )
 
 
 @pytest.mark.parametrize("passer", ["relevance_mean", "size_mean", "relevance_size_mean"])

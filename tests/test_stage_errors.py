@@ -13,11 +13,15 @@ from lightkv.policies import DropMessages, GlobalPartitioner, LowestRelevance, S
 
 @pytest.fixture
 def layout():
-    return VisionLayout.from_segments(2, 12, [ImageSegment(0, 1, (3, 3)), ImageSegment(1, 2, (2, 4))])
+    return VisionLayout.from_segments(
+        2, 12, [ImageSegment(0, 1, (3, 3)), ImageSegment(1, 2, (2, 4))]
+    )
 
 
 def stage(**kw):
-    return Stage(StageSpec(0, 0.5, windows_per_side=kw.pop("wps", 2), window_size=kw.pop("ws", None)), **kw)
+    return Stage(
+        StageSpec(0, 0.5, windows_per_side=kw.pop("wps", 2), window_size=kw.pop("ws", None)), **kw
+    )
 
 
 def test_mismatched_shapes(layout):
@@ -57,8 +61,13 @@ def test_incoherent_compositions_are_refused():
         Stage(StageSpec(0, 0.5, windows_per_side=1), scorer=None)
     with pytest.raises(ValueError, match="use passer 'drop'"):
         Stage(StageSpec(0, 0.5, windows_per_side=1), scorer=None, pruner=LowestRelevance())
-    Stage(StageSpec(0, 0.5, windows_per_side=1), partitioner=GlobalPartitioner(split="all_src"), scorer=None,
-          pruner=LowestRelevance(), passer=DropMessages())
+    Stage(
+        StageSpec(0, 0.5, windows_per_side=1),
+        partitioner=GlobalPartitioner(split="all_src"),
+        scorer=None,
+        pruner=LowestRelevance(),
+        passer=DropMessages(),
+    )
 
 
 def test_empty_layout_and_text_only_batches():

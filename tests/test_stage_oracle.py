@@ -21,11 +21,15 @@ def _strip(result, b):
 
 def _check_against_oracle(case, stage, ratio, wps, pseudo):
     result = stage(case.hidden, case.layout, case.relevance)
-    expected = oracle_stage(case.hidden, case.layout, case.relevance, ratio, wps, pseudo_square=pseudo)
+    expected = oracle_stage(
+        case.hidden, case.layout, case.relevance, ratio, wps, pseudo_square=pseudo
+    )
     for b, (kept, feats, absorbed) in enumerate(expected):
         got_kept, got_hidden = _strip(result, b)
         assert got_kept == kept
-        torch.testing.assert_close(got_hidden, torch.tensor(feats, dtype=torch.float64), rtol=0, atol=1e-12)
+        torch.testing.assert_close(
+            got_hidden, torch.tensor(feats, dtype=torch.float64), rtol=0, atol=1e-12
+        )
         # provenance: new token j (at input position kept[j]) absorbed exactly these tokens
         offset = result.kept_index.shape[1] - len(kept)
         for j, pos in enumerate(kept):
@@ -40,7 +44,10 @@ def test_grid_stage_matches_oracle(case, ratio, wps):
 
 @given(case=batches(newlines=False), ratio=st.sampled_from([0.3, 0.5]), wps=st.integers(1, 3))
 def test_pseudo_square_stage_matches_oracle(case, ratio, wps):
-    stage = Stage(StageSpec(layer=0, removal_ratio=ratio, windows_per_side=wps), partitioner=PseudoSquarePartitioner())
+    stage = Stage(
+        StageSpec(layer=0, removal_ratio=ratio, windows_per_side=wps),
+        partitioner=PseudoSquarePartitioner(),
+    )
     _check_against_oracle(case, stage, ratio, wps, pseudo=True)
 
 
@@ -48,13 +55,17 @@ def test_two_stages_match_oracle_applied_twice():
     from lightkv import ImageSegment, VisionLayout
     from tests.strategies import Case  # noqa: F401  (documented type)
 
-    layout = VisionLayout.from_segments(2, 40, [ImageSegment(0, 2, (5, 6)), ImageSegment(1, 1, (4, 4)), ImageSegment(1, 18, (3, 5))])
+    layout = VisionLayout.from_segments(
+        2, 40, [ImageSegment(0, 2, (5, 6)), ImageSegment(1, 1, (4, 4)), ImageSegment(1, 18, (3, 5))]
+    )
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 40, 5, generator=gen, dtype=torch.float64)
     xi = torch.rand(2, 40, generator=gen, dtype=torch.float64)
     first = Stage(StageSpec(layer=0, removal_ratio=0.5, windows_per_side=2))(hidden, layout, xi)
     xi2 = xi.gather(1, first.kept_index.clamp_min(0))
-    second = Stage(StageSpec(layer=1, removal_ratio=0.5, windows_per_side=1))(first.hidden, first.layout, xi2, first.provenance)
+    second = Stage(StageSpec(layer=1, removal_ratio=0.5, windows_per_side=1))(
+        first.hidden, first.layout, xi2, first.provenance
+    )
     once = oracle_stage(hidden, layout, xi, 0.5, 2)
     twice = oracle_stage(first.hidden, first.layout, xi2, 0.5, 1)
     for b in range(2):
@@ -62,14 +73,19 @@ def test_two_stages_match_oracle_applied_twice():
         got_kept, got_hidden = _strip(second, b)
         # second-stage kept positions index the first stage's output
         assert got_kept == kept2
-        torch.testing.assert_close(got_hidden, torch.tensor(feats2, dtype=torch.float64), rtol=0, atol=1e-12)
+        torch.testing.assert_close(
+            got_hidden, torch.tensor(feats2, dtype=torch.float64), rtol=0, atol=1e-12
+        )
         # composed provenance: original tokens behind each final token
         offset = second.kept_index.shape[1] - len(kept2)
         first_kept, _, absorbed1 = once[b]
         first_offset = first.kept_index.shape[1] - len(first_kept)
         for j, pos in enumerate(kept2):
             originals = sorted(
-                o for p in absorbed2[pos] if p >= first_offset for o in absorbed1[first_kept[p - first_offset]]
+                o
+                for p in absorbed2[pos]
+                if p >= first_offset
+                for o in absorbed1[first_kept[p - first_offset]]
             )
             assert second.provenance.sources(b, offset + j) == originals
 
@@ -89,6 +105,8 @@ def test_paper_preset_reproduces_reference_token_counts(grid, schedule, expected
     n = grid[0] * grid[1] + 10
     layout = VisionLayout.from_segments(1, n, [ImageSegment(0, 4, grid)])
     pipe = lightkv.load("lightkv-paper")
-    pipe.scheduler = ExplicitSchedule(layers=schedule[0], windows_per_side=schedule[1], removal_ratios=(0.5,))
+    pipe.scheduler = ExplicitSchedule(
+        layers=schedule[0], windows_per_side=schedule[1], removal_ratios=(0.5,)
+    )
     results = pipe.run(torch.randn(1, n, 8), layout, num_layers=32)
     assert [int(r.layout.vision_counts()) for r in results] == expected

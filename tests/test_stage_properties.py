@@ -81,10 +81,14 @@ SAME_COUNTS = {
 def test_counts_equal_what_the_schedule_promises(variant, case, ratio, wps):
     stage = Stage(StageSpec(0, ratio, windows_per_side=wps), **SAME_COUNTS[variant])
     result = stage(case.hidden, case.layout, case.relevance)
-    assert int(result.layout.vision_counts().sum()) == promised_vision_count(case.layout, ratio, wps)
+    assert int(result.layout.vision_counts().sum()) == promised_vision_count(
+        case.layout, ratio, wps
+    )
     # non-vision tokens all survive; the sequence is as long as the longest row
-    assert torch.equal((result.layout.kind != TokenKind.VISION).sum(1) - (result.kept_index < 0).sum(1),
-                       (case.layout.kind != TokenKind.VISION).sum(1))
+    assert torch.equal(
+        (result.layout.kind != TokenKind.VISION).sum(1) - (result.kept_index < 0).sum(1),
+        (case.layout.kind != TokenKind.VISION).sum(1),
+    )
     assert result.hidden.shape[1] == int((result.kept_index >= 0).sum(1).max())
 
 
@@ -118,7 +122,9 @@ def test_provenance_partitions_vision_tokens_within_windows(variant, case, ratio
     assert torch.equal(result.sizes.sum(1), torch.full((lay.batch_size,), lay.seq_len))
 
 
-@pytest.mark.parametrize("variant", ["lightkv", "relevance-split", "relevance-budget", "relevance-size-mean"])
+@pytest.mark.parametrize(
+    "variant", ["lightkv", "relevance-split", "relevance-budget", "relevance-size-mean"]
+)
 @settings(max_examples=40)  # x 4 variants; each example checks every merged token of a batch
 @given(case=batches(), ratio=ratios, wps=st.integers(1, 4))
 def test_merged_features_are_relevance_weighted_convex_combinations(variant, case, ratio, wps):
@@ -137,14 +143,20 @@ def test_merged_features_are_relevance_weighted_convex_combinations(variant, cas
 
 @given(case=batches(), ratio=ratios, wps=st.integers(1, 4))
 def test_text_structural_and_padding_are_untouched(case, ratio, wps):
-    result = Stage(StageSpec(0, ratio, windows_per_side=wps))(case.hidden, case.layout, case.relevance)
+    result = Stage(StageSpec(0, ratio, windows_per_side=wps))(
+        case.hidden, case.layout, case.relevance
+    )
     for b in range(case.layout.batch_size):
         idx, hid = strip(result, b)
         other = case.layout.kind[b, idx] != TokenKind.VISION
         assert torch.equal(hid[other], case.hidden[b, idx[other]])
-        assert torch.equal(result.layout.kind[b][result.kept_index[b] >= 0], case.layout.kind[b, idx])
+        assert torch.equal(
+            result.layout.kind[b][result.kept_index[b] >= 0], case.layout.kind[b, idx]
+        )
         assert torch.equal(result.layout.origin[b][result.kept_index[b] >= 0], idx)
-        assert torch.equal(result.layout.coords[b][result.kept_index[b] >= 0], case.layout.coords[b, idx])
+        assert torch.equal(
+            result.layout.coords[b][result.kept_index[b] >= 0], case.layout.coords[b, idx]
+        )
     # holes are zeros, with kind PAD and no origin
     holes = result.kept_index < 0
     assert (result.hidden[holes] == 0).all()
@@ -155,10 +167,14 @@ def test_text_structural_and_padding_are_untouched(case, ratio, wps):
 @pytest.mark.parametrize("variant", ["lightkv", "relevance-split", "relevance-budget"])
 @given(case=batches(), wps=st.integers(1, 4))
 def test_ratio_zero_is_the_identity(variant, case, wps):
-    result = Stage(StageSpec(0, 0.0, windows_per_side=wps), **MERGING[variant])(case.hidden, case.layout, case.relevance)
+    result = Stage(StageSpec(0, 0.0, windows_per_side=wps), **MERGING[variant])(
+        case.hidden, case.layout, case.relevance
+    )
     assert result.hidden is case.hidden or torch.equal(result.hidden, case.hidden)
     assert result.layout == case.layout
-    assert torch.equal(result.kept_index, torch.arange(case.layout.seq_len).expand_as(result.kept_index))
+    assert torch.equal(
+        result.kept_index, torch.arange(case.layout.seq_len).expand_as(result.kept_index)
+    )
 
 
 @pytest.mark.parametrize("variant", ["lightkv", "relevance-split", "relevance-budget"])
@@ -166,7 +182,9 @@ def test_ratio_zero_is_the_identity(variant, case, wps):
 def test_a_stage_that_removes_nothing_is_bit_exact(variant, case, wps):
     # ratio small enough that floor(ratio * n_w) == 0 for every window: the full path runs
     # (graph, scores, pruning, assembly) but must hand back the input unchanged
-    result = Stage(StageSpec(0, 0.05, windows_per_side=wps), **MERGING[variant])(case.hidden, case.layout, case.relevance)
+    result = Stage(StageSpec(0, 0.05, windows_per_side=wps), **MERGING[variant])(
+        case.hidden, case.layout, case.relevance
+    )
     assert torch.equal(result.hidden, case.hidden)
     assert result.layout == case.layout
 
@@ -176,11 +194,19 @@ def test_a_stage_that_removes_nothing_is_bit_exact(variant, case, wps):
 @given(case=batches(), ratio=ratios, wps=st.integers(1, 4))
 def test_rows_do_not_depend_on_the_rest_of_the_batch(variant, case, ratio, wps):
     if variant == "fastv":
-        kw = dict(partitioner=GlobalPartitioner(scope="row", split="all_src"), scorer=None,
-                  pruner=LowestRelevance(), passer=DropMessages())
+        kw = dict(
+            partitioner=GlobalPartitioner(scope="row", split="all_src"),
+            scorer=None,
+            pruner=LowestRelevance(),
+            passer=DropMessages(),
+        )
     elif variant == "random":
-        kw = dict(partitioner=GlobalPartitioner(scope="image", split="all_src"), scorer=None,
-                  pruner=RandomPruner(seed=1), passer=DropMessages())
+        kw = dict(
+            partitioner=GlobalPartitioner(scope="image", split="all_src"),
+            scorer=None,
+            pruner=RandomPruner(seed=1),
+            passer=DropMessages(),
+        )
     else:
         kw = MERGING[variant]
     stage = Stage(StageSpec(0, ratio, windows_per_side=wps), **kw)
@@ -195,11 +221,18 @@ def test_rows_do_not_depend_on_the_rest_of_the_batch(variant, case, ratio, wps):
 
 @given(case=batches(), ratio=st.sampled_from([0.25, 0.5, 0.75]))
 def test_pruning_presets_drop_exactly_the_budget_and_do_not_merge(case, ratio):
-    stage = Stage(StageSpec(0, ratio, windows_per_side=1), partitioner=GlobalPartitioner(scope="row", split="all_src"),
-                  scorer=None, pruner=LowestRelevance(), passer=DropMessages())
+    stage = Stage(
+        StageSpec(0, ratio, windows_per_side=1),
+        partitioner=GlobalPartitioner(scope="row", split="all_src"),
+        scorer=None,
+        pruner=LowestRelevance(),
+        passer=DropMessages(),
+    )
     result = stage(case.hidden, case.layout, case.relevance)
     n_vis = case.layout.vision_counts()
-    assert torch.equal(result.layout.vision_counts(), n_vis - torch.floor(n_vis.double() * ratio).long())
+    assert torch.equal(
+        result.layout.vision_counts(), n_vis - torch.floor(n_vis.double() * ratio).long()
+    )
     for b in range(case.layout.batch_size):
         idx, hid = strip(result, b)
         assert torch.equal(hid, case.hidden[b, idx])  # survivors unchanged

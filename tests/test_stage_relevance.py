@@ -36,11 +36,18 @@ def test_relevance_scores_is_the_stage_policy_with_only_what_it_reads():
     layout = VisionLayout.from_segments(1, 20, [ImageSegment(row=0, offset=2, grid=(4, 4))])
     spec = StageSpec(0, 0.5, windows_per_side=1)
     echo = Echo()
-    xi = Stage(spec=spec, relevance=echo).relevance_scores(None, None, layout, prompt="ids", tower="att")
-    assert echo.seen == {"prompt": "ids"} and torch.equal(xi, torch.ones(1, 20))  # no tower: it does not read it
+    xi = Stage(spec=spec, relevance=echo).relevance_scores(
+        None, None, layout, prompt="ids", tower="att"
+    )
+    assert echo.seen == {"prompt": "ids"} and torch.equal(
+        xi, torch.ones(1, 20)
+    )  # no tower: it does not read it
     q, k = torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8)
     stage = Stage(spec=spec)
-    assert torch.equal(stage.relevance_scores(q, k, layout, prompt="ids", tower="att"), QueryAxisSoftmax().score(q, k, layout))
+    assert torch.equal(
+        stage.relevance_scores(q, k, layout, prompt="ids", tower="att"),
+        QueryAxisSoftmax().score(q, k, layout),
+    )
     assert "relevance" not in stage.needs
 
 

@@ -9,8 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from lightkv.tasks.symbolgrid import data as sg
+from lightkv_lab.tasks.symbolgrid import data as sg
 
 CONFIG = sg.GridConfig()
 
@@ -20,7 +19,7 @@ def test_vocabulary_has_one_word_per_role():
     assert list(sg.VOCAB[:5]) == ["<pad>", "<bos>", "<eos>", "<image>", "<sep>"]
     assert len(sg.SYMBOL_WORDS) == 32
     roles = [set(sg.SYMBOL_WORDS), set(sg.CELL_WORDS), set(sg.COUNT_WORDS)]
-    assert all(not (a & b) for i, a in enumerate(roles) for b in roles[i + 1:])
+    assert all(not (a & b) for i, a in enumerate(roles) for b in roles[i + 1 :])
     assert sg.cell_word(4, 6) == "r5c7"
 
 
@@ -36,16 +35,19 @@ def _read_cells(image: torch.Tensor, config: sg.GridConfig) -> torch.Tensor:
     """An independent reader: each cell's colour is the hue of its brightest pixels, its shape
     the 4x4 ink pattern nearest to the four drawn by hand here."""
     g, cell = config.grid, config.cell
-    shapes = torch.tensor([
-        [[0, 0, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0]],  # bar
-        [[0, 1, 1, 0], [0, 1, 1, 0], [0, 1, 1, 0], [0, 1, 1, 0]],  # post
-        [[0, 0, 0, 0], [0, 1, 1, 0], [0, 1, 1, 0], [0, 0, 0, 0]],  # dot
-        [[1, 1, 1, 1], [1, 0, 0, 1], [1, 0, 0, 1], [1, 1, 1, 1]],  # ring
-    ], dtype=torch.float32)
+    shapes = torch.tensor(
+        [
+            [[0, 0, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0]],  # bar
+            [[0, 1, 1, 0], [0, 1, 1, 0], [0, 1, 1, 0], [0, 1, 1, 0]],  # post
+            [[0, 0, 0, 0], [0, 1, 1, 0], [0, 1, 1, 0], [0, 0, 0, 0]],  # dot
+            [[1, 1, 1, 1], [1, 0, 0, 1], [1, 0, 0, 1], [1, 1, 1, 1]],  # ring
+        ],
+        dtype=torch.float32,
+    )
     out = torch.empty(g, g, dtype=torch.int64)
     for r in range(g):
         for c in range(g):
-            px = image[:, r * cell:(r + 1) * cell, c * cell:(c + 1) * cell]
+            px = image[:, r * cell : (r + 1) * cell, c * cell : (c + 1) * cell]
             ink = px.max(0).values  # [4, 4]
             shape = int(((ink > 0.4).float() - shapes).abs().sum((1, 2)).argmin())
             rgb = px.reshape(3, -1)[:, ink.flatten().argmax()]
@@ -102,7 +104,9 @@ def test_neighbours_differ_and_exists_is_balanced():
     eps = sg.EpisodeStream(5, "train", qtypes=["exists"]).take(200)
     same = sum(int((e.grid[:, 1:] == e.grid[:, :-1]).sum()) for e in eps[:20])
     pairs = 20 * CONFIG.grid * (CONFIG.grid - 1)
-    assert same / pairs < 0.1  # a merge of two horizontal neighbours almost always mixes two symbols
+    assert (
+        same / pairs < 0.1
+    )  # a merge of two horizontal neighbours almost always mixes two symbols
     yes = sum(e.answer == ["yes"] for e in eps)
     assert 70 < yes < 130
 
@@ -116,7 +120,9 @@ def test_collate_puts_labels_on_answers_only():
     assert labels[labels != sg.IGNORE_INDEX].tolist() == want
     single = sg.collate([scene[0]], 256)
     n = single["input_ids"].shape[1]
-    assert torch.equal(single["input_ids"][0], ids[:n])  # the first turn is a plain single-question row
+    assert torch.equal(
+        single["input_ids"][0], ids[:n]
+    )  # the first turn is a plain single-question row
 
 
 def test_bad_configs_fail_clearly():

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from lightkv.bench.quality import method_pipeline
-from lightkv.tasks import evaluate as ev
-from lightkv.tasks import model as dg
-from lightkv.tasks import scoring as sc
+from lightkv_lab.bench.quality import method_pipeline
+from lightkv_lab.tasks import evaluate as ev
+from lightkv_lab.tasks import model as dg
+from lightkv_lab.tasks import scoring as sc
 
 # Floors well under what the shipped model measures (benchmarks/results/quality-symbolgrid.md),
 # so that only a real regression (adapters, policies, data, weights) trips them.
@@ -54,7 +53,11 @@ def test_uncompressed_accuracy_floor(bundled, episodes):
     model, _, grid = bundled
     res = ev.evaluate(model, episodes, grid, None, batch=48)
     assert res.kept_fraction == 1.0
-    assert set(res.accuracy) == {"what", "read", "exists"}  # the shipped model is not asked to count
+    assert set(res.accuracy) == {
+        "what",
+        "read",
+        "exists",
+    }  # the shipped model is not asked to count
     assert min(res.accuracy.values()) >= UNCOMPRESSED_FLOOR, res.accuracy
 
 
@@ -70,7 +73,9 @@ def test_lightkv_at_55_percent_keeps_answering(bundled, episodes):
 def test_random_merging_at_40_percent_loses_detail_answers(bundled):
     """The benchmark's teeth: merging partners chosen at random destroy single-token answers."""
     model, _, grid = bundled
-    eps = [e for e in ev.heldout_episodes(60, seed=12, grid=grid) if e.qtype in ("what", "read")][:40]
+    eps = [e for e in ev.heldout_episodes(60, seed=12, grid=grid) if e.qtype in ("what", "read")][
+        :40
+    ]
     base = ev.evaluate(model, eps, grid, None, batch=64)
     pipe, _ = method_pipeline("random", model.config.text_config.num_hidden_layers, 0.40)
     res = ev.evaluate(model, eps, grid, pipe, batch=64)

@@ -31,7 +31,9 @@ from lightkv import ImageSegment, VisionLayout, get_preset
 from lightkv.policies import StageInputs, StageSpec
 from lightkv.policies.pooling import StridedPartitioner
 
-merge_mod = pytest.importorskip("tomesd.merge", reason="tomesd is a test-only dependency: pip install tomesd")
+merge_mod = pytest.importorskip(
+    "tomesd.merge", reason="tomesd is a test-only dependency: pip install tomesd"
+)
 
 TEXT_BEFORE, TEXT_AFTER = 3, 2
 
@@ -63,7 +65,9 @@ def lightkv_merge(x: torch.Tensor, h: int, w: int, r: int, partitioner=None):
     """Per batch row: `canonical` of the `tome` stage's merge of the image tokens."""
     b, n, d = x.shape
     seq = TEXT_BEFORE + n + TEXT_AFTER
-    layout = VisionLayout.from_segments(b, seq, [ImageSegment(row=i, offset=TEXT_BEFORE, grid=(h, w)) for i in range(b)])
+    layout = VisionLayout.from_segments(
+        b, seq, [ImageSegment(row=i, offset=TEXT_BEFORE, grid=(h, w)) for i in range(b)]
+    )
     hidden = torch.randn(b, seq, d, dtype=x.dtype)
     hidden[:, TEXT_BEFORE : TEXT_BEFORE + n] = x
     res = tome_stage(n, r, partitioner)(hidden, layout)
@@ -83,8 +87,12 @@ def tomesd_merge(x: torch.Tensor, h: int, w: int, r: int, sx: int, sy: int):
     merging one-hot rows with ``mode="sum"``."""
     b, n, _ = x.shape
     merge, _ = merge_mod.bipartite_soft_matching_random2d(x, w, h, sx, sy, r, no_rand=True)
-    members = merge(torch.eye(n, dtype=x.dtype).expand(b, n, n).contiguous(), mode="sum")  # [b, n_out, n]
-    assert torch.equal(members.sum(dim=1), torch.ones(b, n, dtype=x.dtype))  # a partition of the tokens
+    members = merge(
+        torch.eye(n, dtype=x.dtype).expand(b, n, n).contiguous(), mode="sum"
+    )  # [b, n_out, n]
+    assert torch.equal(
+        members.sum(dim=1), torch.ones(b, n, dtype=x.dtype)
+    )  # a partition of the tokens
     feats = merge(x, mode="mean")
     return [canonical(members[row].argmax(dim=0), feats[row]) for row in range(b)]
 
@@ -101,14 +109,18 @@ def tomesd_destinations(h, w, sx, sy):
 
 def lightkv_destinations(h, w, partitioner=None):
     layout = VisionLayout.from_segments(1, h * w, [ImageSegment(row=0, offset=0, grid=(h, w))])
-    part = (partitioner or get_preset("tome").partitioner).partition(StageInputs.of(layout, windows_per_side=1))
+    part = (partitioner or get_preset("tome").partitioner).partition(
+        StageInputs.of(layout, windows_per_side=1)
+    )
     return set((~part.is_src[0]).nonzero().flatten().tolist())
 
 
 @pytest.mark.parametrize("h, w", [(24, 24), (6, 8), (3, 2), (5, 10)])
 def test_tome_preset_equals_tomesd_on_even_widths(h, w):
     n = h * w
-    x = torch.randn(2, n, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(h * 100 + w))
+    x = torch.randn(
+        2, n, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(h * 100 + w)
+    )
     assert lightkv_destinations(h, w) == tomesd_destinations(h, w, sx=2, sy=1)
     for r in (0, 1, n // 4, n // 2, n):  # n: more than the sources, both cap at |A|
         assert_same_merge(lightkv_merge(x, h, w, r), tomesd_merge(x, h, w, r, sx=2, sy=1))
@@ -152,7 +164,9 @@ def test_strided_tome_equals_tomesd_for_any_grid_and_stride(sy, sx, extra_h, ext
     assert lightkv_destinations(h, w, strided) == tomesd_destinations(h, w, sx, sy)
     if sx * sy == 1:
         ours = lightkv_merge(x, h, w, r, strided)
-        assert all(torch.equal(group, torch.arange(n)) for group, _ in ours)  # no sources, no merges
+        assert all(
+            torch.equal(group, torch.arange(n)) for group, _ in ours
+        )  # no sources, no merges
         return
     assert_same_merge(lightkv_merge(x, h, w, r, strided), tomesd_merge(x, h, w, r, sx, sy))
 
@@ -169,4 +183,6 @@ def test_second_stage_keeps_true_means_unlike_repeated_plain_means():
     assert int(sizes.max()) > 2  # some tokens absorbed tokens that had absorbed others
     for i in range(final.hidden.shape[1]):
         members = final.provenance.sources(0, i)
-        torch.testing.assert_close(final.hidden[0, i], x[0, members].mean(0), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(
+            final.hidden[0, i], x[0, members].mean(0), rtol=1e-12, atol=1e-12
+        )

@@ -22,7 +22,10 @@ from lightkv.policies import SmallestDivergence
 from lightkv.policies.counts import kept_count
 
 ROOT = Path(__file__).resolve().parents[1]
-WINDOWED = {"schedule": {"name": "pre_llm", "params": {"removal_ratio": 0.5, "windows_per_side": 2}}, "relevance": "uniform"}
+WINDOWED = {
+    "schedule": {"name": "pre_llm", "params": {"removal_ratio": 0.5, "windows_per_side": 2}},
+    "relevance": "uniform",
+}
 
 
 @pytest.mark.parametrize("name", PROMPT_AGNOSTIC_PRESETS)
@@ -64,7 +67,9 @@ def test_every_shipped_preset_is_either_served_or_refused():
             PreLLMPlan.load(name, num_layers=28)
         except UnsupportedPipeline:
             continue
-        assert name in PROMPT_AGNOSTIC_PRESETS, f"{name} runs in vLLM: list it in PROMPT_AGNOSTIC_PRESETS and the guide"
+        assert name in PROMPT_AGNOSTIC_PRESETS, (
+            f"{name} runs in vLLM: list it in PROMPT_AGNOSTIC_PRESETS and the guide"
+        )
 
 
 def test_proportional_attention_is_refused():
@@ -139,7 +144,9 @@ def test_select_refuses_a_count_other_than_announced():
 def test_the_entry_point_and_the_extra_are_declared():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert meta["entry-points"]["vllm.general_plugins"] == {"lightkv": "lightkv.integrations.vllm:register"}
+    assert meta["entry-points"]["vllm.general_plugins"] == {
+        "lightkv": "lightkv.integrations.vllm:register"
+    }
     assert meta["optional-dependencies"]["vllm"] == [f"vllm=={TESTED_VLLM[-1]}"]
     for target in ARCHITECTURES.values():
         module, _, cls = target.partition(":")
@@ -158,7 +165,9 @@ def test_importing_the_plugin_package_needs_no_vllm():
     import subprocess
 
     code = "import sys, lightkv.integrations.vllm, lightkv.integrations.vllm.plan; print('vllm' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
 
@@ -174,14 +183,29 @@ def test_the_gpu_checks_vllm_section_dry_runs_without_a_gpu(tmp_path):
     import os
     import subprocess
 
-    env = {**os.environ, "DRY_RUN": "1", "GPU_CHECK_VLLM": "1", "PY": sys.executable, "OUT": str(tmp_path)}
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=env, capture_output=True,
-                          text=True, timeout=300, cwd=ROOT)
+    env = {
+        **os.environ,
+        "DRY_RUN": "1",
+        "GPU_CHECK_VLLM": "1",
+        "PY": sys.executable,
+        "OUT": str(tmp_path),
+    }
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "vllm==0.32.0" in proc.stdout
     assert "divprune: 128 of 576 image tokens" in proc.stdout
     assert "lightkv-pre-llm-uniform: 288 of 576 image tokens" in proc.stdout
-    assert "3c. where flash_attn imports: stock vs lightkv under --attn-implementation flash_attention_2" in proc.stdout
+    assert (
+        "3c. where flash_attn imports: stock vs lightkv under --attn-implementation flash_attention_2"
+        in proc.stdout
+    )
     assert f"{tmp_path}/budgets-fa2" in proc.stdout and "padded batch of 8" in proc.stdout
     assert "3c. benchmarks/flash_batch.py --dry-run passed" in proc.stdout
     batch = json.loads((tmp_path / "flash-batch-dry-run" / "flash-batch.json").read_text())
@@ -197,9 +221,13 @@ def test_the_plan_grid_is_bounded_before_any_tensor():
 
     plan = PreLLMPlan.load("divprune", num_layers=28)
     start = time.perf_counter()
-    with pytest.raises(ValueError, match=r"at most 16,384 tokens .* got 100,000 x 100,000 = 10,000,000,000"):
+    with pytest.raises(
+        ValueError, match=r"at most 16,384 tokens .* got 100,000 x 100,000 = 10,000,000,000"
+    ):
         plan.kept_count(100_000, 100_000)
     with pytest.raises(ValueError, match="at most 16,384 tokens"):
         plan.select([torch.zeros(1, 4)], [(1, MAX_IMAGE_TOKENS + 1)])
     assert time.perf_counter() - start < 1.0
-    assert PreLLMPlan.load("downsample", num_layers=28).kept_count(128, 128) > 0  # the limit itself is served
+    assert (
+        PreLLMPlan.load("downsample", num_layers=28).kept_count(128, 128) > 0
+    )  # the limit itself is served

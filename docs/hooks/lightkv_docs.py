@@ -45,14 +45,25 @@ log = logging.getLogger("mkdocs.hooks.lightkv_docs")
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "lightkv"
+LAB_PACKAGE, LAB_DIR = "lightkv_lab", ROOT / "lab" / "lightkv_lab"  # the laboratory's distribution
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 REFERENCE_DIR = "reference"
 NAV_SECTION = "API reference"
 SKIP_MODULES = {"__main__"}
 # Reading order inside a package; modules not listed follow alphabetically.
 PREFERRED_ORDER = {
-    "lightkv": ["graph", "policies", "pipeline", "config", "presets", "adapters", "api", "testing", "vis", "cli",
-                "stages_demo"],
+    "lightkv": [
+        "graph",
+        "policies",
+        "pipeline",
+        "config",
+        "presets",
+        "adapters",
+        "api",
+        "testing",
+        "cli",
+    ],
+    "lightkv_lab": ["tasks", "bench", "demos", "stages_demo", "vis", "cli"],
     "lightkv.graph": ["layout", "windows", "bipartite", "scatter", "provenance"],
     "lightkv.policies": [
         "base",
@@ -67,8 +78,18 @@ PREFERRED_ORDER = {
         "hashing",
         "plugins",
     ],
-    "lightkv.adapters": ["base", "registry", "session", "trace", "report", "cache", "masks", "features", "guards",
-                         "probes"],
+    "lightkv.adapters": [
+        "base",
+        "registry",
+        "session",
+        "trace",
+        "report",
+        "cache",
+        "masks",
+        "features",
+        "guards",
+        "probes",
+    ],
     "lightkv.config": ["pipeline", "schedule", "specs", "errors", "yaml_io", "schema"],
     "lightkv.testing": ["contract", "models"],
 }
@@ -134,7 +155,9 @@ def discover(package_dir: Path | None = None, name: str = PACKAGE) -> Module:
 
 def _literal_all(tree: ast.Module) -> list[str] | None:
     for node in tree.body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
             try:
                 return [str(v) for v in ast.literal_eval(node.value)]
             except ValueError:
@@ -250,13 +273,18 @@ def presets_markdown(table_only: bool = False) -> str:
     init = preset_dir / "__init__.py"
     if init.is_file():
         for node in ast.parse(init.read_text(encoding="utf-8")).body:
-            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_ORDER" for t in node.targets):
+            if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "_ORDER" for t in node.targets
+            ):
                 try:
                     order = [str(v) for v in ast.literal_eval(node.value)]
                 except ValueError:
                     order = []
     names = [n for n in order if n in files] + sorted(set(files) - set(order))
-    rows = ["| preset | summary | partitioner | scorer | pruner | passer | relevance |", "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| preset | summary | partitioner | scorer | pruner | passer | relevance |",
+        "|---|---|---|---|---|---|---|",
+    ]
     blocks = []
     for name in names:
         text = files[name].read_text(encoding="utf-8")
@@ -272,7 +300,9 @@ def presets_markdown(table_only: bool = False) -> str:
 
         rows.append(
             f"| `{name}` | {_cell(str(data.get('summary', '')))} | "
-            + " | ".join(policy(k) for k in ("partitioner", "scorer", "pruner", "passer", "relevance"))
+            + " | ".join(
+                policy(k) for k in ("partitioner", "scorer", "pruner", "passer", "relevance")
+            )
             + " |"
         )
         desc = " ".join(str(data.get("description", "")).split())
@@ -282,7 +312,11 @@ def presets_markdown(table_only: bool = False) -> str:
             body += [f"    {desc}", ""]
         if source:
             body += [f"    *Source:* {source}", ""]
-        body += ["    ```yaml"] + [f"    {line}" if line else "" for line in text.rstrip().splitlines()] + ["    ```", ""]
+        body += (
+            ["    ```yaml"]
+            + [f"    {line}" if line else "" for line in text.rstrip().splitlines()]
+            + ["    ```", ""]
+        )
         blocks.append("\n".join(body))
     if table_only:
         return "\n".join(rows) + "\n"
@@ -292,8 +326,17 @@ def presets_markdown(table_only: bool = False) -> str:
 # ---------------------------------------------------------------------------- adapters
 def _literal_dict(path: Path, name: str) -> dict[str, str]:
     for node in ast.parse(path.read_text(encoding="utf-8")).body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
-        if any(isinstance(t, ast.Name) and t.id == name for t in targets) and node.value is not None:
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AnnAssign)
+            else []
+        )
+        if (
+            any(isinstance(t, ast.Name) and t.id == name for t in targets)
+            and node.value is not None
+        ):
             try:
                 return dict(ast.literal_eval(node.value))
             except ValueError:
@@ -324,7 +367,9 @@ def families_markdown(page_uri: str) -> str:
         link = posixpath.relpath(module.page, here)
         doc = ast.get_docstring(module.tree()) or ""
         exact, refused = (_cell(_docstring_field(doc, k)) for k in ("Exact", "Refused"))
-        rows.append(f"| `{family}` | {types} | [`{cls}`]({link}) | {_cell(module.summary())} | {exact} | {refused} |")
+        rows.append(
+            f"| `{family}` | {types} | [`{cls}`]({link}) | {_cell(module.summary())} | {exact} | {refused} |"
+        )
     return "\n".join(rows) + "\n"
 
 
@@ -380,12 +425,16 @@ def _cell_value(value: Any) -> str | None:
                 runs[-1][1] += 1
             else:
                 runs.append([v, 1])
-        if len(runs) <= min(6, len(value) // 2):  # e.g. per-layer cache lengths: 611 ×7, 323 ×3, ...
+        if len(runs) <= min(
+            6, len(value) // 2
+        ):  # e.g. per-layer cache lengths: 611 ×7, 323 ×3, ...
             return ", ".join(_fmt(v) + (f" ×{n}" if n > 1 else "") for v, n in runs)
     return None
 
 
-def _table(rows: list[dict[str, Any]], key_column: str | None = None, keys: list[str] | None = None) -> str:
+def _table(
+    rows: list[dict[str, Any]], key_column: str | None = None, keys: list[str] | None = None
+) -> str:
     """Rows of records as a Markdown table; a few wide rows are transposed (one column per
     record), so that a table of many metrics stays readable."""
     columns: list[str] = []
@@ -407,9 +456,18 @@ def _table(rows: list[dict[str, Any]], key_column: str | None = None, keys: list
         head = ([key_column or ""] if names else []) + columns
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for i, row in enumerate(cells):
-            lines.append("| " + " | ".join(([names[i]] if names else []) + [row[c] or "" for c in columns]) + " |")
+            lines.append(
+                "| "
+                + " | ".join(([names[i]] if names else []) + [row[c] or "" for c in columns])
+                + " |"
+            )
     if omitted:
-        lines += ["", "*Left out of this table (see the JSON file): " + ", ".join(f"`{c}`" for c in omitted) + ".*"]
+        lines += [
+            "",
+            "*Left out of this table (see the JSON file): "
+            + ", ".join(f"`{c}`" for c in omitted)
+            + ".*",
+        ]
     return "\n".join(lines)
 
 
@@ -429,7 +487,8 @@ def _record_map(data: dict[str, Any]) -> bool:
 
 def json_markdown(data: Any, level: int = 5) -> str:
     """A JSON document as Markdown: lists of records and maps of similar records as
-    tables, flat mappings as key/value tables, nested mappings under headings."""
+    tables, flat mappings as key/value tables, nested mappings under bold labels (not
+    headings: a results page's table of contents shows the page's headings, not JSON keys)."""
     if _records(data):
         return _table(data)
     if not isinstance(data, dict):
@@ -443,14 +502,17 @@ def json_markdown(data: Any, level: int = 5) -> str:
         parts.append(_table(list(nested.values()), keys=list(nested)))
     else:
         for key, value in nested.items():
-            parts.append(f"{'#' * level} {key}\n\n" + json_markdown(value, min(level + 1, 6)))
+            # a bold label, not a heading: the page's table of contents lists its own headings only
+            parts.append(f"**{key}**\n\n" + json_markdown(value, min(level + 1, 6)))
     return "\n\n".join(parts)
 
 
 def _result_files() -> list[Path]:
     if not RESULTS_DIR.is_dir():
         return []
-    return sorted(p for p in RESULTS_DIR.rglob("*") if p.is_file() and p.suffix.lower() in RESULT_SUFFIXES)
+    return sorted(
+        p for p in RESULTS_DIR.rglob("*") if p.is_file() and p.suffix.lower() in RESULT_SUFFIXES
+    )
 
 
 def _asset_uri(path: Path) -> str:
@@ -459,7 +521,9 @@ def _asset_uri(path: Path) -> str:
 
 def results_markdown(patterns: list[str], page_uri: str) -> str:
     matched = [
-        p for p in _result_files() if any(fnmatch.fnmatch(p.relative_to(ROOT).as_posix(), pat) for pat in patterns)
+        p
+        for p in _result_files()
+        if any(fnmatch.fnmatch(p.relative_to(ROOT).as_posix(), pat) for pat in patterns)
     ]
     if not matched:
         shown = ", ".join(f"`{p}`" for p in patterns)
@@ -473,7 +537,8 @@ def results_markdown(patterns: list[str], page_uri: str) -> str:
     here = posixpath.dirname(page_uri)
     for path in matched:
         rel = path.relative_to(ROOT).as_posix()
-        parts.append(f"#### `{rel}`\n")
+        # a caption, not a heading: the table of contents shows the page's headings, not file paths
+        parts.append(f'<p class="lightkv-results-file">From <code>{rel}</code>:</p>\n')
         suffix = path.suffix.lower()
         if suffix == ".json":
             try:
@@ -513,32 +578,62 @@ def results_files_markdown() -> str:
     files = _result_files()
     if not files:
         return "*`benchmarks/results/` holds no results in this checkout yet.*\n"
-    return "\n".join(f"- `{p.relative_to(ROOT).as_posix()}` ({p.stat().st_size:,} bytes)" for p in files) + "\n"
+    return (
+        "\n".join(
+            f"- `{p.relative_to(ROOT).as_posix()}` ({p.stat().st_size:,} bytes)" for p in files
+        )
+        + "\n"
+    )
 
 
 # ---------------------------------------------------------------------------- hooks
-_TREE: Module | None = None
+_TREE: list[Module] | None = None
 _MARKER = re.compile(r"<!--\s*lightkv:([a-z-]+)\s*(.*?)\s*-->")
 
 
-def _tree() -> Module:
+def _discover_all() -> list[Module]:
+    """The library's module tree, then the laboratory's (where this checkout has it)."""
+    trees = [discover()]
+    if (LAB_DIR / "__init__.py").is_file():
+        trees.append(discover(LAB_DIR, LAB_PACKAGE))
+    return trees
+
+
+class _Trees:
+    """The module trees, walked as one."""
+
+    def __init__(self, trees: list[Module]):
+        self.trees = trees
+
+    def walk(self):
+        for tree in self.trees:
+            yield from tree.walk()
+
+
+def _tree() -> _Trees:
     global _TREE
     if _TREE is None:
-        _TREE = discover()
-    return _TREE
+        _TREE = _discover_all()
+    return _Trees(_TREE)
 
 
 def on_config(config, **kwargs):
     global _TREE
-    _TREE = discover()  # re-read on every (re)build
+    _TREE = _discover_all()  # re-read on every (re)build
     for item in config["nav"] or []:
         if isinstance(item, dict) and NAV_SECTION in item:
             section = item[NAV_SECTION]
-            section[:] = [e for e in section if not (isinstance(e, dict) and PACKAGE in e)]
-            section.append(_nav_entry(_tree()))
+            section[:] = [
+                e
+                for e in section
+                if not (isinstance(e, dict) and (PACKAGE in e or LAB_PACKAGE in e))
+            ]
+            section.extend(_nav_entry(tree) for tree in _tree().trees)
             break
     else:
-        log.warning("lightkv_docs: the nav has no %r section for the generated reference pages", NAV_SECTION)
+        log.warning(
+            "lightkv_docs: the nav has no %r section for the generated reference pages", NAV_SECTION
+        )
     return config
 
 
@@ -565,7 +660,9 @@ def on_page_markdown(markdown: str, page, config, files, **kwargs):
             here = posixpath.dirname(page.file.src_uri)
             rows = ["| module | summary |", "|---|---|"]
             for m in _tree().walk():
-                rows.append(f"| [`{m.name}`]({posixpath.relpath(m.page, here)}) | {_cell(m.summary())} |")
+                rows.append(
+                    f"| [`{m.name}`]({posixpath.relpath(m.page, here)}) | {_cell(m.summary())} |"
+                )
             return "\n".join(rows) + "\n"
         if kind == "results":
             return results_markdown(arg.split(), page.file.src_uri)

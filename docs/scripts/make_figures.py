@@ -25,6 +25,7 @@ import argparse
 from pathlib import Path
 
 import torch
+from lightkv_lab.vis import group_mean, outline_groups, paint_patches
 from PIL import Image, ImageDraw, ImageFont
 
 import lightkv
@@ -37,7 +38,6 @@ from lightkv.policies import (
     SmallestDivergence,
     StageInputs,
 )
-from lightkv.vis import group_mean, outline_groups, paint_patches
 
 GRID, PATCH = 24, 21
 TEXT_BEFORE, TEXT_AFTER = 5, 9
@@ -63,23 +63,29 @@ def inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, VisionLayout, tor
 
     image = torch.from_numpy(data.astronaut()[: GRID * PATCH, : GRID * PATCH].copy())
     pix = image.double() / 255
-    patches = pix.reshape(GRID, PATCH, GRID, PATCH, 3).permute(0, 2, 1, 3, 4).reshape(GRID * GRID, -1, 3)
+    patches = (
+        pix.reshape(GRID, PATCH, GRID, PATCH, 3).permute(0, 2, 1, 3, 4).reshape(GRID * GRID, -1, 3)
+    )
     rgb = patches.mean(dim=1)
     gen = torch.Generator().manual_seed(seed)
     flat = patches.reshape(GRID * GRID, -1)
-    texture = (flat - flat.mean(dim=1, keepdim=True)) @ torch.randn(flat.shape[1], 26, generator=gen, dtype=torch.float64)
+    texture = (flat - flat.mean(dim=1, keepdim=True)) @ torch.randn(
+        flat.shape[1], 26, generator=gen, dtype=torch.float64
+    )
     texture = texture / texture.norm(dim=1, keepdim=True).clamp_min(1e-9)
     colour = (rgb - rgb.mean(dim=0)) / rgb.std(dim=0)
     vision = torch.cat([colour, 0.5 * patches.std(dim=1) / patches.std(), 0.3 * texture], dim=1)
     n = TEXT_BEFORE + GRID * GRID + TEXT_AFTER
     hidden = torch.randn(1, n, vision.shape[1], generator=gen, dtype=torch.float64)
     hidden[0, TEXT_BEFORE : TEXT_BEFORE + GRID * GRID] = vision
-    layout = VisionLayout.from_segments(1, n, [ImageSegment(row=0, offset=TEXT_BEFORE, grid=(GRID, GRID))])
+    layout = VisionLayout.from_segments(
+        1, n, [ImageSegment(row=0, offset=TEXT_BEFORE, grid=(GRID, GRID))]
+    )
     return image, rgb.float(), layout, hidden.float()
 
 
 def panel(colours: torch.Tensor, owner: torch.Tensor | None, windows: int | None) -> Image.Image:
-    """A ``24*CELL`` square: patch colours, dark group borders (`lightkv.vis`), blue window lines."""
+    """A ``24*CELL`` square: patch colours, dark group borders (`lightkv_lab.vis`), blue window lines."""
     img = paint_patches(colours, (GRID, GRID), CELL)
     if owner is not None:
         img = outline_groups(img, owner, (GRID, GRID), CELL)
@@ -95,9 +101,9 @@ def panel(colours: torch.Tensor, owner: torch.Tensor | None, windows: int | None
 
 
 def save(img: Image.Image, path: Path, colours: int = 128) -> None:
-    img.convert("RGB").quantize(colours, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE).save(
-        path, optimize=True
-    )
+    img.convert("RGB").quantize(
+        colours, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE
+    ).save(path, optimize=True)
     print(f"wrote {path} ({path.stat().st_size:,} bytes)")
 
 
@@ -124,7 +130,9 @@ def stages_figure(out: Path) -> None:
             )
         )
     gap, top, bottom = 14, 40, 8
-    canvas = Image.new("RGB", (len(panels) * side + (len(panels) - 1) * gap, top + side + bottom), WHITE)
+    canvas = Image.new(
+        "RGB", (len(panels) * side + (len(panels) - 1) * gap, top + side + bottom), WHITE
+    )
     draw = ImageDraw.Draw(canvas)
     big, little = font(15), font(12)
     for i, (img, title, sub) in enumerate(panels):
@@ -148,7 +156,12 @@ def window_figure(out: Path, window_row: int = 1, window_col: int = 1, ratio: fl
     x = graph.gather(hidden)
     best_dst, best_div = CosineDivergence().best_edges(graph, x)
     pad = graph.src_slots < 0
-    prune = PruneInputs(graph, best_div, torch.ones_like(best_div), torch.zeros_like(graph.src_slots).masked_fill(pad, -1))
+    prune = PruneInputs(
+        graph,
+        best_div,
+        torch.ones_like(best_div),
+        torch.zeros_like(graph.src_slots).masked_fill(pad, -1),
+    )
     removed = SmallestDivergence().select(prune, ratio=ratio)
 
     def cell(node: int) -> tuple[int, int]:
@@ -165,7 +178,13 @@ def window_figure(out: Path, window_row: int = 1, window_col: int = 1, ratio: fl
         for c in range(size):
             colour = tuple(int(v * 255) for v in rgb[(r0 + r) * GRID + c0 + c].tolist())
             draw.rectangle(
-                [margin + c * s, margin + r * s, margin + (c + 1) * s - 1, margin + (r + 1) * s - 1], fill=colour
+                [
+                    margin + c * s,
+                    margin + r * s,
+                    margin + (c + 1) * s - 1,
+                    margin + (r + 1) * s - 1,
+                ],
+                fill=colour,
             )
 
     def centre(rc: tuple[int, int]) -> tuple[float, float]:
@@ -187,7 +206,12 @@ def window_figure(out: Path, window_row: int = 1, window_col: int = 1, ratio: fl
             x0, y0 = centre(cell(node))
             slot = src_nodes.tolist().index(node)
             merged = bool(removed[target, slot])
-            draw.ellipse([x0 - 9, y0 - 9, x0 + 9, y0 + 9], fill=RED if merged else WHITE, outline=WHITE if merged else INK, width=2)
+            draw.ellipse(
+                [x0 - 9, y0 - 9, x0 + 9, y0 + 9],
+                fill=RED if merged else WHITE,
+                outline=WHITE if merged else INK,
+                width=2,
+            )
     for node in graph.dst_slots[target].tolist():
         if node >= 0:
             x0, y0 = centre(cell(node))
@@ -205,9 +229,18 @@ def window_figure(out: Path, window_row: int = 1, window_col: int = 1, ratio: fl
         if kind == "square":
             draw.rectangle([lx, y, lx + 16, y + 16], fill=ORANGE, outline=INK, width=2)
         elif kind in ("open", "filled"):
-            draw.ellipse([lx, y, lx + 16, y + 16], fill=RED if kind == "filled" else WHITE, outline=INK, width=2)
+            draw.ellipse(
+                [lx, y, lx + 16, y + 16],
+                fill=RED if kind == "filled" else WHITE,
+                outline=INK,
+                width=2,
+            )
         else:
-            draw.line([lx, y + 8, lx + 16, y + 8], fill=RED if kind == "thick" else (170, 170, 170), width=4 if kind == "thick" else 2)
+            draw.line(
+                [lx, y + 8, lx + 16, y + 8],
+                fill=RED if kind == "thick" else (170, 170, 170),
+                width=4 if kind == "thick" else 2,
+            )
         draw.text((lx + 24, y), text, fill=INK, font=f)
         y += 28
     n_a = int((src_nodes >= 0).sum())
@@ -218,14 +251,19 @@ def window_figure(out: Path, window_row: int = 1, window_col: int = 1, ratio: fl
     save(canvas, out / "bipartite-window.png", colours=64)
 
 
-def kv_steps_figure(out: Path, presets: tuple[str, ...] = ("lightkv", "fastv", "pdrop", "pool")) -> None:
+def kv_steps_figure(
+    out: Path, presets: tuple[str, ...] = ("lightkv", "fastv", "pdrop", "pool")
+) -> None:
     _, _, layout, hidden = inputs()
     colours = [(63, 81, 181), (230, 81, 0), (0, 150, 136), (156, 39, 176)]
     series = []
     for name in presets:
         pipe = lightkv.load(name)
         specs = pipe.scheduler.plan(NUM_LAYERS)
-        counts = [int(r.layout.vision_counts()[0]) for r in pipe.run(hidden, layout, num_layers=NUM_LAYERS)]
+        counts = [
+            int(r.layout.vision_counts()[0])
+            for r in pipe.run(hidden, layout, num_layers=NUM_LAYERS)
+        ]
         per_layer, current, k = [], GRID * GRID, 0
         for layer in range(NUM_LAYERS):
             per_layer.append(current)
@@ -258,9 +296,16 @@ def kv_steps_figure(out: Path, presets: tuple[str, ...] = ("lightkv", "fastv", "
         off = (i - 1.5) * 1.2  # keep coinciding lines visible
         draw.line([(x, y + off) for x, y in points], fill=colours[i % len(colours)], width=3)
         ly = top + 10 + i * 24
-        draw.line([left + w + 16, ly + 7, left + w + 40, ly + 7], fill=colours[i % len(colours)], width=3)
+        draw.line(
+            [left + w + 16, ly + 7, left + w + 40, ly + 7], fill=colours[i % len(colours)], width=3
+        )
         draw.text((left + w + 46, ly), f"{name}: {kept:.0%} kept", fill=INK, font=f)
-    draw.text((left, 6), f"vision tokens in each layer's KV cache ({NUM_LAYERS} layers, one {GRID}x{GRID} image)", fill=INK, font=font(13))
+    draw.text(
+        (left, 6),
+        f"vision tokens in each layer's KV cache ({NUM_LAYERS} layers, one {GRID}x{GRID} image)",
+        fill=INK,
+        font=font(13),
+    )
     save(canvas, out / "kv-steps.png", colours=32)
 
 

@@ -17,18 +17,28 @@ from lightkv.policies import ExplicitSchedule, QueryAxisSoftmax
 from lightkv.quirks import ReleasedQuirks
 from lightkv.testing import TINY_MODELS
 
-SCHEDULE = ExplicitSchedule(layers=(1, 2), windows_per_side=(2, 1), removal_ratios=(0.5,))  # 4-layer models
+SCHEDULE = ExplicitSchedule(
+    layers=(1, 2), windows_per_side=(2, 1), removal_ratios=(0.5,)
+)  # 4-layer models
 GEN = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
 
 
 def variants(family: str) -> dict[str, lightkv.Pipeline]:
-    base = lightkv.load("lightkv-paper" if family == "llava" else "lightkv-paper-qwen2_5_vl").with_scheduler(SCHEDULE)
+    base = lightkv.load(
+        "lightkv-paper" if family == "llava" else "lightkv-paper-qwen2_5_vl"
+    ).with_scheduler(SCHEDULE)
     out = {
-        "renumber_positions": dataclasses.replace(base, released_quirks=ReleasedQuirks(renumber_positions=True)),
-        "unmasked_first_merge": dataclasses.replace(base, released_quirks=ReleasedQuirks(unmasked_first_merge=True)),
+        "renumber_positions": dataclasses.replace(
+            base, released_quirks=ReleasedQuirks(renumber_positions=True)
+        ),
+        "unmasked_first_merge": dataclasses.replace(
+            base, released_quirks=ReleasedQuirks(unmasked_first_merge=True)
+        ),
     }
     if family == "llava":
-        out["random relevance"] = dataclasses.replace(base, relevance=lightkv.policies.RandomRelevance())
+        out["random relevance"] = dataclasses.replace(
+            base, relevance=lightkv.policies.RandomRelevance()
+        )
     name = "lightkv-paper-released" + ("" if family == "llava" else "-qwen2_5_vl")
     out[name] = lightkv.load(name).with_scheduler(SCHEDULE)
     assert isinstance(base.relevance, QueryAxisSoftmax)
@@ -45,7 +55,9 @@ def main() -> None:
         fam = TINY_MODELS[family]
         model = fam.build()
         images = (lambda k: [(1, 16, 16)] * k) if family == "qwen2_5_vl" else (lambda k: k)
-        batches = [fam.collate([fam.row(model, images=images(1 + s % 2), seed=s)]) for s in range(6)]
+        batches = [
+            fam.collate([fam.row(model, images=images(1 + s % 2), seed=s)]) for s in range(6)
+        ]
         pipes = variants(family)
         base = [run(pipes["base"], model, b) for b in batches]
         scale = max(float(g.logits[0].abs().max()) for g in base)
@@ -58,7 +70,9 @@ def main() -> None:
                 got = run(pipe, model, b)
                 diffs.append(float((got.logits[0] - ref.logits[0]).abs().max()))
                 agree += bool(torch.equal(got.sequences, ref.sequences))
-            print(f"  {name:36s} max |dlogit| {min(diffs):.2g}-{max(diffs):.2g}   greedy equal {agree}/6")
+            print(
+                f"  {name:36s} max |dlogit| {min(diffs):.2g}-{max(diffs):.2g}   greedy equal {agree}/6"
+            )
 
 
 if __name__ == "__main__":

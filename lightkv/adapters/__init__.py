@@ -45,8 +45,15 @@ __all__ = [
 ]
 
 
-def apply(pipeline, model: nn.Module, *, adapter: str | Adapter | None = None, record: bool = False,
-          reuse_projections: bool = True, **adapter_options: Any) -> CompressionSession:
+def apply(
+    pipeline,
+    model: nn.Module,
+    *,
+    adapter: str | Adapter | None = None,
+    record: bool = False,
+    reuse_projections: bool = True,
+    **adapter_options: Any,
+) -> CompressionSession:
     """A context manager that compresses ``model``'s prefill with ``pipeline``.
 
     Hooks are installed on entering the ``with`` block and removed on leaving it (also on
@@ -66,5 +73,11 @@ def apply(pipeline, model: nn.Module, *, adapter: str | Adapter | None = None, r
         ValueError: unsupported model family or attention implementation, or a schedule
             that does not fit the model's depth.
     """
-    return CompressionSession(pipeline, model, adapter=adapter, record=record, reuse_projections=reuse_projections,
-                              **adapter_options)
+    return CompressionSession(
+        pipeline,
+        model,
+        adapter=adapter,
+        record=record,
+        reuse_projections=reuse_projections,
+        **adapter_options,
+    )

@@ -60,7 +60,9 @@ class Adapter:
         unknown = set(options) - set(self.options_allowed)
         if unknown:
             allowed = ", ".join(self.options_allowed) or "none"
-            raise TypeError(f"adapter {self.family!r} got unknown option(s) {sorted(unknown)}; allowed: {allowed}")
+            raise TypeError(
+                f"adapter {self.family!r} got unknown option(s) {sorted(unknown)}; allowed: {allowed}"
+            )
         self.model = model
         self.config = model.config
         self.options = options
@@ -69,15 +71,19 @@ class Adapter:
             self.check_config()
         except AttributeError as e:  # e.g. a Llama whose config says model_type "llava"
             kind = getattr(self.config, "model_type", "?")
-            raise TypeError(f"{type(model).__name__} (model_type {kind!r}) is not a {self.family} model as lightkv "
-                            f"knows it: {e}; pass the vision-language model itself") from None
+            raise TypeError(
+                f"{type(model).__name__} (model_type {kind!r}) is not a {self.family} model as lightkv "
+                f"knows it: {e}; pass the vision-language model itself"
+            ) from None
 
     # ---------------------------------------------------------------- modules
     def multimodal_module(self) -> nn.Module:
         """The module whose forward receives ``input_ids`` and the image inputs and calls
         the language model (e.g. ``LlavaModel``)."""
         inner = getattr(self.model, "model", None)
-        if isinstance(inner, nn.Module) and isinstance(getattr(inner, "language_model", None), nn.Module):
+        if isinstance(inner, nn.Module) and isinstance(
+            getattr(inner, "language_model", None), nn.Module
+        ):
             return inner
         if isinstance(getattr(self.model, "language_model", None), nn.Module):
             return self.model
@@ -146,21 +152,31 @@ class Adapter:
         """Layers with equal keys share one prefill mask (computed once per stage)."""
         return None
 
-    def prefill_mask(self, layer: int, origin: torch.Tensor, valid: torch.Tensor, impl: str,
-                     dtype: torch.dtype) -> torch.Tensor | None:
+    def prefill_mask(
+        self, layer: int, origin: torch.Tensor, valid: torch.Tensor, impl: str, dtype: torch.dtype
+    ) -> torch.Tensor | None:
         """The 4-D mask of decoder layer ``layer`` over a compressed prefill sequence
         (``origin``, ``valid`` ``[B, N]``); see `lightkv.adapters.masks.prefill_mask`."""
         return masks.prefill_mask(origin, valid, impl, dtype)
 
-    def decode_mask(self, layer: int, origin: torch.Tensor, valid: torch.Tensor, q_len: int, impl: str,
-                    dtype: torch.dtype) -> torch.Tensor | None:
+    def decode_mask(
+        self,
+        layer: int,
+        origin: torch.Tensor,
+        valid: torch.Tensor,
+        q_len: int,
+        impl: str,
+        dtype: torch.dtype,
+    ) -> torch.Tensor | None:
         """The 4-D mask of ``q_len`` new tokens over compressed layer ``layer``'s cache
         (``origin``, ``valid`` ``[B, L]``, the new tokens last); see
         `lightkv.adapters.masks.decode_mask`."""
         return masks.decode_mask(valid, q_len, impl, dtype)
 
     # ---------------------------------------------------------------- layout
-    def build_layout(self, inputs: Mapping[str, Any], padding: torch.Tensor | None) -> VisionLayout | None:
+    def build_layout(
+        self, inputs: Mapping[str, Any], padding: torch.Tensor | None
+    ) -> VisionLayout | None:
         """The layout of one prefill batch.
 
         Args:
@@ -173,7 +189,9 @@ class Adapter:
         """
         raise NotImplementedError
 
-    def reference_layout(self, inputs: Mapping[str, Any], padding: torch.Tensor | None) -> VisionLayout | None:
+    def reference_layout(
+        self, inputs: Mapping[str, Any], padding: torch.Tensor | None
+    ) -> VisionLayout | None:
         """The layout of one prefill batch as the authors' code lays it out (what a session
         uses for a pipeline with ``layout: reference``, `lightkv.Pipeline.layout`); same
         arguments as `build_layout`. Default: the native layout (the families whose
@@ -188,9 +206,13 @@ class Adapter:
         if not segments:
             return None
         b, n = input_ids.shape
-        return VisionLayout.from_segments(b, n, segments, padding_mask=padding, device=input_ids.device)
+        return VisionLayout.from_segments(
+            b, n, segments, padding_mask=padding, device=input_ids.device
+        )
 
-    def square_tiles_layout(self, inputs: Mapping[str, Any], padding: torch.Tensor | None, side: int) -> VisionLayout | None:
+    def square_tiles_layout(
+        self, inputs: Mapping[str, Any], padding: torch.Tensor | None, side: int
+    ) -> VisionLayout | None:
         """The layout of a prompt whose image placeholders are consecutive ``side x side``
         tiles, each its own grid (InternVL, Idefics3); None without image tokens.
 
@@ -204,13 +226,17 @@ class Adapter:
             return None
         per_tile = side * side
         if n % per_tile:
-            raise ValueError(f"{n} image tokens is not a multiple of {per_tile} tokens per tile ({side}x{side})")
+            raise ValueError(
+                f"{n} image tokens is not a multiple of {per_tile} tokens per tile ({side}x{side})"
+            )
         places = place_images(placeholders, [per_tile] * (n // per_tile), "tile")
         segments = [ImageSegment(row=r, offset=o, grid=(side, side)) for r, o in places]
         return self.layout_from_segments(input_ids, segments, padding)
 
 
-def bind_arguments(signature: inspect.Signature, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+def bind_arguments(
+    signature: inspect.Signature, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
     """A forward's arguments by name (positional ones bound through ``signature``, a
     ``**kwargs`` catch-all flattened), as a forward pre-hook sees them."""
     try:
@@ -224,7 +250,9 @@ def bind_arguments(signature: inspect.Signature, args: Sequence[Any], kwargs: Ma
     return out
 
 
-def place_images(token_mask: torch.Tensor, counts: Sequence[int], what: str = "image") -> list[tuple[int, int]]:
+def place_images(
+    token_mask: torch.Tensor, counts: Sequence[int], what: str = "image"
+) -> list[tuple[int, int]]:
     """Where consecutive images sit, given the placeholder mask and each image's token count.
 
     Models fill placeholders in flattened (row-major) order, image after image, so image
@@ -256,7 +284,9 @@ def place_images(token_mask: torch.Tensor, counts: Sequence[int], what: str = "i
         seg = pos[start : start + c]
         row, first, last = int(seg[0, 0]), int(seg[0, 1]), int(seg[-1, 1])
         if int(seg[-1, 0]) != row or last - first != c - 1:
-            raise ValueError(f"{what} {k} ({c} tokens) is not one contiguous run of placeholders in one batch row")
+            raise ValueError(
+                f"{what} {k} ({c} tokens) is not one contiguous run of placeholders in one batch row"
+            )
         out.append((row, first))
         start += c
     return out

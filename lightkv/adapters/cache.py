@@ -87,7 +87,9 @@ class MaskedCacheLayer(DynamicLayer):
         self.columns: int | None = None
         self.pending_columns: int | None = None  # the prompt's original width, set at prefill
         self.sizes: torch.Tensor | None = None
-        self.pending_sizes: torch.Tensor | None = None  # set at prefill when a token stands for several
+        self.pending_sizes: torch.Tensor | None = (
+            None  # set at prefill when a token stands for several
+        )
         self.extra: dict[str, torch.Tensor] = {}
         """``[B, ...]`` tensors of the cache mode (H2O's accumulated scores, candidates and
         budgets) that follow the rows through beam search like ``valid``."""
@@ -102,7 +104,12 @@ class MaskedCacheLayer(DynamicLayer):
         keys, values = super().update(key_states, value_states, *args, **kwargs)
         new = self.pending
         if new is None:
-            new = torch.ones(key_states.shape[0], key_states.shape[-2], dtype=torch.bool, device=key_states.device)
+            new = torch.ones(
+                key_states.shape[0],
+                key_states.shape[-2],
+                dtype=torch.bool,
+                device=key_states.device,
+            )
         self.pending = None
         new = new.to(keys.device)
         self.valid = new if self.valid is None else torch.cat([self.valid, new], dim=1)
@@ -132,8 +139,14 @@ class MaskedCacheLayer(DynamicLayer):
         position."""
         return self.columns if self.columns is not None else super().get_seq_length()
 
-    def replace(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, origin: torch.Tensor,
-                sizes: torch.Tensor | None = None) -> None:
+    def replace(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        valid: torch.Tensor,
+        origin: torch.Tensor,
+        sizes: torch.Tensor | None = None,
+    ) -> None:
         """Put a compressed cache in place (the cache mode, after the layer's prefill or a
         decoding step): ``[B, H_kv, L', d]`` keys and values with their ``[B, L']`` validity,
         original columns and, for proportional attention, sizes (None: every entry stands
@@ -257,22 +270,35 @@ def _masked_class(base: type) -> type:
     """``Masked<base>(MaskedQuantizedLayer, base)``, built once per quantized layer class."""
     if base not in _MASKED:
         name = f"Masked{base.__name__}"
-        cls = types.new_class(name, (MaskedQuantizedLayer, base), exec_body=lambda ns: ns.update(
-            __module__=__name__, __qualname__=name, __doc__=f"`MaskedQuantizedLayer` over `{base.__name__}`."))
+        cls = types.new_class(
+            name,
+            (MaskedQuantizedLayer, base),
+            exec_body=lambda ns: ns.update(
+                __module__=__name__,
+                __qualname__=name,
+                __doc__=f"`MaskedQuantizedLayer` over `{base.__name__}`.",
+            ),
+        )
         _MASKED[base] = cls
     return _MASKED[base]
 
 
 def _quantized_class(cls: type) -> type:
     """The transformers quantized layer class under a (possibly masked) layer class."""
-    return next(c for c in cls.__mro__ if issubclass(c, _QuantizedBase) and not issubclass(c, MaskedCacheLayer))
+    return next(
+        c
+        for c in cls.__mro__
+        if issubclass(c, _QuantizedBase) and not issubclass(c, MaskedCacheLayer)
+    )
 
 
 def _masked_like(old, token: _Token) -> MaskedCacheLayer:
     """The masked layer that takes the place of the empty layer ``old``."""
     if not isinstance(old, _QuantizedBase):
         return MaskedCacheLayer(token)
-    cls = _masked_class(_quantized_class(type(old)))  # also for a reset masked layer of a former prefill
+    cls = _masked_class(
+        _quantized_class(type(old))
+    )  # also for a reset masked layer of a former prefill
     new = cls.__new__(cls)
     # The empty layer's own attributes are its quantization settings (nbits, axes, group size,
     # residual length, backend objects): copied rather than passed to a constructor, so any
@@ -286,8 +312,11 @@ def accepts_layer(layer, allowed: tuple[type, ...]) -> bool:
     """Whether a session may mask cache layer ``layer``: an exact ``allowed`` type, a
     quantized layer (``QuantizedLayer`` and the like) where plain `DynamicLayer` is
     allowed (it is one, with lossy storage), or a layer it already masked."""
-    return (type(layer) in allowed or isinstance(layer, MaskedCacheLayer)
-            or (DynamicLayer in allowed and isinstance(layer, _QuantizedBase)))
+    return (
+        type(layer) in allowed
+        or isinstance(layer, MaskedCacheLayer)
+        or (DynamicLayer in allowed and isinstance(layer, _QuantizedBase))
+    )
 
 
 def is_quantized(layer) -> bool:
@@ -295,7 +324,9 @@ def is_quantized(layer) -> bool:
     return isinstance(layer, _QuantizedBase)
 
 
-def install_masked_layer(cache, i: int, token: _Token, allowed: tuple[type, ...]) -> MaskedCacheLayer:
+def install_masked_layer(
+    cache, i: int, token: _Token, allowed: tuple[type, ...]
+) -> MaskedCacheLayer:
     """Put a fresh masked layer at layer ``i`` of ``cache`` at prefill, in place of an empty
     layer the session accepts (`accepts_layer`), or appended, for a cache that grows layer
     by layer: a `MaskedQuantizedLayer` of the same class and settings for a quantized
@@ -366,10 +397,14 @@ def kv_bytes(cache, *, bookkeeping: bool = False) -> int:
     """
     layers = getattr(cache, "layers", None)
     if layers is None:
-        raise TypeError(f"kv_bytes needs a transformers Cache with layers; got {type(cache).__name__}")
+        raise TypeError(
+            f"kv_bytes needs a transformers Cache with layers; got {type(cache).__name__}"
+        )
     total = 0
     for layer in layers:
-        total += _tensor_bytes(getattr(layer, "keys", None)) + _tensor_bytes(getattr(layer, "values", None))
+        total += _tensor_bytes(getattr(layer, "keys", None)) + _tensor_bytes(
+            getattr(layer, "values", None)
+        )
         if isinstance(layer, _QuantizedBase):
             total += _tensor_bytes(layer._quantized_keys) + _tensor_bytes(layer._quantized_values)
         if bookkeeping and isinstance(layer, MaskedCacheLayer):

@@ -57,14 +57,18 @@ def relevance(
     extra = {"prompt": prompt, "tower": tower}  # the stage passes on what its policy reads
     if rel.reads_hidden:
         if hidden is None:
-            raise RuntimeError(f"layer {layer}: {type(rel).__name__} reads the hidden states, which were not given")
+            raise RuntimeError(
+                f"layer {layer}: {type(rel).__name__} reads the hidden states, which were not given"
+            )
         extra["hidden"] = hidden
     if rows == "none" and cols == "none":
         flops = rel.hidden_flops(layout, hidden.shape[-1], prompt) if rel.reads_hidden else 0.0
         return stage.relevance_scores(None, None, layout, **extra).float(), flops
     b, n = layout.batch_size, layout.seq_len
     if pos is None:
-        raise RuntimeError(f"layer {layer} received no position_embeddings; cannot compute relevance")
+        raise RuntimeError(
+            f"layer {layer} received no position_embeddings; cannot compute relevance"
+        )
     cos, sin = _batch(pos[0], b), _batch(pos[1], b)
     x = probe.normed(hidden) if raw is None else None
     d = probe.head_dim
@@ -99,7 +103,9 @@ def relevance(
         keys = project("keys", all_rows, probe.kv_heads)
     elif cols == "text":
         text_pos, _ = pack_rows(layout.text_mask)
-        keys = project("keys", text_pos, probe.kv_heads, packed=rel.packed_text_keys and text_pos.shape[1] < n)
+        keys = project(
+            "keys", text_pos, probe.kv_heads, packed=rel.packed_text_keys and text_pos.shape[1] < n
+        )
     else:
         keys = None
     q_rows = n if rows == "all" else (1 if rows == "last" else 0)
@@ -110,8 +116,9 @@ def relevance(
     return xi.to(torch.promote_types(xi.dtype, torch.float32)), flops
 
 
-def stage_keys(probe: AttentionProbe, hidden: torch.Tensor | None,
-               raw: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, float]:
+def stage_keys(
+    probe: AttentionProbe, hidden: torch.Tensor | None, raw: dict[str, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, float]:
     """The layer's keys of every token, pre-RoPE, per head: ``[B, N, H_kv, d]`` (what
     `lightkv.policies.StageInputs.keys` holds for policies that need ``"keys"``), from the
     layer's raw projection outputs when given, else projected from ``hidden``; with the
@@ -119,4 +126,6 @@ def stage_keys(probe: AttentionProbe, hidden: torch.Tensor | None,
     if raw is not None:
         return probe.keys_from(raw, None, None).transpose(1, 2), 0.0
     k = probe.keys(probe.normed(hidden), None, None)  # [B, H_kv, N, d], pre-RoPE
-    return k.transpose(1, 2), 2.0 * hidden.shape[0] * hidden.shape[1] * probe.hidden * probe.kv_heads * probe.head_dim
+    return k.transpose(1, 2), 2.0 * hidden.shape[0] * hidden.shape[
+        1
+    ] * probe.hidden * probe.kv_heads * probe.head_dim

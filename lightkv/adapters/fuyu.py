@@ -32,9 +32,7 @@ class FuyuAdapter(Adapter):
         given = self.options.get("newline_token_id", getattr(self.config, "image_newline_id", None))
         if given is not None:
             return int(given)
-        followers = {
-            int(input_ids[r, s + n]) for r, s, n in runs if s + n < input_ids.shape[1]
-        }
+        followers = {int(input_ids[r, s + n]) for r, s, n in runs if s + n < input_ids.shape[1]}
         return followers.pop() if len(followers) == 1 else None
 
     def build_layout(self, inputs, padding):
@@ -63,6 +61,8 @@ class FuyuAdapter(Adapter):
                 if r2 != row or s2 != prev_end or c2 != cols or not ends_row(r2, s2, c2):
                     break
                 rows += 1
-            segments.append(ImageSegment(row=row, offset=start, grid=(rows, cols), newline_every=cols))
+            segments.append(
+                ImageSegment(row=row, offset=start, grid=(rows, cols), newline_every=cols)
+            )
             k += rows
         return self.layout_from_segments(input_ids, segments, padding)

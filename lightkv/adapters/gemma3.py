@@ -75,7 +75,9 @@ class Gemma3Adapter(Adapter):
             )
         n = int(self.config.mm_tokens_per_image)
         if math.isqrt(n) ** 2 != n:
-            raise NotImplementedError(f"the gemma3 adapter needs a square image grid; mm_tokens_per_image={n}")
+            raise NotImplementedError(
+                f"the gemma3 adapter needs a square image grid; mm_tokens_per_image={n}"
+            )
         self._blocks: torch.Tensor | None = None
 
     def _side(self) -> int:
@@ -93,7 +95,9 @@ class Gemma3Adapter(Adapter):
         side = self._side()
         per_image = side * side
         if n % per_image:
-            raise ValueError(f"{n} image tokens is not a multiple of {per_image} tokens per image ({side}x{side} grid)")
+            raise ValueError(
+                f"{n} image tokens is not a multiple of {per_image} tokens per image ({side}x{side} grid)"
+            )
         places = place_images(placeholders, [per_image] * (n // per_image))
         segments = [ImageSegment(row=r, offset=o, grid=(side, side)) for r, o in places]
         return self.layout_from_segments(input_ids, segments, padding)
@@ -106,7 +110,9 @@ class Gemma3Adapter(Adapter):
     def check_cache_layers(self, layers):
         sliding = [i for i in layers if self._window(i) is not None]
         if sliding:
-            full = [i for i, t in enumerate(self.text_config().layer_types) if t != "sliding_attention"]
+            full = [
+                i for i, t in enumerate(self.text_config().layer_types) if t != "sliding_attention"
+            ]
             raise NotImplementedError(
                 f"the cache mode (cache stages, H2O) does not support Gemma 3's sliding-window layers {sliding}: "
                 "a merged or kept entry's place in a sliding window has no single meaning; list only "
@@ -121,8 +127,14 @@ class Gemma3Adapter(Adapter):
         allowed = ok <= oq
         if self._blocks is not None:
             if self._blocks.shape[0] != origin.shape[0]:
-                raise RuntimeError("token_type_ids and the compressed batch disagree on the batch size")
-            blk = self._blocks.to(origin.device).gather(1, origin.clamp_min(0)).masked_fill(origin < 0, -1)
+                raise RuntimeError(
+                    "token_type_ids and the compressed batch disagree on the batch size"
+                )
+            blk = (
+                self._blocks.to(origin.device)
+                .gather(1, origin.clamp_min(0))
+                .masked_fill(origin < 0, -1)
+            )
             allowed = allowed | ((blk.unsqueeze(2) == blk.unsqueeze(1)) & (blk.unsqueeze(2) >= 0))
         window = self._window(layer)
         if window is not None:
@@ -136,12 +148,16 @@ class Gemma3Adapter(Adapter):
         if window is None:
             return super().decode_mask(layer, origin, valid, q_len, impl, dtype)
         if origin is None:
-            raise RuntimeError(f"compressed sliding layer {layer} has no record of its entries' positions")
+            raise RuntimeError(
+                f"compressed sliding layer {layer} has no record of its entries' positions"
+            )
         total = valid.shape[1]
         past = total - q_len
         oq = origin[:, past:].unsqueeze(2)
         ok = origin.unsqueeze(1)
         allowed = valid.unsqueeze(1) & (ok <= oq) & (ok > oq - window)
         k = torch.arange(total, device=valid.device)
-        allowed |= (k.unsqueeze(0) == past + torch.arange(q_len, device=valid.device).unsqueeze(1)).unsqueeze(0)
+        allowed |= (
+            k.unsqueeze(0) == past + torch.arange(q_len, device=valid.device).unsqueeze(1)
+        ).unsqueeze(0)
         return finish_mask(allowed, impl, dtype)

@@ -45,9 +45,12 @@ def attention_implementation(config: Any) -> str:
     """
     impl = getattr(config, "_attn_implementation", None) or "eager"
     if impl not in SUPPORTED_ATTENTION:
-        why = (f"lightkv's 2-D padding masks are checked against FlashAttention-2's contract only, not {impl}'s"
-               if "flash" in impl else "the compressed layers need a mask lightkv builds (4-D, or FlashAttention-2's "
-               "2-D padding mask), and this implementation takes neither")
+        why = (
+            f"lightkv's 2-D padding masks are checked against FlashAttention-2's contract only, not {impl}'s"
+            if "flash" in impl
+            else "the compressed layers need a mask lightkv builds (4-D, or FlashAttention-2's "
+            "2-D padding mask), and this implementation takes neither"
+        )
         raise ValueError(
             f"lightkv needs attn_implementation in {SUPPORTED_ATTENTION}; this model uses {impl!r}: {why}. Load it "
             "with attn_implementation='sdpa' or 'flash_attention_2' (or model.set_attn_implementation(...)); in the "
@@ -56,7 +59,9 @@ def attention_implementation(config: Any) -> str:
     return impl
 
 
-def check_flash(impl: str, adapter: Any, attention: Sequence[nn.Module], proportional: bool) -> None:
+def check_flash(
+    impl: str, adapter: Any, attention: Sequence[nn.Module], proportional: bool
+) -> None:
     """Refuse, under FlashAttention-2, what its kernels cannot compute on a compressed
     sequence (nothing happens under another ``impl``).
 
@@ -74,18 +79,23 @@ def check_flash(impl: str, adapter: Any, attention: Sequence[nn.Module], proport
     fix = "; load the model with attn_implementation='sdpa' to compress it"
     reason = type(adapter).flash_attention_refused
     if reason:
-        raise ValueError(f"lightkv cannot compress the {adapter.family!r} family under flash_attention_2: {reason}"
-                         + fix)
+        raise ValueError(
+            f"lightkv cannot compress the {adapter.family!r} family under flash_attention_2: {reason}"
+            + fix
+        )
     windowed = [i for i, m in enumerate(attention) if getattr(m, "sliding_window", None)]
     if windowed:
         raise ValueError(
             f"lightkv cannot compress under flash_attention_2 a model with sliding-window layers {windowed}: the "
             "kernel measures the window in columns of the compacted row, not in the original positions the "
-            "dropped tokens leave gaps in" + fix)
+            "dropped tokens leave gaps in" + fix
+        )
     if proportional:
         raise ValueError(
             "proportional attention adds log(size) to every key's logit, and FlashAttention-2 takes no bias: set "
-            "proportional_attention: false (Pipeline(proportional_attention=False))" + fix.replace(";", ", or"))
+            "proportional_attention: false (Pipeline(proportional_attention=False))"
+            + fix.replace(";", ", or")
+        )
 
 
 _STATIC_WHY = (
@@ -96,7 +106,9 @@ _STATIC_WHY = (
 """Why a static cache cannot hold a compressed prefill (the refusal names it)."""
 
 
-def check_cache(cache: Any, allowed: tuple[type, ...] = (DynamicLayer,), rewritten: Collection[int] = ()) -> None:
+def check_cache(
+    cache: Any, allowed: tuple[type, ...] = (DynamicLayer,), rewritten: Collection[int] = ()
+) -> None:
     """Refuse a cache the session cannot mask: a legacy tuple cache, or a `Cache` with
     layers it does not accept (`lightkv.adapters.cache.accepts_layer`: exact ``allowed``
     types, the adapter's ``cache_layer_types``; quantized layers where `DynamicLayer` is
@@ -104,7 +116,9 @@ def check_cache(cache: Any, allowed: tuple[type, ...] = (DynamicLayer,), rewritt
     among the ``rewritten`` ones (the cache mode's layers, whose entries are replaced after
     they ran). ``None`` (no cache yet) passes."""
     if cache is not None and not isinstance(cache, Cache):
-        raise TypeError("lightkv supports transformers Cache objects only (legacy tuple caches are not supported)")
+        raise TypeError(
+            "lightkv supports transformers Cache objects only (legacy tuple caches are not supported)"
+        )
     if cache is None:
         return
     layers = getattr(cache, "layers", ())
@@ -113,7 +127,9 @@ def check_cache(cache: Any, allowed: tuple[type, ...] = (DynamicLayer,), rewritt
         raise TypeError(
             f"lightkv supports the default dynamic cache only (and QuantizedCache, its quantized variant); this "
             f"{type(cache).__name__} has {type(bad).__name__} layers (static, sliding-window and offloaded caches "
-            "are not supported: " + _STATIC_WHY + "): drop cache_implementation= or past_key_values="
+            "are not supported: "
+            + _STATIC_WHY
+            + "): drop cache_implementation= or past_key_values="
         )
     quantized = sorted(i for i in rewritten if i < len(layers) and is_quantized(layers[i]))
     if quantized:
@@ -131,8 +147,9 @@ def check_attention_mask(mask2d: Any) -> None:
     if mask2d is not None and (not isinstance(mask2d, torch.Tensor) or mask2d.dim() != 2):
         raise ValueError(
             f"lightkv needs a 2-D attention_mask [batch, sequence] (or none); got a {mask2d.dim()}-D mask. Pass the "
-            "processor's attention_mask as it is" if isinstance(mask2d, torch.Tensor) else
-            f"lightkv needs a 2-D attention_mask [batch, sequence] (or none); got {type(mask2d).__name__}"
+            "processor's attention_mask as it is"
+            if isinstance(mask2d, torch.Tensor)
+            else f"lightkv needs a 2-D attention_mask [batch, sequence] (or none); got {type(mask2d).__name__}"
         )
 
 
@@ -151,22 +168,31 @@ def refuse_compiled(model: nn.Module, modules: Sequence[nn.Module] = ()) -> None
     except Exception:  # noqa: BLE001  (a torch without dynamo cannot compile either)
         return
     if isinstance(model, OptimizedModule):
-        raise TypeError(_COMPILED + "Apply lightkv to the uncompiled model (compiled._orig_mod) and call that one "
-                        "inside the with block.")
+        raise TypeError(
+            _COMPILED
+            + "Apply lightkv to the uncompiled model (compiled._orig_mod) and call that one "
+            "inside the with block."
+        )
     targets = [model, *modules]
     for m in targets:
         if getattr(m, "_compiled_call_impl", None) is not None:
-            raise TypeError(_COMPILED + f"{type(m).__name__} was compiled in place (module.compile()); set its "
-                            "_compiled_call_impl to None, or load the model again, before applying lightkv.")
+            raise TypeError(
+                _COMPILED + f"{type(m).__name__} was compiled in place (module.compile()); set its "
+                "_compiled_call_impl to None, or load the model again, before applying lightkv."
+            )
     if modules:
         # A wrapper made by torch.compile(model) keeps the model as its `_orig_mod`: calling the
         # wrapper inside the session would run the compiled graph, without hooks.
         def wrapped() -> bool:
-            return any(isinstance(ref, dict) and any(ref.get("_orig_mod") is t for t in targets)
-                       for ref in gc.get_referrers(*targets))
+            return any(
+                isinstance(ref, dict) and any(ref.get("_orig_mod") is t for t in targets)
+                for ref in gc.get_referrers(*targets)
+            )
 
         if wrapped():
             gc.collect()  # a deleted wrapper may only wait for the cycle collector
             if wrapped():
-                raise TypeError(_COMPILED + "A torch.compile wrapper of this model exists; delete it "
-                                "and call the uncompiled model inside the with block.")
+                raise TypeError(
+                    _COMPILED + "A torch.compile wrapper of this model exists; delete it "
+                    "and call the uncompiled model inside the with block."
+                )

@@ -35,11 +35,15 @@ class Idefics3Adapter(Adapter):
 
     def multimodal_module(self) -> nn.Module:
         inner = getattr(self.model, "model", None)
-        if isinstance(inner, nn.Module) and isinstance(getattr(inner, "text_model", None), nn.Module):
+        if isinstance(inner, nn.Module) and isinstance(
+            getattr(inner, "text_model", None), nn.Module
+        ):
             return inner
         if isinstance(getattr(self.model, "text_model", None), nn.Module):
             return self.model
-        raise TypeError(f"{type(self.model).__name__}: cannot find the multimodal core (expected `.model.text_model`)")
+        raise TypeError(
+            f"{type(self.model).__name__}: cannot find the multimodal core (expected `.model.text_model`)"
+        )
 
     def language_model(self) -> nn.Module:
         return self.multimodal_module().text_model

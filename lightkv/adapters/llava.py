@@ -43,7 +43,9 @@ class LlavaAdapter(Adapter):
         for ``f > 0``); CLIP towers have a CLS token first, SigLIP towers none."""
         feature_layer = getattr(self.config, "vision_feature_layer", -2)
         tower = getattr(self.multimodal_module(), "vision_tower", None)
-        core = getattr(tower, "vision_model", tower)  # transformers 5 gives the CLIP/SigLIP model itself
+        core = getattr(
+            tower, "vision_model", tower
+        )  # transformers 5 gives the CLIP/SigLIP model itself
         layers = getattr(getattr(core, "encoder", None), "layers", None)
         if not isinstance(feature_layer, int) or layers is None:
             raise NotImplementedError(
@@ -52,15 +54,19 @@ class LlavaAdapter(Adapter):
             )
         index = len(layers) + feature_layer if feature_layer < 0 else feature_layer - 1
         if not 0 <= index < len(layers):
-            raise NotImplementedError(f"vision_feature_layer {feature_layer} selects no attention layer of the tower "
-                                      f"({len(layers)} layers): tower relevance cannot be read")
+            raise NotImplementedError(
+                f"vision_feature_layer {feature_layer} selects no attention layer of the tower "
+                f"({len(layers)} layers): tower relevance cannot be read"
+            )
         cls = "siglip" not in str(getattr(self.config.vision_config, "model_type", ""))
         return TowerSpec(attention=layers[index].self_attn, cls=cls)
 
     def build_layout(self, inputs, padding):
         input_ids = inputs["input_ids"]
         if inputs.get("vision_feature_select_strategy") not in (None, "default"):
-            raise NotImplementedError("the llava adapter supports vision_feature_select_strategy='default' only")
+            raise NotImplementedError(
+                "the llava adapter supports vision_feature_select_strategy='default' only"
+            )
         placeholders = input_ids == self.config.image_token_id
         n = int(placeholders.sum())
         if n == 0:
@@ -68,7 +74,9 @@ class LlavaAdapter(Adapter):
         side = _side(self.config.vision_config)
         per_image = side * side
         if n % per_image:
-            raise ValueError(f"{n} image tokens is not a multiple of {per_image} tokens per image ({side}x{side} grid)")
+            raise ValueError(
+                f"{n} image tokens is not a multiple of {per_image} tokens per image ({side}x{side} grid)"
+            )
         places = place_images(placeholders, [per_image] * (n // per_image))
         segments = [ImageSegment(row=r, offset=o, grid=(side, side)) for r, o in places]
         return self.layout_from_segments(input_ids, segments, padding)

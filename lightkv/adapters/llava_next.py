@@ -60,8 +60,12 @@ class LlavaNextAdapter(Adapter):
         if isinstance(image_size, torch.Tensor):
             image_size = image_size.tolist()
         image_size = [int(v) for v in image_size]
-        tiles_h, tiles_w = get_anyres_image_grid_shape(image_size, self.config.image_grid_pinpoints, tile)
-        rows, cols = unpad_image(torch.empty(0, tiles_h * side, tiles_w * side), image_size).shape[1:]
+        tiles_h, tiles_w = get_anyres_image_grid_shape(
+            image_size, self.config.image_grid_pinpoints, tile
+        )
+        rows, cols = unpad_image(torch.empty(0, tiles_h * side, tiles_w * side), image_size).shape[
+            1:
+        ]
         return (side, side), (int(rows), int(cols))
 
     def grids_from_features(self, feature: torch.Tensor) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -74,12 +78,16 @@ class LlavaNextAdapter(Adapter):
         is_newline = (hi == newline.to(hi.device, hi.dtype)).all(dim=-1)
         rows = int(is_newline.sum())
         if rows == 0 or hi.shape[0] % rows:
-            raise ValueError("cannot read the high-resolution grid of a LLaVA-NeXT image from its features")
+            raise ValueError(
+                "cannot read the high-resolution grid of a LLaVA-NeXT image from its features"
+            )
         cols = hi.shape[0] // rows - 1
         expected = torch.zeros(rows, cols + 1, dtype=torch.bool, device=hi.device)
         expected[:, -1] = True
         if not torch.equal(is_newline, expected.flatten()):
-            raise ValueError("the newline tokens of a LLaVA-NeXT image feature are not at the end of every row")
+            raise ValueError(
+                "the newline tokens of a LLaVA-NeXT image feature are not at the end of every row"
+            )
         return (side, side), (rows, cols)
 
     def build_layout(self, inputs, padding):
@@ -92,7 +100,9 @@ class LlavaNextAdapter(Adapter):
     def _layout(self, inputs, padding, reference: bool):
         input_ids = inputs["input_ids"]
         if inputs.get("vision_feature_select_strategy") not in (None, "default"):
-            raise NotImplementedError("the llava_next adapter supports vision_feature_select_strategy='default' only")
+            raise NotImplementedError(
+                "the llava_next adapter supports vision_feature_select_strategy='default' only"
+            )
         placeholders = input_ids == self.config.image_token_id
         if not bool(placeholders.any()):
             return None
@@ -103,16 +113,24 @@ class LlavaNextAdapter(Adapter):
         elif encoded is not None:
             grids = [self.grids_from_features(f) for f in encoded.pooler_output]
         else:
-            raise ValueError("LLaVA-NeXT inputs with image tokens need image_sizes (or mm_encoder_outputs)")
+            raise ValueError(
+                "LLaVA-NeXT inputs with image tokens need image_sizes (or mm_encoder_outputs)"
+            )
         counts = [b[0] * b[1] + h * (w + 1) for b, (h, w) in grids]
         segments = []
-        for (row, offset), (base, (h, w)), count in zip(place_images(placeholders, counts), grids, counts):
-            if reference:  # the authors' code: one span, newlines included (see the module docstring)
+        for (row, offset), (base, (h, w)), count in zip(
+            place_images(placeholders, counts), grids, counts
+        ):
+            if (
+                reference
+            ):  # the authors' code: one span, newlines included (see the module docstring)
                 segments.append(ImageSegment(row=row, offset=offset, grid=(1, count)))
                 continue
             segments.append(ImageSegment(row=row, offset=offset, grid=base))
             if h > 0 and w > 0:
                 segments.append(
-                    ImageSegment(row=row, offset=offset + base[0] * base[1], grid=(h, w), newline_every=w)
+                    ImageSegment(
+                        row=row, offset=offset + base[0] * base[1], grid=(h, w), newline_every=w
+                    )
                 )
         return self.layout_from_segments(input_ids, segments, padding)

@@ -186,7 +186,7 @@ class LlavaOnevisionAdapter(Adapter):
         """``N`` of ``vision_aspect_ratio = "anyres_max_N"``, parsed as the model does."""
         ratio = getattr(self.config, "vision_aspect_ratio", "anyres_max_9")
         try:
-            return int(ratio.strip("anyres_max_"))
+            return int(ratio.removeprefix("anyres_max_"))
         except (AttributeError, ValueError):
             raise NotImplementedError(
                 "the llava_onevision adapter supports vision_aspect_ratio 'anyres_max_<N>', "

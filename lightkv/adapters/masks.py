@@ -68,15 +68,21 @@ def finish_mask(allowed: torch.Tensor, impl: str, dtype: torch.dtype) -> torch.T
         ValueError: ``impl`` is `FLASH`, whose kernels take no 4-D mask.
     """
     if impl == FLASH:
-        raise ValueError("FlashAttention-2 takes no 4-D mask (transformers unpads by a 2-D padding mask): this "
-                         "mask cannot reach it; load the model with attn_implementation='sdpa'")
+        raise ValueError(
+            "FlashAttention-2 takes no 4-D mask (transformers unpads by a 2-D padding mask): this "
+            "mask cannot reach it; load the model with attn_implementation='sdpa'"
+        )
     allowed = allowed.unsqueeze(1)
     if impl == "sdpa":
         return allowed
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min
+    )
 
 
-def prefill_mask(origin: torch.Tensor, valid: torch.Tensor, impl: str, dtype: torch.dtype) -> torch.Tensor | None:
+def prefill_mask(
+    origin: torch.Tensor, valid: torch.Tensor, impl: str, dtype: torch.dtype
+) -> torch.Tensor | None:
     """The 4-D mask of a compressed sequence: causal by original order, holes hidden.
 
     Args:
@@ -101,7 +107,9 @@ def prefill_mask(origin: torch.Tensor, valid: torch.Tensor, impl: str, dtype: to
     return finish_mask(allowed, impl, dtype)
 
 
-def decode_mask(valid: torch.Tensor, q_len: int, impl: str, dtype: torch.dtype) -> torch.Tensor | None:
+def decode_mask(
+    valid: torch.Tensor, q_len: int, impl: str, dtype: torch.dtype
+) -> torch.Tensor | None:
     """The 4-D mask of ``q_len`` new tokens over a compressed layer's cache.
 
     Args:

@@ -35,7 +35,10 @@ __all__ = ["Mistral3Adapter", "PixtralLlavaAdapter"]
 def is_pixtral_llava(config) -> bool:
     """True for a LLaVA config whose vision tower is Pixtral (Pixtral-12B)."""
     vision = getattr(config, "vision_config", None)
-    return getattr(config, "model_type", None) == "llava" and getattr(vision, "model_type", None) == "pixtral"
+    return (
+        getattr(config, "model_type", None) == "llava"
+        and getattr(vision, "model_type", None) == "pixtral"
+    )
 
 
 class Mistral3Adapter(Adapter):
@@ -60,8 +63,15 @@ class Mistral3Adapter(Adapter):
         sizes = inputs.get("image_sizes")
         encoded = (inputs.get("mm_encoder_outputs") or {}).get("image")
         pixels = inputs.get("pixel_values")
-        if sizes is None and encoded is None and isinstance(pixels, torch.Tensor) and pixels.dim() == 4:
-            sizes = [list(pixels.shape[-2:])] * pixels.shape[0]  # the tower then takes every image whole
+        if (
+            sizes is None
+            and encoded is None
+            and isinstance(pixels, torch.Tensor)
+            and pixels.dim() == 4
+        ):
+            sizes = [list(pixels.shape[-2:])] * pixels.shape[
+                0
+            ]  # the tower then takes every image whole
         if sizes is not None:
             d = self.downsample()
             sizes = sizes.tolist() if isinstance(sizes, torch.Tensor) else [list(s) for s in sizes]
@@ -70,7 +80,9 @@ class Mistral3Adapter(Adapter):
         if encoded is not None:
             feats = encoded.pooler_output
             return [int(f.shape[0]) for f in feats], [None] * len(feats)
-        raise ValueError(f"{self.family} inputs with image tokens need image_sizes (or mm_encoder_outputs)")
+        raise ValueError(
+            f"{self.family} inputs with image tokens need image_sizes (or mm_encoder_outputs)"
+        )
 
     def build_layout(self, inputs, padding):
         input_ids = inputs["input_ids"]
@@ -101,23 +113,31 @@ class Mistral3Adapter(Adapter):
                 last = offset + count
                 end_token = last < n and not bool(placeholders[row, last])
                 if h == 1 and end_token:  # "[IMG]" * w + "[IMG_END]"
-                    segments.append(ImageSegment(row=row, offset=offset, grid=(1, w), newline_every=w))
+                    segments.append(
+                        ImageSegment(row=row, offset=offset, grid=(1, w), newline_every=w)
+                    )
                 else:
                     segments.append(ImageSegment(row=row, offset=offset, grid=(h, w)))
                 continue
             w = int(gaps[0]) + 1
             h = count // w
-            expected = offset + torch.arange(h).repeat_interleave(w) * (w + 1) + torch.arange(w).repeat(h)
+            expected = (
+                offset + torch.arange(h).repeat_interleave(w) * (w + 1) + torch.arange(w).repeat(h)
+            )
             if count % w or not torch.equal(seg[:, 1], expected):
                 raise ValueError(
                     f"image {k} ({count} tokens) is not laid out as rows of equal width, each followed by one "
                     "[IMG_BREAK] token (build the prompt with the model's processor)"
                 )
             if grid is not None and grid != (h, w):
-                raise ValueError(f"image {k}: the prompt holds {h} x {w} tokens but image_sizes give {grid}")
+                raise ValueError(
+                    f"image {k}: the prompt holds {h} x {w} tokens but image_sizes give {grid}"
+                )
             last = offset + h * (w + 1) - 1
             if last >= n or bool(placeholders[row, last]):
-                raise ValueError(f"image {k}: its last row of tokens is not followed by an [IMG_END] token")
+                raise ValueError(
+                    f"image {k}: its last row of tokens is not followed by an [IMG_END] token"
+                )
             segments.append(ImageSegment(row=row, offset=offset, grid=(h, w), newline_every=w))
         return self.layout_from_segments(input_ids, segments, padding)
 
@@ -148,5 +168,7 @@ class PixtralLlavaAdapter(Mistral3Adapter):
 
     def build_layout(self, inputs, padding):
         if inputs.get("vision_feature_select_strategy") not in (None, "full"):
-            raise NotImplementedError("the pixtral adapter supports vision_feature_select_strategy='full' only")
+            raise NotImplementedError(
+                "the pixtral adapter supports vision_feature_select_strategy='full' only"
+            )
         return super().build_layout(inputs, padding)

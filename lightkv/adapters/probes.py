@@ -20,10 +20,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["AttentionProbe", "FusedQKVProbe", "LayerShape", "ProjectionProbe", "probe_for_layer", "rotate"]
+__all__ = [
+    "AttentionProbe",
+    "FusedQKVProbe",
+    "LayerShape",
+    "ProjectionProbe",
+    "probe_for_layer",
+    "rotate",
+]
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int = 1) -> torch.Tensor:
+def rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int = 1
+) -> torch.Tensor:
     """Rotary position embedding (rotate-half convention) of ``x`` ``[B, H, M, r]`` (or
     ``[B, M, H, r]`` with ``head_dim=2``) with ``cos`` / ``sin`` ``[B, M, r]``."""
     cos, sin = cos.unsqueeze(head_dim), sin.unsqueeze(head_dim)
@@ -105,7 +114,9 @@ class AttentionProbe:
         """``[B, H, M, d]`` post-RoPE queries of normed rows ``x`` ``[B, M, D]``."""
         return self.queries_from(self.project_only(x, "queries"), cos, sin)
 
-    def keys(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+    def keys(
+        self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
+    ) -> torch.Tensor:
         """``[B, H_kv, M, d]`` keys of normed rows ``x``; post-RoPE unless ``cos`` is None."""
         return self.keys_from(self.project_only(x, "keys"), cos, sin)
 
@@ -141,7 +152,10 @@ class ProjectionProbe(AttentionProbe):
     def __init__(self, layer: nn.Module):
         attn = layer.self_attn
         self.layer, self.attn = layer, attn
-        self.head_dim = int(getattr(attn, "head_dim", 0) or attn.q_proj.out_features // attn.config.num_attention_heads)
+        self.head_dim = int(
+            getattr(attn, "head_dim", 0)
+            or attn.q_proj.out_features // attn.config.num_attention_heads
+        )
         self.heads = attn.q_proj.out_features // self.head_dim
         self.kv_heads = attn.k_proj.out_features // self.head_dim
         self.hidden = attn.q_proj.in_features
@@ -158,7 +172,9 @@ class ProjectionProbe(AttentionProbe):
         out = out.view(b, m, -1, self.head_dim)
         if norm is not None:
             out = norm(out)
-        if cos is not None:  # in the projection's own [B, M, H, d] layout: contiguous, several x faster
+        if (
+            cos is not None
+        ):  # in the projection's own [B, M, H, d] layout: contiguous, several x faster
             out = rotate(out, cos, sin, head_dim=2)
         return out.transpose(1, 2)
 

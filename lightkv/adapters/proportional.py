@@ -40,8 +40,13 @@ def add_log_sizes(mask: torch.Tensor | None, sizes: torch.Tensor, family: str) -
         TypeError: the family's mask is not a float tensor of that shape, so the bias has
             nowhere to go.
     """
-    if not isinstance(mask, torch.Tensor) or not mask.is_floating_point() or mask.dim() != 4 \
-            or mask.shape[-1] != sizes.shape[1] or mask.shape[0] != sizes.shape[0]:
+    if (
+        not isinstance(mask, torch.Tensor)
+        or not mask.is_floating_point()
+        or mask.dim() != 4
+        or mask.shape[-1] != sizes.shape[1]
+        or mask.shape[0] != sizes.shape[0]
+    ):
         got = "None" if mask is None else f"{mask.dtype} {tuple(mask.shape)}"
         raise TypeError(
             f"proportional attention needs an additive float mask [B, 1, Q, {sizes.shape[1]}] from the {family!r} "
@@ -96,8 +101,14 @@ class ProportionalAttention:
             self._sizes = sizes if bool((sizes > 1).any()) else None  # one host sync per stage
         return self._sizes
 
-    def prefill_mask(self, layer: int, layout: VisionLayout, provenance: Provenance | None, impl: str,
-                     dtype: torch.dtype) -> torch.Tensor | None:
+    def prefill_mask(
+        self,
+        layer: int,
+        layout: VisionLayout,
+        provenance: Provenance | None,
+        impl: str,
+        dtype: torch.dtype,
+    ) -> torch.Tensor | None:
         """The family's prefill mask of a compressed layer, with ``log(size)`` per key
         column when a token stands for several.
 
@@ -117,8 +128,16 @@ class ProportionalAttention:
         mask = self.adapter.prefill_mask(layer, layout.origin, layout.valid_mask, "eager", dtype)
         return add_log_sizes(mask, sizes, self.adapter.family)
 
-    def decode_mask(self, layer: int, origin: torch.Tensor | None, valid: torch.Tensor, q_len: int, impl: str,
-                    dtype: torch.dtype, cache: MaskedCacheLayer) -> torch.Tensor | None:
+    def decode_mask(
+        self,
+        layer: int,
+        origin: torch.Tensor | None,
+        valid: torch.Tensor,
+        q_len: int,
+        impl: str,
+        dtype: torch.dtype,
+        cache: MaskedCacheLayer,
+    ) -> torch.Tensor | None:
         """The family's decode mask over a compressed layer's cache, with ``log(size)`` of
         the cached entries (new tokens stand for themselves).
 
@@ -137,7 +156,9 @@ class ProportionalAttention:
         if not self.enabled or cache.sizes is None:
             return self.adapter.decode_mask(layer, origin, valid, q_len, impl, dtype)
         mask = self.adapter.decode_mask(layer, origin, valid, q_len, "eager", dtype)
-        new = torch.ones(cache.sizes.shape[0], q_len, dtype=cache.sizes.dtype, device=cache.sizes.device)
+        new = torch.ones(
+            cache.sizes.shape[0], q_len, dtype=cache.sizes.dtype, device=cache.sizes.device
+        )
         return add_log_sizes(mask, torch.cat([cache.sizes, new], dim=1), self.adapter.family)
 
     def cache_sizes(self, sizes: torch.Tensor) -> torch.Tensor | None:

@@ -35,7 +35,9 @@ class Qwen25VLAdapter(Adapter):
     def check_config(self) -> None:
         text = self.config.get_text_config()
         if getattr(text, "use_sliding_window", False):
-            raise NotImplementedError("the qwen2_5_vl adapter does not support sliding-window attention layers")
+            raise NotImplementedError(
+                "the qwen2_5_vl adapter does not support sliding-window attention layers"
+            )
 
     def _merge(self) -> int:
         return int(self.config.vision_config.spatial_merge_size)
@@ -64,12 +66,16 @@ class Qwen25VLAdapter(Adapter):
             segments += self._segments_from_positions(placeholders, positions[-3:], what)
         return self.layout_from_segments(input_ids, segments, padding)
 
-    def _segments_from_grids(self, placeholders, thw: torch.Tensor, what: str) -> list[ImageSegment]:
+    def _segments_from_grids(
+        self, placeholders, thw: torch.Tensor, what: str
+    ) -> list[ImageSegment]:
         m = self._merge()
         frames = []  # (grid, video label, frame index)
         for v, (t, h, w) in enumerate(thw.tolist()):
             label = (what, v) if what == "video" else None
-            frames += [((int(h) // m, int(w) // m), label, k if label else 0) for k in range(int(t))]
+            frames += [
+                ((int(h) // m, int(w) // m), label, k if label else 0) for k in range(int(t))
+            ]
         places = place_images(placeholders, [h * w for (h, w), _, _ in frames], what)
         return [
             ImageSegment(row=r, offset=o, grid=g, video=label, frame=k)
@@ -77,7 +83,9 @@ class Qwen25VLAdapter(Adapter):
         ]
 
     @staticmethod
-    def _segments_from_positions(placeholders, positions: torch.Tensor, what: str) -> list[ImageSegment]:
+    def _segments_from_positions(
+        placeholders, positions: torch.Tensor, what: str
+    ) -> list[ImageSegment]:
         pos = positions.cpu()
         if pos.shape[1] != placeholders.shape[0]:
             pos = pos.expand(-1, placeholders.shape[0], -1)
@@ -93,12 +101,23 @@ class Qwen25VLAdapter(Adapter):
                 cols = int(w[a:b].max() - w[a:b].min()) + 1
                 n = b - a
                 if n % (rows * cols):
-                    raise ValueError(f"cannot read a {what} grid from the M-RoPE positions of its tokens")
+                    raise ValueError(
+                        f"cannot read a {what} grid from the M-RoPE positions of its tokens"
+                    )
                 for k in range(n // (rows * cols)):  # frames that share a temporal position
                     off = a + k * rows * cols
                     if not (int(h[off]) == int(h[a:b].min()) and int(w[off]) == int(w[a:b].min())):
-                        raise ValueError(f"the M-RoPE positions of a {what} are not in raster order")
-                    segments.append(ImageSegment(row=row, offset=start + off, grid=(rows, cols),
-                                                 video=label, frame=frame if label else 0))
+                        raise ValueError(
+                            f"the M-RoPE positions of a {what} are not in raster order"
+                        )
+                    segments.append(
+                        ImageSegment(
+                            row=row,
+                            offset=start + off,
+                            grid=(rows, cols),
+                            video=label,
+                            frame=frame if label else 0,
+                        )
+                    )
                     frame += 1
         return segments

@@ -35,7 +35,9 @@ from .qwen2_5_vl import Qwen25VLAdapter
 __all__ = ["Qwen2VLAdapter", "label_video_frames"]
 
 
-def label_video_frames(segments: Sequence[ImageSegment], counts: Sequence[int]) -> list[ImageSegment]:
+def label_video_frames(
+    segments: Sequence[ImageSegment], counts: Sequence[int]
+) -> list[ImageSegment]:
     """Give the frame segments of videos (in placeholder order) their video label and frame
     index: video ``k`` is the next ``counts[k]`` tokens' worth of frames, all in one row.
 
@@ -49,15 +51,21 @@ def label_video_frames(segments: Sequence[ImageSegment], counts: Sequence[int]) 
         while left > 0:
             seg = next(it, None)
             if seg is None:
-                raise ValueError(f"video {k} ({count} tokens) has fewer video placeholders than its features")
+                raise ValueError(
+                    f"video {k} ({count} tokens) has fewer video placeholders than its features"
+                )
             n = seg.grid[0] * seg.grid[1]
             if n > left or (row is not None and seg.row != row):
-                raise ValueError(f"the frames of video {k} ({count} tokens) do not fit its placeholder runs")
+                raise ValueError(
+                    f"the frames of video {k} ({count} tokens) do not fit its placeholder runs"
+                )
             row = seg.row
             out.append(replace(seg, video=k, frame=frame))
             frame, left = frame + 1, left - n
     if next(it, None) is not None:
-        raise ValueError(f"the prompt has more video frames than the {len(counts)} video(s) describe")
+        raise ValueError(
+            f"the prompt has more video frames than the {len(counts)} video(s) describe"
+        )
     return out
 
 

@@ -52,7 +52,9 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
     def check_stages(self, stages: Sequence[Any]) -> None:
         d = deepstack_layers(self.config)
         # cache stages leave the hidden states alone, so DeepStack is not in their way
-        early = sorted(int(s.spec.layer) for s in stages if int(s.spec.layer) < d and s.spec.mode != "cache")
+        early = sorted(
+            int(s.spec.layer) for s in stages if int(s.spec.layer) < d and s.spec.mode != "cache"
+        )
         if early:
             raise NotImplementedError(
                 f"Qwen3-VL adds DeepStack visual features to the hidden states after decoder layers 0..{d - 1}, "

@@ -17,7 +17,14 @@ from torch import nn
 
 from .base import Adapter
 
-__all__ = ["ENTRY_POINT_GROUP", "SUPPORTED_FAMILIES", "adapter_class", "detect_family", "get_adapter", "plugin_adapters"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "SUPPORTED_FAMILIES",
+    "adapter_class",
+    "detect_family",
+    "get_adapter",
+    "plugin_adapters",
+]
 
 ENTRY_POINT_GROUP = "lightkv.adapters"
 _PLUGINS: dict[tuple[str, str], type[Adapter] | str] = {}
@@ -94,7 +101,9 @@ def _known() -> str:
     plugins = plugin_adapters()
     names = list(SUPPORTED_FAMILIES) + [n for n, c in plugins.items() if not isinstance(c, str)]
     failed = [c for c in plugins.values() if isinstance(c, str)]
-    return ", ".join(names) + ("; plugins that failed to load: " + "; ".join(failed) if failed else "")
+    return ", ".join(names) + (
+        "; plugins that failed to load: " + "; ".join(failed) if failed else ""
+    )
 
 
 def adapter_class(family: str) -> type[Adapter]:
@@ -123,8 +132,13 @@ def detect_family(model: nn.Module) -> str:
     """
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     family = MODEL_TYPES.get(model_type)
-    if family == "llava" and getattr(getattr(model.config, "vision_config", None), "model_type", None) == "pixtral":
-        family = "pixtral"  # Pixtral-12B: a LLaVA checkpoint whose images are laid out as Mistral3's
+    if (
+        family == "llava"
+        and getattr(getattr(model.config, "vision_config", None), "model_type", None) == "pixtral"
+    ):
+        family = (
+            "pixtral"  # Pixtral-12B: a LLaVA checkpoint whose images are laid out as Mistral3's
+        )
     if family is None:
         plugins = {n: c for n, c in plugin_adapters().items() if not isinstance(c, str)}
         family = next((n for n, c in plugins.items() if model_type in c.model_types), None)

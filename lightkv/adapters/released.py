@@ -43,7 +43,9 @@ class ReleasedQuirksHook:
             or together with pre-LLM or cache stages, which it never had.
     """
 
-    def __init__(self, adapter: Adapter, quirks: ReleasedQuirks, language_model, stages: Sequence[Stage]):
+    def __init__(
+        self, adapter: Adapter, quirks: ReleasedQuirks, language_model, stages: Sequence[Stage]
+    ):
         self.quirks = quirks
         self.first_merge: int | None = None
         self._rotary = None
@@ -61,8 +63,12 @@ class ReleasedQuirksHook:
                 f"released_quirks ({on}) apply to merges after a decoder layer; the released code has no pre-LLM "
                 "or cache stages: turn the quirks off or use a schedule of decoder layers"
             )
-        if quirks.unmasked_first_merge:  # a stage of ratio 0 merges nothing: the quirks then change nothing
-            self.first_merge = min((s.spec.layer for s in stages if s.spec.removal_ratio > 0), default=None)
+        if (
+            quirks.unmasked_first_merge
+        ):  # a stage of ratio 0 merges nothing: the quirks then change nothing
+            self.first_merge = min(
+                (s.spec.layer for s in stages if s.spec.removal_ratio > 0), default=None
+            )
         if quirks.renumber_positions:
             self._rotary = getattr(language_model, "rotary_emb", None)
             if not callable(self._rotary):
@@ -76,7 +82,9 @@ class ReleasedQuirksHook:
         causal mask (`prefill_mask`)."""
         return layer == self.first_merge
 
-    def prefill_mask(self, layer: int, layout: VisionLayout, impl: str, dtype: torch.dtype) -> torch.Tensor | None:
+    def prefill_mask(
+        self, layer: int, layout: VisionLayout, impl: str, dtype: torch.dtype
+    ) -> torch.Tensor | None:
         """The mask of the first merge layer during prefill: every real token attends to
         every real token of its row, padding hidden (a padding row attends to itself only,
         so its states stay finite). None for every other layer.
@@ -125,5 +133,7 @@ class ReleasedQuirksHook:
         rows = merged.view(-1, 1, 1)
         pos = tuple(torch.where(rows, n, o.expand_as(n)) for n, o in zip(new, pos))
         if pos_ids is not None:
-            pos_ids = torch.where(merged.view(-1, 1), ids, pos_ids.expand(*pos_ids.shape[:-2], *ids.shape))
+            pos_ids = torch.where(
+                merged.view(-1, 1), ids, pos_ids.expand(*pos_ids.shape[:-2], *ids.shape)
+            )
         return pos, pos_ids

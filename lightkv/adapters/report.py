@@ -108,10 +108,12 @@ class SessionReport:
         want, got = self.target_kept_fraction, self.kept_vision_fraction
         if want is None or got is None or abs(got - want) <= TARGET_TOLERANCE:
             return None
-        return (f"pipeline {self.pipeline!r} kept {got:.3f} of the vision KV, not the {want:.3f} it targets "
-                f"(tolerance {TARGET_TOLERANCE}): its stages cannot remove that much on this model or these "
-                "images (a parity split removes at most half a window per stage; small images are skipped); "
-                "use more or earlier stages, or a policy that can remove more")
+        return (
+            f"pipeline {self.pipeline!r} kept {got:.3f} of the vision KV, not the {want:.3f} it targets "
+            f"(tolerance {TARGET_TOLERANCE}): its stages cannot remove that much on this model or these "
+            "images (a parity split removes at most half a window per stage; small images are skipped); "
+            "use more or earlier stages, or a policy that can remove more"
+        )
 
     @property
     def kv_bytes(self) -> int:
@@ -136,7 +138,9 @@ class SessionReport:
 
     @property
     def flops_ratio(self) -> float:
-        return self.prefill_flops / self.prefill_flops_baseline if self.prefill_flops_baseline else 1.0
+        return (
+            self.prefill_flops / self.prefill_flops_baseline if self.prefill_flops_baseline else 1.0
+        )
 
     def sources(self, row: int = 0) -> dict[int, list[int]]:
         """For every final token of batch row ``row`` that stands for prompt tokens, the
@@ -156,8 +160,21 @@ class SessionReport:
         name = getattr(session.pipeline, "name", "custom")
         family = session.adapter.family
         if trace is None:
-            return cls(name, family, 0, 0, [], [], [], None, 0.0, 0.0, 0.0,
-                       num_prefills=session.num_prefills, num_forwards=session.num_forwards)
+            return cls(
+                name,
+                family,
+                0,
+                0,
+                [],
+                [],
+                [],
+                None,
+                0.0,
+                0.0,
+                0.0,
+                num_prefills=session.num_prefills,
+                num_forwards=session.num_forwards,
+            )
         elem = torch.empty((), dtype=trace.kv_dtype or torch.float32).element_size()
         b, n0 = trace.batch_size, trace.input_len
         layers, baseline = [], []
@@ -175,18 +192,30 @@ class SessionReport:
             vis = int(stat.vision.sum()) + int(stat.structural.sum())
             layers.append(
                 LayerReport(
-                    stat.layer, stat.length, int(stat.valid.sum()), int(stat.vision.sum()),
-                    int(stat.structural.sum()), per_token * b * stat.length, per_token * vis,
+                    stat.layer,
+                    stat.length,
+                    int(stat.valid.sum()),
+                    int(stat.vision.sum()),
+                    int(stat.structural.sum()),
+                    per_token * b * stat.length,
+                    per_token * vis,
                 )
             )
             vis0 = int(first.vision.sum()) + int(first.structural.sum())
             baseline.append(
                 LayerReport(
-                    stat.layer, n0, int(trace.input_valid.sum()), int(first.vision.sum()),
-                    int(first.structural.sum()), per_token * b * n0, per_token * vis0,
+                    stat.layer,
+                    n0,
+                    int(trace.input_valid.sum()),
+                    int(first.vision.sum()),
+                    int(first.structural.sum()),
+                    per_token * b * n0,
+                    per_token * vis0,
                 )
             )
-            ran = trace.uncompressed.get(stat.layer, stat).length  # the cache mode: the layer ran on all tokens
+            ran = trace.uncompressed.get(
+                stat.layer, stat
+            ).length  # the cache mode: the layer ran on all tokens
             flops += b * shape.flops(ran, (ran + 1) / 2)
             flops_base += b * shape.flops(n0, (n0 + 1) / 2)
         flops += trace.relevance_flops
@@ -207,9 +236,17 @@ class SessionReport:
         # H2O evicts inside the cache without a stage record: each evicting layer is a stage
         recorded = {rec.layer for rec in trace.stages}
         after = {stat.layer: stat for stat in trace.layers}
-        stages += [StageSummary(layer, int(before.vision.sum()), int(after[layer].vision.sum()), before.length,
-                                after[layer].length)
-                   for layer, before in sorted(trace.uncompressed.items()) if layer not in recorded and layer in after]
+        stages += [
+            StageSummary(
+                layer,
+                int(before.vision.sum()),
+                int(after[layer].vision.sum()),
+                before.length,
+                after[layer].length,
+            )
+            for layer, before in sorted(trace.uncompressed.items())
+            if layer not in recorded and layer in after
+        ]
         stages.sort(key=lambda s: s.layer)
         return cls(
             pipeline=name,
@@ -220,7 +257,9 @@ class SessionReport:
             baseline=baseline,
             stages=stages,
             kept_vision_fraction=kept,
-            target_kept_fraction=session.pipeline.scheduler.target_kept_fraction(session.num_layers),
+            target_kept_fraction=session.pipeline.scheduler.target_kept_fraction(
+                session.num_layers
+            ),
             prefill_flops=flops,
             prefill_flops_baseline=flops_base,
             relevance_flops=trace.relevance_flops,
@@ -252,7 +291,9 @@ class SessionReport:
             "prefill_flops_baseline": self.prefill_flops_baseline,
             "relevance_flops": self.relevance_flops,
             "flops_ratio": self.flops_ratio,
-            "provenance_owner": self.provenance.owner.tolist() if self.provenance is not None else None,
+            "provenance_owner": self.provenance.owner.tolist()
+            if self.provenance is not None
+            else None,
             "num_prefills": self.num_prefills,
             "num_forwards": self.num_forwards,
         }
@@ -265,7 +306,11 @@ class SessionReport:
             f"lightkv session: pipeline={self.pipeline} family={self.family} batch={self.batch_size} "
             f"prompt={self.input_len} tokens",
             f"  kept vision fraction (avg over layers): {kept}"
-            + ("" if self.target_kept_fraction is None else f" (target {self.target_kept_fraction:.3f})"),
+            + (
+                ""
+                if self.target_kept_fraction is None
+                else f" (target {self.target_kept_fraction:.3f})"
+            ),
             f"  KV bytes: {self.kv_bytes:,} / {self.kv_bytes_baseline:,} ({self.kv_ratio:.3f}); "
             f"vision {self.kv_bytes_vision:,} / {self.kv_bytes_vision_baseline:,}",
             f"  prefill FLOPs (est.): {self.prefill_flops:.3e} / {self.prefill_flops_baseline:.3e} "
@@ -278,7 +323,9 @@ class SessionReport:
                 f"{layer.structural:6d}  {layer.kv_bytes:,}"
             )
         for s in self.stages:
-            lines.append(f"  stage after layer {s.layer}: vision {s.vision_in} -> {s.vision_out}, width {s.width_in} -> {s.width_out}")
+            lines.append(
+                f"  stage after layer {s.layer}: vision {s.vision_in} -> {s.vision_out}, width {s.width_in} -> {s.width_out}"
+            )
         if self.missed_target:
             lines.append(f"  warning: {self.missed_target}")
         return "\n".join(lines)
@@ -286,8 +333,13 @@ class SessionReport:
 
 def _prompt_stat(layout, layer: int) -> LayerStat:
     """Token counts of the uncompressed prompt, as if ``layer`` had seen it."""
-    return LayerStat(layer, layout.seq_len, layout.valid_mask.sum(1), layout.vision_mask.sum(1),
-                     (layout.kind == TokenKind.STRUCTURAL).sum(1))
+    return LayerStat(
+        layer,
+        layout.seq_len,
+        layout.valid_mask.sum(1),
+        layout.vision_mask.sum(1),
+        (layout.kind == TokenKind.STRUCTURAL).sum(1),
+    )
 
 
 def _vision_in(trace, rec, first) -> int:

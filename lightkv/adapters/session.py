@@ -47,7 +47,13 @@ from ..policies.prompt import Prompt
 from . import proportional
 from .base import Adapter, bind_arguments
 from .cache import _Token
-from .guards import attention_implementation, check_attention_mask, check_cache, check_flash, refuse_compiled
+from .guards import (
+    attention_implementation,
+    check_attention_mask,
+    check_cache,
+    check_flash,
+    refuse_compiled,
+)
 from .modes import LayerCall, Mode, SessionContext, choose_modes
 from .ownership import ACTIVE, CallOwner, cache_of
 from .probes import LayerShape, probe_for_layer
@@ -58,6 +64,7 @@ from .tap import ProjectionTap
 from .trace import ForwardState, PrefillTrace, StageRecord
 
 __all__ = ["CompressionSession"]
+
 
 class CompressionSession:
     """Compress vision tokens during prefill of one model, for the duration of a ``with``.
@@ -109,7 +116,11 @@ class CompressionSession:
             self.adapter = get_adapter(model, family=adapter, **adapter_options)
         self.pipeline = pipeline
         # the pipeline's layout picks the adapter method once; the adapter holds no session state
-        self._build_layout = self.adapter.reference_layout if pipeline.layout == "reference" else self.adapter.build_layout
+        self._build_layout = (
+            self.adapter.reference_layout
+            if pipeline.layout == "reference"
+            else self.adapter.build_layout
+        )
         self.model = model
         self.record = record
         self._mm = self.adapter.multimodal_module()
@@ -124,10 +135,16 @@ class CompressionSession:
         probes = [probe_for_layer(layer) for layer in self.layers]
         self.layer_shapes: list[LayerShape] = [p.shape() for p in probes]
         self._ctx = SessionContext(
-            self.adapter, pipeline, self.stages, self.num_layers, probes,
+            self.adapter,
+            pipeline,
+            self.stages,
+            self.num_layers,
+            probes,
             proportional.ProportionalAttention(self.adapter, pipeline.proportional_attention),
             ReleasedQuirksHook(self.adapter, pipeline.released_quirks, self._lm, self.stages),
-            record=record, reuse_projections=reuse_projections, token=self._token,
+            record=record,
+            reuse_projections=reuse_projections,
+            token=self._token,
         )
         self.modes: list[Mode] = choose_modes(self._ctx)
         """The session's modes (`lightkv.adapters.modes`), in the order they run."""
@@ -136,8 +153,12 @@ class CompressionSession:
         self._text_too = any(m.text_too for m in self.modes)
         self._signature = inspect.signature(self._mm.forward)
         # fail early on unsupported attention, and on what FlashAttention-2 cannot compute
-        check_flash(self._attn_impl(), self.adapter, [getattr(layer, "self_attn", None) for layer in self.layers],
-                    pipeline.proportional_attention)
+        check_flash(
+            self._attn_impl(),
+            self.adapter,
+            [getattr(layer, "self_attn", None) for layer in self.layers],
+            pipeline.proportional_attention,
+        )
         self._handles: list[Any] = []
         self._owner = False
         self._calls = CallOwner()  # the thread whose calls are compressed, and its forward's state
@@ -158,17 +179,25 @@ class CompressionSession:
                 "exit it before applying another pipeline"
             )
         try:
-            self._handles.append(self._mm.register_forward_pre_hook(self._on_model_pre, with_kwargs=True))
             self._handles.append(
-                self._mm.register_forward_hook(self._on_model_post, with_kwargs=True, always_call=True)
+                self._mm.register_forward_pre_hook(self._on_model_pre, with_kwargs=True)
+            )
+            self._handles.append(
+                self._mm.register_forward_hook(
+                    self._on_model_post, with_kwargs=True, always_call=True
+                )
             )
             for i, layer in enumerate(self.layers):
                 self._handles.append(
-                    layer.register_forward_pre_hook(functools.partial(self._on_layer_pre, i), with_kwargs=True)
+                    layer.register_forward_pre_hook(
+                        functools.partial(self._on_layer_pre, i), with_kwargs=True
+                    )
                 )
                 if self._post["prefill"][i] or self._post["decode"][i]:
                     self._handles.append(
-                        layer.register_forward_hook(functools.partial(self._on_layer_post, i), with_kwargs=True)
+                        layer.register_forward_hook(
+                            functools.partial(self._on_layer_post, i), with_kwargs=True
+                        )
                     )
             for mode in self.modes:
                 self._handles.extend(mode.install())
@@ -198,7 +227,9 @@ class CompressionSession:
             ACTIVE.discard(self._lm)
             self._owner = False
 
-    _state = property(lambda self: self._calls.state, lambda self, v: setattr(self._calls, "state", v))
+    _state = property(
+        lambda self: self._calls.state, lambda self, v: setattr(self._calls, "state", v)
+    )
 
     def __deepcopy__(self, memo):
         # copy.deepcopy(model) inside the block copies the hooks and, through them, this session:
@@ -237,8 +268,13 @@ class CompressionSession:
     def _hook_table(self, when: str) -> dict[str, list[list]]:
         """Per phase (``prefill``, ``decode``) and layer, the modes' ``{phase}_{when}`` methods
         the hooks call, in mode order: fixed once, so that the hooks only call them."""
-        return {phase: [[h for m in self.modes if m.covers(i) and (h := m.hook(phase, when)) is not None]
-                        for i in range(self.num_layers)] for phase in ("prefill", "decode")}
+        return {
+            phase: [
+                [h for m in self.modes if m.covers(i) and (h := m.hook(phase, when)) is not None]
+                for i in range(self.num_layers)
+            ]
+            for phase in ("prefill", "decode")
+        }
 
     # ---------------------------------------------------------------- model hooks
     def _on_model_pre(self, module, args, kwargs):
@@ -260,7 +296,9 @@ class CompressionSession:
         mask2d = inputs.get("attention_mask")
         check_attention_mask(mask2d)
         new_valid = (
-            mask2d[:, -q:].bool() if mask2d is not None else torch.ones(b, q, dtype=torch.bool, device=ref.device)
+            mask2d[:, -q:].bool()
+            if mask2d is not None
+            else torch.ones(b, q, dtype=torch.bool, device=ref.device)
         )
         self.num_forwards += 1
         if past > 0:
@@ -276,12 +314,20 @@ class CompressionSession:
             )
         if layout is not None and not bool(layout.vision_mask.any()):
             layout = None
-        if layout is None and input_ids is not None and self._text_too:  # a mode that works on text alone (H2O)
+        if (
+            layout is None and input_ids is not None and self._text_too
+        ):  # a mode that works on text alone (H2O)
             padding = ~new_valid if not bool(new_valid.all()) else None
             layout = VisionLayout.from_segments(b, q, [], padding_mask=padding, device=ref.device)
         trace = PrefillTrace(batch_size=b, input_len=q, layout=layout, input_valid=new_valid)
-        self._state = ForwardState(phase="prefill", impl=impl, layout=layout, new_valid=new_valid, trace=trace,
-                                   prompt=Prompt(input_ids) if input_ids is not None else None)
+        self._state = ForwardState(
+            phase="prefill",
+            impl=impl,
+            layout=layout,
+            new_valid=new_valid,
+            trace=trace,
+            prompt=Prompt(input_ids) if input_ids is not None else None,
+        )
         self.num_prefills += 1
         return
 

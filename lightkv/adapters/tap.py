@@ -63,13 +63,18 @@ class ProjectionTap:
     def wanted(stage: Stage) -> bool:
         """Whether ``stage`` reads anything the projections give (queries, keys)."""
         rel = stage.relevance
-        if rel.reads_tower or rel.reads_hidden:  # computed before the layer from what the session holds
+        if (
+            rel.reads_tower or rel.reads_hidden
+        ):  # computed before the layer from what the session holds
             return False
         return rel.query_rows != "none" or rel.key_cols != "none" or "keys" in stage.needs
 
     def install(self) -> list[Any]:
         """Register the hooks; returns their handles (the session removes them)."""
-        return [module.register_forward_hook(self._hook(name)) for name, module in self.probe.projections().items()]
+        return [
+            module.register_forward_hook(self._hook(name))
+            for name, module in self.probe.projections().items()
+        ]
 
     def arm(self, stage: Stage, pos, layout: VisionLayout, prompt=None) -> None:
         """Read the next forward of the projections (rows must be ``layout.seq_len``) for
@@ -77,8 +82,12 @@ class ProjectionTap:
         `lightkv.policies.Prompt`) is for a policy that reads it."""
 
         def score(raw: dict[str, torch.Tensor]) -> TapResult:
-            xi, flops = features.relevance(self.probe, stage, None, pos, layout, self.layer, raw=raw, prompt=prompt)
-            keys = features.stage_keys(self.probe, None, raw=raw)[0] if "keys" in stage.needs else None
+            xi, flops = features.relevance(
+                self.probe, stage, None, pos, layout, self.layer, raw=raw, prompt=prompt
+            )
+            keys = (
+                features.stage_keys(self.probe, None, raw=raw)[0] if "keys" in stage.needs else None
+            )
             return TapResult(xi, flops, keys)
 
         self.arm_with(score, layout.seq_len)

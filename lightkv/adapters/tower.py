@@ -52,27 +52,35 @@ class TowerTap:
     def __init__(self, spec: TowerSpec, queries: str = "auto") -> None:
         for name in ("q_proj", "k_proj"):
             if not isinstance(getattr(spec.attention, name, None), nn.Module):
-                raise TypeError(f"{type(spec.attention).__name__} has no `{name}`: cannot read the tower's attention")
+                raise TypeError(
+                    f"{type(spec.attention).__name__} has no `{name}`: cannot read the tower's attention"
+                )
         if queries == "cls" and not spec.cls:
-            raise ValueError("tower_attention with queries='cls' needs a tower with a CLS token (CLIP); this one has "
-                             "none: use queries='mean' or 'auto'")
+            raise ValueError(
+                "tower_attention with queries='cls' needs a tower with a CLS token (CLIP); this one has "
+                "none: use queries='mean' or 'auto'"
+            )
         self.spec = spec
         self.cls = spec.cls if queries == "auto" else queries == "cls"
         self.received: torch.Tensor | None = None  # [I, H, T]
 
     @classmethod
-    def for_stages(cls, adapter, stages) -> "TowerTap | None":
+    def for_stages(cls, adapter, stages) -> TowerTap | None:
         """A tap for the stages whose relevance ``reads_tower`` (None without any).
 
         Raises:
             ValueError: two such stages ask for different query rows.
             NotImplementedError: the adapter cannot expose its tower's attention.
         """
-        wanted = {getattr(s.relevance, "queries", "auto") for s in stages if s.relevance.reads_tower}
+        wanted = {
+            getattr(s.relevance, "queries", "auto") for s in stages if s.relevance.reads_tower
+        }
         if not wanted:
             return None
         if len(wanted) > 1:
-            raise ValueError(f"the stages read the tower's attention with different queries {sorted(wanted)}: use one")
+            raise ValueError(
+                f"the stages read the tower's attention with different queries {sorted(wanted)}: use one"
+            )
         return cls(adapter.tower_spec(), wanted.pop())
 
     def install(self) -> list[Any]:
@@ -95,7 +103,12 @@ class TowerTap:
         out = torch.zeros(i, heads, t, dtype=acc, device=x.device)
         for start in rows:
             stop = start + 1 if self.cls else min(t, start + CHUNK)
-            q = module.q_proj(x[:, start:stop]).view(i, stop - start, heads, -1).transpose(1, 2).to(acc)
+            q = (
+                module.q_proj(x[:, start:stop])
+                .view(i, stop - start, heads, -1)
+                .transpose(1, 2)
+                .to(acc)
+            )
             out += torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale, dim=-1).sum(dim=2)
         if not self.cls:
             out /= t
@@ -111,8 +124,10 @@ class TowerTap:
             RuntimeError: the tower did not run in this forward, or saw other images.
         """
         if self.received is None:
-            raise RuntimeError("the vision tower did not run in this forward: tower relevance needs the image inputs "
-                               "(pixel_values) in the prefill call")
+            raise RuntimeError(
+                "the vision tower did not run in this forward: tower relevance needs the image inputs "
+                "(pixel_values) in the prefill call"
+            )
         att = self.received
         images, heads, tokens = att.shape
         grid = layout.image_grid

@@ -84,7 +84,9 @@ class PrefillTrace:
             return t
         origin = layout.origin
         if t.shape[:2] != origin.shape:
-            raise ValueError(f"expected [B, N'] = {tuple(origin.shape)} leading dims, got {tuple(t.shape)}")
+            raise ValueError(
+                f"expected [B, N'] = {tuple(origin.shape)} leading dims, got {tuple(t.shape)}"
+            )
         out = t.new_full((t.shape[0], self.input_len, *t.shape[2:]), fill)
         b, n = origin.shape
         rows = torch.arange(b, device=origin.device).unsqueeze(1).expand(b, n)

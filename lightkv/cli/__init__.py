@@ -5,21 +5,29 @@ lightkv presets [-v]                               list the shipped presets
 lightkv config show NAME|FILE [--num-layers N]     print a pipeline as canonical YAML
 lightkv config validate NAME|FILE [--num-layers N] [--grid HxW]
 lightkv config schema                              JSON Schema of pipeline files
-lightkv bench efficiency [--quick] [--models ...] [--presets ...] [--out DIR] [--repeats N]
-lightkv bench quality [--model digitgrid|DIR] [--episodes N] [--methods ...] [--kept-fractions ...]
-lightkv generate [--model scenes|digitgrid|symbolgrid|DIR|ID] [--image FILE] [--prompt TEXT]
+lightkv generate --model DIR|ID --image FILE --prompt TEXT
                  [--preset NAME | --config FILE] [--compare] [--repeats N]
+```
+
+With the laboratory installed (``lightkv-lab``; entry-point groups ``lightkv.commands`` and
+``lightkv.models``, see `lightkv.lab`), also:
+
+```
+lightkv generate [--model scenes|digitgrid|symbolgrid]   a bundled model, held-out image and question
+lightkv bench efficiency|quality|ablation|scaling|kvquant ...
 lightkv demo [--preset NAME] [--questions N]       the bundled Scenes LVLM, with and without LightKV
 lightkv stages-demo [--preset NAME]                the pure core on a real image, no model
 ```
+
+Without it, those commands print one line saying to install it (exit status 2).
 
 Exit status: 0 on success, 1 when a configuration is invalid, 2 on a usage error (bad
 arguments, a missing file, an unknown preset). Errors are printed as one line each on
 stderr, without a traceback.
 
 The package: `lightkv.cli.common` (exit codes, errors, argument types), one module per
-command group (`lightkv.cli.configs`, `lightkv.cli.bench`, `lightkv.cli.generate`,
-`lightkv.cli.demos`), and here the parser and the entry point.
+command group (`lightkv.cli.configs`, `lightkv.cli.generate`), and here the parser, the
+commands other distributions add, and the entry point.
 """
 
 from __future__ import annotations
@@ -31,7 +39,8 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-from . import bench, configs, demos, generate
+from .. import lab
+from . import configs, generate
 from .common import EXIT_INVALID, EXIT_OK, EXIT_USAGE, EXTRAS, PROG, Parser, UsageError
 
 __all__ = ["build_parser", "main", "parse_args"]
@@ -54,28 +63,59 @@ exit status: 0 ok, 1 invalid configuration, 2 usage error (bad arguments, missin
 unknown preset)."""
 
 
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for documentation tools)."""
     from .. import __version__
 
     parser = Parser(
-        prog=PROG, description=_DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=PROG,
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands", parser_class=Parser)
-    for group in (configs, bench, generate, demos):
+    commands = parser.add_subparsers(
+        dest="command", metavar="COMMAND", title="commands", parser_class=Parser
+    )
+    for group in (configs, generate):
         group.add_commands(commands)
+    added = lab.commands()
+    for name in sorted(added):
+        added[name](commands)
+    for name in lab.LAB_COMMANDS:
+        if name not in commands.choices:
+            _add_missing(commands, name)
     return parser
 
 
+def _add_missing(commands, name: str) -> None:
+    """A laboratory command without the laboratory: any arguments, one line, exit status 2."""
+
+    def run(args: argparse.Namespace) -> int:
+        print(f"{PROG}: error: {lab.needs_lab(f'`{PROG} {name}`')}", file=sys.stderr)
+        return EXIT_USAGE
+
+    class Anything(argparse.ArgumentParser):  # whatever follows, the answer is the same line
+        def parse_args(self, args=None, namespace=None):
+            return argparse.Namespace()
+
+    def anything() -> argparse.ArgumentParser:
+        return Anything(add_help=False)
+
+    missing = commands.add_parser(
+        name, help=f"(needs the laboratory: {lab.INSTALL})", add_help=False
+    )
+    missing.set_defaults(func=run, forward_to=anything)
+
+
 # ---------------------------------------------------------------------------- entry point
-def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+def parse_args(
+    argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None
+) -> argparse.Namespace:
     """Parse a command line as `main` does (raises SystemExit on --help or a usage error).
 
-    ``lightkv demo`` and ``lightkv stages-demo`` forward their options to the demos' own
-    parsers (`lightkv.demos.bundled.build_parser`, `lightkv.stages_demo.build_parser`).
+    A command that sets ``forward_to`` (``lightkv demo`` and ``lightkv stages-demo`` of the
+    laboratory) gets its options forwarded to the parser that ``forward_to()`` returns.
     """
     parser = parser or build_parser()
     args, forwarded = parser.parse_known_args(argv)
@@ -143,10 +183,19 @@ def _main(argv: Sequence[str] | None) -> int:
         for line in str(e).splitlines():
             print(f"{PROG}: error: {line}", file=sys.stderr)
         return EXIT_INVALID
-    except ModuleNotFoundError as e:  # an optional dependency: name the extra that brings it, in one line
+    except (
+        ModuleNotFoundError
+    ) as e:  # an optional dependency: name the extra that brings it, in one line
         extra = EXTRAS.get((e.name or "").split(".")[0])
-        fix = f"pip install 'lightkv[{extra}]'" if extra else f"pip install {(e.name or '').split('.')[0] or 'it'}"
-        print(f"{PROG}: error: this command needs {e.name}, which is not installed: {fix}", file=sys.stderr)
+        fix = (
+            f"pip install '{extra}'"
+            if extra
+            else f"pip install {(e.name or '').split('.')[0] or 'it'}"
+        )
+        print(
+            f"{PROG}: error: this command needs {e.name}, which is not installed: {fix}",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     except BrokenPipeError:  # e.g. `lightkv config schema | head`
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -156,14 +205,20 @@ def _main(argv: Sequence[str] | None) -> int:
         if e.errno not in _OUTPUT_ERRNOS:
             raise
         if e.filename:  # a result file (written whole or not at all: the previous one is unchanged)
-            print(f"{PROG}: error: cannot write {e.filename}: {e.strerror}; any previous file there is unchanged",
-                  file=sys.stderr)
+            print(
+                f"{PROG}: error: cannot write {e.filename}: {e.strerror}; any previous file there is unchanged",
+                file=sys.stderr,
+            )
             return EXIT_USAGE
         # e.g. `lightkv config schema > /dev/full`: drop what stdout still holds, say why in one line
         try:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
-        except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor (captured)
+        except (
+            OSError,
+            ValueError,
+            AttributeError,
+        ):  # a stdout without a file descriptor (captured)
             pass
         print(f"{PROG}: error: cannot write the output: {e.strerror}", file=sys.stderr)
         return EXIT_USAGE

@@ -7,9 +7,24 @@ import argparse
 import os
 import sys
 
-__all__ = ["EXTRAS", "EXIT_INVALID", "EXIT_OK", "EXIT_USAGE", "PROG", "Parser", "UsageError", "at_most", "depth",
-           "grid", "load_config_or_preset", "machine_threads", "missing_action", "physical_memory", "require",
-           "writable_dir"]
+__all__ = [
+    "EXTRAS",
+    "EXIT_INVALID",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "PROG",
+    "Parser",
+    "UsageError",
+    "at_most",
+    "depth",
+    "grid",
+    "load_config_or_preset",
+    "machine_threads",
+    "missing_action",
+    "physical_memory",
+    "require",
+    "writable_dir",
+]
 
 PROG = "lightkv"
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
@@ -27,7 +42,6 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
-
 MAX_GRID_TOKENS = 1024 * 1024
 """The largest image grid a dry run accepts."""
 
@@ -37,12 +51,16 @@ def grid(text: str) -> tuple[int, int]:
     try:
         h, w = (int(v) for v in text.lower().split("x"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected ROWSxCOLS such as 24x24, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected ROWSxCOLS such as 24x24, got {text!r}"
+        ) from None
     if h < 1 or w < 1:
         raise argparse.ArgumentTypeError(f"grid sides must be positive, got {text!r}")
     if h * w > MAX_GRID_TOKENS:
-        raise argparse.ArgumentTypeError(f"at most {MAX_GRID_TOKENS:,} tokens (1024x1024; a dry run holds about "
-                                         f"0.2 KB a token), got {text} = {h * w:,}")
+        raise argparse.ArgumentTypeError(
+            f"at most {MAX_GRID_TOKENS:,} tokens (1024x1024; a dry run holds about "
+            f"0.2 KB a token), got {text} = {h * w:,}"
+        )
     return h, w
 
 
@@ -74,7 +92,9 @@ def at_most(limit: int, cost: str):
 def machine_threads(text: str) -> int:
     """Argument type: torch CPU threads, at most 4 x this machine's cores."""
     cores = os.cpu_count() or 1
-    return at_most(4 * cores, f"4 x the {cores} core(s) of this machine; more threads only wait")(text)
+    return at_most(4 * cores, f"4 x the {cores} core(s) of this machine; more threads only wait")(
+        text
+    )
 
 
 def physical_memory() -> int | None:
@@ -99,9 +119,16 @@ def writable_dir(path):
     return path
 
 
-EXTRAS = {"PIL": "demo", "skimage": "demo", "sklearn": "demo", "matplotlib": "bench", "tqdm": "bench",
-          "torch_scatter": "scatter"}
-"""Top-level module -> the extra of lightkv that installs it (for one-line errors)."""
+EXTRAS = {
+    "PIL": "pillow",
+    "skimage": "lightkv-lab",
+    "sklearn": "lightkv-lab",
+    "matplotlib": "lightkv-lab",
+    "tqdm": "lightkv-lab",
+    "torch_scatter": "lightkv[scatter]",
+    "lightkv_lab": "lightkv-lab",
+}
+"""Top-level module -> what ``pip install`` takes to install it (for one-line errors)."""
 
 
 def require(*modules: str, why: str = "") -> None:
@@ -115,8 +142,10 @@ def require(*modules: str, why: str = "") -> None:
     for name in modules:
         if importlib.util.find_spec(name) is None:
             extra = EXTRAS.get(name, name)
-            raise UsageError(f"this command needs {name}{' ' + why if why else ''}, which is not installed: "
-                             f"pip install 'lightkv[{extra}]'")
+            raise UsageError(
+                f"this command needs {name}{' ' + why if why else ''}, which is not installed: "
+                f"pip install '{extra}'"
+            )
 
 
 def missing_action(parser: argparse.ArgumentParser) -> int:

@@ -31,7 +31,9 @@ def add_commands(commands) -> None:
         "(FastV, ToMe, PyramidDrop, pooling, random) built from the same policies.",
         formatter_class=fmt,
     )
-    p.add_argument("-v", "--verbose", action="store_true", help="also print each description and source")
+    p.add_argument(
+        "-v", "--verbose", action="store_true", help="also print each description and source"
+    )
     p.set_defaults(func=_cmd_presets)
 
     cfg = commands.add_parser(
@@ -40,9 +42,13 @@ def add_commands(commands) -> None:
         description="Work with pipeline configurations: presets by name or YAML files by path.",
         formatter_class=fmt,
     )
-    sub = cfg.add_subparsers(dest="config_command", metavar="ACTION", title="actions", parser_class=Parser)
+    sub = cfg.add_subparsers(
+        dest="config_command", metavar="ACTION", title="actions", parser_class=Parser
+    )
     target_help = "a preset name (see `lightkv presets`) or a YAML file"
-    depth_help = "decoder depth of the target model: check the schedule against it and show its stages"
+    depth_help = (
+        "decoder depth of the target model: check the schedule against it and show its stages"
+    )
 
     show = sub.add_parser(
         "show",
@@ -52,7 +58,9 @@ def add_commands(commands) -> None:
     )
     show.add_argument("target", metavar="NAME|FILE", help=target_help)
     show.add_argument("--num-layers", type=depth, metavar="N", help=depth_help)
-    show.add_argument("--format", choices=("yaml", "json"), default="yaml", help="output format (default: yaml)")
+    show.add_argument(
+        "--format", choices=("yaml", "json"), default="yaml", help="output format (default: yaml)"
+    )
     show.set_defaults(func=_cmd_show)
 
     val = sub.add_parser(
@@ -64,7 +72,13 @@ def add_commands(commands) -> None:
     )
     val.add_argument("target", metavar="FILE", help="a YAML file (or a preset name)")
     val.add_argument("--num-layers", type=depth, metavar="N", help=depth_help + " (default: 32)")
-    val.add_argument("--grid", type=grid, default=(24, 24), metavar="HxW", help="image grid of the dry run (default: 24x24)")
+    val.add_argument(
+        "--grid",
+        type=grid,
+        default=(24, 24),
+        metavar="HxW",
+        help="image grid of the dry run (default: 24x24)",
+    )
     val.set_defaults(func=_cmd_validate)
 
     schema = sub.add_parser(
@@ -94,7 +108,6 @@ def _cmd_presets(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-
 def _plan_lines(cfg, num_layers: int, target: str) -> list[str]:
     from ..config import ConfigError
 
@@ -107,13 +120,21 @@ def _plan_lines(cfg, num_layers: int, target: str) -> list[str]:
     lines = [f"on a {num_layers}-layer model, {len(stages)} stage(s):"]
     for i, s in enumerate(stages):
         windows = (
-            f"windows_per_side {s.windows_per_side}" if s.windows_per_side is not None
+            f"windows_per_side {s.windows_per_side}"
+            if s.windows_per_side is not None
             else f"window_size {s.window_size[0]}x{s.window_size[1]}"  # type: ignore[index]
         )
-        where = ("before layer 0 (pre-LLM)" if s.mode == "pre_llm" else f"on layer {s.layer}'s cache" if s.mode == "cache"
-                 else f"after layer {s.layer}")
+        where = (
+            "before layer 0 (pre-LLM)"
+            if s.mode == "pre_llm"
+            else f"on layer {s.layer}'s cache"
+            if s.mode == "cache"
+            else f"after layer {s.layer}"
+        )
         lines.append(f"  stage {i}: {where}, removal ratio {s.removal_ratio:g}, {windows}")
-    lines.append(f"vision KV kept on average over layers: {cfg.average_kept_fraction(num_layers):.1%}")
+    lines.append(
+        f"vision KV kept on average over layers: {cfg.average_kept_fraction(num_layers):.1%}"
+    )
     return lines
 
 
@@ -150,14 +171,23 @@ def _dry_run(cfg, num_layers: int, grid: tuple[int, int]) -> str:
     relevance = torch.rand(1, n, generator=gen)
     keys = torch.randn(1, n, 2, 16, generator=gen)  # for key-space policies: 2 heads of 16
     stages = pipe.stages(num_layers)
-    if stages and all(s.spec.mode == "cache" for s in stages):  # the cache mode: each layer's cache on its own
+    if stages and all(
+        s.spec.mode == "cache" for s in stages
+    ):  # the cache mode: each layer's cache on its own
         from ..cache_stage import CacheStage
 
         cache = keys.transpose(1, 2)  # [B, H_kv, N, d]
-        kept = sorted({int(CacheStage(s)(cache, cache, layout, relevance).result.layout.vision_counts()[0])
-                       for s in stages})
-        return (f"dry run on one {h}x{w} image: each of the {len(stages)} compressed layers' caches keeps "
-                + " or ".join(map(str, kept)) + f" of {h * w} vision tokens")
+        kept = sorted(
+            {
+                int(CacheStage(s)(cache, cache, layout, relevance).result.layout.vision_counts()[0])
+                for s in stages
+            }
+        )
+        return (
+            f"dry run on one {h}x{w} image: each of the {len(stages)} compressed layers' caches keeps "
+            + " or ".join(map(str, kept))
+            + f" of {h * w} vision tokens"
+        )
     results = pipe.run(hidden, layout, num_layers=num_layers, relevance=relevance, keys=keys)
     counts = [h * w] + [int(r.layout.vision_counts()[0]) for r in results]
     return f"dry run on one {h}x{w} image: " + " -> ".join(map(str, counts)) + " vision tokens"

@@ -2,7 +2,10 @@
 
 With no ``--model`` it runs the bundled Scenes model (as ``lightkv demo`` does) on a held-out
 Scenes image and question; ``--model scenes|digitgrid|symbolgrid`` names a bundled model in
-every command, anything else is a model directory or hub id. The default pipeline fits the
+every command, anything else is a model directory or hub id. The bundled models come with
+the laboratory (``lightkv-lab``, found through the entry-point group ``lightkv.models``, see
+`lightkv.lab`); without it, naming one (or giving no ``--model``) says in one line to install
+it. The default pipeline fits the
 model's depth (``lightkv`` where its schedule fits, else the kept-fraction preset
 ``lightkv-budget``), and the output says which and why; a bundled model given another image
 says in one line that its answers mean nothing there.
@@ -38,27 +41,61 @@ def add_commands(commands) -> None:
         "without compression.",
         formatter_class=fmt,
     )
-    gen.add_argument("--model", metavar="NAME|DIR|ID", default=DEFAULT_MODEL,
-                     help="a bundled model (scenes, digitgrid, symbolgrid), or a model directory or hub id with its "
-                     "processor (default: scenes, the bundled Scenes-VQA model)")
-    gen.add_argument("--image", metavar="FILE", default=None,
-                     help="image file (any format Pillow reads; default with a bundled model: one of its held-out "
-                     "images; a bundled model answers only about images of its own task)")
-    gen.add_argument("--prompt", metavar="TEXT", default=None,
-                     help="the question or instruction (default with a bundled model: a held-out question about "
-                     "that image)")
+    gen.add_argument(
+        "--model",
+        metavar="NAME|DIR|ID",
+        default=DEFAULT_MODEL,
+        help="a bundled model (scenes, digitgrid, symbolgrid), or a model directory or hub id with its "
+        "processor (default: scenes, the bundled Scenes-VQA model)",
+    )
+    gen.add_argument(
+        "--image",
+        metavar="FILE",
+        default=None,
+        help="image file (any format Pillow reads; default with a bundled model: one of its held-out "
+        "images; a bundled model answers only about images of its own task)",
+    )
+    gen.add_argument(
+        "--prompt",
+        metavar="TEXT",
+        default=None,
+        help="the question or instruction (default with a bundled model: a held-out question about "
+        "that image)",
+    )
     which = gen.add_mutually_exclusive_group()
-    which.add_argument("--preset", metavar="NAME",
-                       help=f"a preset (see `lightkv presets`; default: {DEEP_PRESET} where "
-                       f"its schedule fits the model's depth, else {SHALLOW_PRESET}, which fits any depth)")
+    which.add_argument(
+        "--preset",
+        metavar="NAME",
+        help=f"a preset (see `lightkv presets`; default: {DEEP_PRESET} where "
+        f"its schedule fits the model's depth, else {SHALLOW_PRESET}, which fits any depth)",
+    )
     which.add_argument("--config", metavar="FILE", help="a pipeline YAML file")
-    gen.add_argument("--compare", action="store_true", help="also generate without compression and compare")
-    gen.add_argument("--max-new-tokens", type=depth, default=32, metavar="N", help="tokens to generate (default: 32)")
-    gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                     help="default: float32 on CPU, bfloat16 on CUDA")
-    gen.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
-    gen.add_argument("--repeats", type=at_most(20, "each is a whole generation per variant"), default=3,
-                     metavar="N", help="timed generate calls per variant; times are their medians (default: 3)")
+    gen.add_argument(
+        "--compare", action="store_true", help="also generate without compression and compare"
+    )
+    gen.add_argument(
+        "--max-new-tokens",
+        type=depth,
+        default=32,
+        metavar="N",
+        help="tokens to generate (default: 32)",
+    )
+    gen.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="default: float32 on CPU, bfloat16 on CUDA",
+    )
+    gen.add_argument(
+        "--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available"
+    )
+    gen.add_argument(
+        "--repeats",
+        type=at_most(20, "each is a whole generation per variant"),
+        default=3,
+        metavar="N",
+        help="timed generate calls per variant; times are their medians (default: 3)",
+    )
     gen.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     gen.set_defaults(func=_cmd_generate)
 
@@ -71,18 +108,28 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
     from .. import generate as g
+    from .. import lab
     from ..config import ConfigError
-    from ..tasks.model import BUNDLED_MODELS
 
-    if args.preset and ("/" in args.preset or os.sep in args.preset or args.preset.endswith((".yaml", ".yml"))):
+    if args.preset and (
+        "/" in args.preset or os.sep in args.preset or args.preset.endswith((".yaml", ".yml"))
+    ):
         raise UsageError(f"--preset takes a preset name; use --config for the file {args.preset!r}")
-    bundled = args.model if args.model in BUNDLED_MODELS else None
-    model_path = str(BUNDLED_MODELS[bundled]) if bundled else args.model
+    names = lab.bundled_models()
+    found = lab.bundled_model(args.model) if args.model in names else None
+    if found is None and args.model in lab.LAB_MODELS and not os.path.isdir(args.model):
+        raise UsageError(lab.needs_lab(f"--model {args.model} (a bundled model)"))
+    bundled = args.model if found is not None else None
+    model_path = str(found.path) if found is not None else args.model
     if not bundled and (args.image is None or args.prompt is None):
-        raise UsageError(f"--image and --prompt are required with --model {args.model} (they default only for the "
-                         f"bundled models: {', '.join(BUNDLED_MODELS)})")
+        raise UsageError(
+            f"--image and --prompt are required with --model {args.model} (they default only for the "
+            f"bundled models: {', '.join(names or lab.LAB_MODELS)})"
+        )
     if args.prompt is not None and not args.prompt.strip():
-        raise UsageError("--prompt is empty; give a question, or leave --prompt out for a bundled model's default")
+        raise UsageError(
+            "--prompt is empty; give a question, or leave --prompt out for a bundled model's default"
+        )
     notes = []
     if args.config or args.preset:
         target = args.config or args.preset
@@ -104,24 +151,37 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if args.image is not None:
             image = g.load_image(args.image)  # before loading a possibly large model
             if bundled:
-                notes.append(f"the bundled {bundled} model was trained only on its own synthetic {bundled} images: "
-                             "its answers about any other image mean nothing")
+                notes.append(
+                    f"the bundled {bundled} model was trained only on its own synthetic {bundled} images: "
+                    "its answers about any other image mean nothing"
+                )
         else:
-            image, question = _bundled_example(bundled)
+            image, question = found.example()
             prompt = prompt or question["question"]
-            example = {"image": f"a held-out {bundled} image", "prompt": prompt,
-                       "expected_answer": question["answer"]}
+            example = {
+                "image": f"a held-out {bundled} image",
+                "prompt": prompt,
+                "expected_answer": question["answer"],
+            }
             if not args.json:  # with --json, stdout is exactly one JSON document
                 print(f"image: {example['image']}")
                 print(f"prompt: {prompt!r} (expected answer: {question['answer']!r})")
         loaded = g.load_model(model_path, dtype=dtype, device=device, check=cfg)
         inputs = g.build_inputs(loaded, image, prompt)
-        result = g.run(loaded, inputs, cfg.build(), compare=args.compare, max_new_tokens=args.max_new_tokens,
-                       repeats=args.repeats)
+        result = g.run(
+            loaded,
+            inputs,
+            cfg.build(),
+            compare=args.compare,
+            max_new_tokens=args.max_new_tokens,
+            repeats=args.repeats,
+        )
     except g.GenerateError as e:
         raise UsageError(str(e)) from None
     except ConfigError as e:  # e.g. a schedule deeper than the model: name the file or preset
-        raise (e if e.source else e.with_source(target if args.config else f"preset {target}")) from None
+        raise (
+            e if e.source else e.with_source(target if args.config else f"preset {target}")
+        ) from None
     finally:
         hub_log.setLevel(hub_level)
         if quiet:
@@ -145,21 +205,18 @@ def _default_preset(layers: int | None) -> tuple[str, str]:
     from ..config import ConfigError
 
     if layers is None:
-        return DEEP_PRESET, f"preset {DEEP_PRESET} (the default; the model's depth could not be read from its config)"
+        return (
+            DEEP_PRESET,
+            f"preset {DEEP_PRESET} (the default; the model's depth could not be read from its config)",
+        )
     try:
         load_config_or_preset(DEEP_PRESET).validate_for_model(layers)
     except (ConfigError, ValueError):
-        return SHALLOW_PRESET, (f"preset {SHALLOW_PRESET} (the default for this {layers}-layer decoder: "
-                                f"{DEEP_PRESET}'s schedule needs a deeper one; --preset chooses another)")
-    return DEEP_PRESET, f"preset {DEEP_PRESET} (the default: its schedule fits this {layers}-layer decoder)"
-
-
-def _bundled_example(name: str):
-    """A held-out image (PIL) of bundled model ``name``'s task and a question about it."""
-    from ..tasks import evaluate
-    from ..tasks.digitgrid.images import to_pil
-    from ..tasks.model import BUNDLED_MODELS, read_grid_config
-
-    grid = read_grid_config(BUNDLED_MODELS[name])
-    ep = evaluate.heldout_episodes(1, seed=0, grid=grid)[0]
-    return to_pil(ep.image), {"question": " ".join(ep.question), "answer": " ".join(ep.answer)}
+        return SHALLOW_PRESET, (
+            f"preset {SHALLOW_PRESET} (the default for this {layers}-layer decoder: "
+            f"{DEEP_PRESET}'s schedule needs a deeper one; --preset chooses another)"
+        )
+    return (
+        DEEP_PRESET,
+        f"preset {DEEP_PRESET} (the default: its schedule fits this {layers}-layer decoder)",
+    )

@@ -40,6 +40,9 @@ def merged(values: Sequence[T] | None, option: str, limit: int) -> tuple[T, ...]
         raise UsageError(f"{option} takes at most {limit} distinct values, got {len(unique):,}")
     if len(unique) < len(values):
         dropped = len(values) - len(unique)
-        print(f"{PROG}: note: {option}: {dropped:,} repeated value(s) merged; running "
-              f"{' '.join(str(v) for v in unique)}", file=sys.stderr)
+        print(
+            f"{PROG}: note: {option}: {dropped:,} repeated value(s) merged; running "
+            f"{' '.join(str(v) for v in unique)}",
+            file=sys.stderr,
+        )
     return unique

@@ -18,8 +18,13 @@ from .specs import STAGE_FIELDS, _spec_of
 __all__ = ["config_from_pipeline", "pipeline_from_yaml", "pipeline_to_yaml"]
 
 
-def config_from_pipeline(pipeline: Pipeline, *, summary: str | None = None, description: str | None = None,
-                         source: str | None = None) -> PipelineConfig:
+def config_from_pipeline(
+    pipeline: Pipeline,
+    *,
+    summary: str | None = None,
+    description: str | None = None,
+    source: str | None = None,
+) -> PipelineConfig:
     """The `PipelineConfig` of a pipeline object.
 
     Every policy must be registered; parameters equal to a policy's defaults are left out,
@@ -32,7 +37,12 @@ def config_from_pipeline(pipeline: Pipeline, *, summary: str | None = None, desc
     try:
         schedule = ScheduleConfig.from_scheduler(pipeline.scheduler)
     except ValidationError as e:
-        raise ConfigError([(f"schedule.{p}" if p else "schedule", m) for p, m in _from_validation_error(e).problems]) from None
+        raise ConfigError(
+            [
+                (f"schedule.{p}" if p else "schedule", m)
+                for p, m in _from_validation_error(e).problems
+            ]
+        ) from None
     data: dict[str, Any] = {
         "name": pipeline.name,
         "summary": pipeline.summary if summary is None else summary,
@@ -44,7 +54,10 @@ def config_from_pipeline(pipeline: Pipeline, *, summary: str | None = None, desc
         policy = getattr(pipeline, f)
         data[f] = None if policy is None else _spec_of(policy, f)
     data["stage_overrides"] = {
-        i: {f: None if p is None else _spec_of(p, f"stage_overrides.{i}.{f}") for f, p in fields.items()}
+        i: {
+            f: None if p is None else _spec_of(p, f"stage_overrides.{i}.{f}")
+            for f, p in fields.items()
+        }
         for i, fields in pipeline.stage_overrides.items()
     }
     data["layout"] = pipeline.layout

@@ -84,9 +84,15 @@ def _did_you_mean(word: Any, choices: Iterable[str], paren: bool = False) -> str
     choices = list(choices)
     # A slipped key in what starts a longer name ('windowz' for 'windows_per_side') beats
     # difflib's overall similarity, which prefers the shorter 'window_size'.
-    slips = [c for c in choices if len(word) >= 4 and len(c) >= len(word) and c != word
-             and sum(x != y for x, y in zip(word, c)) == 1
-             and all(x == y or _adjacent(x, y) for x, y in zip(word, c))]
+    slips = [
+        c
+        for c in choices
+        if len(word) >= 4
+        and len(c) >= len(word)
+        and c != word
+        and sum(x != y for x, y in zip(word, c)) == 1
+        and all(x == y or _adjacent(x, y) for x, y in zip(word, c))
+    ]
     close = slips[:1] or difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
     if not close:
         return ""
@@ -96,7 +102,9 @@ def _did_you_mean(word: Any, choices: Iterable[str], paren: bool = False) -> str
 def _fail(kind: str, message: str, subloc: tuple[Any, ...] = ()) -> PydanticCustomError:
     """A validation error that `_from_validation_error` reports as ``message``, at the
     location of the failing validator extended by ``subloc``."""
-    return PydanticCustomError(f"lightkv_{kind}", "{message}", {"message": message, "subloc": subloc})
+    return PydanticCustomError(
+        f"lightkv_{kind}", "{message}", {"message": message, "subloc": subloc}
+    )
 
 
 # ---------------------------------------------------------------------------- plain values
@@ -107,7 +115,11 @@ def _plain(value: Any, where: str) -> Any:
     """Parameters as plain YAML/JSON values (tuples become lists)."""
     if isinstance(value, _PLAIN):
         if isinstance(value, float) and not math.isfinite(value):
-            raise _fail("param_value", f"parameter {where!r} must be a finite number, got {value!r}", (where,))
+            raise _fail(
+                "param_value",
+                f"parameter {where!r} must be a finite number, got {value!r}",
+                (where,),
+            )
         return value
     if isinstance(value, (list, tuple)):
         return [_plain(v, where) for v in value]

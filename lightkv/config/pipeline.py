@@ -94,7 +94,9 @@ class PipelineConfig(BaseModel):
     )
 
     divergence_memory_mib: int = Field(
-        DIVERGENCE_MEMORY_MIB, ge=1, strict=True,
+        DIVERGENCE_MEMORY_MIB,
+        ge=1,
+        strict=True,
         description="MiB a non-bilinear edge scorer's pairwise intermediates may take at once: it is evaluated in "
         "chunks of windows and source rows within it (same result); cosine and L2 need no chunks.",
     )
@@ -129,11 +131,18 @@ class PipelineConfig(BaseModel):
     @classmethod
     def _known_overrides(cls, overrides: dict[int, dict[str, PolicySpec | None]]) -> dict:
         out: dict[int, dict[str, PolicySpec | None]] = {}
-        problems: list[PydanticCustomError] = []  # every bad override, not only the first (three were two)
+        problems: list[
+            PydanticCustomError
+        ] = []  # every bad override, not only the first (three were two)
         for index in sorted(overrides):
             if index < 0:
-                problems.append(_fail("stage_index", f"stage indices are 0-based and must be >= 0, got {index}",
-                                      (index,)))
+                problems.append(
+                    _fail(
+                        "stage_index",
+                        f"stage indices are 0-based and must be >= 0, got {index}",
+                        (index,),
+                    )
+                )
                 continue
             fields = {}
             for field in STAGE_FIELDS:  # canonical order
@@ -142,21 +151,33 @@ class PipelineConfig(BaseModel):
                 spec = overrides[index][field]
                 if spec is None:
                     if field != "scorer":
-                        problems.append(_fail("required", f"only scorer may be null, not {field}", (index, field)))
+                        problems.append(
+                            _fail(
+                                "required", f"only scorer may be null, not {field}", (index, field)
+                            )
+                        )
                     fields[field] = None
                     continue
                 try:
                     fields[field] = _validated(FAMILIES[field], spec)
                 except PydanticCustomError as e:
                     ctx = e.context or {}
-                    problems.append(_fail(e.type.removeprefix("lightkv_"), ctx.get("message", e.message()),
-                                          (index, field) + tuple(ctx.get("subloc", ()))))
+                    problems.append(
+                        _fail(
+                            e.type.removeprefix("lightkv_"),
+                            ctx.get("message", e.message()),
+                            (index, field) + tuple(ctx.get("subloc", ())),
+                        )
+                    )
             out[index] = fields
         if len(problems) == 1:
             raise problems[0]
-        if problems:  # several: pydantic merges a nested ValidationError under this field, one line each
+        if (
+            problems
+        ):  # several: pydantic merges a nested ValidationError under this field, one line each
             raise ValidationError.from_exception_data(
-                cls.__name__, [InitErrorDetails(type=p, loc=(), input=overrides) for p in problems])
+                cls.__name__, [InitErrorDetails(type=p, loc=(), input=overrides) for p in problems]
+            )
         return out
 
     @model_validator(mode="after")
@@ -178,7 +199,12 @@ class PipelineConfig(BaseModel):
         for index in indices:
             policies = dict(base)
             if index is not None:
-                policies.update({f: None if s is None else s.built() for f, s in self.stage_overrides[index].items()})
+                policies.update(
+                    {
+                        f: None if s is None else s.built()
+                        for f, s in self.stage_overrides[index].items()
+                    }
+                )
             try:
                 Stage(spec=StageSpec(0, 0.0, windows_per_side=1), **policies)
             except ValueError as e:
@@ -190,7 +216,9 @@ class PipelineConfig(BaseModel):
     # ------------------------------------------------------------------ building
     def _policies(self) -> dict[str, Policy | None]:
         """The policies validation built (shared: read only)."""
-        return {f: None if getattr(self, f) is None else getattr(self, f).built() for f in STAGE_FIELDS}
+        return {
+            f: None if getattr(self, f) is None else getattr(self, f).built() for f in STAGE_FIELDS
+        }
 
     def build(self) -> Pipeline:
         """A fresh `lightkv.Pipeline`: copies of the policies and the scheduler that
@@ -201,9 +229,13 @@ class PipelineConfig(BaseModel):
             ConfigError: the config was edited into an invalid state after loading (an
                 edited config is validated again, as a whole).
         """
-        cfg = self if self._snapshot == self.model_dump() else type(self).from_dict(self.model_dump())
-        overrides = {i: {f: None if s is None else s.built() for f, s in fields.items()}
-                     for i, fields in cfg.stage_overrides.items()}
+        cfg = (
+            self if self._snapshot == self.model_dump() else type(self).from_dict(self.model_dump())
+        )
+        overrides = {
+            i: {f: None if s is None else s.built() for f, s in fields.items()}
+            for i, fields in cfg.stage_overrides.items()
+        }
         policies, overrides = copy.deepcopy((cfg._policies(), overrides))
         return Pipeline(
             scheduler=cfg.schedule.build(),
@@ -230,7 +262,9 @@ class PipelineConfig(BaseModel):
                 depth), or a stage override for a stage the model does not get.
         """
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-            raise ConfigError([("num_layers", f"the model depth must be a positive integer, got {num_layers!r}")])
+            raise ConfigError(
+                [("num_layers", f"the model depth must be a positive integer, got {num_layers!r}")]
+            )
         try:
             stages = self.schedule._scheduler().plan(num_layers)
         except ValueError as e:
@@ -260,7 +294,9 @@ class PipelineConfig(BaseModel):
         """
         if not isinstance(data, dict):
             kind = "an empty document" if data is None else f"a {type(data).__name__}"
-            raise ConfigError([("", f"a pipeline config must be a mapping of fields, got {kind}")], source)
+            raise ConfigError(
+                [("", f"a pipeline config must be a mapping of fields, got {kind}")], source
+            )
         try:
             return cls.model_validate(data)
         except ValidationError as e:
@@ -312,7 +348,9 @@ class PipelineConfig(BaseModel):
             FileNotFoundError: no such file, or a directory.
             ConfigError: too large, invalid YAML or an invalid config.
         """
-        return cls.from_yaml_text(read_config_text(path), "<stdin>" if os.fspath(path) == "-" else str(path))
+        return cls.from_yaml_text(
+            read_config_text(path), "<stdin>" if os.fspath(path) == "-" else str(path)
+        )
 
     def to_yaml(self, path: str | os.PathLike | None = None) -> str:
         """The canonical YAML text (``from_yaml_text(to_yaml())`` gives an equal config);
@@ -326,7 +364,9 @@ class PipelineConfig(BaseModel):
 def _validated(family, spec: PolicySpec) -> PolicySpec:
     """``spec`` in canonical form, holding the policy it names, constructed once."""
     policy, params = _build(family, spec)
-    return PolicySpec(name=spec.name, params=_canonical(family, policy, spec.name, params))._remember(policy)
+    return PolicySpec(
+        name=spec.name, params=_canonical(family, policy, spec.name, params)
+    )._remember(policy)
 
 
 # ---------------------------------------------------------------------------- pydantic errors
@@ -343,7 +383,8 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel]:
 
 def _is_policy_loc(loc: tuple[Any, ...]) -> bool:
     return bool(loc) and (
-        (len(loc) == 1 and loc[0] in STAGE_FIELDS) or (len(loc) == 3 and loc[0] == "stage_overrides")
+        (len(loc) == 1 and loc[0] in STAGE_FIELDS)
+        or (len(loc) == 3 and loc[0] == "stage_overrides")
     )
 
 

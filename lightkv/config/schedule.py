@@ -24,7 +24,6 @@ silent wrong configuration).
 from __future__ import annotations
 
 import copy
-import dataclasses
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
@@ -66,7 +65,9 @@ def _form(data: dict[str, Any], short: dict[str, tuple[str, type[Scheduler]]]) -
     markers = [k for k in (*short, "name") if k in data]
     if len(markers) == 1:
         return markers[0]
-    described = [f"{k} (a {n} schedule)" for k, (n, _) in short.items()] + ["name (a registered scheduler)"]
+    described = [f"{k} (a {n} schedule)" for k, (n, _) in short.items()] + [
+        "name (a registered scheduler)"
+    ]
     got = f"got {' and '.join(markers)}" if markers else "got none of them"
     raise _fail("schedule_form", f"give exactly one of {', '.join(described)}; {got}")
 
@@ -95,8 +96,11 @@ def canonical_schedule(data: Any) -> tuple[Any, Scheduler | None]:
                 raise _fail("removed_field", removed, (key,))
         if key not in keys:
             allowed = sorted(keys)
-            raise _fail("unknown_field", f"unknown field {key!r}{_did_you_mean(key, allowed)} (allowed: {', '.join(allowed)})",
-                        (key,))
+            raise _fail(
+                "unknown_field",
+                f"unknown field {key!r}{_did_you_mean(key, allowed)} (allowed: {', '.join(allowed)})",
+                (key,),
+            )
     form = _form(data, short)
     if form == "name":
         allowed, impl = set(CANONICAL), None
@@ -105,8 +109,12 @@ def canonical_schedule(data: Any) -> tuple[Any, Scheduler | None]:
         allowed = {form, *impl.shorthand_keys}
     for key in data:
         if key not in allowed:
-            raise _fail("schedule_form", f"{key} cannot be combined with {form}; with {form} the schedule takes: "
-                                         f"{', '.join(sorted(allowed))}", (key,))
+            raise _fail(
+                "schedule_form",
+                f"{key} cannot be combined with {form}; with {form} the schedule takes: "
+                f"{', '.join(sorted(allowed))}",
+                (key,),
+            )
     if impl is not None:
         try:
             params = impl.from_shorthand(data)
@@ -124,12 +132,18 @@ def canonical_schedule(data: Any) -> tuple[Any, Scheduler | None]:
             params = {str(k): _plain(v, str(k)) for k, v in params.items()}
         except PydanticCustomError as e:  # located by parameter name: inside params
             ctx = e.context or {}
-            raise _fail("param_value", ctx.get("message", e.message()), ("params",) + tuple(ctx.get("subloc", ())))
+            raise _fail(
+                "param_value",
+                ctx.get("message", e.message()),
+                ("params",) + tuple(ctx.get("subloc", ())),
+            ) from e
         try:
             lookup = Scheduler.lookup(name)
         except ValueError:
             lookup = None  # reported by _build, with the registered names
-        removed = None if lookup is None else removed_field_message(lookup, params, f"schedule {name!r}")
+        removed = (
+            None if lookup is None else removed_field_message(lookup, params, f"schedule {name!r}")
+        )
         if removed is not None:
             old = next(k for k in params if k in lookup.removed_fields)
             raise _fail("removed_param", removed, ("params", old))
@@ -152,9 +166,12 @@ class ScheduleConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(description="A registered scheduler (see `lightkv.policies.FAMILIES['scheduler']`).")
+    name: str = Field(
+        description="A registered scheduler (see `lightkv.policies.FAMILIES['scheduler']`)."
+    )
     params: dict[str, Any] = Field(
-        default_factory=dict, description="The scheduler's parameters that differ from its defaults."
+        default_factory=dict,
+        description="The scheduler's parameters that differ from its defaults.",
     )
 
     FORMS: ClassVar[tuple[str, ...]] = ("layers", "kept_fraction", "name")
@@ -183,7 +200,9 @@ class ScheduleConfig(BaseModel):
         """The scheduler validation built (shared: read only), or a new one after an edit."""
         cached = _cached(self._built, (self.name, self.params))
         if cached is None:
-            cached = _build(Scheduler, PolicySpec.model_construct(name=self.name, params=dict(self.params)))[0]
+            cached = _build(
+                Scheduler, PolicySpec.model_construct(name=self.name, params=dict(self.params))
+            )[0]
         return cached  # type: ignore[return-value]
 
     def build(self) -> Scheduler:
@@ -246,4 +265,6 @@ class ScheduleConfig(BaseModel):
             value = s.to_shorthand()
             if value is not None:
                 return {k: _plain(_jsonable(v), k) for k, v in value.items()}
-        return {"name": self.name, "params": dict(self.params)} if self.params else {"name": self.name}
+        return (
+            {"name": self.name, "params": dict(self.params)} if self.params else {"name": self.name}
+        )

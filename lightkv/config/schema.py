@@ -28,14 +28,16 @@ def _family_schema(field: str) -> dict[str, Any]:
             params.pop("description", None)
             params["additionalProperties"] = False
         doc = (impl.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
-        variants.append({
-            "type": "object",
-            "title": name,
-            "description": doc,
-            "properties": {"name": {"const": name}, "params": params},
-            "required": ["name"],
-            "additionalProperties": False,
-        })
+        variants.append(
+            {
+                "type": "object",
+                "title": name,
+                "description": doc,
+                "properties": {"name": {"const": name}, "params": params},
+                "required": ["name"],
+                "additionalProperties": False,
+            }
+        )
     names = list(family.registered())
     return {
         "title": f"{family.__name__}Spec",
@@ -76,8 +78,11 @@ def json_schema() -> dict[str, Any]:
             "type": "object",
             "additionalProperties": False,
             "properties": {
-                f: ({"anyOf": [{"$ref": f"#/$defs/{FAMILIES[f].__name__}Spec"}, {"type": "null"}]}
-                    if f == "scorer" else {"$ref": f"#/$defs/{FAMILIES[f].__name__}Spec"})
+                f: (
+                    {"anyOf": [{"$ref": f"#/$defs/{FAMILIES[f].__name__}Spec"}, {"type": "null"}]}
+                    if f == "scorer"
+                    else {"$ref": f"#/$defs/{FAMILIES[f].__name__}Spec"}
+                )
                 for f in STAGE_FIELDS
             },
         },

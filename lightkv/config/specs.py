@@ -19,13 +19,11 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-
 from pydantic_core import PydanticCustomError
 
 from ..policies import FAMILIES, Policy
 from ..policies import pooling as _pooling  # noqa: F401  (registers the "anchor" and "strided" partitioners)
 from ..policies.base import removed_field_message
-
 from .errors import ConfigError, _did_you_mean, _fail, _plain, _short
 
 __all__ = ["STAGE_FIELDS", "PolicySpec"]
@@ -66,7 +64,10 @@ class PolicySpec(BaseModel):
         if isinstance(data, str):
             return {"name": data}
         if isinstance(data, Policy):
-            raise _fail("policy_object", "give a policy by name ({name: ..., params: ...}), not a Python object")
+            raise _fail(
+                "policy_object",
+                "give a policy by name ({name: ..., params: ...}), not a Python object",
+            )
         return data
 
     @field_validator("params")
@@ -157,7 +158,9 @@ def _coerce_params(family: type[Policy], spec: PolicySpec, prefix: bool = True) 
     try:
         impl = family.lookup(spec.name)
     except ValueError as e:
-        raise _fail("unknown_policy", f"{e}{_did_you_mean(spec.name, family.registered())}", ("name",)) from None
+        raise _fail(
+            "unknown_policy", f"{e}{_did_you_mean(spec.name, family.registered())}", ("name",)
+        ) from None
     params = dict(spec.params)
     removed = removed_field_message(impl, params, f"{family.family} {spec.name!r}")
     if removed is not None:
@@ -189,11 +192,15 @@ def _coerce_params(family: type[Policy], spec: PolicySpec, prefix: bool = True) 
         except ValidationError as e:
             first = e.errors(include_url=False)[0]
             detail = f"{first['msg']}, got {_short(first.get('input'))}"
-            raise _fail("param_value", f"{label}{detail}", ("params", key) + tuple(first["loc"])) from None
+            raise _fail(
+                "param_value", f"{label}{detail}", ("params", key) + tuple(first["loc"])
+            ) from None
     return {k: out[k] for k in params}
 
 
-def _build(family: type[Policy], spec: PolicySpec, prefix: bool = True) -> tuple[Policy, dict[str, Any]]:
+def _build(
+    family: type[Policy], spec: PolicySpec, prefix: bool = True
+) -> tuple[Policy, dict[str, Any]]:
     """The policy ``spec`` names, constructed once, and its coerced parameters.
 
     Raises:
@@ -217,8 +224,15 @@ def _spec_of(policy: Policy, where: str) -> PolicySpec:
     family = next((f for f in FAMILIES.values() if isinstance(policy, f)), None)
     if not name or family is None or family._registry.get(name) is not type(policy):
         raise ConfigError(
-            [(where, (f"{type(policy).__qualname__} is not a registered policy; register it with "
-                      "@<Family>.register('name') to describe it in a config"))]
+            [
+                (
+                    where,
+                    (
+                        f"{type(policy).__qualname__} is not a registered policy; register it with "
+                        "@<Family>.register('name') to describe it in a config"
+                    ),
+                )
+            ]
         )
     params = {}
     if dataclasses.is_dataclass(policy):
@@ -245,7 +259,9 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _canonical(family: type[Policy], policy: Policy, name: str, coerced: dict[str, Any]) -> dict[str, Any]:
+def _canonical(
+    family: type[Policy], policy: Policy, name: str, coerced: dict[str, Any]
+) -> dict[str, Any]:
     """The parameters a config stores for ``policy`` (built from ``coerced``): its
     non-default fields, as ``to_yaml`` of a pipeline object writes them, when they build it
     again; otherwise the parameters as given (coerced, plain).
@@ -256,9 +272,14 @@ def _canonical(family: type[Policy], policy: Policy, name: str, coerced: dict[st
     if not (dataclasses.is_dataclass(policy) and family.registered().get(name) is type(policy)):
         return plain
     params = _spec_of(policy, family.family).params
-    expected = {f.name: _jsonable(f.default if f.default is not dataclasses.MISSING else f.default_factory())
-                for f in dataclasses.fields(policy) if f.init and (f.default is not dataclasses.MISSING
-                                                                    or f.default_factory is not dataclasses.MISSING)}
+    expected = {
+        f.name: _jsonable(
+            f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        )
+        for f in dataclasses.fields(policy)
+        if f.init
+        and (f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING)
+    }
     expected.update(plain)
     if all(_jsonable(getattr(policy, k)) == v for k, v in expected.items()):
         return params

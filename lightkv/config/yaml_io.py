@@ -38,12 +38,24 @@ def read_config_text(path: str | os.PathLike) -> str:
     except FileNotFoundError:
         raise FileNotFoundError(f"{name}: does not exist") from None
     except NotADirectoryError:
-        raise FileNotFoundError(f"{name}: does not exist (a part of the path is not a directory)") from None
+        raise FileNotFoundError(
+            f"{name}: does not exist (a part of the path is not a directory)"
+        ) from None
     if stat.S_ISDIR(info.st_mode):
         raise FileNotFoundError(f"{name}: is a directory, not a file")
     if stat.S_ISREG(info.st_mode) and info.st_size > MAX_CONFIG_BYTES:
-        raise ConfigError([("", (f"the file is {info.st_size:,} bytes; a pipeline config is at most "
-                                 f"{MAX_CONFIG_BYTES // 1024} KiB"))], name)
+        raise ConfigError(
+            [
+                (
+                    "",
+                    (
+                        f"the file is {info.st_size:,} bytes; a pipeline config is at most "
+                        f"{MAX_CONFIG_BYTES // 1024} KiB"
+                    ),
+                )
+            ],
+            name,
+        )
     if stat.S_ISFIFO(info.st_mode):
         # Opening a FIFO blocks until a writer appears: open without blocking, then read;
         # with no writer the read ends at once (an empty document), never hangs.
@@ -58,12 +70,24 @@ def read_config_text(path: str | os.PathLike) -> str:
 def _read_capped(stream, name: str) -> str:
     data = stream.read(MAX_CONFIG_BYTES + 1)
     if len(data) > MAX_CONFIG_BYTES:
-        raise ConfigError([("", (f"more than {MAX_CONFIG_BYTES // 1024} KiB of input; a pipeline config is "
-                                 f"at most {MAX_CONFIG_BYTES // 1024} KiB"))], name)
+        raise ConfigError(
+            [
+                (
+                    "",
+                    (
+                        f"more than {MAX_CONFIG_BYTES // 1024} KiB of input; a pipeline config is "
+                        f"at most {MAX_CONFIG_BYTES // 1024} KiB"
+                    ),
+                )
+            ],
+            name,
+        )
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ConfigError([("", f"not UTF-8 text (byte {e.start}); a pipeline config is a YAML text file")], name) from None
+        raise ConfigError(
+            [("", f"not UTF-8 text (byte {e.start}); a pipeline config is a YAML text file")], name
+        ) from None
 
 
 _Base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when available: 20x faster
@@ -102,8 +126,10 @@ def _check_events(text: str) -> str | None:
                 sizes[anchor] = size
             counts[-1] += size
         if counts[-1] > MAX_YAML_NODES or sum(counts) > MAX_YAML_NODES:
-            return (f"more than {MAX_YAML_NODES:,} values once aliases (*name) are expanded; "
-                    "a pipeline config has a few dozen")
+            return (
+                f"more than {MAX_YAML_NODES:,} values once aliases (*name) are expanded; "
+                "a pipeline config has a few dozen"
+            )
     return None
 
 
@@ -116,12 +142,18 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = Fal
             hash(key)
         except TypeError:
             raise yaml.constructor.ConstructorError(
-                None, None, f"a mapping key must be a plain value, got {_short(key)}", key_node.start_mark
+                None,
+                None,
+                f"a mapping key must be a plain value, got {_short(key)}",
+                key_node.start_mark,
             ) from None
         if key in out:
             mark = key_node.start_mark
             raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {_short(key)} (line {mark.line + 1}, column {mark.column + 1})", mark
+                None,
+                None,
+                f"duplicate key {_short(key)} (line {mark.line + 1}, column {mark.column + 1})",
+                mark,
             )
         out[key] = loader.construct_object(value_node, deep=deep)
     return out
@@ -132,8 +164,18 @@ _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _constru
 
 def _load_yaml(text: str, source: str | None) -> Any:
     if len(text) > MAX_CONFIG_BYTES:
-        raise ConfigError([("", (f"the text is {len(text):,} characters; a pipeline config is at most "
-                                 f"{MAX_CONFIG_BYTES // 1024} KiB"))], source)
+        raise ConfigError(
+            [
+                (
+                    "",
+                    (
+                        f"the text is {len(text):,} characters; a pipeline config is at most "
+                        f"{MAX_CONFIG_BYTES // 1024} KiB"
+                    ),
+                )
+            ],
+            source,
+        )
     try:
         problem = _check_events(text)
         if problem:
@@ -163,17 +205,30 @@ def _represent_str(dumper: _Dumper, value: str) -> yaml.ScalarNode:
 
 
 def _represent_list(dumper: _Dumper, value: list) -> yaml.SequenceNode:
-    flow = all(isinstance(v, (int, float, bool, type(None))) or (isinstance(v, str) and len(v) < 40)
-               or (isinstance(v, (list, tuple)) and all(isinstance(x, (int, float)) for x in v)) for v in value)
+    flow = all(
+        isinstance(v, (int, float, bool, type(None)))
+        or (isinstance(v, str) and len(v) < 40)
+        or (isinstance(v, (list, tuple)) and all(isinstance(x, (int, float)) for x in v))
+        for v in value
+    )
     return dumper.represent_sequence("tag:yaml.org,2002:seq", value, flow_style=flow)
 
 
 def _represent_dict(dumper: _Dumper, value: dict) -> yaml.MappingNode:
     # small parameter mappings read best inline: {scope: row, split: all_src}
-    flow = bool(value) and len(value) <= 4 and all(
-        isinstance(k, str) and isinstance(v, (int, float, bool, type(None), str)) and len(str(v)) < 30
-        for k, v in value.items()
-    ) and "name" not in value and "layers" not in value and "kept_fraction" not in value
+    flow = (
+        bool(value)
+        and len(value) <= 4
+        and all(
+            isinstance(k, str)
+            and isinstance(v, (int, float, bool, type(None), str))
+            and len(str(v)) < 30
+            for k, v in value.items()
+        )
+        and "name" not in value
+        and "layers" not in value
+        and "kept_fraction" not in value
+    )
     return dumper.represent_mapping("tag:yaml.org,2002:map", value.items(), flow_style=flow)
 
 

@@ -44,7 +44,7 @@ class BipartiteGraph:
     window_size: torch.Tensor
 
     @classmethod
-    def build(cls, window: torch.Tensor, is_src: torch.Tensor) -> "BipartiteGraph":
+    def build(cls, window: torch.Tensor, is_src: torch.Tensor) -> BipartiteGraph:
         """Build the graph from a partition.
 
         Args:
@@ -53,7 +53,9 @@ class BipartiteGraph:
             is_src: ``[B, N]`` bool, True for side A (ignored where ``window < 0``).
         """
         if window.shape != is_src.shape:
-            raise ValueError(f"window {tuple(window.shape)} and is_src {tuple(is_src.shape)} must have one shape")
+            raise ValueError(
+                f"window {tuple(window.shape)} and is_src {tuple(is_src.shape)} must have one shape"
+            )
         inside = window >= 0
         node_row, node_pos = inside.nonzero(as_tuple=True)
         node_window = window[node_row, node_pos]
@@ -155,15 +157,19 @@ class BipartiteGraph:
         groups, group, b_max, used = [], [], 0, 0
         for w in order:
             bm = max(b_max, b[w])
-            if group and (len(group) + 1) * a[group[0]] * bm > (1.0 + waste) * max(1, used + pairs[w]):
+            if group and (len(group) + 1) * a[group[0]] * bm > (1.0 + waste) * max(
+                1, used + pairs[w]
+            ):
                 groups.append(group)
                 group, bm, used = [], b[w], 0
             group.append(w)
             b_max, used = bm, used + pairs[w]
         groups.append(group)
-        return [torch.tensor(sorted(g), dtype=torch.long, device=self.src_slots.device) for g in groups]
+        return [
+            torch.tensor(sorted(g), dtype=torch.long, device=self.src_slots.device) for g in groups
+        ]
 
-    def select_windows(self, windows: torch.Tensor) -> "BipartiteGraph":
+    def select_windows(self, windows: torch.Tensor) -> BipartiteGraph:
         """The graph of some windows (``windows``, int64 ids): their slots, trimmed to
         their own largest window. Node arrays are shared with this graph (node ids, and
         ``node_window``, keep this graph's numbering), so node indices from the part are
@@ -171,8 +177,15 @@ class BipartiteGraph:
         src, dst = self.src_slots[windows], self.dst_slots[windows]
         a = int((src >= 0).sum(1).max()) if src.numel() else 0
         b = int((dst >= 0).sum(1).max()) if dst.numel() else 0
-        return BipartiteGraph(self.node_row, self.node_pos, self.node_window, self.node_is_src,
-                              src[:, :a], dst[:, :b], self.window_size[windows])
+        return BipartiteGraph(
+            self.node_row,
+            self.node_pos,
+            self.node_window,
+            self.node_is_src,
+            src[:, :a],
+            dst[:, :b],
+            self.window_size[windows],
+        )
 
     def to_networkx(self, divergence: torch.Tensor | None = None):
         """The graph as a ``networkx.Graph`` for inspection.
@@ -186,7 +199,11 @@ class BipartiteGraph:
         g = nx.Graph()
         rows, pos = self.node_row.tolist(), self.node_pos.tolist()
         for i, (r, p) in enumerate(zip(rows, pos)):
-            g.add_node((r, p), window=int(self.node_window[i]), side="A" if bool(self.node_is_src[i]) else "B")
+            g.add_node(
+                (r, p),
+                window=int(self.node_window[i]),
+                side="A" if bool(self.node_is_src[i]) else "B",
+            )
         src, dst = self.src_slots.tolist(), self.dst_slots.tolist()
         for w in range(self.num_windows):
             for i, a in enumerate(src[w]):

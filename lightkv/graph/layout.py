@@ -15,8 +15,8 @@ so later windows are true spatial regions and positions stay consistent.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -101,9 +101,15 @@ class VisionLayout:
     def __post_init__(self) -> None:
         s = self.image_row.shape[0] if self.image_row.dim() == 1 else 0
         if self.image_video is None:
-            object.__setattr__(self, "image_video", torch.full((s,), -1, dtype=torch.long, device=self.image_row.device))
+            object.__setattr__(
+                self,
+                "image_video",
+                torch.full((s,), -1, dtype=torch.long, device=self.image_row.device),
+            )
         if self.image_frame is None:
-            object.__setattr__(self, "image_frame", torch.zeros(s, dtype=torch.long, device=self.image_row.device))
+            object.__setattr__(
+                self, "image_frame", torch.zeros(s, dtype=torch.long, device=self.image_row.device)
+            )
         if self.kind.dim() != 2:
             raise ValueError(f"layout.kind must be [B, N], got shape {tuple(self.kind.shape)}")
         shape = tuple(self.kind.shape)
@@ -114,14 +120,18 @@ class VisionLayout:
                     f"expected {shape} like layout.kind"
                 )
         if tuple(self.coords.shape) != shape + (2,):
-            raise ValueError(f"layout.coords has shape {tuple(self.coords.shape)}, expected {shape + (2,)}")
+            raise ValueError(
+                f"layout.coords has shape {tuple(self.coords.shape)}, expected {shape + (2,)}"
+            )
         if self.image_grid.dim() != 2 or self.image_grid.shape[-1] != 2:
             raise ValueError("layout.image_grid must be [S, 2] (rows, cols) per image")
         if self.image_row.shape != self.image_grid.shape[:1]:
             raise ValueError("layout.image_row must have one entry per image in layout.image_grid")
         for name in ("image_video", "image_frame"):
             if getattr(self, name).shape != self.image_grid.shape[:1]:
-                raise ValueError(f"layout.{name} must have one entry per image in layout.image_grid")
+                raise ValueError(
+                    f"layout.{name} must have one entry per image in layout.image_grid"
+                )
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -132,7 +142,7 @@ class VisionLayout:
         segments: Sequence[ImageSegment],
         padding_mask: torch.Tensor | None = None,
         device: torch.device | str | None = None,
-    ) -> "VisionLayout":
+    ) -> VisionLayout:
         """Build a layout from image segments; every other position is text (or padding).
 
         Args:
@@ -147,7 +157,9 @@ class VisionLayout:
                 padding, or with an empty grid.
         """
         if batch_size <= 0 or seq_len <= 0:
-            raise ValueError(f"a layout needs batch_size > 0 and seq_len > 0, got {batch_size} and {seq_len}")
+            raise ValueError(
+                f"a layout needs batch_size > 0 and seq_len > 0, got {batch_size} and {seq_len}"
+            )
         if device is None:
             device = padding_mask.device if padding_mask is not None else "cpu"
         kind = torch.full((batch_size, seq_len), int(TokenKind.TEXT), dtype=torch.long)
@@ -166,7 +178,9 @@ class VisionLayout:
             if h <= 0 or w <= 0:
                 raise ValueError(f"image segment {index} has an empty grid {seg.grid}")
             if not 0 <= seg.row < batch_size:
-                raise ValueError(f"image segment {index} is in batch row {seg.row}, but B = {batch_size}")
+                raise ValueError(
+                    f"image segment {index} is in batch row {seg.row}, but B = {batch_size}"
+                )
             if seg.offset < 0 or seg.offset + seg.length > seq_len:
                 raise ValueError(
                     f"image segment {index} spans positions {seg.offset}..{seg.offset + seg.length - 1}, "
@@ -174,7 +188,9 @@ class VisionLayout:
                 )
             span = slice(seg.offset, seg.offset + seg.length)
             if (image[seg.row, span] >= 0).any() or (kind[seg.row, span] == TokenKind.PAD).any():
-                raise ValueError(f"image segment {index} overlaps another image or padding in row {seg.row}")
+                raise ValueError(
+                    f"image segment {index} overlaps another image or padding in row {seg.row}"
+                )
             r = torch.arange(h).repeat_interleave(w + (1 if seg.newline_every else 0))
             c = torch.arange(w + (1 if seg.newline_every else 0)).repeat(h)
             seg_kind = torch.full((seg.length,), int(TokenKind.VISION), dtype=torch.long)
@@ -189,28 +205,44 @@ class VisionLayout:
             coords[seg.row, span, 0] = r
             coords[seg.row, span, 1] = c
             if isinstance(seg.frame, bool) or not isinstance(seg.frame, int) or seg.frame < 0:
-                raise ValueError(f"image segment {index}: frame must be a non-negative integer, got {seg.frame!r}")
+                raise ValueError(
+                    f"image segment {index}: frame must be a non-negative integer, got {seg.frame!r}"
+                )
             if seg.video is None and seg.frame:
-                raise ValueError(f"image segment {index} has frame {seg.frame} but no video; give video=<label>")
+                raise ValueError(
+                    f"image segment {index} has frame {seg.frame} but no video; give video=<label>"
+                )
             grids.append((h, w))
             rows.append(seg.row)
-            videos.append(-1 if seg.video is None else video_ids.setdefault((seg.row, seg.video), len(video_ids)))
+            videos.append(
+                -1
+                if seg.video is None
+                else video_ids.setdefault((seg.row, seg.video), len(video_ids))
+            )
             frames.append(seg.frame)
         origin = torch.arange(seq_len).expand(batch_size, seq_len).clone()
         image_grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 2)
         image_row = torch.tensor(rows, dtype=torch.long)
         image_video = torch.tensor(videos, dtype=torch.long)
         image_frame = torch.tensor(frames, dtype=torch.long)
-        return cls(kind, image, coords, origin, image_grid, image_row, image_video, image_frame).to(device)
+        return cls(kind, image, coords, origin, image_grid, image_row, image_video, image_frame).to(
+            device
+        )
 
-    def to(self, device: torch.device | str) -> "VisionLayout":
+    def to(self, device: torch.device | str) -> VisionLayout:
         """The same layout on another device."""
         return VisionLayout(*(t.to(device) for t in self._tensors()))
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
         return (
-            self.kind, self.image, self.coords, self.origin,
-            self.image_grid, self.image_row, self.image_video, self.image_frame,
+            self.kind,
+            self.image,
+            self.coords,
+            self.origin,
+            self.image_grid,
+            self.image_row,
+            self.image_video,
+            self.image_frame,
         )
 
     # ------------------------------------------------------------------ views
@@ -273,7 +305,7 @@ class VisionLayout:
         """``[B]`` number of vision tokens per row."""
         return self.vision_mask.sum(dim=1)
 
-    def select(self, index: torch.Tensor) -> "VisionLayout":
+    def select(self, index: torch.Tensor) -> VisionLayout:
         """The layout of a gathered sequence.
 
         Args:
@@ -300,7 +332,7 @@ class VisionLayout:
             image_frame=self.image_frame,
         )
 
-    def row(self, b: int) -> "VisionLayout":
+    def row(self, b: int) -> VisionLayout:
         """The layout of batch row ``b`` alone, with its images renumbered from 0 and
         leading holes/padding created by compression kept as they are."""
         keep = self.image_row == b

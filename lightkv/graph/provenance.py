@@ -24,12 +24,14 @@ class Provenance:
     current_len: int
 
     @classmethod
-    def identity(cls, batch_size: int, seq_len: int, device: torch.device | str = "cpu") -> "Provenance":
+    def identity(
+        cls, batch_size: int, seq_len: int, device: torch.device | str = "cpu"
+    ) -> Provenance:
         """Every token represents itself."""
         owner = torch.arange(seq_len, device=device).expand(batch_size, seq_len).clone()
         return cls(owner, seq_len)
 
-    def then(self, remap: torch.Tensor, new_len: int) -> "Provenance":
+    def then(self, remap: torch.Tensor, new_len: int) -> Provenance:
         """Compose with one stage.
 
         Args:
@@ -39,7 +41,9 @@ class Provenance:
             new_len: length of the next sequence.
         """
         if remap.shape[1] != self.current_len:
-            raise ValueError(f"remap covers {remap.shape[1]} tokens, provenance has {self.current_len}")
+            raise ValueError(
+                f"remap covers {remap.shape[1]} tokens, provenance has {self.current_len}"
+            )
         owner = torch.where(self.owner >= 0, remap.gather(1, self.owner.clamp_min(0)), self.owner)
         return Provenance(owner, new_len)
 

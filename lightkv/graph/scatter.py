@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-from typing import Iterator, Literal
+from collections.abc import Iterator
+from typing import Literal
 
 import torch
 
@@ -79,7 +80,9 @@ def _resolve(name: Backend | None) -> str:
                 "(`pip install --no-build-isolation torch-scatter`) or use backend 'native'"
             )
         return name
-    raise ValueError(f"unknown scatter backend {name!r}; choose one of 'auto', 'native', 'torch_scatter'")
+    raise ValueError(
+        f"unknown scatter backend {name!r}; choose one of 'auto', 'native', 'torch_scatter'"
+    )
 
 
 def _check(src: torch.Tensor, index: torch.Tensor, dim_size: int) -> None:
@@ -96,7 +99,9 @@ def _expand(index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     return index.view(-1, *([1] * (src.dim() - 1))).expand_as(src)
 
 
-def scatter_sum(src: torch.Tensor, index: torch.Tensor, dim_size: int, backend: Backend | None = None) -> torch.Tensor:
+def scatter_sum(
+    src: torch.Tensor, index: torch.Tensor, dim_size: int, backend: Backend | None = None
+) -> torch.Tensor:
     """Sum of ``src`` rows per group.
 
     Args:
@@ -118,7 +123,9 @@ def scatter_sum(src: torch.Tensor, index: torch.Tensor, dim_size: int, backend: 
     return out.scatter_add_(0, _expand(index, src), src)
 
 
-def scatter_mean(src: torch.Tensor, index: torch.Tensor, dim_size: int, backend: Backend | None = None) -> torch.Tensor:
+def scatter_mean(
+    src: torch.Tensor, index: torch.Tensor, dim_size: int, backend: Backend | None = None
+) -> torch.Tensor:
     """Mean of ``src`` rows per group (0 for empty groups). Shapes as `scatter_sum`."""
     _check(src, index, dim_size)
     if _resolve(backend) == "torch_scatter":
@@ -149,10 +156,16 @@ def _scatter_extreme(
         info = torch.iinfo(src.dtype)
         fill = info.min if largest else info.max
     value = src.new_full((dim_size, *src.shape[1:]), fill)
-    value.scatter_reduce_(0, _expand(index, src), src, reduce="amax" if largest else "amin", include_self=True)
+    value.scatter_reduce_(
+        0, _expand(index, src), src, reduce="amax" if largest else "amin", include_self=True
+    )
     # Arg: the smallest row index that attains the extreme (deterministic ties).
     hit = src == value[index]
-    rows = torch.arange(src.shape[0], device=src.device).view(-1, *([1] * (src.dim() - 1))).expand_as(src)
+    rows = (
+        torch.arange(src.shape[0], device=src.device)
+        .view(-1, *([1] * (src.dim() - 1)))
+        .expand_as(src)
+    )
     cand = torch.where(hit, rows, torch.full_like(rows, src.shape[0]))
     arg = torch.full((dim_size, *src.shape[1:]), src.shape[0], dtype=torch.long, device=src.device)
     arg.scatter_reduce_(0, _expand(index, src), cand, reduce="amin", include_self=True)
@@ -239,4 +252,3 @@ def right_align(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     index = torch.full((b, width), -1, dtype=torch.long, device=keep.device)
     index[rows[keep], column[keep]] = torch.arange(n, device=keep.device).expand(b, n)[keep]
     return index, column
-

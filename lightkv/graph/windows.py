@@ -53,10 +53,14 @@ BANDS: tuple[str, ...] = ("proportional", "leading")
 def check_bands(bands: str) -> None:
     """Raise a clear error for an unknown band rule."""
     if bands not in BANDS:
-        raise ValueError(f"unknown bands rule {bands!r}; choose 'proportional' (lightkv) or 'leading' (reference code)")
+        raise ValueError(
+            f"unknown bands rule {bands!r}; choose 'proportional' (lightkv) or 'leading' (reference code)"
+        )
 
 
-def band_index(r: torch.Tensor, size: torch.Tensor, bands: int, rule: str = "proportional") -> torch.Tensor:
+def band_index(
+    r: torch.Tensor, size: torch.Tensor, bands: int, rule: str = "proportional"
+) -> torch.Tensor:
     """Band of each index ``r`` on a side of ``size`` cells cut into ``min(bands, size)`` bands.
 
     Args:
@@ -73,8 +77,11 @@ def band_index(r: torch.Tensor, size: torch.Tensor, bands: int, rule: str = "pro
     rem = size - q * bands
     cut = rem * (q + 1)  # rows covered by the longer leading bands
     # q == 0 (a side shorter than W): every index is before the cut, one band per cell.
-    return torch.where(r < cut, torch.div(r, q + 1, rounding_mode="floor"),
-                       rem + torch.div(r - cut, q.clamp_min(1), rounding_mode="floor"))
+    return torch.where(
+        r < cut,
+        torch.div(r, q + 1, rounding_mode="floor"),
+        rem + torch.div(r - cut, q.clamp_min(1), rounding_mode="floor"),
+    )
 
 
 MAX_SIDE = 65536
@@ -86,17 +93,27 @@ def check_window_spec(windows_per_side: int | None, window_size: tuple[int, int]
     """Validate that exactly one of the two window specifications is given, positive and at
     most `MAX_SIDE`."""
     if (windows_per_side is None) == (window_size is None):
-        raise ValueError("give exactly one of windows_per_side (e.g. 4) or window_size (e.g. (6, 6))")
-    if windows_per_side is not None and (not isinstance(windows_per_side, int) or windows_per_side < 1):
+        raise ValueError(
+            "give exactly one of windows_per_side (e.g. 4) or window_size (e.g. (6, 6))"
+        )
+    if windows_per_side is not None and (
+        not isinstance(windows_per_side, int) or windows_per_side < 1
+    ):
         raise ValueError(f"windows_per_side must be a positive integer, got {windows_per_side!r}")
     if windows_per_side is not None and windows_per_side > MAX_SIDE:
-        raise ValueError(f"windows_per_side must be at most {MAX_SIDE} (no image side has more tokens), "
-                         f"got {windows_per_side}")
+        raise ValueError(
+            f"windows_per_side must be at most {MAX_SIDE} (no image side has more tokens), "
+            f"got {windows_per_side}"
+        )
     if window_size is not None:
         if len(window_size) != 2 or any((not isinstance(s, int)) or s < 1 for s in window_size):
-            raise ValueError(f"window_size must be two positive integers (rows, cols), got {window_size!r}")
+            raise ValueError(
+                f"window_size must be two positive integers (rows, cols), got {window_size!r}"
+            )
         if max(window_size) > MAX_SIDE:
-            raise ValueError(f"window_size sides must be at most {MAX_SIDE} tokens, got {window_size!r}")
+            raise ValueError(
+                f"window_size sides must be at most {MAX_SIDE} tokens, got {window_size!r}"
+            )
 
 
 def _compact(key: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -142,7 +159,9 @@ def grid_windows(
         return torch.full_like(layout.image, -1)
     img = layout.image.clamp_min(0)
     # Images have at most h*w windows; a key that sorts by (image, local window) is enough.
-    span = int((layout.image_grid[:, 0] * layout.image_grid[:, 1]).max()) if layout.num_images else 1
+    span = (
+        int((layout.image_grid[:, 0] * layout.image_grid[:, 1]).max()) if layout.num_images else 1
+    )
     return _compact(img * span + local, vision)
 
 
@@ -213,7 +232,9 @@ def pseudo_square_windows(
     if flat_img.numel() == 0:
         return out
     k = segment_rank(flat_img)
-    n = scatter_sum(torch.ones_like(flat_img), flat_img, layout.num_images + layout.num_videos)[flat_img]
+    n = scatter_sum(torch.ones_like(flat_img), flat_img, layout.num_images + layout.num_videos)[
+        flat_img
+    ]
     side = torch.ceil(torch.sqrt(n.double())).long()
     side = torch.where(side * side < n, side + 1, side)  # guard against sqrt rounding
     pr = torch.div(k, side, rounding_mode="floor")

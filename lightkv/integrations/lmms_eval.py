@@ -11,7 +11,8 @@ accelerate launch --num_processes 8 -m lmms_eval --model lightkv ...   # one cop
 
 Model arguments (``--model_args k=v,...``):
 
-- ``pretrained``: a hub id, a local model directory, or a bundled model by name (``digitgrid``).
+- ``pretrained``: a hub id, a local model directory, or a bundled model by name (``digitgrid``;
+  the bundled models come with the laboratory, ``lightkv-lab``).
 - ``preset`` (a shipped preset's name) or ``config`` (a pipeline YAML file); neither (or
   ``preset=none``): uncompressed, generated without any lightkv hook.
 - ``dtype`` (``auto``, ``float16``, ``bfloat16``, ``float32``), ``device``, ``device_map``,
@@ -52,8 +53,8 @@ from .session_log import (
     placement,
     row_reports,
     single_process_launch,
-    warn_lmms_eval_user,
     uncompressed_rows,
+    warn_lmms_eval_user,
 )
 
 __all__ = ["LightKV", "LightKVTokenCounts", "load_pipeline", "manifest"]
@@ -105,15 +106,24 @@ def _load(pretrained: str, dtype: str, device_map: Any, attn_implementation: str
         AutoProcessor,
     )
 
+    from .. import lab
     from ..adapters.registry import MODEL_TYPES, SUPPORTED_FAMILIES
-    from ..tasks.model import BUNDLED_MODELS
 
-    path = str(BUNDLED_MODELS.get(pretrained, os.path.expanduser(pretrained)))
+    bundled = lab.bundled_model(pretrained) if pretrained in lab.bundled_models() else None
+    if (
+        bundled is None
+        and pretrained in lab.LAB_MODELS
+        and not os.path.isdir(os.path.expanduser(pretrained))
+    ):
+        raise ValueError(lab.needs_lab(f"pretrained={pretrained} (a bundled model)"))
+    path = str(bundled.path) if bundled is not None else os.path.expanduser(pretrained)
     local = {"local_files_only": True} if os.path.isdir(path) else {}
     config = AutoConfig.from_pretrained(path, **local)
     if MODEL_TYPES.get(getattr(config, "model_type", None)) is None:
-        raise ValueError(f"{pretrained}: model type {config.model_type!r} is not supported by lightkv; "
-                         f"supported families: {', '.join(SUPPORTED_FAMILIES)}")
+        raise ValueError(
+            f"{pretrained}: model type {config.model_type!r} is not supported by lightkv; "
+            f"supported families: {', '.join(SUPPORTED_FAMILIES)}"
+        )
     processor = AutoProcessor.from_pretrained(path, **local)
     kwargs = {"dtype": DTYPES.get(dtype, dtype), **local}
     if attn_implementation:
@@ -135,10 +145,20 @@ class LightKV(lmms):
 
     is_simple = True
 
-    def __init__(self, pretrained: str = "digitgrid", preset: str | None = None, config: str | None = None,
-                 dtype: str = "auto", device: str | None = None, device_map: str | None = None,
-                 attn_implementation: str | None = "sdpa", batch_size: int | str = 1,
-                 max_new_tokens: int | str = 128, max_batch_size: int | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        pretrained: str = "digitgrid",
+        preset: str | None = None,
+        config: str | None = None,
+        dtype: str = "auto",
+        device: str | None = None,
+        device_map: str | None = None,
+        attn_implementation: str | None = "sdpa",
+        batch_size: int | str = 1,
+        max_new_tokens: int | str = 128,
+        max_batch_size: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__()
         if kwargs:
             raise TypeError(f"unknown model_args for --model lightkv: {', '.join(sorted(kwargs))}")
@@ -149,13 +169,19 @@ class LightKV(lmms):
         alone = single_process_launch(os.environ, accelerator.num_processes)
         if alone:  # stderr, not warnings.warn: lmms-eval ignores every Python warning
             warn_lmms_eval_user(alone)
-        where = placement(process_index=accelerator.process_index,
-                          local_process_index=accelerator.local_process_index,
-                          num_processes=accelerator.num_processes, accelerator_device=accelerator.device,
-                          device=device, device_map=device_map)
+        where = placement(
+            process_index=accelerator.process_index,
+            local_process_index=accelerator.local_process_index,
+            num_processes=accelerator.num_processes,
+            accelerator_device=accelerator.device,
+            device=device,
+            device_map=device_map,
+        )
         self.accelerator = accelerator
         self._rank, self._world_size, self._device = where.rank, where.world_size, where.device
-        self._model, self.processor = _load(pretrained, dtype, where.device_map, attn_implementation)
+        self._model, self.processor = _load(
+            pretrained, dtype, where.device_map, attn_implementation
+        )
         if where.device_map is None:
             self._model.to(self._device)
         tokenizer = getattr(self.processor, "tokenizer", self.processor)
@@ -198,39 +224,66 @@ class LightKV(lmms):
         proc = self.processor
         if getattr(proc, "chat_template", None):
             content = [{"type": "image"}] * n_images + [{"type": "text", "text": context}]
-            return proc.apply_chat_template([{"role": "user", "content": content}],
-                                            add_generation_prompt=True, tokenize=False)
+            return proc.apply_chat_template(
+                [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+            )
         token = getattr(proc, "image_token", None) or "<image>"
         images = " ".join([token] * n_images)
-        return f"USER: {images}\n{context} ASSISTANT:" if n_images and token not in context else context
+        return (
+            f"USER: {images}\n{context} ASSISTANT:"
+            if n_images and token not in context
+            else context
+        )
 
     def _visuals(self, doc_to_visual, doc_id, task, split) -> list:
         if doc_to_visual is None:
             return []
         visuals = doc_to_visual(self.task_dict[task][split][doc_id])
-        visuals = [v for v in (visuals if isinstance(visuals, (list, tuple)) else [visuals]) if v is not None]
+        visuals = [
+            v
+            for v in (visuals if isinstance(visuals, (list, tuple)) else [visuals])
+            if v is not None
+        ]
         out = []
         for v in visuals:
             if isinstance(v, str) or not hasattr(v, "convert"):
-                raise NotImplementedError(f"lightkv's lmms-eval model reads images only, got {type(v).__name__} "
-                                          f"(task {task}); video tasks are not wired up yet")
+                raise NotImplementedError(
+                    f"lightkv's lmms-eval model reads images only, got {type(v).__name__} "
+                    f"(task {task}); video tasks are not wired up yet"
+                )
             out.append(v.convert("RGB"))
         return out
 
     # ------------------------------------------------------------------ generation
     def _generate(self, prompts: list[str], images: list[list], gen_kwargs: dict):
         flat = [im for ims in images for im in ims]
-        inputs = self.processor(text=prompts, images=flat or None, padding=True, return_tensors="pt")
-        inputs = {k: (v.to(self._device, self._model.dtype) if v.is_floating_point() else v.to(self._device))
-                  if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        inputs = self.processor(
+            text=prompts, images=flat or None, padding=True, return_tensors="pt"
+        )
+        inputs = {
+            k: (
+                v.to(self._device, self._model.dtype)
+                if v.is_floating_point()
+                else v.to(self._device)
+            )
+            if isinstance(v, torch.Tensor)
+            else v
+            for k, v in inputs.items()
+        }
         kw = dict(gen_kwargs)
         until = kw.pop("until", None) or []
         until = [until] if isinstance(until, str) else list(until)
         sample = bool(kw.pop("do_sample", False)) and float(kw.get("temperature") or 0) > 0
-        args = {"max_new_tokens": int(kw.get("max_new_tokens") or self.max_new_tokens), "do_sample": sample,
-                "num_beams": int(kw.get("num_beams") or 1), "pad_token_id": self.tokenizer.pad_token_id}
+        args = {
+            "max_new_tokens": int(kw.get("max_new_tokens") or self.max_new_tokens),
+            "do_sample": sample,
+            "num_beams": int(kw.get("num_beams") or 1),
+            "pad_token_id": self.tokenizer.pad_token_id,
+        }
         if sample:
-            args.update({k: kw[k] for k in ("temperature", "top_p", "top_k") if kw.get(k) is not None})
+            args.update(
+                {k: kw[k] for k in ("temperature", "top_p", "top_k") if kw.get(k) is not None}
+            )
         n_in = inputs["input_ids"].shape[1]
         t0 = time.perf_counter()
         with torch.inference_mode(), PrefillTimer(self._model) as timer:
@@ -240,8 +293,14 @@ class LightKV(lmms):
                 rows = row_reports(self.session, timer.seconds)
             else:
                 out = self._model.generate(**inputs, **args)
-                prompt = inputs["attention_mask"].sum(-1).tolist() if "attention_mask" in inputs else [n_in] * len(prompts)
-                rows = uncompressed_rows([bool(ims) for ims in images], [int(p) for p in prompt], timer.seconds)
+                prompt = (
+                    inputs["attention_mask"].sum(-1).tolist()
+                    if "attention_mask" in inputs
+                    else [n_in] * len(prompts)
+                )
+                rows = uncompressed_rows(
+                    [bool(ims) for ims in images], [int(p) for p in prompt], timer.seconds
+                )
         elapsed = time.perf_counter() - t0
         new = out[:, n_in:]
         texts = self.tokenizer.batch_decode(new, skip_special_tokens=True)
@@ -282,8 +341,12 @@ class LightKV(lmms):
             prompts = [self._prompt(args[i][0], len(ims)) for i, ims in zip(batch, images)]
             for i, (text, n_out, row) in zip(batch, self._generate(prompts, images, gen_kwargs)):
                 row = dict(row, task=task, rank=self.rank)
-                out[i] = GenerationResult(text=text, token_counts=LightKVTokenCounts(
-                    input_tokens=row["prompt_tokens"], output_tokens=n_out, lightkv=row))
+                out[i] = GenerationResult(
+                    text=text,
+                    token_counts=LightKVTokenCounts(
+                        input_tokens=row["prompt_tokens"], output_tokens=n_out, lightkv=row
+                    ),
+                )
                 if not padding[i]:
                     for k in ("", task):
                         self.totals.setdefault(k, ReportTotals()).add(row)
@@ -302,11 +365,19 @@ class LightKV(lmms):
             metrics.update(t.metrics(f"lightkv_{k}_" if k else "lightkv_"))
         overall = totals.get("", ReportTotals())
         speed = overall.output_tokens / overall.generate_s if overall.generate_s > 0 else 0.0
-        log_metrics(total_elapsed_time=overall.generate_s, total_gen_tokens=int(overall.output_tokens),
-                    avg_speed=speed, additional_metrics=metrics)
+        log_metrics(
+            total_elapsed_time=overall.generate_s,
+            total_gen_tokens=int(overall.output_tokens),
+            avg_speed=speed,
+            additional_metrics=metrics,
+        )
 
     def loglikelihood(self, requests):
-        raise NotImplementedError("--model lightkv answers generate_until tasks only (loglikelihood: not yet)")
+        raise NotImplementedError(
+            "--model lightkv answers generate_until tasks only (loglikelihood: not yet)"
+        )
 
     def generate_until_multi_round(self, requests):
-        raise NotImplementedError("--model lightkv answers generate_until tasks only (multi-round: not yet)")
+        raise NotImplementedError(
+            "--model lightkv answers generate_until tasks only (multi-round: not yet)"
+        )

@@ -33,8 +33,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["Placement", "PrefillTimer", "ReportTotals", "gather_totals", "placement", "row_reports",
-           "shard", "single_process_launch", "uncompressed_rows", "warn_lmms_eval_user"]
+__all__ = [
+    "Placement",
+    "PrefillTimer",
+    "ReportTotals",
+    "gather_totals",
+    "placement",
+    "row_reports",
+    "shard",
+    "single_process_launch",
+    "uncompressed_rows",
+    "warn_lmms_eval_user",
+]
 
 
 def row_reports(session, prefill_s: float | None) -> list[dict[str, Any]]:
@@ -77,13 +87,22 @@ def row_reports(session, prefill_s: float | None) -> list[dict[str, Any]]:
     ]
 
 
-def uncompressed_rows(has_vision: list[bool], prompt_tokens: list[int], prefill_s: float | None) -> list[dict]:
+def uncompressed_rows(
+    has_vision: list[bool], prompt_tokens: list[int], prefill_s: float | None
+) -> list[dict]:
     """The rows of a batch generated without any lightkv session (``pipeline`` None): every
     vision token is kept; KV bytes are not measured (no hooks ran)."""
     return [
-        {"pipeline": None, "kept_vision_fraction": 1.0 if v else None, "vision_tokens": None,
-         "kv_bytes_vision": None, "kv_bytes_vision_baseline": None, "prompt_tokens": n,
-         "prefill_s": prefill_s, "batch_size": len(has_vision)}
+        {
+            "pipeline": None,
+            "kept_vision_fraction": 1.0 if v else None,
+            "vision_tokens": None,
+            "kv_bytes_vision": None,
+            "kv_bytes_vision_baseline": None,
+            "prompt_tokens": n,
+            "prefill_s": prefill_s,
+            "batch_size": len(has_vision),
+        }
         for v, n in zip(has_vision, prompt_tokens)
     ]
 
@@ -114,8 +133,10 @@ class PrefillTimer:
 
     def __enter__(self) -> PrefillTimer:
         self.seconds, self._t0 = None, None
-        self._handles = [self.model.register_forward_pre_hook(self._pre),
-                         self.model.register_forward_hook(self._post)]
+        self._handles = [
+            self.model.register_forward_pre_hook(self._pre),
+            self.model.register_forward_hook(self._post),
+        ]
         return self
 
     def __exit__(self, *exc) -> None:
@@ -224,9 +245,11 @@ def single_process_launch(env: Mapping[str, str], num_processes: int) -> str | N
     """
     launched = "ACCELERATE_MIXED_PRECISION" in env and "MASTER_ADDR" in env
     if num_processes == 1 and launched and "WORLD_SIZE" not in env:
-        return ("accelerate launch started one process although several were asked for (on CPU it does not "
-                "start more); every document runs here: for several CPU processes use "
-                "`python -m torch.distributed.run --nproc_per_node N -m lmms_eval ...`")
+        return (
+            "accelerate launch started one process although several were asked for (on CPU it does not "
+            "start more); every document runs here: for several CPU processes use "
+            "`python -m torch.distributed.run --nproc_per_node N -m lmms_eval ...`"
+        )
     return None
 
 
@@ -240,16 +263,27 @@ def warn_lmms_eval_user(message: str, stream=None) -> None:
     print(f"lightkv: warning: {message}", file=stream or sys.stderr, flush=True)
 
 
-def placement(*, process_index: int, local_process_index: int, num_processes: int,
-              accelerator_device: torch.device | str | None = None, device: str | None = None,
-              device_map: Any = None) -> Placement:
+def placement(
+    *,
+    process_index: int,
+    local_process_index: int,
+    num_processes: int,
+    accelerator_device: torch.device | str | None = None,
+    device: str | None = None,
+    device_map: Any = None,
+) -> Placement:
     """The process's placement. Data parallel (``num_processes > 1``): the accelerator's
     device (``cuda:LOCAL_RANK``, or the CPU under ``accelerate launch --cpu``), one whole
     model copy on it unless ``device_map`` says otherwise. One process: ``device`` (default
     CUDA when available), or ``device_map`` as given (e.g. ``auto`` to shard one big model)."""
     if num_processes > 1:
-        dev = torch.device(accelerator_device) if accelerator_device is not None else torch.device(
-            f"cuda:{local_process_index}")
-        return Placement(process_index, num_processes, dev, device_map if device_map else {"": str(dev)})
+        dev = (
+            torch.device(accelerator_device)
+            if accelerator_device is not None
+            else torch.device(f"cuda:{local_process_index}")
+        )
+        return Placement(
+            process_index, num_processes, dev, device_map if device_map else {"": str(dev)}
+        )
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     return Placement(0, 1, dev, device_map or None)

@@ -18,7 +18,13 @@ from .cache_policies import (
     accumulated_attention_flops,
     h2o_keep,
 )
+from .cdpruner import CDPruner
+from .coverage import RelevanceCoverage
+from .dart import DART
+from .divprune import DivPrune
+from .holov import HoloV
 from .inputs import Features, StageInputs
+from .mmtok import MMTok
 from .partitioners import (
     GlobalPartitioner,
     GridPartitioner,
@@ -27,33 +33,30 @@ from .partitioners import (
     PseudoSquarePartitioner,
     RelevanceSplit,
 )
-from .passers import DropMessages, MessagePasser, RelevanceSizeWeightedMean, RelevanceWeightedMean, SizeWeightedMean
-from .cdpruner import CDPruner
-from .dart import DART
-from .divprune import DivPrune
-from .coverage import RelevanceCoverage
-from .holov import HoloV
-from .mmtok import MMTok
-from .scope import SCOPE
-from .vscan import VScanScan
+from .passers import (
+    DropMessages,
+    MessagePasser,
+    RelevanceSizeWeightedMean,
+    RelevanceWeightedMean,
+    SizeWeightedMean,
+)
 from .plugins import EntryPointStatus, PluginError
 from .pooling import AnchorPartitioner, ResizePartitioner, StridedPartitioner
+from .prompt import Prompt
 from .pruners import (
+    AllSources,
     KeepSetPruner,
     LowestRelevance,
     PruneInputs,
     Pruner,
     RandomPruner,
-    AllSources,
     RelevanceAwareDivergence,
     RelevanceBudget,
     SmallestDivergence,
     allocate_removals,
     exact_removals,
 )
-from .prompt import Prompt
 from .question import QuestionAttention
-from .similarity import QuestionSimilarity
 from .relevance import (
     LastTokenAttention,
     QueryAxisSoftmax,
@@ -62,9 +65,6 @@ from .relevance import (
     TextQueryAttention,
     UniformRelevance,
 )
-from .tower import TowerAttention
-from .vispruner import VisPruner
-from .visionzip import DominantContextual
 from .schedulers import (
     BudgetSchedule,
     CacheSchedule,
@@ -82,10 +82,19 @@ from .schedulers import (
     ratio_for_target,
     scale_layers,
 )
+from .scope import SCOPE
 from .scorers import CosineDivergence, EdgeScorer, L2Divergence, RandomDivergence
+from .similarity import QuestionSimilarity
 from .spatiotemporal import SpatioTemporalPartitioner
+from .tower import TowerAttention
+from .visionzip import DominantContextual
+from .vispruner import VisPruner
+from .vscan import VScanScan
 
-FAMILIES = {family.family: family for family in (Partitioner, EdgeScorer, Pruner, MessagePasser, Relevance, Scheduler)}
+FAMILIES = {
+    family.family: family
+    for family in (Partitioner, EdgeScorer, Pruner, MessagePasser, Relevance, Scheduler)
+}
 """Family name -> family base class. A family's name is its key in pipeline files and in
 error messages (``scorer: cosine``; "unknown scorer 'x'")."""
 

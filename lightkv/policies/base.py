@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, ClassVar, TypeVar
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
 
 from .plugins import ENTRY_POINT_GROUP, EntryPointStatus, PluginError, load_entry_points
 
@@ -112,12 +113,18 @@ class Policy:
 
         def deco(impl: P) -> P:
             if not (isinstance(impl, type) and issubclass(impl, cls)):
-                raise TypeError(f"{impl!r} must subclass {cls.__name__} to be registered as a {cls.family}")
+                raise TypeError(
+                    f"{impl!r} must subclass {cls.__name__} to be registered as a {cls.family}"
+                )
             if "family" in vars(impl):  # the family's base: registering it would rename the family
-                raise TypeError(f"register a subclass of {impl.__name__}, not the family's base class itself")
+                raise TypeError(
+                    f"register a subclass of {impl.__name__}, not the family's base class itself"
+                )
             existing = cls._registry.get(name)
             if existing is not None and existing.__qualname__ != impl.__qualname__:
-                raise ValueError(f"{cls.family} name {name!r} is already registered by {existing.__qualname__}")
+                raise ValueError(
+                    f"{cls.family} name {name!r} is already registered by {existing.__qualname__}"
+                )
             impl.name = name
             cls._registry[name] = impl
             return impl
@@ -146,7 +153,9 @@ class Policy:
         failed = [s for s in Policy._entry_points.values() if s.error is not None]
         own = [s for s in failed if s.name == name]
         if own:
-            raise PluginError(f"{cls.family} {name!r} comes from a plugin that failed to load: {own[0].describe()}")
+            raise PluginError(
+                f"{cls.family} {name!r} comes from a plugin that failed to load: {own[0].describe()}"
+            )
         known = ", ".join(sorted(cls._registry)) or "(none)"
         message = f"unknown {cls.family} {name!r}; registered {cls.family}s: {known}"
         if failed:
@@ -154,7 +163,7 @@ class Policy:
         raise ValueError(message)
 
     @classmethod
-    def create(cls, name: str, **params: Any) -> "Policy":
+    def create(cls, name: str, **params: Any) -> Policy:
         """Instantiate the implementation registered under ``name`` with ``params``.
 
         Raises:
@@ -187,5 +196,7 @@ class Policy:
         return frozenset()
 
     @classmethod
-    def _load_entry_points(cls, first: str | None = None, done: Callable[[], bool] = lambda: False) -> None:
+    def _load_entry_points(
+        cls, first: str | None = None, done: Callable[[], bool] = lambda: False
+    ) -> None:
         load_entry_points(Policy._entry_points, Policy, first, done)

@@ -17,8 +17,14 @@ import torch
 from .partitioners import GlobalPartitioner, Partition, Partitioner
 from .relevance import Relevance, _accumulator, _match_heads
 
-__all__ = ["AccumulatedAttention", "ImportancePartitioner", "accumulated_attention", "accumulated_attention_flops",
-           "causal_chunks", "h2o_keep"]
+__all__ = [
+    "AccumulatedAttention",
+    "ImportancePartitioner",
+    "accumulated_attention",
+    "accumulated_attention_flops",
+    "causal_chunks",
+    "h2o_keep",
+]
 
 
 def accumulated_attention(
@@ -53,13 +59,17 @@ def accumulated_attention(
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     # float64 sums: a column adds one block sum per head and chunk (384 at 7B width), which
     # added in float32 drifted by 1e-5 relative (measured; near-ties decide what is kept)
-    out = torch.zeros(b, n, dtype=acc if queries.device.type == "mps" else torch.float64, device=queries.device)
+    out = torch.zeros(
+        b, n, dtype=acc if queries.device.type == "mps" else torch.float64, device=queries.device
+    )
     # j is allowed for i iff key_at[j] <= query_at[i]: causal, and both valid (holes never match)
     big = torch.iinfo(origin.dtype).max
     key_at = origin.masked_fill(~valid, big)
     query_at = origin.masked_fill(~valid, -1)
     plan = causal_chunks(valid, origin, chunk)
-    key_at = torch.cat([key_at, key_at.new_full((b, _padded(n) - n), big)], 1)  # the rows' padding: seen by none
+    key_at = torch.cat(
+        [key_at, key_at.new_full((b, _padded(n) - n), big)], 1
+    )  # the rows' padding: seen by none
     # One buffer, reused: a fresh allocation of tens of MB is fresh pages faulted in on first
     # touch. Blocks of heads x rows x columns of at most _BLOCK floats per thread where one
     # head allows (a few heads of a chunk at 7B width, a whole chunk of a small model): each
@@ -69,7 +79,9 @@ def accumulated_attention(
     # Per thread: with 2 threads on 2 shared cores, every parallel operator waits for a
     # descheduled thread (measured: 1-MB-per-thread blocks 5x slower than 16 MB there).
     widest = min(chunk, n) * _padded(max((end for end, _, _ in plan), default=0))
-    block = _BLOCK * torch.get_num_threads() if queries.is_cpu else h * widest  # an accelerator: every head at once
+    block = (
+        _BLOCK * torch.get_num_threads() if queries.is_cpu else h * widest
+    )  # an accelerator: every head at once
     buf = torch.empty(max(widest, min(block, h * widest)), dtype=acc, device=queries.device)
     for start, (end, lo, holes) in zip(range(0, n, chunk), plan):
         if end == 0:  # no valid query in the chunk: it adds nothing
@@ -94,16 +106,22 @@ def accumulated_attention(
                 logits[..., lo:].masked_fill_(blocked[r], float("-inf"))
                 # in place on the CPU, whose kernel normalises a row after reading it (one buffer
                 # in cache instead of two); elsewhere a fresh tensor, aliasing unchecked there
-                attn = (torch.ops.aten._softmax.out(logits, -1, False, out=logits) if logits.is_cpu
-                        else torch.softmax(logits, -1))
-                if holes:  # padding queries attend to nothing: 0 (what a fully masked row's NaN became)
+                attn = (
+                    torch.ops.aten._softmax.out(logits, -1, False, out=logits)
+                    if logits.is_cpu
+                    else torch.softmax(logits, -1)
+                )
+                if (
+                    holes
+                ):  # padding queries attend to nothing: 0 (what a fully masked row's NaN became)
                     attn.masked_fill_(~valid[r, None, start:stop, None], 0.0)
                 out[r, :end] += attn.sum(dim=(0, 1))[:end]
     return out.to(acc)
 
 
-def accumulated_attention_flops(valid: torch.Tensor, origin: torch.Tensor, heads: int, head_dim: int,
-                                chunk: int = 256) -> float:
+def accumulated_attention_flops(
+    valid: torch.Tensor, origin: torch.Tensor, heads: int, head_dim: int, chunk: int = 256
+) -> float:
     """Multiply-add FLOPs (2 per MAC) of the ``q . k`` products `accumulated_attention`
     computes: each chunk's rows times the key columns it reads (`causal_chunks`: the causal
     half of ``N x N`` plus the chunks' diagonal blocks), every head and batch row. Counted as
@@ -138,7 +156,9 @@ _MIN_ROWS = 8
 """Fewest query rows for which `accumulated_attention` leaves out key columns."""
 
 
-def causal_chunks(valid: torch.Tensor, origin: torch.Tensor, chunk: int) -> list[tuple[int, int, bool]]:
+def causal_chunks(
+    valid: torch.Tensor, origin: torch.Tensor, chunk: int
+) -> list[tuple[int, int, bool]]:
     """For each chunk of ``chunk`` query rows, what `accumulated_attention` must mask, over
     all batch rows, as ``(end, lo, holes)``: ``end`` is one past the last key column a valid
     query of the chunk may attend to (``origin_j <= origin_i``, both valid; 0 for a chunk
@@ -157,7 +177,9 @@ def causal_chunks(valid: torch.Tensor, origin: torch.Tensor, chunk: int) -> list
     big = torch.iinfo(origin.dtype).max
 
     def by_chunk(t: torch.Tensor, fill) -> torch.Tensor:
-        return torch.nn.functional.pad(t, (0, chunks * chunk - n), value=fill).view(b, chunks, chunk)
+        return torch.nn.functional.pad(t, (0, chunks * chunk - n), value=fill).view(
+            b, chunks, chunk
+        )
 
     keys = origin.masked_fill(~valid, big)  # a hole is seen by no query
     latest = by_chunk(origin.masked_fill(~valid, -1), -1).amax(dim=-1)  # [B, C]
@@ -198,11 +220,15 @@ class AccumulatedAttention(Relevance):
     chunk: int = 256
 
     def product_flops(self, layout, heads, head_dim):
-        return accumulated_attention_flops(layout.valid_mask, layout.origin, heads, head_dim, self.chunk)
+        return accumulated_attention_flops(
+            layout.valid_mask, layout.origin, heads, head_dim, self.chunk
+        )
 
     def score(self, queries, keys, layout):
         self._check(queries, keys, layout)
-        xi = accumulated_attention(queries, keys, layout.valid_mask, layout.origin, chunk=self.chunk)
+        xi = accumulated_attention(
+            queries, keys, layout.valid_mask, layout.origin, chunk=self.chunk
+        )
         return torch.where(layout.vision_mask, xi, torch.zeros_like(xi))
 
 

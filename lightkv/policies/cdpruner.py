@@ -80,7 +80,9 @@ class CDPruner(KeepSetPruner):
 
     def __post_init__(self) -> None:
         if self.theta is not None and (
-            isinstance(self.theta, bool) or not isinstance(self.theta, (int, float)) or not 0.0 <= self.theta < 1.0
+            isinstance(self.theta, bool)
+            or not isinstance(self.theta, (int, float))
+            or not 0.0 <= self.theta < 1.0
         ):
             raise ValueError(f"theta must be None or in [0, 1), got {self.theta!r}")
 
@@ -89,8 +91,8 @@ class CDPruner(KeepSetPruner):
         return frozenset({self.features}) - {"hidden"}
 
     def quality(self, inputs: PruneInputs, stage: StageInputs) -> torch.Tensor:
-        """``[K, a_max]`` float64 ``q`` per A slot (1 on padding and where there is no
-        question)."""
+        """``[K, a_max]`` float64 ``q`` per A slot (1 on padding, where there is no question
+        and in a one-token window; with ``theta``, ``exp(alpha q)`` of that)."""
         graph = inputs.graph
         valid = graph.src_slots >= 0
         ones = torch.ones(valid.shape, dtype=torch.float64, device=valid.device)
@@ -144,10 +146,14 @@ class CDPruner(KeepSetPruner):
             gm = gain.masked_fill(~free, -math.inf)
             exhausted = gm.amax(dim=1) <= tol
             # A spent DPP: every free token's gain is numerical noise; take q's order instead.
-            j = torch.where(exhausted, q.masked_fill(~free, -math.inf).argmax(dim=1), gm.argmax(dim=1))
+            j = torch.where(
+                exhausted, q.masked_fill(~free, -math.inf).argmax(dim=1), gm.argmax(dim=1)
+            )
             grow = active & ~exhausted
             dj = gain[windows, j].clamp_min(torch.finfo(torch.float64).tiny).sqrt()
-            e = (kernel[windows, j] - torch.einsum("tk,tka->ka", chol[:t, windows, j], chol[:t])) / dj.unsqueeze(1)
+            e = (
+                kernel[windows, j] - torch.einsum("tk,tka->ka", chol[:t, windows, j], chol[:t])
+            ) / dj.unsqueeze(1)
             e = torch.where(grow.unsqueeze(1), e, torch.zeros_like(e))
             chol[t] = e
             gain = gain - e * e

@@ -45,4 +45,6 @@ def kept_count(n: torch.Tensor, ratio: float) -> torch.Tensor:
 def image_vision_counts(layout: VisionLayout) -> torch.Tensor:
     """``[I]`` int64: current vision tokens of each image of ``layout``."""
     vision = layout.vision_mask
-    return scatter_sum(torch.ones_like(layout.image[vision]), layout.image[vision], layout.num_images)
+    return scatter_sum(
+        torch.ones_like(layout.image[vision]), layout.image[vision], layout.num_images
+    )

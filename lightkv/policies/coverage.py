@@ -67,7 +67,12 @@ class RelevanceCoverage(KeepSetPruner):
     def __post_init__(self) -> None:
         for name, hi in (("share", 1.0), ("power", math.inf), ("spatial", math.inf)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= hi or value == math.inf:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not 0.0 <= value <= hi
+                or value == math.inf
+            ):
                 bound = "in [0, 1]" if hi == 1.0 else "a finite number >= 0"
                 raise ValueError(f"relevance_coverage: {name} must be {bound}, got {value!r}")
 
@@ -90,8 +95,13 @@ class RelevanceCoverage(KeepSetPruner):
         for g in groups:
             part = graph.select_windows(g)
             a = part.src_slots.shape[1]
-            sub = PruneInputs(part, inputs.divergence[g, :a], inputs.relevance[g, :a], inputs.identity[g, :a],
-                              inputs.stage)
+            sub = PruneInputs(
+                part,
+                inputs.divergence[g, :a],
+                inputs.relevance[g, :a],
+                inputs.identity[g, :a],
+                inputs.stage,
+            )
             kept[g, :a] = self._keep(sub, count[g])
         return kept
 
@@ -109,7 +119,9 @@ class RelevanceCoverage(KeepSetPruner):
         weight = q.pow(self.power) if self.power else torch.ones_like(q)
 
         # 1. the most relevant tokens (stable sort: ties go to the earlier token)
-        n_rel = torch.minimum(torch.ceil(count.double() * self.share - 1e-9).long().clamp_min(0), count)
+        n_rel = torch.minimum(
+            torch.ceil(count.double() * self.share - 1e-9).long().clamp_min(0), count
+        )
         # a window whose ξ says nothing (all equal: uniform relevance) is covered by coverage alone
         low = xi.masked_fill(~valid, math.inf).amin(dim=1)
         n_rel = torch.where(low < top.squeeze(1), n_rel, torch.zeros_like(n_rel))
@@ -127,7 +139,9 @@ class RelevanceCoverage(KeepSetPruner):
         pad_rows = ~valid.unsqueeze(2)
         seeded = kept.any(dim=1)
         gap = torch.full_like(dist[:, 0], math.inf)
-        if bool(seeded.any()):  # each [K, a, a] pass below costs a few ms at 7B width: only when needed
+        if bool(
+            seeded.any()
+        ):  # each [K, a, a] pass below costs a few ms at 7B width: only when needed
             to_kept = dist.masked_fill(~kept.unsqueeze(2) | pad_rows, math.inf).amin(dim=1)
             gap = torch.where(seeded.unsqueeze(1), to_kept, gap)
         if not bool(seeded.all()):
@@ -138,7 +152,9 @@ class RelevanceCoverage(KeepSetPruner):
         rest = count - n_rel
         for t in range(int(rest.max())):
             active = rest > t
-            score = gap if self.power == 0 else gap.clamp_max(2.0) * weight  # inf: a window's lone token
+            score = (
+                gap if self.power == 0 else gap.clamp_max(2.0) * weight
+            )  # inf: a window's lone token
             j = score.masked_fill(~valid | kept, -math.inf).argmax(dim=1)  # first maximum
             kept[windows, j] |= active
             picked = dist[windows, j]
@@ -165,7 +181,9 @@ class RelevanceCoverage(KeepSetPruner):
         valid = graph.src_slots >= 0
         if inputs.stage is None or graph.src_slots.shape[0] == 0:
             return super().select(inputs, ratio)
-        image = graph.token_blocks(inputs.stage.layout.image, "src").masked_fill(~valid, -1).amax(dim=1)  # [K]
+        image = (
+            graph.token_blocks(inputs.stage.layout.image, "src").masked_fill(~valid, -1).amax(dim=1)
+        )  # [K]
         group = torch.unique(image, return_inverse=True)[1]
         size = graph.window_size
         groups = int(group.max()) + 1
@@ -189,4 +207,6 @@ class RelevanceCoverage(KeepSetPruner):
         grid = layout.image_grid.to(dtype)
         diag = grid.pow(2).sum(-1).sqrt().clamp_min(1.0)[image]  # [K, a]
         d = torch.cdist(coords, coords) / diag.unsqueeze(2)
-        return torch.where(image.unsqueeze(2) == image.unsqueeze(1), d.clamp_max(1.0), torch.ones_like(d))
+        return torch.where(
+            image.unsqueeze(2) == image.unsqueeze(1), d.clamp_max(1.0), torch.ones_like(d)
+        )

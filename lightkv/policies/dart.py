@@ -89,12 +89,19 @@ class DART(KeepSetPruner):
         feats = stage.features(self.features)
         x = self.unit_features(inputs, stage, self.features)  # [K, a, F]
         piv = stage.features(self.pivot_features)
-        norm = piv.reshape(*piv.shape[:2], -1).to(torch.promote_types(piv.dtype, torch.float32)).abs().sum(-1)  # [B, N] L1
+        norm = (
+            piv.reshape(*piv.shape[:2], -1)
+            .to(torch.promote_types(piv.dtype, torch.float32))
+            .abs()
+            .sum(-1)
+        )  # [B, N] L1
 
         # Image pivots: the largest norms of the window (stable sort: ties to the earliest).
         n_img = torch.minimum(count, torch.full_like(count, self.pivot_image_tokens))
         img_norm = graph.token_blocks(norm, "src").masked_fill(~valid, -math.inf)
-        img_order = torch.sort(img_norm, dim=1, descending=True, stable=True).indices[:, : self.pivot_image_tokens]
+        img_order = torch.sort(img_norm, dim=1, descending=True, stable=True).indices[
+            :, : self.pivot_image_tokens
+        ]
         img_exists = torch.arange(img_order.shape[1], device=dev) < n_img.unsqueeze(1)  # [K, p_i]
         kept = torch.zeros_like(valid)
         kept[windows.unsqueeze(1).expand_as(img_order)[img_exists], img_order[img_exists]] = True
@@ -104,10 +111,14 @@ class DART(KeepSetPruner):
         pos = torch.arange(layout.seq_len, device=dev).expand(layout.batch_size, -1)
         last = torch.where(layout.vision_mask, pos, torch.full_like(pos, -1)).amax(1, keepdim=True)
         question = layout.text_mask & (pos > last)
-        txt_order = torch.sort(norm.masked_fill(~question, -math.inf), dim=1, descending=True, stable=True).indices
+        txt_order = torch.sort(
+            norm.masked_fill(~question, -math.inf), dim=1, descending=True, stable=True
+        ).indices
         txt_order = txt_order[:, : self.pivot_text_tokens]  # [B, p_t]
         txt_exists = torch.arange(txt_order.shape[1], device=dev) < question.sum(1, keepdim=True)
-        row = torch.zeros(k, dtype=torch.long, device=dev).scatter_(0, graph.node_window, graph.node_row)
+        row = torch.zeros(k, dtype=torch.long, device=dev).scatter_(
+            0, graph.node_window, graph.node_row
+        )
         txt_vec = self.unit_rows(feats[row.unsqueeze(1), txt_order[row]])  # [K, p_t, F]
 
         vec = torch.cat([img_vec, txt_vec], dim=1)  # [K, P, F], image pivots first
@@ -125,4 +136,3 @@ class DART(KeepSetPruner):
             slot_rank.scatter_(1, order, torch.arange(a, device=dev).expand_as(order))
             kept |= free & (slot_rank < quota[:, p].unsqueeze(1))
         return kept
-

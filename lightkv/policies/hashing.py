@@ -34,19 +34,27 @@ def token_identity(layout: VisionLayout) -> torch.Tensor:
     if layout.num_images == 0:
         return layout.origin.clamp_min(0)
     local_image = segment_rank(layout.image_row)
-    img = torch.where(layout.image >= 0, local_image[layout.image.clamp_min(0)], torch.full_like(layout.image, -1))
+    img = torch.where(
+        layout.image >= 0, local_image[layout.image.clamp_min(0)], torch.full_like(layout.image, -1)
+    )
     r, c = layout.coords[..., 0], layout.coords[..., 1]
-    return torch.where(img >= 0, ((img + 1) << 40) + ((r + 1) << 20) + (c + 1), layout.origin.clamp_min(0))
+    return torch.where(
+        img >= 0, ((img + 1) << 40) + ((r + 1) << 20) + (c + 1), layout.origin.clamp_min(0)
+    )
 
 
-def seeded_uniform_pairs(rows: torch.Tensor, cols: torch.Tensor, heads: int, seed: int) -> torch.Tensor:
+def seeded_uniform_pairs(
+    rows: torch.Tensor, cols: torch.Tensor, heads: int, seed: int
+) -> torch.Tensor:
     """Float64 in ``[0, 1)``, ``[B, heads, N, T]``: one draw per (row token, column token,
     head), keyed by the identities ``rows`` (``[B, N]``) and ``cols`` (``[B, T]``), fixed for
     a given ``seed``: what ``torch.rand_like`` of an attention-score tensor draws, without a
     global RNG stream (so a row draws the same alone or inside a batch)."""
     h = torch.arange(1, heads + 1, device=rows.device, dtype=torch.int64)
     row = _mix(rows & _MASK)[:, None, :, None]
-    col = _mix(_mix(cols & _MASK) ^ 0x2545F4914F6CDD1D & _MASK)[:, None, None, :]  # not row's hash: (i, j) != (j, i)
+    col = _mix(_mix(cols & _MASK) ^ 0x2545F4914F6CDD1D & _MASK)[
+        :, None, None, :
+    ]  # not row's hash: (i, j) != (j, i)
     head = _mix((h << 32) & _MASK)[None, :, None, None]
     return seeded_uniform(row ^ _mix(col ^ head), seed)
 

@@ -83,7 +83,11 @@ class HoloV(KeepSetPruner):
             raise ValueError(f"crops must be a positive integer, got {self.crops!r}")
         for name in ("alpha", "scale", "eps"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 <= float(value) < math.inf):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (0.0 <= float(value) < math.inf)
+            ):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
     @property
@@ -112,11 +116,17 @@ class HoloV(KeepSetPruner):
         f = graph.token_blocks(stage.features(self.features), "src").flatten(2)
         f = f.to(torch.promote_types(f.dtype, torch.float32)).to(torch.float64)
         x = f / (f.norm(dim=-1, keepdim=True) + self.eps)
-        same = (crop.unsqueeze(2) == crop.unsqueeze(1)) & valid.unsqueeze(2) & valid.unsqueeze(1)  # [K, a, a]
+        same = (
+            (crop.unsqueeze(2) == crop.unsqueeze(1)) & valid.unsqueeze(2) & valid.unsqueeze(1)
+        )  # [K, a, a]
         eye = torch.eye(a, dtype=torch.bool, device=dev)
         s = (x @ x.transpose(1, 2)).masked_fill(~same | eye, 0.0)
-        flat = (torch.arange(k, device=dev).unsqueeze(1) * p + crop.clamp_min(0)).masked_fill(~valid, k * p)  # [K, a]
-        size = scatter_sum(valid.long().flatten(), flat.flatten(), k * p + 1)[: k * p].view(k, p)  # [K, P]
+        flat = (torch.arange(k, device=dev).unsqueeze(1) * p + crop.clamp_min(0)).masked_fill(
+            ~valid, k * p
+        )  # [K, a]
+        size = scatter_sum(valid.long().flatten(), flat.flatten(), k * p + 1)[: k * p].view(
+            k, p
+        )  # [K, P]
         c = size.gather(1, crop.clamp_min(0)).to(torch.float64)  # [K, a]: own crop's size
         div = (c - 1).clamp_min(1)
         mu = s.sum(2) / div
@@ -125,23 +135,31 @@ class HoloV(KeepSetPruner):
         att_s = att * self.scale
 
         def crop_mean(t: torch.Tensor) -> torch.Tensor:  # [K, a] -> [K, P]
-            total = scatter_sum(t.masked_fill(~valid, 0.0).flatten(), flat.flatten(), k * p + 1)[: k * p].view(k, p)
+            total = scatter_sum(t.masked_fill(~valid, 0.0).flatten(), flat.flatten(), k * p + 1)[
+                : k * p
+            ].view(k, p)
             return total / size.clamp_min(1).to(torch.float64)
 
         ratio = crop_mean(att_s.abs()) / (crop_mean(v.abs()) + self.eps)  # [K, P]
         token = att_s + self.alpha * v * ratio.gather(1, crop.clamp_min(0))
-        score = torch.where(size > 1, crop_mean(token), crop_mean(att))  # one-token crops: unscaled saliency
+        score = torch.where(
+            size > 1, crop_mean(token), crop_mean(att)
+        )  # one-token crops: unscaled saliency
         present = size > 0
         score = score.masked_fill(~present, 0.0)
         w = score / (score.sum(1, keepdim=True) + self.eps)
         base = torch.floor(w * count.unsqueeze(1).to(torch.float64)).long()
         left = (count - base.sum(1)).clamp_min(0)  # [K]
-        order = torch.sort(-w.masked_fill(~present, -math.inf), dim=1, stable=True).indices  # largest weight first
+        order = torch.sort(
+            -w.masked_fill(~present, -math.inf), dim=1, stable=True
+        ).indices  # largest weight first
         rank = torch.empty_like(order)
         rank.scatter_(1, order, torch.arange(p, device=dev).expand_as(order))
         base = base + ((rank < left.unsqueeze(1)) & present).long()
         group = torch.arange(k, device=dev).repeat_interleave(p)
-        kept = allocate_removals(base.flatten().to(torch.float64), size.flatten(), group, count).view(k, p)
+        kept = allocate_removals(
+            base.flatten().to(torch.float64), size.flatten(), group, count
+        ).view(k, p)
         return crop, kept
 
     def keep(self, inputs, count):
@@ -154,7 +172,9 @@ class HoloV(KeepSetPruner):
         att = inputs.relevance.to(torch.float64)
         idx = torch.arange(a, device=valid.device)
         # rank inside the crop: higher saliency first, ties to the earlier slot
-        before = (att.unsqueeze(1) > att.unsqueeze(2)) | ((att.unsqueeze(1) == att.unsqueeze(2)) & (idx < idx.unsqueeze(1)))
+        before = (att.unsqueeze(1) > att.unsqueeze(2)) | (
+            (att.unsqueeze(1) == att.unsqueeze(2)) & (idx < idx.unsqueeze(1))
+        )
         before &= (crop.unsqueeze(1) == crop.unsqueeze(2)) & valid.unsqueeze(1)
         rank = before.sum(2)  # [K, a]: row i counts the j ranked before it
         return valid & (rank < share.gather(1, crop.clamp_min(0)))

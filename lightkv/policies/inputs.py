@@ -74,7 +74,7 @@ class StageInputs:
         removal_ratio: float = 0.5,
         layer: int = 0,
         **tensors: torch.Tensor | Provenance | Prompt | None,
-    ) -> "StageInputs":
+    ) -> StageInputs:
         """Inputs for a stage built from a layout and window settings, without a scheduler.
 
         ``tensors`` are the other fields (``relevance``, ``keys``, ``provenance``, ``prompt``).
@@ -84,7 +84,9 @@ class StageInputs:
         """
         if "ratio" in tensors:
             raise TypeError("StageInputs.of: 'ratio' was renamed; use 'removal_ratio'")
-        spec = StageSpec(layer, removal_ratio, windows_per_side=windows_per_side, window_size=window_size)
+        spec = StageSpec(
+            layer, removal_ratio, windows_per_side=windows_per_side, window_size=window_size
+        )
         return cls(layout=layout, spec=spec, hidden=hidden, **tensors)  # type: ignore[arg-type]
 
     @property
@@ -133,7 +135,11 @@ class StageInputs:
         b, n = self.layout.batch_size, self.layout.seq_len
         if self.hidden is not None:
             if not isinstance(self.hidden, torch.Tensor) or self.hidden.dim() != 3:
-                shape = tuple(self.hidden.shape) if isinstance(self.hidden, torch.Tensor) else type(self.hidden).__name__
+                shape = (
+                    tuple(self.hidden.shape)
+                    if isinstance(self.hidden, torch.Tensor)
+                    else type(self.hidden).__name__
+                )
                 raise ValueError(f"hidden states must be [B, N, D], got shape {shape}")
             if tuple(self.hidden.shape[:2]) != (b, n):
                 raise ValueError(
@@ -142,9 +148,13 @@ class StageInputs:
             if not self.hidden.is_floating_point():
                 raise TypeError(f"hidden states must be floating point, got {self.hidden.dtype}")
         if self.relevance is not None and tuple(self.relevance.shape) != (b, n):
-            raise ValueError(f"relevance must be [B, N] = {(b, n)}, got {tuple(self.relevance.shape)}")
+            raise ValueError(
+                f"relevance must be [B, N] = {(b, n)}, got {tuple(self.relevance.shape)}"
+            )
         if self.prompt is not None and self.prompt.token_ids.shape[0] != b:
-            raise ValueError(f"the prompt has {self.prompt.token_ids.shape[0]} rows, the layout {b}")
+            raise ValueError(
+                f"the prompt has {self.prompt.token_ids.shape[0]} rows, the layout {b}"
+            )
         if self.keys is not None:
             if self.keys.dim() not in (3, 4) or tuple(self.keys.shape[:2]) != (b, n):
                 raise ValueError(

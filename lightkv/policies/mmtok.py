@@ -82,10 +82,15 @@ class MMTok(KeepSetPruner):
     def __post_init__(self) -> None:
         for name, positive in (("alpha", False), ("tau_tv", True), ("tau_vv", True)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
-                value <= 0 if positive else value < 0
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or (value <= 0 if positive else value < 0)
             ):
-                raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
+                raise ValueError(
+                    f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}"
+                )
         self.exclude = tuple(int(i) for i in self.exclude)
 
     @property
@@ -116,17 +121,25 @@ class MMTok(KeepSetPruner):
             if m:
                 # [B, T] positions of each row's question tokens (padding: -1), then per window
                 pos = torch.arange(stage.layout.seq_len, device=valid.device).expand_as(question)
-                order = torch.sort(torch.where(question, pos, pos + stage.layout.seq_len), dim=1).indices[:, :m]
+                order = torch.sort(
+                    torch.where(question, pos, pos + stage.layout.seq_len), dim=1
+                ).indices[:, :m]
                 present = question.gather(1, order)  # [B, T]
-                row = torch.zeros(k, dtype=torch.long, device=valid.device).scatter_(0, graph.node_window, graph.node_row)
+                row = torch.zeros(k, dtype=torch.long, device=valid.device).scatter_(
+                    0, graph.node_window, graph.node_row
+                )
                 h = stage.hidden
                 t = self.unit_rows(h[row.unsqueeze(1), order[row]]).to(torch.float64)  # [K, T, D]
                 xh = self.unit_features(inputs, stage, "hidden").to(torch.float64)
-                logits = (t @ xh.transpose(1, 2) / self.tau_tv).masked_fill(~valid.unsqueeze(1), -math.inf)
+                logits = (t @ xh.transpose(1, 2) / self.tau_tv).masked_fill(
+                    ~valid.unsqueeze(1), -math.inf
+                )
                 p = torch.softmax(logits, dim=2)
                 has = present[row]  # [K, T]
                 count = has.sum(1).clamp_min(1).to(torch.float64)
-                p = torch.where(has.unsqueeze(2) & valid.unsqueeze(1), p, torch.zeros_like(p)) / count.view(k, 1, 1)
+                p = torch.where(
+                    has.unsqueeze(2) & valid.unsqueeze(1), p, torch.zeros_like(p)
+                ) / count.view(k, 1, 1)
                 rows.insert(0, p)
         return torch.cat(rows, dim=1)
 
@@ -144,7 +157,12 @@ class MMTok(KeepSetPruner):
         windows = torch.arange(k, device=c.device)
         for t in range(steps):
             active = count > t
-            gain = (c - best.unsqueeze(2)).clamp_min(0).sum(dim=1).masked_fill(~valid | kept, -math.inf)
+            gain = (
+                (c - best.unsqueeze(2))
+                .clamp_min(0)
+                .sum(dim=1)
+                .masked_fill(~valid | kept, -math.inf)
+            )
             j = gain.argmax(dim=1)  # first maximum
             kept[windows, j] |= active
             best = torch.maximum(best, c[windows, :, j])

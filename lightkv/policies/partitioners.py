@@ -44,7 +44,7 @@ class Partition:
     is_src: torch.Tensor
 
     @classmethod
-    def empty(cls, layout: VisionLayout) -> "Partition":
+    def empty(cls, layout: VisionLayout) -> Partition:
         """No token in the graph (a stage with nothing to do, e.g. a text-only batch)."""
         return cls(torch.full_like(layout.image, -1), torch.zeros_like(layout.vision_mask))
 
@@ -70,7 +70,11 @@ class Partitioner(Policy):
 
     @staticmethod
     def _skip_small(
-        layout: VisionLayout, window: torch.Tensor, windows_per_side: int | None, min_tokens: int, by_video: bool = False
+        layout: VisionLayout,
+        window: torch.Tensor,
+        windows_per_side: int | None,
+        min_tokens: int,
+        by_video: bool = False,
     ) -> torch.Tensor:
         """Take every vision token of a row out of the graph when one of the row's images
         (with ``by_video``: a video counts as one image) has fewer than
@@ -79,7 +83,9 @@ class Partitioner(Policy):
         if not min_tokens or windows_per_side is None or not layout.num_images:
             return window
         if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
-            raise ValueError(f"min_tokens_per_window must be a non-negative integer, got {min_tokens!r}")
+            raise ValueError(
+                f"min_tokens_per_window must be a non-negative integer, got {min_tokens!r}"
+            )
         vision = layout.vision_mask
         group, groups, group_row = layout.image, layout.num_images, layout.image_row
         if by_video and layout.num_videos:
@@ -100,7 +106,9 @@ class Partitioner(Policy):
         rows[group_row[small]] = True
         return window.masked_fill(rows.unsqueeze(1), -1)
 
-    def _split(self, layout: VisionLayout, window: torch.Tensor, split: Split, src_parity: int, seed: int) -> torch.Tensor:
+    def _split(
+        self, layout: VisionLayout, window: torch.Tensor, split: Split, src_parity: int, seed: int
+    ) -> torch.Tensor:
         inside = window >= 0
         is_src = torch.zeros_like(inside)
         if split == "all_src":
@@ -109,9 +117,13 @@ class Partitioner(Policy):
             r, c = layout.coords[..., 0], layout.coords[..., 1]
             return inside & ((r + c) % 2 == src_parity)
         if split == "random":
-            return inside & ((seeded_uniform(token_identity(layout), seed) < 0.5) == bool(src_parity == 0))
+            return inside & (
+                (seeded_uniform(token_identity(layout), seed) < 0.5) == bool(src_parity == 0)
+            )
         if split != "parity":
-            raise ValueError(f"unknown split {split!r}; choose one of parity, checkerboard, random, all_src")
+            raise ValueError(
+                f"unknown split {split!r}; choose one of parity, checkerboard, random, all_src"
+            )
         rank = segment_rank(window[inside])
         is_src[inside] = rank % 2 == src_parity
         return is_src
@@ -148,7 +160,9 @@ class GridPartitioner(Partitioner):
         layout, windows_per_side = inputs.layout, inputs.spec.windows_per_side
         window = grid_windows(layout, windows_per_side, inputs.spec.window_size, bands=self.bands)
         window = self._skip_small(layout, window, windows_per_side, self.min_tokens_per_window)
-        return Partition(window, self._split(layout, window, self.split, self.src_parity, self.seed))
+        return Partition(
+            window, self._split(layout, window, self.split, self.src_parity, self.seed)
+        )
 
 
 @Partitioner.register("pseudo_square")
@@ -186,11 +200,19 @@ class PseudoSquarePartitioner(Partitioner):
     def partition(self, inputs):
         layout, windows_per_side = inputs.layout, inputs.spec.windows_per_side
         if inputs.spec.window_size is not None or windows_per_side is None:
-            raise ValueError("the pseudo_square partitioner needs windows_per_side (it has no window_size form)")
+            raise ValueError(
+                "the pseudo_square partitioner needs windows_per_side (it has no window_size form)"
+            )
         by_video = self.scope == "video"
-        window = pseudo_square_windows(layout, windows_per_side, bands=self.bands, by_video=by_video)
-        window = self._skip_small(layout, window, windows_per_side, self.min_tokens_per_window, by_video)
-        return Partition(window, self._split(layout, window, self.split, self.src_parity, self.seed))
+        window = pseudo_square_windows(
+            layout, windows_per_side, bands=self.bands, by_video=by_video
+        )
+        window = self._skip_small(
+            layout, window, windows_per_side, self.min_tokens_per_window, by_video
+        )
+        return Partition(
+            window, self._split(layout, window, self.split, self.src_parity, self.seed)
+        )
 
 
 @Partitioner.register("global")
@@ -217,13 +239,18 @@ class GlobalPartitioner(Partitioner):
         if self.scope == "image":
             key = layout.image
         else:
-            key = torch.arange(layout.batch_size, device=layout.device).unsqueeze(1).expand_as(layout.image)
+            key = (
+                torch.arange(layout.batch_size, device=layout.device)
+                .unsqueeze(1)
+                .expand_as(layout.image)
+            )
         window = torch.full_like(layout.image, -1)
         if vision.any():
             _, inv = torch.unique(key[vision], sorted=True, return_inverse=True)
             window[vision] = inv
-        return Partition(window, self._split(layout, window, self.split, self.src_parity, self.seed))
-
+        return Partition(
+            window, self._split(layout, window, self.split, self.src_parity, self.seed)
+        )
 
 
 @Partitioner.register("relevance_split")
@@ -259,9 +286,17 @@ class RelevanceSplit(Partitioner):
         check_bands(self.bands)
         if isinstance(self.sources, str):
             if self.sources != "ratio":
-                raise ValueError(f"sources must be a fraction in [0, 1] or 'ratio', got {self.sources!r}")
-        elif isinstance(self.sources, bool) or not isinstance(self.sources, (int, float)) or not 0.0 <= self.sources <= 1.0:
-            raise ValueError(f"sources must be a fraction in [0, 1] or 'ratio', got {self.sources!r}")
+                raise ValueError(
+                    f"sources must be a fraction in [0, 1] or 'ratio', got {self.sources!r}"
+                )
+        elif (
+            isinstance(self.sources, bool)
+            or not isinstance(self.sources, (int, float))
+            or not 0.0 <= self.sources <= 1.0
+        ):
+            raise ValueError(
+                f"sources must be a fraction in [0, 1] or 'ratio', got {self.sources!r}"
+            )
 
     def source_count(self, n: torch.Tensor, ratio: float) -> torch.Tensor:
         """``[K]`` int64 sources per window from the window sizes ``n [K]``."""

@@ -21,7 +21,13 @@ import torch
 from ..graph.scatter import scatter_sum
 from .base import Policy
 
-__all__ = ["MessagePasser", "RelevanceWeightedMean", "SizeWeightedMean", "RelevanceSizeWeightedMean", "DropMessages"]
+__all__ = [
+    "MessagePasser",
+    "RelevanceWeightedMean",
+    "SizeWeightedMean",
+    "RelevanceSizeWeightedMean",
+    "DropMessages",
+]
 
 
 class MessagePasser(Policy):
@@ -53,12 +59,16 @@ class MessagePasser(Policy):
         copy of their rows: it may be overwritten)."""
         return x_src.mul_(w_src.unsqueeze(-1))
 
-    def aggregate(self, messages: torch.Tensor, w_src: torch.Tensor, dst: torch.Tensor, num_nodes: int):
+    def aggregate(
+        self, messages: torch.Tensor, w_src: torch.Tensor, dst: torch.Tensor, num_nodes: int
+    ):
         """Sum messages and weights per destination: ``([num_nodes, D], [num_nodes])``
         (``dst`` indexes the receivers, ``num_nodes`` is their count)."""
         return scatter_sum(messages, dst, num_nodes), scatter_sum(w_src, dst, num_nodes)
 
-    def update(self, x: torch.Tensor, w: torch.Tensor, agg: torch.Tensor, agg_w: torch.Tensor) -> torch.Tensor:
+    def update(
+        self, x: torch.Tensor, w: torch.Tensor, agg: torch.Tensor, agg_w: torch.Tensor
+    ) -> torch.Tensor:
         """``[Q, D]`` new features of the ``Q`` receivers from their own rows ``x`` (the
         passer's copy: it may be overwritten), weights ``w [Q]`` and aggregated messages."""
         den = w + agg_w
@@ -95,7 +105,11 @@ class MessagePasser(Policy):
         w = self.weight(relevance, size).to(acc)
         # only the merged rows' weights matter (a Stage's rows outside the graph weigh 0)
         w_src, w_dst = w[src], w[receivers]
-        if (w_src < 0).any() or (w_dst < 0).any() or not (torch.isfinite(w_src).all() and torch.isfinite(w_dst).all()):
+        if (
+            (w_src < 0).any()
+            or (w_dst < 0).any()
+            or not (torch.isfinite(w_src).all() and torch.isfinite(w_dst).all())
+        ):
             raise ValueError(f"{type(self).__name__}.weight must be finite and non-negative")
         # Groups whose weights are all zero fall back to a plain mean.
         agg_w0 = scatter_sum(w[src], dst, x.shape[0])
@@ -105,7 +119,9 @@ class MessagePasser(Policy):
         w = torch.where(in_zero_group, torch.ones_like(w), w)
         # Aggregate straight into the Q receivers (receivers is sorted), not into all M nodes.
         slot = torch.searchsorted(receivers, dst)
-        agg, agg_w = self.aggregate(self.message(self._rows(x, src, acc), w[src]), w[src], slot, receivers.shape[0])
+        agg, agg_w = self.aggregate(
+            self.message(self._rows(x, src, acc), w[src]), w[src], slot, receivers.shape[0]
+        )
         new = self.update(self._rows(x, receivers, acc), w[receivers], agg, agg_w)
         return receivers, new
 
@@ -170,7 +186,11 @@ class RelevanceSizeWeightedMean(MessagePasser):
     def __post_init__(self) -> None:
         for name in ("relevance_power", "size_power"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < float("inf"):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not 0.0 <= value < float("inf")
+            ):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
     def weight(self, relevance, size):

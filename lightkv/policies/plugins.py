@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["ENTRY_POINT_GROUP", "EntryPointStatus", "PluginError", "load_entry_points"]
 
@@ -65,7 +66,9 @@ def _entry_points() -> list[Any]:
     global _scan
     state = _path_state()
     if _scan is None or _scan[0] != state:
-        eps = sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: (ep.name, ep.value))
+        eps = sorted(
+            metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: (ep.name, ep.value)
+        )
         _scan = (state, eps)
     return _scan[1]
 
@@ -115,6 +118,8 @@ def load_entry_points(
             error = f"{type(exc).__name__}: {exc}"
         status[key] = EntryPointStatus(ep.name, ep.value, error)
         if error is not None:
-            warnings.warn(f"lightkv plugin {ep.name} = {ep.value} failed to load: {error}", stacklevel=3)
+            warnings.warn(
+                f"lightkv plugin {ep.name} = {ep.value} failed to load: {error}", stacklevel=3
+            )
         if done():
             return

@@ -46,14 +46,18 @@ class AnchorPartitioner(Partitioner):
     """
 
     def partition(self, inputs):
-        window = grid_windows(inputs.layout, inputs.spec.windows_per_side, inputs.spec.window_size, partial=True)
+        window = grid_windows(
+            inputs.layout, inputs.spec.windows_per_side, inputs.spec.window_size, partial=True
+        )
         inside = window >= 0
         is_src = torch.zeros_like(inside)
         is_src[inside] = segment_rank(window[inside]) > 0
         return Partition(window, is_src)
 
 
-def resized_grid(h: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def resized_grid(
+    h: torch.Tensor, w: torch.Tensor, k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h', w')`` per image: the most cells ``h' w' <= k`` with ``h'`` one of the two
     integers around the aspect-preserving height ``x = h sqrt(k / (h w))`` (each in
     ``[1, h]``) and ``w' = min(w, floor(k / h'))`` (at least 1); at equal cell counts the
@@ -142,7 +146,9 @@ class StridedPartitioner(Partitioner):
 
     def __post_init__(self) -> None:
         stride = tuple(self.stride)
-        if len(stride) != 2 or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in stride):
+        if len(stride) != 2 or any(
+            isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in stride
+        ):
             raise ValueError(f"stride must be two positive integers (sy, sx), got {self.stride!r}")
         self.stride = stride  # type: ignore[assignment]
 

@@ -49,10 +49,14 @@ class Prompt:
         """``[B, N]`` int64: the id of each current text token of ``layout``, -1 for vision,
         padding and structural tokens and for holes."""
         if layout.batch_size != self.token_ids.shape[0]:
-            raise ValueError(f"the prompt has {self.token_ids.shape[0]} rows, the layout {layout.batch_size}")
+            raise ValueError(
+                f"the prompt has {self.token_ids.shape[0]} rows, the layout {layout.batch_size}"
+            )
         origin = layout.origin.clamp_min(0)
         if origin.numel() and int(origin.max()) >= self.token_ids.shape[1]:
-            raise ValueError("the layout reaches past the prompt's length: the prompt is not this prefill's")
+            raise ValueError(
+                "the layout reaches past the prompt's length: the prompt is not this prefill's"
+            )
         ids = self.token_ids.to(origin.device).long().gather(1, origin)
         return torch.where(layout.text_mask & (layout.origin >= 0), ids, torch.full_like(ids, -1))
 

@@ -91,14 +91,18 @@ class Pruner(Policy):
         elif precision == "float64":
             r = torch.floor(graph.window_size.double() * ratio).long()
         else:
-            raise ValueError(f"unknown budget_dtype {precision!r}; choose 'float64' (exact floor) or 'float32' "
-                             "(the released code's truncated float32 product)")
+            raise ValueError(
+                f"unknown budget_dtype {precision!r}; choose 'float64' (exact floor) or 'float32' "
+                "(the released code's truncated float32 product)"
+            )
         r = torch.minimum(r, graph.src_count)
         cap = getattr(self, "cap", "sources")
         if cap == "half":
             r = torch.minimum(r, torch.div(graph.window_size, 2, rounding_mode="floor"))
         elif cap != "sources":
-            raise ValueError(f"unknown cap {cap!r}; choose 'sources' (|A| per window) or 'half' (floor(n/2), reference code)")
+            raise ValueError(
+                f"unknown cap {cap!r}; choose 'sources' (|A| per window) or 'half' (floor(n/2), reference code)"
+            )
         if self.needs_partner:
             r = torch.where(graph.dst_count > 0, r, torch.zeros_like(r))
         return r
@@ -214,7 +218,9 @@ class AllSources(Pruner):
         return inputs.divergence
 
 
-def allocate_removals(ideal: torch.Tensor, capacity: torch.Tensor, group: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+def allocate_removals(
+    ideal: torch.Tensor, capacity: torch.Tensor, group: torch.Tensor, total: torch.Tensor
+) -> torch.Tensor:
     """Integer removals per window that add up to ``total`` in every group: the largest
     remainder method with caps, loop-free.
 
@@ -242,7 +248,9 @@ def allocate_removals(ideal: torch.Tensor, capacity: torch.Tensor, group: torch.
     priority = (ideal.to(torch.float64).unsqueeze(1) - slot).masked_fill(~valid, -math.inf)[valid]
     win = torch.arange(k, device=capacity.device).unsqueeze(1).expand(k, width)[valid]
     grp = group[win]
-    order = torch.sort(-priority, stable=True).indices  # highest first; ties keep (window, slot) order
+    order = torch.sort(
+        -priority, stable=True
+    ).indices  # highest first; ties keep (window, slot) order
     order = order[torch.sort(grp[order], stable=True).indices]
     per_group = scatter_sum(torch.ones_like(grp), grp, total.shape[0])
     start = torch.cumsum(per_group, 0) - per_group
@@ -287,8 +295,10 @@ class RelevanceBudget(Pruner):
     scope: Literal["image", "row"] = "image"
 
     def __post_init__(self) -> None:
-        if isinstance(self.strength, bool) or not isinstance(self.strength, (int, float)) or not (
-            0.0 <= self.strength < math.inf
+        if (
+            isinstance(self.strength, bool)
+            or not isinstance(self.strength, (int, float))
+            or not (0.0 <= self.strength < math.inf)
         ):
             raise ValueError(f"strength must be a finite number >= 0, got {self.strength!r}")
         if self.scope not in ("image", "row"):
@@ -312,12 +322,18 @@ class RelevanceBudget(Pruner):
         """
         graph, stage = inputs.graph, inputs.stage
         if stage is None:
-            raise ValueError("the relevance_budget pruner reads the stage's layout and relevance: pass PruneInputs.stage")
+            raise ValueError(
+                "the relevance_budget pruner reads the stage's layout and relevance: pass PruneInputs.stage"
+            )
         plain = Pruner.budget(self, graph, ratio)
         k = graph.num_windows
         if k == 0:
             return plain
-        owner = graph.node_row if self.scope == "row" else stage.layout.image[graph.node_row, graph.node_pos]
+        owner = (
+            graph.node_row
+            if self.scope == "row"
+            else stage.layout.image[graph.node_row, graph.node_pos]
+        )
         group = torch.unique(scatter_min(owner, graph.node_window, k)[0], return_inverse=True)[1]
         g = int(group.max()) + 1 if k else 0
         if stage.relevance is None:
@@ -331,7 +347,9 @@ class RelevanceBudget(Pruner):
         share = plain.to(torch.float64) * (density + 1e-6).pow(-float(self.strength))
         total = scatter_sum(plain, group, g)
         norm = scatter_sum(share, group, g)
-        ideal = torch.where(norm[group] > 0, total[group] * share / norm[group], torch.zeros_like(share))
+        ideal = torch.where(
+            norm[group] > 0, total[group] * share / norm[group], torch.zeros_like(share)
+        )
         return allocate_removals(ideal, self.budget(graph, ratio), group, total)
 
     def select(self, inputs, ratio):

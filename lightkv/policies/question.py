@@ -52,8 +52,10 @@ class QuestionAttention(Relevance):
         """``queries [B, H, N, d]``, ``keys [B, H_kv, N, d]``, ``prompt`` -> ``[B, N]``."""
         self._check(queries, keys, layout)
         if prompt is None:
-            raise ValueError("question_attention needs the prompt's token ids: the adapter passes them from "
-                             "input_ids; in a direct call pass prompt=Prompt(input_ids)")
+            raise ValueError(
+                "question_attention needs the prompt's token ids: the adapter passes them from "
+                "input_ids; in a direct call pass prompt=Prompt(input_ids)"
+            )
         question = prompt.question_mask(layout)
         chosen = question
         if self.ids is not None:

@@ -88,7 +88,9 @@ class Relevance(Policy):
     receives inside the vision tower, which the adapter computes), for policies that rank
     tokens as the vision encoder does (see `lightkv.policies.TowerAttention`)."""
 
-    def score(self, queries: torch.Tensor | None, keys: torch.Tensor | None, layout: VisionLayout) -> torch.Tensor:
+    def score(
+        self, queries: torch.Tensor | None, keys: torch.Tensor | None, layout: VisionLayout
+    ) -> torch.Tensor:
         """Relevance per token.
 
         Args:
@@ -120,17 +122,25 @@ class Relevance(Policy):
         return None
 
     @staticmethod
-    def _check(queries: torch.Tensor, keys: torch.Tensor, layout: VisionLayout, packed: int | None = None) -> None:
+    def _check(
+        queries: torch.Tensor, keys: torch.Tensor, layout: VisionLayout, packed: int | None = None
+    ) -> None:
         if queries.dim() != 4 or keys.dim() != 4:
             raise ValueError("queries and keys must be [B, H, N, d]")
         b, _, n, d = queries.shape
-        if (b, n) != (layout.batch_size, layout.seq_len) or keys.shape[0] != b or keys.shape[2] not in (n, packed):
+        if (
+            (b, n) != (layout.batch_size, layout.seq_len)
+            or keys.shape[0] != b
+            or keys.shape[2] not in (n, packed)
+        ):
             raise ValueError(
                 f"queries {tuple(queries.shape)} / keys {tuple(keys.shape)} do not match the layout "
                 f"[B={layout.batch_size}, N={layout.seq_len}]"
             )
         if keys.shape[-1] != d:
-            raise ValueError(f"queries and keys need the same head dim, got {d} and {keys.shape[-1]}")
+            raise ValueError(
+                f"queries and keys need the same head dim, got {d} and {keys.shape[-1]}"
+            )
 
 
 @Relevance.register("query_softmax")
@@ -165,12 +175,18 @@ class QueryAxisSoftmax(Relevance):
         else:
             k_text = k.gather(2, text_pos[:, None, :, None].expand(-1, h, -1, d))
         acc = _accumulator(queries)
-        logits = torch.matmul(queries.to(acc), k_text.to(acc).transpose(-1, -2)).div_(math.sqrt(d))  # [B,H,N,T]
+        logits = torch.matmul(queries.to(acc), k_text.to(acc).transpose(-1, -2)).div_(
+            math.sqrt(d)
+        )  # [B,H,N,T]
         # in place on the product (made here): N x T per head is tens of MB at 7B width
         logits.masked_fill_(~layout.valid_mask[:, None, :, None], float("-inf"))
         # out of place: softmax's backward reads its output
         attn = torch.softmax(logits, dim=2).masked_fill(~text_valid[:, None, None, :], 0.0)
-        xi = attn.sum(dim=(1, 3)) if self.heads == "sum" else _reduce_heads(attn.sum(dim=3), self.heads)
+        xi = (
+            attn.sum(dim=(1, 3))
+            if self.heads == "sum"
+            else _reduce_heads(attn.sum(dim=3), self.heads)
+        )
         return torch.where(layout.vision_mask, xi, torch.zeros_like(xi))
 
 
@@ -198,12 +214,16 @@ class LastTokenAttention(Relevance):
     def score(self, queries, keys, layout):
         self._check(queries, keys, layout)
         valid = layout.valid_mask
-        last = (valid.long() * torch.arange(1, layout.seq_len + 1, device=valid.device)).argmax(dim=1)
+        last = (valid.long() * torch.arange(1, layout.seq_len + 1, device=valid.device)).argmax(
+            dim=1
+        )
         h, d = queries.shape[1], queries.shape[-1]
         q_last = queries.gather(2, last[:, None, None, None].expand(-1, h, 1, d))  # [B,H,1,d]
         k = _match_heads(keys, h)
         acc = _accumulator(queries)
-        logits = torch.matmul(q_last.to(acc), k.to(acc).transpose(-1, -2)) / math.sqrt(d)  # [B,H,1,N]
+        logits = torch.matmul(q_last.to(acc), k.to(acc).transpose(-1, -2)) / math.sqrt(
+            d
+        )  # [B,H,1,N]
         logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
         xi = _reduce_heads(torch.softmax(logits, dim=-1)[:, :, 0], self.heads)
         return torch.where(layout.vision_mask, xi, torch.zeros_like(xi))
@@ -242,8 +262,14 @@ class TextQueryAttention(Relevance):
         return attention_from_rows(queries, keys, layout, layout.text_mask, self.heads, self.causal)
 
 
-def attention_from_rows(queries: torch.Tensor, keys: torch.Tensor, layout: VisionLayout, rows: torch.Tensor,
-                        heads: str = "mean", causal: bool = True) -> torch.Tensor:
+def attention_from_rows(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    layout: VisionLayout,
+    rows: torch.Tensor,
+    heads: str = "mean",
+    causal: bool = True,
+) -> torch.Tensor:
     """Attention that the query rows ``rows`` (bool ``[B, N]``) pay each token (softmax over
     the valid keys, at or before the row's original position when ``causal``), summed over
     those rows, then reduced over heads; zero outside vision tokens. ``T x N`` per head
@@ -322,7 +348,9 @@ class RandomRelevance(Relevance):
         # a text token is known by its place among its row's real tokens (not its padded index)
         rank = layout.valid_mask.long().cumsum(1) - 1
         identity = torch.where(layout.image >= 0, identity, rank)
-        scores = seeded_uniform_pairs(identity, identity.gather(1, text_pos), heads, self.seed)  # [B, H, N, T]
+        scores = seeded_uniform_pairs(
+            identity, identity.gather(1, text_pos), heads, self.seed
+        )  # [B, H, N, T]
         # then what the released module does with its (replaced) scores: QueryAxisSoftmax's softmax and sums
         scores.masked_fill_(~layout.valid_mask[:, None, :, None], float("-inf"))
         attn = torch.softmax(scores, dim=2).masked_fill(~text_valid[:, None, None, :], 0.0)

@@ -66,8 +66,10 @@ class SCOPE(KeepSetPruner):
     features: Features = "hidden"
 
     def __post_init__(self) -> None:
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not (
-            0.0 <= float(self.alpha) < math.inf
+        if (
+            isinstance(self.alpha, bool)
+            or not isinstance(self.alpha, (int, float))
+            or not (0.0 <= float(self.alpha) < math.inf)
         ):
             raise ValueError(f"alpha must be a finite number >= 0, got {self.alpha!r}")
 

@@ -13,7 +13,13 @@ from .base import Policy
 from .hashing import seeded_uniform
 from .inputs import Features, StageInputs
 
-__all__ = ["DEFAULT_DIVERGENCE_BYTES", "CosineDivergence", "EdgeScorer", "L2Divergence", "RandomDivergence"]
+__all__ = [
+    "DEFAULT_DIVERGENCE_BYTES",
+    "CosineDivergence",
+    "EdgeScorer",
+    "L2Divergence",
+    "RandomDivergence",
+]
 
 
 DEFAULT_DIVERGENCE_BYTES = 256 * 2**20
@@ -70,7 +76,9 @@ class EdgeScorer(Policy):
         """
         raise NotImplementedError
 
-    def match(self, inputs: StageInputs, graph: BipartiteGraph) -> tuple[torch.Tensor, torch.Tensor]:
+    def match(
+        self, inputs: StageInputs, graph: BipartiteGraph
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each A node's best partner for a stage: `best_edges` on ``inputs.features(self.features)``.
 
         Returns:
@@ -79,8 +87,12 @@ class EdgeScorer(Policy):
         feats = inputs.features(self.features)
 
         def best(part: BipartiteGraph):
-            return self.best_block_edges(part, part.token_blocks(feats, "src"), part.token_blocks(feats, "dst"),
-                                         inputs.divergence_budget)
+            return self.best_block_edges(
+                part,
+                part.token_blocks(feats, "src"),
+                part.token_blocks(feats, "dst"),
+                inputs.divergence_budget,
+            )
 
         groups = graph.window_groups()
         if len(groups) == 1:
@@ -98,8 +110,13 @@ class EdgeScorer(Policy):
             best_div[windows, : div.shape[1]] = div
         return best_dst, best_div
 
-    def match_survivors(self, inputs: StageInputs, window: torch.Tensor, graph: BipartiteGraph,
-                        removed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def match_survivors(
+        self,
+        inputs: StageInputs,
+        window: torch.Tensor,
+        graph: BipartiteGraph,
+        removed: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Partners for a pruner that names none (a keep set): ``(src [R], dst [R])`` node
         indices, every removed A slot of ``graph`` (``removed [K, a_max]`` bool) and its least
         divergent survivor in the same window (``-1`` where the window keeps nothing).
@@ -133,8 +150,9 @@ class EdgeScorer(Policy):
             (``-1`` where the slot is padding or the window has no B node) and its
             divergence (``+inf`` there). Ties go to the earliest B token.
         """
-        return self.best_block_edges(graph, graph.blocks(node_features, "src"), graph.blocks(node_features, "dst"),
-                                     budget)
+        return self.best_block_edges(
+            graph, graph.blocks(node_features, "src"), graph.blocks(node_features, "dst"), budget
+        )
 
     def best_block_edges(
         self, graph: BipartiteGraph, src: torch.Tensor, dst: torch.Tensor, budget: int | None = None
@@ -174,12 +192,16 @@ class EdgeScorer(Policy):
         budget = DEFAULT_DIVERGENCE_BYTES if budget is None else budget
         return max(1, budget // max(1, self.pair_intermediates * features * element_bytes))
 
-    def _best(self, src: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _best(
+        self, src: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(min divergence, its B slot)`` per A row of ``[k, a, *F]`` x ``[k, b, *F]``."""
         div = self.divergence(src, dst)
         expected = (src.shape[0], src.shape[1], dst.shape[1])
         if div.shape != expected:
-            raise ValueError(f"{type(self).__name__}.divergence returned {tuple(div.shape)}, expected {expected}")
+            raise ValueError(
+                f"{type(self).__name__}.divergence returned {tuple(div.shape)}, expected {expected}"
+            )
         return div.masked_fill((dst_slots < 0).unsqueeze(1), float("inf")).min(dim=-1)
 
 
@@ -241,5 +263,8 @@ class RandomDivergence(EdgeScorer):
 
     def divergence(self, src, dst):
         k, a, b = src.shape[0], src.shape[1], dst.shape[1]
-        slots = torch.arange(a, device=src.device)[:, None] * (b + 1) + torch.arange(b, device=src.device)[None, :]
+        slots = (
+            torch.arange(a, device=src.device)[:, None] * (b + 1)
+            + torch.arange(b, device=src.device)[None, :]
+        )
         return seeded_uniform(slots, self.seed).to(src.dtype).expand(k, a, b)

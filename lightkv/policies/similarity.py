@@ -56,18 +56,28 @@ class QuestionSimilarity(Relevance):
     floor: float = 1e-3
 
     def __post_init__(self) -> None:
-        if isinstance(self.floor, bool) or not isinstance(self.floor, (int, float)) or not 0 < self.floor < float("inf"):
-            raise ValueError(f"question_similarity: floor must be a finite number > 0, got {self.floor!r}")
+        if (
+            isinstance(self.floor, bool)
+            or not isinstance(self.floor, (int, float))
+            or not 0 < self.floor < float("inf")
+        ):
+            raise ValueError(
+                f"question_similarity: floor must be a finite number > 0, got {self.floor!r}"
+            )
 
     def score(self, queries, keys, layout, prompt=None, hidden=None):
         """``hidden [B, N, D]`` (the states the stage reads), ``prompt`` -> ``[B, N]``
         (``queries`` and ``keys`` are not read)."""
         if hidden is None or prompt is None:
-            raise ValueError("question_similarity needs the hidden states and the prompt's token ids: adapters "
-                             "pass both; in a direct call pass hidden=[B, N, D] and prompt=Prompt(input_ids)")
+            raise ValueError(
+                "question_similarity needs the hidden states and the prompt's token ids: adapters "
+                "pass both; in a direct call pass hidden=[B, N, D] and prompt=Prompt(input_ids)"
+            )
         if hidden.dim() != 3 or tuple(hidden.shape[:2]) != (layout.batch_size, layout.seq_len):
-            raise ValueError(f"hidden {tuple(hidden.shape)} does not match the layout "
-                             f"[B={layout.batch_size}, N={layout.seq_len}, D]")
+            raise ValueError(
+                f"hidden {tuple(hidden.shape)} does not match the layout "
+                f"[B={layout.batch_size}, N={layout.seq_len}, D]"
+            )
         vision = layout.vision_mask
         question = prompt.question_mask(layout)
         x = torch.nn.functional.normalize(hidden.to(_accumulator(hidden)), dim=-1)
@@ -89,5 +99,9 @@ class QuestionSimilarity(Relevance):
 
     def hidden_flops(self, layout, hidden_size, prompt=None):
         """``2 N T D`` per row: every token's cosine to the row's ``T`` question tokens."""
-        t = int(prompt.question_mask(layout).sum(1).max()) if prompt is not None and layout.batch_size else 0
+        t = (
+            int(prompt.question_mask(layout).sum(1).max())
+            if prompt is not None and layout.batch_size
+            else 0
+        )
         return 2.0 * layout.batch_size * layout.seq_len * t * hidden_size

@@ -52,13 +52,21 @@ class SpatioTemporalPartitioner(Partitioner):
 
     def __post_init__(self) -> None:
         check_bands(self.bands)
-        if isinstance(self.frames, bool) or not isinstance(self.frames, int) or not 0 <= self.frames <= MAX_SIDE:
+        if (
+            isinstance(self.frames, bool)
+            or not isinstance(self.frames, int)
+            or not 0 <= self.frames <= MAX_SIDE
+        ):
             # bounded like a window side: 10**30 frames overflowed a tensor at the first stage
-            raise ValueError(f"frames must be an integer in [0, {MAX_SIDE}] (0: follow the schedule), got {self.frames!r}")
+            raise ValueError(
+                f"frames must be an integer in [0, {MAX_SIDE}] (0: follow the schedule), got {self.frames!r}"
+            )
         if self.split not in ("frames", "parity"):
             raise ValueError(f"unknown split {self.split!r}; choose 'frames' or 'parity'")
 
-    def _time_band(self, inputs: StageInputs, frame: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    def _time_band(
+        self, inputs: StageInputs, frame: torch.Tensor, length: torch.Tensor
+    ) -> torch.Tensor:
         """Band of each frame index on a video of ``length`` frames."""
         if self.frames:
             return torch.div(frame, self.frames, rounding_mode="floor")
@@ -74,7 +82,9 @@ class SpatioTemporalPartitioner(Partitioner):
         is_src = torch.zeros_like(vision)
         if not vision.any():
             return Partition(window, is_src)
-        local = grid_window_local(layout, spec.windows_per_side, spec.window_size, self.bands)[vision]
+        local = grid_window_local(layout, spec.windows_per_side, spec.window_size, self.bands)[
+            vision
+        ]
         image = layout.image[vision]
         video = layout.image_video[image]
         frame = layout.image_frame[image]

@@ -66,10 +66,14 @@ class TowerAttention(Relevance):
     def score(self, queries, keys, layout, tower=None):
         """``tower [B, H, N]`` (attention received per head, any value off vision tokens) -> ``[B, N]``."""
         if tower is None:
-            raise ValueError("tower_attention reads the vision tower's attention: inside a model the adapter passes it "
-                             "(LLaVA-family towers); in a direct call pass tower=[B, H, N]")
+            raise ValueError(
+                "tower_attention reads the vision tower's attention: inside a model the adapter passes it "
+                "(LLaVA-family towers); in a direct call pass tower=[B, H, N]"
+            )
         if tower.dim() != 3 or tuple(tower.shape[::2]) != (layout.batch_size, layout.seq_len):
-            raise ValueError(f"tower attention must be [B, H, N] with B, N = {(layout.batch_size, layout.seq_len)}, "
-                             f"got {tuple(tower.shape)}")
+            raise ValueError(
+                f"tower attention must be [B, H, N] with B, N = {(layout.batch_size, layout.seq_len)}, "
+                f"got {tuple(tower.shape)}"
+            )
         xi = _reduce_heads(tower.to(torch.promote_types(tower.dtype, torch.float32)), self.heads)
         return torch.where(layout.vision_mask, xi.clamp_min(0), torch.zeros_like(xi))

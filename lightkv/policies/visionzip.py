@@ -57,8 +57,10 @@ class DominantContextual(Partitioner):
     contextual: float = 10 / 64
 
     def __post_init__(self) -> None:
-        if isinstance(self.contextual, bool) or not isinstance(self.contextual, (int, float)) or not (
-            0.0 < float(self.contextual) <= 1.0
+        if (
+            isinstance(self.contextual, bool)
+            or not isinstance(self.contextual, (int, float))
+            or not (0.0 < float(self.contextual) <= 1.0)
         ):
             raise ValueError(f"contextual must be a share in (0, 1], got {self.contextual!r}")
 
@@ -69,8 +71,10 @@ class DominantContextual(Partitioner):
             return Partition.empty(layout)
         window, is_src = Partition.empty(layout).window, torch.zeros_like(vision)
         if inputs.relevance is None:
-            raise ValueError("the dominant_context partitioner ranks tokens by relevance: give the stage a relevance "
-                             "(VisionZip: tower_attention)")
+            raise ValueError(
+                "the dominant_context partitioner ranks tokens by relevance: give the stage a relevance "
+                "(VisionZip: tower_attention)"
+            )
         n = image_vision_counts(layout)
         k = kept_count(n, inputs.spec.removal_ratio)
         c = torch.where(k < n, torch.round(k.double() * float(self.contextual)).long().clamp(1), 0)
@@ -88,7 +92,9 @@ class DominantContextual(Partitioner):
         rest_img = img[rest]
         rest_rank = segment_rank(rest_img)
         step = torch.clamp_min(torch.div(n - d, c.clamp_min(1), rounding_mode="floor"), 1)[rest_img]
-        target = (rest_rank % step == 0) & (torch.div(rest_rank, step, rounding_mode="floor") < c[rest_img])
+        target = (rest_rank % step == 0) & (
+            torch.div(rest_rank, step, rounding_mode="floor") < c[rest_img]
+        )
         win = torch.full_like(img, -1)
         win[rest] = rest_img
         src = torch.zeros_like(rest)

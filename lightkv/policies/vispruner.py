@@ -61,8 +61,10 @@ class VisPruner(KeepSetPruner):
     features: Features = "hidden"
 
     def __post_init__(self) -> None:
-        if isinstance(self.important, bool) or not isinstance(self.important, (int, float)) or not (
-            0.0 <= float(self.important) <= 1.0
+        if (
+            isinstance(self.important, bool)
+            or not isinstance(self.important, (int, float))
+            or not (0.0 <= float(self.important) <= 1.0)
         ):
             raise ValueError(f"important must be a share in [0, 1], got {self.important!r}")
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 1:
@@ -88,7 +90,9 @@ class VisPruner(KeepSetPruner):
         rank = torch.arange(a, device=x.device).expand(k, a)
         kept.scatter_(1, order, rank < n_imp.unsqueeze(1))
         # residual list: the rest of the ranking, holes (-1) at the end
-        residual = _compact(torch.where((rank >= n_imp.unsqueeze(1)) & valid.gather(1, order), order, -1))
+        residual = _compact(
+            torch.where((rank >= n_imp.unsqueeze(1)) & valid.gather(1, order), order, -1)
+        )
         windows = torch.arange(k, device=x.device).unsqueeze(1)
         # every round compares some residual tokens with others: one Gram matrix up front, then
         # gathers (the rounds' own matmuls cost ~R/8 times as much at 7B width)
@@ -102,7 +106,11 @@ class VisPruner(KeepSetPruner):
             rows = gram.gather(1, side_a.clamp_min(0).unsqueeze(2).expand(-1, -1, a))  # [K, |a|, a]
             sim = rows.gather(2, side_b.clamp_min(0).unsqueeze(1).expand(-1, side_a.shape[1], -1))
             sim = sim.masked_fill((side_b < 0).unsqueeze(1), -math.inf)
-            score = sim.amax(dim=2) if sim.shape[2] else torch.full(side_a.shape, -math.inf, device=x.device)
+            score = (
+                sim.amax(dim=2)
+                if sim.shape[2]
+                else torch.full(side_a.shape, -math.inf, device=x.device)
+            )
             score = score.masked_fill(side_a < 0, -math.inf)
             desc = torch.sort(-score, dim=1, stable=True).indices
             pos = torch.arange(desc.shape[1], device=x.device).expand_as(desc)

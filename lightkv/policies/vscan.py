@@ -74,7 +74,11 @@ class VScanScan(Partitioner):
     tiles: int = 4
 
     def __post_init__(self) -> None:
-        if isinstance(self.local, bool) or not isinstance(self.local, (int, float)) or not 0.0 <= float(self.local) <= 1.0:
+        if (
+            isinstance(self.local, bool)
+            or not isinstance(self.local, (int, float))
+            or not 0.0 <= float(self.local) <= 1.0
+        ):
             raise ValueError(f"local must be a share in [0, 1], got {self.local!r}")
         if isinstance(self.tiles, bool) or not isinstance(self.tiles, int) or self.tiles < 1:
             raise ValueError(f"tiles must be a positive integer, got {self.tiles!r}")
@@ -85,21 +89,30 @@ class VScanScan(Partitioner):
         if not bool(vision.any()):
             return Partition.empty(layout)
         if inputs.relevance is None:
-            raise ValueError("the vscan_scan partitioner ranks tokens by relevance: give the stage a relevance "
-                             "(VScan: tower_attention)")
+            raise ValueError(
+                "the vscan_scan partitioner ranks tokens by relevance: give the stage a relevance "
+                "(VScan: tower_attention)"
+            )
         n = image_vision_counts(layout)
         k = kept_count(n, inputs.spec.removal_ratio)
         img = layout.image[vision]  # [M], sequence order
         xi = inputs.relevance[vision].to(torch.float64)
-        tile = grid_windows(layout, self.tiles)[vision]  # [M] compact tile ids, each inside one image
+        tile = grid_windows(layout, self.tiles)[
+            vision
+        ]  # [M] compact tile ids, each inside one image
         t = int(tile.max()) + 1
         tile_img = torch.zeros(t, dtype=torch.long, device=img.device).scatter_(0, tile, img)
         tiles_per_img = scatter_sum(torch.ones_like(tile_img), tile_img, layout.num_images)
-        quota = torch.div(torch.floor(k.double() * float(self.local)).long(), tiles_per_img.clamp_min(1),
-                          rounding_mode="floor")  # [I]
+        quota = torch.div(
+            torch.floor(k.double() * float(self.local)).long(),
+            tiles_per_img.clamp_min(1),
+            rounding_mode="floor",
+        )  # [I]
         local = _rank(xi, tile) < quota[img]
         n_local = scatter_sum(local.long(), img, layout.num_images)
-        rest = _rank(xi.masked_fill(local, -math.inf), img)  # the non-local first: their rank among themselves
+        rest = _rank(
+            xi.masked_fill(local, -math.inf), img
+        )  # the non-local first: their rank among themselves
         kept = local | (~local & (rest < (k - n_local)[img]))
         busy = k[img] < n[img]  # images that lose tokens
         window = Partition.empty(layout).window

@@ -87,7 +87,9 @@ def _load() -> dict[str, Preset]:
         source = f"preset file {entry.name}"
         cfg = PipelineConfig.from_yaml_text(entry.read_text(encoding="utf-8"), source)
         if cfg.name != stem:
-            raise ConfigError([("name", f"must match the file name {stem!r}, got {cfg.name!r}")], source)
+            raise ConfigError(
+                [("name", f"must match the file name {stem!r}, got {cfg.name!r}")], source
+            )
         found[stem] = Preset(cfg.name, cfg.summary, cfg.description, cfg.build, cfg.source, cfg)
     ordered = [n for n in _ORDER if n in found] + sorted(set(found) - set(_ORDER))
     return {n: found[n] for n in ordered}
@@ -95,6 +97,7 @@ def _load() -> dict[str, Preset]:
 
 PRESETS: dict[str, Preset] = _load()
 """Every shipped preset by name, in listing order."""
+
 
 def _unknown(name: str) -> ValueError:
     return ValueError(f"unknown preset {name!r}; available presets: {', '.join(PRESETS)}")
@@ -156,4 +159,6 @@ def load_config(name_or_path: str | os.PathLike) -> PipelineConfig:
         return PipelineConfig.from_yaml(text)
     if text in PRESETS:
         return get_preset_config(text)
-    raise ValueError(f"no preset or file named {text!r}{_did_you_mean(text, PRESETS)}; presets: {', '.join(PRESETS)}")
+    raise ValueError(
+        f"no preset or file named {text!r}{_did_you_mean(text, PRESETS)}; presets: {', '.join(PRESETS)}"
+    )

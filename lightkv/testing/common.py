@@ -78,7 +78,12 @@ def _batch_ids(rows: Sequence[Row]) -> dict[str, torch.Tensor]:
 
 
 def _seq(*parts: torch.Tensor | Sequence[int]) -> torch.Tensor:
-    return torch.cat([p if isinstance(p, torch.Tensor) else torch.tensor(list(p), dtype=torch.long) for p in parts])
+    return torch.cat(
+        [
+            p if isinstance(p, torch.Tensor) else torch.tensor(list(p), dtype=torch.long)
+            for p in parts
+        ]
+    )
 
 
 @dataclass(frozen=True)
@@ -111,11 +116,14 @@ def collate_tiles_and_videos(rows: Sequence[Row], family: str) -> dict:
     pix = [p for r in rows for p in r.images.get("pixel_values", [])]
     if pix:
         out["pixel_values"] = stack_tiles(pix)
-        out["image_sizes"] = torch.cat([r.images["image_sizes"] for r in rows if "image_sizes" in r.images])
+        out["image_sizes"] = torch.cat(
+            [r.images["image_sizes"] for r in rows if "image_sizes" in r.images]
+        )
     clips = [c for r in rows for c in r.images.get("pixel_values_videos", [])]
     if clips:
         if len({c.shape[0] for c in clips}) > 1:
-            raise ValueError(f"the videos of one {family} batch must have the same number of frames")
+            raise ValueError(
+                f"the videos of one {family} batch must have the same number of frames"
+            )
         out["pixel_values_videos"] = torch.stack(clips)
     return out
-

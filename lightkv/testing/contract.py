@@ -39,7 +39,6 @@ import torch
 from ..graph.bipartite import BipartiteGraph
 from ..graph.layout import ImageSegment, TokenKind, VisionLayout
 from ..pipeline import Stage
-from ..policies.prompt import Prompt
 from ..policies import (
     EdgeScorer,
     MessagePasser,
@@ -53,6 +52,7 @@ from ..policies import (
     StageSpec,
 )
 from ..policies.hashing import token_identity
+from ..policies.prompt import Prompt
 
 __all__ = ["check_policy", "contract_batch"]
 
@@ -97,7 +97,9 @@ def _family(cls: type) -> type:
     for base in (Partitioner, EdgeScorer, Pruner, MessagePasser, Relevance, Scheduler):
         if issubclass(cls, base):
             return base
-    raise TypeError(f"{cls!r} is not a lightkv policy: subclass a family (Partitioner, EdgeScorer, ...)")
+    raise TypeError(
+        f"{cls!r} is not a lightkv policy: subclass a family (Partitioner, EdgeScorer, ...)"
+    )
 
 
 def _stage(policy: Policy, spec: StageSpec) -> Stage:
@@ -159,18 +161,25 @@ def _check_stage(policy: Policy, dtype: torch.dtype) -> None:
         width = alone.hidden.shape[1]
         in_batch = batch.hidden[b, batch.hidden.shape[1] - width :]  # rows are right-aligned
         if batch.layout.valid_mask[b].sum() != alone.layout.valid_mask[0].sum():
-            raise _fail(policy, f"row {b} keeps {int(batch.layout.valid_mask[b].sum())} tokens in the batch "
-                        f"but {int(alone.layout.valid_mask[0].sum())} alone: rows are not independent")
+            raise _fail(
+                policy,
+                f"row {b} keeps {int(batch.layout.valid_mask[b].sum())} tokens in the batch "
+                f"but {int(alone.layout.valid_mask[0].sum())} alone: rows are not independent",
+            )
         kept_batch = batch.layout.origin[b][batch.layout.valid_mask[b]]
         kept_alone = alone.layout.origin[0][alone.layout.valid_mask[0]]
         if not torch.equal(kept_batch, kept_alone):
-            raise _fail(policy, f"row {b} keeps other tokens in the batch than alone: rows are not independent")
+            raise _fail(
+                policy,
+                f"row {b} keeps other tokens in the batch than alone: rows are not independent",
+            )
         valid = alone.layout.valid_mask[0]
         if not torch.allclose(in_batch[valid].float(), alone.hidden[0][valid].float(), **tol):
             raise _fail(policy, f"row {b}'s hidden states differ in the batch and alone")
-    still = Stage(spec=dataclasses.replace(inputs.spec, removal_ratio=0.0), **{
-        k: getattr(stage, k) for k in ("partitioner", "scorer", "pruner", "passer")
-    }).run(inputs)
+    still = Stage(
+        spec=dataclasses.replace(inputs.spec, removal_ratio=0.0),
+        **{k: getattr(stage, k) for k in ("partitioner", "scorer", "pruner", "passer")},
+    ).run(inputs)
     if not torch.equal(still.hidden, inputs.hidden) or still.layout != inputs.layout:
         raise _fail(policy, "a stage at ratio 0 is not the identity")
 
@@ -180,7 +189,10 @@ def _check_partitioner(policy: Partitioner) -> None:
     part = policy.partition(inputs)
     shape = (inputs.batch_size, inputs.seq_len)
     if tuple(part.window.shape) != shape or part.window.dtype != torch.long:
-        raise _fail(policy, f"partition().window must be int64 {shape}, got {part.window.dtype} {tuple(part.window.shape)}")
+        raise _fail(
+            policy,
+            f"partition().window must be int64 {shape}, got {part.window.dtype} {tuple(part.window.shape)}",
+        )
     if tuple(part.is_src.shape) != shape or part.is_src.dtype != torch.bool:
         raise _fail(policy, f"partition().is_src must be bool {shape}")
     inside = part.window >= 0
@@ -200,8 +212,12 @@ def _check_scorer(policy: EdgeScorer) -> None:
     part = Partitioner.lookup("grid")().partition(inputs)
     graph = BipartiteGraph.build(part.window, part.is_src)
     dst, div = policy.match(inputs, graph)
-    if tuple(dst.shape) != tuple(graph.src_slots.shape) or tuple(div.shape) != tuple(graph.src_slots.shape):
-        raise _fail(policy, f"match() must return two [K, a_max] = {tuple(graph.src_slots.shape)} tensors")
+    if tuple(dst.shape) != tuple(graph.src_slots.shape) or tuple(div.shape) != tuple(
+        graph.src_slots.shape
+    ):
+        raise _fail(
+            policy, f"match() must return two [K, a_max] = {tuple(graph.src_slots.shape)} tensors"
+        )
     if not div.is_floating_point():
         raise _fail(policy, f"divergences must be floating point, got {div.dtype}")
     ok = dst >= 0
@@ -229,7 +245,10 @@ def _check_pruner(policy: Pruner) -> None:
     for ratio in (0.0, 0.3, 0.5, 0.9):
         removed = policy.select(prune, ratio)
         if tuple(removed.shape) != tuple(graph.src_slots.shape) or removed.dtype != torch.bool:
-            raise _fail(policy, f"select() must return a bool [K, a_max] mask, got {removed.dtype} {tuple(removed.shape)}")
+            raise _fail(
+                policy,
+                f"select() must return a bool [K, a_max] mask, got {removed.dtype} {tuple(removed.shape)}",
+            )
         if (removed & pad).any():
             raise _fail(policy, f"select(ratio={ratio}) removed a padding slot")
         if ratio == 0.0 and removed.any():
@@ -252,7 +271,10 @@ def _check_passer(policy: MessagePasser) -> None:
     if not policy.merges:
         return
     if tuple(new.shape) != (receivers.shape[0], DIM) or new.dtype != x.dtype:
-        raise _fail(policy, f"features must be [Q, D] in the input dtype, got {new.dtype} {tuple(new.shape)}")
+        raise _fail(
+            policy,
+            f"features must be [Q, D] in the input dtype, got {new.dtype} {tuple(new.shape)}",
+        )
     if not set(receivers.tolist()) <= set(dst.tolist()):
         raise _fail(policy, "a node that received nothing changed")
     if not torch.isfinite(new).all():
@@ -299,7 +321,9 @@ def _check_scheduler(policy: Scheduler) -> None:
             raise _fail(policy, f"plan({depth}) must return StageSpec objects")
         layers = [s.layer for s in stages]
         if layers != sorted(set(layers)) or (layers and not 0 <= layers[0] <= layers[-1] < depth):
-            raise _fail(policy, f"plan({depth}) gave layers {layers}: not increasing inside 0..{depth - 1}")
+            raise _fail(
+                policy, f"plan({depth}) gave layers {layers}: not increasing inside 0..{depth - 1}"
+            )
         if policy.plan(depth) != stages:
             raise _fail(policy, f"plan({depth}) is not deterministic")
     try:

@@ -25,9 +25,21 @@ BOI, EOI = 121, 122  # <start_of_image>, <end_of_image> (the placeholder is the 
 LAYER_TYPES = ("full_attention", "full_attention", "sliding_attention", "full_attention")
 
 
-def build(attn_implementation="sdpa", dtype=torch.float32, seed=0, num_layers=4, image_size=32, patch_size=4,
-          tokens_per_image=16, sliding_window=8, layer_types: Sequence[str] | None = LAYER_TYPES, hidden_size=64,
-          intermediate_size=128, num_heads=4, num_kv_heads=2):
+def build(
+    attn_implementation="sdpa",
+    dtype=torch.float32,
+    seed=0,
+    num_layers=4,
+    image_size=32,
+    patch_size=4,
+    tokens_per_image=16,
+    sliding_window=8,
+    layer_types: Sequence[str] | None = LAYER_TYPES,
+    hidden_size=64,
+    intermediate_size=128,
+    num_heads=4,
+    num_kv_heads=2,
+):
     """Gemma-3-shaped: SigLIP (1 layer) + pooled projector + Gemma 3 decoder (q/k norms,
     local and global RoPE, ``sliding_window`` on the sliding layers)."""
     from transformers import (
@@ -38,19 +50,42 @@ def build(attn_implementation="sdpa", dtype=torch.float32, seed=0, num_layers=4,
     )
 
     torch.manual_seed(seed)
-    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                image_size=image_size, patch_size=patch_size)
+    vision = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=image_size,
+        patch_size=patch_size,
+    )
     head_dim = hidden_size // num_heads
-    text = Gemma3TextConfig(**_text_config(
-        num_hidden_layers=num_layers, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
-        query_pre_attn_scalar=head_dim, sliding_window=sliding_window,
-        layer_types=list(layer_types) if layer_types is not None else None))
-    cfg = Gemma3Config(vision_config=vision, text_config=text, mm_tokens_per_image=tokens_per_image,
-                       image_token_index=IMAGE, boi_token_index=BOI, eoi_token_index=EOI,
-                       tie_word_embeddings=False, attn_implementation=attn_implementation)
+    text = Gemma3TextConfig(
+        **_text_config(
+            num_hidden_layers=num_layers,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            query_pre_attn_scalar=head_dim,
+            sliding_window=sliding_window,
+            layer_types=list(layer_types) if layer_types is not None else None,
+        )
+    )
+    cfg = Gemma3Config(
+        vision_config=vision,
+        text_config=text,
+        mm_tokens_per_image=tokens_per_image,
+        image_token_index=IMAGE,
+        boi_token_index=BOI,
+        eoi_token_index=EOI,
+        tie_word_embeddings=False,
+        attn_implementation=attn_implementation,
+    )
     model = Gemma3ForConditionalGeneration(cfg)
-    with torch.no_grad():  # the projector and the RMSNorm weights are created as zeros; give them values
+    with (
+        torch.no_grad()
+    ):  # the projector and the RMSNorm weights are created as zeros; give them values
         g = torch.Generator().manual_seed(seed)
         proj = model.model.multi_modal_projector.mm_input_projection_weight
         proj.copy_(torch.randn(proj.shape, generator=g) * 0.2)
@@ -70,7 +105,11 @@ def row(model, images: int = 1, pre: int = 4, post: int = 5, seed: int = 0) -> R
     parts, types = [text_ids(pre, g)], [torch.zeros(pre, dtype=torch.long)]
     for _ in range(images):
         parts += [torch.tensor([BOI]), torch.full((n,), IMAGE), torch.tensor([EOI]), text_ids(1, g)]
-        types += [torch.zeros(1, dtype=torch.long), torch.ones(n, dtype=torch.long), torch.zeros(2, dtype=torch.long)]
+        types += [
+            torch.zeros(1, dtype=torch.long),
+            torch.ones(n, dtype=torch.long),
+            torch.zeros(2, dtype=torch.long),
+        ]
     parts.append(text_ids(post, g))
     types.append(torch.zeros(post, dtype=torch.long))
     pixels = torch.randn(images, 3, vc.image_size, vc.image_size, generator=g)

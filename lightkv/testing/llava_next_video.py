@@ -100,7 +100,9 @@ def _tiles(model, size) -> int:
 def tokens(model, image_size: tuple[int, int]) -> int:
     """Placeholder tokens of one image, as the model itself packs it."""
     side = model.config.vision_config.image_size
-    pixels = torch.zeros(1, _tiles(model, image_size), 3, side, side, dtype=model.dtype, device=model.device)
+    pixels = torch.zeros(
+        1, _tiles(model, image_size), 3, side, side, dtype=model.dtype, device=model.device
+    )
     with torch.no_grad():
         feats = model.model.get_image_features(
             pixels, torch.tensor([list(image_size)], device=model.device)

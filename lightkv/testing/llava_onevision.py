@@ -155,7 +155,9 @@ def collate(rows: Sequence[Row]) -> dict:
     videos stacked (every video of a batch must have the same number of frames)."""
     out = collate_tiles_and_videos(rows, "LLaVA-OneVision")
     if "pixel_values" in out:
-        out["batch_num_images"] = torch.tensor([len(r.images.get("pixel_values", [])) for r in rows])
+        out["batch_num_images"] = torch.tensor(
+            [len(r.images.get("pixel_values", [])) for r in rows]
+        )
     return out
 
 

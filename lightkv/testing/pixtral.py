@@ -14,7 +14,15 @@ import torch
 
 from .common import IMAGE, Row, _batch_ids, _finish, _seq, _text_config, text_ids
 
-__all__ = ["IMG_BREAK", "IMG_END", "build_mistral3", "build_pixtral_llava", "collate", "examples", "row"]
+__all__ = [
+    "IMG_BREAK",
+    "IMG_END",
+    "build_mistral3",
+    "build_pixtral_llava",
+    "collate",
+    "examples",
+    "row",
+]
 
 IMG_BREAK = 112  # "[IMG_BREAK]": ends every row of an image but the last
 IMG_END = 113  # "[IMG_END]": ends the last row
@@ -23,46 +31,91 @@ IMG_END = 113  # "[IMG_END]": ends the last row
 def _vision(patch_size: int, image_size: int):
     from transformers import PixtralVisionConfig
 
-    return PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                               head_dim=16, patch_size=patch_size, image_size=image_size)
+    return PixtralVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        head_dim=16,
+        patch_size=patch_size,
+        image_size=image_size,
+    )
 
 
 def _text(num_layers, hidden_size, intermediate_size, num_heads, num_kv_heads):
     from transformers import MistralConfig
 
-    return MistralConfig(**_text_config(num_hidden_layers=num_layers, hidden_size=hidden_size,
-                                        intermediate_size=intermediate_size, num_attention_heads=num_heads,
-                                        num_key_value_heads=num_kv_heads, head_dim=hidden_size // num_heads,
-                                        sliding_window=None))
+    return MistralConfig(
+        **_text_config(
+            num_hidden_layers=num_layers,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=hidden_size // num_heads,
+            sliding_window=None,
+        )
+    )
 
 
-def build_mistral3(attn_implementation="sdpa", dtype=torch.float32, seed=0, num_layers=4, patch_size=4,
-                   spatial_merge_size=2, image_size=64, hidden_size=64, intermediate_size=128, num_heads=4,
-                   num_kv_heads=2):
+def build_mistral3(
+    attn_implementation="sdpa",
+    dtype=torch.float32,
+    seed=0,
+    num_layers=4,
+    patch_size=4,
+    spatial_merge_size=2,
+    image_size=64,
+    hidden_size=64,
+    intermediate_size=128,
+    num_heads=4,
+    num_kv_heads=2,
+):
     """Mistral3-shaped: 1-layer Pixtral tower, 2x2 patch merger, Mistral decoder; an image of
     ``H x W`` pixels has ``(H // 8) x (W // 8)`` tokens."""
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
     torch.manual_seed(seed)
-    cfg = Mistral3Config(vision_config=_vision(patch_size, image_size),
-                         text_config=_text(num_layers, hidden_size, intermediate_size, num_heads, num_kv_heads),
-                         image_token_index=IMAGE, spatial_merge_size=spatial_merge_size, vision_feature_layer=-1,
-                         tie_word_embeddings=False, attn_implementation=attn_implementation)
+    cfg = Mistral3Config(
+        vision_config=_vision(patch_size, image_size),
+        text_config=_text(num_layers, hidden_size, intermediate_size, num_heads, num_kv_heads),
+        image_token_index=IMAGE,
+        spatial_merge_size=spatial_merge_size,
+        vision_feature_layer=-1,
+        tie_word_embeddings=False,
+        attn_implementation=attn_implementation,
+    )
     return _finish(Mistral3ForConditionalGeneration(cfg), dtype)
 
 
-def build_pixtral_llava(attn_implementation="sdpa", dtype=torch.float32, seed=0, num_layers=4, patch_size=8,
-                        image_size=64, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2):
+def build_pixtral_llava(
+    attn_implementation="sdpa",
+    dtype=torch.float32,
+    seed=0,
+    num_layers=4,
+    patch_size=8,
+    image_size=64,
+    hidden_size=64,
+    intermediate_size=128,
+    num_heads=4,
+    num_kv_heads=2,
+):
     """Pixtral-12B-shaped: ``LlavaForConditionalGeneration`` with a Pixtral tower (no merge,
     ``vision_feature_select_strategy="full"``); an image of ``H x W`` pixels has
     ``(H // 8) x (W // 8)`` tokens."""
     from transformers import LlavaConfig, LlavaForConditionalGeneration
 
     torch.manual_seed(seed)
-    cfg = LlavaConfig(vision_config=_vision(patch_size, image_size),
-                      text_config=_text(num_layers, hidden_size, intermediate_size, num_heads, num_kv_heads),
-                      image_token_id=IMAGE, vision_feature_layer=-1, vision_feature_select_strategy="full",
-                      projector_hidden_act="gelu", tie_word_embeddings=False, attn_implementation=attn_implementation)
+    cfg = LlavaConfig(
+        vision_config=_vision(patch_size, image_size),
+        text_config=_text(num_layers, hidden_size, intermediate_size, num_heads, num_kv_heads),
+        image_token_id=IMAGE,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+        projector_hidden_act="gelu",
+        tie_word_embeddings=False,
+        attn_implementation=attn_implementation,
+    )
     return _finish(LlavaForConditionalGeneration(cfg), dtype)
 
 
@@ -82,8 +135,13 @@ def image_tokens(model, size: tuple[int, int]) -> torch.Tensor:
     return torch.cat(rows)
 
 
-def row(model, images: Sequence[tuple[int, int]] | int = ((24, 32),), pre: int = 4, post: int = 5,
-        seed: int = 0) -> Row:
+def row(
+    model,
+    images: Sequence[tuple[int, int]] | int = ((24, 32),),
+    pre: int = 4,
+    post: int = 5,
+    seed: int = 0,
+) -> Row:
     """One image per ``(height, width)`` in pixels (multiples of the tower's patch times the merge)."""
     if isinstance(images, int):
         images = [(24, 32)] * images
@@ -96,7 +154,10 @@ def row(model, images: Sequence[tuple[int, int]] | int = ((24, 32),), pre: int =
     parts.append(text_ids(post, g))
     if not images:
         return Row(_seq(*parts))
-    return Row(_seq(*parts), {"pixel_values": pixels, "image_sizes": torch.tensor([list(s) for s in images])})
+    return Row(
+        _seq(*parts),
+        {"pixel_values": pixels, "image_sizes": torch.tensor([list(s) for s in images])},
+    )
 
 
 def collate(rows: Sequence[Row]) -> dict:

@@ -38,25 +38,66 @@ def mrope_section(head_dim: int) -> list[int]:
     return [head_dim // 2 - 2 * hw, hw, hw]
 
 
-def build(attn_implementation="sdpa", dtype=torch.float32, seed=0, num_layers=4, hidden_size=64,
-          intermediate_size=128, num_heads=4, num_kv_heads=2, patch_size=2):
+def build(
+    attn_implementation="sdpa",
+    dtype=torch.float32,
+    seed=0,
+    num_layers=4,
+    hidden_size=64,
+    intermediate_size=128,
+    num_heads=4,
+    num_kv_heads=2,
+    patch_size=2,
+):
     """Qwen2-VL-shaped: 1-block vision tower (``patch_size`` px patches, 2x2 merge), 3-D M-RoPE decoder."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     torch.manual_seed(seed)
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section(hidden_size // num_heads)}
-    text = _text_config(num_hidden_layers=num_layers, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, rope_parameters=rope)
-    vision = dict(depth=1, embed_dim=32, hidden_size=hidden_size, mlp_ratio=2, num_heads=2, patch_size=patch_size,
-                  spatial_merge_size=2, temporal_patch_size=2)
-    cfg = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=VIDEO,
-                        vision_start_token_id=VISION_START, vision_end_token_id=VISION_END,
-                        attn_implementation=attn_implementation)
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": mrope_section(hidden_size // num_heads),
+    }
+    text = _text_config(
+        num_hidden_layers=num_layers,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        rope_parameters=rope,
+    )
+    vision = dict(
+        depth=1,
+        embed_dim=32,
+        hidden_size=hidden_size,
+        mlp_ratio=2,
+        num_heads=2,
+        patch_size=patch_size,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
+    cfg = Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
+        attn_implementation=attn_implementation,
+    )
     return _finish(Qwen2VLForConditionalGeneration(cfg), dtype)
 
 
-def row(model, images: Sequence[Grid] | int = ((1, 4, 6),), videos: Sequence[Grid] = (), pre: int = 4,
-        post: int = 5, seed: int = 0, videos_first: bool = False, frames_apart: bool = False) -> Row:
+def row(
+    model,
+    images: Sequence[Grid] | int = ((1, 4, 6),),
+    videos: Sequence[Grid] = (),
+    pre: int = 4,
+    post: int = 5,
+    seed: int = 0,
+    videos_first: bool = False,
+    frames_apart: bool = False,
+) -> Row:
     """Images and videos given as ``grid_thw`` (patches; ``h``, ``w`` even), with
     ``mm_token_type_ids`` (1 image, 2 video); one text token after each."""
     if isinstance(images, int):

@@ -31,13 +31,18 @@ def decoder_layers(model):
 
 def identity_pipeline() -> Pipeline:
     """Two scheduled stages that remove nothing: every hook path runs, nothing changes."""
-    return Pipeline(scheduler=ExplicitSchedule(layers=(1, 2), windows_per_side=(2, 1), removal_ratios=(0.0,)), name="identity")
+    return Pipeline(
+        scheduler=ExplicitSchedule(layers=(1, 2), windows_per_side=(2, 1), removal_ratios=(0.0,)),
+        name="identity",
+    )
 
 
 def tiny_lightkv() -> Pipeline:
     """The LightKV preset's policies on a 4-layer schedule: half of each 2x2-window, then global."""
     pipe = lightkv.load("lightkv")
-    return pipe.with_scheduler(ExplicitSchedule(layers=(1, 2), windows_per_side=(2, 1), removal_ratios=(0.5,)))
+    return pipe.with_scheduler(
+        ExplicitSchedule(layers=(1, 2), windows_per_side=(2, 1), removal_ratios=(0.5,))
+    )
 
 
 @pytest.fixture(params=FAMILY_NAMES)
@@ -51,7 +56,9 @@ def _no_grad():
         yield
 
 
-def assert_rows_match_batch(model, fam, batch, rows, gen: dict, together=None, atol: float = 1e-4) -> None:
+def assert_rows_match_batch(
+    model, fam, batch, rows, gen: dict, together=None, atol: float = 1e-4
+) -> None:
     """Every row generated alone equals the same row of the left-padded batch: the same new
     tokens (a row alone may stop earlier at EOS) and logits within ``atol``. Runs inside the
     caller's session; ``together`` is the batch's ``generate`` output when already made."""
@@ -59,7 +66,7 @@ def assert_rows_match_batch(model, fam, batch, rows, gen: dict, together=None, a
     for i, row in enumerate(rows):
         single = fam.collate([row])
         alone = model.generate(**single, **gen)
-        new = alone.sequences[0, single["input_ids"].shape[1]:]  # shorter when it ended with EOS
-        assert torch.equal(new, together.sequences[i, batch["input_ids"].shape[1]:][: new.numel()])
+        new = alone.sequences[0, single["input_ids"].shape[1] :]  # shorter when it ended with EOS
+        assert torch.equal(new, together.sequences[i, batch["input_ids"].shape[1] :][: new.numel()])
         for a, b in zip(alone.logits, together.logits):
             assert (a[0] - b[i]).abs().max().item() <= atol

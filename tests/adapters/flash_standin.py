@@ -34,7 +34,9 @@ NAME = "flash_attention_2"
 """The implementation name lightkv checks (the one transformers loads FlashAttention-2 under)."""
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> torch.Tensor:
     """One sequence: ``q`` ``[Lq, H, D]``, ``k``/``v`` ``[Lk, H, D]`` -> ``[Lq, H, D]``."""
     logits = torch.einsum("qhd,khd->hqk", q, k) * scale
     if causal:
@@ -58,28 +60,60 @@ class FlashStandIn:
         self.counts: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ mask builder
-    def mask(self, batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
-             attention_mask=None, **kwargs):
+    def mask(
+        self,
+        batch_size,
+        q_length,
+        kv_length,
+        q_offset=0,
+        kv_offset=0,
+        mask_function=None,
+        attention_mask=None,
+        **kwargs,
+    ):
         """FlashAttention's mask: the 2-D padding mask cut to the keys, or None without padding."""
         self.counts["masks_built"] += 1
         if attention_mask is None:
             return None
         attention_mask = attention_mask[:, -kv_length:]
-        return None if attention_mask.shape[1] == kv_length and bool(attention_mask.all()) else attention_mask
+        return (
+            None
+            if attention_mask.shape[1] == kv_length and bool(attention_mask.all())
+            else attention_mask
+        )
 
     # ------------------------------------------------------------------ attention
-    def attention(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
-                  softcap=None, is_causal=None, s_aux=None, **kwargs):
+    def attention(
+        self,
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout=0.0,
+        scaling=None,
+        sliding_window=None,
+        softcap=None,
+        is_causal=None,
+        s_aux=None,
+        **kwargs,
+    ):
         """``query`` ``[B, H, Lq, D]``, ``key``/``value`` ``[B, Hkv, Lk, D]`` -> ``([B, Lq, H, D], None)``."""
         self.counts["calls"] += 1
         if attention_mask is not None and attention_mask.dim() != 2:
             self.counts["masks_4d"] += 1
-            raise TypeError(f"FlashAttention-2 takes a 2-D padding mask, got {attention_mask.dim()}-D")
+            raise TypeError(
+                f"FlashAttention-2 takes a 2-D padding mask, got {attention_mask.dim()}-D"
+            )
         if sliding_window not in (None, -1) or softcap or s_aux is not None or dropout:
-            raise NotImplementedError("the stand-in has no sliding window, softcap, sinks or dropout")
+            raise NotImplementedError(
+                "the stand-in has no sliding window, softcap, sinks or dropout"
+            )
         causal = module.is_causal if is_causal is None else is_causal
         if module.is_causal and not causal:
-            self.counts["causal_off"] += 1  # a causal layer run both ways (the released first merge)
+            self.counts["causal_off"] += (
+                1  # a causal layer run both ways (the released first merge)
+            )
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, L, H, D]
         rep = q.shape[2] // k.shape[2]  # grouped-query attention: one kv head serves `rep` heads
@@ -95,8 +129,13 @@ class FlashStandIn:
             m = attention_mask.bool()
             for r in range(b):
                 keys = m[r].nonzero().flatten()
-                rows = keys if lq == lk else torch.zeros(1, dtype=torch.long) if lq == 1 else \
-                    m[r, -lq:].nonzero().flatten()
+                rows = (
+                    keys
+                    if lq == lk
+                    else torch.zeros(1, dtype=torch.long)
+                    if lq == 1
+                    else m[r, -lq:].nonzero().flatten()
+                )
                 out[r, rows] = _attend(q[r, rows], k[r, keys], v[r, keys], causal, scale)
         elif cu_q is not None and cu_k is not None:
             self.counts["varlen"] += 1

@@ -33,7 +33,9 @@ def removed_global(n: int, ratio: float) -> int:
     return math.floor(ratio * n) if n >= 2 else 0
 
 
-def promised_vision(grids: list[tuple[int, int]], windows: tuple[int, int], ratio: float) -> tuple[int, int, int]:
+def promised_vision(
+    grids: list[tuple[int, int]], windows: tuple[int, int], ratio: float
+) -> tuple[int, int, int]:
     """Vision tokens of one batch row before, after stage 1 (``windows[0]`` per side) and
     after stage 2 (``windows[1]`` must be 1)."""
     assert windows[1] == 1

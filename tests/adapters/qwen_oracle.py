@@ -34,7 +34,10 @@ def expected_tokens(model, batch) -> dict[tuple[int, int], tuple[str, int, int, 
     """
     ids = batch["input_ids"]
     pos, _ = model.model.get_rope_index(
-        ids, batch["mm_token_type_ids"], batch.get("image_grid_thw"), batch.get("video_grid_thw"),
+        ids,
+        batch["mm_token_type_ids"],
+        batch.get("image_grid_thw"),
+        batch.get("video_grid_thw"),
         attention_mask=batch["attention_mask"],
     )
     out = {}
@@ -93,7 +96,10 @@ def check_layout(layout, expected) -> dict[tuple[str, int], list[int]]:
             toks = layout.image[int(layout.image_row[s])] == s
             rows, cols = layout.image_grid[s].tolist()
             assert int(toks.sum()) == rows * cols
-            assert layout.coords[int(layout.image_row[s])][toks].max(0).values.tolist() == [rows - 1, cols - 1]
+            assert layout.coords[int(layout.image_row[s])][toks].max(0).values.tolist() == [
+                rows - 1,
+                cols - 1,
+            ]
         result[(what, item)] = segs
     return result
 

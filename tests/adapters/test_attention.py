@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightkv_lab.bench.budgets import method_pipeline
 
 from lightkv.adapters import apply
 from lightkv.adapters.attention import (
@@ -18,7 +19,6 @@ from lightkv.adapters.attention import (
     configured_attention,
 )
 from lightkv.adapters.guards import attention_implementation
-from lightkv.bench.budgets import method_pipeline
 from lightkv.presets import PRESETS, get_preset
 from lightkv.testing import TINY_MODELS
 
@@ -52,7 +52,9 @@ def _watched_prefill(pipe, model, batch, **options):
 def test_every_preset_runs_the_attention_the_model_was_loaded_with(preset):
     model = _deep_llava()
     fam = TINY_MODELS["llava"]
-    before, watch, session = _watched_prefill(_pipeline(preset), model, fam.collate([fam.row(model, seed=1)]))
+    before, watch, session = _watched_prefill(
+        _pipeline(preset), model, fam.collate([fam.row(model, seed=1)])
+    )
     assert session.last_prefill is not None
     assert dict(watch.ran) == {"sdpa": DEPTH} and watch.sdpa_kernels == DEPTH
     assert configured_attention(model) == before and set(before.values()) == {"sdpa"}
@@ -63,10 +65,17 @@ def test_every_preset_runs_the_attention_the_model_was_loaded_with(preset):
 def test_every_mode_keeps_sdpa_in_every_family(family, mode):
     model = get_model(family)
     fam = TINY_MODELS[family]
-    pipe = tiny_lightkv() if mode == "hidden" else method_pipeline(
-        {"pre_llm": "divprune", "cache": "elasticcache", "h2o": "h2o"}[mode], 4, 0.5)[0]
+    pipe = (
+        tiny_lightkv()
+        if mode == "hidden"
+        else method_pipeline(
+            {"pre_llm": "divprune", "cache": "elasticcache", "h2o": "h2o"}[mode], 4, 0.5
+        )[0]
+    )
     try:
-        before, watch, _ = _watched_prefill(pipe, model, fam.collate(fam.examples(model)), **fam.adapter_options)
+        before, watch, _ = _watched_prefill(
+            pipe, model, fam.collate(fam.examples(model)), **fam.adapter_options
+        )
     except NotImplementedError:  # a family that refuses the mode (Qwen3-VL's DeepStack and pre-LLM)
         return
     layers = len(attention_modules(model))
@@ -88,15 +97,21 @@ def test_a_switch_to_eager_inside_a_prefill_is_caught(monkeypatch):
     fam = TINY_MODELS["llava"]
     cfg = attention_modules(model)[0].config
     layer = model.model.language_model.layers[2]
-    handle = layer.register_forward_pre_hook(lambda *a: setattr(cfg, "_attn_implementation", "eager"))
+    handle = layer.register_forward_pre_hook(
+        lambda *a: setattr(cfg, "_attn_implementation", "eager")
+    )
     try:
         _, watch, _ = _watched_prefill(tiny_lightkv(), model, fam.collate(fam.examples(model)))
     finally:
         handle.remove()
         cfg._attn_implementation = "sdpa"
     assert dict(watch.ran) == {"sdpa": 2, "eager": 2}
-    with pytest.raises(AttentionChanged, match="preset 'lightkv' ran .*'eager', 'sdpa'.* but uncompressed ran"):
-        check_same_attention({"uncompressed": ["sdpa"], "lightkv": watch.implementations}, "uncompressed")
+    with pytest.raises(
+        AttentionChanged, match="preset 'lightkv' ran .*'eager', 'sdpa'.* but uncompressed ran"
+    ):
+        check_same_attention(
+            {"uncompressed": ["sdpa"], "lightkv": watch.implementations}, "uncompressed"
+        )
     check_same_attention({"uncompressed": ["sdpa"], "lightkv": ["sdpa"]}, "uncompressed")
 
 
@@ -128,7 +143,9 @@ def test_other_flash_kernels_and_flex_attention_are_refused_at_apply(monkeypatch
     monkeypatch.setattr(model.model.language_model.config, "_attn_implementation", impl)
     with pytest.raises(ValueError, match=f"uses '{impl}'.*attn_implementation='sdpa'"):
         apply(tiny_lightkv(), model)
-    with pytest.raises(ValueError, match="FlashAttention-2's contract only" if "flash" in impl else "takes neither"):
+    with pytest.raises(
+        ValueError, match="FlashAttention-2's contract only" if "flash" in impl else "takes neither"
+    ):
         attention_implementation(model.model.language_model.config)
     assert attention_implementation(type("C", (), {"_attn_implementation": "sdpa"})) == "sdpa"
 
@@ -144,8 +161,14 @@ def test_a_static_cache_is_refused_inside_a_session_and_works_after_it(preset):
     gen = dict(max_new_tokens=4, do_sample=False)
     with apply(_pipeline(preset), model):
         compressed = model.generate(**batch, **gen)
-        with pytest.raises(TypeError, match="default dynamic cache only.*StaticLayer.*one decoding mask.*"
-                                            "CUDA graphs.*drop cache_implementation="):
+        with pytest.raises(
+            TypeError,
+            match="default dynamic cache only.*StaticLayer.*one decoding mask.*"
+            "CUDA graphs.*drop cache_implementation=",
+        ):
             model.generate(**batch, **gen, cache_implementation="static")
     assert compressed.shape[1] == batch["input_ids"].shape[1] + 4
-    assert torch.equal(model.generate(**batch, **gen, cache_implementation="static"), model.generate(**batch, **gen))
+    assert torch.equal(
+        model.generate(**batch, **gen, cache_implementation="static"),
+        model.generate(**batch, **gen),
+    )

@@ -22,10 +22,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lightkv_lab.bench.efficiency.measure import OverheadProbe
 
 from lightkv.adapters import apply
 from lightkv.adapters.modes import h2o as h2o_mode
-from lightkv.bench.efficiency.measure import OverheadProbe
 from lightkv.policies import cache_policies
 from lightkv.policies.relevance import _accumulator, _match_heads
 from lightkv.testing import TINY_MODELS
@@ -47,7 +47,9 @@ def reference_accumulated(queries, keys, valid, origin, scale=None, chunk=256):
     for start in range(0, n, chunk):
         q = queries[:, :, start : start + chunk].to(acc)
         logits = torch.matmul(q, k.transpose(-1, -2)) * scale
-        allowed = (origin.unsqueeze(1) <= origin[:, start : start + chunk].unsqueeze(2)) & valid.unsqueeze(1)
+        allowed = (
+            origin.unsqueeze(1) <= origin[:, start : start + chunk].unsqueeze(2)
+        ) & valid.unsqueeze(1)
         allowed &= valid[:, start : start + chunk].unsqueeze(2)
         logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
         out += torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=(1, 2))
@@ -76,8 +78,13 @@ def _run(model, fam, batch, pipe, *, old: bool, monkeypatch):
 
             def spy_rewrite(call, layer, xi):
                 kind = rewrite(call, layer, xi)
-                log[call.layer].update(xi=xi.clone(), valid=layer.valid.clone(), origin=layer.origin.clone(),
-                                       keys=layer.keys.clone(), values=layer.values.clone())
+                log[call.layer].update(
+                    xi=xi.clone(),
+                    valid=layer.valid.clone(),
+                    origin=layer.origin.clone(),
+                    keys=layer.keys.clone(),
+                    values=layer.values.clone(),
+                )
                 return kind
 
             m.setattr(mode, "importance", spy_importance)
@@ -109,8 +116,12 @@ def test_tapped_importance_on_eager_attention(monkeypatch):
     fam = TINY_MODELS["llava"]
     batch = fam.collate(fam.examples(model))
     for method in ("elastic", "h2o-all"):
-        old, old_tokens = _run(model, fam, batch, METHODS[method](), old=True, monkeypatch=monkeypatch)
-        new, new_tokens = _run(model, fam, batch, METHODS[method](), old=False, monkeypatch=monkeypatch)
+        old, old_tokens = _run(
+            model, fam, batch, METHODS[method](), old=True, monkeypatch=monkeypatch
+        )
+        new, new_tokens = _run(
+            model, fam, batch, METHODS[method](), old=False, monkeypatch=monkeypatch
+        )
         for layer in old:
             assert new[layer]["tapped"]
             assert torch.equal(old[layer]["origin"], new[layer]["origin"])
@@ -119,10 +130,18 @@ def test_tapped_importance_on_eager_attention(monkeypatch):
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), b=st.integers(1, 3), n=st.integers(1, 300), chunk=st.sampled_from([1, 5, 64, 256]),
-       holes=st.sampled_from(["none", "left", "right", "anywhere"]), shuffled=st.booleans(),
-       dtype=st.sampled_from([torch.float32, torch.float64]))
-def test_accumulated_attention_equals_the_full_chunked_softmax(seed, b, n, chunk, holes, shuffled, dtype):
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    b=st.integers(1, 3),
+    n=st.integers(1, 300),
+    chunk=st.sampled_from([1, 5, 64, 256]),
+    holes=st.sampled_from(["none", "left", "right", "anywhere"]),
+    shuffled=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_accumulated_attention_equals_the_full_chunked_softmax(
+    seed, b, n, chunk, holes, shuffled, dtype
+):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(b, 4, n, 8, generator=gen, dtype=dtype)
     k = torch.randn(b, 2, n, 8, generator=gen, dtype=dtype)
@@ -132,16 +151,20 @@ def test_accumulated_attention_equals_the_full_chunked_softmax(seed, b, n, chunk
         if holes == "left":
             valid[r, : cut[r]] = False
         elif holes == "right":
-            valid[r, n - cut[r]:] = False
+            valid[r, n - cut[r] :] = False
         elif holes == "anywhere":
             valid[r] = torch.rand(n, generator=gen) < 0.7
-    origin = torch.stack([torch.randperm(n, generator=gen) if shuffled else torch.arange(n) for _ in range(b)])
+    origin = torch.stack(
+        [torch.randperm(n, generator=gen) if shuffled else torch.arange(n) for _ in range(b)]
+    )
     origin = origin.masked_fill(~valid, -1)
     got = cache_policies.accumulated_attention(q, k, valid, origin, 0.3, chunk=chunk)
     # the same softmax rows summed in another order (and a BLAS may order a shorter
     # product's sums differently, seen in float64), hence a few ulps
     tol = 1e-12 if dtype == torch.float64 else 1e-5
-    torch.testing.assert_close(got, reference_accumulated(q, k, valid, origin, 0.3, chunk=chunk), rtol=tol, atol=tol)
+    torch.testing.assert_close(
+        got, reference_accumulated(q, k, valid, origin, 0.3, chunk=chunk), rtol=tol, atol=tol
+    )
 
 
 def dense_oracle(queries, keys, valid, origin, scale):
@@ -151,7 +174,9 @@ def dense_oracle(queries, keys, valid, origin, scale):
     k = keys.double().repeat_interleave(h // keys.shape[1], dim=1)
     out = torch.zeros(b, n, dtype=torch.float64)
     for r in range(b):
-        allowed = (origin[r][None, :] <= origin[r][:, None]) & valid[r][None, :] & valid[r][:, None]  # [i, j]
+        allowed = (
+            (origin[r][None, :] <= origin[r][:, None]) & valid[r][None, :] & valid[r][:, None]
+        )  # [i, j]
         logits = (queries[r].double() @ k[r].transpose(-1, -2)) * scale  # [H, N, N]
         attn = torch.softmax(logits.masked_fill(~allowed, -math.inf), dim=-1).nan_to_num(0.0)
         out[r] = attn.sum(dim=(0, 1))
@@ -170,19 +195,32 @@ def _layout(gen, b, n, holes):
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), b=st.integers(1, 3), n=st.integers(1, 200), heads=st.sampled_from([(4, 4), (4, 2), (6, 1)]),
-       chunk=st.sampled_from([1, 7, 64, 256]), block=st.sampled_from([1, 300, 1 << 20]),
-       holes=st.sampled_from(["none", "left", "anywhere"]), shuffled=st.booleans(),
-       dtype=st.sampled_from([torch.float32, torch.float64]))
-def test_accumulated_attention_equals_the_dense_oracle(seed, b, n, heads, chunk, block, holes, shuffled, dtype):
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    b=st.integers(1, 3),
+    n=st.integers(1, 200),
+    heads=st.sampled_from([(4, 4), (4, 2), (6, 1)]),
+    chunk=st.sampled_from([1, 7, 64, 256]),
+    block=st.sampled_from([1, 300, 1 << 20]),
+    holes=st.sampled_from(["none", "left", "anywhere"]),
+    shuffled=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_accumulated_attention_equals_the_dense_oracle(
+    seed, b, n, heads, chunk, block, holes, shuffled, dtype
+):
     gen = torch.Generator().manual_seed(seed)
     h, h_kv = heads
     q = torch.randn(b, h, n, 16, generator=gen, dtype=dtype) * 2  # logits up to ~+-20: peaked rows
     k = torch.randn(b, h_kv, n, 16, generator=gen, dtype=dtype)
     valid = _layout(gen, b, n, holes)
-    origin = torch.stack([torch.randperm(n, generator=gen) if shuffled else torch.arange(n) for _ in range(b)])
+    origin = torch.stack(
+        [torch.randperm(n, generator=gen) if shuffled else torch.arange(n) for _ in range(b)]
+    )
     origin = origin.masked_fill(~valid, -1)
-    with mock.patch.object(cache_policies, "_BLOCK", block):  # one head per block, some heads, all heads
+    with mock.patch.object(
+        cache_policies, "_BLOCK", block
+    ):  # one head per block, some heads, all heads
         got = cache_policies.accumulated_attention(q, k, valid, origin, 0.25, chunk=chunk)
     want = dense_oracle(q, k, valid, origin, 0.25)
     assert got.dtype == dtype
@@ -203,15 +241,21 @@ def test_exact_ties_stay_exact_and_the_keep_rule_breaks_them_by_position(block):
     k = torch.randn(1, 1, 1, 32, generator=gen).expand(b, 2, n, 32)
     valid = torch.ones(b, n, dtype=torch.bool)
     valid[1, :37] = False  # a left-padded row
-    origin = torch.zeros(b, n, dtype=torch.long).masked_fill(~valid, -1)  # every valid token sees every other
+    origin = torch.zeros(b, n, dtype=torch.long).masked_fill(
+        ~valid, -1
+    )  # every valid token sees every other
     with mock.patch.object(cache_policies, "_BLOCK", block):
         xi = cache_policies.accumulated_attention(q, k, valid, origin, chunk=256)
     for r in range(b):
         row = xi[r][valid[r]]
         assert torch.equal(row, row[:1].expand_as(row)), r
-        torch.testing.assert_close(row[0].item(), float(h), rtol=1e-6, atol=0)  # each of h heads spreads 1 per query
+        torch.testing.assert_close(
+            row[0].item(), float(h), rtol=1e-6, atol=0
+        )  # each of h heads spreads 1 per query
     heavy, recent = torch.tensor([5, 5]), torch.tensor([0, 0])
-    keep = cache_policies.h2o_keep(xi.double(), valid, origin, heavy, recent) & valid  # as H2OMode._evict
+    keep = (
+        cache_policies.h2o_keep(xi.double(), valid, origin, heavy, recent) & valid
+    )  # as H2OMode._evict
     for r in range(b):
         first = int((~valid[r]).sum())
         assert keep[r].nonzero().flatten().tolist() == list(range(first, first + 5))
@@ -275,7 +319,9 @@ def test_the_flops_count_is_the_products_computed(n, chunk):
     flops = cache_policies.accumulated_attention_flops(valid, origin, h, d, chunk)
     assert flops == sum(done)
     dense = 2.0 * b * h * d * n * n
-    assert 0.5 * dense < flops <= min(1.0, 0.5 + (chunk + 64) / n) * dense  # rows of at least 64 columns
+    assert (
+        0.5 * dense < flops <= min(1.0, 0.5 + (chunk + 64) / n) * dense
+    )  # rows of at least 64 columns
 
 
 @pytest.mark.parametrize("method", ["elastic", "h2o-all"])
@@ -289,8 +335,15 @@ def test_the_session_report_counts_the_causal_products(method, monkeypatch):
         mode = _cache_mode(session)
         model.generate(**batch, max_new_tokens=1, do_sample=False)
         layout = session.last_prefill.layout
-        want = sum(cache_policies.accumulated_attention_flops(layout.valid_mask, layout.origin, mode.ctx.probes[i].heads,
-                                                              mode.ctx.probes[i].head_dim) for i in mode.layers)
+        want = sum(
+            cache_policies.accumulated_attention_flops(
+                layout.valid_mask,
+                layout.origin,
+                mode.ctx.probes[i].heads,
+                mode.ctx.probes[i].head_dim,
+            )
+            for i in mode.layers
+        )
         report = session.report()
     # (a prompt of one chunk, as here, computes every column: the causal half is checked above)
     assert report.relevance_flops == pytest.approx(want, rel=1e-12) and want > 0

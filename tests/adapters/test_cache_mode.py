@@ -31,16 +31,23 @@ LAYERS = (0, 1, 3)  # Gemma 3's tiny decoder has a sliding layer at 2
 
 
 def elastic(ratio: float = 0.5, layers=LAYERS):
-    return lightkv.load("elasticcache").with_scheduler(CacheSchedule(removal_ratio=ratio, layers=layers))
+    return lightkv.load("elasticcache").with_scheduler(
+        CacheSchedule(removal_ratio=ratio, layers=layers)
+    )
 
 
 def h2o(budget: float = 0.5, tokens: str = "all", layers=LAYERS, recent_share: float = 0.5):
     return lightkv.load("h2o").with_scheduler(
-        H2OSchedule(budget=budget, tokens=tokens, layers=layers, recent_share=recent_share))
+        H2OSchedule(budget=budget, tokens=tokens, layers=layers, recent_share=recent_share)
+    )
 
 
 NOTHING = {"cache": lambda: elastic(0.0), "h2o": lambda: h2o(budget=10.0)}
-METHODS = {"elastic": lambda: elastic(0.5), "h2o-all": lambda: h2o(0.5, "all"), "h2o-vision": lambda: h2o(0.5, "vision")}
+METHODS = {
+    "elastic": lambda: elastic(0.5),
+    "h2o-all": lambda: h2o(0.5, "all"),
+    "h2o-vision": lambda: h2o(0.5, "vision"),
+}
 
 
 class CacheLog:
@@ -53,12 +60,20 @@ class CacheLog:
 
     def _post(self, module, args, kwargs, output):
         cache = kwargs.get("cache") or kwargs.get("past_key_values")
-        self.steps.append([
-            (layer.valid.clone() if isinstance(layer, MaskedCacheLayer) and layer.valid is not None else None,
-             layer.origin.clone() if isinstance(layer, MaskedCacheLayer) and layer.origin is not None else None,
-             int(layer.keys.shape[2]))
-            for layer in cache.layers
-        ])
+        self.steps.append(
+            [
+                (
+                    layer.valid.clone()
+                    if isinstance(layer, MaskedCacheLayer) and layer.valid is not None
+                    else None,
+                    layer.origin.clone()
+                    if isinstance(layer, MaskedCacheLayer) and layer.origin is not None
+                    else None,
+                    int(layer.keys.shape[2]),
+                )
+                for layer in cache.layers
+            ]
+        )
 
     def close(self):
         self.handle.remove()
@@ -121,10 +136,18 @@ def test_cache_lengths_as_promised_at_every_decoding_step(family, method):
             if i not in LAYERS or layout is None:
                 assert valid is None, (t, i)  # untouched (Gemma 3: its own sliding-window cache)
                 continue
-            assert valid.shape[1] == width == int(valid.sum(1).max()), (t, i)  # as few holes as needed
+            assert valid.shape[1] == width == int(valid.sum(1).max()), (
+                t,
+                i,
+            )  # as few holes as needed
             assert ((origin >= 0) == valid).all()
             for b in range(len(counts)):
-                assert int(valid[b].sum()) == promised(method, layout, counts[b], b, t), (method, t, i, b)
+                assert int(valid[b].sum()) == promised(method, layout, counts[b], b, t), (
+                    method,
+                    t,
+                    i,
+                    b,
+                )
     if layout is not None:
         assert report.kv_bytes < report.kv_bytes_baseline
 
@@ -142,8 +165,10 @@ def test_row_alone_equals_row_in_padded_batch(family, method, attn):
         for i, row in enumerate(rows):
             single = fam.collate([row])
             alone = model.generate(**single, **GEN)
-            new = alone.sequences[0, single["input_ids"].shape[1]:]
-            assert torch.equal(new, together.sequences[i, batch["input_ids"].shape[1]:][: new.numel()])
+            new = alone.sequences[0, single["input_ids"].shape[1] :]
+            assert torch.equal(
+                new, together.sequences[i, batch["input_ids"].shape[1] :][: new.numel()]
+            )
             for a, b in zip(alone.logits, together.logits):
                 assert (a[0] - b[i]).abs().max().item() <= 1e-4
 
@@ -155,28 +180,45 @@ def test_beam_search_row_alone_equals_row_in_batch(family, method):
     if fam.beam_search:
         pytest.skip(fam.beam_search)
     rows = fam.examples(model)
-    beams = dict(max_new_tokens=4, num_beams=3, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    beams = dict(
+        max_new_tokens=4,
+        num_beams=3,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
     with apply(METHODS[method](), model, **fam.adapter_options):
         batch = fam.collate(rows)
         together = model.generate(**batch, **beams)
         for i, row in enumerate(rows):
             single = fam.collate([row])
             alone = model.generate(**single, **beams)
-            new = alone.sequences[0, single["input_ids"].shape[1]:]  # shorter when it ended with EOS
-            assert torch.equal(new, together.sequences[i, batch["input_ids"].shape[1]:][: new.numel()])
-            assert abs(float(alone.sequences_scores[0]) - float(together.sequences_scores[i])) <= 1e-4
+            new = alone.sequences[
+                0, single["input_ids"].shape[1] :
+            ]  # shorter when it ended with EOS
+            assert torch.equal(
+                new, together.sequences[i, batch["input_ids"].shape[1] :][: new.numel()]
+            )
+            assert (
+                abs(float(alone.sequences_scores[0]) - float(together.sequences_scores[i])) <= 1e-4
+            )
 
 
 # ---------------------------------------------------------------------------- refusals
 def test_gemma3_sliding_layers_are_refused():
     model = get_model("gemma3")
     for pipe in (elastic(layers=None), h2o(layers=None), h2o(layers=(2,))):
-        with pytest.raises(NotImplementedError, match=r"sliding-window layers \[2\].*full-attention layers \(\[0, 1, 3\]\)"):
+        with pytest.raises(
+            NotImplementedError,
+            match=r"sliding-window layers \[2\].*full-attention layers \(\[0, 1, 3\]\)",
+        ):
             apply(pipe, model)
 
 
 # ---------------------------------------------------------------------------- H2O oracle
-def reference_h2o(model, batch, tokens, sched: H2OSchedule, steps: int, vision: torch.Tensor, tokens_at):
+def reference_h2o(
+    model, batch, tokens, sched: H2OSchedule, steps: int, vision: torch.Tensor, tokens_at
+):
     """Kept positions per step and layer, and logits, from the unhooked eager model: the
     full cache stays, evicted entries are hidden by a per-layer mask, scores are sums over
     the full attention history the model's own attention weights give."""
@@ -190,13 +232,20 @@ def reference_h2o(model, batch, tokens, sched: H2OSchedule, steps: int, vision: 
             kwargs["attention_mask"] = masks[i]
         return args, kwargs
 
-    hooks = [layer.register_forward_pre_hook(functools.partial(pre, i), with_kwargs=True) for i, layer in enumerate(layers)]
+    hooks = [
+        layer.register_forward_pre_hook(functools.partial(pre, i), with_kwargs=True)
+        for i, layer in enumerate(layers)
+    ]
     try:
         out = model(**batch, use_cache=True, output_attentions=True)
         cand0 = valid0 & vision if tokens == "vision" else valid0
         heavy, recent = sched.counts(cand0.sum(1))
-        history = {i: [torch.where(valid0[:, None, :, None], a, 0.0).sum(dim=(1, 2))]  # padding queries do not count
-                   for i, a in enumerate(out.attentions)}
+        history = {
+            i: [
+                torch.where(valid0[:, None, :, None], a, 0.0).sum(dim=(1, 2))
+            ]  # padding queries do not count
+            for i, a in enumerate(out.attentions)
+        }
         alive = {i: valid0.clone() for i in history}
         cand = {i: cand0.clone() for i in history}
         kept, logits = [], [out.logits[:, -1]]
@@ -205,10 +254,19 @@ def reference_h2o(model, batch, tokens, sched: H2OSchedule, steps: int, vision: 
         def evict():
             for i in alive:
                 length = alive[i].shape[1]
-                scores = sum(torch.nn.functional.pad(h, (0, length - h.shape[1])) for h in history[i])
+                scores = sum(
+                    torch.nn.functional.pad(h, (0, length - h.shape[1])) for h in history[i]
+                )
                 origin = torch.arange(length).expand(b, length)
-                alive[i] = h2o_keep(scores.double(), cand[i] & alive[i], origin, heavy, recent) & alive[i]
-            kept.append({i: [set(alive[i][r].nonzero().flatten().tolist()) for r in range(b)] for i in alive})
+                alive[i] = (
+                    h2o_keep(scores.double(), cand[i] & alive[i], origin, heavy, recent) & alive[i]
+                )
+            kept.append(
+                {
+                    i: [set(alive[i][r].nonzero().flatten().tolist()) for r in range(b)]
+                    for i in alive
+                }
+            )
 
         evict()
         for t in range(1, steps):
@@ -216,9 +274,15 @@ def reference_h2o(model, batch, tokens, sched: H2OSchedule, steps: int, vision: 
             for i in alive:
                 allowed = torch.cat([alive[i], torch.ones(b, 1, dtype=torch.bool)], dim=1)
                 masks[i] = torch.zeros(b, 1, 1, allowed.shape[1], dtype=model.dtype).masked_fill(
-                    ~allowed[:, None, None, :], torch.finfo(model.dtype).min)
-            out = model(input_ids=tokens_at(t), attention_mask=mask2d, past_key_values=cache, use_cache=True,
-                        output_attentions=True)
+                    ~allowed[:, None, None, :], torch.finfo(model.dtype).min
+                )
+            out = model(
+                input_ids=tokens_at(t),
+                attention_mask=mask2d,
+                past_key_values=cache,
+                use_cache=True,
+                output_attentions=True,
+            )
             for i, a in enumerate(out.attentions):
                 history[i].append(a.sum(dim=(1, 2)))
                 alive[i] = torch.cat([alive[i], torch.ones(b, 1, dtype=torch.bool)], dim=1)
@@ -243,14 +307,27 @@ def test_h2o_kept_set_equals_the_full_history_reference(tokens, recent_share):
     with apply(pipe, model) as session:
         log = CacheLog(session)
         try:
-            gen = model.generate(**batch, max_new_tokens=steps, do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True, min_new_tokens=steps)
+            gen = model.generate(
+                **batch,
+                max_new_tokens=steps,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                min_new_tokens=steps,
+            )
         finally:
             log.close()
     n = batch["input_ids"].shape[1]
     vision = session.last_prefill.layout.kind == TokenKind.VISION
-    kept, logits = reference_h2o(model, batch, tokens, pipe.scheduler, steps, vision,
-                                 lambda t: gen.sequences[:, n + t - 1 : n + t])
+    kept, logits = reference_h2o(
+        model,
+        batch,
+        tokens,
+        pipe.scheduler,
+        steps,
+        vision,
+        lambda t: gen.sequences[:, n + t - 1 : n + t],
+    )
     assert len(log.steps) == steps
     for t in range(steps):
         for i, (valid, origin, _) in enumerate(log.steps[t]):
@@ -261,4 +338,3 @@ def test_h2o_kept_set_equals_the_full_history_reference(tokens, recent_share):
     assert sum(len(s) for s in kept[0][0]) < int(batch["attention_mask"].sum())
     if tokens == "all":  # the cache stays at its budget while decoding
         assert [len(s) for s in kept[-1][0]] == [len(s) for s in kept[0][0]]
-

@@ -14,15 +14,27 @@ from .conftest import assert_rows_match_batch, identity_pipeline, tiny_lightkv
 
 pytestmark = [
     pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (benchmarks/gpu_check.sh runs these)"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="needs a CUDA GPU (benchmarks/gpu_check.sh runs these)",
+    ),
 ]
 FAMILIES = ["llava", "llava_next", "qwen2_5_vl", "gemma3", "idefics3"]
-GEN = {"max_new_tokens": 4, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
+GEN = {
+    "max_new_tokens": 4,
+    "do_sample": False,
+    "output_logits": True,
+    "return_dict_in_generate": True,
+}
 
 
 def _on(batch: dict, device, dtype) -> dict:
-    return {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) if isinstance(v, torch.Tensor) else v
-            for k, v in batch.items()}
+    return {
+        k: (v.to(device, dtype) if v.is_floating_point() else v.to(device))
+        if isinstance(v, torch.Tensor)
+        else v
+        for k, v in batch.items()
+    }
 
 
 def _pair(family: str, dtype: torch.dtype):
@@ -41,7 +53,9 @@ model's own causal path (on the CPU, float32 agrees to 1e-5)."""
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"]
+)
 def test_identity_on_cuda(family, dtype):
     """Removing nothing: the same tokens; text-only rows bit-exact (no hook changes them)."""
     fam = TINY_MODELS[family]
@@ -52,7 +66,9 @@ def test_identity_on_cuda(family, dtype):
         same = model.generate(**batch, **GEN)
     assert torch.equal(same.sequences, ref.sequences)
     for a, b in zip(same.logits, ref.logits):
-        assert (a.float() - b.float()).abs().amax().item() <= TOL[dtype] * max(1.0, b.float().abs().amax().item())
+        assert (a.float() - b.float()).abs().amax().item() <= TOL[dtype] * max(
+            1.0, b.float().abs().amax().item()
+        )
     text = _on(fam.collate([fam.row(cpu, images=0, pre=3, post=4, seed=5)]), "cuda", dtype)
     ref_text = model.generate(**text, **GEN)
     with apply(tiny_lightkv(), model, **fam.adapter_options):
@@ -75,7 +91,9 @@ def test_half_precision_on_cuda_follows_float32_on_cpu(family, dtype):
             want = cpu(**fam.collate(rows)).logits
         with apply(tiny_lightkv(), gpu, **fam.adapter_options) as s_gpu:
             got = gpu(**_on(fam.collate(rows), "cuda", dtype)).logits
-    assert [lay.tokens for lay in s_gpu.report().layers] == [lay.tokens for lay in s_cpu.report().layers]
+    assert [lay.tokens for lay in s_gpu.report().layers] == [
+        lay.tokens for lay in s_cpu.report().layers
+    ]
     # the answer position (every row's last column): vision columns may merge other pairs
     # where half precision reorders two near-equal similarities
     last_want, last_got = want[:, -1], got[:, -1].float().cpu()
@@ -106,7 +124,9 @@ def test_tap_equals_second_projection_on_cuda(family):
     with torch.no_grad():
         with apply(tiny_lightkv(), model, record=True, **fam.adapter_options) as tapped:
             a = model(**batch).logits
-        with apply(tiny_lightkv(), model, record=True, reuse_projections=False, **fam.adapter_options) as projected:
+        with apply(
+            tiny_lightkv(), model, record=True, reuse_projections=False, **fam.adapter_options
+        ) as projected:
             b = model(**batch).logits
     assert all(r.tapped for r in tapped.records)
     for x, y in zip(tapped.records, projected.records, strict=True):
@@ -129,7 +149,13 @@ def test_graph_decoding_refused_in_a_session_and_exact_after_it():
     with apply(tiny_lightkv(), model):
         with pytest.raises(TypeError, match="one decoding mask.*CUDA graphs"):
             model.generate(**batch, **gen, cache_implementation="static")
-        assert model.generate(**batch, **gen).shape == eager.shape  # the dynamic cache decodes compressed
-    graphs = model.generate(**batch, **gen, cache_implementation="static",
-                            compile_config=CompileConfig(mode="reduce-overhead", fullgraph=False))
+        assert (
+            model.generate(**batch, **gen).shape == eager.shape
+        )  # the dynamic cache decodes compressed
+    graphs = model.generate(
+        **batch,
+        **gen,
+        cache_implementation="static",
+        compile_config=CompileConfig(mode="reduce-overhead", fullgraph=False),
+    )
     assert torch.equal(graphs, eager)

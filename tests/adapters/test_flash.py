@@ -16,12 +16,12 @@ from dataclasses import replace
 
 import pytest
 import torch
+from lightkv_lab.bench.budgets import method_pipeline
 
 from lightkv import Pipeline
 from lightkv.adapters import apply, masks
 from lightkv.adapters.attention import AttentionWatch, configured_attention
 from lightkv.adapters.guards import attention_implementation
-from lightkv.bench.budgets import method_pipeline
 from lightkv.presets import PRESETS, get_preset
 from lightkv.testing import TINY_MODELS
 
@@ -30,9 +30,16 @@ from .flash_standin import NAME, FlashStandIn, use_flash
 
 DEPTH = 8  # every preset's schedule fits (scaled from 32 layers)
 STEPS = 8
-GEN = dict(max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, output_logits=True,
-           return_dict_in_generate=True)
-FLASH_FAMILIES = [f for f in TINY_MODELS if f != "gemma3"]  # transformers' Gemma 3 has no FlashAttention-2
+GEN = dict(
+    max_new_tokens=STEPS,
+    min_new_tokens=STEPS,
+    do_sample=False,
+    output_logits=True,
+    return_dict_in_generate=True,
+)
+FLASH_FAMILIES = [
+    f for f in TINY_MODELS if f != "gemma3"
+]  # transformers' Gemma 3 has no FlashAttention-2
 MODES = {"hidden": None, "pre_llm": "divprune", "cache": "elasticcache", "h2o": "h2o"}
 _MODELS: dict = {}
 
@@ -59,7 +66,11 @@ def flash_attention(model):
 
 def _deep_llava(dtype=torch.float32):
     if dtype not in _MODELS:
-        _MODELS[dtype] = TINY_MODELS["llava"].build(attn_implementation="sdpa", num_layers=DEPTH, dtype=dtype).eval()
+        _MODELS[dtype] = (
+            TINY_MODELS["llava"]
+            .build(attn_implementation="sdpa", num_layers=DEPTH, dtype=dtype)
+            .eval()
+        )
     return _MODELS[dtype]
 
 
@@ -80,8 +91,11 @@ def _run(model, fam, pipe, batch):
         logits = model(**batch).logits
         layout = session.last_prefill.final_layout
         # hidden-state modes return one column per surviving token, the cache modes the prompt's
-        real = layout.valid_mask if layout is not None and layout.seq_len == logits.shape[1] \
+        real = (
+            layout.valid_mask
+            if layout is not None and layout.seq_len == logits.shape[1]
             else batch["attention_mask"].bool()
+        )
         out = model.generate(**batch, **GEN)
     return logits[real], out
 
@@ -108,7 +122,10 @@ def test_every_preset_under_flash_equals_its_sdpa_run(flash, preset):
     model, fam = _deep_llava(), TINY_MODELS["llava"]
     pipe = _preset(preset, DEPTH)
     if pipe.proportional_attention:  # log(size) per key: FlashAttention-2 takes no bias
-        with flash_attention(model), pytest.raises(ValueError, match="FlashAttention-2 takes no bias"):
+        with (
+            flash_attention(model),
+            pytest.raises(ValueError, match="FlashAttention-2 takes no bias"),
+        ):
             apply(pipe, model)
         return
     for batch in _batches(fam, model).values():
@@ -127,7 +144,9 @@ def test_the_released_quirks_on_qwen_m_rope_under_flash_equal_the_sdpa_run(flash
     assert pipe.released_quirks.unmasked_first_merge and pipe.released_quirks.renumber_positions
     _assert_flash_equals_sdpa(model, fam, pipe, _batches(fam, model)["padded"], 1e-5)
     assert flash.counts["masks_4d"] == 0
-    assert flash.counts["causal_off"] == 2  # the first merge layer, in the forward and in generate's prefill
+    assert (
+        flash.counts["causal_off"] == 2
+    )  # the first merge layer, in the forward and in generate's prefill
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -183,8 +202,15 @@ def test_rows_of_different_lengths_run_varlen_without_a_4d_mask(flash, mode):
         if mode == "pre_llm":
             kept = session.last_prefill.final_layout.valid_mask.sum(1)
         else:
-            kept = torch.stack([layer.valid.sum(1) for layer in out.cache.layers if hasattr(layer, "valid")
-                                and layer.valid is not None and not bool(layer.valid.all())])[0]
+            kept = torch.stack(
+                [
+                    layer.valid.sum(1)
+                    for layer in out.cache.layers
+                    if hasattr(layer, "valid")
+                    and layer.valid is not None
+                    and not bool(layer.valid.all())
+                ]
+            )[0]
         varlen_prefill = flash.counts["varlen"]
         model.generate(**batch, **GEN)
     assert kept[0] != kept[1]  # the rows really differ in length
@@ -193,17 +219,23 @@ def test_rows_of_different_lengths_run_varlen_without_a_4d_mask(flash, mode):
 
 
 def test_what_flash_cannot_compute_is_refused_with_its_reason(flash, monkeypatch):
-    model, fam = get_model("llava"), TINY_MODELS["llava"]
+    model = get_model("llava")
     with flash_attention(model):
-        with pytest.raises(ValueError, match="proportional attention .* FlashAttention-2 takes no bias"):
+        with pytest.raises(
+            ValueError, match="proportional attention .* FlashAttention-2 takes no bias"
+        ):
             apply(replace(tiny_lightkv(), proportional_attention=True), model)
         attn = model.model.language_model.layers[2].self_attn
         monkeypatch.setattr(attn, "sliding_window", 16, raising=False)
-        with pytest.raises(ValueError, match=r"sliding-window layers \[2\]: the kernel measures the window"):
+        with pytest.raises(
+            ValueError, match=r"sliding-window layers \[2\]: the kernel measures the window"
+        ):
             apply(tiny_lightkv(), model)
     gemma = get_model("gemma3")
     monkeypatch.setattr(gemma.config.text_config, "_attn_implementation", NAME)
-    with pytest.raises(ValueError, match="'gemma3' family under flash_attention_2: transformers' Gemma 3 has no"):
+    with pytest.raises(
+        ValueError, match="'gemma3' family under flash_attention_2: transformers' Gemma 3 has no"
+    ):
         apply(tiny_lightkv(), gemma)
 
 
@@ -238,8 +270,8 @@ def test_the_efficiency_benchmark_runs_stock_and_compressed_under_flash(flash, m
     the uncompressed prefill and each compressed one dispatch to flash_attention_2 on every
     layer (the stand-in here: the CUDA / flash_attn check and transformers' import check are
     bypassed by building under sdpa and switching, as `use_flash` does), nothing is refused."""
-    from lightkv.bench import efficiency as eff
-    from lightkv.bench.efficiency import shapes
+    from lightkv_lab.bench import efficiency as eff
+    from lightkv_lab.bench.efficiency import shapes
 
     monkeypatch.setattr(shapes, "check_attention_available", lambda *a: None)
     fam = TINY_MODELS["llava"]
@@ -251,12 +283,24 @@ def test_the_efficiency_benchmark_runs_stock_and_compressed_under_flash(flash, m
         return model
 
     monkeypatch.setitem(TINY_MODELS, "llava", replace(fam, build=build))
-    cfg = eff.quick_config(models=("llava",), presets=("lightkv", "divprune"), layers=6, heads=1, repeats=1, warmup=0,
-                           eager_repeats=0, memory=False, progress=False, attn_implementation=NAME,
-                           eager_reference=False)
+    cfg = eff.quick_config(
+        models=("llava",),
+        presets=("lightkv", "divprune"),
+        layers=6,
+        heads=1,
+        repeats=1,
+        warmup=0,
+        eager_repeats=0,
+        memory=False,
+        progress=False,
+        attn_implementation=NAME,
+        eager_reference=False,
+    )
     m = eff.run(cfg)["models"]["llava"]
     assert m["refused"] == {} and set(m["variants"]) == {"uncompressed", "lightkv", "divprune"}
-    assert m["attention_implementation"] == NAME and set(m["attention_configured"].values()) == {NAME}
+    assert m["attention_implementation"] == NAME and set(m["attention_configured"].values()) == {
+        NAME
+    }
     for rec in m["variants"].values():
         assert rec["attention"]["ran"] == {NAME: 6} and rec["attention"]["sdpa_kernels"] == 0
     assert flash.counts["masks_4d"] == 0
@@ -267,8 +311,14 @@ def test_beam_search_under_flash_keeps_the_sdpa_beams(flash):
     masks built from it give the sdpa run's beams and scores."""
     model, fam = get_model("llava"), TINY_MODELS["llava"]
     batch = _batches(fam, model)["padded"]
-    gen = dict(max_new_tokens=STEPS, min_new_tokens=STEPS, num_beams=3, do_sample=False, output_scores=True,
-               return_dict_in_generate=True)
+    gen = dict(
+        max_new_tokens=STEPS,
+        min_new_tokens=STEPS,
+        num_beams=3,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
 
     def beams():
         with apply(tiny_lightkv(), model):

@@ -50,7 +50,9 @@ def test_layout_is_one_square_grid_per_image_and_crop():
     assert layout.image_row.tolist() == [b for b, _, _ in runs]
     for k, (b, start, n) in enumerate(runs):
         assert (layout.image[b, start : start + n] == k).all()
-        assert layout.coords[b, start : start + n].tolist() == [[r, c] for r in range(side) for c in range(side)]
+        assert layout.coords[b, start : start + n].tolist() == [
+            [r, c] for r in range(side) for c in range(side)
+        ]
     # begin/end-of-image tokens are text: never merged
     markers = (batch["input_ids"] == gemma3.BOI) | (batch["input_ids"] == gemma3.EOI)
     assert (layout.kind[markers] == TokenKind.TEXT).all()
@@ -68,8 +70,12 @@ def _captured_masks(model, pipe, batch):
     layers = model.model.language_model.layers
     with apply(pipe, model) as session:
         for i, layer in enumerate(layers):  # registered after the session's: they see its masks
-            hooks.append(layer.register_forward_pre_hook(
-                lambda m, a, kw, i=i: masks.__setitem__(i, kw["attention_mask"]), with_kwargs=True))
+            hooks.append(
+                layer.register_forward_pre_hook(
+                    lambda m, a, kw, i=i: masks.__setitem__(i, kw["attention_mask"]),
+                    with_kwargs=True,
+                )
+            )
         try:
             model(**batch)
         finally:
@@ -124,7 +130,9 @@ def _block_oracle(tti: torch.Tensor) -> list[list[int]]:
 ALTERNATING = ("sliding_attention", "full_attention", "sliding_attention", "full_attention")
 
 
-@pytest.mark.parametrize("layer_types", [ALTERNATING, None])  # None: the default 5:1 pattern (4 sliding layers)
+@pytest.mark.parametrize(
+    "layer_types", [ALTERNATING, None]
+)  # None: the default 5:1 pattern (4 sliding layers)
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_identity_with_uncompressed_sliding_layers_and_decoding_past_the_window(layer_types, attn):
     model = gemma3.build(attn_implementation=attn, layer_types=layer_types, sliding_window=6)
@@ -162,6 +170,7 @@ def test_compressed_sliding_layer_windows_over_original_positions_while_decoding
     seen = []
     layer = model.model.language_model.layers[2]
     with apply(tiny_lightkv(), model):
+
         def record(m, a, kw):
             cl = kw["cache"].layers[2]
             if cl.origin is not None:  # decoding (the cache holds the compressed prompt)
@@ -184,7 +193,9 @@ def test_compressed_sliding_layer_windows_over_original_positions_while_decoding
 
 
 def test_refusals_are_clear():
-    pipe = lightkv.load("lightkv").with_scheduler(ExplicitSchedule(layers=(1,), windows_per_side=(1,)))
+    pipe = lightkv.load("lightkv").with_scheduler(
+        ExplicitSchedule(layers=(1,), windows_per_side=(1,))
+    )
     model = gemma3.build()
     model.model.language_model.config.use_bidirectional_attention = True
     with pytest.raises(NotImplementedError, match="use_bidirectional_attention=True"):

@@ -64,7 +64,9 @@ def test_one_grid_per_tile_and_global_view(name):
     assert not (layout.kind == TokenKind.STRUCTURAL).any()
     markers = torch.isin(ids, torch.tensor(MARKERS))
     assert markers.any() and bool((layout.kind[markers] == TokenKind.TEXT).all())
-    raster = torch.stack([torch.arange(side).repeat_interleave(side), torch.arange(side).repeat(side)], dim=1)
+    raster = torch.stack(
+        [torch.arange(side).repeat_interleave(side), torch.arange(side).repeat(side)], dim=1
+    )
     for s, (b, start) in enumerate(tiles):
         span = slice(start, start + side * side)
         assert bool((layout.image[b, span] == s).all())
@@ -94,7 +96,9 @@ def test_pixel_shuffle_keeps_raster_order(name):
     side = patches // scale
     for k in range(side * side):
         i, j = divmod(k, side)
-        block = {(i * scale + a) * patches + j * scale + b for a in range(scale) for b in range(scale)}
+        block = {
+            (i * scale + a) * patches + j * scale + b for a in range(scale) for b in range(scale)
+        }
         assert set(out[k].long().tolist()) == block
 
 
@@ -104,14 +108,20 @@ def test_smolvlm_video_frames_are_separate_grids():
     fam = TINY_MODELS["smolvlm"]
     frames = fam.row(model, [(0, 0)] * 3, seed=3)
     layout = _layout(model, fam.collate([frames]))
-    assert layout.num_images == 3 and (layout.image_video == -1).all() and (layout.image_frame == 0).all()
+    assert (
+        layout.num_images == 3
+        and (layout.image_video == -1).all()
+        and (layout.image_frame == 0).all()
+    )
 
 
 def test_detection_and_refusals():
     assert detect_family(get_model("idefics3")) == detect_family(get_model("smolvlm")) == "idefics3"
     for build in (build_idefics3, build_smolvlm):
         model = build(num_layers=1, image_size=24, patch_size=4, scale_factor=4)  # 6 x 6 patches
-        with pytest.raises(NotImplementedError, match=r"6 x 6 patch grid to divide by scale_factor=4"):
+        with pytest.raises(
+            NotImplementedError, match=r"6 x 6 patch grid to divide by scale_factor=4"
+        ):
             Idefics3Adapter(model)
     adapter = Idefics3Adapter(get_model("idefics3"))
     ids = torch.cat([torch.tensor([[5]]), torch.full((1, 17), IMAGE), torch.tensor([[6]])], dim=1)

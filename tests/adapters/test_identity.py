@@ -55,4 +55,3 @@ def test_text_only_prompts_are_untouched(family):
     assert session.last_prefill.stages == []
     assert torch.equal(out, ref)
     assert torch.equal(gen.sequences, ref_gen.sequences)
-

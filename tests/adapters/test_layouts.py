@@ -9,7 +9,7 @@ from lightkv import Pipeline
 from lightkv.adapters import apply, get_adapter
 from lightkv.graph.layout import TokenKind
 from lightkv.policies import ExplicitSchedule
-from lightkv.testing import TINY_MODELS, IMAGE, NEWLINE, VIDEO
+from lightkv.testing import IMAGE, NEWLINE, TINY_MODELS, VIDEO
 
 from .conftest import decoder_layers, get_model, tiny_lightkv
 
@@ -53,7 +53,9 @@ def test_llava_next_newlines_are_the_models_newline_embedding():
     fam = TINY_MODELS["llava_next"]
     batch = fam.collate(fam.examples(model))
     seen = {}
-    hook = model.model.language_model.layers[0].register_forward_pre_hook(lambda m, a: seen.__setitem__("x", a[0]))
+    hook = model.model.language_model.layers[0].register_forward_pre_hook(
+        lambda m, a: seen.__setitem__("x", a[0])
+    )
     try:
         layout = _layout(model, "llava_next", batch)
     finally:
@@ -75,7 +77,10 @@ def test_qwen_grids_follow_mrope_positions():
     batch = fam.collate(fam.examples(model))
     layout = _layout(model, "qwen2_5_vl", batch)
     pos, _ = model.model.get_rope_index(
-        batch["input_ids"], batch["mm_token_type_ids"], batch["image_grid_thw"], batch["video_grid_thw"],
+        batch["input_ids"],
+        batch["mm_token_type_ids"],
+        batch["image_grid_thw"],
+        batch["video_grid_thw"],
         attention_mask=batch["attention_mask"],
     )
     for s in range(layout.num_images):

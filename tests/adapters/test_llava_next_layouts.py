@@ -10,7 +10,7 @@ from lightkv import Pipeline
 from lightkv.adapters import apply
 from lightkv.adapters.llava_next import LlavaNextAdapter
 from lightkv.graph import TokenKind
-from lightkv.testing import TINY_MODELS, IMAGE, build_llava_next, llava_next_tokens
+from lightkv.testing import IMAGE, TINY_MODELS, build_llava_next, llava_next_tokens
 
 from .conftest import get_model, tiny_lightkv
 
@@ -41,14 +41,18 @@ def test_extreme_aspect_ratios_in_a_mixed_batch():
 
 def _paper_model():
     # LLaVA-NeXT-7B's geometry (336 px tiles of 14 px patches, a 672 x 672 image) with tiny widths
-    return build_llava_next(image_size=336, patch_size=14, pinpoints=((336, 672), (672, 336), (672, 672)), num_layers=2)
+    return build_llava_next(
+        image_size=336, patch_size=14, pinpoints=((336, 672), (672, 336), (672, 672)), num_layers=2
+    )
 
 
 def test_reference_layout_is_one_span_and_reproduces_the_paper_counts():
     model = _paper_model()
     n_img = llava_next_tokens(model, (672, 672))
     assert n_img == 576 + 48 * 49  # base grid + 48 rows of 48 tokens and a newline = 2928
-    ids = torch.cat([torch.full((1, 3), 5), torch.full((1, n_img), IMAGE), torch.full((1, 4), 6)], dim=1)
+    ids = torch.cat(
+        [torch.full((1, 3), 5), torch.full((1, n_img), IMAGE), torch.full((1, 4), 6)], dim=1
+    )
     inputs = {"input_ids": ids, "image_sizes": torch.tensor([[672, 672]])}
     adapter = LlavaNextAdapter(model)
     native = adapter.build_layout(inputs, None)

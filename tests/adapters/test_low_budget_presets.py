@@ -12,16 +12,25 @@ from dataclasses import replace
 
 import pytest
 import torch
+from lightkv_lab.bench.budgets import method_pipeline
 
 from lightkv.adapters import apply
-from lightkv.bench.budgets import method_pipeline
 from lightkv.policies import PreLLMSchedule, average_kept_fraction
 from lightkv.testing import TINY_MODELS
 
 from .conftest import assert_rows_match_batch, get_model
 
 GEN = dict(max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True)
-PRESETS = ("divprune", "cdpruner", "dart", "mmtok", "lightkv-cover", "downsample", "lightkv-low-budget", "lightkv-first-layer")
+PRESETS = (
+    "divprune",
+    "cdpruner",
+    "dart",
+    "mmtok",
+    "lightkv-cover",
+    "downsample",
+    "lightkv-low-budget",
+    "lightkv-first-layer",
+)
 REFUSED = {("qwen3_vl", p): "DeepStack" for p in PRESETS}
 """(family, preset) -> what the refusal says: Qwen3-VL adds visual features in its first
 layers (DeepStack), so nothing may leave before they are all added."""
@@ -49,12 +58,17 @@ def test_identity_at_ratio_zero(family, preset):
     ref = model.generate(**batch, **GEN)
     pipe = at(preset, 0.5)
     sched = pipe.scheduler
-    pipe = pipe.with_scheduler(replace(sched, removal_ratio=0.0) if isinstance(sched, PreLLMSchedule)
-                               else replace(sched, removal_ratios=(0.0,)))
+    pipe = pipe.with_scheduler(
+        replace(sched, removal_ratio=0.0)
+        if isinstance(sched, PreLLMSchedule)
+        else replace(sched, removal_ratios=(0.0,))
+    )
     with apply(pipe, model, **fam.adapter_options):
         gen = model.generate(**batch, **GEN)
     assert torch.equal(gen.sequences, ref.sequences)
-    for a, b in zip(gen.logits, ref.logits):  # the hooked masks may sum in another order (as test_pre_llm)
+    for a, b in zip(
+        gen.logits, ref.logits
+    ):  # the hooked masks may sum in another order (as test_pre_llm)
         assert (a - b).abs().max().item() <= 1e-5
 
 
@@ -77,7 +91,9 @@ def test_row_alone_equals_row_in_padded_batch(family, preset, attn):
 def test_bf16_keeps_the_budget_on_llava(preset):
     model = get_model("llava", dtype=torch.bfloat16)
     fam = TINY_MODELS["llava"]
-    batch = fam.collate(fam.examples(model)[:2])  # three images: one in the first row, two in the second
+    batch = fam.collate(
+        fam.examples(model)[:2]
+    )  # three images: one in the first row, two in the second
     batch["pixel_values"] = batch["pixel_values"].to(torch.bfloat16)
     pipe = at(preset, 0.22)
     with apply(pipe, model) as session:
@@ -111,8 +127,11 @@ def test_first_layer_keeps_what_low_budget_keeps_with_its_relevance_read_from_th
     for name in ("lightkv-first-layer", "lightkv-low-budget"):
         pipe = get_preset(name)
         sched = pipe.scheduler
-        pipe = pipe.with_scheduler(replace(sched, removal_ratio=0.75) if isinstance(sched, PreLLMSchedule)
-                                   else replace(sched, removal_ratios=(0.75,)))
+        pipe = pipe.with_scheduler(
+            replace(sched, removal_ratio=0.75)
+            if isinstance(sched, PreLLMSchedule)
+            else replace(sched, removal_ratios=(0.75,))
+        )
         with apply(pipe, model, **fam.adapter_options) as session:
             model(**batch)
         (record,) = session.last_prefill.stages

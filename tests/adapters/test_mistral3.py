@@ -25,7 +25,9 @@ FAMILIES = ["mistral3", "pixtral"]
 
 def _d(model) -> int:
     cfg = model.config
-    return cfg.vision_config.patch_size * (cfg.spatial_merge_size if cfg.model_type == "mistral3" else 1)
+    return cfg.vision_config.patch_size * (
+        cfg.spatial_merge_size if cfg.model_type == "mistral3" else 1
+    )
 
 
 def _layout(model, batch, generate=False):
@@ -73,7 +75,11 @@ def test_layout_is_the_prompt_grid_of_every_image(name):
     layout = _layout(model, batch)
     images = _oracle(batch, _d(model))
     assert layout.num_images == len(images) == 4
-    assert layout.image_grid.tolist() == [list(g) for _, g, _, _ in images] == [[3, 4], [4, 2], [2, 3], [1, 5]]
+    assert (
+        layout.image_grid.tolist()
+        == [list(g) for _, g, _, _ in images]
+        == [[3, 4], [4, 2], [2, 3], [1, 5]]
+    )
     assert layout.image_row.tolist() == [0, 1, 1, 1]
     ids = batch["input_ids"]
     assert torch.equal(layout.vision_mask, ids == IMAGE)
@@ -89,11 +95,17 @@ def test_the_model_packs_height_over_d_by_width_over_d_tokens(name):
     model = get_model(name)
     fam = TINY_MODELS[name]
     batch = fam.collate(fam.examples(model))
-    feats = model.model.get_image_features(batch["pixel_values"], image_sizes=batch["image_sizes"]).pooler_output
+    feats = model.model.get_image_features(
+        batch["pixel_values"], image_sizes=batch["image_sizes"]
+    ).pooler_output
     d = 8  # Mistral3: 4 px patches x 2 merge; Pixtral-LLaVA: 8 px patches
     assert _d(model) == d
-    assert [int(f.shape[0]) for f in feats] == [(h // d) * (w // d) for h, w in batch["image_sizes"].tolist()]
-    assert _layout(model, batch, generate=True) == _layout(model, batch)  # grids read from the prompt
+    assert [int(f.shape[0]) for f in feats] == [
+        (h // d) * (w // d) for h, w in batch["image_sizes"].tolist()
+    ]
+    assert _layout(model, batch, generate=True) == _layout(
+        model, batch
+    )  # grids read from the prompt
 
 
 def test_the_patch_merger_keeps_raster_order():
@@ -108,7 +120,9 @@ def test_the_patch_merger_keeps_raster_order():
     with torch.no_grad():
         merger.merging_layer.weight.zero_()
         merger.merging_layer.weight[0, 0] = 1.0  # channel 0 of the block's top-left patch
-        merger.merging_layer.weight[1, 4] = 1.0  # channel 1 of the block's top-left patch (channel-major unfold)
+        merger.merging_layer.weight[1, 4] = (
+            1.0  # channel 1 of the block's top-left patch (channel-major unfold)
+        )
         out = merger(feats, torch.tensor([[24, 32]]))
     h, w = hp // 2, wp // 2
     assert torch.equal(out[:, 0], (torch.arange(h).repeat_interleave(w) * 2).float())
@@ -117,9 +131,15 @@ def test_the_patch_merger_keeps_raster_order():
 
 def test_a_prompt_without_breaks_uses_image_sizes():
     model = get_model("mistral3")
-    ids = torch.cat([torch.tensor([[5, 6]]), torch.full((1, 12), IMAGE), torch.tensor([[7]])], dim=1)
-    layout = Mistral3Adapter(model).build_layout({"input_ids": ids, "image_sizes": torch.tensor([[24, 32]])}, None)
-    assert layout.image_grid.tolist() == [[3, 4]] and not (layout.kind == TokenKind.STRUCTURAL).any()
+    ids = torch.cat(
+        [torch.tensor([[5, 6]]), torch.full((1, 12), IMAGE), torch.tensor([[7]])], dim=1
+    )
+    layout = Mistral3Adapter(model).build_layout(
+        {"input_ids": ids, "image_sizes": torch.tensor([[24, 32]])}, None
+    )
+    assert (
+        layout.image_grid.tolist() == [[3, 4]] and not (layout.kind == TokenKind.STRUCTURAL).any()
+    )
 
 
 def test_malformed_prompts_are_refused():
@@ -133,9 +153,13 @@ def test_malformed_prompts_are_refused():
     with pytest.raises(ValueError, match=r"rows of equal width"):
         adapter.build_layout({"input_ids": ragged[None], "image_sizes": sizes}, None)
     with pytest.raises(ValueError, match=r"image_sizes give \(4, 3\)"):
-        adapter.build_layout({"input_ids": good[None], "image_sizes": torch.tensor([[32, 24]])}, None)
+        adapter.build_layout(
+            {"input_ids": good[None], "image_sizes": torch.tensor([[32, 24]])}, None
+        )
     with pytest.raises(ValueError, match="placeholder tokens"):
-        adapter.build_layout({"input_ids": good[None], "image_sizes": torch.tensor([[32, 32]])}, None)
+        adapter.build_layout(
+            {"input_ids": good[None], "image_sizes": torch.tensor([[32, 32]])}, None
+        )
     with pytest.raises(ValueError, match="need image_sizes"):
         adapter.build_layout({"input_ids": good[None]}, None)
     no_end = good[: len(good) - good.flip(0).tolist().index(IMG_END) - 1]  # cut at [IMG_END]
@@ -149,7 +173,9 @@ def test_pixtral_llava_is_routed_to_the_pixtral_adapter():
     assert isinstance(get_adapter(model), PixtralLlavaAdapter)
     with pytest.raises(NotImplementedError, match="Pixtral vision tower.*'pixtral' adapter"):
         LlavaAdapter(model)
-    with pytest.raises(NotImplementedError, match="for LlavaForConditionalGeneration with a Pixtral"):
+    with pytest.raises(
+        NotImplementedError, match="for LlavaForConditionalGeneration with a Pixtral"
+    ):
         PixtralLlavaAdapter(get_model("llava"))
 
 

@@ -44,7 +44,10 @@ def test_a_static_cache_on_a_padded_batch_names_the_cache_not_the_mask():
     fam = TINY_MODELS["llava"]
     batch = fam.collate(fam.examples(model)[:2])
     assert not bool(batch["attention_mask"].all())  # padded
-    with apply(tiny_lightkv(), model), pytest.raises(TypeError, match="default dynamic cache only.*Static"):
+    with (
+        apply(tiny_lightkv(), model),
+        pytest.raises(TypeError, match="default dynamic cache only.*Static"),
+    ):
         model.generate(**batch, max_new_tokens=2, do_sample=False, cache_implementation="static")
 
 
@@ -65,8 +68,14 @@ def test_a_text_model_whose_config_says_llava_gets_a_clear_error():
 
     import lightkv
 
-    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2)
+    cfg = LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     model = LlamaForCausalLM(cfg)
     model.config.model_type = "llava"
     with pytest.raises(TypeError, match="cannot find the multimodal core"):

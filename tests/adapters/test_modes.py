@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import lightkv
-from lightkv.adapters import apply, session as session_module
+from lightkv.adapters import apply
+from lightkv.adapters import session as session_module
 from lightkv.adapters.modes import Mode
 from lightkv.policies import StageSpec
 from lightkv.policies.schedulers import ExplicitSchedule, Scheduler
@@ -26,13 +27,16 @@ def llava():
     return model, fam.collate(fam.examples(model)[:2])
 
 
-@pytest.mark.parametrize("preset, modes", [
-    ("lightkv-budget", ["sequence", "layer"]),
-    ("lightkv-pre-llm", ["pre_llm", "sequence"]),
-    ("elasticcache", ["sequence", "cache"]),
-    ("h2o", ["sequence", "h2o"]),
-    ("visionzip", ["pre_llm", "sequence", "tower"]),
-])
+@pytest.mark.parametrize(
+    "preset, modes",
+    [
+        ("lightkv-budget", ["sequence", "layer"]),
+        ("lightkv-pre-llm", ["pre_llm", "sequence"]),
+        ("elasticcache", ["sequence", "cache"]),
+        ("h2o", ["sequence", "h2o"]),
+        ("visionzip", ["pre_llm", "sequence", "tower"]),
+    ],
+)
 def test_the_schedule_chooses_the_modes(llava, preset, modes):
     model, _ = llava
     with apply(lightkv.load(preset), model) as session:
@@ -41,7 +45,10 @@ def test_the_schedule_chooses_the_modes(llava, preset, modes):
 
 def test_stage_spec_mode_is_its_one_spelling():
     w = dict(windows_per_side=2)
-    assert StageSpec(3, 0.5, **w).mode == "layer" and StageSpec(3, 0.5, mode="custom", **w).mode == "custom"
+    assert (
+        StageSpec(3, 0.5, **w).mode == "layer"
+        and StageSpec(3, 0.5, mode="custom", **w).mode == "custom"
+    )
     with pytest.raises(TypeError, match="'before' was renamed"):
         StageSpec(0, 0.5, before=True, mode="cache", **w)
     with pytest.raises(ValueError, match="only at layer 0"):
@@ -54,7 +61,9 @@ def test_a_mode_no_class_registers_fails_when_the_session_starts(llava):
             return [StageSpec(1, 0.5, windows_per_side=2, mode="nowhere")]
 
     model, _ = llava
-    pipe = lightkv.load("lightkv-budget").with_scheduler(Nowhere(layers=(1,), removal_ratios=(0.5,), windows_per_side=(2,)))
+    pipe = lightkv.load("lightkv-budget").with_scheduler(
+        Nowhere(layers=(1,), removal_ratios=(0.5,), windows_per_side=(2,))
+    )
     with pytest.raises(KeyError, match="mode 'nowhere', which is not registered"):
         apply(pipe, model)
 
@@ -90,7 +99,14 @@ def test_a_registered_mode_sees_every_layer_it_covers_in_order(llava):
             model.generate(**batch, max_new_tokens=2, do_sample=False)
         n = batch["input_ids"].shape[1]
         assert [m.name for m in session.modes] == ["sequence", "watch"]
-        assert seen == [("pre", 1, n), ("post", 1, n), ("pre", 2, n), ("post", 2, n), ("decode", 1, 1), ("decode", 2, 1)]
+        assert seen == [
+            ("pre", 1, n),
+            ("post", 1, n),
+            ("pre", 2, n),
+            ("post", 2, n),
+            ("decode", 1, 1),
+            ("decode", 2, 1),
+        ]
     finally:
         Mode._registry.clear()
         Mode._registry.update(saved)
@@ -99,7 +115,9 @@ def test_a_registered_mode_sees_every_layer_it_covers_in_order(llava):
 @pytest.mark.parametrize("hook", ["_on_layer_pre", "_on_layer_post"])
 def test_the_session_layer_hooks_hold_no_mode_branches(hook):
     """The hooks hand each call to the modes; the only test is whether this session owns the forward."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(session_module.CompressionSession, hook))))
+    tree = ast.parse(
+        textwrap.dedent(inspect.getsource(getattr(session_module.CompressionSession, hook)))
+    )
     branches = [n for n in ast.walk(tree) if isinstance(n, (ast.If, ast.IfExp, ast.Match))]
     assert len(branches) == 1 and ast.unparse(branches[0].test) == "st is None"
 
@@ -108,7 +126,9 @@ def test_adapters_hold_no_session_state():
     fam = TINY_MODELS["llava_next"]
     model = fam.build()
     batch = fam.collate(fam.examples(model)[:1])
-    pipe = dataclasses.replace(lightkv.load("lightkv-budget"), layout="reference")  # once written into the adapter
+    pipe = dataclasses.replace(
+        lightkv.load("lightkv-budget"), layout="reference"
+    )  # once written into the adapter
     session = apply(pipe, model)
     before = dict(vars(session.adapter))
     with session, torch.no_grad():

@@ -78,6 +78,8 @@ def test_a_session_entered_in_a_worker_thread_compresses_there():
     worker.start()
     worker.join()
     assert shapes[0] < batch["input_ids"].shape[1] and shapes[1] < 1.0
-    with pytest.raises(RuntimeError, match="no prefill"):  # nothing leaked into a later session here
+    with pytest.raises(
+        RuntimeError, match="no prefill"
+    ):  # nothing leaked into a later session here
         with apply(tiny_lightkv(), model) as session:
             session.to_prompt_positions(torch.zeros(1, 1))

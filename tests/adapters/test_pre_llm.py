@@ -35,7 +35,9 @@ def refused(family, model) -> bool:
 
 
 def pre_llm(ratio: float = 0.5, passer: str | None = None):
-    pipe = lightkv.load("lightkv-pre-llm").with_scheduler(PreLLMSchedule(removal_ratio=ratio, windows_per_side=2))
+    pipe = lightkv.load("lightkv-pre-llm").with_scheduler(
+        PreLLMSchedule(removal_ratio=ratio, windows_per_side=2)
+    )
     if passer is not None:
         pipe.passer = MessagePasser.create(passer)
     return pipe
@@ -73,9 +75,17 @@ def test_every_layer_caches_the_compressed_prompt(family):
     layout = session.last_prefill.layout
     valid = batch["attention_mask"].sum(1).tolist()
     for b in range(len(rows)):
-        grids = [tuple(g) for g, r in zip(layout.image_grid.tolist(), layout.image_row.tolist()) if r == b]
+        grids = [
+            tuple(g)
+            for g, r in zip(layout.image_grid.tolist(), layout.image_row.tolist())
+            if r == b
+        ]
         removed = sum(removed_first_stage(g, 2, 0.5) for g in grids)
-        lengths = [int(layer.valid[b].sum()) for layer in out.cache.layers if isinstance(layer, MaskedCacheLayer)]
+        lengths = [
+            int(layer.valid[b].sum())
+            for layer in out.cache.layers
+            if isinstance(layer, MaskedCacheLayer)
+        ]
         assert lengths == [valid[b] - removed] * len(out.cache.layers), (b, lengths)
     assert [s.layer for s in session.report().stages] == [0]
 
@@ -99,9 +109,14 @@ def test_llava_equals_the_model_on_the_kept_embeddings_at_their_original_positio
     model = get_model("llava")
     fam = TINY_MODELS["llava"]
     batch = fam.collate(fam.examples(model)[:1])
-    pipe = lightkv.load("lightkv-pre-llm").with_scheduler(PreLLMSchedule(removal_ratio=0.5, windows_per_side=2))
+    pipe = lightkv.load("lightkv-pre-llm").with_scheduler(
+        PreLLMSchedule(removal_ratio=0.5, windows_per_side=2)
+    )
     pipe.scorer, pipe.pruner = None, Pruner.create("random", seed=3)
-    pipe.passer, pipe.partitioner = MessagePasser.create("drop"), Partitioner.create("grid", split="all_src")
+    pipe.passer, pipe.partitioner = (
+        MessagePasser.create("drop"),
+        Partitioner.create("grid", split="all_src"),
+    )
     with apply(pipe, model, record=True) as session:
         logits = model(**batch).logits
     kept = session.records[0].result.layout.origin[0]
@@ -117,22 +132,31 @@ def test_llava_equals_the_model_on_the_kept_embeddings_at_their_original_positio
     finally:
         hook.remove()
     embeds = captured["embeds"][:, kept]
-    ref = model.model.language_model(inputs_embeds=embeds, position_ids=kept.unsqueeze(0)).last_hidden_state
+    ref = model.model.language_model(
+        inputs_embeds=embeds, position_ids=kept.unsqueeze(0)
+    ).last_hidden_state
     ref_logits = model.lm_head(ref)
     assert (logits[0, -1] - ref_logits[0, -1]).abs().max().item() <= 1e-5
     # decoding continues at the original positions: the next token sits at column n, not at len(kept)
     with apply(pipe, model) as session:
-        gen = model.generate(**batch, max_new_tokens=2, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True)
+        gen = model.generate(
+            **batch,
+            max_new_tokens=2,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     n = batch["input_ids"].shape[1]
     first = gen.sequences[0, n]
     step = torch.cat([embeds, model.get_input_embeddings()(first.view(1, 1))], dim=1)
     positions = torch.cat([kept, torch.tensor([n])]).unsqueeze(0)
-    ref2 = model.lm_head(model.model.language_model(inputs_embeds=step, position_ids=positions).last_hidden_state)
-    assert (gen.logits[1][0] - ref2[0, -1]).abs().max().item() <= 1e-4
-    assert int((session.records[0].result.layout.kind == TokenKind.VISION).sum()) == kept.numel() - (
-        batch["input_ids"].shape[1] - int((batch["input_ids"] == 100).sum())
+    ref2 = model.lm_head(
+        model.model.language_model(inputs_embeds=step, position_ids=positions).last_hidden_state
     )
+    assert (gen.logits[1][0] - ref2[0, -1]).abs().max().item() <= 1e-4
+    assert int(
+        (session.records[0].result.layout.kind == TokenKind.VISION).sum()
+    ) == kept.numel() - (batch["input_ids"].shape[1] - int((batch["input_ids"] == 100).sum()))
 
 
 def test_report_counts_the_prompt_before_the_pre_llm_stage():

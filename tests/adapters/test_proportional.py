@@ -36,7 +36,11 @@ from .conftest import (
 )
 
 GEN = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
-REFERENCE_FAMILIES = ["llava", "qwen2_5_vl", "gemma3"]  # 1-D RoPE; 3-D M-RoPE; image blocks + sliding layers
+REFERENCE_FAMILIES = [
+    "llava",
+    "qwen2_5_vl",
+    "gemma3",
+]  # 1-D RoPE; 3-D M-RoPE; image blocks + sliding layers
 
 
 def prop(pipe: Pipeline, on: bool = True) -> Pipeline:
@@ -45,15 +49,21 @@ def prop(pipe: Pipeline, on: bool = True) -> Pipeline:
 
 def drop_only() -> Pipeline:
     """Removes half of each window's vision tokens without merging them: every size stays 1."""
-    return lightkv.load("fastv").with_scheduler(ExplicitSchedule(layers=(1, 2), windows_per_side=(2, 1), removal_ratios=(0.5,)))
+    return lightkv.load("fastv").with_scheduler(
+        ExplicitSchedule(layers=(1, 2), windows_per_side=(2, 1), removal_ratios=(0.5,))
+    )
 
 
 def pre_llm() -> Pipeline:
-    return lightkv.load("lightkv-pre-llm").with_scheduler(PreLLMSchedule(removal_ratio=0.5, windows_per_side=2))
+    return lightkv.load("lightkv-pre-llm").with_scheduler(
+        PreLLMSchedule(removal_ratio=0.5, windows_per_side=2)
+    )
 
 
 def elastic() -> Pipeline:
-    return lightkv.load("elasticcache").with_scheduler(CacheSchedule(removal_ratio=0.5, layers=(0, 1, 3)))
+    return lightkv.load("elasticcache").with_scheduler(
+        CacheSchedule(removal_ratio=0.5, layers=(0, 1, 3))
+    )
 
 
 MODES = {"in-prefill": tiny_lightkv, "pre-llm": pre_llm, "cache": elastic}
@@ -100,7 +110,10 @@ def test_the_option_changes_merged_results():
     with apply(prop(tiny_lightkv()), model):
         out = model(**batch, use_cache=True)
     assert (out.logits - off).abs().max().item() > 1e-3
-    carried = [isinstance(layer, MaskedCacheLayer) and layer.sizes is not None for layer in out.cache.layers]
+    carried = [
+        isinstance(layer, MaskedCacheLayer) and layer.sizes is not None
+        for layer in out.cache.layers
+    ]
     assert carried == [False, False, True, True]  # stages after layers 1 and 2
 
 
@@ -121,13 +134,21 @@ def test_beam_search_carries_the_sizes():
     model = get_model("llava")
     fam = TINY_MODELS["llava"]
     rows = fam.examples(model)
-    beams = dict(max_new_tokens=4, num_beams=3, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    beams = dict(
+        max_new_tokens=4,
+        num_beams=3,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
     with apply(prop(tiny_lightkv()), model):
         together = model.generate(**fam.collate(rows), **beams)
         for i, row in enumerate(rows):
             alone = model.generate(**fam.collate([row]), **beams)
             assert torch.equal(alone.sequences[0, -4:], together.sequences[i, -4:])
-            assert abs(float(alone.sequences_scores[0]) - float(together.sequences_scores[i])) <= 1e-4
+            assert (
+                abs(float(alone.sequences_scores[0]) - float(together.sequences_scores[i])) <= 1e-4
+            )
 
 
 # ---------------------------------------------------------------------------- refusals
@@ -137,7 +158,10 @@ def test_a_family_that_cannot_is_refused_by_name():
 
     model = get_model("llava")
     apply(tiny_lightkv(), model, adapter=NoBias(model))  # the option off: fine
-    with pytest.raises(NotImplementedError, match=r"'llava' family: its attention kernel.*proportional_attention: false"):
+    with pytest.raises(
+        NotImplementedError,
+        match=r"'llava' family: its attention kernel.*proportional_attention: false",
+    ):
         apply(prop(tiny_lightkv()), model, adapter=NoBias(model))
 
 
@@ -148,8 +172,10 @@ def test_a_family_without_additive_masks_fails_clearly():
 
     model = get_model("llava")
     fam = TINY_MODELS["llava"]
-    with apply(prop(tiny_lightkv()), model, adapter=BoolMasks(model)), \
-            pytest.raises(TypeError, match="additive float mask.*'llava' adapter"):
+    with (
+        apply(prop(tiny_lightkv()), model, adapter=BoolMasks(model)),
+        pytest.raises(TypeError, match="additive float mask.*'llava' adapter"),
+    ):
         model(**fam.collate(fam.examples(model)))
 
 
@@ -162,11 +188,13 @@ def _duplicate(sizes: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     index = torch.full((sizes.shape[0], width), -1, dtype=torch.long)
     for r in range(sizes.shape[0]):
         seq = torch.repeat_interleave(torch.arange(sizes.shape[1]), reps[r].cpu())
-        index[r, width - seq.numel():] = seq
+        index[r, width - seq.numel() :] = seq
     return index
 
 
-def _take(t: torch.Tensor, index: torch.Tensor, dim: int, fill=None, batch: int = 0) -> torch.Tensor:
+def _take(
+    t: torch.Tensor, index: torch.Tensor, dim: int, fill=None, batch: int = 0
+) -> torch.Tensor:
     """``t`` gathered along its token axis ``dim`` by ``index`` ``[B, M]`` (``-1``: ``fill``,
     or any column when ``fill`` is None); ``batch`` is its batch axis (a size of 1 is
     broadcast)."""
@@ -182,7 +210,9 @@ def _take(t: torch.Tensor, index: torch.Tensor, dim: int, fill=None, batch: int 
     return out
 
 
-def _plain_mask(adapter, layer: int, origin: torch.Tensor, valid: torch.Tensor, impl: str, dtype) -> torch.Tensor:
+def _plain_mask(
+    adapter, layer: int, origin: torch.Tensor, valid: torch.Tensor, impl: str, dtype
+) -> torch.Tensor:
     """The reference's mask, without any bias: causal by original order, padding hidden,
     each padding row attending to itself; a family with its own pattern (Gemma 3) gives it."""
     if type(adapter).prefill_mask is not Adapter.prefill_mask:
@@ -196,7 +226,11 @@ def _plain_mask(adapter, layer: int, origin: torch.Tensor, valid: torch.Tensor, 
 
 def _stage_sizes(session, layer: int):
     """Sizes, origins and validity of the tokens layer ``layer`` runs on (None: no stage yet)."""
-    records = [r for r in session.records if r.layer < layer or (r.stage.spec.mode == "pre_llm" and r.layer <= layer)]
+    records = [
+        r
+        for r in session.records
+        if r.layer < layer or (r.stage.spec.mode == "pre_llm" and r.layer <= layer)
+    ]
     if not records:
         return None
     res = records[-1].result
@@ -221,9 +255,18 @@ def test_prefill_equals_duplicated_keys(family, mode, attn):
 
     with apply(prop(MODES[mode]()), model, record=True, **fam.adapter_options) as session:
         for i, layer in enumerate(layers):  # after the session's pre-hooks, before its stage hooks
-            hooks.append(layer.register_forward_pre_hook(lambda m, a, k, i=i: keep_input(i, m, a, k), with_kwargs=True))
-            hooks.append(layer.register_forward_hook(lambda m, a, k, o, i=i: keep_output(i, m, a, k, o),
-                                                     with_kwargs=True, prepend=True))
+            hooks.append(
+                layer.register_forward_pre_hook(
+                    lambda m, a, k, i=i: keep_input(i, m, a, k), with_kwargs=True
+                )
+            )
+            hooks.append(
+                layer.register_forward_hook(
+                    lambda m, a, k, o, i=i: keep_output(i, m, a, k, o),
+                    with_kwargs=True,
+                    prepend=True,
+                )
+            )
         try:
             model(**batch)
         finally:
@@ -244,7 +287,9 @@ def test_prefill_equals_duplicated_keys(family, mode, attn):
         dup_valid = _take(valid, index, 1, False)
         dup_origin = _take(origin, index, 1, -1)
         kwargs.update(
-            attention_mask=_plain_mask(session.adapter, i, dup_origin, dup_valid, attn, hidden.dtype),
+            attention_mask=_plain_mask(
+                session.adapter, i, dup_origin, dup_valid, attn, hidden.dtype
+            ),
             position_embeddings=tuple(_take(t, index, 1) for t in kwargs["position_embeddings"]),
             use_cache=False,
         )
@@ -266,9 +311,16 @@ def test_prefill_equals_duplicated_keys(family, mode, attn):
 
 def _snapshot(cache) -> tuple:
     """What the reference needs of a cache before a decoding step changes it."""
-    plain = {i: copy.copy(layer) for i, layer in enumerate(cache.layers) if not isinstance(layer, MaskedCacheLayer)}
-    masked = {i: (layer.keys, layer.values, layer.valid, layer.origin, layer.sizes, layer.columns)
-              for i, layer in enumerate(cache.layers) if isinstance(layer, MaskedCacheLayer)}
+    plain = {
+        i: copy.copy(layer)
+        for i, layer in enumerate(cache.layers)
+        if not isinstance(layer, MaskedCacheLayer)
+    }
+    masked = {
+        i: (layer.keys, layer.values, layer.valid, layer.origin, layer.sizes, layer.columns)
+        for i, layer in enumerate(cache.layers)
+        if isinstance(layer, MaskedCacheLayer)
+    }
     return copy.copy(cache), plain, masked
 
 
@@ -283,7 +335,10 @@ def _duplicated_cache(snapshot, token):
         keys, values, valid, origin, sizes, columns = masked[i]
         index = _duplicate(sizes if sizes is not None else torch.ones_like(origin), valid)
         layer = MaskedCacheLayer(token)
-        layer.pending, layer.pending_origin = _take(valid, index, 1, False), _take(origin, index, 1, -1)
+        layer.pending, layer.pending_origin = (
+            _take(valid, index, 1, False),
+            _take(origin, index, 1, -1),
+        )
         layer.pending_columns = columns
         layer.update(_take(keys, index, 2, 0.0), _take(values, index, 2, 0.0))
         layers.append(layer)
@@ -309,17 +364,23 @@ def test_decoding_equals_duplicated_cache(family, mode, attn):
     hook = model.register_forward_pre_hook(keep_call, with_kwargs=True)
     try:
         with apply(prop(MODES[mode]()), model, **fam.adapter_options):
-            gen = model.generate(**batch, **dict(GEN, max_new_tokens=3))  # step 2 reads a decoded token of size 1
+            gen = model.generate(
+                **batch, **dict(GEN, max_new_tokens=3)
+            )  # step 2 reads a decoded token of size 1
         cache = calls[-1]["cache"]
         for layer in cache.layers:
             if isinstance(layer, MaskedCacheLayer) and layer.sizes is not None:
-                assert layer.sizes.shape == layer.valid.shape and bool((layer.sizes[:, -2:] == 1).all())
+                assert layer.sizes.shape == layer.valid.shape and bool(
+                    (layer.sizes[:, -2:] == 1).all()
+                )
     finally:
         hook.remove()
     assert any(sizes is not None for *_, sizes, _ in snapshot[0][2].values())
     assert len(calls) == 3
     with apply(prop(MODES[mode](), False), model, **fam.adapter_options) as reference:
-        model(**dict(calls[0], cache=None, use_cache=False))  # the same prefill state (Qwen's rope deltas)
+        model(
+            **dict(calls[0], cache=None, use_cache=False)
+        )  # the same prefill state (Qwen's rope deltas)
         dup = _duplicated_cache(snapshot[0], reference._token)
         for kwargs, biased in zip(calls[1:], gen.logits[1:]):
             step = model(**dict(kwargs, cache=dup))

@@ -66,8 +66,12 @@ def test_identity_over_a_quantized_cache_is_the_quantized_cache(quanto, llava, h
     def run():
         if how == "cache":
             return model.generate(**batch, **GEN, cache=quantized(model))
-        return model.generate(**batch, **GEN, cache_implementation="quantized", cache_config={"backend": "quanto",
-                                                                                                **QUANT})
+        return model.generate(
+            **batch,
+            **GEN,
+            cache_implementation="quantized",
+            cache_config={"backend": "quanto", **QUANT},
+        )
 
     ref = run()
     with apply(identity_pipeline(), model) as session:
@@ -79,7 +83,13 @@ def test_identity_over_a_quantized_cache_is_the_quantized_cache(quanto, llava, h
 
 def test_identity_beam_search_over_a_quantized_cache(quanto, llava):
     model, batch = llava
-    beams = dict(max_new_tokens=4, num_beams=2, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    beams = dict(
+        max_new_tokens=4,
+        num_beams=2,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
     ref = model.generate(**batch, **beams, cache=quantized(model))
     with apply(identity_pipeline(), model):
         out = model.generate(**batch, **beams, cache=quantized(model))
@@ -95,11 +105,16 @@ def test_lightkv_over_a_quantized_cache(quanto, llava):
         """Per-step logit error of the quantized cache against the dynamic one, both fed ``tokens``."""
         full = forced_logits(model, batch, tokens, DynamicCache(config=model.config))
         cache = quantized(model)
-        return [(a - b).abs().max().item() for a, b in zip(forced_logits(model, batch, tokens, cache), full)], cache
+        return [
+            (a - b).abs().max().item()
+            for a, b in zip(forced_logits(model, batch, tokens, cache), full)
+        ], cache
 
     unhooked, plain_q = error(model.generate(**batch, **GEN).sequences[:, n:])
     with apply(tiny_lightkv(), model) as session:
-        tokens = model.generate(**batch, **GEN).sequences[:, n:]  # LightKV over the default dynamic cache
+        tokens = model.generate(**batch, **GEN).sequences[
+            :, n:
+        ]  # LightKV over the default dynamic cache
         hooked, cache = error(tokens)
         out = model.generate(**batch, **GEN, cache=quantized(model))  # and it generates
     assert out.sequences.shape[1] == n + GEN["max_new_tokens"]
@@ -108,12 +123,18 @@ def test_lightkv_over_a_quantized_cache(quanto, llava):
         if i >= compressed:
             assert type(layer).__name__ == f"Masked{type(ref).__name__}"
             assert isinstance(layer, MaskedQuantizedLayer) and isinstance(layer, type(ref))
-            assert layer.valid.shape[1] == layer.cumulative_length < ref.cumulative_length  # fewer entries
+            assert (
+                layer.valid.shape[1] == layer.cumulative_length < ref.cumulative_length
+            )  # fewer entries
             assert layer.get_seq_length() == ref.get_seq_length()  # the original columns
         else:
             assert type(layer) is type(ref)
-        assert all(getattr(layer, k) == getattr(ref, k) for k in SETTINGS) and layer.qtype == ref.qtype
-        assert layer._quantized_keys._data.dtype == ref._quantized_keys._data.dtype  # the same packed storage
+        assert (
+            all(getattr(layer, k) == getattr(ref, k) for k in SETTINGS) and layer.qtype == ref.qtype
+        )
+        assert (
+            layer._quantized_keys._data.dtype == ref._quantized_keys._data.dtype
+        )  # the same packed storage
     # The prefill attends to full-precision states (bit-equal logits), each decoding step to
     # 4-bit entries: with LightKV the error stays within twice the largest the quantized cache
     # makes without it (about 1% of the logits' range on this model).
@@ -129,14 +150,22 @@ def test_kv_bytes_counts_the_packed_storage(quanto, llava):
     model, batch = llava
     cache = quantized(model)
     model(**batch, cache=cache, use_cache=True)
-    b, h, n, d = batch["input_ids"].shape[0], model.config.text_config.num_key_value_heads, batch[
-        "input_ids"].shape[1], model.config.text_config.head_dim
+    b, h, n, d = (
+        batch["input_ids"].shape[0],
+        model.config.text_config.num_key_value_heads,
+        batch["input_ids"].shape[1],
+        model.config.text_config.head_dim,
+    )
     groups = b * h * n * d // QUANT["q_group_size"]
-    per_tensor = b * h * n * d // 2 + groups * 2 * 4  # 4-bit data, two values a byte; fp32 scale and shift
+    per_tensor = (
+        b * h * n * d // 2 + groups * 2 * 4
+    )  # 4-bit data, two values a byte; fp32 scale and shift
     assert kv_bytes(cache) == len(cache.layers) * 2 * per_tensor  # the residual is still empty
     step = torch.full((b, 1), 3)
     mask = torch.cat([batch["attention_mask"], torch.ones(b, 1, dtype=torch.long)], dim=1)
-    model(input_ids=step, attention_mask=mask, cache=cache, use_cache=True)  # one entry into the residual
+    model(
+        input_ids=step, attention_mask=mask, cache=cache, use_cache=True
+    )  # one entry into the residual
     assert kv_bytes(cache) == len(cache.layers) * 2 * (per_tensor + b * h * d * 4)
 
     dyn = DynamicCache(config=model.config)
@@ -164,8 +193,13 @@ def test_the_cache_mode_over_a_quantized_cache_is_refused(quanto, llava):
     from lightkv.policies import CacheSchedule
 
     model, batch = llava
-    pipe = lightkv.load("elasticcache").with_scheduler(CacheSchedule(removal_ratio=0.5, layers=(1, 3)))
-    with apply(pipe, model), pytest.raises(TypeError, match=r"cache mode.*\[1, 3\].*use a DynamicCache"):
+    pipe = lightkv.load("elasticcache").with_scheduler(
+        CacheSchedule(removal_ratio=0.5, layers=(1, 3))
+    )
+    with (
+        apply(pipe, model),
+        pytest.raises(TypeError, match=r"cache mode.*\[1, 3\].*use a DynamicCache"),
+    ):
         model.generate(**batch, **GEN, cache=quantized(model))
 
 
@@ -174,7 +208,10 @@ def test_a_group_size_the_compressed_layer_cannot_take_names_the_fix(quanto, lla
     the 137-column prompt's, not a compressed layer's."""
     model, batch = llava
     model(**batch, cache=quantized(model, q_group_size=274), use_cache=True)  # fine unhooked
-    with apply(tiny_lightkv(), model), pytest.raises(ValueError, match=r"compressed cache layer.*divisor of kv_heads"):
+    with (
+        apply(tiny_lightkv(), model),
+        pytest.raises(ValueError, match=r"compressed cache layer.*divisor of kv_heads"),
+    ):
         model(**batch, cache=quantized(model, q_group_size=274), use_cache=True)
 
 
@@ -192,7 +229,9 @@ def test_row_operations_the_quantized_layer_cannot_do_are_refused(quanto, llava)
     with apply(tiny_lightkv(), model):
         model(**batch, cache=cache, use_cache=True)
     for layer in masked_layers(cache):
-        with pytest.raises(NotImplementedError, match="batch_repeat_interleave.*quantized entries.*DynamicCache"):
+        with pytest.raises(
+            NotImplementedError, match="batch_repeat_interleave.*quantized entries.*DynamicCache"
+        ):
             layer.batch_repeat_interleave(2)
         with pytest.raises(NotImplementedError, match="batch_select_indices.*quantized entries"):
             layer.batch_select_indices(torch.tensor([1, 0]))
@@ -208,7 +247,11 @@ def test_beam_search_without_a_quantization_aware_reorder_is_refused(quanto, lla
         reorder_cache = DynamicLayer.reorder_cache
 
     model, batch = llava
-    cache = Cache(layers=[ResidualOnlyReorder(**QUANT) for _ in range(model.config.text_config.num_hidden_layers)])
+    cache = Cache(
+        layers=[
+            ResidualOnlyReorder(**QUANT) for _ in range(model.config.text_config.num_hidden_layers)
+        ]
+    )
     with apply(tiny_lightkv(), model):
         model(**batch, cache=cache, use_cache=True)
     for layer in masked_layers(cache):

@@ -19,7 +19,9 @@ FAMILY = "qwen2_vl"
 def _mixed(model):
     """The examples plus a row with two videos before an image."""
     fam = TINY_MODELS[FAMILY]
-    extra = fam.row(model, [(1, 4, 4)], videos=[(2, 4, 4), (2, 6, 4)], pre=3, seed=5, videos_first=True)
+    extra = fam.row(
+        model, [(1, 4, 4)], videos=[(2, 4, 4), (2, 6, 4)], pre=3, seed=5, videos_first=True
+    )
     return fam.collate(fam.examples(model) + [extra])
 
 
@@ -41,8 +43,13 @@ def test_video_frames_step_the_temporal_id_by_one():
     """Qwen2-VL's temporal M-RoPE id grows by 1 per frame (no seconds per grid)."""
     model = get_model(FAMILY)
     batch = _mixed(model)
-    pos, _ = model.model.get_rope_index(batch["input_ids"], batch["mm_token_type_ids"], batch["image_grid_thw"],
-                                        batch["video_grid_thw"], attention_mask=batch["attention_mask"])
+    pos, _ = model.model.get_rope_index(
+        batch["input_ids"],
+        batch["mm_token_type_ids"],
+        batch["image_grid_thw"],
+        batch["video_grid_thw"],
+        attention_mask=batch["attention_mask"],
+    )
     layout = layout_of(model, batch)
     for v in range(layout.num_videos):
         frames = (layout.image_video == v).nonzero().squeeze(1).tolist()
@@ -55,8 +62,13 @@ def test_positions_without_encoder_outputs_give_the_same_layout():
     """Only 3-D position_ids (no grids, no pre-encoded features): one video per run."""
     model = get_model(FAMILY)
     batch = _mixed(model)
-    pos, _ = model.model.get_rope_index(batch["input_ids"], batch["mm_token_type_ids"], batch["image_grid_thw"],
-                                        batch["video_grid_thw"], attention_mask=batch["attention_mask"])
+    pos, _ = model.model.get_rope_index(
+        batch["input_ids"],
+        batch["mm_token_type_ids"],
+        batch["image_grid_thw"],
+        batch["video_grid_thw"],
+        attention_mask=batch["attention_mask"],
+    )
     adapter = get_adapter(model)
     padding = batch["attention_mask"] == 0
     inputs = {"input_ids": batch["input_ids"], "position_ids": pos}
@@ -74,7 +86,9 @@ def test_markers_survive_and_mixed_batch_is_exact():
     with apply(tiny_lightkv(), model) as session:
         model.generate(**batch, max_new_tokens=2, do_sample=False)
     assert non_vision_survive(session, batch)
-    assert int(session.last_prefill.final_layout.vision_mask.sum()) < int(session.last_prefill.layout.vision_mask.sum())
+    assert int(session.last_prefill.final_layout.vision_mask.sum()) < int(
+        session.last_prefill.layout.vision_mask.sum()
+    )
 
 
 def test_frames_that_do_not_add_up_are_refused():

@@ -22,13 +22,19 @@ FAMILY = "qwen3_vl"
 def _mixed(model):
     """The examples plus a row with two videos before an image."""
     fam = TINY_MODELS[FAMILY]
-    extra = fam.row(model, [(1, 4, 4)], videos=[(2, 4, 4), (2, 6, 4)], pre=3, seed=5, videos_first=True)
+    extra = fam.row(
+        model, [(1, 4, 4)], videos=[(2, 4, 4), (2, 6, 4)], pre=3, seed=5, videos_first=True
+    )
     return fam.collate(fam.examples(model) + [extra])
 
 
 def _schedule(*layers, ratio=0.5):
-    return Pipeline(scheduler=ExplicitSchedule(layers=layers, windows_per_side=(2,) + (1,) * (len(layers) - 1),
-                                               removal_ratios=(ratio,)), name="s")
+    return Pipeline(
+        scheduler=ExplicitSchedule(
+            layers=layers, windows_per_side=(2,) + (1,) * (len(layers) - 1), removal_ratios=(ratio,)
+        ),
+        name="s",
+    )
 
 
 @pytest.mark.parametrize("generate", [False, True])
@@ -44,8 +50,13 @@ def test_each_frame_is_its_own_run_and_mrope_block():
     own position (t = smallest h = smallest w)."""
     model = get_model(FAMILY)
     batch = _mixed(model)
-    pos, _ = model.model.get_rope_index(batch["input_ids"], batch["mm_token_type_ids"], batch["image_grid_thw"],
-                                        batch["video_grid_thw"], attention_mask=batch["attention_mask"])
+    pos, _ = model.model.get_rope_index(
+        batch["input_ids"],
+        batch["mm_token_type_ids"],
+        batch["image_grid_thw"],
+        batch["video_grid_thw"],
+        attention_mask=batch["attention_mask"],
+    )
     layout = layout_of(model, batch)
     for v in range(layout.num_videos):
         frames = (layout.image_video == v).nonzero().squeeze(1).tolist()
@@ -59,7 +70,9 @@ def test_each_frame_is_its_own_run_and_mrope_block():
             ends.append((int(where[0]), int(where[-1])))
         for (_, last), (first, _) in zip(ends[:-1], ends[1:]):
             between = layout.kind[b, last + 1 : first]
-            assert between.numel() >= 3 and (between == TokenKind.TEXT).all()  # timestamp, end / start markers
+            assert (
+                between.numel() >= 3 and (between == TokenKind.TEXT).all()
+            )  # timestamp, end / start markers
 
 
 def test_mixed_batch_is_exact_and_text_survives():
@@ -77,10 +90,17 @@ def test_mixed_batch_is_exact_and_text_survives():
 def test_video_frames_need_grids_or_encoded_videos():
     model = get_model(FAMILY)
     batch = _mixed(model)
-    pos, _ = model.model.get_rope_index(batch["input_ids"], batch["mm_token_type_ids"], batch["image_grid_thw"],
-                                        batch["video_grid_thw"], attention_mask=batch["attention_mask"])
+    pos, _ = model.model.get_rope_index(
+        batch["input_ids"],
+        batch["mm_token_type_ids"],
+        batch["image_grid_thw"],
+        batch["video_grid_thw"],
+        attention_mask=batch["attention_mask"],
+    )
     with pytest.raises(ValueError, match="to tell which frames form one video"):
-        get_adapter(model).build_layout({"input_ids": batch["input_ids"], "position_ids": pos}, None)
+        get_adapter(model).build_layout(
+            {"input_ids": batch["input_ids"], "position_ids": pos}, None
+        )
 
 
 def test_stage_before_deepstack_ends_is_refused():
@@ -91,7 +111,9 @@ def test_stage_before_deepstack_ends_is_refused():
     msg = str(err.value)
     assert "DeepStack" in msg and "decoder layers 0..0" in msg and "compresses at layer 0" in msg
     assert "at layer 1 or later" in msg
-    with pytest.raises(NotImplementedError, match="compresses at layer 0"):  # even a stage that removes nothing
+    with pytest.raises(
+        NotImplementedError, match="compresses at layer 0"
+    ):  # even a stage that removes nothing
         apply(_schedule(0, ratio=0.0), model)
     apply(_schedule(1, 2), model).close()  # from layer D on: accepted
 
@@ -109,7 +131,11 @@ def test_deeper_deepstack_refuses_its_last_layer_and_is_exact_after():
         batch = _mixed(model)
         ref = model(**batch).logits
         assert len(calls) == 2  # the model adds DeepStack features after layers 0 and 1
-        pipe = Pipeline(scheduler=ExplicitSchedule(layers=(2, 3), windows_per_side=(2, 1), removal_ratios=(0.0,)))
+        pipe = Pipeline(
+            scheduler=ExplicitSchedule(
+                layers=(2, 3), windows_per_side=(2, 1), removal_ratios=(0.0,)
+            )
+        )
         with apply(pipe, model) as session:
             out = session.to_prompt_positions(model(**batch).logits)
         assert (out - ref)[batch["attention_mask"].bool()].abs().max().item() <= 1e-5

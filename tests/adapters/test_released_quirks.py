@@ -39,8 +39,12 @@ QUIRKS = {
 SCHEDULE = ExplicitSchedule(layers=(1, 2), windows_per_side=(2, 1), removal_ratios=(0.5,))
 
 
-def released(quirks: ReleasedQuirks = ALL, schedule=SCHEDULE, preset: str = "lightkv-paper") -> Pipeline:
-    return dataclasses.replace(lightkv.load(preset).with_scheduler(schedule), released_quirks=quirks)
+def released(
+    quirks: ReleasedQuirks = ALL, schedule=SCHEDULE, preset: str = "lightkv-paper"
+) -> Pipeline:
+    return dataclasses.replace(
+        lightkv.load(preset).with_scheduler(schedule), released_quirks=quirks
+    )
 
 
 def _batch(family: str, model, rows=((1, 0),)):
@@ -84,16 +88,26 @@ def _reference_logits(model, batch, records, quirks: ReleasedQuirks, impl: str):
         n = hidden.shape[1]
         mask = None  # sdpa's own causal path, as the unhooked model (no padding)
         if impl == "eager":
-            mask = torch.full((1, 1, n, n), torch.finfo(hidden.dtype).min, dtype=hidden.dtype).triu(1)
+            mask = torch.full((1, 1, n, n), torch.finfo(hidden.dtype).min, dtype=hidden.dtype).triu(
+                1
+            )
         if quirks.unmasked_first_merge and i == first:
-            mask = torch.ones(1, 1, n, n, dtype=torch.bool) if impl == "sdpa" else torch.zeros(1, 1, n, n, dtype=hidden.dtype)
+            mask = (
+                torch.ones(1, 1, n, n, dtype=torch.bool)
+                if impl == "sdpa"
+                else torch.zeros(1, 1, n, n, dtype=hidden.dtype)
+            )
         out = layer(hidden, attention_mask=mask, position_embeddings=pos, use_cache=False)
         hidden = out[0] if isinstance(out, tuple) else out
         if i in stages:
             rec = stages[i]
-            assert torch.equal(hidden, rec.hidden), f"layer {i}: the hooked model's layer output differs"
+            assert torch.equal(hidden, rec.hidden), (
+                f"layer {i}: the hooked model's layer output differs"
+            )
             hidden = rec.stage(hidden, rec.layout, rec.relevance, rec.provenance).hidden
-            if quirks.renumber_positions and hidden.shape[1] < full[0].shape[1]:  # once a token has left
+            if (
+                quirks.renumber_positions and hidden.shape[1] < full[0].shape[1]
+            ):  # once a token has left
                 pos = lm.rotary_emb(hidden, torch.arange(hidden.shape[1]).unsqueeze(0))
             else:
                 index = rec.result.layout.origin  # original positions, as lightkv-paper keeps them
@@ -198,7 +212,10 @@ def test_decoding_continues_at_the_original_positions(family):
 
 def test_quirks_are_refused_on_other_families():
     model = get_model("llava_next")
-    with pytest.raises(NotImplementedError, match=r"supports llava and qwen2_5_vl only, not the 'llava_next'.*lightkv-paper"):
+    with pytest.raises(
+        NotImplementedError,
+        match=r"supports llava and qwen2_5_vl only, not the 'llava_next'.*lightkv-paper",
+    ):
         apply(released(ALL), model)
     apply(released(ReleasedQuirks()), model)  # off: accepted
 
@@ -217,11 +234,17 @@ def test_random_relevance_is_a_seeded_per_token_draw():
     from lightkv.policies import RandomRelevance
 
     raw = RandomRelevance(softmax=False)
-    both = VisionLayout.from_segments(2, 30, [ImageSegment(0, 2, (4, 5)), ImageSegment(1, 5, (4, 5))])
+    both = VisionLayout.from_segments(
+        2, 30, [ImageSegment(0, 2, (4, 5)), ImageSegment(1, 5, (4, 5))]
+    )
     alone = VisionLayout.from_segments(1, 30, [ImageSegment(0, 5, (4, 5))])
     xi = raw.score(None, None, both)
-    assert bool((xi[~both.vision_mask] == 0).all()) and bool((xi < 1).all()) and bool((xi >= 0).all())
+    assert (
+        bool((xi[~both.vision_mask] == 0).all()) and bool((xi < 1).all()) and bool((xi >= 0).all())
+    )
     # a token's draw depends on its grid position, not on its row or where the image sits
-    assert torch.equal(xi[0, 2:22], xi[1, 5:25]) and torch.equal(raw.score(None, None, alone)[0], xi[1])
+    assert torch.equal(xi[0, 2:22], xi[1, 5:25]) and torch.equal(
+        raw.score(None, None, alone)[0], xi[1]
+    )
     assert len(set(xi[0, 2:22].tolist())) == 20
     assert not torch.equal(RandomRelevance(seed=1, softmax=False).score(None, None, both), xi)

@@ -25,7 +25,9 @@ def _fastv(layer: int = 1) -> Pipeline:
 
 def _kept_vision(record) -> list[list[int]]:
     layout = record.result.layout
-    return [sorted(layout.origin[b][layout.vision_mask[b]].tolist()) for b in range(layout.batch_size)]
+    return [
+        sorted(layout.origin[b][layout.vision_mask[b]].tolist()) for b in range(layout.batch_size)
+    ]
 
 
 def test_fastv_through_sdpa_equals_eager_attention_weights(family):
@@ -72,11 +74,16 @@ def test_query_softmax_relevance_matches_captured_projections(family):
         attn.q_proj.register_forward_hook(lambda m, a, o: captured.__setitem__("q", o)),
         attn.k_proj.register_forward_hook(lambda m, a, o: captured.__setitem__("k", o)),
         attn.register_forward_pre_hook(
-            lambda m, a, kw: captured.__setitem__("pos", kw["position_embeddings"]), with_kwargs=True
+            lambda m, a, kw: captured.__setitem__("pos", kw["position_embeddings"]),
+            with_kwargs=True,
         ),
     ]
-    pipe = Pipeline(scheduler=ExplicitSchedule(layers=(layer_idx,), windows_per_side=(2,), removal_ratios=(0.5,)),
-                    relevance=QueryAxisSoftmax())
+    pipe = Pipeline(
+        scheduler=ExplicitSchedule(
+            layers=(layer_idx,), windows_per_side=(2,), removal_ratios=(0.5,)
+        ),
+        relevance=QueryAxisSoftmax(),
+    )
     batch = fam.collate(fam.examples(model))
     try:
         with apply(pipe, model, record=True, **fam.adapter_options) as session:
@@ -87,7 +94,9 @@ def test_query_softmax_relevance_matches_captured_projections(family):
     b, n = captured["q"].shape[:2]
     d = attn.head_dim
     q, k = captured["q"].view(b, n, -1, d), captured["k"].view(b, n, -1, d)
-    if hasattr(attn, "q_norm"):  # per-head norms after the projections (Gemma 3, Qwen3), as the layer applies them
+    if hasattr(
+        attn, "q_norm"
+    ):  # per-head norms after the projections (Gemma 3, Qwen3), as the layer applies them
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
     cos, sin = captured["pos"]

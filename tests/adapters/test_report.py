@@ -21,7 +21,10 @@ def test_report_matches_the_cache(family):
     report = session.report()
     cache = out.cache
     for layer, entry in zip(report.layers, cache.layers):
-        nbytes = entry.keys.numel() * entry.keys.element_size() + entry.values.numel() * entry.values.element_size()
+        nbytes = (
+            entry.keys.numel() * entry.keys.element_size()
+            + entry.values.numel() * entry.values.element_size()
+        )
         assert layer.kv_bytes == nbytes
         assert layer.length == entry.keys.shape[2]
     assert report.kv_bytes < report.kv_bytes_baseline
@@ -64,8 +67,9 @@ def test_cache_mode_stages_report_what_each_layer_lost(preset):
     assert [s.layer for s in report.stages] == list(range(len(out.cache.layers)))
     for s, layer in zip(report.stages, report.layers):
         assert (s.vision_in, s.vision_out) == (vision, layer.vision) and layer.vision < vision
-    assert report.kept_vision_fraction == pytest.approx(sum(s.vision_out for s in report.stages)
-                                                        / (vision * len(report.stages)))
+    assert report.kept_vision_fraction == pytest.approx(
+        sum(s.vision_out for s in report.stages) / (vision * len(report.stages))
+    )
 
 
 def test_a_budget_the_schedule_cannot_reach_says_so():
@@ -83,10 +87,15 @@ def test_a_budget_the_schedule_cannot_reach_says_so():
     report = session.report()
     assert report.target_kept_fraction == 0.55
     assert report.kept_vision_fraction - 0.55 > TARGET_TOLERANCE
-    assert report.missed_target.startswith("pipeline 'lightkv-budget' kept 0.656 of the vision KV, not the 0.550")
+    assert report.missed_target.startswith(
+        "pipeline 'lightkv-budget' kept 0.656 of the vision KV, not the 0.550"
+    )
     assert "warning: pipeline 'lightkv-budget' kept" in str(report)
     assert report.to_dict()["missed_target"] == report.missed_target
     with apply(tiny_lightkv(), model) as session:
         model(**batch)
     report = session.report()
-    assert report.missed_target is None and abs(report.kept_vision_fraction - report.target_kept_fraction) < 0.01
+    assert (
+        report.missed_target is None
+        and abs(report.kept_vision_fraction - report.target_kept_fraction) < 0.01
+    )

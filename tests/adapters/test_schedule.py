@@ -18,7 +18,9 @@ GEN = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in
 
 
 def _row_grids(layout, row: int) -> list[tuple[int, int]]:
-    return [tuple(g) for g, r in zip(layout.image_grid.tolist(), layout.image_row.tolist()) if r == row]
+    return [
+        tuple(g) for g, r in zip(layout.image_grid.tolist(), layout.image_row.tolist()) if r == row
+    ]
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -58,7 +60,12 @@ def test_single_row_cache_is_exactly_the_promised_length(family):
         out = model(**batch, use_cache=True)
     n0 = batch["input_ids"].shape[1]
     v0, v1, v2 = promised_vision(_row_grids(session.last_prefill.layout, 0), (2, 1), 0.5)
-    assert [layer.keys.shape[2] for layer in out.cache.layers] == [n0, n0, n0 - (v0 - v1), n0 - (v0 - v2)]
+    assert [layer.keys.shape[2] for layer in out.cache.layers] == [
+        n0,
+        n0,
+        n0 - (v0 - v1),
+        n0 - (v0 - v2),
+    ]
     report = session.report()
     assert [layer.length for layer in report.layers] == [n0, n0, n0 - (v0 - v1), n0 - (v0 - v2)]
     assert report.kept_vision_fraction == pytest.approx((2 * v0 + v1 + v2) / (4 * v0))
@@ -85,13 +92,21 @@ def test_beam_search_and_sampling(family):
         pytest.skip(fam.beam_search)
     rows = fam.examples(model)
     batch = fam.collate(rows)
-    beams = dict(max_new_tokens=4, num_beams=3, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    beams = dict(
+        max_new_tokens=4,
+        num_beams=3,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
     with apply(tiny_lightkv(), model, **fam.adapter_options):
         together = model.generate(**batch, **beams)
         for i, row in enumerate(rows):
             alone = model.generate(**fam.collate([row]), **beams)
             assert torch.equal(alone.sequences[0, -4:], together.sequences[i, -4:])
-            assert abs(float(alone.sequences_scores[0]) - float(together.sequences_scores[i])) <= 1e-4
+            assert (
+                abs(float(alone.sequences_scores[0]) - float(together.sequences_scores[i])) <= 1e-4
+            )
         torch.manual_seed(0)
         sampled = model.generate(**batch, max_new_tokens=4, do_sample=True)
     assert sampled.shape[1] == batch["input_ids"].shape[1] + 4
@@ -103,7 +118,13 @@ def test_beam_search_with_identity_pipeline_equals_model(family):
     if fam.beam_search:
         pytest.skip(fam.beam_search)
     batch = fam.collate(fam.examples(model))
-    beams = dict(max_new_tokens=4, num_beams=2, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    beams = dict(
+        max_new_tokens=4,
+        num_beams=2,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
     ref = model.generate(**batch, **beams)
     from .conftest import identity_pipeline
 

@@ -28,7 +28,7 @@ def test_hooks_removed_on_exit_and_on_exception():
         assert session.active and _hook_count(model) > before
     assert not session.active and _hook_count(model) == before
     with pytest.raises(ZeroDivisionError), apply(tiny_lightkv(), model):
-        1 / 0
+        1 / 0  # noqa: B018 (the error is the point)
     assert _hook_count(model) == before
     # a failure inside the model's forward also leaves no hooks behind
     batch = fam.collate(fam.examples(model)[:1])
@@ -52,8 +52,16 @@ def test_second_session_on_the_same_model_is_refused():
 def test_unsupported_model_lists_families():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
     with pytest.raises(ValueError) as err:
         apply(tiny_lightkv(), model)
     for name in SUPPORTED_FAMILIES:
@@ -75,7 +83,9 @@ def test_schedule_deeper_than_model_is_rejected():
 
 def test_unsupported_attention_implementation(monkeypatch):
     model = get_model("llava")
-    monkeypatch.setattr(model.model.language_model.config, "_attn_implementation", "flash_attention_3")
+    monkeypatch.setattr(
+        model.model.language_model.config, "_attn_implementation", "flash_attention_3"
+    )
     with pytest.raises(ValueError, match="attn_implementation"):
         apply(tiny_lightkv(), model)
 
@@ -143,7 +153,9 @@ def test_several_new_tokens_at_once_continue_a_compressed_cache(family):
     model = get_model(family)
     fam = TINY_MODELS[family]
     batch = fam.collate(fam.examples(model))
-    extra = torch.randint(3, 90, (batch["input_ids"].shape[0], 3), generator=torch.Generator().manual_seed(0))
+    extra = torch.randint(
+        3, 90, (batch["input_ids"].shape[0], 3), generator=torch.Generator().manual_seed(0)
+    )
     pos0 = batch["attention_mask"].long().cumsum(-1) - 1
     kw = {"position_ids": pos0.clamp_min(0)} if family != "qwen2_5_vl" else {}
 
@@ -191,6 +203,14 @@ def test_full_feature_strategy_is_refused_with_a_clear_error(family):
 
     model = TINY_MODELS[family].build()
     model.config.vision_feature_select_strategy = "full"
-    with pytest.raises(NotImplementedError, match=f"the {family} adapter supports vision_feature_select_strategy='default'"):
-        with lightkv.apply(lightkv.load("lightkv").with_scheduler(ExplicitSchedule(layers=(1,), windows_per_side=(1,))), model):
+    with pytest.raises(
+        NotImplementedError,
+        match=f"the {family} adapter supports vision_feature_select_strategy='default'",
+    ):
+        with lightkv.apply(
+            lightkv.load("lightkv").with_scheduler(
+                ExplicitSchedule(layers=(1,), windows_per_side=(1,))
+            ),
+            model,
+        ):
             pass

@@ -19,8 +19,12 @@ def test_merges_equal_pure_stage_on_captured_states(family):
     outputs, inputs = {}, {}
     hooks = []
     for i in (1, 2):
-        hooks.append(layers[i].register_forward_hook(lambda m, a, o, i=i: outputs.__setitem__(i, o)))
-        hooks.append(layers[i + 1].register_forward_pre_hook(lambda m, a, i=i: inputs.__setitem__(i, a[0])))
+        hooks.append(
+            layers[i].register_forward_hook(lambda m, a, o, i=i: outputs.__setitem__(i, o))
+        )
+        hooks.append(
+            layers[i + 1].register_forward_pre_hook(lambda m, a, i=i: inputs.__setitem__(i, a[0]))
+        )
     batch = fam.collate(fam.examples(model))
     try:
         with apply(tiny_lightkv(), model, record=True, **fam.adapter_options) as session:
@@ -32,7 +36,9 @@ def test_merges_equal_pure_stage_on_captured_states(family):
     for record in session.records:
         i = record.layer
         assert torch.equal(record.hidden, outputs[i])  # the stage saw the layer's real output
-        pure = record.stage(outputs[i], record.layout, record.relevance, record.provenance, record.keys)
+        pure = record.stage(
+            outputs[i], record.layout, record.relevance, record.provenance, record.keys
+        )
         # The adapter only drops padding columns (gathers); the surviving tokens are the
         # stage's own, bit for bit, and they are what the next layer receives.
         expected = drop_padding(pure)

@@ -19,7 +19,9 @@ from .conftest import get_model, tiny_lightkv
 
 def _tome_keys():
     """ToMe with ToMe's own key-space similarity (the preset uses hidden states)."""
-    pipe = lightkv.load("tome").with_scheduler(ExplicitSchedule(layers=(1, 2), windows_per_side=(1, 1), removal_ratios=(0.5,)))
+    pipe = lightkv.load("tome").with_scheduler(
+        ExplicitSchedule(layers=(1, 2), windows_per_side=(1, 1), removal_ratios=(0.5,))
+    )
     return dataclasses.replace(pipe, scorer=CosineDivergence(features="keys"))
 
 
@@ -33,7 +35,9 @@ def test_tapped_relevance_equals_projected(family):
     _check_tap(family, "lightkv")
 
 
-@pytest.mark.parametrize("name", ["llava", "fuyu", "gemma3"])  # separate, fused and normed q/k projections
+@pytest.mark.parametrize(
+    "name", ["llava", "fuyu", "gemma3"]
+)  # separate, fused and normed q/k projections
 def test_tapped_keys_equal_projected(name):
     _check_tap(name, "tome_keys")
 
@@ -73,7 +77,9 @@ def test_tap_that_sees_no_projection_falls_back(monkeypatch):
     session = apply(tiny_lightkv(), model, record=True)
     stray = torch.nn.Linear(2, 2)
     for tap in session.taps.values():
-        monkeypatch.setattr(tap, "install", lambda tap=tap: [stray.register_forward_hook(tap._hook("q"))])
+        monkeypatch.setattr(
+            tap, "install", lambda tap=tap: [stray.register_forward_hook(tap._hook("q"))]
+        )
     with session:
         out = model(**batch)
     assert session.records and not any(r.tapped for r in session.records)

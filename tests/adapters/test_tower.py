@@ -57,7 +57,9 @@ def test_mean_queries_average_the_attention_every_token_receives():
     tower = model.model.vision_tower(batch["pixel_values"], output_attentions=True)
     want = tower.attentions[-1].mean(dim=2)[:, :, 1:].amax(dim=1)  # [I, patches]
     for img in range(rec.layout.num_images):
-        torch.testing.assert_close(rec.relevance[rec.layout.image == img], want[img], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            rec.relevance[rec.layout.image == img], want[img], rtol=1e-5, atol=1e-6
+        )
 
 
 @pytest.mark.parametrize("preset", TOWER_PRESETS + ["downsample"])
@@ -72,8 +74,9 @@ def test_rows_alone_equal_rows_in_the_padded_batch(preset, attn):
         assert_rows_match_batch(model, fam, batch, rows, GEN, together)
 
 
-@pytest.mark.parametrize("preset,kept", [(p, [7, 14, 28]) for p in TOWER_PRESETS] + [
-                                         ("downsample", [6, 12, 25])])
+@pytest.mark.parametrize(
+    "preset,kept", [(p, [7, 14, 28]) for p in TOWER_PRESETS] + [("downsample", [6, 12, 25])]
+)
 def test_each_image_keeps_the_requested_count(preset, kept):
     """64-token images at 11%, 22% and 44% kept: VisionZip exactly ``k``; downsampling the
     near-square grid with the most cells within ``k`` (3 x 2, 4 x 3, 5 x 5)."""
@@ -126,6 +129,8 @@ def test_every_family_but_llava_refuses_the_tower_presets_in_one_line(family, pr
     if family == "llava":
         return
     model = get_model(family)
-    with pytest.raises(NotImplementedError, match="tower relevance .* supported: llava|DeepStack") as err:
+    with pytest.raises(
+        NotImplementedError, match="tower relevance .* supported: llava|DeepStack"
+    ) as err:
         apply(lightkv.load(preset), model, **TINY_MODELS[family].adapter_options)
     assert "\n" not in str(err.value)

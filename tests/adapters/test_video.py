@@ -14,9 +14,14 @@ FAMILY = TINY_MODELS["qwen2_5_vl"]
 
 def test_video_frames_are_labelled_in_the_layout():
     model = FAMILY.build()
-    rows = [FAMILY.row(model, [(1, 8, 8)], videos=[(4, 8, 8)], seed=0), FAMILY.row(model, 0, videos=[(2, 4, 8)], seed=1)]
+    rows = [
+        FAMILY.row(model, [(1, 8, 8)], videos=[(4, 8, 8)], seed=0),
+        FAMILY.row(model, 0, videos=[(2, 4, 8)], seed=1),
+    ]
     batch = FAMILY.collate(rows)
-    pipe = lightkv.load("lightkv-video").with_scheduler(ExplicitSchedule(layers=(1,), removal_ratios=(0.0,), windows_per_side=(1,)))
+    pipe = lightkv.load("lightkv-video").with_scheduler(
+        ExplicitSchedule(layers=(1,), removal_ratios=(0.0,), windows_per_side=(1,))
+    )
     with torch.no_grad(), lightkv.apply(pipe, model, record=True) as session:
         model(**batch)
     lay = session.records[0].layout
@@ -30,7 +35,9 @@ def test_video_frames_are_labelled_in_the_layout():
 def test_the_video_preset_merges_frames_inside_the_model_and_generates():
     model = FAMILY.build()
     batch = FAMILY.collate([FAMILY.row(model, 0, videos=[(4, 8, 8)], seed=0)])
-    pipe = lightkv.load("lightkv-video").with_scheduler(ExplicitSchedule(layers=(1, 2), removal_ratios=(0.5,), windows_per_side=(2, 1)))
+    pipe = lightkv.load("lightkv-video").with_scheduler(
+        ExplicitSchedule(layers=(1, 2), removal_ratios=(0.5,), windows_per_side=(2, 1))
+    )
     with torch.no_grad(), lightkv.apply(pipe, model, record=True) as session:
         out = model.generate(**batch, max_new_tokens=4, do_sample=False)
     report = session.report()

@@ -16,12 +16,19 @@ from lightkv.testing import TINY_MODELS
 
 from .conftest import assert_rows_match_batch, get_model
 
-GEN = {"max_new_tokens": 3, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
+GEN = {
+    "max_new_tokens": 3,
+    "do_sample": False,
+    "output_logits": True,
+    "return_dict_in_generate": True,
+}
 
 
 def vscan(first: float = 5 / 6, later: float = 0.6666666666666667):
     pipe = lightkv.load("vscan")
-    return pipe.with_scheduler(replace(pipe.scheduler, removal_ratio=first, later_removal_ratio=later))
+    return pipe.with_scheduler(
+        replace(pipe.scheduler, removal_ratio=first, later_removal_ratio=later)
+    )
 
 
 def test_two_stages_keep_the_promised_counts():
@@ -34,7 +41,10 @@ def test_two_stages_keep_the_promised_counts():
         model.generate(**batch, max_new_tokens=2, do_sample=False)
     report = session.report()
     images = 3
-    assert [(s.vision_in, s.vision_out) for s in report.stages] == [(64 * images, 11 * images), (11 * images, 4 * images)]
+    assert [(s.vision_in, s.vision_out) for s in report.stages] == [
+        (64 * images, 11 * images),
+        (11 * images, 4 * images),
+    ]
     assert [s.layer for s in session.last_prefill.stages] == [0, 1]
 
 
@@ -48,7 +58,9 @@ def test_the_later_stage_keeps_what_the_last_token_attends_to_most():
     assert not torch.equal(first.relevance, later.relevance)  # tower attention, then the LLM's own
     vision = later.layout.vision_mask[0]
     xi = later.relevance[0].masked_fill(~vision, -1.0)
-    want = torch.sort(xi, descending=True, stable=True).indices[: int(later.result.layout.vision_counts()[0])]
+    want = torch.sort(xi, descending=True, stable=True).indices[
+        : int(later.result.layout.vision_counts()[0])
+    ]
     kept = later.result.layout.origin[0][later.result.layout.vision_mask[0]]
     assert sorted(later.layout.origin[0][want].tolist()) == sorted(kept.tolist())
 

@@ -15,7 +15,9 @@ from tests.strategies import batches
 
 def test_from_segments_marks_kinds_coords_and_newlines():
     lay = VisionLayout.from_segments(
-        2, 12, [ImageSegment(0, 1, (2, 3), newline_every=3), ImageSegment(1, 3, (2, 2))],
+        2,
+        12,
+        [ImageSegment(0, 1, (2, 3), newline_every=3), ImageSegment(1, 3, (2, 2))],
         padding_mask=torch.tensor([[False] * 12, [True] * 2 + [False] * 10]),
     )
     assert lay.kind[0].tolist() == [0, 1, 1, 1, 2, 1, 1, 1, 2, 0, 0, 0]
@@ -29,12 +31,25 @@ def test_from_segments_marks_kinds_coords_and_newlines():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(batch_size=1, seq_len=5, segments=[ImageSegment(0, 3, (2, 2))]), "outside a sequence"),
+        (
+            dict(batch_size=1, seq_len=5, segments=[ImageSegment(0, 3, (2, 2))]),
+            "outside a sequence",
+        ),
         (dict(batch_size=1, seq_len=9, segments=[ImageSegment(1, 0, (2, 2))]), "batch row 1"),
         (dict(batch_size=1, seq_len=9, segments=[ImageSegment(0, 0, (0, 2))]), "empty grid"),
-        (dict(batch_size=1, seq_len=9, segments=[ImageSegment(0, 0, (2, 2)), ImageSegment(0, 2, (1, 2))]), "overlaps"),
+        (
+            dict(
+                batch_size=1,
+                seq_len=9,
+                segments=[ImageSegment(0, 0, (2, 2)), ImageSegment(0, 2, (1, 2))],
+            ),
+            "overlaps",
+        ),
         (dict(batch_size=0, seq_len=9, segments=[]), "batch_size > 0"),
-        (dict(batch_size=1, seq_len=9, segments=[ImageSegment(0, 0, (2, 2), newline_every=3)]), "newline_every"),
+        (
+            dict(batch_size=1, seq_len=9, segments=[ImageSegment(0, 0, (2, 2), newline_every=3)]),
+            "newline_every",
+        ),
     ],
 )
 def test_bad_segments_are_clear_errors(kwargs, match):
@@ -45,7 +60,9 @@ def test_bad_segments_are_clear_errors(kwargs, match):
 def test_mismatched_layout_tensors_are_rejected():
     lay = VisionLayout.from_segments(1, 6, [ImageSegment(0, 1, (2, 2))])
     with pytest.raises(ValueError, match="layout.image has shape"):
-        VisionLayout(lay.kind, lay.image[:, :3], lay.coords, lay.origin, lay.image_grid, lay.image_row)
+        VisionLayout(
+            lay.kind, lay.image[:, :3], lay.coords, lay.origin, lay.image_grid, lay.image_row
+        )
 
 
 @given(case=batches(max_side=12), wps=st.integers(1, 6))
@@ -70,7 +87,12 @@ def test_grid_windows_are_axis_aligned_rectangles_that_tile_each_image(case, wps
 def test_window_size_windows_and_too_large_window_error():
     lay = VisionLayout.from_segments(1, 20, [ImageSegment(0, 0, (4, 5))])
     win = grid_windows(lay, window_size=(2, 2))
-    assert win[0, :20].view(4, 5).tolist() == [[0, 0, 1, 1, 2], [0, 0, 1, 1, 2], [3, 3, 4, 4, 5], [3, 3, 4, 4, 5]]
+    assert win[0, :20].view(4, 5).tolist() == [
+        [0, 0, 1, 1, 2],
+        [0, 0, 1, 1, 2],
+        [3, 3, 4, 4, 5],
+        [3, 3, 4, 4, 5],
+    ]
     with pytest.raises(ValueError, match="larger than an image grid"):
         grid_windows(lay, window_size=(5, 2))
     with pytest.raises(ValueError, match="exactly one of"):
@@ -118,7 +140,9 @@ def test_provenance_composes_and_exports():
 
 
 def test_select_and_row_keep_coordinates_and_renumber_images():
-    lay = VisionLayout.from_segments(2, 8, [ImageSegment(0, 0, (1, 2)), ImageSegment(1, 1, (2, 2)), ImageSegment(1, 5, (1, 3))])
+    lay = VisionLayout.from_segments(
+        2, 8, [ImageSegment(0, 0, (1, 2)), ImageSegment(1, 1, (2, 2)), ImageSegment(1, 5, (1, 3))]
+    )
     sub = lay.select(torch.tensor([[-1, 0, 1], [1, 2, 7]]))
     assert sub.kind.tolist() == [[TokenKind.PAD, 1, 1], [1, 1, 1]]
     assert sub.origin.tolist() == [[-1, 0, 1], [1, 2, 7]]

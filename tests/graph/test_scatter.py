@@ -27,7 +27,11 @@ def grouped(draw, dtype=torch.float64):
     gen = torch.Generator().manual_seed(seed)
     index = torch.randint(0, g, (m,), generator=gen)
     # small integers make ties likely, which exercises arg tie-breaking
-    src = torch.randint(-3, 4, (m, 2), generator=gen).to(dtype) if draw(st.booleans()) else torch.randn(m, 2, generator=gen, dtype=dtype)
+    src = (
+        torch.randint(-3, 4, (m, 2), generator=gen).to(dtype)
+        if draw(st.booleans())
+        else torch.randn(m, 2, generator=gen, dtype=dtype)
+    )
     return src, index, g
 
 
@@ -35,7 +39,9 @@ def loop_reduce(src, index, g, fn, empty):
     out = []
     for i in range(g):
         rows = [src[j] for j in range(len(index)) if index[j] == i]
-        out.append(fn(torch.stack(rows)) if rows else torch.full(src.shape[1:], empty, dtype=src.dtype))
+        out.append(
+            fn(torch.stack(rows)) if rows else torch.full(src.shape[1:], empty, dtype=src.dtype)
+        )
     return torch.stack(out) if out else src.new_zeros((0, *src.shape[1:]))
 
 
@@ -43,8 +49,12 @@ def loop_reduce(src, index, g, fn, empty):
 def test_native_sum_and_mean_match_loops(data):
     src, index, g = data
     with use_backend("native"):
-        torch.testing.assert_close(scatter_sum(src, index, g), loop_reduce(src, index, g, lambda r: r.sum(0), 0.0))
-        torch.testing.assert_close(scatter_mean(src, index, g), loop_reduce(src, index, g, lambda r: r.mean(0), 0.0))
+        torch.testing.assert_close(
+            scatter_sum(src, index, g), loop_reduce(src, index, g, lambda r: r.sum(0), 0.0)
+        )
+        torch.testing.assert_close(
+            scatter_mean(src, index, g), loop_reduce(src, index, g, lambda r: r.mean(0), 0.0)
+        )
 
 
 @given(grouped())
@@ -53,7 +63,9 @@ def test_native_max_min_and_args_match_loops(data):
     with use_backend("native"):
         for fn, ref in ((scatter_max, torch.max), (scatter_min, torch.min)):
             value, arg = fn(src, index, g)
-            torch.testing.assert_close(value, loop_reduce(src, index, g, lambda r: ref(r, 0).values, 0.0))
+            torch.testing.assert_close(
+                value, loop_reduce(src, index, g, lambda r, ref=ref: ref(r, 0).values, 0.0)
+            )
             for i in range(g):
                 rows = (index == i).nonzero().flatten()
                 for d in range(src.shape[1]):
@@ -88,10 +100,20 @@ def test_bad_index_and_backend_are_clear_errors():
 def test_torch_scatter_backend_agrees_with_native(torch_scatter_available, data):
     src, index, g = data
     with use_backend("native"):
-        ref = [scatter_sum(src, index, g), scatter_mean(src, index, g), *scatter_max(src, index, g), *scatter_min(src, index, g)]
+        ref = [
+            scatter_sum(src, index, g),
+            scatter_mean(src, index, g),
+            *scatter_max(src, index, g),
+            *scatter_min(src, index, g),
+        ]
     with use_backend("torch_scatter"):
         assert scatter.get_backend() == "torch_scatter"
-        got = [scatter_sum(src, index, g), scatter_mean(src, index, g), *scatter_max(src, index, g), *scatter_min(src, index, g)]
+        got = [
+            scatter_sum(src, index, g),
+            scatter_mean(src, index, g),
+            *scatter_max(src, index, g),
+            *scatter_min(src, index, g),
+        ]
     for r, o in zip(ref, got):
         assert o.shape == r.shape and o.dtype == r.dtype
         if r.is_floating_point():
@@ -109,7 +131,9 @@ def test_torch_scatter_backend_agrees_with_native(torch_scatter_available, data)
 def test_stage_results_do_not_depend_on_the_backend(torch_scatter_available):
     from lightkv import ImageSegment, VisionLayout
 
-    layout = VisionLayout.from_segments(2, 60, [ImageSegment(0, 3, (6, 7)), ImageSegment(1, 10, (5, 5))])
+    layout = VisionLayout.from_segments(
+        2, 60, [ImageSegment(0, 3, (6, 7)), ImageSegment(1, 10, (5, 5))]
+    )
     gen = torch.Generator().manual_seed(0)
     hidden, xi = torch.randn(2, 60, 8, generator=gen), torch.rand(2, 60, generator=gen)
     pipe = lightkv.load("lightkv")
@@ -133,7 +157,9 @@ def test_right_align_packs_kept_columns_to_the_right_in_order(keep):
     assert index.shape == (len(keep), width)
     for b, row in enumerate(keep):
         kept = [j for j, k in enumerate(row) if k]
-        assert index[b].tolist() == [-1] * (width - len(kept)) + kept  # oracle: pad left, keep order
+        assert (
+            index[b].tolist() == [-1] * (width - len(kept)) + kept
+        )  # oracle: pad left, keep order
         for new, old in enumerate(index[b].tolist()):
             if old >= 0:
                 assert column[b, old] == new

@@ -12,8 +12,14 @@ def video_batch() -> VisionLayout:
     # row 0: a still image, then a 3-frame video (2x2 tokens per frame); row 1: a 2-frame video
     segments = [
         ImageSegment(row=0, offset=1, grid=(2, 2)),
-        *(ImageSegment(row=0, offset=6 + 4 * t, grid=(2, 2), video="clip", frame=t) for t in range(3)),
-        *(ImageSegment(row=1, offset=2 + 4 * t, grid=(2, 2), video="clip", frame=t) for t in range(2)),
+        *(
+            ImageSegment(row=0, offset=6 + 4 * t, grid=(2, 2), video="clip", frame=t)
+            for t in range(3)
+        ),
+        *(
+            ImageSegment(row=1, offset=2 + 4 * t, grid=(2, 2), video="clip", frame=t)
+            for t in range(2)
+        ),
     ]
     return VisionLayout.from_segments(2, 20, segments)
 
@@ -41,8 +47,14 @@ def test_select_and_row_keep_the_video_tables():
 
 def test_layouts_without_video_are_unchanged_and_compare_by_the_tables():
     plain = VisionLayout.from_segments(1, 8, [ImageSegment(row=0, offset=1, grid=(2, 2))])
-    assert plain.image_video.tolist() == [-1] and plain.image_frame.tolist() == [0] and plain.num_videos == 0
-    rebuilt = VisionLayout(plain.kind, plain.image, plain.coords, plain.origin, plain.image_grid, plain.image_row)
+    assert (
+        plain.image_video.tolist() == [-1]
+        and plain.image_frame.tolist() == [0]
+        and plain.num_videos == 0
+    )
+    rebuilt = VisionLayout(
+        plain.kind, plain.image, plain.coords, plain.origin, plain.image_grid, plain.image_row
+    )
     assert rebuilt == plain
     framed = VisionLayout.from_segments(1, 8, [ImageSegment(row=0, offset=1, grid=(2, 2), video=0)])
     assert framed != plain
@@ -52,8 +64,18 @@ def test_bad_frames_are_refused():
     with pytest.raises(ValueError, match="frame 2 but no video"):
         VisionLayout.from_segments(1, 8, [ImageSegment(row=0, offset=1, grid=(2, 2), frame=2)])
     with pytest.raises(ValueError, match="frame must be a non-negative integer"):
-        VisionLayout.from_segments(1, 8, [ImageSegment(row=0, offset=1, grid=(2, 2), video="v", frame=-1)])
+        VisionLayout.from_segments(
+            1, 8, [ImageSegment(row=0, offset=1, grid=(2, 2), video="v", frame=-1)]
+        )
     lay = video_batch()
     with pytest.raises(ValueError, match="image_frame must have one entry per image"):
-        VisionLayout(lay.kind, lay.image, lay.coords, lay.origin, lay.image_grid, lay.image_row,
-                     lay.image_video, lay.image_frame[:2])
+        VisionLayout(
+            lay.kind,
+            lay.image,
+            lay.coords,
+            lay.origin,
+            lay.image_grid,
+            lay.image_row,
+            lay.image_video,
+            lay.image_frame[:2],
+        )

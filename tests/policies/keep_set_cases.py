@@ -26,14 +26,18 @@ def prune_inputs(stage: StageInputs) -> PruneInputs:
     part = PARTITIONER.partition(stage)
     graph = BipartiteGraph.build(part.window, part.is_src)
     zeros = torch.zeros(graph.src_slots.shape, dtype=torch.float64)
-    return PruneInputs(graph, zeros, torch.ones_like(zeros), torch.zeros_like(graph.src_slots), stage)
+    return PruneInputs(
+        graph, zeros, torch.ones_like(zeros), torch.zeros_like(graph.src_slots), stage
+    )
 
 
 def one_image(hidden: torch.Tensor, before: int = 1, after: int = 2, **tensors) -> StageInputs:
     """One row: ``before`` text tokens, an image of ``n = hidden.shape[0] - before - after``
     tokens (a ``1 x n`` grid), ``after`` text tokens."""
     n = hidden.shape[0] - before - after
-    layout = VisionLayout.from_segments(1, hidden.shape[0], [ImageSegment(row=0, offset=before, grid=(1, n))])
+    layout = VisionLayout.from_segments(
+        1, hidden.shape[0], [ImageSegment(row=0, offset=before, grid=(1, n))]
+    )
     return StageInputs.of(layout, hidden.unsqueeze(0), windows_per_side=1, **tensors)
 
 
@@ -50,8 +54,13 @@ def kept_positions(prune: PruneInputs, removed: torch.Tensor) -> list[list[int]]
 
 def stage(pruner, ratio: float) -> Stage:
     """A pure-pruning stage with ``pruner`` (as the presets compose it)."""
-    return Stage(spec=StageSpec(0, ratio, windows_per_side=1), partitioner=PARTITIONER, scorer=None,
-                 pruner=pruner, passer=DropMessages())
+    return Stage(
+        spec=StageSpec(0, ratio, windows_per_side=1),
+        partitioner=PARTITIONER,
+        scorer=None,
+        pruner=pruner,
+        passer=DropMessages(),
+    )
 
 
 def assert_rows_independent(pruner, inputs: StageInputs, ratio: float) -> None:
@@ -65,9 +74,13 @@ def assert_rows_independent(pruner, inputs: StageInputs, ratio: float) -> None:
             hidden=inputs.hidden[b : b + 1],
             keys=None if inputs.keys is None else inputs.keys[b : b + 1],
             relevance=None if inputs.relevance is None else inputs.relevance[b : b + 1],
-            prompt=None if inputs.prompt is None else type(inputs.prompt)(inputs.prompt.token_ids[b : b + 1]),
+            prompt=None
+            if inputs.prompt is None
+            else type(inputs.prompt)(inputs.prompt.token_ids[b : b + 1]),
         )
         alone = st.run(row)
         kept_b = batch.layout.origin[b][batch.layout.valid_mask[b]]
         kept_a = alone.layout.origin[0][alone.layout.valid_mask[0]]
-        assert torch.equal(kept_b, kept_a), f"row {b}: {kept_b.tolist()} in the batch, {kept_a.tolist()} alone"
+        assert torch.equal(kept_b, kept_a), (
+            f"row {b}: {kept_b.tolist()} in the batch, {kept_a.tolist()} alone"
+        )

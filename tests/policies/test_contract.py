@@ -41,7 +41,9 @@ class LeakyScorer(EdgeScorer):
 
     def divergence(self, src, dst):
         d = torch.cdist(src.flatten(2), dst.flatten(2))
-        noise = torch.rand(d.shape, generator=torch.Generator().manual_seed(d.shape[0]), dtype=d.dtype)
+        noise = torch.rand(
+            d.shape, generator=torch.Generator().manual_seed(d.shape[0]), dtype=d.dtype
+        )
         return d * noise
 
 
@@ -61,7 +63,9 @@ class TextPartitioner(Partitioner):
         from lightkv.policies import Partition
 
         lay = inputs.layout
-        window = torch.where(lay.valid_mask, torch.arange(lay.batch_size).unsqueeze(1).expand_as(lay.kind), -1)
+        window = torch.where(
+            lay.valid_mask, torch.arange(lay.batch_size).unsqueeze(1).expand_as(lay.kind), -1
+        )
         return Partition(window, lay.valid_mask & (torch.arange(lay.seq_len) % 2 == 0))
 
 
@@ -76,12 +80,15 @@ class NoisyPasser(MessagePasser):
         return torch.arange(x.shape[0]), x + 1
 
 
-@pytest.mark.parametrize("cls,rule", [
-    (LeakyScorer, "not independent|differ in the batch"),
-    (GreedyPruner, "removed tokens|budget"),
-    (TextPartitioner, "text, padding or structural"),
-    (NoisyPasser, "nothing removed some node changed"),
-])
+@pytest.mark.parametrize(
+    "cls,rule",
+    [
+        (LeakyScorer, "not independent|differ in the batch"),
+        (GreedyPruner, "removed tokens|budget"),
+        (TextPartitioner, "text, padding or structural"),
+        (NoisyPasser, "nothing removed some node changed"),
+    ],
+)
 def test_the_contract_catches_broken_policies(cls, rule):
     with pytest.raises(AssertionError, match=rule):
         check_policy(cls)

@@ -20,7 +20,9 @@ def _cos(a: list[float], b: list[float]) -> float:
     return dot / (math.sqrt(sum(p * p for p in a)) * math.sqrt(sum(q * q for q in b)))
 
 
-def slow_dart(hidden, keys, image: list[int], question: list[int], keep: int, p_img: int, p_txt: int) -> list[int]:
+def slow_dart(
+    hidden, keys, image: list[int], question: list[int], keep: int, p_img: int, p_txt: int
+) -> list[int]:
     """Positions kept of one image; ``hidden [N, D]``, ``keys [N, H, d]`` of its row."""
     l1 = {p: sum(abs(v) for v in keys[p].flatten().tolist()) for p in image + question}
     n_img = min(p_img, keep)
@@ -38,13 +40,25 @@ def slow_dart(hidden, keys, image: list[int], question: list[int], keep: int, p_
 
 
 @settings(max_examples=40, deadline=None)
-@given(case=batches(max_side=6), ratio=st.sampled_from([0.3, 0.5, 0.7777777777777778, 0.95]),
-       p_img=st.integers(1, 5), p_txt=st.integers(0, 5))
+@given(
+    case=batches(max_side=6),
+    ratio=st.sampled_from([0.3, 0.5, 0.7777777777777778, 0.95]),
+    p_img=st.integers(1, 5),
+    p_txt=st.integers(0, 5),
+)
 def test_equals_the_slow_reference(case, ratio, p_img, p_txt):
-    keys = torch.randn(*case.hidden.shape[:2], 2, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    keys = torch.randn(
+        *case.hidden.shape[:2],
+        2,
+        3,
+        generator=torch.Generator().manual_seed(1),
+        dtype=torch.float64,
+    )
     stage = StageInputs.of(case.layout, case.hidden, windows_per_side=1, keys=keys)
     prune = prune_inputs(stage)
-    got = kept_positions(prune, DART(pivot_image_tokens=p_img, pivot_text_tokens=p_txt).select(prune, ratio))
+    got = kept_positions(
+        prune, DART(pivot_image_tokens=p_img, pivot_text_tokens=p_txt).select(prune, ratio)
+    )
     layout, graph = case.layout, prune.graph
     for w in range(graph.num_windows):
         slots = graph.src_slots[w][graph.src_slots[w] >= 0]
@@ -53,7 +67,9 @@ def test_equals_the_slow_reference(case, ratio, p_img, p_txt):
         last = max(p for p in range(layout.seq_len) if layout.vision_mask[row, p])
         question = [p for p in range(last + 1, layout.seq_len) if layout.text_mask[row, p]]
         keep = len(image) - math.floor(len(image) * ratio + 1e-9)
-        assert got[w] == slow_dart(case.hidden[row], keys[row], image, question, keep, p_img, p_txt), f"window {w}"
+        assert got[w] == slow_dart(
+            case.hidden[row], keys[row], image, question, keep, p_img, p_txt
+        ), f"window {w}"
 
 
 @settings(max_examples=20, deadline=None)
@@ -69,12 +85,16 @@ def test_the_least_duplicated_tokens_stay():
     from lightkv import ImageSegment, VisionLayout
 
     layout = VisionLayout.from_segments(1, 8, [ImageSegment(row=0, offset=0, grid=(1, 6))])
-    hidden = torch.tensor([[1.0, 0.0]] * 5 + [[0.0, 1.0]] + [[1.0, 1.0]] * 2, dtype=torch.float64).unsqueeze(0)
+    hidden = torch.tensor(
+        [[1.0, 0.0]] * 5 + [[0.0, 1.0]] + [[1.0, 1.0]] * 2, dtype=torch.float64
+    ).unsqueeze(0)
     keys = torch.ones(1, 8, 1, 2, dtype=torch.float64)
     keys[0, 0] = 5.0
     stage = StageInputs.of(layout, hidden, windows_per_side=1, keys=keys)
     prune = prune_inputs(stage)
-    assert kept_positions(prune, DART(pivot_image_tokens=1, pivot_text_tokens=0).select(prune, 1 - 2 / 6)) == [[0, 5]]
+    assert kept_positions(
+        prune, DART(pivot_image_tokens=1, pivot_text_tokens=0).select(prune, 1 - 2 / 6)
+    ) == [[0, 5]]
 
 
 def test_parameters_are_checked_and_keys_are_needed():

@@ -41,7 +41,9 @@ def slow_divprune(x: torch.Tensor, keep: int) -> list[int]:
 @given(n=st.integers(1, 14), dim=st.integers(2, 6), seed=st.integers(0, 2**31 - 1), data=st.data())
 def test_equals_the_slow_greedy(n, dim, seed, data):
     keep = data.draw(st.integers(0, n))
-    hidden = torch.randn(n + 3, dim, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    hidden = torch.randn(
+        n + 3, dim, generator=torch.Generator().manual_seed(seed), dtype=torch.float64
+    )
     prune = prune_inputs(one_image(hidden))
     removed = DivPrune().select(prune, 1 - keep / n)
     picks = slow_divprune(hidden[1 : 1 + n], keep)
@@ -54,7 +56,9 @@ def test_kept_sets_are_nested_and_every_step_maximises_the_min_distance(n, seed)
     """Exhaustively on small windows: the kept set for ``c`` tokens is the one for ``c - 1``
     plus one token, and that token maximises the min distance to the others kept (over
     every candidate; the first over the nearest other token)."""
-    hidden = torch.randn(n + 3, 3, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    hidden = torch.randn(
+        n + 3, 3, generator=torch.Generator().manual_seed(seed), dtype=torch.float64
+    )
     x = hidden[1 : 1 + n]
     prune = prune_inputs(one_image(hidden))
     previous: set[int] = set()
@@ -65,7 +69,7 @@ def test_kept_sets_are_nested_and_every_step_maximises_the_min_distance(n, seed)
         (j,) = added
 
         def score(t):
-            others = [i for i in range(n) if i != t] if not previous else sorted(previous)
+            others = [i for i in range(n) if i != t] if not previous else sorted(previous)  # noqa: B023 (called in this iteration)
             return min((_distance(x, i, t) for i in others), default=math.inf)
 
         scores = {t: score(t) for t in range(n) if t not in previous}
@@ -87,7 +91,9 @@ def test_duplicates_are_dropped_first_and_ties_go_to_the_earliest():
 def test_keys_features_equal_hidden_features_of_the_same_values(case):
     keys = case.hidden.view(*case.hidden.shape[:2], 2, 3)
     a = StageInputs.of(case.layout, case.hidden, windows_per_side=1, keys=keys)
-    b = StageInputs.of(case.layout, torch.randn_like(case.hidden), windows_per_side=1, keys=keys)  # hidden unused
+    b = StageInputs.of(
+        case.layout, torch.randn_like(case.hidden), windows_per_side=1, keys=keys
+    )  # hidden unused
     got_hidden = DivPrune().select(prune_inputs(a), 0.6)
     got_keys = DivPrune(features="keys").select(prune_inputs(b), 0.6)
     assert torch.equal(got_hidden, got_keys)

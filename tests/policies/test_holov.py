@@ -42,7 +42,11 @@ def slow_holov(tokens, saliency, keep, crops=16, alpha=0.09, scale=1e3, eps=1e-6
         if c == 1:
             scores.append(saliency[run[0]])  # a one-token crop: its unscaled saliency
             continue
-        s = {(i, j): 0.0 if i == j else sum(a * b for a, b in zip(unit[i], unit[j])) for i in run for j in run}
+        s = {
+            (i, j): 0.0 if i == j else sum(a * b for a, b in zip(unit[i], unit[j]))
+            for i in run
+            for j in run
+        }
         mu = {i: sum(s[i, j] for j in run) / (c - 1) for i in run}
         var = {i: sum((s[i, j] - mu[i]) ** 2 for j in run) / (c - 1) for i in run}
         att = {i: saliency[i] * scale for i in run}
@@ -75,8 +79,14 @@ def _with_relevance(stage: StageInputs, relevance: torch.Tensor):
 
 
 @settings(max_examples=50, deadline=None)
-@given(n=st.integers(1, 40), dim=st.integers(2, 5), crops=st.sampled_from([1, 3, 4, 16]),
-       seed=st.integers(0, 2**31 - 1), ties=st.booleans(), data=st.data())
+@given(
+    n=st.integers(1, 40),
+    dim=st.integers(2, 5),
+    crops=st.sampled_from([1, 3, 4, 16]),
+    seed=st.integers(0, 2**31 - 1),
+    ties=st.booleans(),
+    data=st.data(),
+)
 def test_equals_the_slow_loop(n, dim, crops, seed, ties, data):
     keep = data.draw(st.integers(0, n))
     gen = torch.Generator().manual_seed(seed)
@@ -102,8 +112,9 @@ def test_the_budget_follows_the_crop_scores():
 @settings(max_examples=25, deadline=None)
 @given(case=batches(max_side=6), ratio=st.sampled_from([0.0, 0.3, 0.7777777777777778]))
 def test_rows_are_independent_with_relevance(case, ratio):
-    inputs = StageInputs.of(case.layout, case.hidden, windows_per_side=1, removal_ratio=ratio,
-                            relevance=case.relevance)
+    inputs = StageInputs.of(
+        case.layout, case.hidden, windows_per_side=1, removal_ratio=ratio, relevance=case.relevance
+    )
     assert_rows_independent(HoloV(crops=4), inputs, ratio)
 
 

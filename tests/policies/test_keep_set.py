@@ -47,7 +47,9 @@ def test_keeps_the_contract(name):
 @given(case=batches(max_side=6), ratio=st.sampled_from([0.0, 0.3, 0.7777777777777778, 0.99]))
 def test_each_image_keeps_exactly_its_budget_and_rows_are_independent(name, case, ratio):
     keys = case.hidden.view(*case.hidden.shape[:2], 2, 3)
-    inputs = StageInputs.of(case.layout, case.hidden, windows_per_side=1, removal_ratio=ratio, keys=keys)
+    inputs = StageInputs.of(
+        case.layout, case.hidden, windows_per_side=1, removal_ratio=ratio, keys=keys
+    )
     pruner = Pruner.lookup(name)()
     prune = prune_inputs(inputs)
     removed = pruner.select(prune, ratio)
@@ -69,7 +71,9 @@ def test_selection_needs_the_stage(name):
 
     with pytest.raises(ValueError, match="PruneInputs.stage"):
         Pruner.lookup(name)().select(replace(prune, stage=None), 0.5)
-    assert kept_positions(prune, torch.zeros_like(prune.graph.src_slots, dtype=torch.bool)) == [[1, 2, 3, 4]]
+    assert kept_positions(prune, torch.zeros_like(prune.graph.src_slots, dtype=torch.bool)) == [
+        [1, 2, 3, 4]
+    ]
 
 
 def _tiny():

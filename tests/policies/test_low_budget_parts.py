@@ -14,7 +14,13 @@ from hypothesis import strategies as st
 
 from lightkv import ImageSegment, VisionLayout
 from lightkv.pipeline import Stage
-from lightkv.policies import AllSources, DominantContextual, EdgeScorer, MessagePasser, ResizePartitioner
+from lightkv.policies import (
+    AllSources,
+    DominantContextual,
+    EdgeScorer,
+    MessagePasser,
+    ResizePartitioner,
+)
 from lightkv.policies.counts import kept_count
 from lightkv.policies.pooling import resized_grid
 from lightkv.policies.schedulers import StageSpec
@@ -34,14 +40,25 @@ def test_kept_count_is_exact_for_every_count_up_to_600():
 
 
 def layout2():
-    return VisionLayout.from_segments(2, 44, [ImageSegment(row=0, offset=2, grid=(6, 6)),
-                                              ImageSegment(row=1, offset=1, grid=(4, 8)),
-                                              ImageSegment(row=1, offset=34, grid=(2, 4))])
+    return VisionLayout.from_segments(
+        2,
+        44,
+        [
+            ImageSegment(row=0, offset=2, grid=(6, 6)),
+            ImageSegment(row=1, offset=1, grid=(4, 8)),
+            ImageSegment(row=1, offset=34, grid=(2, 4)),
+        ],
+    )
 
 
 def visionzip_stage(ratio, contextual=10 / 64):
-    return Stage(StageSpec(0, ratio, windows_per_side=1, mode="pre_llm"), partitioner=DominantContextual(contextual),
-                 scorer=EdgeScorer.create("cosine"), pruner=AllSources(), passer=MessagePasser.create("size_mean"))
+    return Stage(
+        StageSpec(0, ratio, windows_per_side=1, mode="pre_llm"),
+        partitioner=DominantContextual(contextual),
+        scorer=EdgeScorer.create("cosine"),
+        pruner=AllSources(),
+        passer=MessagePasser.create("size_mean"),
+    )
 
 
 def visionzip_oracle(x: torch.Tensor, xi: torch.Tensor, k: int, contextual: float) -> torch.Tensor:
@@ -56,7 +73,7 @@ def visionzip_oracle(x: torch.Tensor, xi: torch.Tensor, k: int, contextual: floa
     dominant = set(ranked[:d])
     rest = [i for i in range(n) if i not in dominant]
     step = max(1, len(rest) // c)
-    targets = rest[0:len(rest):step][:c]
+    targets = rest[0 : len(rest) : step][:c]
     members = {t: [t] for t in targets}
     for i in rest:
         if i in members:
@@ -64,7 +81,12 @@ def visionzip_oracle(x: torch.Tensor, xi: torch.Tensor, k: int, contextual: floa
         sims = [float(F.cosine_similarity(x[i].double(), x[t].double(), dim=0)) for t in targets]
         members[targets[max(range(len(targets)), key=lambda j: (sims[j], -j))]].append(i)
     out = {i: x[i] for i in dominant}
-    out.update({t: torch.stack([x[m] for m in ms]).double().mean(0).to(x.dtype) for t, ms in members.items()})
+    out.update(
+        {
+            t: torch.stack([x[m] for m in ms]).double().mean(0).to(x.dtype)
+            for t, ms in members.items()
+        }
+    )
     return torch.stack([out[i] for i in sorted(out)])
 
 
@@ -79,7 +101,7 @@ def test_visionzip_stage_equals_the_loop_oracle(k_share):
     for img, (row, off, (h, w)) in enumerate([(0, 2, (6, 6)), (1, 1, (4, 8)), (1, 34, (2, 4))]):
         n = h * w
         k = int(kept_count(torch.tensor([n]), ratio))
-        want = visionzip_oracle(x[row, off:off + n], xi[row, off:off + n], k, 10 / 64)
+        want = visionzip_oracle(x[row, off : off + n], xi[row, off : off + n], k, 10 / 64)
         mine = res.layout.image[row] == img
         assert int(mine.sum()) == k
         torch.testing.assert_close(res.hidden[row][mine], want, rtol=1e-5, atol=1e-6)
@@ -90,7 +112,9 @@ def test_visionzip_keeps_the_most_attended_tokens_whole():
     x = torch.randn(1, 65, 4)
     xi = torch.zeros(1, 65)
     xi[0, [5, 17, 40]] = 1.0
-    res = visionzip_stage(1 - 8 / 64, contextual=0.5)(x, layout, xi)  # k = 8: 4 dominant, 4 contextual
+    res = visionzip_stage(1 - 8 / 64, contextual=0.5)(
+        x, layout, xi
+    )  # k = 8: 4 dominant, 4 contextual
     kept = res.layout.origin[0][res.layout.vision_mask[0]].tolist()
     vision_hidden = res.hidden[0][res.layout.vision_mask[0]]
     for pos in (5, 17, 40):
@@ -105,20 +129,29 @@ def test_visionzip_needs_relevance():
 
 
 def resize_stage(ratio):
-    return Stage(StageSpec(0, ratio, windows_per_side=1, mode="pre_llm"), partitioner=ResizePartitioner(),
-                 scorer=EdgeScorer.create("cosine"), pruner=AllSources(), passer=MessagePasser.create("size_mean"))
+    return Stage(
+        StageSpec(0, ratio, windows_per_side=1, mode="pre_llm"),
+        partitioner=ResizePartitioner(),
+        scorer=EdgeScorer.create("cosine"),
+        pruner=AllSources(),
+        passer=MessagePasser.create("size_mean"),
+    )
 
 
-@pytest.mark.parametrize("grid,k,out", [((6, 6), 4, (2, 2)), ((6, 6), 9, (3, 3)), ((4, 8), 8, (2, 4)),
-                                        ((24, 24), 64, (8, 8))])
+@pytest.mark.parametrize(
+    "grid,k,out",
+    [((6, 6), 4, (2, 2)), ((6, 6), 9, (3, 3)), ((4, 8), 8, (2, 4)), ((24, 24), 64, (8, 8))],
+)
 def test_resize_equals_adaptive_average_pooling_on_divisible_grids(grid, k, out):
     h, w = grid
     layout = VisionLayout.from_segments(1, h * w + 3, [ImageSegment(row=0, offset=1, grid=grid)])
     x = torch.randn(1, h * w + 3, 5, dtype=torch.float64)
     res = resize_stage(1 - k / (h * w))(x, layout)
-    ref = F.adaptive_avg_pool2d(x[0, 1:1 + h * w].T.reshape(1, 5, h, w), out).reshape(5, -1).T
+    ref = F.adaptive_avg_pool2d(x[0, 1 : 1 + h * w].T.reshape(1, 5, h, w), out).reshape(5, -1).T
     torch.testing.assert_close(res.hidden[0][res.layout.vision_mask[0]], ref)
-    torch.testing.assert_close(res.hidden[0][~res.layout.vision_mask[0]], x[0, [0, h * w + 1, h * w + 2]])
+    torch.testing.assert_close(
+        res.hidden[0][~res.layout.vision_mask[0]], x[0, [0, h * w + 1, h * w + 2]]
+    )
 
 
 @settings(max_examples=40, deadline=None)
@@ -152,7 +185,7 @@ def test_rows_alone_equal_rows_in_the_batch(stage):
     xi = torch.rand(2, 44)
     together = stage(0.7)(x, layout, xi)
     for r in range(2):
-        alone = stage(0.7)(x[r:r + 1], layout.row(r), xi[r:r + 1])
+        alone = stage(0.7)(x[r : r + 1], layout.row(r), xi[r : r + 1])
         va, vt = alone.layout.valid_mask[0], together.layout.valid_mask[r]
         torch.testing.assert_close(alone.hidden[0][va], together.hidden[r][vt])
 

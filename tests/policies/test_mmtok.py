@@ -62,16 +62,29 @@ def slow_max_coverage(rows: list[list[float]], keep: int) -> list[int]:
 
 
 def _case(n: int, dim: int, seed: int, question: int):
-    hidden = torch.randn(1 + n + question, dim, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    hidden = torch.randn(
+        1 + n + question, dim, generator=torch.Generator().manual_seed(seed), dtype=torch.float64
+    )
     ids = torch.arange(hidden.shape[0]).unsqueeze(0)
     return hidden, one_image(hidden, before=1, after=question, prompt=Prompt(ids))
 
 
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(1, 12), dim=st.integers(2, 6), question=st.integers(1, 4), seed=st.integers(0, 2**31 - 1),
-       params=st.sampled_from([{}, {"alpha": 2.0, "tau_tv": 0.5, "tau_vv": 1.0}, {"alpha": 0.0, "tau_tv": 0.3},
-                               {"alpha": 8.0, "tau_tv": 1.0, "tau_vv": 0.1}]),
-       data=st.data())
+@given(
+    n=st.integers(1, 12),
+    dim=st.integers(2, 6),
+    question=st.integers(1, 4),
+    seed=st.integers(0, 2**31 - 1),
+    params=st.sampled_from(
+        [
+            {},
+            {"alpha": 2.0, "tau_tv": 0.5, "tau_vv": 1.0},
+            {"alpha": 0.0, "tau_tv": 0.3},
+            {"alpha": 8.0, "tau_tv": 1.0, "tau_vv": 0.1},
+        ]
+    ),
+    data=st.data(),
+)
 def test_equals_the_slow_greedy(n, dim, question, seed, params, data):
     keep = data.draw(st.integers(0, n))
     hidden, stage = _case(n, dim, seed, question)
@@ -93,13 +106,20 @@ def test_without_a_prompt_it_covers_the_image_alone(n, seed, data):
 
 
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(2, 10), question=st.integers(1, 3), seed=st.integers(0, 2**31 - 1), data=st.data())
+@given(
+    n=st.integers(2, 10), question=st.integers(1, 3), seed=st.integers(0, 2**31 - 1), data=st.data()
+)
 def test_the_text_rows_are_a_mean_over_the_question_tokens(n, question, seed, data):
     """Saying the question twice changes nothing: ``P`` is divided by the question's length."""
     keep = data.draw(st.integers(1, n))
     hidden, stage = _case(n, 3, seed, question)
     twice = torch.cat([hidden, hidden[1 + n :]])
-    stage2 = one_image(twice, before=1, after=2 * question, prompt=Prompt(torch.arange(twice.shape[0]).unsqueeze(0)))
+    stage2 = one_image(
+        twice,
+        before=1,
+        after=2 * question,
+        prompt=Prompt(torch.arange(twice.shape[0]).unsqueeze(0)),
+    )
     pruner = MMTok(alpha=4.0, tau_tv=0.5, tau_vv=0.5)
     once = kept_positions(prune_inputs(stage), pruner.select(prune_inputs(stage), 1 - keep / n))
     again = kept_positions(prune_inputs(stage2), pruner.select(prune_inputs(stage2), 1 - keep / n))
@@ -124,7 +144,9 @@ def test_the_question_pulls_the_selection_toward_the_token_it_resembles():
 @given(case=batches(max_side=6), ratio=st.sampled_from([0.0, 0.3, 0.7777777777777778]))
 def test_rows_are_independent_with_a_prompt(case, ratio):
     ids = (torch.arange(case.layout.seq_len) * 7 % 11).expand(case.layout.batch_size, -1)
-    inputs = StageInputs.of(case.layout, case.hidden, windows_per_side=1, removal_ratio=ratio, prompt=Prompt(ids))
+    inputs = StageInputs.of(
+        case.layout, case.hidden, windows_per_side=1, removal_ratio=ratio, prompt=Prompt(ids)
+    )
     assert_rows_independent(MMTok(), inputs, ratio)
 
 

@@ -30,7 +30,10 @@ from tests.strategies import batches
 def _qk(case, heads=4, kv_heads=2, d=8, seed=0):
     gen = torch.Generator().manual_seed(seed)
     b, n = case.layout.batch_size, case.layout.seq_len
-    return (torch.randn(b, heads, n, d, generator=gen), torch.randn(b, kv_heads, n, d, generator=gen))
+    return (
+        torch.randn(b, heads, n, d, generator=gen),
+        torch.randn(b, kv_heads, n, d, generator=gen),
+    )
 
 
 @given(case=batches())
@@ -80,7 +83,11 @@ def test_relevance_shape_errors():
 
 def test_explicit_schedule_broadcasts_and_checks_depth():
     s = ExplicitSchedule(layers=(12, 18, 24), windows_per_side=(4, 2, 1), removal_ratios=(0.5,))
-    assert [(x.layer, x.windows_per_side, x.removal_ratio) for x in s.plan(32)] == [(12, 4, 0.5), (18, 2, 0.5), (24, 1, 0.5)]
+    assert [(x.layer, x.windows_per_side, x.removal_ratio) for x in s.plan(32)] == [
+        (12, 4, 0.5),
+        (18, 2, 0.5),
+        (24, 1, 0.5),
+    ]
     with pytest.raises(ValueError, match="only 16 layers"):
         s.plan(16)
     with pytest.raises(ValueError, match="give 1 or 3"):
@@ -91,7 +98,9 @@ def test_explicit_schedule_broadcasts_and_checks_depth():
         StageSpec(layer=1, removal_ratio=1.0, windows_per_side=1)
     with pytest.raises(ValueError, match=r"ratio must be in \[0, 1\)"):
         StageSpec(layer=1, removal_ratio=-0.1, windows_per_side=1)
-    sizes = ExplicitSchedule(layers=(1, 2), windows_per_side=None, window_size=((2, 2), (4, 4))).plan(4)
+    sizes = ExplicitSchedule(
+        layers=(1, 2), windows_per_side=None, window_size=((2, 2), (4, 4))
+    ).plan(4)
     assert [x.window_size for x in sizes] == [(2, 2), (4, 4)]
 
 
@@ -133,9 +142,16 @@ def test_registries_list_name_and_create_policies():
     for family in FAMILIES.values():
         assert len(family.registered()) >= 2, family.family  # LightKV + at least one alternative
     assert Partitioner.create("grid", split="checkerboard").params() == {
-        "split": "checkerboard", "src_parity": 0, "seed": 0, "bands": "proportional", "min_tokens_per_window": 0
+        "split": "checkerboard",
+        "src_parity": 0,
+        "seed": 0,
+        "bands": "proportional",
+        "min_tokens_per_window": 0,
     }
-    with pytest.raises(ValueError, match="unknown partitioner 'hexagonal'; registered partitioners: .*global, grid, importance, pseudo_square"):
+    with pytest.raises(
+        ValueError,
+        match="unknown partitioner 'hexagonal'; registered partitioners: .*global, grid, importance, pseudo_square",
+    ):
         Partitioner.lookup("hexagonal")
     with pytest.raises(ValueError, match="has no parameter"):
         Partitioner.create("grid", windows=3)
@@ -152,13 +168,17 @@ def test_register_decorator_adds_a_user_policy_usable_in_a_stage():
 
     assert EdgeScorer.lookup("test_manhattan") is Manhattan
     lay = VisionLayout.from_segments(1, 18, [ImageSegment(0, 1, (4, 4))])
-    out = Stage(StageSpec(0, 0.5, windows_per_side=2), scorer=EdgeScorer.create("test_manhattan"))(torch.randn(1, 18, 3), lay)
+    out = Stage(StageSpec(0, 0.5, windows_per_side=2), scorer=EdgeScorer.create("test_manhattan"))(
+        torch.randn(1, 18, 3), lay
+    )
     assert int(out.layout.vision_counts()) == 8
     with pytest.raises(ValueError, match="already registered"):
+
         @EdgeScorer.register("test_manhattan")
         @dataclass
         class Other(EdgeScorer):
             pass
+
     with pytest.raises(TypeError, match="must subclass EdgeScorer"):
         EdgeScorer.register("test_bad")(Policy)
 

@@ -34,8 +34,10 @@ def _ids_for(layout, seed):
 def _qk(layout, heads=4, kv_heads=2, d=8, seed=0):
     gen = torch.Generator().manual_seed(seed)
     b, n = layout.batch_size, layout.seq_len
-    return (torch.randn(b, heads, n, d, generator=gen, dtype=torch.float64),
-            torch.randn(b, kv_heads, n, d, generator=gen, dtype=torch.float64))
+    return (
+        torch.randn(b, heads, n, d, generator=gen, dtype=torch.float64),
+        torch.randn(b, kv_heads, n, d, generator=gen, dtype=torch.float64),
+    )
 
 
 @pytest.mark.parametrize("heads", ["sum", "mean", "max"])
@@ -67,7 +69,9 @@ def test_question_attention_against_a_loop(heads, case, chosen, seed):
 def test_whole_question_equals_causal_text_attention_when_the_image_comes_first():
     """Text before the image sees no vision token under the causal mask, so reading the
     whole question gives text_attention's ξ on vision tokens."""
-    lay = VisionLayout.from_segments(2, 12, [ImageSegment(0, 2, (2, 3)), ImageSegment(1, 1, (3, 2))])
+    lay = VisionLayout.from_segments(
+        2, 12, [ImageSegment(0, 2, (2, 3)), ImageSegment(1, 1, (3, 2))]
+    )
     q, k = _qk(lay)
     ids = _ids_for(lay, 0)
     a = QuestionAttention().score(q, k, lay, prompt=Prompt(ids))
@@ -84,7 +88,9 @@ def test_the_chosen_ids_change_the_relevance_and_exclude_removes_them():
     everything = QuestionAttention().score(q, k, lay, prompt=p)
     assert not torch.allclose(only, everything)
     # excluding every other question id leaves exactly the rows of id 12
-    assert torch.allclose(QuestionAttention(exclude=(4, 11, 13, 14)).score(q, k, lay, prompt=p), only)
+    assert torch.allclose(
+        QuestionAttention(exclude=(4, 11, 13, 14)).score(q, k, lay, prompt=p), only
+    )
     # ids that are not in the question fall back to the whole question
     assert torch.allclose(QuestionAttention(ids=(99,)).score(q, k, lay, prompt=p), everything)
 
@@ -113,8 +119,11 @@ def test_a_session_gives_the_policy_the_prompt():
     base = lightkv.load("lightkv")
 
     def xi(relevance):
-        pipe = replace(base, relevance=relevance,
-                       scheduler=ExplicitSchedule(layers=(1,), removal_ratios=(0.25,), windows_per_side=(1,)))
+        pipe = replace(
+            base,
+            relevance=relevance,
+            scheduler=ExplicitSchedule(layers=(1,), removal_ratios=(0.25,), windows_per_side=(1,)),
+        )
         with apply(pipe, model, record=True) as session:
             model(**batch)
         return session.last_prefill.stages[0].relevance

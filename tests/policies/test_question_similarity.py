@@ -38,11 +38,18 @@ def _oracle(hidden, layout, ids, floor):
             continue
         r = {}
         for j in vision:
-            sims = [float(torch.nn.functional.cosine_similarity(hidden[b, j], hidden[b, i], dim=0)) for i in question]
+            sims = [
+                float(torch.nn.functional.cosine_similarity(hidden[b, j], hidden[b, i], dim=0))
+                for i in question
+            ]
             r[j] = sum(sims) / len(sims)
         lo, hi = min(r.values()), max(r.values())
         for j in vision:
-            out[b, j] = 1.0 if hi - lo <= 1e-12 else (r[j] - lo + floor * (hi - lo)) / ((hi - lo) * (1 + floor))
+            out[b, j] = (
+                1.0
+                if hi - lo <= 1e-12
+                else (r[j] - lo + floor * (hi - lo)) / ((hi - lo) * (1 + floor))
+            )
     return out
 
 
@@ -68,19 +75,28 @@ def test_the_question_decides_which_token_is_most_relevant():
     first, asking for the other ranks the other first (the direction can go either way)."""
     lay = VisionLayout.from_segments(1, 7, [ImageSegment(0, 1, (1, 3))])  # image 1-3, text 4-6
     e = torch.eye(4, dtype=torch.float64)
-    base = torch.stack([e[3], e[0], e[1], e[2], e[3], e[3], e[3]])  # token 1 ~ word 0, token 2 ~ word 1
+    base = torch.stack(
+        [e[3], e[0], e[1], e[2], e[3], e[3], e[3]]
+    )  # token 1 ~ word 0, token 2 ~ word 1
     for word, winner in ((0, 1), (1, 2)):
         hidden = base.clone()
         hidden[5] = e[word]  # the question's content word
-        xi = QuestionSimilarity().score(None, None, lay, prompt=Prompt(torch.tensor([[9, 3, 3, 3, 9, 9, 9]])),
-                                        hidden=hidden[None])
+        xi = QuestionSimilarity().score(
+            None,
+            None,
+            lay,
+            prompt=Prompt(torch.tensor([[9, 3, 3, 3, 9, 9, 9]])),
+            hidden=hidden[None],
+        )
         assert int(xi[0, 1:4].argmax()) + 1 == winner
 
 
 def test_flat_or_missing_question_is_uniform_and_errors_name_the_fix():
     lay = VisionLayout.from_segments(1, 6, [ImageSegment(0, 2, (2, 2))])  # no text after the image
     hidden = torch.randn(1, 6, 4)
-    xi = QuestionSimilarity().score(None, None, lay, prompt=Prompt(torch.tensor([[1, 2, 3, 3, 3, 3]])), hidden=hidden)
+    xi = QuestionSimilarity().score(
+        None, None, lay, prompt=Prompt(torch.tensor([[1, 2, 3, 3, 3, 3]])), hidden=hidden
+    )
     assert xi[0, 2:].tolist() == [1.0] * 4 and xi[0, :2].tolist() == [0.0, 0.0]
     with pytest.raises(ValueError, match="hidden=.*prompt=Prompt"):
         QuestionSimilarity().score(None, None, lay)
@@ -100,7 +116,8 @@ def test_a_session_reads_the_stage_hidden_states(family):
     with apply(pipe, model, record=True) as session:
         model(**batch)
     stage = session.last_prefill.stages[0]
-    expected = QuestionSimilarity().score(None, None, stage.layout, prompt=Prompt(batch["input_ids"]),
-                                          hidden=stage.hidden)
+    expected = QuestionSimilarity().score(
+        None, None, stage.layout, prompt=Prompt(batch["input_ids"]), hidden=stage.hidden
+    )
     torch.testing.assert_close(stage.relevance, expected.float())
     assert session.last_prefill.relevance_flops > 0

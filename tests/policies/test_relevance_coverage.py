@@ -70,8 +70,14 @@ def slow_coverage(tokens, xi, coords, diag, keep, share, power, spatial) -> set[
 
 
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(2, 14), keep=st.integers(1, 14), share=st.sampled_from([0.0, 0.25, 0.5, 1.0]),
-       power=st.sampled_from([0.0, 1.0, 2.0]), spatial=st.sampled_from([0.0, 0.5]), seed=st.integers(0, 2**31 - 1))
+@given(
+    n=st.integers(2, 14),
+    keep=st.integers(1, 14),
+    share=st.sampled_from([0.0, 0.25, 0.5, 1.0]),
+    power=st.sampled_from([0.0, 1.0, 2.0]),
+    spatial=st.sampled_from([0.0, 0.5]),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_kept_set_equals_the_slow_reference(n, keep, share, power, spatial, seed):
     keep = min(keep, n)
     gen = torch.Generator().manual_seed(seed)
@@ -79,13 +85,26 @@ def test_kept_set_equals_the_slow_reference(n, keep, share, power, spatial, seed
     xi = torch.rand(n + 3, generator=gen, dtype=torch.float64)
     stage = one_image(hidden, relevance=xi.unsqueeze(0))
     prune = prune_inputs(stage)
-    prune = type(prune)(prune.graph, prune.divergence, prune.graph.blocks(prune.graph.gather(stage.relevance), "src"),
-                        prune.identity, stage)
+    prune = type(prune)(
+        prune.graph,
+        prune.divergence,
+        prune.graph.blocks(prune.graph.gather(stage.relevance), "src"),
+        prune.identity,
+        stage,
+    )
     got = RelevanceCoverage(share=share, power=power, spatial=spatial).select(prune, 1 - keep / n)
     kept = {p - 1 for p in kept_positions(prune, got)[0]}
     coords = [(0, c) for c in range(n)]  # a 1 x n grid
-    want = slow_coverage(hidden[1 : n + 1].tolist(), xi[1 : n + 1].tolist(), coords, math.hypot(1, n), keep,
-                         share, power, spatial)
+    want = slow_coverage(
+        hidden[1 : n + 1].tolist(),
+        xi[1 : n + 1].tolist(),
+        coords,
+        math.hypot(1, n),
+        keep,
+        share,
+        power,
+        spatial,
+    )
     assert kept == want
 
 
@@ -94,7 +113,10 @@ def test_kept_set_equals_the_slow_reference(n, keep, share, power, spatial, seed
 def test_share_zero_power_zero_is_divprune(case, ratio):
     stage = StageInputs.of(case.layout, case.hidden, windows_per_side=1, relevance=case.relevance)
     prune = prune_inputs(stage)
-    assert torch.equal(RelevanceCoverage(share=0.0, power=0.0).select(prune, ratio), DivPrune().select(prune, ratio))
+    assert torch.equal(
+        RelevanceCoverage(share=0.0, power=0.0).select(prune, ratio),
+        DivPrune().select(prune, ratio),
+    )
 
 
 def test_share_one_keeps_the_most_relevant():
@@ -102,8 +124,13 @@ def test_share_one_keeps_the_most_relevant():
     xi = torch.tensor([0.0, 0.1, 0.9, 0.2, 0.8, 0.3, 0.7, 0.05, 0.0, 0.0], dtype=torch.float64)
     stage = one_image(hidden, relevance=xi.unsqueeze(0))
     prune = prune_inputs(stage)
-    prune = type(prune)(prune.graph, prune.divergence, prune.graph.blocks(prune.graph.gather(xi.unsqueeze(0)), "src"),
-                        prune.identity, stage)
+    prune = type(prune)(
+        prune.graph,
+        prune.divergence,
+        prune.graph.blocks(prune.graph.gather(xi.unsqueeze(0)), "src"),
+        prune.identity,
+        stage,
+    )
     removed = RelevanceCoverage(share=1.0).select(prune, 1 - 3 / 7)
     assert kept_positions(prune, removed) == [[2, 4, 6]]
 
@@ -112,24 +139,46 @@ def test_uniform_relevance_is_coverage_alone():
     hidden = torch.randn(12, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     stage = one_image(hidden, relevance=torch.full((1, 12), 0.3, dtype=torch.float64))
     prune = prune_inputs(stage)
-    assert torch.equal(RelevanceCoverage(share=0.75, spatial=0.5).select(prune, 0.5),
-                       RelevanceCoverage(share=0.0, spatial=0.5).select(prune, 0.5))
+    assert torch.equal(
+        RelevanceCoverage(share=0.75, spatial=0.5).select(prune, 0.5),
+        RelevanceCoverage(share=0.0, spatial=0.5).select(prune, 0.5),
+    )
 
 
 def test_spatial_keeps_two_identical_tokens_far_apart():
     # tokens 0 and 5 are the same direction (two gems of one colour), far apart; the rest
     # are near-duplicates of another direction (ground). Cosine alone keeps one gem.
     ground = torch.tensor([0.0, 1.0])
-    rows = [torch.tensor([1.0, 0.0])] + [ground + 0.01 * i for i in range(1, 5)] + [torch.tensor([1.0, 0.0])]
+    rows = (
+        [torch.tensor([1.0, 0.0])]
+        + [ground + 0.01 * i for i in range(1, 5)]
+        + [torch.tensor([1.0, 0.0])]
+    )
     hidden = torch.cat([torch.ones(1, 2), torch.stack(rows), torch.ones(2, 2)]).double()
     prune = prune_inputs(one_image(hidden))
-    cosine = {p - 1 for p in kept_positions(prune, RelevanceCoverage(share=0.0).select(prune, 0.5))[0]}
-    spatial = {p - 1 for p in kept_positions(prune, RelevanceCoverage(share=0.0, spatial=1.0).select(prune, 0.5))[0]}
+    cosine = {
+        p - 1 for p in kept_positions(prune, RelevanceCoverage(share=0.0).select(prune, 0.5))[0]
+    }
+    spatial = {
+        p - 1
+        for p in kept_positions(
+            prune, RelevanceCoverage(share=0.0, spatial=1.0).select(prune, 0.5)
+        )[0]
+    }
     assert not {0, 5} <= cosine and {0, 5} <= spatial
 
 
-@pytest.mark.parametrize("bad", [{"share": -0.1}, {"share": 1.5}, {"power": -1}, {"power": math.inf},
-                                 {"spatial": math.nan}, {"share": True}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"share": -0.1},
+        {"share": 1.5},
+        {"power": -1},
+        {"power": math.inf},
+        {"spatial": math.nan},
+        {"share": True},
+    ],
+)
 def test_bad_parameters_name_the_field(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         RelevanceCoverage(**bad)
@@ -149,7 +198,9 @@ def test_contract_and_rows_independent():
 
 
 # ---------------------------------------------------------------- keep sets x merging passers
-KEEP_SETS = sorted(name for name, cls in Pruner.registered().items() if issubclass(cls, KeepSetPruner))
+KEEP_SETS = sorted(
+    name for name, cls in Pruner.registered().items() if issubclass(cls, KeepSetPruner)
+)
 MERGING = sorted(name for name, cls in MessagePasser.registered().items() if cls.merges)
 
 
@@ -163,8 +214,13 @@ def test_every_keep_set_merges_each_dropped_token_into_its_most_similar_survivor
     hidden = torch.randn(1, 20, 6, generator=gen, dtype=torch.float64)
     xi = torch.rand(1, 20, generator=gen, dtype=torch.float64) + 0.1
     prompt = Prompt(torch.arange(20).unsqueeze(0))
-    stage = Stage(spec=StageSpec(0, 0.75, windows_per_side=1), partitioner=GlobalPartitioner(split="all_src"),
-                  scorer=CosineDivergence(), pruner=Pruner.create(pruner), passer=MessagePasser.create(passer))
+    stage = Stage(
+        spec=StageSpec(0, 0.75, windows_per_side=1),
+        partitioner=GlobalPartitioner(split="all_src"),
+        scorer=CosineDivergence(),
+        pruner=Pruner.create(pruner),
+        passer=MessagePasser.create(passer),
+    )
     try:
         res = stage(hidden, layout, xi, keys=hidden.view(1, 20, 2, 3), prompt=prompt)
     except ValueError as err:  # a pruner that needs a model's context (e.g. the tower) says so
@@ -185,7 +241,9 @@ def test_every_keep_set_merges_each_dropped_token_into_its_most_similar_survivor
     for s, members in groups.items():
         w = weights[members]
         want = (w.unsqueeze(1) * x[members]).sum(0) / w.sum() if w.sum() > 0 else x[members].mean(0)
-        torch.testing.assert_close(res.hidden[0, int(res.remap[0, s])], want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(
+            res.hidden[0, int(res.remap[0, s])], want, rtol=1e-12, atol=1e-12
+        )
     assert int(res.sizes[0][res.kept_index[0] >= 0].sum()) == 20
 
 
@@ -199,10 +257,17 @@ def test_windows_keep_exactly_the_image_budget(case, ratio, windows):
     from lightkv.policies import DropMessages, GridPartitioner
     from lightkv.policies.counts import removal_count
 
-    inputs = StageInputs.of(case.layout, case.hidden, windows_per_side=windows, relevance=case.relevance)
+    inputs = StageInputs.of(
+        case.layout, case.hidden, windows_per_side=windows, relevance=case.relevance
+    )
     part = GridPartitioner(split="all_src").partition(inputs)
-    stage = Stage(spec=StageSpec(0, ratio, windows_per_side=windows), partitioner=GridPartitioner(split="all_src"),
-                  scorer=None, pruner=RelevanceCoverage(spatial=0.25), passer=DropMessages())
+    stage = Stage(
+        spec=StageSpec(0, ratio, windows_per_side=windows),
+        partitioner=GridPartitioner(split="all_src"),
+        scorer=None,
+        pruner=RelevanceCoverage(spatial=0.25),
+        passer=DropMessages(),
+    )
     out = stage.run(inputs)
     kept = torch.zeros_like(case.layout.vision_mask)
     for b in range(case.layout.batch_size):
@@ -222,7 +287,11 @@ def test_windows_keep_exactly_the_image_budget(case, ratio, windows):
 
 
 @settings(max_examples=40, deadline=None)
-@given(case=batches(max_side=9, max_images=3), ratio=st.floats(0.1, 0.9), spatial=st.sampled_from([0.0, 0.5]))
+@given(
+    case=batches(max_side=9, max_images=3),
+    ratio=st.floats(0.1, 0.9),
+    spatial=st.sampled_from([0.0, 0.5]),
+)
 def test_windows_in_size_groups_pick_as_one_block(case, ratio, spatial):
     """Windows of different sizes run in groups padded to their own largest window; the
     picks equal those of one block padded to the largest window of all."""
@@ -231,7 +300,9 @@ def test_windows_in_size_groups_pick_as_one_block(case, ratio, spatial):
     inputs = StageInputs.of(case.layout, case.hidden, windows_per_side=1, relevance=case.relevance)
     prune = prune_inputs(inputs)
     graph = prune.graph
-    prune = PruneInputs(graph, prune.divergence, graph.token_blocks(case.relevance, "src"), prune.identity, inputs)
+    prune = PruneInputs(
+        graph, prune.divergence, graph.token_blocks(case.relevance, "src"), prune.identity, inputs
+    )
     valid = graph.src_slots >= 0
     count = valid.sum(1) - torch.floor(valid.sum(1).double() * ratio).long()
     pruner = RelevanceCoverage(share=0.25, spatial=spatial)
@@ -240,7 +311,9 @@ def test_windows_in_size_groups_pick_as_one_block(case, ratio, spatial):
 
 def test_size_groups_split_a_base_view_from_its_tiles():
     """LLaVA-NeXT's shape in small: a 2 x 2 base image beside an 8 x 8 tile grid."""
-    layout = VisionLayout.from_segments(1, 70, [ImageSegment(0, 1, (2, 2)), ImageSegment(0, 5, (8, 8))])
+    layout = VisionLayout.from_segments(
+        1, 70, [ImageSegment(0, 1, (2, 2)), ImageSegment(0, 5, (8, 8))]
+    )
     inputs = StageInputs.of(layout, torch.randn(1, 70, 4, dtype=torch.float64), windows_per_side=1)
     graph = prune_inputs(inputs).graph
     assert [g.tolist() for g in graph.window_groups(pairs="aa")] == [[1], [0]]

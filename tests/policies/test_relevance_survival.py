@@ -50,17 +50,27 @@ def oracle_sources(members, xi, sources, ratio, src_parity):
         count = max(min(math.floor(n * ratio), n - 1), 0)
     else:
         count = min(max(math.ceil(n * sources - 1e-9), 0), n)
-    ranked = sorted(range(n), key=lambda r: (xi[members[r]], 0 if r % 2 == src_parity else 1, members[r]))
+    ranked = sorted(
+        range(n), key=lambda r: (xi[members[r]], 0 if r % 2 == src_parity else 1, members[r])
+    )
     return {members[r] for r in ranked[:count]}
 
 
 # ---------------------------------------------------------------- relevance_split
 
 
-@given(case=batches(), wps=st.integers(1, 4), sources=SOURCES, src_parity=st.integers(0, 1), ratio=ratios)
+@given(
+    case=batches(),
+    wps=st.integers(1, 4),
+    sources=SOURCES,
+    src_parity=st.integers(0, 1),
+    ratio=ratios,
+)
 def test_relevance_split_matches_a_per_window_oracle(case, wps, sources, src_parity, ratio):
     policy = RelevanceSplit(sources=sources, src_parity=src_parity)
-    inputs = StageInputs.of(case.layout, windows_per_side=wps, removal_ratio=ratio, relevance=case.relevance)
+    inputs = StageInputs.of(
+        case.layout, windows_per_side=wps, removal_ratio=ratio, relevance=case.relevance
+    )
     part = policy.partition(inputs)
     grid = GridPartitioner().partition(inputs)
     assert torch.equal(part.window, grid.window)  # the same windows as `grid`
@@ -69,7 +79,10 @@ def test_relevance_split_matches_a_per_window_oracle(case, wps, sources, src_par
         expected = set()
         for members in windows.values():
             expected |= oracle_sources(members, xi, sources, ratio, src_parity)
-        assert set(part.is_src[b].logical_and(part.window[b] >= 0).nonzero().flatten().tolist()) == expected
+        assert (
+            set(part.is_src[b].logical_and(part.window[b] >= 0).nonzero().flatten().tolist())
+            == expected
+        )
 
 
 @given(case=batches(), wps=st.integers(1, 4), uniform=st.sampled_from([None, 1.0, 0.3]))
@@ -78,7 +91,9 @@ def test_relevance_split_without_relevance_is_the_parity_split(case, wps, unifor
     inputs = StageInputs.of(case.layout, windows_per_side=wps, relevance=xi)
     part, grid = RelevanceSplit().partition(inputs), GridPartitioner().partition(inputs)
     inside = grid.window >= 0
-    assert torch.equal(part.window, grid.window) and torch.equal(part.is_src & inside, grid.is_src & inside)
+    assert torch.equal(part.window, grid.window) and torch.equal(
+        part.is_src & inside, grid.is_src & inside
+    )
 
 
 @settings(max_examples=50)
@@ -96,7 +111,9 @@ def test_the_most_relevant_token_of_every_window_survives(case, wps, ratio):
 @settings(max_examples=50)
 @given(case=batches(), wps=st.integers(1, 4), ratio=ratios)
 def test_with_sources_ratio_the_survivors_are_each_windows_most_relevant(case, wps, ratio):
-    stage = Stage(StageSpec(0, ratio, windows_per_side=wps), partitioner=RelevanceSplit(sources="ratio"))
+    stage = Stage(
+        StageSpec(0, ratio, windows_per_side=wps), partitioner=RelevanceSplit(sources="ratio")
+    )
     result = stage(case.hidden, case.layout, case.relevance)
     for b, windows in enumerate(windows_for(case.layout, wps)):
         kept = set(result.kept_index[b][result.kept_index[b] >= 0].tolist())
@@ -137,8 +154,15 @@ def allocations(draw):
     capacity = draw(st.lists(st.integers(0, 5), min_size=k, max_size=k))
     group = draw(st.lists(st.integers(0, groups - 1), min_size=k, max_size=k))
     # few distinct values, so that ties (the hard case) are common
-    ideal = draw(st.lists(st.sampled_from([-1.0, 0.0, 0.5, 1.0, 1.5, 2.0, 2.25, 4.0, 7.5]), min_size=k, max_size=k))
-    total = [draw(st.integers(0, sum(c for c, gg in zip(capacity, group) if gg == g))) for g in range(groups)]
+    ideal = draw(
+        st.lists(
+            st.sampled_from([-1.0, 0.0, 0.5, 1.0, 1.5, 2.0, 2.25, 4.0, 7.5]), min_size=k, max_size=k
+        )
+    )
+    total = [
+        draw(st.integers(0, sum(c for c, gg in zip(capacity, group) if gg == g)))
+        for g in range(groups)
+    ]
     return ideal, capacity, group, total
 
 
@@ -155,12 +179,20 @@ def test_allocate_removals_matches_the_greedy_oracle(args):
 
 
 def test_allocate_removals_rounds_by_largest_remainder():
-    got = allocate_removals(torch.tensor([1.6, 1.3, 1.1]), torch.tensor([5, 5, 5]), torch.zeros(3, dtype=torch.long),
-                            torch.tensor([4]))
+    got = allocate_removals(
+        torch.tensor([1.6, 1.3, 1.1]),
+        torch.tensor([5, 5, 5]),
+        torch.zeros(3, dtype=torch.long),
+        torch.tensor([4]),
+    )
     assert got.tolist() == [2, 1, 1]
     # a full window passes the rest on
-    got = allocate_removals(torch.tensor([6.0, 1.0]), torch.tensor([2, 9]), torch.zeros(2, dtype=torch.long),
-                            torch.tensor([7]))
+    got = allocate_removals(
+        torch.tensor([6.0, 1.0]),
+        torch.tensor([2, 9]),
+        torch.zeros(2, dtype=torch.long),
+        torch.tensor([7]),
+    )
     assert got.tolist() == [2, 5]
 
 
@@ -179,17 +211,29 @@ def per_image_vision(result):
 
 
 @settings(max_examples=60)
-@given(case=batches(), ratio=ratios, wps=st.integers(1, 4), strength=st.sampled_from([0.0, 0.5, 1.0, 3.0]),
-       split=st.sampled_from(sorted(PARTITIONERS)), cap=st.sampled_from(["sources", "half"]))
-def test_relevance_budget_removes_exactly_the_plain_total_per_image(case, ratio, wps, strength, split, cap):
+@given(
+    case=batches(),
+    ratio=ratios,
+    wps=st.integers(1, 4),
+    strength=st.sampled_from([0.0, 0.5, 1.0, 3.0]),
+    split=st.sampled_from(sorted(PARTITIONERS)),
+    cap=st.sampled_from(["sources", "half"]),
+)
+def test_relevance_budget_removes_exactly_the_plain_total_per_image(
+    case, ratio, wps, strength, split, cap
+):
     spec = StageSpec(0, ratio, windows_per_side=wps)
     part = PARTITIONERS[split]
-    plain = Stage(spec, partitioner=part, pruner=SmallestDivergence(cap=cap))(case.hidden, case.layout, case.relevance)
+    plain = Stage(spec, partitioner=part, pruner=SmallestDivergence(cap=cap))(
+        case.hidden, case.layout, case.relevance
+    )
     moved = Stage(spec, partitioner=part, pruner=RelevanceBudget(strength=strength, cap=cap))(
-        case.hidden, case.layout, case.relevance)
+        case.hidden, case.layout, case.relevance
+    )
     assert per_image_vision(moved) == per_image_vision(plain)
-    row = Stage(spec, partitioner=part, pruner=RelevanceBudget(strength=strength, cap=cap, scope="row"))(
-        case.hidden, case.layout, case.relevance)
+    row = Stage(
+        spec, partitioner=part, pruner=RelevanceBudget(strength=strength, cap=cap, scope="row")
+    )(case.hidden, case.layout, case.relevance)
     assert torch.equal(row.layout.vision_counts(), plain.layout.vision_counts())
 
 
@@ -203,7 +247,9 @@ def budget_oracle(layout, relevance, ratio, wps, strength):
             n, a = len(members), math.ceil(len(members) / 2)
             plain = min(math.floor(n * ratio), a) if n - a > 0 else 0
             capacity = a if n - a > 0 else 0
-            per_image.setdefault(img, []).append([members, plain, capacity, sum(xi[i] for i in members) / n])
+            per_image.setdefault(img, []).append(
+                [members, plain, capacity, sum(xi[i] for i in members) / n]
+            )
         for img, wins in per_image.items():
             mean = sum(w[3] * len(w[0]) for w in wins) / sum(len(w[0]) for w in wins)
             shares = [w[1] * (w[3] / mean + 1e-6) ** -strength for w in wins]
@@ -215,13 +261,20 @@ def budget_oracle(layout, relevance, ratio, wps, strength):
 
 
 @settings(max_examples=60)
-@given(case=batches(), ratio=ratios, wps=st.integers(1, 4), strength=st.sampled_from([0.0, 0.5, 1.0, 3.0]))
+@given(
+    case=batches(),
+    ratio=ratios,
+    wps=st.integers(1, 4),
+    strength=st.sampled_from([0.0, 0.5, 1.0, 3.0]),
+)
 def test_relevance_budget_is_the_best_rounding_of_its_shares(case, ratio, wps, strength):
-    stage = Stage(StageSpec(0, ratio, windows_per_side=wps), pruner=RelevanceBudget(strength=strength))
+    stage = Stage(
+        StageSpec(0, ratio, windows_per_side=wps), pruner=RelevanceBudget(strength=strength)
+    )
     result = stage(case.hidden, case.layout, case.relevance)
     windows = budget_oracle(case.layout, case.relevance, ratio, wps, strength)
     removed = []
-    for b, img, members, plain, capacity, ideal in windows:
+    for b, _img, members, _plain, capacity, _ideal in windows:
         kept = set(result.kept_index[b][result.kept_index[b] >= 0].tolist())
         removed.append(len(set(members) - kept))
         assert 0 <= removed[-1] <= capacity
@@ -239,7 +292,10 @@ def test_relevance_budget_is_the_best_rounding_of_its_shares(case, ratio, wps, s
 def test_relevance_budget_without_strength_or_relevance_is_smallest_divergence(case, ratio, wps):
     spec = StageSpec(0, ratio, windows_per_side=wps)
     plain = Stage(spec)(case.hidden, case.layout, case.relevance)
-    for pruner, xi in ((RelevanceBudget(strength=0.0), case.relevance), (RelevanceBudget(strength=2.0), None)):
+    for pruner, xi in (
+        (RelevanceBudget(strength=0.0), case.relevance),
+        (RelevanceBudget(strength=2.0), None),
+    ):
         got = Stage(spec, pruner=pruner)(case.hidden, case.layout, xi)
         ref = plain if xi is not None else Stage(spec)(case.hidden, case.layout)
         assert torch.equal(got.kept_index, ref.kept_index) and torch.equal(got.hidden, ref.hidden)
@@ -248,7 +304,9 @@ def test_relevance_budget_without_strength_or_relevance_is_smallest_divergence(c
 def test_relevant_windows_lose_fewer_tokens():
     layout = VisionLayout.from_segments(1, 68, [ImageSegment(row=0, offset=2, grid=(8, 8))])
     relevance = torch.full((1, 68), 0.1)
-    relevance[0, 2:66] = torch.where(layout.coords[0, 2:66].amax(-1) < 4, 1.0, 0.1)  # the top-left window
+    relevance[0, 2:66] = torch.where(
+        layout.coords[0, 2:66].amax(-1) < 4, 1.0, 0.1
+    )  # the top-left window
     hidden = torch.randn(1, 68, 8, generator=torch.Generator().manual_seed(0))
     spec = StageSpec(0, 0.25, windows_per_side=2)
     split = RelevanceSplit(sources=0.75)  # 12 of 16 tokens per window may leave
@@ -273,7 +331,10 @@ def test_relevance_budget_needs_the_stage_and_checks_its_parameters():
     zeros = torch.zeros(graph.src_slots.shape)
     with pytest.raises(ValueError, match="PruneInputs.stage"):
         RelevanceBudget().select(PruneInputs(graph, zeros, zeros, zeros.long()), 0.5)
-    assert RelevanceBudget().select(PruneInputs(graph, zeros, zeros, zeros.long(), inputs), 0.5).sum() == 2
+    assert (
+        RelevanceBudget().select(PruneInputs(graph, zeros, zeros, zeros.long(), inputs), 0.5).sum()
+        == 2
+    )
     for bad in ({"strength": -1.0}, {"strength": float("inf")}, {"scope": "video"}):
         with pytest.raises(ValueError):
             RelevanceBudget(**bad)

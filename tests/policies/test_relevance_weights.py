@@ -31,11 +31,14 @@ POWERS = st.sampled_from([0.0, 0.5, 1.0, 2.0])
 
 def two_stages(case, passer, ratio, wps):
     """Two stages as `Pipeline.run` chains them: survivors keep their own relevance."""
-    first = Stage(StageSpec(0, ratio, windows_per_side=wps), passer=passer)(case.hidden, case.layout, case.relevance)
+    first = Stage(StageSpec(0, ratio, windows_per_side=wps), passer=passer)(
+        case.hidden, case.layout, case.relevance
+    )
     hole = first.kept_index < 0
     xi2 = case.relevance.gather(1, first.kept_index.clamp_min(0)).masked_fill(hole, 0)
     second = Stage(StageSpec(1, ratio, windows_per_side=max(wps - 1, 1)), passer=passer)(
-        first.hidden, first.layout, xi2, first.provenance)
+        first.hidden, first.layout, xi2, first.provenance
+    )
     return first, xi2, second
 
 
@@ -46,7 +49,10 @@ def oracle_coefficients(case, first, xi2, second, a, s):
     for b in range(case.layout.batch_size):
         coeff = {i: {i: 1.0} for i in range(case.layout.seq_len)}
         size = {i: 1 for i in coeff}
-        for remap, xi, kept in ((first.remap, case.relevance, None), (second.remap, xi2, first.kept_index)):
+        for remap, xi, kept in (
+            (first.remap, case.relevance, None),
+            (second.remap, xi2, first.kept_index),
+        ):
             groups: dict[int, list[int]] = {}
             for i, target in enumerate(remap[b].tolist()):
                 if kept is None or kept[b, i] >= 0:  # holes represent nothing
@@ -67,12 +73,22 @@ def oracle_coefficients(case, first, xi2, second, a, s):
 
 
 @settings(max_examples=50)
-@given(case=batches(), ratio=st.sampled_from([0.25, 0.5, 0.7]), wps=st.integers(1, 3), a=POWERS, s=POWERS)
+@given(
+    case=batches(),
+    ratio=st.sampled_from([0.25, 0.5, 0.7]),
+    wps=st.integers(1, 3),
+    a=POWERS,
+    s=POWERS,
+)
 def test_two_stages_give_the_oracles_convex_combination_of_originals(case, ratio, wps, a, s):
-    first, xi2, second = two_stages(case, RelevanceSizeWeightedMean(relevance_power=a, size_power=s), ratio, wps)
+    first, xi2, second = two_stages(
+        case, RelevanceSizeWeightedMean(relevance_power=a, size_power=s), ratio, wps
+    )
     for b, coeff in enumerate(oracle_coefficients(case, first, xi2, second, a, s)):
         for j, mixed in coeff.items():
-            assert all(c >= 0 for c in mixed.values()) and math.isclose(sum(mixed.values()), 1.0, rel_tol=1e-12)
+            assert all(c >= 0 for c in mixed.values()) and math.isclose(
+                sum(mixed.values()), 1.0, rel_tol=1e-12
+            )
             expected = sum(c * case.hidden[b, o] for o, c in mixed.items())
             torch.testing.assert_close(second.hidden[b, j], expected, rtol=0, atol=1e-10)
 
@@ -80,8 +96,10 @@ def test_two_stages_give_the_oracles_convex_combination_of_originals(case, ratio
 @settings(max_examples=50)
 @given(case=batches(), ratio=ratios, wps=st.integers(1, 3))
 def test_the_powers_give_relevance_mean_and_size_mean(case, ratio, wps):
-    for mine, theirs in ((RelevanceSizeWeightedMean(size_power=0.0), RelevanceWeightedMean()),
-                         (RelevanceSizeWeightedMean(relevance_power=0.0), SizeWeightedMean())):
+    for mine, theirs in (
+        (RelevanceSizeWeightedMean(size_power=0.0), RelevanceWeightedMean()),
+        (RelevanceSizeWeightedMean(relevance_power=0.0), SizeWeightedMean()),
+    ):
         got = two_stages(case, mine, ratio, wps)[2]
         ref = two_stages(case, theirs, ratio, wps)[2]
         assert torch.equal(got.kept_index, ref.kept_index)
@@ -112,14 +130,19 @@ def test_relevance_size_mean_checks_its_powers():
 def _qk(case, heads=4, kv_heads=2, d=8, seed=0):
     gen = torch.Generator().manual_seed(seed)
     b, n = case.layout.batch_size, case.layout.seq_len
-    return (torch.randn(b, heads, n, d, generator=gen, dtype=torch.float64),
-            torch.randn(b, kv_heads, n, d, generator=gen, dtype=torch.float64))
+    return (
+        torch.randn(b, heads, n, d, generator=gen, dtype=torch.float64),
+        torch.randn(b, kv_heads, n, d, generator=gen, dtype=torch.float64),
+    )
 
 
 def _per_head(attn_rows_summed, heads):
     """``[B, H, N]`` -> ``[B, N]`` written out per option."""
-    return {"sum": attn_rows_summed.sum(1), "mean": attn_rows_summed.sum(1) / attn_rows_summed.shape[1],
-            "max": attn_rows_summed.max(1).values}[heads]
+    return {
+        "sum": attn_rows_summed.sum(1),
+        "mean": attn_rows_summed.sum(1) / attn_rows_summed.shape[1],
+        "max": attn_rows_summed.max(1).values,
+    }[heads]
 
 
 @pytest.mark.parametrize("heads", ["sum", "mean", "max"])
@@ -127,12 +150,16 @@ def _per_head(attn_rows_summed, heads):
 @given(case=batches())
 def test_query_softmax_heads_against_full_attention(heads, case):
     q, k = _qk(case)
-    logits = q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) / math.sqrt(q.shape[-1])  # [B,H,N,N]
+    logits = (
+        q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) / math.sqrt(q.shape[-1])
+    )  # [B,H,N,N]
     logits = logits.masked_fill(~case.layout.valid_mask[:, None, :, None], float("-inf"))
     attn = torch.softmax(logits, dim=2) * case.layout.text_mask[:, None, None, :]
     ref = _per_head(attn.nan_to_num(0.0).sum(3), heads)
     ref = torch.where(case.layout.vision_mask, ref, torch.zeros_like(ref))
-    torch.testing.assert_close(QueryAxisSoftmax(heads=heads).score(q, k, case.layout), ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(
+        QueryAxisSoftmax(heads=heads).score(q, k, case.layout), ref, rtol=1e-10, atol=1e-12
+    )
 
 
 @pytest.mark.parametrize("heads", ["sum", "mean", "max"])
@@ -141,7 +168,9 @@ def test_query_softmax_heads_against_full_attention(heads, case):
 def test_last_token_heads_against_the_last_row_of_attention(heads, case):
     q, k = _qk(case, kv_heads=4)
     valid = case.layout.valid_mask
-    logits = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~valid[:, None, None, :], float("-inf"))
+    logits = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(
+        ~valid[:, None, None, :], float("-inf")
+    )
     attn = torch.softmax(logits, dim=-1)
     xi = LastTokenAttention(heads=heads).score(q, k, case.layout)
     for b in range(case.layout.batch_size):
@@ -152,19 +181,29 @@ def test_last_token_heads_against_the_last_row_of_attention(heads, case):
 
 
 def test_the_default_heads_are_the_old_formulas():
-    lay = VisionLayout.from_segments(2, 12, [ImageSegment(0, 2, (2, 3)), ImageSegment(1, 1, (3, 2))])
+    lay = VisionLayout.from_segments(
+        2, 12, [ImageSegment(0, 2, (2, 3)), ImageSegment(1, 1, (3, 2))]
+    )
     gen = torch.Generator().manual_seed(3)
     q, k = torch.randn(2, 4, 12, 8, generator=gen), torch.randn(2, 2, 12, 8, generator=gen)
     assert QueryAxisSoftmax().heads == "sum" and LastTokenAttention().heads == "mean"
-    assert torch.equal(QueryAxisSoftmax().score(q, k, lay), QueryAxisSoftmax(heads="sum").score(q, k, lay))
-    torch.testing.assert_close(QueryAxisSoftmax(heads="mean").score(q, k, lay), QueryAxisSoftmax().score(q, k, lay) / 4)
+    assert torch.equal(
+        QueryAxisSoftmax().score(q, k, lay), QueryAxisSoftmax(heads="sum").score(q, k, lay)
+    )
+    torch.testing.assert_close(
+        QueryAxisSoftmax(heads="mean").score(q, k, lay), QueryAxisSoftmax().score(q, k, lay) / 4
+    )
     # last_token: bit for bit the formula before `heads` existed
     last = (lay.valid_mask.long() * torch.arange(1, 13)).argmax(dim=1)
     q_last = q.gather(2, last[:, None, None, None].expand(-1, 4, 1, 8))
     logits = (q_last @ k.repeat_interleave(2, dim=1).transpose(-1, -2) / math.sqrt(8)).masked_fill(
-        ~lay.valid_mask[:, None, None, :], float("-inf"))
+        ~lay.valid_mask[:, None, None, :], float("-inf")
+    )
     old = torch.softmax(logits, dim=-1).mean(dim=1)[:, 0]
-    assert torch.equal(LastTokenAttention().score(q, k, lay), torch.where(lay.vision_mask, old, torch.zeros_like(old)))
+    assert torch.equal(
+        LastTokenAttention().score(q, k, lay),
+        torch.where(lay.vision_mask, old, torch.zeros_like(old)),
+    )
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -174,12 +213,18 @@ def test_the_default_heads_are_the_old_formulas():
 def test_text_attention_against_full_attention_rows(causal, heads, case):
     q, k = _qk(case)
     lay = case.layout
-    logits = q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) / math.sqrt(q.shape[-1])  # [B,H,N,N]
+    logits = (
+        q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) / math.sqrt(q.shape[-1])
+    )  # [B,H,N,N]
     xi = TextQueryAttention(heads=heads, causal=causal).score(q, k, lay)
     for b in range(lay.batch_size):
         total = torch.zeros(q.shape[1], lay.seq_len, dtype=torch.float64)
         for i in lay.text_mask[b].nonzero().flatten().tolist():
-            seen = [j for j in range(lay.seq_len) if lay.valid_mask[b, j] and (not causal or lay.origin[b, j] <= lay.origin[b, i])]
+            seen = [
+                j
+                for j in range(lay.seq_len)
+                if lay.valid_mask[b, j] and (not causal or lay.origin[b, j] <= lay.origin[b, i])
+            ]
             total[:, seen] += torch.softmax(logits[b, :, i, seen], dim=-1)
         ref = _per_head(total.unsqueeze(0), heads)[0]
         ref = torch.where(lay.vision_mask[b], ref, torch.zeros_like(ref))
@@ -187,14 +232,20 @@ def test_text_attention_against_full_attention_rows(causal, heads, case):
 
 
 def test_causal_text_attention_ignores_text_before_the_image():
-    lay = VisionLayout.from_segments(1, 9, [ImageSegment(0, 3, (2, 2))])  # text 0-2, image 3-6, text 7-8
+    lay = VisionLayout.from_segments(
+        1, 9, [ImageSegment(0, 3, (2, 2))]
+    )  # text 0-2, image 3-6, text 7-8
     gen = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 2, 9, 4, generator=gen), torch.randn(1, 2, 9, 4, generator=gen)
     before = q.clone()
     before[:, :, :3] = torch.randn(1, 2, 3, 4, generator=gen)  # other queries before the image
-    assert torch.equal(TextQueryAttention().score(q, k, lay), TextQueryAttention().score(before, k, lay))
-    assert not torch.equal(TextQueryAttention(causal=False).score(q, k, lay),
-                           TextQueryAttention(causal=False).score(before, k, lay))
+    assert torch.equal(
+        TextQueryAttention().score(q, k, lay), TextQueryAttention().score(before, k, lay)
+    )
+    assert not torch.equal(
+        TextQueryAttention(causal=False).score(q, k, lay),
+        TextQueryAttention(causal=False).score(before, k, lay),
+    )
 
 
 def test_heads_must_be_known():
@@ -221,7 +272,13 @@ relevance: {name: text_attention, params: {heads: max, causal: false}}
     assert pipe.passer.relevance_power == 0.5 and pipe.relevance.heads == "max"
     again = PipelineConfig.from_yaml_text(lightkv.to_yaml(pipe)).build()
     assert (again.partitioner, again.pruner, again.passer, again.relevance) == (
-        pipe.partitioner, pipe.pruner, pipe.passer, pipe.relevance)
-    pipe = PipelineConfig.from_yaml_text("partitioner: {name: relevance_split, params: {sources: ratio}}\n"
-                                         "relevance: {name: last_token, params: {heads: sum}}").build()
+        pipe.partitioner,
+        pipe.pruner,
+        pipe.passer,
+        pipe.relevance,
+    )
+    pipe = PipelineConfig.from_yaml_text(
+        "partitioner: {name: relevance_split, params: {sources: ratio}}\n"
+        "relevance: {name: last_token, params: {heads: sum}}"
+    ).build()
     assert pipe.partitioner.sources == "ratio" and pipe.relevance == LastTokenAttention(heads="sum")

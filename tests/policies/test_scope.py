@@ -22,7 +22,9 @@ from tests.policies.keep_set_cases import (
 from tests.strategies import batches
 
 
-def slow_scope(tokens: list[list[float]], saliency: list[float], keep: int, alpha: float = 1.0) -> list[int]:
+def slow_scope(
+    tokens: list[list[float]], saliency: list[float], keep: int, alpha: float = 1.0
+) -> list[int]:
     """Each step adds the token of largest ``(C(S + j) - C(S)) * a_j^alpha`` with
     ``C(S) = sum_i max(0, max_{s in S} cos(i, s))``; ties: the earliest."""
     n = len(tokens)
@@ -52,8 +54,13 @@ def _with_relevance(stage: StageInputs, relevance: torch.Tensor):
 
 
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(1, 14), dim=st.integers(2, 6), seed=st.integers(0, 2**31 - 1),
-       alpha=st.sampled_from([0.0, 0.5, 1.0, 2.0]), data=st.data())
+@given(
+    n=st.integers(1, 14),
+    dim=st.integers(2, 6),
+    seed=st.integers(0, 2**31 - 1),
+    alpha=st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+    data=st.data(),
+)
 def test_equals_the_slow_greedy(n, dim, seed, alpha, data):
     keep = data.draw(st.integers(0, n))
     gen = torch.Generator().manual_seed(seed)
@@ -71,19 +78,24 @@ def test_saliency_decides_between_equal_coverage_and_coverage_between_equal_sali
     hidden = torch.cat([torch.ones(1, 2), x, torch.ones(2, 2)]).double()
     flat = torch.ones(1, 6, dtype=torch.float64)
     prune = _with_relevance(one_image(hidden), flat)
-    assert kept_positions(prune, SCOPE().select(prune, 1 - 2 / 3)) == [[1, 3]]  # tie 0/1: the earliest
+    assert kept_positions(prune, SCOPE().select(prune, 1 - 2 / 3)) == [
+        [1, 3]
+    ]  # tie 0/1: the earliest
     salient = flat.clone()
     salient[0, 2] = 3.0  # token 1 more salient than its duplicate 0
     prune = _with_relevance(one_image(hidden), salient)
     assert kept_positions(prune, SCOPE().select(prune, 1 - 2 / 3)) == [[2, 3]]
-    assert kept_positions(prune, SCOPE().select(prune, 1 - 1 / 3)) == [[2]]  # gain 2 x 3 beats 2 x 1 and 1 x 1
+    assert kept_positions(prune, SCOPE().select(prune, 1 - 1 / 3)) == [
+        [2]
+    ]  # gain 2 x 3 beats 2 x 1 and 1 x 1
 
 
 @settings(max_examples=25, deadline=None)
 @given(case=batches(max_side=6), ratio=st.sampled_from([0.0, 0.3, 0.7777777777777778]))
 def test_rows_are_independent_with_relevance(case, ratio):
-    inputs = StageInputs.of(case.layout, case.hidden, windows_per_side=1, removal_ratio=ratio,
-                            relevance=case.relevance)
+    inputs = StageInputs.of(
+        case.layout, case.hidden, windows_per_side=1, removal_ratio=ratio, relevance=case.relevance
+    )
     assert_rows_independent(SCOPE(), inputs, ratio)
 
 

@@ -32,7 +32,9 @@ def video_batches(draw):
             frames = draw(st.integers(1, 6)) if draw(st.booleans()) else 0
             if frames:
                 for t in range(frames):
-                    segments.append(ImageSegment(row=r, offset=pos, grid=(h, w), video=item, frame=t))
+                    segments.append(
+                        ImageSegment(row=r, offset=pos, grid=(h, w), video=item, frame=t)
+                    )
                     pos += h * w
             else:
                 segments.append(ImageSegment(row=r, offset=pos, grid=(h, w)))
@@ -52,7 +54,14 @@ def oracle_key(lay: VisionLayout, b: int, j: int, w: int):
     if video < 0:
         return (b, "image", img, 0, band(r, h, w), band(c, wd, w))
     frames = int(lay.image_frame[lay.image_video == video].max()) + 1
-    return (b, "video", video, band(int(lay.image_frame[img]), frames, w), band(r, h, w), band(c, wd, w))
+    return (
+        b,
+        "video",
+        video,
+        band(int(lay.image_frame[img]), frames, w),
+        band(r, h, w),
+        band(c, wd, w),
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -63,8 +72,8 @@ def test_windows_are_the_written_spatio_temporal_cells(lay, w):
     assert torch.equal(part.window >= 0, vision)
     tokens = vision.nonzero().tolist()
     keys = {(b, j): oracle_key(lay, b, j, w) for b, j in tokens}
-    for (b1, j1) in tokens:
-        for (b2, j2) in tokens:
+    for b1, j1 in tokens:
+        for b2, j2 in tokens:
             same_window = int(part.window[b1, j1]) == int(part.window[b2, j2])
             assert same_window == (keys[b1, j1] == keys[b2, j2])
 
@@ -117,22 +126,31 @@ def test_a_stage_merges_only_inside_windows_and_keeps_a_partition(lay, w, ratio)
 def test_stage_after_stage_keeps_pairing_the_surviving_frames():
     """4/2/1 windows on a 16-frame video: every stage finds sources (frames 1, 3, ... then
     the 2nd, 4th ... surviving frame), as the schedule promises."""
-    segments = [ImageSegment(row=0, offset=1 + 16 * t, grid=(4, 4), video="clip", frame=t) for t in range(16)]
+    segments = [
+        ImageSegment(row=0, offset=1 + 16 * t, grid=(4, 4), video="clip", frame=t)
+        for t in range(16)
+    ]
     lay = VisionLayout.from_segments(1, 258, segments)
     pipe = lightkv.load("lightkv-video")
-    res = pipe.run(torch.randn(1, 258, 8, generator=torch.Generator().manual_seed(0)), lay, num_layers=32)
+    res = pipe.run(
+        torch.randn(1, 258, 8, generator=torch.Generator().manual_seed(0)), lay, num_layers=32
+    )
     assert [int(r.layout.vision_counts()[0]) for r in res] == [128, 64, 32]
 
 
 def test_a_static_video_collapses_onto_its_even_frames():
     """Identical frames: each odd frame merges exactly into the frame before it."""
     frame = torch.randn(16, 8, dtype=torch.float64)
-    segments = [ImageSegment(row=0, offset=1 + 16 * t, grid=(4, 4), video="clip", frame=t) for t in range(4)]
+    segments = [
+        ImageSegment(row=0, offset=1 + 16 * t, grid=(4, 4), video="clip", frame=t) for t in range(4)
+    ]
     lay = VisionLayout.from_segments(1, 66, segments)
     hidden = torch.randn(1, 66, 8, dtype=torch.float64)
     for t in range(4):
         hidden[0, 1 + 16 * t : 17 + 16 * t] = frame
-    out = Stage(StageSpec(0, 0.5, windows_per_side=2), partitioner=SpatioTemporalPartitioner())(hidden, lay)
+    out = Stage(StageSpec(0, 0.5, windows_per_side=2), partitioner=SpatioTemporalPartitioner())(
+        hidden, lay
+    )
     assert out.layout.vision_counts().tolist() == [32]
     assert sorted(set(out.layout.frame[0][out.layout.vision_mask[0]].tolist())) == [0, 2]
     for j in range(out.kept_index.shape[1]):
@@ -146,7 +164,13 @@ def test_presets_for_video():
     assert isinstance(pipe.partitioner, SpatioTemporalPartitioner)
     paper = lightkv.load("lightkv-video-paper")
     assert paper.partitioner.scope == "video"
-    segments = [ImageSegment(row=0, offset=1 + 64 * t, grid=(8, 8), video=0, frame=t) for t in range(4)]
+    segments = [
+        ImageSegment(row=0, offset=1 + 64 * t, grid=(8, 8), video=0, frame=t) for t in range(4)
+    ]
     lay = VisionLayout.from_segments(1, 260, segments)
     res = paper.run(torch.randn(1, 260, 8), lay, num_layers=32)
-    assert [int(r.layout.vision_counts()[0]) for r in res] == [128, 64, 32]  # one 16x16 pseudo-square
+    assert [int(r.layout.vision_counts()[0]) for r in res] == [
+        128,
+        64,
+        32,
+    ]  # one 16x16 pseudo-square

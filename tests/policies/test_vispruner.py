@@ -13,15 +13,24 @@ from hypothesis import strategies as st
 from lightkv import ImageSegment, VisionLayout
 from lightkv.policies import StageInputs, VisPruner
 from lightkv.testing import check_policy
-from tests.policies.keep_set_cases import assert_rows_independent, kept_positions, one_image, prune_inputs
+from tests.policies.keep_set_cases import (
+    assert_rows_independent,
+    kept_positions,
+    one_image,
+    prune_inputs,
+)
 
 
 def _cos(x: torch.Tensor, i: int, j: int) -> float:
     a, b = x[i].tolist(), x[j].tolist()
-    return sum(p * q for p, q in zip(a, b)) / (math.sqrt(sum(p * p for p in a)) * math.sqrt(sum(q * q for q in b)))
+    return sum(p * q for p, q in zip(a, b)) / (
+        math.sqrt(sum(p * p for p in a)) * math.sqrt(sum(q * q for q in b))
+    )
 
 
-def slow_vispruner(x: torch.Tensor, xi: list[float], keep: int, important: float = 0.5, step: int = 8) -> list[int]:
+def slow_vispruner(
+    x: torch.Tensor, xi: list[float], keep: int, important: float = 0.5, step: int = 8
+) -> list[int]:
     """Python lists, one step at a time: the important tokens by relevance (descending,
     earlier first on ties), then rounds that drop the ``r`` even-position tokens of the
     residual list most similar to an odd-position token."""
@@ -51,7 +60,9 @@ def test_equals_the_slow_reference(n, dim, seed, data):
     hidden = torch.randn(n + 3, dim, generator=g, dtype=torch.float64)
     xi = torch.rand(n, generator=g, dtype=torch.float64)
     prune = prune_inputs(one_image(hidden))
-    seq_xi = torch.cat([torch.zeros(1), xi.float(), torch.zeros(2)]).unsqueeze(0)  # [1, N]: the image's xi
+    seq_xi = torch.cat([torch.zeros(1), xi.float(), torch.zeros(2)]).unsqueeze(
+        0
+    )  # [1, N]: the image's xi
     prune = replace(prune, relevance=prune.graph.blocks(prune.graph.gather(seq_xi), "src"))
     removed = VisPruner(important=important, step=step).select(prune, 1 - keep / n)
     want = slow_vispruner(hidden[1 : 1 + n], xi.float().tolist(), keep, important, step)
@@ -72,11 +83,19 @@ def test_keeps_the_most_relevant_half_whole():
 
 def test_rows_are_independent_and_the_contract_holds():
     hidden = torch.randn(2, 44, 6, generator=torch.Generator().manual_seed(3))
-    layout = VisionLayout.from_segments(2, 44, [ImageSegment(row=0, offset=2, grid=(6, 6)),
-                                                ImageSegment(row=1, offset=1, grid=(4, 8)),
-                                                ImageSegment(row=1, offset=34, grid=(2, 4))])
+    layout = VisionLayout.from_segments(
+        2,
+        44,
+        [
+            ImageSegment(row=0, offset=2, grid=(6, 6)),
+            ImageSegment(row=1, offset=1, grid=(4, 8)),
+            ImageSegment(row=1, offset=34, grid=(2, 4)),
+        ],
+    )
     xi = torch.rand(2, 44, generator=torch.Generator().manual_seed(4))
-    assert_rows_independent(VisPruner(), StageInputs.of(layout, hidden, windows_per_side=1, relevance=xi), 0.8)
+    assert_rows_independent(
+        VisPruner(), StageInputs.of(layout, hidden, windows_per_side=1, relevance=xi), 0.8
+    )
     check_policy(VisPruner)
     check_policy(VisPruner, important=0.0, step=1)
     with pytest.raises(ValueError, match="important"):

@@ -26,7 +26,14 @@ from lightkv.testing import check_policy
 from tests.strategies import batches
 
 
-def slow_scan(coords: list[tuple[int, int]], grid: tuple[int, int], xi: list[float], keep: int, local=0.5, tiles=4):
+def slow_scan(
+    coords: list[tuple[int, int]],
+    grid: tuple[int, int],
+    xi: list[float],
+    keep: int,
+    local=0.5,
+    tiles=4,
+):
     """Indices (into the image's tokens, sequence order) of the kept tokens: per tile (token
     row ``r`` in band ``floor(r * min(tiles, h) / h)``, the same for columns) the
     ``floor(floor(local * keep) / #tiles)`` most attended, then the most attended of the rest
@@ -45,8 +52,13 @@ def slow_scan(coords: list[tuple[int, int]], grid: tuple[int, int], xi: list[flo
 
 
 def _stage(ratio: float) -> Stage:
-    return Stage(spec=StageSpec(0, ratio, windows_per_side=1, mode="pre_llm"), partitioner=VScanScan(),
-                 scorer=CosineDivergence(), pruner=AllSources(), passer=SizeWeightedMean())
+    return Stage(
+        spec=StageSpec(0, ratio, windows_per_side=1, mode="pre_llm"),
+        partitioner=VScanScan(),
+        scorer=CosineDivergence(),
+        pruner=AllSources(),
+        passer=SizeWeightedMean(),
+    )
 
 
 def _images(case):
@@ -61,10 +73,16 @@ def _images(case):
 
 
 @settings(max_examples=60, deadline=None)
-@given(case=batches(max_side=9), ratio=st.sampled_from([0.0, 0.3, 0.7, 5 / 6, 0.95]),
-       tiles=st.sampled_from([1, 2, 4]), local=st.sampled_from([0.5, 1.0]))
+@given(
+    case=batches(max_side=9),
+    ratio=st.sampled_from([0.0, 0.3, 0.7, 5 / 6, 0.95]),
+    tiles=st.sampled_from([1, 2, 4]),
+    local=st.sampled_from([0.5, 1.0]),
+)
 def test_the_kept_tokens_are_the_slow_scans(case, ratio, tiles, local):
-    inputs = StageInputs.of(case.layout, case.hidden, windows_per_side=1, removal_ratio=ratio, relevance=case.relevance)
+    inputs = StageInputs.of(
+        case.layout, case.hidden, windows_per_side=1, removal_ratio=ratio, relevance=case.relevance
+    )
     part = VScanScan(local=local, tiles=tiles).partition(inputs)
     layout = case.layout
     for img, (row, pos) in enumerate(_images(case)):
@@ -72,10 +90,14 @@ def test_the_kept_tokens_are_the_slow_scans(case, ratio, tiles, local):
         keep = int(kept_count(torch.tensor([n]), ratio)[0])
         grid = tuple(layout.image_grid[img].tolist())
         coords = [tuple(layout.coords[row, p].tolist()) for p in pos]
-        want = slow_scan(coords, grid, [float(case.relevance[row, p]) for p in pos], keep, local, tiles)
+        want = slow_scan(
+            coords, grid, [float(case.relevance[row, p]) for p in pos], keep, local, tiles
+        )
         got = {i for i, p in enumerate(pos) if part.window[row, p] >= 0 and not part.is_src[row, p]}
         if keep == n:
-            assert all(part.window[row, p] < 0 for p in pos)  # an image that loses nothing stays out
+            assert all(
+                part.window[row, p] < 0 for p in pos
+            )  # an image that loses nothing stays out
         else:
             assert got == want
 
@@ -89,7 +111,9 @@ def test_the_local_scan_keeps_every_tile_however_the_attention_is_spread():
     xi = torch.zeros(1, 578, dtype=torch.float64)
     r, c = torch.meshgrid(torch.arange(24), torch.arange(24), indexing="ij")
     xi[0, 1:577] = torch.exp(-(r + c).double().flatten())
-    inputs = StageInputs.of(layout, torch.randn(1, 578, 4), windows_per_side=1, removal_ratio=5 / 6, relevance=xi)
+    inputs = StageInputs.of(
+        layout, torch.randn(1, 578, 4), windows_per_side=1, removal_ratio=5 / 6, relevance=xi
+    )
     part = VScanScan().partition(inputs)
     kept = (part.window[0, 1:577] >= 0) & ~part.is_src[0, 1:577]
     assert int(kept.sum()) == 96
@@ -100,7 +124,9 @@ def test_the_local_scan_keeps_every_tile_however_the_attention_is_spread():
 @settings(max_examples=30, deadline=None)
 @given(case=batches(max_side=8), ratio=st.sampled_from([0.3, 5 / 6]))
 def test_every_dropped_token_is_averaged_into_its_most_similar_kept_token(case, ratio):
-    inputs = StageInputs.of(case.layout, case.hidden, windows_per_side=1, removal_ratio=ratio, relevance=case.relevance)
+    inputs = StageInputs.of(
+        case.layout, case.hidden, windows_per_side=1, removal_ratio=ratio, relevance=case.relevance
+    )
     part = VScanScan().partition(inputs)
     res = _stage(ratio).run(inputs)
     for row, pos in _images(case):
@@ -109,7 +135,10 @@ def test_every_dropped_token_is_averaged_into_its_most_similar_kept_token(case, 
         groups = {p: [p] for p in kept}
         for d in dropped:
             x = case.hidden[row, d]
-            cos = [float(torch.dot(x, case.hidden[row, p]) / (x.norm() * case.hidden[row, p].norm())) for p in kept]
+            cos = [
+                float(torch.dot(x, case.hidden[row, p]) / (x.norm() * case.hidden[row, p].norm()))
+                for p in kept
+            ]
             groups[kept[max(range(len(kept)), key=lambda i: (cos[i], -i))]].append(d)
         origin = res.layout.origin[row].tolist()
         for p, members in groups.items():

@@ -23,7 +23,11 @@ sys.path.insert(0, str(HERE))
 import tiny
 
 QWEN = "LightKVQwen2_5_VLForConditionalGeneration"
-ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
 
 
 @pytest.fixture(scope="session")
@@ -45,10 +49,17 @@ def engine(model_dir, tmp_path_factory):
             n = len(cache)
             src, dst = work / f"req{n}.json", work / f"res{n}.json"
             src.write_text(key)
-            proc = subprocess.run([sys.executable, str(HERE / "engine.py"), str(src), str(dst)],
-                                  env={**os.environ, **ENV}, capture_output=True, text=True, timeout=900)
+            proc = subprocess.run(
+                [sys.executable, str(HERE / "engine.py"), str(src), str(dst)],
+                env={**os.environ, **ENV},
+                capture_output=True,
+                text=True,
+                timeout=900,
+            )
             if not dst.exists():
-                raise AssertionError(f"engine.py died (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+                raise AssertionError(
+                    f"engine.py died (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
+                )
             cache[key] = json.loads(dst.read_text())
         return cache[key]
 

@@ -47,7 +47,7 @@ def _record(model) -> None:
 
     def embed_multimodal(**kwargs):
         out = embed(**kwargs)
-        for rec, e in zip(RECORDS[-len(out):], out):
+        for rec, e in zip(RECORDS[-len(out) :], out):
             rec["embeds"] = e.float().tolist()
         return out
 
@@ -60,7 +60,9 @@ def _record(model) -> None:
         POSITIONS[json.dumps(list(input_tokens))] = positions.tolist()
         return positions, delta
 
-    def recompute_mrope_positions(input_ids, multimodal_embeddings, mrope_positions, num_computed_tokens):
+    def recompute_mrope_positions(
+        input_ids, multimodal_embeddings, mrope_positions, num_computed_tokens
+    ):
         out = recompute(input_ids, multimodal_embeddings, mrope_positions, num_computed_tokens)
         ids = input_ids.tolist() if hasattr(input_ids, "tolist") else list(input_ids)
         POSITIONS[json.dumps(ids)] = out[1][:, : len(ids)].tolist()
@@ -72,7 +74,9 @@ def _record(model) -> None:
 
 def _blocks_of(blocks: dict[str, int], request_id: str) -> int | None:
     """vLLM's engine core names a request ``<id>-<8 random hex>``."""
-    found = [n for rid, n in blocks.items() if rid == request_id or rid.startswith(request_id + "-")]
+    found = [
+        n for rid, n in blocks.items() if rid == request_id or rid.startswith(request_id + "-")
+    ]
     return found[0] if len(found) == 1 else None
 
 
@@ -85,9 +89,18 @@ def run(req: dict) -> dict:
     if req.get("pipeline") is not None:
         overrides["lightkv"] = req["pipeline"]
     llm = LLM(
-        model=req["model"], tokenizer=req["model"], hf_overrides=overrides or None, dtype="float32",
-        distributed_executor_backend="uni", enforce_eager=True, max_model_len=1024, max_num_seqs=8,
-        block_size=BLOCK, seed=0, enable_prefix_caching=False, limit_mm_per_prompt=req.get("limits", {"image": 2}),
+        model=req["model"],
+        tokenizer=req["model"],
+        hf_overrides=overrides or None,
+        dtype="float32",
+        distributed_executor_backend="uni",
+        enforce_eager=True,
+        max_model_len=1024,
+        max_num_seqs=8,
+        block_size=BLOCK,
+        seed=0,
+        enable_prefix_caching=False,
+        limit_mm_per_prompt=req.get("limits", {"image": 2}),
         **({"max_num_batched_tokens": req["chunk"]} if req.get("chunk") else {}),
     )
     core = llm.llm_engine.engine_core.engine_core
@@ -96,20 +109,30 @@ def run(req: dict) -> dict:
     free = manager.free
 
     def free_and_count(request):
-        blocks[request.request_id] = sum(len(ids) for ids in manager.get_block_ids(request.request_id))
+        blocks[request.request_id] = sum(
+            len(ids) for ids in manager.get_block_ids(request.request_id)
+        )
         return free(request)
 
     manager.free = free_and_count
     llm.apply_model(_record)
     prompts = []
     for p in req["prompts"]:
-        images = [tiny.image(r, c, seed=p.get("seed", 0) + i) for i, (r, c) in enumerate(p["images"])]
+        images = [
+            tiny.image(r, c, seed=p.get("seed", 0) + i) for i, (r, c) in enumerate(p["images"])
+        ]
         text = tiny.prompt(seed=p.get("seed", 0), images=len(images))
-        prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else {"prompt": text})
+        prompts.append(
+            {"prompt": text, "multi_modal_data": {"image": images}} if images else {"prompt": text}
+        )
     params = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 6), ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     records = list(RECORDS)  # the batch's images; the runs alone below add theirs
-    alone = [list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts] if req.get("alone") else None
+    alone = (
+        [list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
+        if req.get("alone")
+        else None
+    )
     video_error = None
     if req.get("video"):
         import numpy as np
@@ -117,16 +140,22 @@ def run(req: dict) -> dict:
         frames = np.zeros((4, 32, 32, 3), dtype=np.uint8)
         text = "w1 <|vision_start|> <|video_pad|> <|vision_end|> w2"
         try:
-            llm.generate([{"prompt": text, "multi_modal_data": {"video": frames}}], params, use_tqdm=False)
+            llm.generate(
+                [{"prompt": text, "multi_modal_data": {"video": frames}}], params, use_tqdm=False
+            )
         except Exception as e:
             video_error = {"type": type(e).__name__, "message": str(e)}
     return {
         "alone": alone,
         "video_error": video_error,
         "outputs": [
-            {"prompt_len": len(o.prompt_token_ids), "tokens": list(o.outputs[0].token_ids),
-             "blocks": _blocks_of(blocks, o.request_id), "prompt": list(o.prompt_token_ids),
-             "positions": POSITIONS.get(json.dumps(list(o.prompt_token_ids)))}
+            {
+                "prompt_len": len(o.prompt_token_ids),
+                "tokens": list(o.outputs[0].token_ids),
+                "blocks": _blocks_of(blocks, o.request_id),
+                "prompt": list(o.prompt_token_ids),
+                "positions": POSITIONS.get(json.dumps(list(o.prompt_token_ids))),
+            }
             for o in outs
         ],
         "block_size": BLOCK,
@@ -139,7 +168,9 @@ def main() -> None:
     try:
         result = run(req)
     except Exception as e:  # the tests read the refusal's type and message
-        result = {"error": {"type": type(e).__name__, "message": str(e), "trace": traceback.format_exc()}}
+        result = {
+            "error": {"type": type(e).__name__, "message": str(e), "trace": traceback.format_exc()}
+        }
     Path(sys.argv[2]).write_text(json.dumps(result))
     sys.stdout.flush()
     os._exit(0)  # skip vLLM's teardown (seconds, and noisy in one-process mode)

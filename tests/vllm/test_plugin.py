@@ -34,11 +34,18 @@ PROMPTS = [
     {"images": [[12, 7]], "seed": 4},
 ]
 MAX_TOKENS = 6
-RATIO0 = {"name": "ratio-0", "schedule": {"name": "pre_llm", "params": {"removal_ratio": 0.0}}, "relevance": "uniform"}
+RATIO0 = {
+    "name": "ratio-0",
+    "schedule": {"name": "pre_llm", "params": {"removal_ratio": 0.0}},
+    "relevance": "uniform",
+}
 MERGE = {  # LightKV's windowed merging before the LLM, prompt-agnostic
     "name": "windowed-merge",
     "schedule": {"name": "pre_llm", "params": {"removal_ratio": 0.5, "windows_per_side": 2}},
-    "partitioner": "grid", "scorer": "cosine", "pruner": "divergence", "passer": "relevance_mean",
+    "partitioner": "grid",
+    "scorer": "cosine",
+    "pruner": "divergence",
+    "passer": "relevance_mean",
     "relevance": "uniform",
 }
 DIVPRUNE_RATIO = 1 - 128 / 576
@@ -46,7 +53,9 @@ DIVPRUNE_RATIO = 1 - 128 / 576
 
 def run(engine, arch=QWEN, pipeline=None):
     """One engine per (arch, pipeline): the batch, then each prompt alone, then a video."""
-    return engine(arch=arch, pipeline=pipeline, prompts=PROMPTS, max_tokens=MAX_TOKENS, alone=True, video=True)
+    return engine(
+        arch=arch, pipeline=pipeline, prompts=PROMPTS, max_tokens=MAX_TOKENS, alone=True, video=True
+    )
 
 
 def stock(engine):
@@ -81,7 +90,10 @@ def test_prompt_and_kv_blocks_shrink_as_promised(engine, pipeline):
     base = stock(engine)
     pruned = ok(run(engine, pipeline=pipeline))
     for prompt, s, p in zip(PROMPTS, base["outputs"], pruned["outputs"]):
-        removed = sum(r * c - int(kept_count(torch.tensor(r * c), DIVPRUNE_RATIO)) for r, c in prompt["images"])
+        removed = sum(
+            r * c - int(kept_count(torch.tensor(r * c), DIVPRUNE_RATIO))
+            for r, c in prompt["images"]
+        )
         assert p["prompt_len"] == s["prompt_len"] - removed
         assert p["blocks"] == blocks(p["prompt_len"], pruned["block_size"])
     assert pruned["outputs"][0]["prompt_len"] == base["outputs"][0]["prompt_len"] - (256 - 57)
@@ -98,7 +110,10 @@ def test_survivors_and_text_keep_their_stock_positions(engine, pipeline):
     image_pad = tiny.vocab()["<|image_pad|>"]
     for s, p in zip(base["outputs"], pruned["outputs"]):
         s_pos, p_pos = torch.tensor(s["positions"]).T, torch.tensor(p["positions"]).T  # [N, 3]
-        s_img, p_img = torch.tensor(s["prompt"]) == image_pad, torch.tensor(p["prompt"]) == image_pad
+        s_img, p_img = (
+            torch.tensor(s["prompt"]) == image_pad,
+            torch.tensor(p["prompt"]) == image_pad,
+        )
         assert torch.equal(s_pos[~s_img], p_pos[~p_img])  # text: the same positions
         stock_rows = {tuple(x) for x in s_pos[s_img].tolist()}
         kept = [tuple(x) for x in p_pos[p_img].tolist()]
@@ -111,7 +126,9 @@ def _stage_outside_vllm(spec):
     return pipe.stages(2)[0]
 
 
-@pytest.mark.parametrize("pipeline", ["divprune", "downsample", MERGE], ids=["divprune", "downsample", "merge"])
+@pytest.mark.parametrize(
+    "pipeline", ["divprune", "downsample", MERGE], ids=["divprune", "downsample", "merge"]
+)
 def test_kept_set_is_lightkv_stage_on_the_same_embeddings(engine, pipeline):
     result = ok(run(engine, pipeline=pipeline))
     stage = _stage_outside_vllm(pipeline)
@@ -121,7 +138,9 @@ def test_kept_set_is_lightkv_stage_on_the_same_embeddings(engine, pipeline):
         _, h, w = rec["grid"]
         rows, cols = h // 2, w // 2
         encoder = torch.tensor(rec["encoder"])
-        layout = VisionLayout.from_segments(1, rows * cols, [ImageSegment(row=0, offset=0, grid=(rows, cols))])
+        layout = VisionLayout.from_segments(
+            1, rows * cols, [ImageSegment(row=0, offset=0, grid=(rows, cols))]
+        )
         out = stage(encoder[None], layout)
         served = torch.tensor(rec["embeds"])
         t, r, c = served[:, -4].long(), served[:, -3].long(), served[:, -2].long()
@@ -142,9 +161,15 @@ def test_chunked_prefill_gives_the_same_tokens_and_positions(engine):
     """Prompts prefilled in chunks of 32 tokens (an image split across chunks: vLLM rewrites
     the positions chunk by chunk) run exactly as in one piece."""
     whole = ok(run(engine, pipeline="divprune"))
-    chunked = ok(engine(arch=QWEN, pipeline="divprune", prompts=PROMPTS, max_tokens=MAX_TOKENS, chunk=32))
+    chunked = ok(
+        engine(arch=QWEN, pipeline="divprune", prompts=PROMPTS, max_tokens=MAX_TOKENS, chunk=32)
+    )
     for a, b in zip(whole["outputs"], chunked["outputs"]):
-        assert (a["tokens"], a["positions"], a["prompt_len"]) == (b["tokens"], b["positions"], b["prompt_len"])
+        assert (a["tokens"], a["positions"], a["prompt_len"]) == (
+            b["tokens"],
+            b["positions"],
+            b["prompt_len"],
+        )
 
 
 def test_a_video_is_refused(engine):
@@ -158,7 +183,11 @@ def test_a_video_is_refused(engine):
     [
         (QWEN, "lightkv", ["cannot run inside vLLM", "one KV length for all layers"]),
         (QWEN, "lightkv-pre-llm", ["prompt-aware", "relevance: uniform"]),
-        ("LightKVLlavaForConditionalGeneration", "divprune", ["does not compress LLaVA-1.5", "Qwen2.5-VL"]),
+        (
+            "LightKVLlavaForConditionalGeneration",
+            "divprune",
+            ["does not compress LLaVA-1.5", "Qwen2.5-VL"],
+        ),
         (None, "divprune", ["stock model", "uncompressed", QWEN]),
         (QWEN, None, ["names no lightkv pipeline"]),
     ],

@@ -12,8 +12,15 @@ import json
 from pathlib import Path
 
 WORDS = 100
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-           "<|image_pad|>", "<|video_pad|>"]
+SPECIAL = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
 PATCH = 4
 MERGE = 2
 
@@ -40,34 +47,69 @@ def build(out: Path, seed: int = 0) -> Path:
     ids = vocab()
     tok = Tokenizer(models.WordLevel(vocab=ids, unk_token="<|endoftext|>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   unk_token="<|endoftext|>", additional_special_tokens=SPECIAL[1:])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL[1:],
+    )
     fast.save_pretrained(out)
 
     torch.manual_seed(seed)
-    text = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
-                tie_word_embeddings=False)
-    vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=PATCH,
-                  spatial_merge_size=MERGE, temporal_patch_size=2, window_size=4 * PATCH,
-                  out_hidden_size=64, fullatt_block_indexes=[0])
-    cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-                           video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                           vision_end_token_id=ids["<|vision_end|>"], eos_token_id=ids["<|im_end|>"],
-                           pad_token_id=ids["<|endoftext|>"], bos_token_id=ids["<|endoftext|>"])
+    text = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+        tie_word_embeddings=False,
+    )
+    vision = dict(
+        depth=1,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=2,
+        patch_size=PATCH,
+        spatial_merge_size=MERGE,
+        temporal_patch_size=2,
+        window_size=4 * PATCH,
+        out_hidden_size=64,
+        fullatt_block_indexes=[0],
+    )
+    cfg = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        bos_token_id=ids["<|endoftext|>"],
+    )
     model = Qwen2_5_VLForConditionalGeneration(cfg).eval()
     with torch.no_grad():  # larger logits than the default init: greedy decoding far from ties
         model.lm_head.weight.mul_(8.0)
     model.save_pretrained(out, safe_serialization=True)
     factor = PATCH * MERGE
     processor = {
-        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
-        "patch_size": PATCH, "merge_size": MERGE, "temporal_patch_size": 2,
-        "min_pixels": factor * factor, "max_pixels": 64 * factor * 64 * factor,
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2_5_VLProcessor",
+        "patch_size": PATCH,
+        "merge_size": MERGE,
+        "temporal_patch_size": 2,
+        "min_pixels": factor * factor,
+        "max_pixels": 64 * factor * 64 * factor,
         "size": {"shortest_edge": factor * factor, "longest_edge": 64 * factor * 64 * factor},
-        "do_resize": True, "do_rescale": True, "do_normalize": True,
-        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "do_resize": True,
+        "do_rescale": True,
+        "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
     }
     (out / "preprocessor_config.json").write_text(json.dumps(processor, indent=1))
     return out
@@ -80,7 +122,10 @@ def prompt(words: int = 6, seed: int = 0, images: int = 1) -> str:
     rng = random.Random(seed)
     parts = [" ".join(f"w{rng.randrange(WORDS)}" for _ in range(words))]
     for _ in range(images):
-        parts += ["<|vision_start|> <|image_pad|> <|vision_end|>", " ".join(f"w{rng.randrange(WORDS)}" for _ in range(3))]
+        parts += [
+            "<|vision_start|> <|image_pad|> <|vision_end|>",
+            " ".join(f"w{rng.randrange(WORDS)}" for _ in range(3)),
+        ]
     return " ".join(parts)
 
 

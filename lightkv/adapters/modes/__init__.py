@@ -17,4 +17,12 @@ from .base import ENTRY_POINT_GROUP, LayerCall, Mode, SessionContext, choose_mod
 from .cache import CacheEntriesMode
 from .h2o import evict
 
-__all__ = ["ENTRY_POINT_GROUP", "CacheEntriesMode", "LayerCall", "Mode", "SessionContext", "choose_modes", "evict"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "CacheEntriesMode",
+    "LayerCall",
+    "Mode",
+    "SessionContext",
+    "choose_modes",
+    "evict",
+]

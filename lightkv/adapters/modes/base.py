@@ -93,7 +93,14 @@ class LayerCall:
 
     __slots__ = ("layer", "args", "kwargs", "state", "output", "replaced")
 
-    def __init__(self, layer: int, args: tuple, kwargs: dict[str, Any], state: ForwardState, output: Any = None):
+    def __init__(
+        self,
+        layer: int,
+        args: tuple,
+        kwargs: dict[str, Any],
+        state: ForwardState,
+        output: Any = None,
+    ):
         self.layer, self.args, self.kwargs, self.state = layer, args, kwargs, state
         self.output, self.replaced = output, False
 
@@ -181,12 +188,18 @@ class Mode:
 
         def deco(impl: type[Mode]) -> type[Mode]:
             if impl is Mode:
-                raise TypeError("register a subclass of lightkv.adapters.modes.Mode, not Mode itself")
+                raise TypeError(
+                    "register a subclass of lightkv.adapters.modes.Mode, not Mode itself"
+                )
             if not (isinstance(impl, type) and issubclass(impl, Mode)):
-                raise TypeError(f"{impl!r} must subclass lightkv.adapters.modes.Mode to be registered")
+                raise TypeError(
+                    f"{impl!r} must subclass lightkv.adapters.modes.Mode to be registered"
+                )
             old = Mode._registry.get(name)
             if old is not None and old is not impl:
-                raise ValueError(f"mode {name!r} is already registered by {old.__module__}.{old.__qualname__}")
+                raise ValueError(
+                    f"mode {name!r} is already registered by {old.__module__}.{old.__qualname__}"
+                )
             impl.name = name
             Mode._registry[name] = impl
             return impl
@@ -210,8 +223,10 @@ class Mode:
                 if ep.name == name:
                     ep.load()  # the module registers the class
         if name not in Mode._registry:
-            raise KeyError(f"the schedule names mode {name!r}, which is not registered; registered: "
-                           f"{sorted(Mode._registry)} (a package registers one with @Mode.register)")
+            raise KeyError(
+                f"the schedule names mode {name!r}, which is not registered; registered: "
+                f"{sorted(Mode._registry)} (a package registers one with @Mode.register)"
+            )
         return Mode._registry[name]
 
     @classmethod
@@ -246,7 +261,11 @@ class Mode:
     def hook(self, phase: str, when: str) -> Callable[[LayerCall], None] | None:
         """The bound ``{phase}_{when}`` method, or None where this class does not override it."""
         method = f"{phase}_{when}"
-        return getattr(self, method) if getattr(type(self), method) is not getattr(Mode, method) else None
+        return (
+            getattr(self, method)
+            if getattr(type(self), method) is not getattr(Mode, method)
+            else None
+        )
 
 
 def choose_modes(ctx: SessionContext) -> list[Mode]:

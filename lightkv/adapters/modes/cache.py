@@ -49,8 +49,11 @@ class CacheEntriesMode(Mode):
         self._pending: dict[int, torch.Tensor | None] = {}
         if self.layers:
             ctx.adapter.check_cache_layers(sorted(self.layers))
-        self.taps = {i: ProjectionTap(ctx.probes[i], i) for i in sorted(self.layers)
-                     if ctx.reuse_projections and self.reads_projections(i)}
+        self.taps = {
+            i: ProjectionTap(ctx.probes[i], i)
+            for i in sorted(self.layers)
+            if ctx.reuse_projections and self.reads_projections(i)
+        }
 
     def reads_projections(self, layer: int) -> bool:
         """Whether the importance at ``layer`` reads the layer's queries or keys: then a tap
@@ -61,14 +64,18 @@ class CacheEntriesMode(Mode):
     def install(self) -> list:
         return [h for tap in self.taps.values() for h in tap.install()]
 
-    def importance(self, call: LayerCall, raw: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, float]:
+    def importance(
+        self, call: LayerCall, raw: dict[str, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, float]:
         """``([B, N] importance of the layer's tokens, FLOPs)``: from the layer's raw
         projection outputs when ``raw`` is given (read by the tap as the layer ran, where
         `reads_projections`; no projection FLOPs), else from the layer's input
         ``call.hidden``. A subclass that never reads projections may take ``call`` alone."""
         raise NotImplementedError
 
-    def rewrite(self, call: LayerCall, layer: MaskedCacheLayer, importance: torch.Tensor) -> torch.Tensor:
+    def rewrite(
+        self, call: LayerCall, layer: MaskedCacheLayer, importance: torch.Tensor
+    ) -> torch.Tensor:
         """Replace ``layer``'s entries after the prefill; returns the entries' token kinds."""
         raise NotImplementedError
 
@@ -78,11 +85,15 @@ class CacheEntriesMode(Mode):
         if layout is None or cache is None:
             return
         if not st.compressed:  # after a hidden-state stage `sequence` has installed it already
-            masked = install_masked_layer(cache, i, self.ctx.token, self.ctx.adapter.cache_layer_types)
+            masked = install_masked_layer(
+                cache, i, self.ctx.token, self.ctx.adapter.cache_layer_types
+            )
             masked.pending, masked.pending_origin = layout.valid_mask, layout.origin
             masked.pending_columns = layout.seq_len
         if i in self.taps:  # scored as soon as the layer's projections have run
-            self.taps[i].arm_with(lambda raw: TapResult(*self.importance(call, raw), None), layout.seq_len)
+            self.taps[i].arm_with(
+                lambda raw: TapResult(*self.importance(call, raw), None), layout.seq_len
+            )
             self._pending[i] = None
             return
         self._pending[i] = self._score(call, None)
@@ -108,8 +119,11 @@ class CacheEntriesMode(Mode):
         st.trace.uncompressed[stat.layer] = stat
         valid = layer.valid
         st.trace.layers[-1] = LayerStat(
-            stat.layer, int(valid.shape[1]), valid.sum(1),
-            ((kind == TokenKind.VISION) & valid).sum(1), ((kind == TokenKind.STRUCTURAL) & valid).sum(1),
+            stat.layer,
+            int(valid.shape[1]),
+            valid.sum(1),
+            ((kind == TokenKind.VISION) & valid).sum(1),
+            ((kind == TokenKind.STRUCTURAL) & valid).sum(1),
         )
 
     def end_forward(self) -> None:
@@ -135,14 +149,29 @@ class CacheMode(CacheEntriesMode):
 
     def importance(self, call, raw=None):
         i = call.layer
-        return features.relevance(self.ctx.probes[i], self.stages[i], None if raw is not None else call.hidden,
-                                  call.kwargs.get("position_embeddings"), call.state.layout, i, raw=raw)
+        return features.relevance(
+            self.ctx.probes[i],
+            self.stages[i],
+            None if raw is not None else call.hidden,
+            call.kwargs.get("position_embeddings"),
+            call.state.layout,
+            i,
+            raw=raw,
+        )
 
     def rewrite(self, call, layer, importance):
         st, stage = call.state, self.stages[call.layer]
         with torch.no_grad():
-            res = CacheStage(stage)(layer.keys, layer.values, st.layout, importance, None, finish=drop_padding)
+            res = CacheStage(stage)(
+                layer.keys, layer.values, st.layout, importance, None, finish=drop_padding
+            )
         # with proportional attention a merged entry keeps its size for the decoding masks
-        layer.replace(res.keys, res.values, res.valid, res.origin, self.ctx.proportional.cache_sizes(res.result.sizes))
+        layer.replace(
+            res.keys,
+            res.values,
+            res.valid,
+            res.origin,
+            self.ctx.proportional.cache_sizes(res.result.sizes),
+        )
         st.trace.stages.append(StageRecord(layer=call.layer, stage=stage, result=res.result))
         return res.result.layout.kind

@@ -33,12 +33,16 @@ def _scale(probe: AttentionProbe) -> float:
     return float(scale) if scale is not None else 1.0 / math.sqrt(probe.head_dim)
 
 
-def _queries_keys(probe: AttentionProbe, call: LayerCall, raw: dict[str, torch.Tensor] | None = None):
+def _queries_keys(
+    probe: AttentionProbe, call: LayerCall, raw: dict[str, torch.Tensor] | None = None
+):
     """Post-RoPE queries and keys of the layer's tokens: from its raw projection outputs
     when given, else from its input projected again."""
     pos = call.kwargs.get("position_embeddings")
     if pos is None:
-        raise RuntimeError(f"layer {call.layer} received no position_embeddings; cannot score its cache for H2O")
+        raise RuntimeError(
+            f"layer {call.layer} received no position_embeddings; cannot score its cache for H2O"
+        )
     hidden = call.hidden
     cos, sin = _batch(pos[0], hidden.shape[0]), _batch(pos[1], hidden.shape[0])
     if raw is not None:
@@ -70,16 +74,27 @@ class H2OMode(CacheEntriesMode):
         q, k = _queries_keys(probe, call, raw)
         xi = accumulated_attention(q, k, layout.valid_mask, layout.origin, _scale(probe))
         b, n = layout.batch_size, layout.seq_len
-        flops = 0.0 if raw is not None else 2.0 * b * n * probe.hidden * (probe.heads + probe.kv_heads) * probe.head_dim
-        return xi, flops + accumulated_attention_flops(layout.valid_mask, layout.origin, probe.heads, probe.head_dim)
+        flops = (
+            0.0
+            if raw is not None
+            else 2.0 * b * n * probe.hidden * (probe.heads + probe.kv_heads) * probe.head_dim
+        )
+        return xi, flops + accumulated_attention_flops(
+            layout.valid_mask, layout.origin, probe.heads, probe.head_dim
+        )
 
     def rewrite(self, call, layer, importance):
         layout = call.state.layout
         valid = layer.valid
         candidate = valid.clone() if self.every_token else valid & (layout.kind == TokenKind.VISION)
         heavy, recent = self.h2o.counts(candidate.sum(1))
-        layer.extra.update(scores=importance.double(), candidate=candidate, heavy=heavy, recent=recent,
-                           kind=layout.kind.clone())
+        layer.extra.update(
+            scores=importance.double(),
+            candidate=candidate,
+            heavy=heavy,
+            recent=recent,
+            kind=layout.kind.clone(),
+        )
         self._evict(layer)
         return layer.extra["kind"]
 
@@ -109,13 +124,17 @@ class H2OMode(CacheEntriesMode):
             me = past + torch.arange(q, device=valid.device)
             allowed = valid.unsqueeze(1) & (col.unsqueeze(0) <= me.unsqueeze(1)).unsqueeze(0)
             allowed |= (col.unsqueeze(0) == me.unsqueeze(1)).unsqueeze(0)
-            logits = torch.matmul(qn.to(acc), keys.transpose(-1, -2)) * _scale(probe)  # [B, H, q, L + q]
+            logits = torch.matmul(qn.to(acc), keys.transpose(-1, -2)) * _scale(
+                probe
+            )  # [B, H, q, L + q]
             attn = torch.softmax(logits.masked_fill(~allowed.unsqueeze(1), float("-inf")), dim=-1)
             add = (attn * new_valid[:, None, :, None]).sum(dim=(1, 2)).double()
         ex = layer.extra
         ex["scores"] = torch.cat([ex["scores"], ex["scores"].new_zeros(b, q)], dim=1) + add
         ex["candidate"] = torch.cat([ex["candidate"], new_valid], dim=1)
-        ex["kind"] = torch.cat([ex["kind"], torch.full_like(new_valid, int(TokenKind.TEXT), dtype=ex["kind"].dtype)], 1)
+        ex["kind"] = torch.cat(
+            [ex["kind"], torch.full_like(new_valid, int(TokenKind.TEXT), dtype=ex["kind"].dtype)], 1
+        )
 
     def decode_post(self, call: LayerCall) -> None:
         """Evict to the budget."""
@@ -127,7 +146,10 @@ class H2OMode(CacheEntriesMode):
     def _evict(layer: MaskedCacheLayer) -> None:
         ex = layer.extra
         valid = layer.valid
-        keep = h2o_keep(ex["scores"], ex["candidate"] & valid, layer.origin, ex["heavy"], ex["recent"]) & valid
+        keep = (
+            h2o_keep(ex["scores"], ex["candidate"] & valid, layer.origin, ex["heavy"], ex["recent"])
+            & valid
+        )
         moved = evict(layer, keep)
         if moved is not None:
             ex["scores"], ex["candidate"] = moved(ex["scores"], 0.0), moved(ex["candidate"], False)
@@ -157,5 +179,7 @@ def evict(layer: MaskedCacheLayer, keep: torch.Tensor):
         return g.masked_fill(hole[:, None, :, None], 0)
 
     sizes = None if layer.sizes is None else moved(layer.sizes, 1)
-    layer.replace(cache(layer.keys), cache(layer.values), moved(valid, False), moved(layer.origin, -1), sizes)
+    layer.replace(
+        cache(layer.keys), cache(layer.values), moved(valid, False), moved(layer.origin, -1), sizes
+    )
     return moved

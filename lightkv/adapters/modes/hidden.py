@@ -16,8 +16,15 @@ from .base import SessionContext
 __all__ = ["compress", "prepare"]
 
 
-def prepare(ctx: SessionContext, st: ForwardState, i: int, stage: Stage, hidden: torch.Tensor,
-            position_embeddings, layout) -> None:
+def prepare(
+    ctx: SessionContext,
+    st: ForwardState,
+    i: int,
+    stage: Stage,
+    hidden: torch.Tensor,
+    position_embeddings,
+    layout,
+) -> None:
     """Relevance (and keys, when a policy needs them) from layer ``i``'s own projections
     of its input, for the stage that runs next (kept in ``st.pending_*``)."""
     with torch.no_grad():
@@ -25,13 +32,18 @@ def prepare(ctx: SessionContext, st: ForwardState, i: int, stage: Stage, hidden:
         # relevance that reads the vision tower's attention needs the tower mode, which
         # `choose_modes` starts for exactly such stages
         tower = ctx.modes["tower"].per_token(layout) if stage.relevance.reads_tower else None
-        st.pending_relevance, flops = features.relevance(probe, stage, hidden, position_embeddings, layout, i,
-                                                         prompt=st.prompt, tower=tower)
-        st.pending_keys, key_flops = features.stage_keys(probe, hidden) if "keys" in stage.needs else (None, 0.0)
+        st.pending_relevance, flops = features.relevance(
+            probe, stage, hidden, position_embeddings, layout, i, prompt=st.prompt, tower=tower
+        )
+        st.pending_keys, key_flops = (
+            features.stage_keys(probe, hidden) if "keys" in stage.needs else (None, 0.0)
+        )
         st.trace.relevance_flops += flops + key_flops
 
 
-def compress(ctx: SessionContext, st: ForwardState, i: int, stage: Stage, hidden: torch.Tensor) -> torch.Tensor:
+def compress(
+    ctx: SessionContext, st: ForwardState, i: int, stage: Stage, hidden: torch.Tensor
+) -> torch.Tensor:
     """Run ``stage`` on ``hidden`` with the pending relevance; the forward continues with
     the shorter sequence (``st`` gets its layout, provenance and positions)."""
     layout, provenance = st.layout, st.provenance
@@ -58,5 +70,7 @@ def _refresh(ctx: SessionContext, st: ForwardState) -> None:
         st.pos = (gather_tokens(cos, index), gather_tokens(sin, index))
     st.pos_ids = gather_position_ids(st.full_pos_ids, index)
     # the released code's plain 0..N'-1 after a merge (a no-op unless asked for)
-    st.pos, st.pos_ids = ctx.released.positions(st.layout, st.trace.input_valid, st.full_pos, st.pos, st.pos_ids)
+    st.pos, st.pos_ids = ctx.released.positions(
+        st.layout, st.trace.input_valid, st.full_pos, st.pos, st.pos_ids
+    )
     st.masks, st.gathered = {}, {}

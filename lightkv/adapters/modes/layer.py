@@ -32,8 +32,11 @@ class LayerMode(Mode):
         super().__init__(ctx)
         self.stages = ctx.stages_in("layer")
         self.layers = frozenset(self.stages)
-        self.taps = {i: ProjectionTap(ctx.probes[i], i) for i, s in self.stages.items()
-                     if ctx.reuse_projections and ProjectionTap.wanted(s)}
+        self.taps = {
+            i: ProjectionTap(ctx.probes[i], i)
+            for i, s in self.stages.items()
+            if ctx.reuse_projections and ProjectionTap.wanted(s)
+        }
 
     def install(self) -> list[Any]:
         return [h for tap in self.taps.values() for h in tap.install()]
@@ -54,10 +57,22 @@ class LayerMode(Mode):
         if st.layout is None:
             return
         if tapped is not None:
-            st.pending_relevance, st.pending_keys, st.pending_tapped = tapped.relevance, tapped.keys, True
+            st.pending_relevance, st.pending_keys, st.pending_tapped = (
+                tapped.relevance,
+                tapped.keys,
+                True,
+            )
             st.trace.relevance_flops += tapped.flops
         elif i in self.taps:  # the projections did not run as the tap expected: project the input
-            prepare(self.ctx, st, i, self.stages[i], call.hidden, call.kwargs.get("position_embeddings"), st.layout)
+            prepare(
+                self.ctx,
+                st,
+                i,
+                self.stages[i],
+                call.hidden,
+                call.kwargs.get("position_embeddings"),
+                st.layout,
+            )
         call.replace_output(compress(self.ctx, st, i, self.stages[i], call.output_hidden))
 
     def end_forward(self) -> None:

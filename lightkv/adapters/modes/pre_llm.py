@@ -35,6 +35,9 @@ class PreLLMMode(Mode):
         call.check_layout()
         stage = self.stages[call.layer]
         # the full-length positions, which `compress` gathers for the shorter sequence
-        st.full_pos, st.full_pos_ids = call.kwargs.get("position_embeddings"), call.kwargs.get("position_ids")
+        st.full_pos, st.full_pos_ids = (
+            call.kwargs.get("position_embeddings"),
+            call.kwargs.get("position_ids"),
+        )
         prepare(self.ctx, st, call.layer, stage, call.hidden, st.full_pos, st.layout)
         call.hidden = compress(self.ctx, st, call.layer, stage, call.hidden)

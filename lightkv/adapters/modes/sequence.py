@@ -46,19 +46,33 @@ class SequenceMode(Mode):
             return
         call.check_layout()
         kind = layout.kind
-        trace.layers.append(LayerStat(i, layout.seq_len, layout.valid_mask.sum(1), (kind == TokenKind.VISION).sum(1),
-                                      (kind == TokenKind.STRUCTURAL).sum(1)))
+        trace.layers.append(
+            LayerStat(
+                i,
+                layout.seq_len,
+                layout.valid_mask.sum(1),
+                (kind == TokenKind.VISION).sum(1),
+                (kind == TokenKind.STRUCTURAL).sum(1),
+            )
+        )
         ctx = self.ctx
         if not st.compressed:
-            st.full_pos, st.full_pos_ids = kwargs.get("position_embeddings"), kwargs.get("position_ids")
+            st.full_pos, st.full_pos_ids = (
+                kwargs.get("position_embeddings"),
+                kwargs.get("position_ids"),
+            )
             if ctx.released.noncausal(i):  # the released code's first merge layer: no causal mask
-                kwargs["attention_mask"] = ctx.released.prefill_mask(i, layout, st.impl, hidden.dtype)
+                kwargs["attention_mask"] = ctx.released.prefill_mask(
+                    i, layout, st.impl, hidden.dtype
+                )
                 if st.impl == FLASH:  # no mask can lift FlashAttention's causality: its flag can
                     kwargs["is_causal"] = False
             return
         key = ctx.adapter.mask_key(i)
         if key not in st.masks:
-            st.masks[key] = ctx.proportional.prefill_mask(i, layout, st.provenance, st.impl, hidden.dtype)
+            st.masks[key] = ctx.proportional.prefill_mask(
+                i, layout, st.provenance, st.impl, hidden.dtype
+            )
         kwargs["attention_mask"] = st.masks[key]
         full = kwargs.get("position_embeddings")
         if full is not None and full is not st.full_pos and isinstance(full, tuple):
@@ -76,11 +90,17 @@ class SequenceMode(Mode):
             masked = install_masked_layer(cache, i, ctx.token, ctx.adapter.cache_layer_types)
             masked.pending, masked.pending_origin = layout.valid_mask, layout.origin
             masked.pending_columns = st.provenance.owner.shape[1]  # the original prompt width
-            masked.pending_sizes = ctx.proportional.sizes(st.provenance)  # None unless proportional attention
+            masked.pending_sizes = ctx.proportional.sizes(
+                st.provenance
+            )  # None unless proportional attention
 
     def decode_pre(self, call: LayerCall) -> None:
         st, i, cache = call.state, call.layer, call.cache
-        if cache is None or len(cache.layers) <= i or not isinstance(cache.layers[i], MaskedCacheLayer):
+        if (
+            cache is None
+            or len(cache.layers) <= i
+            or not isinstance(cache.layers[i], MaskedCacheLayer)
+        ):
             return
         layer_cache = cache.layers[i]
         if layer_cache.valid is None:
@@ -89,8 +109,13 @@ class SequenceMode(Mode):
         q = call.hidden.shape[1]
         valid = torch.cat([layer_cache.valid, st.new_valid.to(dev)], dim=1)
         new_origin = (st.past + torch.arange(q, device=dev)).expand(valid.shape[0], q)
-        origin = torch.cat([layer_cache.origin, new_origin], dim=1) if layer_cache.origin is not None else None
-        call.kwargs["attention_mask"] = self.ctx.proportional.decode_mask(i, origin, valid, q, st.impl,
-                                                                          call.hidden.dtype, layer_cache)
+        origin = (
+            torch.cat([layer_cache.origin, new_origin], dim=1)
+            if layer_cache.origin is not None
+            else None
+        )
+        call.kwargs["attention_mask"] = self.ctx.proportional.decode_mask(
+            i, origin, valid, q, st.impl, call.hidden.dtype, layer_cache
+        )
         layer_cache.pending = st.new_valid
         layer_cache.pending_origin = new_origin

@@ -35,8 +35,15 @@ from ...graph.layout import ImageSegment, VisionLayout
 from ...pipeline import Pipeline, Stage
 from ...quirks import ReleasedQuirks
 
-__all__ = ["MAX_IMAGE_TOKENS", "PIPELINE_KEY", "PROMPT_AGNOSTIC_PRESETS", "PreLLMPlan", "Selection", "UnsupportedPipeline",
-           "check_grid"]
+__all__ = [
+    "MAX_IMAGE_TOKENS",
+    "PIPELINE_KEY",
+    "PROMPT_AGNOSTIC_PRESETS",
+    "PreLLMPlan",
+    "Selection",
+    "UnsupportedPipeline",
+    "check_grid",
+]
 
 PIPELINE_KEY = "lightkv"
 """The model config attribute (set through vLLM's ``hf_overrides``) that names the pipeline."""
@@ -84,8 +91,10 @@ def check_grid(rows: int, cols: int) -> None:
     if rows <= 0 or cols <= 0:
         raise ValueError(f"an image grid must be positive, got {rows} x {cols}")
     if rows * cols > MAX_IMAGE_TOKENS:
-        raise ValueError(f"an image grid has at most {MAX_IMAGE_TOKENS:,} tokens (Qwen2.5-VL's largest default image)"
-                         f", got {rows:,} x {cols:,} = {rows * cols:,}")
+        raise ValueError(
+            f"an image grid has at most {MAX_IMAGE_TOKENS:,} tokens (Qwen2.5-VL's largest default image)"
+            f", got {rows:,} x {cols:,} = {rows * cols:,}"
+        )
 
 
 def _resolve(spec: Any) -> tuple[Pipeline, str]:
@@ -132,7 +141,11 @@ def _refusals(pipeline: Pipeline, stages: list[Stage], name: str) -> list[str]:
                 f"relevance {rel.name!r} reads the vision tower's attention, which vLLM's vision encoder "
                 "does not return"
             )
-        elif getattr(rel, "reads_prompt", False) or rel.query_rows != "none" or rel.key_cols != "none":
+        elif (
+            getattr(rel, "reads_prompt", False)
+            or rel.query_rows != "none"
+            or rel.key_cols != "none"
+        ):
             why.append(
                 f"relevance {rel.name!r} is prompt-aware (it reads the prompt, or the decoder's queries and "
                 "keys over it): the plugin runs where vLLM embeds the image, which does not see the prompt"
@@ -149,7 +162,9 @@ def _refusals(pipeline: Pipeline, stages: list[Stage], name: str) -> list[str]:
                 "inside the decoder"
             )
     if pipeline.proportional_attention:
-        why.append("proportional attention changes the decoder's attention, which vLLM's kernels do not")
+        why.append(
+            "proportional attention changes the decoder's attention, which vLLM's kernels do not"
+        )
     if pipeline.released_quirks != ReleasedQuirks():
         why.append("the released code's quirks act inside the decoder")
     return why
@@ -195,7 +210,9 @@ class PreLLMPlan:
             why = _refusals(pipeline, deep, name) if deep else []
             if why:
                 raise UnsupportedPipeline(
-                    f"lightkv pipeline {name!r} cannot run inside vLLM: " + "; ".join(why) + f". {_FIX}"
+                    f"lightkv pipeline {name!r} cannot run inside vLLM: "
+                    + "; ".join(why)
+                    + f". {_FIX}"
                 ) from None
             raise
         if not stages:
@@ -205,7 +222,9 @@ class PreLLMPlan:
             )
         why = _refusals(pipeline, stages, name)
         if why:
-            raise UnsupportedPipeline(f"lightkv pipeline {name!r} cannot run inside vLLM: " + "; ".join(why) + f". {_FIX}")
+            raise UnsupportedPipeline(
+                f"lightkv pipeline {name!r} cannot run inside vLLM: " + "; ".join(why) + f". {_FIX}"
+            )
         plan = cls(name, pipeline, stages[0])
         probe = (6, 10)
         if plan._probe_count(probe, 1) != plan._probe_count(probe, 2):
@@ -218,7 +237,9 @@ class PreLLMPlan:
     def _probe_count(self, grid: tuple[int, int], seed: int) -> int:
         g = torch.Generator().manual_seed(seed)
         n = grid[0] * grid[1]
-        return int(self.select([torch.randn(n, 16, generator=g)], [grid], check=False)[0].index.numel())
+        return int(
+            self.select([torch.randn(n, 16, generator=g)], [grid], check=False)[0].index.numel()
+        )
 
     def kept_count(self, rows: int, cols: int) -> int:
         """Tokens an image of ``rows x cols`` tokens keeps: what vLLM sizes the prompt with.
@@ -257,15 +278,21 @@ class PreLLMPlan:
         sizes = [int(r) * int(c) for r, c in grids]
         for i, (e, n) in enumerate(zip(embeds, sizes)):
             if e.dim() != 2 or e.shape[0] != n:
-                raise ValueError(f"image {i}: embeddings {tuple(e.shape)} do not match its {grids[i]} grid ({n} tokens)")
+                raise ValueError(
+                    f"image {i}: embeddings {tuple(e.shape)} do not match its {grids[i]} grid ({n} tokens)"
+                )
         width, b = max(sizes), len(sizes)
         hidden = embeds[0].new_zeros(b, width, embeds[0].shape[1])
         pad = torch.ones(b, width, dtype=torch.bool)
         for i, (e, n) in enumerate(zip(embeds, sizes)):
             hidden[i, :n] = e
             pad[i, :n] = False
-        segments = [ImageSegment(row=i, offset=0, grid=(int(r), int(c))) for i, (r, c) in enumerate(grids)]
-        layout = VisionLayout.from_segments(b, width, segments, padding_mask=pad, device=hidden.device)
+        segments = [
+            ImageSegment(row=i, offset=0, grid=(int(r), int(c))) for i, (r, c) in enumerate(grids)
+        ]
+        layout = VisionLayout.from_segments(
+            b, width, segments, padding_mask=pad, device=hidden.device
+        )
         relevance = self.stage.relevance.score(None, None, layout).to(hidden.device)
         out = self.stage(hidden, layout, relevance)
         result = []

@@ -167,7 +167,9 @@ class LightKVQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerati
         # no encoder CUDA graphs for them, and the runner recomputes positions (see `runner`).
         self.is_multimodal_pruning_enabled = True
 
-    def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[Any]) -> tuple[torch.Tensor, int]:
+    def get_mrope_input_positions(
+        self, input_tokens: list[int], mm_features: list[Any]
+    ) -> tuple[torch.Tensor, int]:
         """M-RoPE positions ``[3, N]`` of the compressed prompt, and the decoding delta.
 
         Text positions are final: sequential, and after an image the image's start plus
@@ -178,11 +180,16 @@ class LightKVQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerati
         parts, token, position = [], 0, 0
         for feature in sorted(mm_features, key=lambda f: f.mm_position.offset):
             if feature.modality != "image":
-                raise ValueError("lightkv's vLLM plugin compresses images only: a video reached the model")
+                raise ValueError(
+                    "lightkv's vLLM plugin compresses images only: a video reached the model"
+                )
             _, h, w = (int(x) for x in feature.data["image_grid_thw"].data.tolist())
             offset, length = feature.mm_position.offset, feature.mm_position.length
             text = offset - token
-            parts += [np.broadcast_to(np.arange(text), (3, text)) + position, np.full((3, length), position + text)]
+            parts += [
+                np.broadcast_to(np.arange(text), (3, text)) + position,
+                np.full((3, length), position + text),
+            ]
             position += text + max(h // merge, w // merge)
             token = offset + length
         tail = len(input_tokens) - token
@@ -221,7 +228,9 @@ class LightKVQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerati
             ids = torch.as_tensor(input_ids, device="cpu").to(device=device, dtype=torch.long)
             media = torch.nonzero(ids == self.config.image_token_id).flatten()
             starts = torch.nonzero(ids == self.config.vision_start_token_id).flatten()
-            offsets = torch.cat([mm[:, -4:-1] for mm in multimodal_embeddings]).to(device).round().long()
+            offsets = (
+                torch.cat([mm[:, -4:-1] for mm in multimodal_embeddings]).to(device).round().long()
+            )
             tokens = media[media >= num_computed_tokens][: offsets.shape[0]]
             if tokens.shape[0] != offsets.shape[0]:
                 raise RuntimeError(
@@ -229,7 +238,9 @@ class LightKVQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerati
                     f"{num_computed_tokens} on: the processor and the model disagree on the kept counts"
                 )
             start = starts[torch.searchsorted(starts, tokens) - 1]  # each token's <|vision_start|>
-            positions[:, tokens] = (offsets + positions[0, start].unsqueeze(1) + 1).T.to(positions.dtype)
+            positions[:, tokens] = (offsets + positions[0, start].unsqueeze(1) + 1).T.to(
+                positions.dtype
+            )
         n = len(input_ids)
         delta = int(positions[:, :n].max()) + 1 - n if n else 0
         return out, positions, delta
@@ -241,7 +252,9 @@ class LightKVQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerati
         the text after the image starts."""
         inputs = self._parse_and_validate_multimodal_inputs(**kwargs)
         if inputs.get("video") is not None:
-            raise ValueError("lightkv's vLLM plugin compresses images only: a video reached the model")
+            raise ValueError(
+                "lightkv's vLLM plugin compresses images only: a video reached the model"
+            )
         image = inputs.get("image")
         if image is None:
             return ()
@@ -251,14 +264,22 @@ class LightKVQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerati
         out = []
         for sel, (rows, cols) in zip(self.lightkv_plan.select(list(embeds), grids), grids):
             dtype, device = sel.embeds.dtype, sel.embeds.device
-            if max(rows, cols) > 2 / torch.finfo(dtype).eps:  # integers stay exact up to 2^(mantissa + 1)
+            if (
+                max(rows, cols) > 2 / torch.finfo(dtype).eps
+            ):  # integers stay exact up to 2^(mantissa + 1)
                 raise ValueError(
                     f"a {rows} x {cols}-token image: its positions are not exact in {dtype} (vLLM carries them "
                     "beside the embeddings); serve in float32 or limit the image size (max_pixels)"
                 )
             index = sel.index.to(device)
             positions = torch.stack(
-                [torch.zeros_like(index), index // cols, index % cols, torch.full_like(index, max(rows, cols))], dim=1
+                [
+                    torch.zeros_like(index),
+                    index // cols,
+                    index % cols,
+                    torch.full_like(index, max(rows, cols)),
+                ],
+                dim=1,
             )
             out.append(torch.cat([sel.embeds, positions.to(dtype)], dim=1))
         return tuple(out)

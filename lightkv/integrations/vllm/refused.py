@@ -21,7 +21,11 @@ from vllm.model_executor.models.llava import LlavaForConditionalGeneration
 from vllm.model_executor.models.llava_next import LlavaNextForConditionalGeneration
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
-__all__ = ["LightKVLlavaForConditionalGeneration", "LightKVLlavaNextForConditionalGeneration", "refuse"]
+__all__ = [
+    "LightKVLlavaForConditionalGeneration",
+    "LightKVLlavaNextForConditionalGeneration",
+    "refuse",
+]
 
 
 def refuse(family: str) -> NoReturn:
@@ -45,7 +49,9 @@ def _refuse_llava_next(*_: Any, **__: Any) -> NoReturn:
     refuse("LLaVA-NeXT")
 
 
-@MULTIMODAL_REGISTRY.register_processor(_refuse_llava, info=_refuse_llava, dummy_inputs=_refuse_llava)
+@MULTIMODAL_REGISTRY.register_processor(
+    _refuse_llava, info=_refuse_llava, dummy_inputs=_refuse_llava
+)
 class LightKVLlavaForConditionalGeneration(LlavaForConditionalGeneration):
     """Refuses LLaVA-1.5 (see the module)."""
 
@@ -53,7 +59,9 @@ class LightKVLlavaForConditionalGeneration(LlavaForConditionalGeneration):
         refuse("LLaVA-1.5")
 
 
-@MULTIMODAL_REGISTRY.register_processor(_refuse_llava_next, info=_refuse_llava_next, dummy_inputs=_refuse_llava_next)
+@MULTIMODAL_REGISTRY.register_processor(
+    _refuse_llava_next, info=_refuse_llava_next, dummy_inputs=_refuse_llava_next
+)
 class LightKVLlavaNextForConditionalGeneration(LlavaNextForConditionalGeneration):
     """Refuses LLaVA-NeXT (see the module)."""
 

@@ -23,8 +23,15 @@ __all__ = ["BudgetSchedule", "Placement", "budget_schedule"]
 Placement = Literal["scaled", "extra stages", "min"]
 
 
-def budget_schedule(layers: Sequence[int], num_layers: int, kept_fraction: float, max_removal_ratio: float = 0.5,
-                    windows_per_side: Sequence[int] | None = None, window_size=None, tolerance: float = 0.02):
+def budget_schedule(
+    layers: Sequence[int],
+    num_layers: int,
+    kept_fraction: float,
+    max_removal_ratio: float = 0.5,
+    windows_per_side: Sequence[int] | None = None,
+    window_size=None,
+    tolerance: float = 0.02,
+):
     """``(ExplicitSchedule, how)`` keeping about ``kept_fraction`` of the vision KV.
 
     Placements are tried in order: ``layers`` (already at the model's depth), then the same
@@ -65,7 +72,15 @@ def budget_schedule(layers: Sequence[int], num_layers: int, kept_fraction: float
 
     for at, how in placements:
         if kept(max_removal_ratio, at) <= kept_fraction + tolerance:
-            return build(round(ratio_for_target(lambda p, at=at: kept(p, at), kept_fraction, max_removal_ratio), 4), at), how
+            return build(
+                round(
+                    ratio_for_target(
+                        lambda p, at=at: kept(p, at), kept_fraction, max_removal_ratio
+                    ),
+                    4,
+                ),
+                at,
+            ), how
     return build(max_removal_ratio, placements[-1][0]), "min"
 
 
@@ -119,8 +134,15 @@ class BudgetSchedule(Scheduler):
 
     def _placed(self, num_layers: int) -> tuple[ExplicitSchedule, Placement]:
         layers = reference_layers(self.layers, self.ref_depth, num_layers)
-        return budget_schedule(layers, num_layers, self.kept_fraction, self.max_removal_ratio, windows_per_side=self.windows_per_side,
-                               window_size=self.window_size, tolerance=self.tolerance)
+        return budget_schedule(
+            layers,
+            num_layers,
+            self.kept_fraction,
+            self.max_removal_ratio,
+            windows_per_side=self.windows_per_side,
+            window_size=self.window_size,
+            tolerance=self.tolerance,
+        )
 
     def explicit(self, num_layers: int) -> ExplicitSchedule:
         """The `ExplicitSchedule` this schedule is on a ``num_layers``-layer model."""

@@ -22,9 +22,13 @@ def _layers(layers: Sequence[int] | None, num_layers: int, who: str) -> list[int
         return list(range(num_layers))
     out = [int(layer) for layer in layers]
     if out != sorted(set(out)) or (out and out[0] < 0):
-        raise ScheduleError(f"{who} layers must be strictly increasing and >= 0, got {out}", "layers")
+        raise ScheduleError(
+            f"{who} layers must be strictly increasing and >= 0, got {out}", "layers"
+        )
     if out and out[-1] >= num_layers:
-        raise ValueError(f"the schedule compresses the cache of layer {out[-1]}, but the model has only {num_layers} layers")
+        raise ValueError(
+            f"the schedule compresses the cache of layer {out[-1]}, but the model has only {num_layers} layers"
+        )
     return out
 
 
@@ -32,11 +36,16 @@ def _check_layers(layers) -> tuple[int, ...] | None:
     if layers is None:
         return None
     if len(layers) == 0:  # accepted before and compressed nothing, silently
-        raise ScheduleError("layers is empty, so nothing would be compressed: list the layers whose caches to "
-                            "compress, or leave layers out for every layer", "layers")
+        raise ScheduleError(
+            "layers is empty, so nothing would be compressed: list the layers whose caches to "
+            "compress, or leave layers out for every layer",
+            "layers",
+        )
     for i, layer in enumerate(layers):
         if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
-            raise ScheduleError(f"a layer must be a non-negative integer, got {layer!r}", "layers", i)
+            raise ScheduleError(
+                f"a layer must be a non-negative integer, got {layer!r}", "layers", i
+            )
     return tuple(layers)
 
 
@@ -67,7 +76,13 @@ class CacheSchedule(Scheduler):
     def plan(self, num_layers):
         self._check_depth(num_layers)
         at = _layers(self.layers, num_layers, "cache")
-        return self._validate([StageSpec(layer, float(self.removal_ratio), self.windows_per_side, mode="cache") for layer in at], num_layers)
+        return self._validate(
+            [
+                StageSpec(layer, float(self.removal_ratio), self.windows_per_side, mode="cache")
+                for layer in at
+            ],
+            num_layers,
+        )
 
 
 @Scheduler.register("h2o")
@@ -115,7 +130,11 @@ class H2OSchedule(Scheduler):
             at = len(_layers(self.layers, num_layers, "h2o"))
         except ValueError:
             return None
-        return (at * min(float(self.budget), 1.0) + num_layers - at) / num_layers if num_layers else None
+        return (
+            (at * min(float(self.budget), 1.0) + num_layers - at) / num_layers
+            if num_layers
+            else None
+        )
 
     def plan(self, num_layers):
         """No stage runs on hidden states or through the graph machinery: eviction is the

@@ -72,8 +72,14 @@ class StageSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.mode, str) or not self.mode:
             raise ValueError(f"stage mode must be a registered mode name, got {self.mode!r}")
-        if isinstance(self.layer, bool) or not isinstance(self.layer, int) or not 0 <= self.layer < MAX_LAYER:
-            raise ValueError(f"stage layer must be an integer in [0, {MAX_LAYER}), got {self.layer!r}")
+        if (
+            isinstance(self.layer, bool)
+            or not isinstance(self.layer, int)
+            or not 0 <= self.layer < MAX_LAYER
+        ):
+            raise ValueError(
+                f"stage layer must be an integer in [0, {MAX_LAYER}), got {self.layer!r}"
+            )
         if self.mode == "pre_llm" and self.layer != 0:
             raise ValueError(
                 f"a stage before layer {self.layer} is the stage after layer {self.layer - 1}; "
@@ -119,7 +125,9 @@ class Scheduler(Policy):
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            default = (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            )
             if f.name == self.shorthand or value != default:
                 out[f.name] = list(value) if isinstance(value, tuple) else value
         return {self.shorthand: out.pop(self.shorthand), **out}
@@ -128,8 +136,13 @@ class Scheduler(Policy):
     def shorthand_schema(cls) -> dict[str, Any]:
         """JSON Schema of the shorthand mapping (for `lightkv config schema`)."""
         keys = (cls.shorthand, *cls.shorthand_keys)
-        return {"type": "object", "title": f"shorthand of name: {cls.name}", "required": [cls.shorthand],
-                "properties": {k: {} for k in keys}, "additionalProperties": False}
+        return {
+            "type": "object",
+            "title": f"shorthand of name: {cls.name}",
+            "required": [cls.shorthand],
+            "properties": {k: {} for k in keys},
+            "additionalProperties": False,
+        }
 
     def plan(self, num_layers: int) -> list[StageSpec]:
         """Stages for a decoder of ``num_layers`` layers, sorted by layer.
@@ -172,7 +185,9 @@ class Scheduler(Policy):
     def _validate(stages: list[StageSpec], num_layers: int) -> list[StageSpec]:
         Scheduler._check_depth(num_layers)
         layers = [s.layer for s in stages]
-        where = [s.layer - 0.5 if s.mode == "pre_llm" else s.layer for s in stages]  # before layer 0 comes first
+        where = [
+            s.layer - 0.5 if s.mode == "pre_llm" else s.layer for s in stages
+        ]  # before layer 0 comes first
         if where != sorted(set(where)):
             raise ValueError(f"stage layers must be strictly increasing, got {layers}")
         if layers and layers[-1] >= num_layers:
@@ -241,11 +256,19 @@ def check_windows(windows_per_side, window_size) -> None:
     """
     for i, w in enumerate(windows_per_side or ()):
         if isinstance(w, bool) or not isinstance(w, int) or w < 1:
-            raise ScheduleError(f"windows per side must be a positive integer, got {w!r}", "windows_per_side", i)
+            raise ScheduleError(
+                f"windows per side must be a positive integer, got {w!r}", "windows_per_side", i
+            )
     for i, size in enumerate(window_size or ()):
         pair = tuple(size) if isinstance(size, (list, tuple)) else (size,)
-        if len(pair) != 2 or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in pair):
-            raise ScheduleError(f"window (rows, cols) must be two positive integers, got {list(pair)}", "window_size", i)
+        if len(pair) != 2 or any(
+            isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in pair
+        ):
+            raise ScheduleError(
+                f"window (rows, cols) must be two positive integers, got {list(pair)}",
+                "window_size",
+                i,
+            )
 
 
 def check_fraction(value, name: str, low_open: bool, high_open: bool, what: str) -> None:

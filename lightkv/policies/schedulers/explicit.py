@@ -66,7 +66,11 @@ class ExplicitSchedule(Scheduler):
         self.stages()  # any other length or value problem, at construction too
 
     shorthand: ClassVar[str] = "layers"
-    shorthand_keys: ClassVar[tuple[str, ...]] = ("removal_ratios", "windows_per_side", "window_size")
+    shorthand_keys: ClassVar[tuple[str, ...]] = (
+        "removal_ratios",
+        "windows_per_side",
+        "window_size",
+    )
 
     @classmethod
     def from_shorthand(cls, data: dict[str, Any]) -> dict[str, Any]:
@@ -74,26 +78,39 @@ class ExplicitSchedule(Scheduler):
         ``window_size`` (neither: one window per image side); scalars are lists of one."""
         layers = _as_list(data["layers"])
         if isinstance(layers, list) and not layers:
-            raise ScheduleError("give at least one layer (an empty schedule compresses nothing)", "layers")
+            raise ScheduleError(
+                "give at least one layer (an empty schedule compresses nothing)", "layers"
+            )
         if "removal_ratios" not in data:
             n = len(layers) if isinstance(layers, list) else 1
             count = "one value" if n == 1 else f"1 or {n} values"
-            raise ScheduleError(f"an explicit schedule needs removal_ratios ({count}), e.g. removal_ratios: [0.5]",
-                                "removal_ratios")
+            raise ScheduleError(
+                f"an explicit schedule needs removal_ratios ({count}), e.g. removal_ratios: [0.5]",
+                "removal_ratios",
+            )
         if "windows_per_side" in data and "window_size" in data:
             raise ScheduleError("give windows_per_side or window_size, not both", "window_size")
         params = {"layers": layers, "removal_ratios": _as_list(data["removal_ratios"])}
         if "window_size" in data:
             size = data["window_size"]
-            pair = isinstance(size, (list, tuple)) and len(size) == 2 and all(isinstance(v, int) for v in size)
+            pair = (
+                isinstance(size, (list, tuple))
+                and len(size) == 2
+                and all(isinstance(v, int) for v in size)
+            )
             params["window_size"] = [size] if pair else size
-        params["windows_per_side"] = _as_list(data["windows_per_side"]) if "windows_per_side" in data else None
+        params["windows_per_side"] = (
+            _as_list(data["windows_per_side"]) if "windows_per_side" in data else None
+        )
         return params
 
     def to_shorthand(self) -> dict[str, Any] | None:
         if not tuple(self.layers):  # the shorthand refuses an empty schedule: write {name, params}
             return None
-        out: dict[str, Any] = {"layers": list(self.layers), "removal_ratios": [float(r) for r in self.removal_ratios]}
+        out: dict[str, Any] = {
+            "layers": list(self.layers),
+            "removal_ratios": [float(r) for r in self.removal_ratios],
+        }
         if self.window_size is not None:
             out["window_size"] = [list(w) for w in self.window_size]
         elif self.windows_per_side is not None:
@@ -111,7 +128,9 @@ class ExplicitSchedule(Scheduler):
                 "layers": _one_or_list(integer),
                 "removal_ratios": _one_or_list(number),
                 "windows_per_side": _nullable(_one_or_list(integer)),
-                "window_size": _nullable({"anyOf": [pair, {"type": "array", "items": pair, "minItems": 1}]}),
+                "window_size": _nullable(
+                    {"anyOf": [pair, {"type": "array", "items": pair, "minItems": 1}]}
+                ),
             },
             "required": ["layers", "removal_ratios"],
             "additionalProperties": False,
@@ -124,12 +143,20 @@ class ExplicitSchedule(Scheduler):
         layers = list(self.layers)
         for i, layer in enumerate(layers):
             if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
-                raise ScheduleError(f"layer indices are 0-based and must be >= 0, got {layer!r}", "layers", i)
+                raise ScheduleError(
+                    f"layer indices are 0-based and must be >= 0, got {layer!r}", "layers", i
+                )
             if i and layer <= layers[i - 1]:
-                raise ScheduleError(f"layers must be strictly increasing, got {layers}", "layers", i)
+                raise ScheduleError(
+                    f"layers must be strictly increasing, got {layers}", "layers", i
+                )
         for i, r in enumerate(self.removal_ratios):
             if not (0.0 <= float(r) < 1.0):
-                raise ScheduleError(f"removal ratio must be in [0, 1) (0 keeps every token), got {r!r}", "removal_ratios", i)
+                raise ScheduleError(
+                    f"removal ratio must be in [0, 1) (0 keeps every token), got {r!r}",
+                    "removal_ratios",
+                    i,
+                )
         check_windows(self.windows_per_side, self.window_size)
 
     def stages(self) -> list[StageSpec]:
@@ -145,9 +172,15 @@ class ExplicitSchedule(Scheduler):
             raise ScheduleError("give windows_per_side or window_size, not both", "window_size")
         if self.window_size is not None:
             sizes = per_stage([tuple(s) for s in self.window_size], n, "window_size")
-            return [StageSpec(int(at), float(r), window_size=s) for at, r, s in zip(self.layers, ratios, sizes)]
+            return [
+                StageSpec(int(at), float(r), window_size=s)
+                for at, r, s in zip(self.layers, ratios, sizes)
+            ]
         wps = per_stage(self.windows_per_side or (1,), n, "windows_per_side")
-        return [StageSpec(int(at), float(r), windows_per_side=int(w)) for at, r, w in zip(self.layers, ratios, wps)]
+        return [
+            StageSpec(int(at), float(r), windows_per_side=int(w))
+            for at, r, w in zip(self.layers, ratios, wps)
+        ]
 
     def plan(self, num_layers):
         return self._validate(self.stages(), num_layers)

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..base import removed_names
-from .explicit import _as_list, _nullable, _one_or_list
 from .core import (
     ScheduleError,
     Scheduler,
@@ -16,6 +15,7 @@ from .core import (
     check_windows,
     ratio_for_target,
 )
+from .explicit import _as_list, _nullable, _one_or_list
 
 __all__ = ["KeptFractionSchedule"]
 
@@ -54,7 +54,11 @@ class KeptFractionSchedule(Scheduler):
         self._check()
 
     shorthand: ClassVar[str] = "kept_fraction"
-    shorthand_keys: ClassVar[tuple[str, ...]] = ("relative_layers", "windows_per_side", "max_removal_ratio")
+    shorthand_keys: ClassVar[tuple[str, ...]] = (
+        "relative_layers",
+        "windows_per_side",
+        "max_removal_ratio",
+    )
 
     @classmethod
     def from_shorthand(cls, data: dict[str, Any]) -> dict[str, Any]:
@@ -71,8 +75,10 @@ class KeptFractionSchedule(Scheduler):
             if isinstance(wps, list) and len(wps) == 1:
                 wps = wps * n
             elif isinstance(wps, list) and len(wps) != n:
-                raise ScheduleError(f"windows_per_side has {len(wps)} entries for {n} relative layers; give 1 or {n}",
-                                    "windows_per_side")
+                raise ScheduleError(
+                    f"windows_per_side has {len(wps)} entries for {n} relative layers; give 1 or {n}",
+                    "windows_per_side",
+                )
             params["windows_per_side"] = wps
         elif isinstance(rel, list):
             params["windows_per_side"] = [1] * n
@@ -86,7 +92,11 @@ class KeptFractionSchedule(Scheduler):
         out: dict[str, Any] = {"kept_fraction": float(self.kept_fraction)}
         if not rel_default:
             out["relative_layers"] = [float(f) for f in self.relative_layers]
-        implied = tuple(default["windows_per_side"].default) if rel_default else (1,) * len(self.relative_layers)
+        implied = (
+            tuple(default["windows_per_side"].default)
+            if rel_default
+            else (1,) * len(self.relative_layers)
+        )
         if tuple(self.windows_per_side) != implied:
             out["windows_per_side"] = list(self.windows_per_side)
         if self.max_removal_ratio != default["max_removal_ratio"].default:
@@ -119,10 +129,16 @@ class KeptFractionSchedule(Scheduler):
         check_fraction(self.kept_fraction, "kept_fraction", True, False, "target kept fraction")
         check_fraction(self.max_removal_ratio, "max_removal_ratio", True, True, "max_removal_ratio")
         if not self.relative_layers:
-            raise ScheduleError("give at least one relative layer, e.g. [0.375, 0.5625, 0.75]", "relative_layers")
+            raise ScheduleError(
+                "give at least one relative layer, e.g. [0.375, 0.5625, 0.75]", "relative_layers"
+            )
         for i, f in enumerate(self.relative_layers):
             if not 0.0 <= float(f) <= 1.0:
-                raise ScheduleError(f"relative layers are fractions of depth in [0, 1], got {f!r}", "relative_layers", i)
+                raise ScheduleError(
+                    f"relative layers are fractions of depth in [0, 1], got {f!r}",
+                    "relative_layers",
+                    i,
+                )
         check_windows(self.windows_per_side, None)
         n, k = len(self.relative_layers), len(self.windows_per_side)
         if k != n:
@@ -137,19 +153,32 @@ class KeptFractionSchedule(Scheduler):
         base = sorted({min(num_layers - 1, round(f * num_layers)) for f in self.relative_layers})
 
         def make(p: float, shift: int = 0) -> list[StageSpec]:
-            return [StageSpec(at - shift, p, windows_per_side=w) for at, w in zip(base, self.windows_per_side)]
+            return [
+                StageSpec(at - shift, p, windows_per_side=w)
+                for at, w in zip(base, self.windows_per_side)
+            ]
 
         def kept(p: float, shift: int = 0) -> float:
             return average_kept_fraction(make(p, shift), num_layers)
 
         # Too little removal at these depths even at max_removal_ratio: move every stage earlier by
         # the same number of layers (keeping their spacing) until the target is reachable.
-        shift = next((t for t in range(base[0] + 1) if kept(self.max_removal_ratio, t) <= self.kept_fraction), None)
+        shift = next(
+            (
+                t
+                for t in range(base[0] + 1)
+                if kept(self.max_removal_ratio, t) <= self.kept_fraction
+            ),
+            None,
+        )
         if shift is None:
             raise ValueError(
                 f"kept fraction {self.kept_fraction} is out of reach on {num_layers} layers: starting at layer 0 "
                 f"with ratio {self.max_removal_ratio} per stage still keeps {kept(self.max_removal_ratio, base[0]):.3f}; "
                 "add stages (relative_layers) or use a partitioner that removes more (max_removal_ratio)"
             )
-        p = round(ratio_for_target(lambda r: kept(r, shift), self.kept_fraction, self.max_removal_ratio), 6)
+        p = round(
+            ratio_for_target(lambda r: kept(r, shift), self.kept_fraction, self.max_removal_ratio),
+            6,
+        )
         return self._validate([] if p == 0 else make(p, shift), num_layers)

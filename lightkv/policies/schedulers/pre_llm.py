@@ -47,5 +47,7 @@ class PreLLMSchedule(Scheduler):
 
     def plan(self, num_layers):
         self._check_depth(num_layers)
-        spec = StageSpec(0, float(self.removal_ratio), self.windows_per_side, self.window_size, mode="pre_llm")
+        spec = StageSpec(
+            0, float(self.removal_ratio), self.windows_per_side, self.window_size, mode="pre_llm"
+        )
         return self._validate([spec], num_layers)

@@ -31,9 +31,11 @@ def scale_layers(layers: Sequence[int], ref_depth: int, depth: int) -> tuple[int
             kept = max(kept, out[-1] + 2)
         out.append(kept - 1)
     if out and out[-1] > depth - 2:
-        raise ValueError(f"schedule {list(layers)} of {ref_depth} layers does not fit {depth} layers: its "
-                         f"{len(out)} stage(s) need at least {len(out) + 1} layers (a stage after each of the "
-                         "first ones, and a layer after the last)")
+        raise ValueError(
+            f"schedule {list(layers)} of {ref_depth} layers does not fit {depth} layers: its "
+            f"{len(out)} stage(s) need at least {len(out) + 1} layers (a stage after each of the "
+            "first ones, and a layer after the last)"
+        )
     return tuple(out)
 
 
@@ -49,16 +51,28 @@ def check_reference(scheduler, ratios) -> None:
     Raises:
         ScheduleError: a bad ``ref_depth``, or stages that do not fit it.
     """
-    if isinstance(scheduler.ref_depth, bool) or not isinstance(scheduler.ref_depth, int) or scheduler.ref_depth < 2:
-        raise ScheduleError(f"ref_depth must be an integer >= 2, got {scheduler.ref_depth!r}", "ref_depth")
-    ref = ExplicitSchedule(layers=tuple(scheduler.layers), removal_ratios=tuple(ratios),
-                           windows_per_side=scheduler.windows_per_side, window_size=scheduler.window_size)
+    if (
+        isinstance(scheduler.ref_depth, bool)
+        or not isinstance(scheduler.ref_depth, int)
+        or scheduler.ref_depth < 2
+    ):
+        raise ScheduleError(
+            f"ref_depth must be an integer >= 2, got {scheduler.ref_depth!r}", "ref_depth"
+        )
+    ref = ExplicitSchedule(
+        layers=tuple(scheduler.layers),
+        removal_ratios=tuple(ratios),
+        windows_per_side=scheduler.windows_per_side,
+        window_size=scheduler.window_size,
+    )
     try:
         ref.plan(scheduler.ref_depth)
     except ScheduleError:
         raise
     except ValueError as e:
-        raise ScheduleError(f"{e} (the layers are written for ref_depth={scheduler.ref_depth})", "layers") from None
+        raise ScheduleError(
+            f"{e} (the layers are written for ref_depth={scheduler.ref_depth})", "layers"
+        ) from None
 
 
 @Scheduler.register("scaled")
@@ -105,9 +119,12 @@ class ScaledSchedule(Scheduler):
         Raises:
             ValueError: the scaled stages do not fit ``num_layers`` layers.
         """
-        return ExplicitSchedule(layers=reference_layers(self.layers, self.ref_depth, num_layers),
-                                removal_ratios=tuple(self.removal_ratios), windows_per_side=self.windows_per_side,
-                                window_size=self.window_size)
+        return ExplicitSchedule(
+            layers=reference_layers(self.layers, self.ref_depth, num_layers),
+            removal_ratios=tuple(self.removal_ratios),
+            windows_per_side=self.windows_per_side,
+            window_size=self.window_size,
+        )
 
     def plan(self, num_layers):
         self._check_depth(num_layers)

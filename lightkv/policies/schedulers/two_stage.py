@@ -39,8 +39,14 @@ class PreLLMThenLayer(Scheduler):
 
     def __post_init__(self) -> None:
         check_fraction(self.removal_ratio, "removal_ratio", False, True, "removal ratio")
-        check_fraction(self.later_removal_ratio, "later_removal_ratio", False, True, "later removal ratio")
-        if isinstance(self.depth, bool) or not isinstance(self.depth, (int, float)) or not 0.0 < float(self.depth) <= 1.0:
+        check_fraction(
+            self.later_removal_ratio, "later_removal_ratio", False, True, "later removal ratio"
+        )
+        if (
+            isinstance(self.depth, bool)
+            or not isinstance(self.depth, (int, float))
+            or not 0.0 < float(self.depth) <= 1.0
+        ):
             raise ScheduleError(f"depth must be in (0, 1], got {self.depth!r}", "depth")
 
     def max_stages(self) -> int:
@@ -53,5 +59,7 @@ class PreLLMThenLayer(Scheduler):
     def plan(self, num_layers):
         self._check_depth(num_layers)
         first = StageSpec(0, float(self.removal_ratio), windows_per_side=1, mode="pre_llm")
-        later = StageSpec(self.later_layer(num_layers), float(self.later_removal_ratio), windows_per_side=1)
+        later = StageSpec(
+            self.later_layer(num_layers), float(self.later_removal_ratio), windows_per_side=1
+        )
         return self._validate([first, later], num_layers)

@@ -1,0 +1,113 @@
+"""Prefill efficiency side by side: uncompressed vs each preset, per model shape.
+
+For model shapes of LLaVA-1.5-7B (576 vision tokens), LLaVA-NeXT-7B (2,928), Qwen2.5-VL-7B
+(1,024) and InternVL3-8B (tiles of 256), random-weight models with the *real* vision-token
+counts and the real head dimension (128), MLP ratio and grouped-query ratio are run with a
+*reduced* decoder (default 8 layers, 4 or 7 heads: width 512 or 896; see `MODELS`), or
+with ``width="full"`` (``--width full``) the real width, heads and MLP (7B: 4096, 32 heads,
+11008) with only the depth reduced, and for each variant (no compression, then every
+preset; with ``projection_baseline`` also LightKV projecting each scheduled layer's input
+a second time) this measures:
+
+* **FLOPs**: analytic prefill FLOPs of the language model (`session.report()`: per layer
+  projections + attention + MLP at the layer's real length, plus the relevance
+  projections), their ratio, and the same ratio for the full-size reference decoder with
+  the preset's unscaled schedule (token counts per stage taken from the run);
+* **KV bytes**: total and vision KV bytes read from the cache tensors the prefill returns;
+* **TTFT**: a prefill that fills the cache and returns the first token, median of
+  ``repeats`` runs after ``warmup`` runs, variants interleaved (CUDA events on a GPU);
+* **peak memory** of the prefill above the loaded model (CPU: the kernel's resident-set
+  high-water mark ``VmHWM``, reset through ``/proc/self/clear_refs`` before each prefill,
+  in a child process whose glibc returns every allocation of 256 KiB or more to the system
+  on free (``MALLOC_MMAP_THRESHOLD_``), so the high-water mark follows the live tensors;
+  CUDA: ``max_memory_allocated``);
+* **overhead** of the compression inside the prefill (timing hooks around the session's
+  own hooks: layout, relevance, stage = graph + merge + new masks, per-layer bookkeeping)
+  as a share of the prefill;
+* **reference-style scoring**: at each merge layer, the full ``[B, H, N, N]`` attention
+  matrix from the layer's own queries and keys, softmax over the query axis, reduced to
+  per-vision-token relevance as the authors' code does (which runs eager attention at
+  merge layers), timed and measured for memory next to our relevance.
+
+```python
+from lightkv_lab.bench.efficiency import BenchConfig, run
+result = run(BenchConfig(models=("llava",), presets=("lightkv",), quick=True))
+
+The package, by responsibility:
+
+* `lightkv_lab.bench.efficiency.shapes`: the benchmarked model shapes (`MODELS`), `BenchConfig`,
+  schedules scaled to the reduced depth and the reduced models themselves;
+* `lightkv_lab.bench.efficiency.measure`: timers, the overhead probe, reference-style scoring,
+  KV bytes and FLOPs accounting, peak memory (in a child process on CPU);
+* `lightkv_lab.bench.efficiency.runner`: one model's measurements (`bench_model`) and `run`;
+* `lightkv_lab.bench.efficiency.report`: summary rows, target checks, Markdown, plots and files;
+* `lightkv_lab.bench.efficiency.profile`: torch.profiler ranges per hook family and the operators
+  inside them (``benchmarks/profile_overhead.py``);
+* `lightkv_lab.bench.efficiency.scaling`: stage and prefill cost vs vision tokens, with fitted
+  exponents (``lightkv bench scaling``).
+"""
+
+from __future__ import annotations
+
+from lightkv_lab.bench.efficiency.measure import (
+    OverheadProbe,
+    ReferenceScoring,
+    first_token,
+    measure_peaks,
+    measure_peaks_in_child,
+)
+from lightkv_lab.bench.efficiency.report import (
+    check_targets,
+    markdown_table,
+    plots,
+    summary_rows,
+    write_outputs,
+)
+from lightkv_lab.bench.efficiency.runner import bench_model, run
+from lightkv_lab.bench.efficiency.shapes import (
+    DEFAULT_PRESETS,
+    DTYPES,
+    EAGER_REF,
+    HEAD_DIM,
+    MODELS,
+    PROJECTED,
+    RESULTS,
+    UNCOMPRESSED,
+    BenchConfig,
+    ModelSpec,
+    build_model,
+    quick_config,
+    scale_layers,
+    scaled_pipeline,
+)
+
+_child_peaks = measure_peaks_in_child  # the older name (tests use it)
+
+__all__ = [
+    "DEFAULT_PRESETS",
+    "DTYPES",
+    "EAGER_REF",
+    "HEAD_DIM",
+    "MODELS",
+    "PROJECTED",
+    "RESULTS",
+    "UNCOMPRESSED",
+    "BenchConfig",
+    "ModelSpec",
+    "OverheadProbe",
+    "ReferenceScoring",
+    "bench_model",
+    "build_model",
+    "check_targets",
+    "first_token",
+    "markdown_table",
+    "measure_peaks",
+    "measure_peaks_in_child",
+    "plots",
+    "quick_config",
+    "run",
+    "scale_layers",
+    "scaled_pipeline",
+    "summary_rows",
+    "write_outputs",
+]
