@@ -111,7 +111,7 @@ def test_released_quirks_only_in_the_released_presets(name):
         base = PRESETS[name.replace("-released", "")].build()
         assert dataclasses.replace(pipe, name=base.name, relevance=base.relevance,
                                    released_quirks=base.released_quirks) == base
-        assert pipe.released_quirks.enabled() == ["renumber_positions", "unmasked_first_merge"]
+        assert pipe.released_quirks.enabled() == ["renumber_positions", "unmasked_first_merge", "eager_merge_layers"]
 
 
 def test_released_quirks_in_yaml():
@@ -125,8 +125,8 @@ def test_released_quirks_in_yaml():
     got = problems(e.value)
     assert "did you mean 'renumber_positions'?" in got["released_quirks.renumber_position"]
     assert "boolean" in got["released_quirks.unmasked_first_merge"]
-    assert set(json_schema()["$defs"]["ReleasedQuirksConfig"]["properties"]) == {"renumber_positions",
-                                                                                "unmasked_first_merge"}
+    assert set(json_schema()["$defs"]["ReleasedQuirksConfig"]["properties"]) == {
+        "renumber_positions", "unmasked_first_merge", "eager_merge_layers"}
 
 
 CACHE_MODE = ("elasticcache", "h2o")

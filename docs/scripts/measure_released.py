@@ -26,6 +26,7 @@ def variants(family: str) -> dict[str, lightkv.Pipeline]:
     out = {
         "renumber_positions": dataclasses.replace(base, released_quirks=ReleasedQuirks(renumber_positions=True)),
         "unmasked_first_merge": dataclasses.replace(base, released_quirks=ReleasedQuirks(unmasked_first_merge=True)),
+        "eager_merge_layers": dataclasses.replace(base, released_quirks=ReleasedQuirks(eager_merge_layers=True)),
     }
     if family == "llava":
         out["random relevance"] = dataclasses.replace(base, relevance=lightkv.policies.RandomRelevance())
