@@ -164,21 +164,40 @@ class ReleasedQuirksHook:
         return layer == self.first_merge
 
     def prefill_mask(self, layer: int, layout: VisionLayout, impl: str, dtype: torch.dtype) -> torch.Tensor | None:
-        """The mask of the first merge layer during prefill: every real token attends to
-        every real token of its row, padding hidden (a padding row attends to itself only,
-        so its states stay finite). None for every other layer.
+        """The mask of the first merge layer during prefill: in a row with vision tokens
+        every real token attends to every real token of the row, padding hidden (a padding
+        row attends to itself only, so its states stay finite); a row without vision tokens
+        stays causal, as it is when it runs alone (no layout, nothing to merge), so a
+        text-only row does not depend on the image rows batched with it. None for every
+        other layer.
 
         Returns:
             ``[B, 1, N, N]`` (bool under sdpa, additive float under eager) or None. Under
             FlashAttention-2 the 2-D padding mask (None without padding): the layer then runs
             with the kernel's causal flag off (`noncausal`).
+
+        Raises:
+            NotImplementedError: under FlashAttention-2, a batch that mixes rows with and
+                without vision tokens (the kernel's causal flag is one for the whole batch).
         """
         if layer != self.first_merge:
             return None
         valid = layout.valid_mask
+        has_vision = layout.vision_mask.any(dim=1)  # [B]
         if impl == FLASH:
+            real = valid.any(dim=1)
+            if bool((real & ~has_vision).any()):
+                raise NotImplementedError(
+                    "unmasked_first_merge under FlashAttention-2 with a batch that mixes rows with and without "
+                    "images: the kernel's causal flag is one for the whole batch, and a text-only row must stay "
+                    "causal; batch text-only prompts separately or load the model with attn_implementation='sdpa'"
+                )
             return flash_mask(valid)
         allowed = valid.unsqueeze(1) & valid.unsqueeze(2)
+        if not bool(has_vision.all()):
+            origin = layout.origin
+            causal = origin.unsqueeze(1) <= origin.unsqueeze(2)  # [B, Q, K]: key before query
+            allowed &= causal | has_vision.view(-1, 1, 1)
         allowed |= torch.eye(valid.shape[1], dtype=torch.bool, device=valid.device)
         return finish_mask(allowed, impl, dtype)
 
