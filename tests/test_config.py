@@ -134,7 +134,11 @@ def test_released_quirks_only_in_the_released_presets(name):
             )
             == base
         )
-        assert pipe.released_quirks.enabled() == ["renumber_positions", "unmasked_first_merge"]
+        assert pipe.released_quirks.enabled() == [
+            "renumber_positions",
+            "unmasked_first_merge",
+            "eager_merge_layers",
+        ]
 
 
 def test_released_quirks_in_yaml():
@@ -153,6 +157,7 @@ def test_released_quirks_in_yaml():
     assert set(json_schema()["$defs"]["ReleasedQuirksConfig"]["properties"]) == {
         "renumber_positions",
         "unmasked_first_merge",
+        "eager_merge_layers",
     }
 
 

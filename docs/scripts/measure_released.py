@@ -34,6 +34,9 @@ def variants(family: str) -> dict[str, lightkv.Pipeline]:
         "unmasked_first_merge": dataclasses.replace(
             base, released_quirks=ReleasedQuirks(unmasked_first_merge=True)
         ),
+        "eager_merge_layers": dataclasses.replace(
+            base, released_quirks=ReleasedQuirks(eager_merge_layers=True)
+        ),
     }
     if family == "llava":
         out["random relevance"] = dataclasses.replace(

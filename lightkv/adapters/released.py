@@ -1,24 +1,56 @@
 """The released code's model-level quirks inside a session (`lightkv.quirks.ReleasedQuirks`):
-positions renumbered after a merge, and the first merge layer without a causal mask.
+positions renumbered after a merge, the first merge layer without a causal mask, and the
+merge layers' attention computed eagerly.
 
-Internals of `lightkv.adapters.session`; a no-op unless a quirk is on. Both act during
+Internals of `lightkv.adapters.session`; a no-op unless a quirk is on. All act during
 prefill only: decoding keeps the model's own positions (the original prompt length
-onwards) and causal masks, as the released code does.
+onwards), causal masks and attention implementation, as the released code does.
+
+Eager merge layers: nothing global changes (the registry ``ALL_ATTENTION_FUNCTIONS`` and
+the classes are never touched). The session arms a merge layer just before it runs in a
+prefill (`arm`); a forward pre-hook on that layer's attention module then replaces the
+module's ``config`` attribute, on this instance only, by `EagerConfigView` (the same config
+naming ``eager``), and a forward hook that runs even when the call raises puts the original
+object back. Between calls, and after the session, every module holds its original config.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+from torch import nn
 
 from ..graph.layout import VisionLayout
 from ..pipeline import Stage
 from ..quirks import RELEASED_FAMILIES, ReleasedQuirks
 from .base import Adapter
-from .masks import FLASH, finish_mask, flash_mask
+from .masks import FLASH, finish_mask, flash_mask, prefill_mask
 
-__all__ = ["ReleasedQuirksHook", "renumbered_ids"]
+__all__ = ["EagerConfigView", "ReleasedQuirksHook", "renumbered_ids"]
+
+EAGER = "eager"
+
+
+class EagerConfigView:
+    """A read-only view of a model config that names the ``eager`` attention implementation:
+    every other attribute is the wrapped config's (the modeling code reads
+    ``self.config._attn_implementation`` to choose its attention function)."""
+
+    __slots__ = ("_base",)
+    _attn_implementation = EAGER
+
+    def __init__(self, base: Any) -> None:
+        object.__setattr__(self, "_base", base)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_base"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(
+            f"lightkv's eager view of the model config is read-only (setting {name!r})"
+        )
 
 
 def renumbered_ids(valid: torch.Tensor) -> torch.Tensor:
@@ -48,6 +80,11 @@ class ReleasedQuirksHook:
     ):
         self.quirks = quirks
         self.first_merge: int | None = None
+        self.eager_layers: frozenset[int] = frozenset()
+        """The decoder layers whose attention runs eagerly during prefill (`eager_merge_layers`)."""
+        self._attention: dict[int, nn.Module] = {}
+        self._armed: int | None = None
+        self._swapped: dict[int, Any] = {}
         self._rotary = None
         if not quirks.any:
             return
@@ -69,6 +106,17 @@ class ReleasedQuirksHook:
             self.first_merge = min(
                 (s.spec.layer for s in stages if s.spec.removal_ratio > 0), default=None
             )
+        if quirks.eager_merge_layers:
+            self.eager_layers = frozenset(s.spec.layer for s in stages if s.spec.removal_ratio > 0)
+            layers = list(adapter.decoder_layers())
+            for i in sorted(self.eager_layers):
+                attn = getattr(layers[i], "self_attn", None)
+                if attn is None or getattr(attn, "config", None) is None:
+                    raise NotImplementedError(
+                        f"eager_merge_layers switches a merge layer's attention module to eager through its config, "
+                        f"but decoder layer {i} ({type(layers[i]).__name__}) has no self_attn.config; turn the quirk off"
+                    )
+                self._attention[i] = attn
         if quirks.renumber_positions:
             self._rotary = getattr(language_model, "rotary_emb", None)
             if not callable(self._rotary):
@@ -76,6 +124,50 @@ class ReleasedQuirksHook:
                     f"renumber_positions needs the decoder's rotary embedding ({type(language_model).__name__}"
                     ".rotary_emb); turn the quirk off"
                 )
+
+    # ------------------------------------------------------------ eager merge layers
+    def eager(self, layer: int) -> bool:
+        """Whether ``layer`` runs its attention eagerly during prefill (`eager_merge_layers`)."""
+        return layer in self.eager_layers
+
+    def install(self) -> list[Any]:
+        """The hooks on the eager merge layers' attention modules (none when the quirk is
+        off); the session removes them with its own."""
+        handles = []
+        for i, attn in self._attention.items():
+            handles.append(attn.register_forward_pre_hook(lambda m, args, i=i: self._swap(i, m)))
+            handles.append(
+                attn.register_forward_hook(
+                    lambda m, args, out, i=i: self._restore(i, m), always_call=True
+                )
+            )
+        return handles
+
+    def arm(self, layer: int) -> None:
+        """The session is about to run ``layer`` in a prefill: its attention call will be eager."""
+        self._armed = layer
+
+    def disarm(self) -> None:
+        """The forward ended (also after an error): nothing stays armed or swapped."""
+        self._armed = None
+        for i in list(self._swapped):
+            self._restore(i, self._attention[i])
+
+    def _swap(self, layer: int, module: nn.Module) -> None:
+        if self._armed != layer:
+            return
+        self._armed = None
+        self._swapped[layer] = module.config
+        module.config = EagerConfigView(module.config)
+
+    def _restore(self, layer: int, module: nn.Module) -> None:
+        if layer in self._swapped:
+            module.config = self._swapped.pop(layer)
+
+    def eager_mask(self, layer: int, layout: VisionLayout, dtype: torch.dtype) -> torch.Tensor:
+        """The additive float mask of an eager merge layer whose input is not compressed:
+        causal, padding hidden (the first merge layer without `unmasked_first_merge`)."""
+        return prefill_mask(layout.origin, layout.valid_mask, EAGER, dtype)
 
     def noncausal(self, layer: int) -> bool:
         """Whether ``layer`` is the first merge layer, which the released code runs without a
@@ -85,21 +177,40 @@ class ReleasedQuirksHook:
     def prefill_mask(
         self, layer: int, layout: VisionLayout, impl: str, dtype: torch.dtype
     ) -> torch.Tensor | None:
-        """The mask of the first merge layer during prefill: every real token attends to
-        every real token of its row, padding hidden (a padding row attends to itself only,
-        so its states stay finite). None for every other layer.
+        """The mask of the first merge layer during prefill: in a row with vision tokens
+        every real token attends to every real token of the row, padding hidden (a padding
+        row attends to itself only, so its states stay finite); a row without vision tokens
+        stays causal, as it is when it runs alone (no layout, nothing to merge), so a
+        text-only row does not depend on the image rows batched with it. None for every
+        other layer.
 
         Returns:
             ``[B, 1, N, N]`` (bool under sdpa, additive float under eager) or None. Under
             FlashAttention-2 the 2-D padding mask (None without padding): the layer then runs
             with the kernel's causal flag off (`noncausal`).
+
+        Raises:
+            NotImplementedError: under FlashAttention-2, a batch that mixes rows with and
+                without vision tokens (the kernel's causal flag is one for the whole batch).
         """
         if layer != self.first_merge:
             return None
         valid = layout.valid_mask
+        has_vision = layout.vision_mask.any(dim=1)  # [B]
         if impl == FLASH:
+            real = valid.any(dim=1)
+            if bool((real & ~has_vision).any()):
+                raise NotImplementedError(
+                    "unmasked_first_merge under FlashAttention-2 with a batch that mixes rows with and without "
+                    "images: the kernel's causal flag is one for the whole batch, and a text-only row must stay "
+                    "causal; batch text-only prompts separately or load the model with attn_implementation='sdpa'"
+                )
             return flash_mask(valid)
         allowed = valid.unsqueeze(1) & valid.unsqueeze(2)
+        if not bool(has_vision.all()):
+            origin = layout.origin
+            causal = origin.unsqueeze(1) <= origin.unsqueeze(2)  # [B, Q, K]: key before query
+            allowed &= causal | has_vision.view(-1, 1, 1)
         allowed |= torch.eye(valid.shape[1], dtype=torch.bool, device=valid.device)
         return finish_mask(allowed, impl, dtype)
 

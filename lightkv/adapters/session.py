@@ -28,7 +28,7 @@ replace listed layers' cache entries after they ran; ``tower`` reads the vision 
 attention. Beam search works because the hole masks live in the cache layers and follow
 ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave``;
 ``proportional`` adds ``log(size)`` per key; ``released`` reproduces the released code's
-renumbered positions and unmasked first merge.
+renumbered positions, unmasked first merge and eager merge layers.
 """
 
 from __future__ import annotations

@@ -52,6 +52,12 @@ class ReleasedQuirksConfig(BaseModel):
         description="The decoder layer whose output the first stage merges attends without a causal mask during "
         "prefill (every real token to every real token of its row).",
     )
+    eager_merge_layers: StrictBool = Field(
+        False,
+        description="Every decoder layer whose output a stage merges computes its attention during prefill with "
+        "transformers' eager attention (softmax in float32), as the released code does; float64 logits then "
+        "equal the released code's bit for bit. Decoding and the other layers keep the model's implementation.",
+    )
 
 
 class PipelineConfig(BaseModel):

@@ -1,5 +1,6 @@
 """A stage never changes the attention implementation: every preset keeps sdpa (what ran,
-watched per call, and the configs after the session); FlashAttention-3, flex attention and
+watched per call, and the configs after the session), but for the released presets' declared
+eager merge layers; FlashAttention-3, flex attention and
 static caches are refused with errors that say why and name the fix (FlashAttention-2 runs:
 test_flash.py); the watch itself sees eager and a switch."""
 
@@ -56,7 +57,13 @@ def test_every_preset_runs_the_attention_the_model_was_loaded_with(preset):
         _pipeline(preset), model, fam.collate([fam.row(model, seed=1)])
     )
     assert session.last_prefill is not None
-    assert dict(watch.ran) == {"sdpa": DEPTH} and watch.sdpa_kernels == DEPTH
+    eager = len(session._ctx.released.eager_layers)
+    if preset.startswith("lightkv-paper-released"):
+        # the one declared switch: the released code's merge layers run eager (eager_merge_layers)
+        assert eager == len([s for s in session._ctx.stages if s.spec.removal_ratio > 0]) > 0
+    assert eager == 0 or preset.startswith("lightkv-paper-released")
+    want = {"sdpa": DEPTH - eager, "eager": eager} if eager else {"sdpa": DEPTH}
+    assert dict(watch.ran) == want and watch.sdpa_kernels == DEPTH - eager
     assert configured_attention(model) == before and set(before.values()) == {"sdpa"}
     assert all("forward" not in m.__dict__ for m in attention_modules(model))  # the watch is gone
 
@@ -107,7 +114,9 @@ def test_a_switch_to_eager_inside_a_prefill_is_caught(monkeypatch):
         cfg._attn_implementation = "sdpa"
     assert dict(watch.ran) == {"sdpa": 2, "eager": 2}
     with pytest.raises(
-        AttentionChanged, match="preset 'lightkv' ran .*'eager', 'sdpa'.* but uncompressed ran"
+        AttentionChanged,
+        match="preset 'lightkv' ran .*'eager', 'sdpa'.* but uncompressed ran.*"
+        "eager_merge_layers.*turn it off",
     ):
         check_same_attention(
             {"uncompressed": ["sdpa"], "lightkv": watch.implementations}, "uncompressed"

@@ -140,13 +140,26 @@ def test_the_released_quirks_on_qwen_m_rope_under_flash_equal_the_sdpa_run(flash
     if "qwen" not in _MODELS:
         _MODELS["qwen"] = fam.build(attn_implementation="sdpa", num_layers=DEPTH).eval()
     model = _MODELS["qwen"]
-    pipe = _preset("lightkv-paper-released-qwen2_5_vl", DEPTH)
-    assert pipe.released_quirks.unmasked_first_merge and pipe.released_quirks.renumber_positions
+    preset = _preset("lightkv-paper-released-qwen2_5_vl", DEPTH)
+    assert preset.released_quirks.unmasked_first_merge and preset.released_quirks.renumber_positions
+    # the kernel's own path: the merge layers under FlashAttention-2 (eager_merge_layers off)
+    pipe = replace(
+        preset, released_quirks=replace(preset.released_quirks, eager_merge_layers=False)
+    )
     _assert_flash_equals_sdpa(model, fam, pipe, _batches(fam, model)["padded"], 1e-5)
     assert flash.counts["masks_4d"] == 0
     assert (
         flash.counts["causal_off"] == 2
     )  # the first merge layer, in the forward and in generate's prefill
+    # the preset as shipped: its merge layers run eager with their own 4-D additive masks,
+    # which never reach the flash kernel; every other layer stays on it
+    calls = flash.counts["calls"]
+    _assert_flash_equals_sdpa(model, fam, preset, _batches(fam, model)["padded"], 1e-5)
+    assert (
+        flash.counts["masks_4d"] == 0
+        and flash.counts["causal_off"] == 2
+        and flash.counts["calls"] > calls
+    )
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -56,22 +56,29 @@ class SequenceMode(Mode):
             )
         )
         ctx = self.ctx
+        # the released code's merge layers run eager attention: this call only, with an eager mask
+        eager = ctx.released.eager(i)
+        impl = "eager" if eager else st.impl
+        if eager:
+            ctx.released.arm(i)
         if not st.compressed:
             st.full_pos, st.full_pos_ids = (
                 kwargs.get("position_embeddings"),
                 kwargs.get("position_ids"),
             )
             if ctx.released.noncausal(i):  # the released code's first merge layer: no causal mask
-                kwargs["attention_mask"] = ctx.released.prefill_mask(
-                    i, layout, st.impl, hidden.dtype
-                )
-                if st.impl == FLASH:  # no mask can lift FlashAttention's causality: its flag can
+                kwargs["attention_mask"] = ctx.released.prefill_mask(i, layout, impl, hidden.dtype)
+                if impl == FLASH:  # no mask can lift FlashAttention's causality: its flag can
                     kwargs["is_causal"] = False
+            elif eager:  # the model's own mask is made for its implementation (None under sdpa)
+                kwargs["attention_mask"] = ctx.released.eager_mask(i, layout, hidden.dtype)
             return
         key = ctx.adapter.mask_key(i)
+        if eager:
+            key = (key, "eager")
         if key not in st.masks:
             st.masks[key] = ctx.proportional.prefill_mask(
-                i, layout, st.provenance, st.impl, hidden.dtype
+                i, layout, st.provenance, impl, hidden.dtype
             )
         kwargs["attention_mask"] = st.masks[key]
         full = kwargs.get("position_embeddings")
@@ -93,6 +100,14 @@ class SequenceMode(Mode):
             masked.pending_sizes = ctx.proportional.sizes(
                 st.provenance
             )  # None unless proportional attention
+
+    def install(self) -> list:
+        return (
+            self.ctx.released.install()
+        )  # the eager merge layers' switches (none unless asked for)
+
+    def end_forward(self) -> None:
+        self.ctx.released.disarm()
 
     def decode_pre(self, call: LayerCall) -> None:
         st, i, cache = call.state, call.layer, call.cache
