@@ -186,8 +186,10 @@ def test_the_gpu_checks_vllm_section_dry_runs_without_a_gpu(tmp_path):
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=env, capture_output=True,
                           text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "vllm==0.32.0" in proc.stdout
+    assert "vllm==0.33.0" in proc.stdout  # the current CUDA release of the declared range
     assert "divprune: 128 of 576 image tokens" in proc.stdout
+    for variant, kept in (("stock", 576), ("divprune-55", 317), ("divprune-22", 127), ("divprune-11", 64)):
+        assert f"vllm_concurrency (dry run): {variant}: {kept} of 576 image tokens, concurrency [1, 8, 32]" in proc.stdout
     assert "lightkv-pre-llm-uniform: 288 of 576 image tokens" in proc.stdout
     assert "3c. where flash_attn imports: stock vs lightkv under --attn-implementation flash_attention_2" in proc.stdout
     assert f"{tmp_path}/budgets-fa2" in proc.stdout and "padded batch of 8" in proc.stdout
