@@ -124,7 +124,20 @@ def _refuse_video() -> None:
 
 
 class LightKVQwen2_5_VLProcessor(Qwen2_5_VLMultiModalProcessor):
-    """Qwen2.5-VL's processor with one placeholder per token the pipeline keeps."""
+    """Qwen2.5-VL's processor with one placeholder per token the pipeline keeps, and
+    multimodal hashes that name the pipeline."""
+
+    def _get_mm_hashes(self, inputs: Any) -> Any:
+        """Each image's hash, over the image and the pipeline's `lightkv.Pipeline.fingerprint`.
+
+        vLLM keys its processor cache, its encoder cache and its prefix cache (the extra keys of
+        a block's hash) with these hashes, and hands them to KV connectors (LMCache, ...): a
+        compressed image's KV is found again only under the same pipeline, never another's,
+        also when engines with different pipelines share one external KV store."""
+        return inputs.get_mm_hashes(
+            f"{self.info.model_id}#lightkv:{plan_for(self.info.get_hf_config()).fingerprint}",
+            self.info.ctx.get_mm_config().mm_hasher_algorithm,
+        )
 
     def _get_prompt_updates(
         self, mm_items: Any, hf_processor_mm_kwargs: Mapping[str, Any], out_mm_kwargs: Any
