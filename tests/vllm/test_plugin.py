@@ -156,19 +156,28 @@ def test_a_video_is_refused(engine):
 @pytest.mark.parametrize(
     "arch, pipeline, words",
     [
-        (QWEN, "lightkv", ["cannot run inside vLLM", "one KV length for all layers"]),
         (QWEN, "lightkv-pre-llm", ["prompt-aware", "relevance: uniform"]),
         ("LightKVLlavaForConditionalGeneration", "divprune", ["does not compress LLaVA-1.5", "Qwen2.5-VL"]),
         (None, "divprune", ["stock model", "uncompressed", QWEN]),
-        (QWEN, None, ["names no lightkv pipeline"]),
     ],
-    ids=["in-decoder", "prompt-aware", "llava", "stock-arch-with-pipeline", "no-pipeline"],
+    ids=["prompt-aware", "llava", "stock-arch-with-pipeline"],
 )
 def test_clear_refusals(engine, arch, pipeline, words):
+    """One engine per path a refusal takes (the plan, a refused architecture, the runner's
+    check); every pipeline refusal's message is checked without vLLM in tests/test_vllm_plan.py."""
     result = engine(arch=arch, pipeline=pipeline, prompts=PROMPTS[:1], max_tokens=2)
     assert "error" in result, "expected a refusal, the engine ran"
     for word in words:
         assert word in result["error"]["message"], result["error"]["message"]
+
+
+def test_a_lightkv_architecture_without_a_pipeline_is_refused():
+    import types
+
+    from lightkv.integrations.vllm.qwen2_5_vl import plan_for
+
+    with pytest.raises(ValueError, match="names no lightkv pipeline"):
+        plan_for(types.SimpleNamespace(text_config=types.SimpleNamespace(num_hidden_layers=2)))
 
 
 def test_an_untested_vllm_version_is_refused(monkeypatch):
