@@ -135,7 +135,7 @@ def serve(args: argparse.Namespace, variant: str) -> dict:
     levels = sorted(set(args.concurrency))
     engine_args = AsyncEngineArgs(
         model=args.model_dir, tokenizer=args.model_dir, load_format="dummy", dtype=SHAPES[args.shape]["dtype"],
-        hf_overrides=overrides, enforce_eager=args.eager, max_model_len=4096, max_num_seqs=max(levels),
+        **({"hf_overrides": overrides} if overrides else {}), enforce_eager=args.eager, max_model_len=4096, max_num_seqs=max(levels),
         limit_mm_per_prompt={"image": 1}, seed=0, enable_prefix_caching=False,
         **({"gpu_memory_utilization": 0.85} if args.shape == "7b" else {}))
     rng = np.random.default_rng(0)
