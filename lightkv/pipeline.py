@@ -334,23 +334,6 @@ class Pipeline:
             raise TypeError(f"proportional_attention must be True or False, got {self.proportional_attention!r}")
         check_memory(self.divergence_memory_mib)
 
-    def fingerprint(self) -> str:
-        """A stable hash of what this pipeline does: SHA-256 (16 hex digits) of its canonical
-        YAML (`lightkv.to_yaml`) without the text about it (name, summary, description,
-        source). Equal for pipelines that compress alike, whatever they are called; used to
-        key caches of compressed KV (vLLM's prefix cache, lmms-eval's sample logs).
-
-        Raises:
-            lightkv's registry errors: a policy that is not registered (no canonical YAML).
-        """
-        import dataclasses
-        import hashlib
-
-        from .api import to_yaml
-
-        bare = dataclasses.replace(self, name="", summary="", description="", source="")
-        return hashlib.sha256(to_yaml(bare).encode("utf-8")).hexdigest()[:16]
-
     def stages(self, num_layers: int) -> list[Stage]:
         """The stages for a decoder of ``num_layers`` layers, in layer order.
 

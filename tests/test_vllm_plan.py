@@ -216,13 +216,14 @@ def test_the_plan_grid_is_bounded_before_any_tensor():
 
 
 def test_a_pipelines_fingerprint_is_what_it_does_not_what_it_is_called():
+    from lightkv.api import fingerprint
     from lightkv.config import PipelineConfig
 
     divprune = lightkv.load("divprune")
-    assert divprune.fingerprint() == lightkv.load("divprune").fingerprint()
-    assert len(divprune.fingerprint()) == 16
-    assert replace(divprune, name="mine", summary="", description="").fingerprint() == divprune.fingerprint()
-    assert divprune.fingerprint() != lightkv.load("downsample").fingerprint()
-    fewer = PreLLMPlan.load(WINDOWED, num_layers=2).pipeline
-    other = PipelineConfig.from_dict({**WINDOWED, "schedule": {"name": "pre_llm", "params": {"removal_ratio": 0.25}}}).build()
-    assert fewer.fingerprint() != other.fingerprint()
+    assert fingerprint(divprune) == fingerprint(lightkv.load("divprune")) == PreLLMPlan.load("divprune", 2).fingerprint
+    assert len(fingerprint(divprune)) == 16
+    assert fingerprint(replace(divprune, name="mine", summary="", description="")) == fingerprint(divprune)
+    assert fingerprint(divprune) != fingerprint(lightkv.load("downsample"))
+    half = PreLLMPlan.load(WINDOWED, num_layers=2).pipeline
+    quarter = PipelineConfig.from_dict({**WINDOWED, "schedule": {"name": "pre_llm", "params": {"removal_ratio": 0.25}}}).build()
+    assert fingerprint(half) != fingerprint(quarter)

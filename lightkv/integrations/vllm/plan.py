@@ -218,11 +218,13 @@ class PreLLMPlan:
 
     @property
     def fingerprint(self) -> str:
-        """The pipeline's `lightkv.Pipeline.fingerprint` (what vLLM's cache keys include); for
+        """The pipeline's `lightkv.api.fingerprint` (what vLLM's cache keys include); for
         a pipeline with unregistered policies (no canonical YAML), a hash of its ``repr``."""
         if "fingerprint" not in self._counts_meta:
             try:
-                value = self.pipeline.fingerprint()
+                from ...api import fingerprint
+
+                value = fingerprint(self.pipeline)
             except Exception:  # a policy outside lightkv's registry: its dataclass repr
                 import hashlib
 

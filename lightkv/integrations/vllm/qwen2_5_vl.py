@@ -128,7 +128,7 @@ class LightKVQwen2_5_VLProcessor(Qwen2_5_VLMultiModalProcessor):
     multimodal hashes that name the pipeline."""
 
     def _get_mm_hashes(self, inputs: Any) -> Any:
-        """Each image's hash, over the image and the pipeline's `lightkv.Pipeline.fingerprint`.
+        """Each image's hash, over the image and the pipeline's `lightkv.api.fingerprint`.
 
         vLLM keys its processor cache, its encoder cache and its prefix cache (the extra keys of
         a block's hash) with these hashes, and hands them to KV connectors (LMCache, ...): a
