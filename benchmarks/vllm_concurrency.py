@@ -88,6 +88,7 @@ def build_model_dir(out: Path, shape: str) -> Path:
                            image_token_id=vocab["<|image_pad|>"], video_token_id=vocab["<|video_pad|>"],
                            vision_start_token_id=vocab["<|vision_start|>"], vision_end_token_id=vocab["<|vision_end|>"],
                            eos_token_id=vocab["<|im_end|>"], pad_token_id=vocab["<|endoftext|>"], torch_dtype=s["dtype"])
+    cfg.architectures = ["Qwen2_5_VLForConditionalGeneration"]  # stock vLLM resolves the model from it
     cfg.save_pretrained(out)
     factor = 28
     (out / "preprocessor_config.json").write_text(json.dumps({
