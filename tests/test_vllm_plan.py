@@ -15,7 +15,7 @@ import torch
 
 import lightkv
 from lightkv import ImageSegment, VisionLayout
-from lightkv.integrations.vllm import ARCHITECTURES, TESTED_VLLM, check_version
+from lightkv.integrations.vllm import ARCHITECTURES, SUPPORTED_VLLM, TESTED_VLLM, check_version
 from lightkv.integrations.vllm.install import TORCH_FAMILY, requirements
 from lightkv.integrations.vllm.plan import PROMPT_AGNOSTIC_PRESETS, PreLLMPlan, UnsupportedPipeline
 from lightkv.policies import SmallestDivergence
@@ -147,18 +147,29 @@ def test_the_entry_point_and_the_extra_are_declared():
     assert meta["entry-points"]["vllm.general_plugins"] == {
         "lightkv": "lightkv.integrations.vllm:register"
     }
-    assert meta["optional-dependencies"]["vllm"] == [f"vllm=={TESTED_VLLM[-1]}"]
+    low, high = SUPPORTED_VLLM[0], SUPPORTED_VLLM[-1].split(".")
+    assert meta["optional-dependencies"]["vllm"] == [f"vllm>={low},<{high[0]}.{int(high[1]) + 1}"]
+    assert all(v.rsplit(".", 1)[0] in SUPPORTED_VLLM for v in TESTED_VLLM)
     for target in ARCHITECTURES.values():
         module, _, cls = target.partition(":")
         assert (ROOT / (module.replace(".", "/") + ".py")).exists() and cls
 
 
-def test_check_version_refuses_an_untested_vllm(monkeypatch):
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.33.0"))
-    with pytest.raises(RuntimeError, match="tested with vLLM 0.32.0 only, not 0.33.0"):
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0", "unknown"])
+def test_check_version_refuses_a_release_outside_the_range_in_one_line(monkeypatch, version):
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__=version))
+    with pytest.raises(
+        RuntimeError,
+        match=r"supports vLLM 0.32.x and 0.33.x only \(tested: 0.32.0\), not " + version,
+    ) as e:
         check_version()
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.32.0+cpu"))
-    assert check_version() == "0.32.0+cpu"
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.32.1", "0.33.0", "0.33.2+cu130"])
+def test_check_version_accepts_the_declared_range(monkeypatch, version):
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__=version))
+    assert check_version() == version
 
 
 def test_importing_the_plugin_package_needs_no_vllm():
@@ -199,8 +210,18 @@ def test_the_gpu_checks_vllm_section_dry_runs_without_a_gpu(tmp_path):
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "vllm==0.32.0" in proc.stdout
+    assert "vllm==0.33.0" in proc.stdout  # the current CUDA release of the declared range
     assert "divprune: 128 of 576 image tokens" in proc.stdout
+    for variant, kept in (
+        ("stock", 576),
+        ("divprune-55", 317),
+        ("divprune-22", 127),
+        ("divprune-11", 64),
+    ):
+        assert (
+            f"vllm_concurrency (dry run): {variant}: {kept} of 576 image tokens, concurrency [1, 8, 32]"
+            in proc.stdout
+        )
     assert "lightkv-pre-llm-uniform: 288 of 576 image tokens" in proc.stdout
     assert (
         "3c. where flash_attn imports: stock vs lightkv under --attn-implementation flash_attention_2"
@@ -231,3 +252,25 @@ def test_the_plan_grid_is_bounded_before_any_tensor():
     assert (
         PreLLMPlan.load("downsample", num_layers=28).kept_count(128, 128) > 0
     )  # the limit itself is served
+
+
+def test_a_pipelines_fingerprint_is_what_it_does_not_what_it_is_called():
+    from lightkv.api import fingerprint
+    from lightkv.config import PipelineConfig
+
+    divprune = lightkv.load("divprune")
+    assert (
+        fingerprint(divprune)
+        == fingerprint(lightkv.load("divprune"))
+        == PreLLMPlan.load("divprune", 2).fingerprint
+    )
+    assert len(fingerprint(divprune)) == 16
+    assert fingerprint(replace(divprune, name="mine", summary="", description="")) == fingerprint(
+        divprune
+    )
+    assert fingerprint(divprune) != fingerprint(lightkv.load("downsample"))
+    half = PreLLMPlan.load(WINDOWED, num_layers=2).pipeline
+    quarter = PipelineConfig.from_dict(
+        {**WINDOWED, "schedule": {"name": "pre_llm", "params": {"removal_ratio": 0.25}}}
+    ).build()
+    assert fingerprint(half) != fingerprint(quarter)

@@ -7,11 +7,14 @@ vLLM's process-wide state.
 REQUEST: ``model`` (directory), ``arch`` (an architecture for ``hf_overrides``, or null for
 stock vLLM), ``pipeline`` (the ``lightkv`` override, or null), ``prompts`` (each
 ``{"images": [[rows, cols], ...], "seed": s}``), ``max_tokens``, ``chunk`` (optional ``max_num_batched_tokens``: prefill in chunks of that
-many tokens). Each image's encoder output, the embeddings handed to the language model,
+many tokens), ``prefix_caching`` (vLLM's prefix caching on), ``sequential`` (one request
+after another), ``eager`` (``enforce_eager``, default true). A prompt may give ``image_seed``
+(the same image under another seed) and ``question`` (words after its one image). Each image's encoder output, the embeddings handed to the language model,
 and the M-RoPE positions each prompt was run with are captured.
 
 RESULT: ``outputs`` (per prompt: ``prompt_len``, ``prompt`` (token ids), ``tokens``,
-``blocks``: KV blocks the request held when it finished, ``positions``: ``[3, N]``), ``block_size``, ``records``, ``alone`` (with ``"alone": true``:
+``blocks``: KV blocks the request held when it finished, ``positions``: ``[3, N]``,
+``cached``: prompt tokens served from the prefix cache), ``block_size``, ``records``, ``alone`` (with ``"alone": true``:
 each prompt's tokens generated on its own), ``video_error`` (with ``"video": true``: what a
 video prompt raised), or ``error`` (the exception's
 type and message, when building the engine or generating failed).
@@ -94,12 +97,12 @@ def run(req: dict) -> dict:
         hf_overrides=overrides or None,
         dtype="float32",
         distributed_executor_backend="uni",
-        enforce_eager=True,
+        enforce_eager=req.get("eager", True),
         max_model_len=1024,
         max_num_seqs=8,
         block_size=BLOCK,
         seed=0,
-        enable_prefix_caching=False,
+        enable_prefix_caching=bool(req.get("prefix_caching")),
         limit_mm_per_prompt=req.get("limits", {"image": 2}),
         **({"max_num_batched_tokens": req["chunk"]} if req.get("chunk") else {}),
     )
@@ -118,15 +121,21 @@ def run(req: dict) -> dict:
     llm.apply_model(_record)
     prompts = []
     for p in req["prompts"]:
-        images = [
-            tiny.image(r, c, seed=p.get("seed", 0) + i) for i, (r, c) in enumerate(p["images"])
-        ]
+        base = p.get("image_seed", p.get("seed", 0))
+        images = [tiny.image(r, c, seed=base + i) for i, (r, c) in enumerate(p["images"])]
         text = tiny.prompt(seed=p.get("seed", 0), images=len(images))
+        if p.get("question"):  # the image first, then the question: a prompt-dependent suffix
+            text = "w1 <|vision_start|> <|image_pad|> <|vision_end|> " + p["question"]
         prompts.append(
             {"prompt": text, "multi_modal_data": {"image": images}} if images else {"prompt": text}
         )
     params = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 6), ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    if req.get(
+        "sequential"
+    ):  # one request after another: a later one can hit an earlier one's prefix cache
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
     records = list(RECORDS)  # the batch's images; the runs alone below add theirs
     alone = (
         [list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
@@ -155,6 +164,7 @@ def run(req: dict) -> dict:
                 "blocks": _blocks_of(blocks, o.request_id),
                 "prompt": list(o.prompt_token_ids),
                 "positions": POSITIONS.get(json.dumps(list(o.prompt_token_ids))),
+                "cached": getattr(o, "num_cached_tokens", None),
             }
             for o in outs
         ],

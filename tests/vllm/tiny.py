@@ -32,8 +32,9 @@ def vocab() -> dict[str, int]:
     return words
 
 
-def build(out: Path, seed: int = 0) -> Path:
-    """Write the model directory ``out`` (config, weights, tokenizer, processor) and return it."""
+def build(out: Path, seed: int = 0, max_positions: int = 2048) -> Path:
+    """Write the model directory ``out`` (config, weights, tokenizer, processor) and return it;
+    ``max_positions`` is the context length vLLM derives for it."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import (
@@ -64,7 +65,7 @@ def build(out: Path, seed: int = 0) -> Path:
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
-        max_position_embeddings=2048,
+        max_position_embeddings=max_positions,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
         tie_word_embeddings=False,
     )

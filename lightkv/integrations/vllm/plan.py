@@ -184,6 +184,7 @@ class PreLLMPlan:
     pipeline: Pipeline
     stage: Stage
     _counts: dict[tuple[int, int], int] = field(default_factory=dict, compare=False, repr=False)
+    _counts_meta: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def load(cls, spec: Any, num_layers: int) -> PreLLMPlan:
@@ -233,6 +234,22 @@ class PreLLMPlan:
                 f"sizes a prompt before its image is encoded, so the count must follow from the grid. {_FIX}"
             )
         return plan
+
+    @property
+    def fingerprint(self) -> str:
+        """The pipeline's `lightkv.api.fingerprint` (what vLLM's cache keys include); for
+        a pipeline with unregistered policies (no canonical YAML), a hash of its ``repr``."""
+        if "fingerprint" not in self._counts_meta:
+            try:
+                from ...api import fingerprint
+
+                value = fingerprint(self.pipeline)
+            except Exception:  # a policy outside lightkv's registry: its dataclass repr
+                import hashlib
+
+                value = hashlib.sha256(repr(self.pipeline).encode("utf-8")).hexdigest()[:16]
+            self._counts_meta["fingerprint"] = value
+        return self._counts_meta["fingerprint"]
 
     def _probe_count(self, grid: tuple[int, int], seed: int) -> int:
         g = torch.Generator().manual_seed(seed)

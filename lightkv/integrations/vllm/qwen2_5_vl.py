@@ -77,6 +77,14 @@ def plan_for(hf_config: Any) -> PreLLMPlan:
     return _PLANS[key]
 
 
+def _ids_on(input_ids: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The prompt's token ids as a 1-D int64 tensor on ``device``, from a list (vLLM 0.32) or a
+    tensor on any device (vLLM 0.33, PR 46535), without a round trip through the host."""
+    if isinstance(input_ids, torch.Tensor):
+        return input_ids.reshape(-1).to(device=device, dtype=torch.long)
+    return torch.as_tensor(list(input_ids), dtype=torch.long, device=device)
+
+
 class LightKVQwen2_5_VLProcessingInfo(Qwen2_5_VLProcessingInfo):
     """Qwen2.5-VL's processing info, for images only."""
 
@@ -86,7 +94,7 @@ class LightKVQwen2_5_VLProcessingInfo(Qwen2_5_VLProcessingInfo):
 
     def parse_mm_data(self, mm_data: Any, *, validate: bool = True) -> Any:
         """Refuse videos first (before vLLM parses them), with a message that names the plugin."""
-        if isinstance(mm_data, Mapping) and mm_data.get("video") is not None:
+        if isinstance(mm_data, Mapping) and _has_video(mm_data.get("video")):
             _refuse_video()
         return super().parse_mm_data(mm_data, validate=validate)
 
@@ -95,6 +103,16 @@ class LightKVQwen2_5_VLProcessingInfo(Qwen2_5_VLProcessingInfo):
         if modality == "video" and num_items > 0:
             _refuse_video()
         super().validate_num_items(modality, num_items)
+
+
+def _has_video(video: Any) -> bool:
+    """Whether ``multi_modal_data["video"]`` holds a video: vLLM's warm-up passes an empty
+    list (no videos) beside its dummy images, which must not be refused."""
+    if video is None:
+        return False
+    if isinstance(video, (list, tuple)):
+        return len(video) > 0
+    return True
 
 
 def _refuse_video() -> None:
@@ -106,7 +124,20 @@ def _refuse_video() -> None:
 
 
 class LightKVQwen2_5_VLProcessor(Qwen2_5_VLMultiModalProcessor):
-    """Qwen2.5-VL's processor with one placeholder per token the pipeline keeps."""
+    """Qwen2.5-VL's processor with one placeholder per token the pipeline keeps, and
+    multimodal hashes that name the pipeline."""
+
+    def _get_mm_hashes(self, inputs: Any) -> Any:
+        """Each image's hash, over the image and the pipeline's `lightkv.api.fingerprint`.
+
+        vLLM keys its processor cache, its encoder cache and its prefix cache (the extra keys of
+        a block's hash) with these hashes, and hands them to KV connectors (LMCache, ...): a
+        compressed image's KV is found again only under the same pipeline, never another's,
+        also when engines with different pipelines share one external KV store."""
+        return inputs.get_mm_hashes(
+            f"{self.info.model_id}#lightkv:{plan_for(self.info.get_hf_config()).fingerprint}",
+            self.info.ctx.get_mm_config().mm_hasher_algorithm,
+        )
 
     def _get_prompt_updates(
         self, mm_items: Any, hf_processor_mm_kwargs: Mapping[str, Any], out_mm_kwargs: Any
@@ -213,6 +244,9 @@ class LightKVQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerati
         after the image's ``<|vision_start|>``) plus its own ``(t, h, w)`` channels; text
         positions are already final (`get_mrope_input_positions`).
 
+        ``input_ids`` is a Python list in vLLM 0.32's V1 runner and a 1-D tensor, possibly on the
+        device, after vLLM PR 46535 (0.33's V2 runner); both are read on the positions' device.
+
         vLLM's own helper (for EVS) is not used: in 0.32.0 it counts the image tokens seen
         before the chunk once, so a chunk that finishes one image and starts another writes
         the second image over the first.
@@ -225,7 +259,7 @@ class LightKVQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerati
         positions = mrope_positions.clone()
         if multimodal_embeddings:
             device = positions.device
-            ids = torch.as_tensor(input_ids, device="cpu").to(device=device, dtype=torch.long)
+            ids = _ids_on(input_ids, device)
             media = torch.nonzero(ids == self.config.image_token_id).flatten()
             starts = torch.nonzero(ids == self.config.vision_start_token_id).flatten()
             offsets = (
@@ -241,7 +275,7 @@ class LightKVQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerati
             positions[:, tokens] = (offsets + positions[0, start].unsqueeze(1) + 1).T.to(
                 positions.dtype
             )
-        n = len(input_ids)
+        n = int(input_ids.numel()) if isinstance(input_ids, torch.Tensor) else len(input_ids)
         delta = int(positions[:, :n].max()) + 1 - n if n else 0
         return out, positions, delta
 

