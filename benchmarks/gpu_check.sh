@@ -110,10 +110,10 @@ timeout 420 $PY -m lightkv bench efficiency --device cuda --dtype bfloat16 --wid
 BENCH_RC=${PIPESTATUS[0]}
 
 # ---- 3b. every budget (issue 28): the LLaVA-NeXT shape at full width, bf16, the prefill and
-#      cache-level presets and DivPrune at 55 / 22 / 11% kept, TTFT against FLOPs per budget
+#      cache-level presets, DivPrune, CDPruner and lightkv-cover at 55 / 22 / 11% kept, TTFT against FLOPs per budget
 #      (LightKV's three placements: its own schedule, after layer 0, before the LLM)
 timeout 300 $PY -m lightkv bench efficiency --device cuda --dtype bfloat16 --width full --layers 32 \
-  --models llava_next --presets lightkv lightkv-first-layer lightkv-low-budget tome fastv pdrop elasticcache h2o divprune \
+  --models llava_next --presets lightkv lightkv-first-layer lightkv-low-budget tome fastv pdrop elasticcache h2o divprune cdpruner lightkv-cover \
   --kept-fractions 0.55 0.22 0.11 --repeats 5 --no-eager-reference --no-progress \
   --out "$OUT/budgets" 2>&1 | tee "$OUT/budgets.log"
 BUDGETS_RC=${PIPESTATUS[0]}
