@@ -37,46 +37,12 @@ from pathlib import Path
 
 from lightkv.outputs import write_atomic
 
-SPECIAL = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-]
-WORDS = 1000
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_serving import SHAPE_7B, WORDS  # noqa: E402  (a script beside this one)
+from vllm_serving import build_model_dir as serving_model_dir  # noqa: E402
+
 SHAPES = {
-    "7b": dict(
-        text=dict(
-            hidden_size=3584,
-            intermediate_size=18944,
-            num_hidden_layers=28,
-            num_attention_heads=28,
-            num_key_value_heads=4,
-            vocab_size=152064,
-            max_position_embeddings=32768,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 1000000.0,
-                "mrope_section": [16, 24, 24],
-            },
-        ),
-        vision=dict(
-            depth=32,
-            hidden_size=1280,
-            intermediate_size=3420,
-            num_heads=16,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            window_size=112,
-            out_hidden_size=3584,
-            fullatt_block_indexes=[7, 15, 23, 31],
-        ),
-        dtype="bfloat16",
-    ),
+    "7b": dict(SHAPE_7B, dtype="bfloat16"),
     "tiny": dict(
         text=dict(
             hidden_size=64,
@@ -130,58 +96,12 @@ def pipeline_of(variant: str) -> dict | None:
 
 
 def build_model_dir(out: Path, shape: str) -> Path:
-    """Config, word-level tokenizer and image processor of a Qwen2.5-VL of ``shape``; no weights."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig
-
-    out.mkdir(parents=True, exist_ok=True)
-    vocab = {f"w{i}": i for i in range(WORDS)} | {t: WORDS + i for i, t in enumerate(SPECIAL)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL[1:],
-    ).save_pretrained(out)
+    """Config, word-level tokenizer and image processor of a Qwen2.5-VL of ``shape``; no
+    weights (`vllm_serving.build_model_dir`, with the architecture named for stock vLLM)."""
     s = SHAPES[shape]
-    cfg = Qwen2_5_VLConfig(
-        text_config=s["text"],
-        vision_config=s["vision"],
-        image_token_id=vocab["<|image_pad|>"],
-        video_token_id=vocab["<|video_pad|>"],
-        vision_start_token_id=vocab["<|vision_start|>"],
-        vision_end_token_id=vocab["<|vision_end|>"],
-        eos_token_id=vocab["<|im_end|>"],
-        pad_token_id=vocab["<|endoftext|>"],
-        torch_dtype=s["dtype"],
+    return serving_model_dir(
+        out, s, s["dtype"], max_patches=1024, architecture="Qwen2_5_VLForConditionalGeneration"
     )
-    cfg.architectures = [
-        "Qwen2_5_VLForConditionalGeneration"
-    ]  # stock vLLM resolves the model from it
-    cfg.save_pretrained(out)
-    factor = 28
-    (out / "preprocessor_config.json").write_text(
-        json.dumps(
-            {
-                "image_processor_type": "Qwen2VLImageProcessor",
-                "processor_class": "Qwen2_5_VLProcessor",
-                "patch_size": 14,
-                "merge_size": 2,
-                "temporal_patch_size": 2,
-                "min_pixels": 4 * factor * factor,
-                "max_pixels": 1024 * factor * factor,
-                "size": {
-                    "shortest_edge": 4 * factor * factor,
-                    "longest_edge": 1024 * factor * factor,
-                },
-                "image_mean": [0.48145466, 0.4578275, 0.40821073],
-                "image_std": [0.26862954, 0.26130258, 0.27577711],
-            }
-        )
-    )
-    return out
 
 
 def percentile(values: list[float], q: float) -> float:

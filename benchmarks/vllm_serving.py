@@ -86,9 +86,19 @@ VARIANTS = {
 }
 
 
-def build_model_dir(out: Path) -> Path:
+def build_model_dir(
+    out: Path,
+    shape: dict = SHAPE_7B,
+    dtype: str = "bfloat16",
+    max_patches: int = 16384,
+    architecture: str | None = None,
+) -> Path:
     """Config, tokenizer (word level, made with `tokenizers`) and image processor of a
-    7B-shaped Qwen2.5-VL; no weights (vLLM's dummy loader makes random ones)."""
+    Qwen2.5-VL of ``shape`` (``text`` and ``vision`` configs; default 7B-shaped); no weights
+    (vLLM's dummy loader makes random ones). ``max_patches``: the image processor's largest
+    image, in 28 x 28 patches; ``architecture``: written into the config when given (stock
+    vLLM resolves the model class from it). `vllm_concurrency.py` builds its models here too.
+    """
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig
 
@@ -104,16 +114,18 @@ def build_model_dir(out: Path) -> Path:
         additional_special_tokens=SPECIAL[1:],
     ).save_pretrained(out)
     cfg = Qwen2_5_VLConfig(
-        text_config=SHAPE_7B["text"],
-        vision_config=SHAPE_7B["vision"],
+        text_config=shape["text"],
+        vision_config=shape["vision"],
         image_token_id=vocab["<|image_pad|>"],
         video_token_id=vocab["<|video_pad|>"],
         vision_start_token_id=vocab["<|vision_start|>"],
         vision_end_token_id=vocab["<|vision_end|>"],
         eos_token_id=vocab["<|im_end|>"],
         pad_token_id=vocab["<|endoftext|>"],
-        torch_dtype="bfloat16",
+        torch_dtype=dtype,
     )
+    if architecture is not None:
+        cfg.architectures = [architecture]
     cfg.save_pretrained(out)
     factor = 28
     (out / "preprocessor_config.json").write_text(
@@ -125,10 +137,10 @@ def build_model_dir(out: Path) -> Path:
                 "merge_size": 2,
                 "temporal_patch_size": 2,
                 "min_pixels": 4 * factor * factor,
-                "max_pixels": 16384 * factor * factor,
+                "max_pixels": max_patches * factor * factor,
                 "size": {
                     "shortest_edge": 4 * factor * factor,
-                    "longest_edge": 16384 * factor * factor,
+                    "longest_edge": max_patches * factor * factor,
                 },
                 "image_mean": [0.48145466, 0.4578275, 0.40821073],
                 "image_std": [0.26862954, 0.26130258, 0.27577711],
