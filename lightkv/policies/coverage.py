@@ -163,38 +163,30 @@ class RelevanceCoverage(KeepSetPruner):
         return kept
 
     def budget(self, graph, ratio):
-        """``[K]``: the most a window may lose, ``min(ceil(ratio * n_w), |A_w|)`` (`select`
+        """``[K]``: the most a window may lose, ``min(ceil(ratio * n_w), |A_w|)`` (`removals`
         spreads each image's exact removals over its windows)."""
         ideal = graph.window_size.to(torch.float64) * torch.as_tensor(ratio, dtype=torch.float64)
         return torch.minimum(torch.ceil(ideal - EPS).long().clamp_min(0), graph.src_count)
 
-    def select(self, inputs, ratio):
-        """``[K, a_max]`` bool: the valid A slots that `keep` does not keep.
-
-        The kept count is exact per *image*, whatever the windows: an image of ``n`` tokens
-        loses ``floor(ratio * n)`` (`lightkv.policies.counts.removal_count`), spread over its
-        windows in proportion to their sizes by the largest remainder (`allocate_removals`),
-        so 2 x 2 windows on a 16 x 16 grid keep 57 of 256 at 22%, as one window does, not
-        4 x 15. With one window per image this is `exact_removals`.
+    def removals(self, inputs, ratio):
+        """``[K]`` int64 removals, exact per *image* whatever the windows: an image of ``n``
+        tokens loses ``floor(ratio * n)`` (`lightkv.policies.counts.removal_count`), spread
+        over its windows in proportion to their sizes by the largest remainder
+        (`allocate_removals`), so 2 x 2 windows on a 16 x 16 grid keep 57 of 256 at 22%, as
+        one window does, not 4 x 15. With one window per image this is `exact_removals`.
         """
         graph = inputs.graph
-        valid = graph.src_slots >= 0
         if inputs.stage is None or graph.src_slots.shape[0] == 0:
-            return super().select(inputs, ratio)
-        image = (
-            graph.token_blocks(inputs.stage.layout.image, "src").masked_fill(~valid, -1).amax(dim=1)
-        )  # [K]
-        group = torch.unique(image, return_inverse=True)[1]
-        size = graph.window_size
+            return super().removals(inputs, ratio)
+        valid = graph.src_slots >= 0
+        image = graph.token_blocks(inputs.stage.layout.image, "src").masked_fill(~valid, -1)
+        group = torch.unique(image.amax(dim=1), return_inverse=True)[1]  # [K] the window's image
         groups = int(group.max()) + 1
-        total = removal_count(scatter_sum(size, group, groups), ratio)
         capacity = graph.src_count
+        total = removal_count(scatter_sum(graph.window_size, group, groups), ratio)
         total = torch.minimum(total, scatter_sum(capacity, group, groups)).clamp_min(0)
-        ideal = size.to(torch.float64) * torch.as_tensor(ratio, dtype=torch.float64)
-        removals = allocate_removals(ideal, capacity, group, total)
-        if not bool((removals > 0).any()):
-            return torch.zeros_like(valid)
-        return valid & ~self.keep(inputs, valid.sum(1) - removals)
+        ideal = graph.window_size.to(torch.float64) * torch.as_tensor(ratio, dtype=torch.float64)
+        return allocate_removals(ideal, capacity, group, total)
 
     @staticmethod
     def _grid_distance(inputs, dtype: torch.dtype) -> torch.Tensor:

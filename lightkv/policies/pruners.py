@@ -387,10 +387,15 @@ class KeepSetPruner(Pruner):
         """``[K]``: `exact_removals`."""
         return exact_removals(graph, ratio)
 
+    def removals(self, inputs: PruneInputs, ratio: float) -> torch.Tensor:
+        """``[K]`` int64 tokens each window loses: `budget` (a pruner whose count depends on
+        more than the graph, e.g. exact per image over several windows, overrides this)."""
+        return self.budget(inputs.graph, ratio)
+
     def select(self, inputs, ratio):
         """``[K, a_max]`` bool: the valid A slots that `keep` does not keep."""
         valid = inputs.graph.src_slots >= 0
-        removals = self.budget(inputs.graph, ratio)
+        removals = self.removals(inputs, ratio)
         if not bool((removals > 0).any()):
             return torch.zeros_like(valid)
         kept = self.keep(inputs, valid.sum(1) - removals)
