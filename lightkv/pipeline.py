@@ -22,6 +22,7 @@ from .graph.provenance import Provenance
 from .graph.scatter import right_align
 from .policies.hashing import token_identity
 from .policies.inputs import StageInputs
+from .policies.mode import Mode
 from .policies.partitioners import GridPartitioner, Partitioner
 from .policies.passers import MessagePasser, RelevanceWeightedMean
 from .policies.prompt import Prompt
@@ -298,13 +299,17 @@ class Stage:
 
 @dataclass
 class Pipeline:
-    """A scheduler plus the policies of its stages.
+    """A scheduler plus the policies of its stages, and optionally a mode of its own.
 
     Every scheduled stage uses the same policies (``stage_overrides`` can replace
     policies of individual stages by index).
 
     Attributes:
-        scheduler: where to compress, with which windows and ratios.
+        scheduler: where to compress, with which windows and ratios (None: no stage; the
+            pipeline's `mode` does the work).
+        mode: a configured mode that runs beside the stages, for work that is not a planned
+            stage (`lightkv.adapters.modes.h2o.H2OMode`'s eviction at every decoding
+            step); None: only the modes the stages name (`StageSpec.mode`).
         partitioner: windows and A/B split of every stage.
         scorer: edge divergence (None for pure pruning).
         pruner: which A tokens leave.
@@ -333,7 +338,7 @@ class Pipeline:
             scorer (`Stage.divergence_memory_mib`); results do not depend on it.
     """
 
-    scheduler: Scheduler = field(default_factory=ExplicitSchedule)
+    scheduler: Scheduler | None = field(default_factory=ExplicitSchedule)
     partitioner: Partitioner = field(default_factory=GridPartitioner)
     scorer: EdgeScorer | None = field(default_factory=CosineDivergence)
     pruner: Pruner = field(default_factory=SmallestDivergence)
@@ -349,8 +354,23 @@ class Pipeline:
     proportional_attention: bool = False
     released_quirks: ReleasedQuirks = field(default_factory=ReleasedQuirks)
     divergence_memory_mib: int = DIVERGENCE_MEMORY_MIB
+    mode: Mode | None = None
 
     def __post_init__(self) -> None:
+        if self.scheduler is not None and not isinstance(self.scheduler, Scheduler):
+            raise TypeError(
+                f"scheduler must be a lightkv.policies.Scheduler or None, got {self.scheduler!r}"
+            )
+        if self.mode is not None and not isinstance(self.mode, Mode):
+            raise TypeError(
+                f"mode must be a configured lightkv.policies.Mode (e.g. H2OMode(budget=0.5)) "
+                f"or None, got {self.mode!r}"
+            )
+        if self.scheduler is None and self.mode is None:
+            raise ValueError(
+                "a pipeline without a scheduler does nothing: give it a scheduler (its stages) "
+                "or a mode (e.g. lightkv.adapters.modes.H2OMode())"
+            )
         if not isinstance(self.released_quirks, ReleasedQuirks):
             raise TypeError(
                 f"released_quirks must be a lightkv.quirks.ReleasedQuirks, got {self.released_quirks!r}"
@@ -372,7 +392,7 @@ class Pipeline:
             ValueError: the schedule does not fit the model.
         """
         stages = []
-        for i, spec in enumerate(self.scheduler.plan(num_layers)):
+        for i, spec in enumerate(self.plan(num_layers)):
             policies = dict(
                 partitioner=self.partitioner,
                 scorer=self.scorer,
@@ -390,6 +410,34 @@ class Pipeline:
                 Stage(spec=spec, divergence_memory_mib=self.divergence_memory_mib, **policies)
             )
         return stages
+
+    def plan(self, num_layers: int) -> list[StageSpec]:
+        """The scheduler's stages for a decoder of ``num_layers`` layers ([] without a
+        scheduler); the pipeline's own mode is checked against the depth too.
+
+        Raises:
+            ValueError: the schedule or the mode does not fit the model.
+        """
+        if self.mode is not None:
+            self.mode.check_depth(num_layers)
+        return [] if self.scheduler is None else self.scheduler.plan(num_layers)
+
+    def modes(self, num_layers: int) -> list[str]:
+        """The names of the modes the pipeline runs on a ``num_layers`` decoder: its own
+        mode, then those its planned stages name, in plan order (a session adds the modes
+        that always run, such as ``sequence``)."""
+        own = [] if self.mode is None else [self.mode.name]
+        return list(dict.fromkeys(own + [s.mode for s in self.plan(num_layers)]))
+
+    def target_kept_fraction(self, num_layers: int) -> float | None:
+        """What the pipeline promises to keep of the vision KV on a ``num_layers`` decoder
+        (averaged over layers): its mode's promise where it makes one, else the
+        scheduler's (`Scheduler.target_kept_fraction`); None where neither does."""
+        if self.mode is not None:
+            target = self.mode.target_kept_fraction(num_layers)
+            if target is not None or self.scheduler is None:
+                return target
+        return None if self.scheduler is None else self.scheduler.target_kept_fraction(num_layers)
 
     def run(
         self,
@@ -431,6 +479,10 @@ class Pipeline:
             results.append(res)
         return results
 
-    def with_scheduler(self, scheduler: Scheduler) -> Pipeline:
+    def with_scheduler(self, scheduler: Scheduler | None) -> Pipeline:
         """A copy with another scheduler."""
         return replace(self, scheduler=scheduler)
+
+    def with_mode(self, mode: Mode | None) -> Pipeline:
+        """A copy with another mode of its own."""
+        return replace(self, mode=mode)

@@ -199,7 +199,8 @@ def test_cache_mode_presets_in_both_benchmarks():
     uncompressed prefill."""
     from lightkv_lab.bench.quality import AccuracyConfig, method_pipeline, run
 
-    from lightkv.policies import CacheSchedule, H2OSchedule
+    from lightkv.adapters.modes.h2o import H2OMode
+    from lightkv.policies import CacheSchedule
 
     cfg = eff.quick_config(
         models=("llava",),
@@ -222,7 +223,7 @@ def test_cache_mode_presets_in_both_benchmarks():
     pipe, how = method_pipeline("elasticcache", 8, 0.4)
     assert pipe.scheduler == CacheSchedule(removal_ratio=0.6) and how == "cache"
     pipe, how = method_pipeline("h2o", 8, 0.4)
-    assert pipe.scheduler == H2OSchedule(budget=0.4) and how == "cache"
+    assert pipe.scheduler is None and pipe.mode == H2OMode(budget=0.4) and how == "cache"
     res = run(
         AccuracyConfig(
             episodes=8,

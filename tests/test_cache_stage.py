@@ -14,13 +14,13 @@ from hypothesis import strategies as st
 
 import lightkv
 from lightkv import Stage
+from lightkv.adapters.modes.h2o import H2OMode
 from lightkv.cache_stage import CacheStage
 from lightkv.config import PipelineConfig
 from lightkv.policies import (
     AccumulatedAttention,
     CacheSchedule,
     CosineDivergence,
-    H2OSchedule,
     ImportancePartitioner,
     MessagePasser,
     SmallestDivergence,
@@ -180,7 +180,7 @@ def test_policies_keep_the_contract():
     check_policy(ImportancePartitioner)
     check_policy(AccumulatedAttention)
     check_policy(CacheSchedule, removal_ratio=0.5)
-    check_policy(H2OSchedule, budget=0.3)
+    check_policy(H2OMode, budget=0.3)
 
 
 def test_schedules_and_presets():
@@ -195,8 +195,8 @@ def test_schedules_and_presets():
         CacheSchedule(layers=(5,)).plan(4)
     with pytest.raises(ValueError, match="registered mode name"):
         StageSpec(0, 0.5, windows_per_side=1, mode="")
-    assert H2OSchedule().plan(4) == [] and H2OSchedule(layers=(0, 2)).evict_layers(4) == [0, 2]
-    heavy, recent = H2OSchedule(budget=0.5, recent_share=0.5).counts(torch.tensor([64, 7]))
+    assert lightkv.load("h2o").stages(4) == [] and H2OMode(layers=(0, 2)).evict_layers(4) == [0, 2]
+    heavy, recent = H2OMode(budget=0.5, recent_share=0.5).counts(torch.tensor([64, 7]))
     assert heavy.tolist() == [16, 2] and recent.tolist() == [16, 1]
     for name in ("elasticcache", "h2o"):
         cfg = get_preset_config(name)

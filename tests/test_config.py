@@ -165,11 +165,12 @@ CACHE_MODE = ("elasticcache", "h2o")
 
 
 def check_cache_preset(pipe, layout, relevance):
+    from lightkv.adapters.modes.h2o import H2OMode
     from lightkv.cache_stage import CacheStage
-    from lightkv.policies import H2OSchedule
 
-    if isinstance(pipe.scheduler, H2OSchedule):  # eviction is the session's, at every decoding step
-        assert pipe.stages(32) == [] and pipe.scheduler.evict_layers(32) == list(range(32))
+    if isinstance(pipe.mode, H2OMode):  # eviction is the mode's, at every decoding step
+        assert pipe.scheduler is None and pipe.stages(32) == []
+        assert pipe.mode.evict_layers(32) == list(range(32))
         return
     with pytest.raises(ValueError, match="CacheStage"):
         pipe.run(torch.zeros(1, layout.seq_len, 64), layout, num_layers=32)
@@ -563,7 +564,7 @@ def test_bad_parameters_name_the_field_value_and_allowed():
         (
             {"name": "nope"},
             "schedule.name",
-            "unknown scheduler 'nope'; registered schedulers: budget, cache, explicit, h2o, kept_fraction, pre_llm, pre_llm_then_layer, scaled",
+            "unknown scheduler 'nope'; registered schedulers: budget, cache, explicit, kept_fraction, pre_llm, pre_llm_then_layer, scaled",
         ),
     ],
 )
@@ -683,9 +684,83 @@ def test_json_schema_accepts_presets_and_rejects_bad_files():
         {"scorer": {"name": "cosine", "params": {"features": "values"}}},
         {"schedule": {"layers": [1], "removal_ratios": [0.5], "bogus": 1}},
         {"stage_overrides": {"0": {"scorr": "l2"}}},
+        {"mode": {"name": "h2o", "params": {"budgett": 0.5}}},
+        {"mode": "layer"},  # runs stages; not a pipeline's own mode
     ]
     for data in bad:
         assert list(validator.iter_errors(data)), data
+    assert not list(validator.iter_errors({"mode": {"name": "h2o", "params": {"budget": 0.3}}}))
+
+
+# ---------------------------------------------------------------------------- modes
+def test_a_mode_block_alone_plans_no_stage_and_lists_no_policy():
+    """``mode:`` without ``schedule:`` is a pipeline of the mode alone: no stage, no policy in
+    its YAML, the settings on the mode; the text round-trips."""
+    from lightkv.adapters.modes.h2o import H2OMode
+
+    cfg = PipelineConfig.from_yaml_text("mode: {name: h2o, params: {budget: 0.25, tokens: all}}")
+    pipe = cfg.build()
+    assert pipe.scheduler is None and pipe.stages(8) == []
+    assert pipe.mode == H2OMode(budget=0.25, tokens="all")
+    assert pipe.modes(8) == ["h2o"] and pipe.target_kept_fraction(8) == 0.25
+    data = cfg.to_dict()
+    assert data == {
+        "name": "custom",
+        "mode": {"name": "h2o", "params": {"budget": 0.25, "tokens": "all"}},
+    }
+    assert PipelineConfig.from_dict(data) == cfg
+    assert config_from_pipeline(pipe) == cfg
+    assert cfg.validate_for_model(8) == []
+    with pytest.raises(ConfigError, match="evicts on layer 9, but the model has only 8"):
+        PipelineConfig.from_yaml_text(
+            "mode: {name: h2o, params: {layers: [9]}}"
+        ).validate_for_model(8)
+
+
+@pytest.mark.parametrize(
+    "data, where, fragment",
+    [
+        (
+            {"mode": "h2o", "pruner": "random"},
+            "pruner",
+            "plans no stage (no schedule), so 'pruner' would never run",
+        ),
+        (
+            {"mode": "h2o", "stage_overrides": {0: {"pruner": "random"}}},
+            "stage_overrides",
+            "would never run",
+        ),
+        ({"schedule": None}, "schedule", "no mode is given, so the pipeline would do nothing"),
+        ({"mode": "layer"}, "mode.name", "cannot hold it as its own"),
+        ({"mode": "sequence"}, "mode.name", "cannot hold it as its own"),
+        (
+            {"mode": {"name": "h2o", "params": {"budgett": 1}}},
+            "mode.params.budgett",
+            "its parameters are: budget, layers, recent_share, tokens",
+        ),
+        ({"mode": {"name": "h2o", "params": {"budget": 0}}}, "mode.params", "budget must be > 0"),
+        ({"mode": "h2O"}, "mode.name", "unknown mode 'h2O'"),
+        (
+            {"schedule": {"name": "h2o", "params": {"budget": 0.3}}},
+            "schedule",
+            "write `mode: {name: h2o, params: {budget: 0.3}}`",
+        ),
+    ],
+)
+def test_mode_errors(data, where, fragment):
+    msg = problems(_error(data))
+    assert where in msg, msg
+    assert fragment in msg[where]
+
+
+def test_a_mode_beside_stages():
+    """A pipeline's own mode runs beside its stages (H2O eviction on top of LightKV's merges):
+    both listed, the stages' policies kept, the mode's promise reported."""
+    cfg = PipelineConfig.from_yaml_text("schedule: {layers: [1], removal_ratios: 0.5}\nmode: h2o")
+    pipe = cfg.build()
+    assert [s.spec.layer for s in pipe.stages(4)] == [1] and pipe.modes(4) == ["h2o", "layer"]
+    assert "schedule" in cfg.to_dict() and "pruner" in cfg.to_dict()
+    assert PipelineConfig.from_yaml_text(cfg.to_yaml()) == cfg
 
 
 def test_proportional_attention_key():

@@ -75,7 +75,7 @@ class SessionReport:
             scores when they were read from the layers' own projections, see
             `lightkv.adapters.tap`).
         target_kept_fraction: what the pipeline promised
-            (`lightkv.policies.Scheduler.target_kept_fraction`: the ``kept_fraction`` /
+            (`lightkv.Pipeline.target_kept_fraction`: the ``kept_fraction`` /
             ``budget`` schedules' target, H2O's budget on its layers, else what the stages'
             ratios would keep); None when it cannot be stated.
         provenance: for every prompt token, the index of the final token that represents it.
@@ -257,9 +257,7 @@ class SessionReport:
             baseline=baseline,
             stages=stages,
             kept_vision_fraction=kept,
-            target_kept_fraction=session.pipeline.scheduler.target_kept_fraction(
-                session.num_layers
-            ),
+            target_kept_fraction=session.pipeline.target_kept_fraction(session.num_layers),
             prefill_flops=flops,
             prefill_flops_baseline=flops_base,
             relevance_flops=trace.relevance_flops,

@@ -35,7 +35,11 @@ def config_from_pipeline(
         ConfigError: a policy or scheduler that is not registered under a name.
     """
     try:
-        schedule = ScheduleConfig.from_scheduler(pipeline.scheduler)
+        schedule = (
+            None
+            if pipeline.scheduler is None
+            else ScheduleConfig.from_scheduler(pipeline.scheduler)
+        )
     except ValidationError as e:
         raise ConfigError(
             [
@@ -49,7 +53,15 @@ def config_from_pipeline(
         "description": pipeline.description if description is None else description,
         "source": pipeline.source if source is None else source,
         "schedule": schedule,
+        "layout": pipeline.layout,
+        "proportional_attention": pipeline.proportional_attention,
+        "divergence_memory_mib": pipeline.divergence_memory_mib,
+        "released_quirks": dataclasses.asdict(pipeline.released_quirks),
     }
+    if pipeline.mode is not None:
+        data["mode"] = _spec_of(pipeline.mode, "mode")
+    if schedule is None:  # no stage: the policies never run, so the config lists none
+        return _validate(data)
     for f in STAGE_FIELDS:
         policy = getattr(pipeline, f)
         data[f] = None if policy is None else _spec_of(policy, f)
@@ -60,10 +72,10 @@ def config_from_pipeline(
         }
         for i, fields in pipeline.stage_overrides.items()
     }
-    data["layout"] = pipeline.layout
-    data["proportional_attention"] = pipeline.proportional_attention
-    data["divergence_memory_mib"] = pipeline.divergence_memory_mib
-    data["released_quirks"] = dataclasses.asdict(pipeline.released_quirks)
+    return _validate(data)
+
+
+def _validate(data: dict[str, Any]) -> PipelineConfig:
     try:
         return PipelineConfig.model_validate(data)
     except ValidationError as e:

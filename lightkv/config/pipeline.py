@@ -21,7 +21,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from ..outputs import write_atomic
 from ..pipeline import DIVERGENCE_MEMORY_MIB, Pipeline, Stage
-from ..policies import FAMILIES, Policy, StageSpec, average_kept_fraction
+from ..policies import FAMILIES, Mode, Policy, StageSpec, average_kept_fraction
 from ..quirks import ReleasedQuirks
 from .errors import ConfigError, _did_you_mean, _dotted, _fail, _short
 from .schedule import ScheduleConfig
@@ -74,9 +74,15 @@ class PipelineConfig(BaseModel):
     summary: str = Field("", description="One line for `lightkv presets`.")
     description: str = Field("", description="One paragraph: what the pipeline does and why.")
     source: str = Field("", description="The paper or code the pipeline reproduces.")
-    schedule: ScheduleConfig = Field(
+    schedule: ScheduleConfig | None = Field(
         default_factory=lambda: ScheduleConfig(name="explicit"),  # 12/18/24, 0.5, 4/2/1 windows
-        description="Where to compress, with which windows and ratios.",
+        description="Where to compress, with which windows and ratios; null (the default when "
+        "a mode is given) for no stage, the mode doing the work.",
+    )
+    mode: PolicySpec | None = Field(
+        None,
+        description="A mode of the pipeline's own with its settings, for work that is not a "
+        "planned stage (`h2o`: eviction at every decoding step); stages name their own modes.",
     )
     partitioner: PolicySpec = Field(default_factory=lambda: PolicySpec(name="grid"))
     scorer: PolicySpec | None = Field(default_factory=lambda: PolicySpec(name="cosine"))
@@ -118,6 +124,42 @@ class PipelineConfig(BaseModel):
     def __eq__(self, other: object) -> bool:
         # Policies built during validation are a cache, not part of the value.
         return type(other) is type(self) and self.model_dump() == other.model_dump()  # type: ignore[union-attr]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mode_without_schedule(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        old = data.get("schedule")
+        if old == "h2o" or (isinstance(old, dict) and old.get("name") == "h2o"):
+            params = old.get("params") if isinstance(old, dict) else None
+            flow = ", ".join(f"{k}: {v}" for k, v in (params or {}).items())
+            raise _fail(
+                "removed_param",
+                "the h2o schedule is now the h2o mode (it plans no stage): write "
+                f"`mode: {{name: h2o, params: {{{flow}}}}}` and no schedule",
+                ("schedule",),
+            )
+        # a pipeline of a mode alone plans no stage: its YAML lists no schedule
+        if data.get("mode") is not None and "schedule" not in data:
+            data = {**data, "schedule": None}
+        return data
+
+    @field_validator("mode")
+    @classmethod
+    def _known_mode(cls, spec: PolicySpec | None) -> PolicySpec | None:
+        if spec is None:
+            return None
+        spec = _validated(Mode, spec)
+        if not type(spec.built()).own:
+            raise _fail(
+                "not_own_mode",
+                f"mode {spec.name!r} runs the stages that name it or whenever a session needs "
+                f"it, so a pipeline cannot hold it as its own: choose the place of stages with "
+                f"the schedule, and give `mode:` only for modes such as h2o",
+                ("name",),
+            )
+        return spec
 
     @field_validator("summary")
     @classmethod
@@ -192,6 +234,10 @@ class PipelineConfig(BaseModel):
             spec = getattr(self, f)
             if spec is not None and spec.built() is None:
                 setattr(self, f, _validated(FAMILIES[f], spec))
+        if self.schedule is None:
+            self._check_no_stages()
+            self._snapshot = self.model_dump()
+            return self
         limit = self.schedule.max_stages()
         for index in self.stage_overrides:
             if limit is not None and index >= limit:
@@ -219,6 +265,32 @@ class PipelineConfig(BaseModel):
         self._snapshot = self.model_dump()
         return self
 
+    def _check_no_stages(self) -> None:
+        """Without a schedule nothing but the mode runs: refuse policies that would not."""
+        if self.mode is None:
+            raise _fail(
+                "no_work",
+                "schedule is null and no mode is given, so the pipeline would do nothing: give "
+                "a schedule (its stages) or a mode (e.g. mode: {name: h2o})",
+                ("schedule",),
+            )
+        # a policy given with another value than the default would silently not run (the
+        # defaults themselves come back when a whole dump is validated again)
+        fields = type(self).model_fields
+        idle = [
+            f
+            for f in (*STAGE_FIELDS, "stage_overrides")
+            if f in self.model_fields_set
+            and getattr(self, f) != fields[f].get_default(call_default_factory=True)
+        ]
+        if idle:
+            raise _fail(
+                "unused_policy",
+                f"the pipeline plans no stage (no schedule), so {idle[0]!r} would never run: "
+                f"remove it, or give a schedule whose stages use it",
+                (idle[0],),
+            )
+
     # ------------------------------------------------------------------ building
     def _policies(self) -> dict[str, Policy | None]:
         """The policies validation built (shared: read only)."""
@@ -244,7 +316,8 @@ class PipelineConfig(BaseModel):
         }
         policies, overrides = copy.deepcopy((cfg._policies(), overrides))
         return Pipeline(
-            scheduler=cfg.schedule.build(),
+            scheduler=None if cfg.schedule is None else cfg.schedule.build(),
+            mode=None if cfg.mode is None else copy.deepcopy(cfg.mode.built()),
             stage_overrides=overrides,
             name=cfg.name,
             summary=cfg.summary,
@@ -271,6 +344,13 @@ class PipelineConfig(BaseModel):
             raise ConfigError(
                 [("num_layers", f"the model depth must be a positive integer, got {num_layers!r}")]
             )
+        try:
+            if self.mode is not None:
+                self.mode.built().check_depth(num_layers)
+        except ValueError as e:
+            raise ConfigError([("mode", str(e))]) from None
+        if self.schedule is None:
+            return []
         try:
             stages = self.schedule._scheduler().plan(num_layers)
         except ValueError as e:
@@ -316,6 +396,11 @@ class PipelineConfig(BaseModel):
         for f in ("summary", "description", "source"):
             if getattr(self, f):
                 out[f] = getattr(self, f)
+        if self.mode is not None:
+            out["mode"] = self.mode.to_yaml_value()
+        if self.schedule is None:  # nothing but the mode runs: no policy is listed
+            out.update(self._tail())
+            return out
         out["schedule"] = self.schedule.to_yaml_value()
         for f in STAGE_FIELDS:
             spec = getattr(self, f)
@@ -325,6 +410,12 @@ class PipelineConfig(BaseModel):
                 i: {f: None if s is None else s.to_yaml_value() for f, s in fields.items()}
                 for i, fields in self.stage_overrides.items()
             }
+        out.update(self._tail())
+        return out
+
+    def _tail(self) -> dict[str, Any]:
+        """The model-wide options that differ from their defaults."""
+        out: dict[str, Any] = {}
         if self.layout != "native":
             out["layout"] = self.layout
         if self.proportional_attention:

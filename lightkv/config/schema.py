@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..policies import FAMILIES
+from ..policies import FAMILIES, Mode
 from .pipeline import PipelineConfig
 from .schedule import ScheduleConfig, shorthands
 from .specs import STAGE_FIELDS, _adapter
@@ -14,9 +14,11 @@ __all__ = ["json_schema"]
 
 
 def _family_schema(field: str) -> dict[str, Any]:
-    family = FAMILIES[field]
+    family = Mode if field == "mode" else FAMILIES[field]
     variants = []
     for name, impl in family.registered().items():
+        if family is Mode and not impl.own:
+            continue
         adapter = _adapter(impl)
         params: dict[str, Any] = {"type": "object"}
         if adapter is not None:
@@ -38,7 +40,7 @@ def _family_schema(field: str) -> dict[str, Any]:
                 "additionalProperties": False,
             }
         )
-    names = list(family.registered())
+    names = [v["title"] for v in variants]
     return {
         "title": f"{family.__name__}Spec",
         "description": f"A registered {family.family}: its bare name, or {{name, params}}.",
@@ -86,6 +88,14 @@ def json_schema() -> dict[str, Any]:
                 for f in STAGE_FIELDS
             },
         },
+    }
+    mode_def = _family_schema("mode")
+    for variant in mode_def["anyOf"][1]["oneOf"]:
+        defs.update(variant["properties"]["params"].pop("$defs", {}))
+    defs[mode_def["title"]] = mode_def
+    schema["properties"]["mode"] = {
+        "anyOf": [{"$ref": f"#/$defs/{mode_def['title']}"}, {"type": "null"}],
+        "description": schema["properties"]["mode"].get("description", ""),
     }
     schedule_def = _schedule_schema()
     for variant in schedule_def["anyOf"][-1]["oneOf"]:

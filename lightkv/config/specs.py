@@ -21,7 +21,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from ..policies import FAMILIES, Policy
+from ..policies import FAMILIES, Mode, Policy
 from ..policies import pooling as _pooling  # noqa: F401  (registers the "anchor" and "strided" partitioners)
 from ..policies.base import removed_field_message
 from .errors import ConfigError, _did_you_mean, _fail, _plain, _short
@@ -221,7 +221,8 @@ def _instantiate(family: type[Policy], spec: PolicySpec, prefix: bool = True) ->
 def _spec_of(policy: Policy, where: str) -> PolicySpec:
     """The `PolicySpec` of a policy object: its registered name and non-default parameters."""
     name = type(policy).name
-    family = next((f for f in FAMILIES.values() if isinstance(policy, f)), None)
+    families = [*FAMILIES.values(), Mode]
+    family = next((f for f in families if isinstance(policy, f)), None)
     if not name or family is None or family._registry.get(name) is not type(policy):
         raise ConfigError(
             [

@@ -8,6 +8,7 @@
 | `MessagePasser` | how leaving tokens update their partners |
 | `Scheduler` | at which layers, with which windows and ratios |
 | `Relevance` | prompt relevance ξ per vision token |
+| `Mode` | where in the model compression happens (the shipped ones: `lightkv.adapters.modes`) |
 """
 
 from .base import ENTRY_POINT_GROUP, Policy
@@ -25,6 +26,7 @@ from .divprune import DivPrune
 from .holov import HoloV
 from .inputs import Features, StageInputs
 from .mmtok import MMTok
+from .mode import MODE_ENTRY_POINT_GROUP, Mode
 from .partitioners import (
     GlobalPartitioner,
     GridPartitioner,
@@ -69,7 +71,6 @@ from .schedulers import (
     BudgetSchedule,
     CacheSchedule,
     ExplicitSchedule,
-    H2OSchedule,
     KeptFractionSchedule,
     PreLLMSchedule,
     PreLLMThenLayer,
@@ -101,6 +102,8 @@ error messages (``scorer: cosine``; "unknown scorer 'x'")."""
 __all__ = [
     "ENTRY_POINT_GROUP",
     "FAMILIES",
+    "MODE_ENTRY_POINT_GROUP",
+    "Mode",
     "AccumulatedAttention",
     "AnchorPartitioner",
     "ResizePartitioner",
@@ -110,7 +113,6 @@ __all__ = [
     "CacheSchedule",
     "CDPruner",
     "DART",
-    "H2OSchedule",
     "ImportancePartitioner",
     "accumulated_attention",
     "accumulated_attention_flops",

@@ -150,7 +150,7 @@ class Policy:
             cls._load_entry_points(first=name, done=lambda: name in cls._registry)
         if name in cls._registry:
             return cls._registry[name]
-        failed = [s for s in Policy._entry_points.values() if s.error is not None]
+        failed = [s for s in cls._entry_points.values() if s.error is not None]
         own = [s for s in failed if s.name == name]
         if own:
             raise PluginError(

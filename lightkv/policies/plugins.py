@@ -43,8 +43,9 @@ class EntryPointStatus:
         return f"{self.name} = {self.value} ({self.error})"
 
 
-_scan: tuple[tuple, list[Any]] | None = None
-"""The last scan of the installed distributions' entry points, with the sys.path it saw."""
+_scans: dict[str, tuple[tuple, list[Any]]] = {}
+"""The last scan of the installed distributions' entry points per group, with the sys.path
+it saw."""
 
 
 def _path_state() -> tuple:
@@ -59,18 +60,16 @@ def _path_state() -> tuple:
     return tuple(state)
 
 
-def _entry_points() -> list[Any]:
+def _entry_points(group: str = ENTRY_POINT_GROUP) -> list[Any]:
     # scanning every distribution's metadata costs ~7 ms, and validation asks for the
     # registry once per policy (about 170 times while the presets load): scan again only
     # when sys.path or one of its folders changed
-    global _scan
     state = _path_state()
-    if _scan is None or _scan[0] != state:
-        eps = sorted(
-            metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: (ep.name, ep.value)
-        )
-        _scan = (state, eps)
-    return _scan[1]
+    scan = _scans.get(group)
+    if scan is None or scan[0] != state:
+        eps = sorted(metadata.entry_points(group=group), key=lambda ep: (ep.name, ep.value))
+        scan = _scans[group] = (state, eps)
+    return scan[1]
 
 
 def _check_loaded(obj: Any, ep: Any, policy_base: type) -> str | None:
@@ -105,10 +104,11 @@ def load_entry_points(
     policy_base: type,
     first: str | None = None,
     done: Callable[[], bool] = lambda: False,
+    group: str = ENTRY_POINT_GROUP,
 ) -> None:
-    """Load the entry points not yet in ``status``, each on its own, the one named
+    """Load ``group``'s entry points not yet in ``status``, each on its own, the one named
     ``first`` before the others, until ``done()``; record what happened in ``status``."""
-    eps = [ep for ep in _entry_points() if f"{ep.name}={ep.value}" not in status]
+    eps = [ep for ep in _entry_points(group) if f"{ep.name}={ep.value}" not in status]
     eps.sort(key=lambda ep: ep.name != first)
     for ep in eps:
         key = f"{ep.name}={ep.value}"

@@ -22,7 +22,8 @@ a text-only row), in float32 and bfloat16:
   and numbers windows ``0 .. K-1``, each inside one row; a pruner never removes padding
   slots or more than its budget; a passer changes only receivers; a scheduler returns
   sorted stages inside the model and says ``ValueError`` when it cannot fit; relevance is
-  ``[B, N]``, finite and non-negative;
+  ``[B, N]``, finite and non-negative; a mode's settings fit a depth or say ``ValueError``,
+  and its promised kept fraction is in ``(0, 1]``;
 * the parameters round-trip (``cls(**policy.params()) == policy``) and a registered
   policy is found under its name.
 
@@ -42,6 +43,7 @@ from ..pipeline import Stage
 from ..policies import (
     EdgeScorer,
     MessagePasser,
+    Mode,
     Partitioner,
     Policy,
     PruneInputs,
@@ -94,7 +96,7 @@ def _row(inputs: StageInputs, b: int) -> StageInputs:
 
 
 def _family(cls: type) -> type:
-    for base in (Partitioner, EdgeScorer, Pruner, MessagePasser, Relevance, Scheduler):
+    for base in (Partitioner, EdgeScorer, Pruner, MessagePasser, Relevance, Scheduler, Mode):
         if issubclass(cls, base):
             return base
     raise TypeError(
@@ -336,6 +338,17 @@ def _check_scheduler(policy: Scheduler) -> None:
         raise _fail(policy, "plan(0) did not raise ValueError")
 
 
+def _check_mode(policy: Mode) -> None:
+    for depth in (8, 24, 32, 40):
+        try:
+            policy.check_depth(depth)
+        except ValueError:
+            continue  # settings may not fit a depth; they must say so with a ValueError
+        target = policy.target_kept_fraction(depth)
+        if target is not None and not 0.0 < target <= 1.0:
+            raise _fail(policy, f"target_kept_fraction({depth}) = {target!r}, not in (0, 1]")
+
+
 _FAMILY_CHECKS = {
     Partitioner: _check_partitioner,
     EdgeScorer: _check_scorer,
@@ -343,6 +356,7 @@ _FAMILY_CHECKS = {
     MessagePasser: _check_passer,
     Relevance: _check_relevance,
     Scheduler: _check_scheduler,
+    Mode: _check_mode,
 }
 
 

@@ -20,8 +20,9 @@ import torch
 import lightkv
 from lightkv.adapters import apply
 from lightkv.adapters.cache import MaskedCacheLayer
+from lightkv.adapters.modes.h2o import H2OMode
 from lightkv.graph.layout import TokenKind
-from lightkv.policies import CacheSchedule, H2OSchedule, h2o_keep
+from lightkv.policies import CacheSchedule, h2o_keep
 from lightkv.testing import TINY_MODELS
 
 from .conftest import decoder_layers, get_model
@@ -37,8 +38,8 @@ def elastic(ratio: float = 0.5, layers=LAYERS):
 
 
 def h2o(budget: float = 0.5, tokens: str = "all", layers=LAYERS, recent_share: float = 0.5):
-    return lightkv.load("h2o").with_scheduler(
-        H2OSchedule(budget=budget, tokens=tokens, layers=layers, recent_share=recent_share)
+    return lightkv.load("h2o").with_mode(
+        H2OMode(budget=budget, tokens=tokens, layers=layers, recent_share=recent_share)
     )
 
 
@@ -217,7 +218,7 @@ def test_gemma3_sliding_layers_are_refused():
 
 # ---------------------------------------------------------------------------- H2O oracle
 def reference_h2o(
-    model, batch, tokens, sched: H2OSchedule, steps: int, vision: torch.Tensor, tokens_at
+    model, batch, tokens, sched: H2OMode, steps: int, vision: torch.Tensor, tokens_at
 ):
     """Kept positions per step and layer, and logits, from the unhooked eager model: the
     full cache stays, evicted entries are hidden by a per-layer mask, scores are sums over
@@ -323,7 +324,7 @@ def test_h2o_kept_set_equals_the_full_history_reference(tokens, recent_share):
         model,
         batch,
         tokens,
-        pipe.scheduler,
+        pipe.mode,
         steps,
         vision,
         lambda t: gen.sequences[:, n + t - 1 : n + t],

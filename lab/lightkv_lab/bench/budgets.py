@@ -91,10 +91,10 @@ def method_pipeline(name: str, num_layers: int, target: float, ref_depth: int = 
     Raises:
         ValueError: a preset whose schedule cannot be put at a target (one line naming it).
     """
+    from lightkv.adapters.modes.h2o import H2OMode
     from lightkv.policies import (
         BudgetSchedule,
         CacheSchedule,
-        H2OSchedule,
         KeptFractionSchedule,
         PreLLMSchedule,
         PreLLMThenLayer,
@@ -104,6 +104,8 @@ def method_pipeline(name: str, num_layers: int, target: float, ref_depth: int = 
 
     pipe = get_preset(name)
     sched = pipe.scheduler
+    if isinstance(pipe.mode, H2OMode) and sched is None:  # eviction to the target, no stage
+        return replace(pipe, mode=replace(pipe.mode, budget=target)), "cache"
     if isinstance(
         sched, PreLLMSchedule
     ):  # every layer sees the kept tokens: kept fraction = 1 - ratio
@@ -123,8 +125,6 @@ def method_pipeline(name: str, num_layers: int, target: float, ref_depth: int = 
         return replace(
             pipe, scheduler=replace(sched, removal_ratio=round(1.0 - kept, 6))
         ), "before the LLM and later"
-    if isinstance(sched, H2OSchedule):
-        return replace(pipe, scheduler=replace(sched, budget=target)), "cache"
     if isinstance(sched, BudgetSchedule):  # already a target, reached as the benchmarks do: set it
         return replace(pipe, scheduler=replace(sched, kept_fraction=target)), "budget"
     if isinstance(

@@ -166,7 +166,8 @@ def run(config: AccuracyConfig = AccuracyConfig(), progress: bool = True) -> dic
                 continue
             pipe, how = method_pipeline(name, num_layers, target)
             res = sc.score(model, convs, grid, pipe, batch=config.batch)
-            runs.append((name, target, how, pipe.scheduler, res))
+            # a pipeline of a mode alone (h2o) records the mode and its settings instead
+            runs.append((name, target, how, pipe.scheduler or pipe.mode, res))
             log(
                 f"{name:22s} target {target:.2f} kept {res.kept_fraction:.3f} {_fmt(res.accuracy())}"
             )

@@ -5,21 +5,22 @@ compression mode").
 | name | module | where | chosen by |
 |---|---|---|---|
 | ``sequence`` | `sequence` | every layer: masks, positions and cache holes of the current sequence | always on |
-| ``pre_llm`` | `pre_llm` | a stage on the embeddings, before decoder layer 0 | ``StageSpec.mode``  |
+| ``pre_llm`` | `pre_llm` | a stage on the embeddings, before decoder layer 0 | ``StageSpec.mode`` |
 | ``layer`` | `layer` | a stage on a decoder layer's output | ``StageSpec.mode`` (the default) |
-| ``cache`` | `cache` | a stage on a layer's cached keys and values after its prefill | ``StageSpec.mode`` (``cache=True``) |
-| ``h2o`` | `h2o` | eviction of cache entries after the prefill and each decoding step | ``Scheduler.modes`` (`H2OSchedule`) |
+| ``cache`` | `cache` | a stage on a layer's cached keys and values after its prefill | ``StageSpec.mode`` |
+| ``h2o`` | `h2o` | eviction of cache entries after the prefill and each decoding step | ``Pipeline.mode`` (`H2OMode`, with its settings) |
 | ``tower`` | `tower` | the vision tower's attention, for relevance that reads it | a relevance policy's ``reads_tower`` |
 """
 
 from . import cache, h2o, layer, pre_llm, sequence, tower  # noqa: F401  (each registers its mode)
 from .base import ENTRY_POINT_GROUP, LayerCall, Mode, SessionContext, choose_modes
 from .cache import CacheEntriesMode
-from .h2o import evict
+from .h2o import H2OMode, evict
 
 __all__ = [
     "ENTRY_POINT_GROUP",
     "CacheEntriesMode",
+    "H2OMode",
     "LayerCall",
     "Mode",
     "SessionContext",

@@ -11,25 +11,24 @@ and hands it to each active `Mode` that covers the layer, in `Mode.order`:
 * ``install()``: hooks on other modules (projections, the vision tower), removed with the
   session's; ``end_forward()``: the model's forward has returned (also after an error).
 
-Which modes run is decided once, when the session starts, from the schedule: each planned
-`lightkv.policies.StageSpec` names its mode (``StageSpec.mode``), `Scheduler.modes` lists
-the names a schedule needs (H2O names ``h2o`` without planning a stage), and a mode may ask
-to run whatever the schedule says (`Mode.wanted`: ``sequence``, always; ``tower``, when a
-relevance policy reads the vision tower). A new mode is one module: a subclass registered
-with ``@Mode.register("name")``, and a scheduler (or stage spec) that names it; a package
-can also expose it in the ``lightkv.modes`` entry-point group.
+Which modes run is decided once, when the session starts (`choose_modes`): the pipeline's
+own mode with its settings (`lightkv.Pipeline.mode`: H2O's eviction, which plans no
+stage), the mode each planned `lightkv.policies.StageSpec` names (``StageSpec.mode``), and
+those that ask to run (`Mode.wanted`: ``sequence``, always; ``tower``, when a relevance
+policy reads the vision tower). A new mode is one class (`lightkv.policies.Mode`: a
+dataclass whose fields are its settings) registered under one name, which is also its
+name in YAML and in the ``lightkv.modes`` entry-point group.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib import metadata
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from ...pipeline import Pipeline, Stage
+from ...policies.mode import MODE_ENTRY_POINT_GROUP, Mode
 from ..base import Adapter
 from ..cache import _Token
 from ..ownership import cache_of
@@ -40,7 +39,7 @@ from ..trace import ForwardState
 
 __all__ = ["ENTRY_POINT_GROUP", "LayerCall", "Mode", "SessionContext", "choose_modes"]
 
-ENTRY_POINT_GROUP = "lightkv.modes"
+ENTRY_POINT_GROUP = MODE_ENTRY_POINT_GROUP
 """Entry-point group through which a package exposes modes (the name is the mode's)."""
 
 
@@ -145,138 +144,24 @@ class LayerCall:
             )
 
 
-class Mode:
-    """Base of the session modes: subclass, set `order` and `layers`, override the hook
-    methods you need (the others cost nothing: the session calls only overridden ones),
-    and register with ``@Mode.register("name")``.
-
-    Attributes:
-        name: the registered name (set by `register`).
-        order: modes run in increasing order within each hook (``pre_llm`` 0, ``sequence``
-            10, ``layer`` 20, ``cache`` and ``h2o`` 30).
-        layers: the decoder layers whose forwards the mode sees (None: every layer).
-        cache_layers: the layers whose cache entries the mode rewrites after they ran (the
-            session checks that the model's cache accepts that there).
-        text_too: the mode also works on prompts without vision tokens (the session then
-            gives such a prefill a layout with no images).
-    """
-
-    name: ClassVar[str] = ""
-    order: ClassVar[int] = 50
-    _registry: ClassVar[dict[str, type[Mode]]] = {}
-    layers: frozenset[int] | None = frozenset()
-    cache_layers: frozenset[int] = frozenset()
-    text_too: bool = False
-
-    def __init__(self, ctx: SessionContext) -> None:
-        self.ctx = ctx
-
-    # ---------------------------------------------------------------- registry
-    @classmethod
-    def register(cls, name: str) -> Callable[[type[Mode]], type[Mode]]:
-        """Class decorator: run this mode where a schedule names ``name``.
-
-        Raises:
-            ValueError: ``name`` is not a non-empty string, or another class is already
-                registered under it.
-            TypeError: the class is not a subclass of `Mode` (`Mode` itself included: its
-                name would become the registered one).
-        """
-        if not isinstance(name, str) or not name.strip():
-            # a None key used to break every later "not registered" message (sorted names)
-            raise ValueError(f"a mode is registered under a non-empty name, got {name!r}")
-
-        def deco(impl: type[Mode]) -> type[Mode]:
-            if impl is Mode:
-                raise TypeError(
-                    "register a subclass of lightkv.adapters.modes.Mode, not Mode itself"
-                )
-            if not (isinstance(impl, type) and issubclass(impl, Mode)):
-                raise TypeError(
-                    f"{impl!r} must subclass lightkv.adapters.modes.Mode to be registered"
-                )
-            old = Mode._registry.get(name)
-            if old is not None and old is not impl:
-                raise ValueError(
-                    f"mode {name!r} is already registered by {old.__module__}.{old.__qualname__}"
-                )
-            impl.name = name
-            Mode._registry[name] = impl
-            return impl
-
-        return deco
-
-    @classmethod
-    def registered(cls) -> dict[str, type[Mode]]:
-        """Name -> class of every registered mode."""
-        return dict(Mode._registry)
-
-    @classmethod
-    def lookup(cls, name: str) -> type[Mode]:
-        """The mode registered as ``name`` (a ``lightkv.modes`` entry point loads on demand).
-
-        Raises:
-            KeyError: no such mode.
-        """
-        if name not in Mode._registry:
-            for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-                if ep.name == name:
-                    ep.load()  # the module registers the class
-        if name not in Mode._registry:
-            raise KeyError(
-                f"the schedule names mode {name!r}, which is not registered; registered: "
-                f"{sorted(Mode._registry)} (a package registers one with @Mode.register)"
-            )
-        return Mode._registry[name]
-
-    @classmethod
-    def wanted(cls, ctx: SessionContext) -> bool:
-        """Run in this session even where the schedule does not name the mode. Default: no."""
-        return False
-
-    # ---------------------------------------------------------------- the protocol
-    def covers(self, layer: int) -> bool:
-        """Whether the mode sees decoder layer ``layer``'s forwards."""
-        return self.layers is None or layer in self.layers
-
-    def install(self) -> list[Any]:
-        """Hooks on other modules; returns their handles (the session removes them)."""
-        return []
-
-    def prefill_pre(self, call: LayerCall) -> None:
-        """Before a layer runs in a prefill."""
-
-    def prefill_post(self, call: LayerCall) -> None:
-        """After a layer ran in a prefill."""
-
-    def decode_pre(self, call: LayerCall) -> None:
-        """Before a layer runs in a decoding step."""
-
-    def decode_post(self, call: LayerCall) -> None:
-        """After a layer ran in a decoding step."""
-
-    def end_forward(self) -> None:
-        """The model's forward returned (or raised)."""
-
-    def hook(self, phase: str, when: str) -> Callable[[LayerCall], None] | None:
-        """The bound ``{phase}_{when}`` method, or None where this class does not override it."""
-        method = f"{phase}_{when}"
-        return (
-            getattr(self, method)
-            if getattr(type(self), method) is not getattr(Mode, method)
-            else None
-        )
-
-
 def choose_modes(ctx: SessionContext) -> list[Mode]:
-    """The session's modes, in `Mode.order`: those the schedule names and those that want
-    to run; ``ctx.modes`` is filled.
+    """The session's modes, in `Mode.order`, each a started copy: the pipeline's own mode
+    (`lightkv.Pipeline.mode`, with its settings), those the planned stages name (with their
+    default settings unless the pipeline's mode is the same one) and those that want to
+    run; ``ctx.modes`` is filled.
 
     Raises:
-        KeyError: the schedule names a mode that is not registered.
+        ValueError: a stage names a mode that is not registered.
     """
-    names = list(ctx.pipeline.scheduler.modes(ctx.num_layers))
-    names += [n for n, cls in Mode.registered().items() if n not in names and cls.wanted(ctx)]
-    modes = sorted((Mode.lookup(n)(ctx) for n in names), key=lambda m: m.order)
+    configured: dict[str, Mode] = {}
+    if ctx.pipeline.mode is not None:
+        configured[ctx.pipeline.mode.name] = ctx.pipeline.mode
+    for name in dict.fromkeys(s.spec.mode for s in ctx.stages):
+        if name not in configured:
+            configured[name] = Mode.lookup(name)()
+    for name, cls in Mode.registered().items():
+        if name not in configured and cls.wanted(ctx):
+            configured[name] = cls()
+    modes = sorted((m.started(ctx) for m in configured.values()), key=lambda m: m.order)
     ctx.modes.update((m.name, m) for m in modes)
     return modes

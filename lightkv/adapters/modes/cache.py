@@ -16,6 +16,8 @@ same scores, bit for bit, at the cost of a second projection).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ...cache_stage import CacheStage
@@ -25,7 +27,7 @@ from ..cache import MaskedCacheLayer, install_masked_layer
 from ..masks import drop_padding
 from ..tap import ProjectionTap, TapResult
 from ..trace import LayerStat, StageRecord
-from .base import LayerCall, Mode, SessionContext
+from .base import LayerCall, Mode
 
 __all__ = ["CacheEntriesMode", "CacheMode"]
 
@@ -35,7 +37,7 @@ class CacheEntriesMode(Mode):
     layer, a `MaskedCacheLayer` to receive them and a `ProjectionTap` armed to score the
     tokens' importance from the layer's own projections (`importance` with ``raw``); after
     it, `rewrite` and the layer's counts updated (the trace keeps the old ones in
-    ``uncompressed``). Subclasses set ``layers`` (= ``cache_layers``).
+    ``uncompressed``). Subclasses call `start_cache` from `start` with the layers.
 
     Attributes:
         taps: the projection taps by layer (empty with ``reuse_projections=False``).
@@ -43,8 +45,9 @@ class CacheEntriesMode(Mode):
 
     order = 30
 
-    def __init__(self, ctx: SessionContext, layers) -> None:
-        super().__init__(ctx)
+    def start_cache(self, layers) -> None:
+        """Rewrite the caches of ``layers`` (call from `start`)."""
+        ctx = self.ctx
         self.layers = self.cache_layers = frozenset(layers)
         self._pending: dict[int, torch.Tensor | None] = {}
         if self.layers:
@@ -133,6 +136,7 @@ class CacheEntriesMode(Mode):
 
 
 @Mode.register("cache")
+@dataclass
 class CacheMode(CacheEntriesMode):
     """Cache stages (``StageSpec.mode == "cache"``, i.e. ``cache=True``).
 
@@ -140,9 +144,11 @@ class CacheMode(CacheEntriesMode):
         stages: the stages by layer.
     """
 
-    def __init__(self, ctx: SessionContext) -> None:
-        self.stages = ctx.stages_in("cache")
-        super().__init__(ctx, self.stages)
+    own = False  # runs the stages that name it
+
+    def start(self) -> None:
+        self.stages = self.ctx.stages_in("cache")
+        self.start_cache(self.stages)
 
     def reads_projections(self, layer):
         return ProjectionTap.wanted(self.stages[layer])

@@ -1,6 +1,5 @@
 """The ``h2o`` mode: heavy-hitter eviction of listed layers' caches after the prefill and
-after every decoding step (`lightkv.policies.H2OSchedule`, which names this mode and holds
-its parameters).
+after every decoding step (`H2OMode`, whose fields are its settings; no stage is planned).
 
 A token's score is the causal attention it receives, accumulated over the prompt's queries
 and then every decoded token's queries against the kept entries, computed from the layer's
@@ -12,6 +11,9 @@ back.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -22,7 +24,7 @@ from ...policies.relevance import _match_heads
 from ..cache import MaskedCacheLayer
 from ..masks import _batch
 from ..probes import AttentionProbe
-from .base import LayerCall, Mode, SessionContext
+from .base import LayerCall, Mode
 from .cache import CacheEntriesMode
 
 __all__ = ["H2OMode", "evict"]
@@ -51,20 +53,88 @@ def _queries_keys(
     return probe.queries(x, cos, sin), probe.keys(x, cos, sin)
 
 
+def _layers(layers: Sequence[int] | None, num_layers: int) -> list[int]:
+    """The evicting layers of a ``num_layers`` decoder (None: every layer)."""
+    if layers is None:
+        return list(range(num_layers))
+    if layers and layers[-1] >= num_layers:
+        raise ValueError(
+            f"the h2o mode evicts on layer {layers[-1]}, but the model has only {num_layers} layers"
+        )
+    return list(layers)
+
+
 @Mode.register("h2o")
+@dataclass
 class H2OMode(CacheEntriesMode):
-    """Eviction on the layers of the schedule's `H2OSchedule.evict_layers`.
+    """Heavy-hitter eviction (H2O, Zhang et al., NeurIPS 2023, arXiv:2306.14048), per layer.
+
+    After the prefill and after every decoding step, each listed layer keeps, per batch
+    row, the ``recent`` most recent candidate entries plus the ``heavy`` candidates with the
+    largest attention accumulated so far (over the prompt's queries, then every decoded
+    token's), and evicts the other candidates (`lightkv.policies.h2o_keep`). Evicted entries
+    never come back. The budget is fixed at prefill: ``floor(budget * n)`` entries for the
+    ``n`` candidate tokens of the row's prompt, ``floor(recent_share * that)`` of them recent.
+    The mode plans no stage: a pipeline runs it as its own mode (``mode: {name: h2o}``).
 
     Attributes:
-        h2o: the schedule (``budget``, ``recent_share``, ``tokens``, `counts`).
+        budget: kept candidates as a fraction of the prompt's (may exceed 1: room for
+            generated tokens before eviction starts).
+        recent_share: the share of the budget that goes to the most recent candidates.
+        tokens: ``vision`` (only vision tokens are candidates; text, structural and
+            generated tokens always stay, so eviction happens once, after prefill) or
+            ``all`` (every token is a candidate, the paper's setting: the cache stays at
+            the budget while decoding, one eviction per step).
+        layers: the layers that evict (None: every layer).
     """
 
-    def __init__(self, ctx: SessionContext) -> None:
-        self.h2o = ctx.pipeline.scheduler
-        super().__init__(ctx, self.h2o.evict_layers(ctx.num_layers))
-        self.every_token = self.h2o.tokens == "all"
+    budget: float = 0.5
+    recent_share: float = 0.5
+    tokens: Literal["vision", "all"] = "vision"
+    layers: tuple[int, ...] | None = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.budget, bool) or not float(self.budget) > 0.0:
+            raise ValueError(f"budget must be > 0, got {self.budget!r}")
+        if isinstance(self.recent_share, bool) or not 0.0 <= float(self.recent_share) <= 1.0:
+            raise ValueError(f"recent_share must be in [0, 1], got {self.recent_share!r}")
+        if self.tokens not in ("vision", "all"):
+            raise ValueError(f"tokens must be 'vision' or 'all', got {self.tokens!r}")
+        if self.layers is not None:
+            layers = list(self.layers)
+            if not layers:  # accepted once and evicted nothing, silently
+                raise ValueError(
+                    "layers is empty, so nothing would be evicted: list the layers that evict, "
+                    "or leave layers out for every layer"
+                )
+            bad = [x for x in layers if isinstance(x, bool) or not isinstance(x, int) or x < 0]
+            if bad or layers != sorted(set(layers)):
+                raise ValueError(f"layers must be strictly increasing integers >= 0, got {layers}")
+            self.layers = tuple(layers)
+
+    def check_depth(self, num_layers: int) -> None:
+        _layers(self.layers, num_layers)
+
+    def evict_layers(self, num_layers: int) -> list[int]:
+        """The layers that evict, for a decoder of ``num_layers`` layers."""
+        return _layers(self.layers, num_layers)
+
+    def target_kept_fraction(self, num_layers: int) -> float | None:
+        """Each evicting layer keeps ``min(budget, 1)`` of its candidates, the others all."""
+        at = len(_layers(self.layers, num_layers))
+        return (at * min(float(self.budget), 1.0) + num_layers - at) / num_layers
+
+    def counts(self, candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(heavy, recent)`` ``[B]`` int64 from the prompt's candidate counts ``[B]``."""
+        total = (candidates.double() * float(self.budget) + 1e-9).floor().long()
+        recent = (total.double() * float(self.recent_share) + 1e-9).floor().long()
+        return total - recent, recent
+
+    def start(self) -> None:
+        self.start_cache(self.evict_layers(self.ctx.num_layers))
+        self.every_token = self.tokens == "all"
+        # H2O over every token also evicts in a prompt without vision tokens
         self.text_too = self.every_token and bool(self.layers)
-        """H2O over every token also evicts in a prompt without vision tokens."""
 
     def reads_projections(self, layer):
         return True
@@ -87,7 +157,7 @@ class H2OMode(CacheEntriesMode):
         layout = call.state.layout
         valid = layer.valid
         candidate = valid.clone() if self.every_token else valid & (layout.kind == TokenKind.VISION)
-        heavy, recent = self.h2o.counts(candidate.sum(1))
+        heavy, recent = self.counts(candidate.sum(1))
         layer.extra.update(
             scores=importance.double(),
             candidate=candidate,

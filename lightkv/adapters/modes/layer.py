@@ -8,16 +8,18 @@ layer's input is projected once more after it ran.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from ..tap import ProjectionTap
-from .base import LayerCall, Mode, SessionContext
+from .base import LayerCall, Mode
 from .hidden import compress, prepare
 
 __all__ = ["LayerMode"]
 
 
 @Mode.register("layer")
+@dataclass
 class LayerMode(Mode):
     """Stages after decoder layers (``StageSpec.mode == "layer"``, the default).
 
@@ -26,10 +28,12 @@ class LayerMode(Mode):
         taps: the projection taps by layer (empty with ``reuse_projections=False``).
     """
 
+    own = False  # runs the stages that name it
+
     order = 20
 
-    def __init__(self, ctx: SessionContext) -> None:
-        super().__init__(ctx)
+    def start(self) -> None:
+        ctx = self.ctx
         self.stages = ctx.stages_in("layer")
         self.layers = frozenset(self.stages)
         self.taps = {

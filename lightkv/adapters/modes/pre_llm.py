@@ -7,13 +7,16 @@ layer 0's own projections of its input, computed before the layer runs.
 
 from __future__ import annotations
 
-from .base import LayerCall, Mode, SessionContext
+from dataclasses import dataclass
+
+from .base import LayerCall, Mode
 from .hidden import compress, prepare
 
 __all__ = ["PreLLMMode"]
 
 
 @Mode.register("pre_llm")
+@dataclass
 class PreLLMMode(Mode):
     """Stages on a layer's input (``StageSpec.mode == "pre_llm"``).
 
@@ -21,10 +24,12 @@ class PreLLMMode(Mode):
         stages: the stages by layer (layer 0 only: `StageSpec` refuses others).
     """
 
+    own = False  # runs the stages that name it
+
     order = 0  # before `sequence` records the layer's (already shorter) input
 
-    def __init__(self, ctx: SessionContext) -> None:
-        super().__init__(ctx)
+    def start(self) -> None:
+        ctx = self.ctx
         self.stages = ctx.stages_in("pre_llm")
         self.layers = frozenset(self.stages)
 

@@ -12,6 +12,8 @@ step each layer whose cache has holes gets a mask built from that cache.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ...graph.layout import TokenKind
@@ -24,8 +26,11 @@ __all__ = ["SequenceMode"]
 
 
 @Mode.register("sequence")
+@dataclass
 class SequenceMode(Mode):
     """Masks, positions, cache holes and per-layer counts for every layer."""
+
+    own = False  # runs whenever the session needs it
 
     order = 10
     layers = None  # every layer

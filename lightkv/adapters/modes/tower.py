@@ -10,6 +10,7 @@ another mode beside this one.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ __all__ = ["TowerMode"]
 
 
 @Mode.register("tower")
+@dataclass
 class TowerMode(Mode):
     """Reads the tower's attention in every forward that runs the tower.
 
@@ -30,14 +32,16 @@ class TowerMode(Mode):
         NotImplementedError: the adapter cannot expose its tower's attention.
     """
 
+    own = False  # runs whenever the session needs it
+
     order = 40
 
     @classmethod
     def wanted(cls, ctx: SessionContext) -> bool:
         return any(s.relevance.reads_tower for s in ctx.stages)
 
-    def __init__(self, ctx: SessionContext) -> None:
-        super().__init__(ctx)
+    def start(self) -> None:
+        ctx = self.ctx
         self.tap = TowerTap.for_stages(ctx.adapter, ctx.stages)
 
     def install(self) -> list[Any]:

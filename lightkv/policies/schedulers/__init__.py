@@ -9,11 +9,10 @@
 | ``pre_llm`` | `PreLLMSchedule` | one stage on the embeddings, before decoder layer 0 |
 | ``pre_llm_then_layer`` | `PreLLMThenLayer` | a stage on the embeddings, then one at a relative depth (VScan) |
 | ``cache`` | `CacheSchedule` | a stage on each listed layer's cached keys and values, after prefill |
-| ``h2o`` | `H2OSchedule` | heavy-hitter eviction of each listed layer's cache, after prefill and every decoding step |
 """
 
 from .budget import BudgetSchedule, Placement, budget_schedule
-from .cache import CacheSchedule, H2OSchedule
+from .cache import CacheSchedule
 from .core import ScheduleError, Scheduler, StageSpec, average_kept_fraction, ratio_for_target
 from .explicit import ExplicitSchedule
 from .kept_fraction import KeptFractionSchedule
@@ -24,7 +23,6 @@ from .two_stage import PreLLMThenLayer
 __all__ = [
     "BudgetSchedule",
     "CacheSchedule",
-    "H2OSchedule",
     "ExplicitSchedule",
     "KeptFractionSchedule",
     "Placement",

@@ -152,13 +152,6 @@ class Scheduler(Policy):
         """
         raise NotImplementedError
 
-    def modes(self, num_layers: int) -> list[str]:
-        """The session modes this schedule runs on a model of ``num_layers`` layers, by their
-        registered names (`lightkv.adapters.modes`): by default those its planned stages
-        name (`StageSpec.mode`), in plan order. A schedule whose work is not a stage (H2O's
-        eviction) names its own mode; that mode reads its parameters from the schedule."""
-        return list(dict.fromkeys(s.mode for s in self.plan(num_layers)))
-
     def max_stages(self) -> int | None:
         """How many stages `plan` gives at most, whatever the depth (None: it depends on the
         depth). Configs use it to refuse stage overrides beyond the schedule."""

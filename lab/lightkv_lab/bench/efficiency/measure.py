@@ -367,8 +367,8 @@ def reference_shape_flops(spec: ModelSpec, name: str, report, n0: int) -> dict[s
         mlp_matrices=3,
     )
     pipe = preset_pipeline(name, spec)
-    plan = pipe.scheduler.plan(ref["layers"])
-    modes = set(pipe.scheduler.modes(ref["layers"]))
+    plan = pipe.plan(ref["layers"])
+    modes = set(pipe.modes(ref["layers"]))
     if modes and modes <= {"cache", "h2o"}:
         # the cache mode: the prefill is the uncompressed one, every layer's cache is cut the same way
         return {

@@ -172,7 +172,7 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, tick: Callable[[str], None]) 
             rec["kv_bytes_vision"] = None  # filled from the first report below
         else:
             base_flops = report.prefill_flops_baseline
-            sched = pipes[variant].scheduler.plan(sizes["layers"])
+            sched = pipes[variant].plan(sizes["layers"])
             rec.update(
                 pipeline=report.pipeline,
                 schedule_layers=[s.layer for s in sched],
