@@ -101,7 +101,8 @@ class TinyModel:
 
 
 def stack_tiles(pix: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``[n, max tiles, ...]``: each image's ``[tiles, ...]`` tiles, zero-padded to the most tiles."""
+    """``[n, max tiles, ...]``: each image's ``[tiles, ...]`` tiles, zero-padded to the most
+    tiles."""
     stacked = torch.zeros(len(pix), max(p.shape[0] for p in pix), *pix[0].shape[1:])
     for i, p in enumerate(pix):
         stacked[i, : p.shape[0]] = p
