@@ -1,7 +1,7 @@
 """What every tiny model family shares: token ids, `Row`, `TinyModel`, padding, the text config.
 
-A family module (`lightkv.testing.models` for the shipped five, or one module per newer
-family) builds on these and adds itself to `lightkv.testing.models.TINY_MODELS`.
+A family module (one per family: `lightkv.testing.llava`, `lightkv.testing.gemma3`, ...)
+builds on these, and `lightkv.testing.models.TINY_MODELS` registers it.
 """
 
 from __future__ import annotations
