@@ -101,9 +101,10 @@ def apply(pipeline: Pipeline | str | os.PathLike, model: Any, **options: Any) ->
         model = AutoModelForImageTextToText.from_pretrained("llava-hf/llava-1.5-7b-hf")
         processor = AutoProcessor.from_pretrained("llava-hf/llava-1.5-7b-hf")
         inputs = processor(images=image, text=prompt, return_tensors="pt")
-        with lightkv.apply("lightkv", model) as session:   # a preset name, a YAML path or a Pipeline
+        # the pipeline: a preset name, a YAML path or a Pipeline
+        with lightkv.apply("lightkv", model) as session:
             out = model.generate(**inputs, max_new_tokens=32)
-        print(session.report())                            # kept fraction, KV bytes, per-layer lengths
+        print(session.report())  # kept fraction, KV bytes, per-layer lengths
         ```
 
     Raises:

@@ -69,7 +69,8 @@ class CacheStage:
         key features are a view of the hidden's first half)."""
         if keys.dim() != 4 or values.shape[:3] != keys.shape[:3]:
             raise ValueError(
-                f"expected keys and values [B, H_kv, N, d], got {tuple(keys.shape)} and {tuple(values.shape)}"
+                f"expected keys and values [B, H_kv, N, d], got {tuple(keys.shape)} and "
+                f"{tuple(values.shape)}"
             )
         b, h, n, dk = keys.shape
         k, v = keys.transpose(1, 2), values.transpose(1, 2)

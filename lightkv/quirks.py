@@ -42,17 +42,17 @@ class ReleasedQuirks:
         eager_merge_layers: during prefill, every decoder layer whose output a stage merges
             (each scheduled layer with a ratio above 0) computes its attention with
             transformers' eager attention function instead of the model's configured one,
-            as the released code does (it asks those layers for their attention weights,
-            which makes an sdpa model fall back to eager there). Eager attention takes its
-            softmax in float32 and casts the probabilities back to the model dtype, so in
-            float64 those layers' attention probabilities carry float32 rounding (about
-            6e-8 relative), exactly as in the released code; with it on, float64 logits
-            equal the released code's eager path bit for bit, with it off they differ by
-            that rounding (issue 40 measured 6.6e-7 on Qwen2.5-VL-7B's logits). Switched per call on the
-            attention modules of this model instance only (their ``config`` is replaced by
-            a view that names ``eager`` while the call runs, then put back); decoding and
-            every other layer keep the configured implementation. It materialises the
-            layer's ``H x N x N`` scores, as the released code does.
+            as the released code does (it asks those layers for their attention weights, which makes
+            an sdpa model fall back to eager there). Eager attention takes its softmax in float32
+            and casts the probabilities back to the model dtype, so in float64 those layers'
+            attention probabilities carry float32 rounding (about 6e-8 relative), exactly as in the
+            released code; with it on, float64 logits equal the released code's eager path bit for
+            bit, with it off they differ by that rounding (issue 40 measured 6.6e-7 on
+            Qwen2.5-VL-7B's logits). Switched per call on the attention modules of this model
+            instance only (their ``config`` is replaced by a view that names ``eager`` while the
+            call runs, then put back); decoding and every other layer keep the configured
+            implementation. It materialises the layer's ``H x N x N`` scores, as the released code
+            does.
     """
 
     renumber_positions: bool = False

@@ -78,6 +78,15 @@ PREFERRED_ORDER = {
         "hashing",
         "plugins",
     ],
+    "lightkv.policies.pruners": [
+        "base",
+        "divergence",
+        "relevance_budget",
+        "lowest_relevance",
+        "random_pruner",
+        "all_sources",
+        "keep_set",
+    ],
     "lightkv.adapters": [
         "base",
         "registry",
@@ -90,6 +99,8 @@ PREFERRED_ORDER = {
         "guards",
         "probes",
     ],
+    "lightkv.adapters.cache": ["layer", "quantized", "install", "storage"],
+    "lightkv.generate": ["loading", "running", "results", "errors"],
     "lightkv.config": ["pipeline", "schedule", "specs", "errors", "yaml_io", "schema"],
     "lightkv.testing": ["contract", "models"],
 }

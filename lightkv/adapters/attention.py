@@ -1,15 +1,15 @@
 """Which attention implementation a model is configured for, and which one actually ran.
 
-A compression stage must never switch a model to another attention implementation (e.g.
-eager, to read attention weights): that would silently change the speed being measured and,
-for flash kernels, the numerics. The one declared exception is the released code's quirk
-``released_quirks: {eager_merge_layers: true}`` (`lightkv.quirks.ReleasedQuirks`), which
-reproduces its eager merge layers on request; a watch records those calls as ``eager``. `configured_attention` reads what the configs say;
-`AttentionWatch` records what the decoder layers' attention modules dispatched during a
+A compression stage must never switch a model to another attention implementation (e.g. eager, to
+read attention weights): that would silently change the speed being measured and, for flash kernels,
+the numerics. The one declared exception is the released code's quirk ``released_quirks:
+{eager_merge_layers: true}`` (`lightkv.quirks.ReleasedQuirks`), which reproduces its eager merge
+layers on request; a watch records those calls as ``eager``. `configured_attention` reads what the
+configs say; `AttentionWatch` records what the decoder layers' attention modules dispatched during a
 forward, per call, by wrapping each module's ``forward`` *on the instance* (the registry
-``ALL_ATTENTION_FUNCTIONS`` and the classes are never touched) and counting, inside each
-call, the ``scaled_dot_product_attention`` kernels that ran (a `TorchFunctionMode` scoped
-to the call). `check_same_attention` turns a difference into an `AttentionChanged` error.
+``ALL_ATTENTION_FUNCTIONS`` and the classes are never touched) and counting, inside each call, the
+``scaled_dot_product_attention`` kernels that ran (a `TorchFunctionMode` scoped to the call).
+`check_same_attention` turns a difference into an `AttentionChanged` error.
 
 Watching costs a Python round trip per torch call inside attention: use it on untimed
 forwards only.
@@ -153,11 +153,12 @@ def check_same_attention(ran: Mapping[str, Iterable[str]], reference: str) -> No
             if "eager" in impls and "eager" not in want:  # the one declared switch
                 hint = (
                     "if the pipeline has released_quirks: {eager_merge_layers: true} (on in the "
-                    "lightkv-paper-released presets: the released code's merge layers run eager), turn it off "
+                    "lightkv-paper-released presets: the released code's merge layers run eager), "
+                    "turn it off "
                     "to compare speeds; otherwise " + hint
                 )
             raise AttentionChanged(
-                f"preset {name!r} ran attention implementation(s) {sorted(impls)} but {reference} ran {want}: a "
-                f"compression stage must never change the model's attention implementation (it changes what is "
-                f"measured); {hint}"
+                f"preset {name!r} ran attention implementation(s) {sorted(impls)} but {reference} "
+                f"ran {want}: a compression stage must never change the model's attention "
+                f"implementation (it changes what is measured); {hint}"
             )

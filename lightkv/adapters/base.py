@@ -61,7 +61,8 @@ class Adapter:
         if unknown:
             allowed = ", ".join(self.options_allowed) or "none"
             raise TypeError(
-                f"adapter {self.family!r} got unknown option(s) {sorted(unknown)}; allowed: {allowed}"
+                f"adapter {self.family!r} got unknown option(s) {sorted(unknown)}; allowed: "
+                f"{allowed}"
             )
         self.model = model
         self.config = model.config
@@ -72,8 +73,8 @@ class Adapter:
         except AttributeError as e:  # e.g. a Llama whose config says model_type "llava"
             kind = getattr(self.config, "model_type", "?")
             raise TypeError(
-                f"{type(model).__name__} (model_type {kind!r}) is not a {self.family} model as lightkv "
-                f"knows it: {e}; pass the vision-language model itself"
+                f"{type(model).__name__} (model_type {kind!r}) is not a {self.family} model as "
+                f"lightkv knows it: {e}; pass the vision-language model itself"
             ) from None
 
     # ---------------------------------------------------------------- modules
@@ -88,8 +89,8 @@ class Adapter:
         if isinstance(getattr(self.model, "language_model", None), nn.Module):
             return self.model
         raise TypeError(
-            f"{type(self.model).__name__}: cannot find the multimodal core (expected `.model.language_model` "
-            "or `.language_model`)"
+            f"{type(self.model).__name__}: cannot find the multimodal core (expected "
+            "`.model.language_model` or `.language_model`)"
         )
 
     def language_model(self) -> nn.Module:
@@ -115,8 +116,9 @@ class Adapter:
         ``reads_tower`` (a `lightkv.adapters.tower.TowerSpec`). Default: refused; the
         LLaVA-1.5 adapter (a CLIP or SigLIP tower, one pass per image) implements it."""
         raise NotImplementedError(
-            f"tower relevance (e.g. tower_attention, VisionZip) reads the vision tower's attention, which the "
-            f"{self.family!r} adapter does not expose; supported: llava (LLaVA-1.5)"
+            "tower relevance (e.g. tower_attention, VisionZip) reads the vision tower's "
+            f"attention, which the {self.family!r} adapter does not expose; supported: llava "
+            "(LLaVA-1.5)"
         )
 
     def check_stages(self, stages: Sequence[Any]) -> None:
@@ -138,8 +140,8 @@ class Adapter:
         strategy = getattr(self.config, "vision_feature_select_strategy", "default")
         if strategy != "default":
             raise NotImplementedError(
-                f"the {self.family} adapter supports vision_feature_select_strategy='default' (CLS dropped, "
-                f"a regular grid); this model uses {strategy!r}"
+                f"the {self.family} adapter supports vision_feature_select_strategy='default' (CLS "
+                f"dropped, a regular grid); this model uses {strategy!r}"
             )
 
     # ---------------------------------------------------------------- masks
@@ -273,8 +275,8 @@ def place_images(
     total = int(sum(int(c) for c in counts))
     if total != pos.shape[0]:
         raise ValueError(
-            f"the prompt has {pos.shape[0]} {what} placeholder tokens but the {what} inputs describe {total} "
-            f"({len(counts)} {what}(s) of {list(counts)} tokens)"
+            f"the prompt has {pos.shape[0]} {what} placeholder tokens but the {what} inputs "
+            f"describe {total} ({len(counts)} {what}(s) of {list(counts)} tokens)"
         )
     out, start = [], 0
     for k, c in enumerate(counts):
@@ -285,7 +287,8 @@ def place_images(
         row, first, last = int(seg[0, 0]), int(seg[0, 1]), int(seg[-1, 1])
         if int(seg[-1, 0]) != row or last - first != c - 1:
             raise ValueError(
-                f"{what} {k} ({c} tokens) is not one contiguous run of placeholders in one batch row"
+                f"{what} {k} ({c} tokens) is not one contiguous run of placeholders in one batch "
+                "row"
             )
         out.append((row, first))
         start += c
@@ -293,7 +296,8 @@ def place_images(
 
 
 def token_runs(mask: torch.Tensor) -> list[tuple[int, int, int]]:
-    """Maximal runs of True in a ``[B, N]`` bool mask: ``(row, start, length)`` in row-major order."""
+    """Maximal runs of True in a ``[B, N]`` bool mask: ``(row, start, length)`` in row-major
+    order."""
     m = mask.to(torch.int8).cpu()
     pad = torch.zeros(m.shape[0], 1, dtype=torch.int8)
     d = torch.diff(torch.cat([pad, m, pad], dim=1), dim=1)

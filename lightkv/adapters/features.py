@@ -89,7 +89,8 @@ def relevance(
         if packed:  # the policy reads these rows as they are (`Relevance.packed_text_keys`)
             return out
         full = out.new_zeros(b, heads, n, out.shape[-1])
-        # in place: an out-of-place scatter would copy the [B, H, N, d] zeros once more (48 MB at 7B width)
+        # in place: an out-of-place scatter would copy the [B, H, N, d] zeros once more (48 MB at 7B
+        # width)
         return full.scatter_(2, index[:, None, :, None].expand(-1, heads, -1, out.shape[-1]), out)
 
     all_rows = torch.arange(n, device=cos.device).expand(b, n)

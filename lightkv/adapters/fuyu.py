@@ -9,7 +9,9 @@ The newline id is not in the model config: pass ``newline_token_id=`` to `apply`
 is taken from ``config.image_newline_id`` when present, or else detected as the token
 that follows every run of placeholders.
 
-Exact: identity (nothing removed = unhooked logits, prefill and decode), batch rows alone = in a padded batch, sdpa, eager and FlashAttention-2 (2-D padding masks; = the sdpa run under the test stand-in), images of different sizes in one batch.
+Exact: identity (nothing removed = unhooked logits, prefill and decode), batch rows alone = in a
+  padded batch, sdpa, eager and FlashAttention-2 (2-D padding masks; = the sdpa run under the test
+  stand-in), images of different sizes in one batch.
 Refused: nothing family-specific; beam search with images fails in transformers itself.
 """
 

@@ -18,8 +18,10 @@ window by the mask (so it is not bounded by the window: a memory cost, not an er
 uncompressed layers keep transformers' own sliding-window cache. Relevance at a scheduled
 sliding layer is scored over the whole prompt (a policy heuristic; the window is not applied).
 
-Exact: images and pan & scan crops, bidirectional image blocks, sliding windows (over original positions).
-Refused: ``use_bidirectional_attention`` text configs, other layer types, non-square ``mm_tokens_per_image``;
+Exact: images and pan & scan crops, bidirectional image blocks, sliding windows (over original
+  positions).
+Refused: ``use_bidirectional_attention`` text configs, other layer types, non-square
+  ``mm_tokens_per_image``;
 FlashAttention-2 (transformers' Gemma 3 has no FlashAttention-2 path, and a padding mask can carry
 neither both-ways image blocks nor windows in original columns).
 """
@@ -57,16 +59,17 @@ class Gemma3Adapter(Adapter):
     model_types = ("gemma3",)
     cache_layer_types = (DynamicLayer, DynamicSlidingWindowLayer)
     flash_attention_refused = (
-        "transformers' Gemma 3 has no FlashAttention-2 path, and a 2-D padding mask can carry neither its both-ways "
-        "image blocks nor sliding windows measured in original columns"
+        "transformers' Gemma 3 has no FlashAttention-2 path, and a 2-D padding mask can carry "
+        "neither its both-ways image blocks nor sliding windows measured in original columns"
     )
 
     def check_config(self) -> None:
         tc = self.text_config()
         if getattr(tc, "use_bidirectional_attention", False):
             raise NotImplementedError(
-                "the gemma3 adapter needs a causal decoder; this text config has use_bidirectional_attention=True "
-                "(every token attends both ways), which lightkv's compressed masks do not implement"
+                "the gemma3 adapter needs a causal decoder; this text config has "
+                "use_bidirectional_attention=True (every token attends both ways), which "
+                "lightkv's compressed masks do not implement"
             )
         bad = sorted(set(tc.layer_types) - set(_TYPES))
         if bad:
@@ -96,7 +99,8 @@ class Gemma3Adapter(Adapter):
         per_image = side * side
         if n % per_image:
             raise ValueError(
-                f"{n} image tokens is not a multiple of {per_image} tokens per image ({side}x{side} grid)"
+                f"{n} image tokens is not a multiple of {per_image} tokens per image "
+                f"({side}x{side} grid)"
             )
         places = place_images(placeholders, [per_image] * (n // per_image))
         segments = [ImageSegment(row=r, offset=o, grid=(side, side)) for r, o in places]
@@ -114,9 +118,9 @@ class Gemma3Adapter(Adapter):
                 i for i, t in enumerate(self.text_config().layer_types) if t != "sliding_attention"
             ]
             raise NotImplementedError(
-                f"the cache mode (cache stages, H2O) does not support Gemma 3's sliding-window layers {sliding}: "
-                "a merged or kept entry's place in a sliding window has no single meaning; list only "
-                f"full-attention layers ({full})"
+                "the cache mode (cache stages, H2O) does not support Gemma 3's sliding-window "
+                f"layers {sliding}: a merged or kept entry's place in a sliding window has no "
+                f"single meaning; list only full-attention layers ({full})"
             )
 
     def mask_key(self, layer: int):

@@ -46,15 +46,17 @@ def attention_implementation(config: Any) -> str:
     impl = getattr(config, "_attn_implementation", None) or "eager"
     if impl not in SUPPORTED_ATTENTION:
         why = (
-            f"lightkv's 2-D padding masks are checked against FlashAttention-2's contract only, not {impl}'s"
+            "lightkv's 2-D padding masks are checked against FlashAttention-2's contract only, "
+            f"not {impl}'s"
             if "flash" in impl
             else "the compressed layers need a mask lightkv builds (4-D, or FlashAttention-2's "
             "2-D padding mask), and this implementation takes neither"
         )
         raise ValueError(
-            f"lightkv needs attn_implementation in {SUPPORTED_ATTENTION}; this model uses {impl!r}: {why}. Load it "
-            "with attn_implementation='sdpa' or 'flash_attention_2' (or model.set_attn_implementation(...)); in the "
-            "efficiency benchmark pass --attn-implementation sdpa."
+            f"lightkv needs attn_implementation in {SUPPORTED_ATTENTION}; this model uses "
+            f"{impl!r}: {why}. Load it with attn_implementation='sdpa' or 'flash_attention_2' (or "
+            "model.set_attn_implementation(...)); in the efficiency benchmark pass "
+            "--attn-implementation sdpa."
         )
     return impl
 
@@ -80,28 +82,29 @@ def check_flash(
     reason = type(adapter).flash_attention_refused
     if reason:
         raise ValueError(
-            f"lightkv cannot compress the {adapter.family!r} family under flash_attention_2: {reason}"
-            + fix
+            f"lightkv cannot compress the {adapter.family!r} family under flash_attention_2: "
+            f"{reason}" + fix
         )
     windowed = [i for i, m in enumerate(attention) if getattr(m, "sliding_window", None)]
     if windowed:
         raise ValueError(
-            f"lightkv cannot compress under flash_attention_2 a model with sliding-window layers {windowed}: the "
-            "kernel measures the window in columns of the compacted row, not in the original positions the "
+            "lightkv cannot compress under flash_attention_2 a model with sliding-window layers "
+            f"{windowed}: the kernel measures the window in columns of the compacted row, not in "
+            "the original positions the "
             "dropped tokens leave gaps in" + fix
         )
     if proportional:
         raise ValueError(
-            "proportional attention adds log(size) to every key's logit, and FlashAttention-2 takes no bias: set "
-            "proportional_attention: false (Pipeline(proportional_attention=False))"
-            + fix.replace(";", ", or")
+            "proportional attention adds log(size) to every key's logit, and FlashAttention-2 "
+            "takes no bias: set proportional_attention: false "
+            "(Pipeline(proportional_attention=False))" + fix.replace(";", ", or")
         )
 
 
 _STATIC_WHY = (
-    "after compression every layer holds its own number of entries, with holes, and transformers builds one "
-    "decoding mask for all layers of a static cache, so lightkv must give each layer its own growing mask, "
-    "which CUDA graphs cannot capture"
+    "after compression every layer holds its own number of entries, with holes, and transformers "
+    "builds one decoding mask for all layers of a static cache, so lightkv must give each layer "
+    "its own growing mask, which CUDA graphs cannot capture"
 )
 """Why a static cache cannot hold a compressed prefill (the refusal names it)."""
 
@@ -117,7 +120,8 @@ def check_cache(
     they ran). ``None`` (no cache yet) passes."""
     if cache is not None and not isinstance(cache, Cache):
         raise TypeError(
-            "lightkv supports transformers Cache objects only (legacy tuple caches are not supported)"
+            "lightkv supports transformers Cache objects only (legacy tuple caches are not "
+            "supported)"
         )
     if cache is None:
         return
@@ -125,19 +129,20 @@ def check_cache(
     bad = next((layer for layer in layers if not accepts_layer(layer, allowed)), None)
     if bad is not None:
         raise TypeError(
-            f"lightkv supports the default dynamic cache only (and QuantizedCache, its quantized variant); this "
-            f"{type(cache).__name__} has {type(bad).__name__} layers (static, sliding-window and offloaded caches "
-            "are not supported: "
+            "lightkv supports the default dynamic cache only (and QuantizedCache, its quantized "
+            f"variant); this {type(cache).__name__} has {type(bad).__name__} layers (static, "
+            "sliding-window and offloaded caches are not supported: "
             + _STATIC_WHY
             + "): drop cache_implementation= or past_key_values="
         )
     quantized = sorted(i for i in rewritten if i < len(layers) and is_quantized(layers[i]))
     if quantized:
         raise TypeError(
-            f"the cache mode (cache stages, H2O eviction) replaces the entries of cache layers {quantized} after "
-            f"they ran, which this {type(cache).__name__}'s {type(layers[quantized[0]]).__name__} layers cannot "
-            "take without re-quantizing them: use a DynamicCache with this pipeline (or a hidden-state schedule "
-            "with the quantized cache)"
+            "the cache mode (cache stages, H2O eviction) replaces the entries of cache layers "
+            f"{quantized} after they ran, which this {type(cache).__name__}'s "
+            f"{type(layers[quantized[0]]).__name__} layers cannot take without re-quantizing them: "
+            "use a DynamicCache with this pipeline (or a hidden-state schedule with the quantized "
+            "cache)"
         )
 
 
@@ -146,16 +151,17 @@ def check_attention_mask(mask2d: Any) -> None:
     passes)."""
     if mask2d is not None and (not isinstance(mask2d, torch.Tensor) or mask2d.dim() != 2):
         raise ValueError(
-            f"lightkv needs a 2-D attention_mask [batch, sequence] (or none); got a {mask2d.dim()}-D mask. Pass the "
-            "processor's attention_mask as it is"
+            "lightkv needs a 2-D attention_mask [batch, sequence] (or none); got a "
+            f"{mask2d.dim()}-D mask. Pass the processor's attention_mask as it is"
             if isinstance(mask2d, torch.Tensor)
-            else f"lightkv needs a 2-D attention_mask [batch, sequence] (or none); got {type(mask2d).__name__}"
+            else "lightkv needs a 2-D attention_mask [batch, sequence] (or none); got "
+            f"{type(mask2d).__name__}"
         )
 
 
 _COMPILED = (
-    "lightkv cannot compress a torch.compile'd model: compiled code does not run the hooks lightkv installs, "
-    "so nothing would be compressed. "
+    "lightkv cannot compress a torch.compile'd model: compiled code does not run the hooks "
+    "lightkv installs, so nothing would be compressed. "
 )
 
 

@@ -1,5 +1,5 @@
-"""Idefics3 (``Idefics3ForConditionalGeneration``) and SmolVLM (``SmolVLMForConditionalGeneration``):
-one grid per tile and one for the global view.
+"""Idefics3 (``Idefics3ForConditionalGeneration``) and SmolVLM
+(``SmolVLMForConditionalGeneration``): one grid per tile and one for the global view.
 
 The processor splits an image into ``rows x cols`` tiles plus a global view (the whole image
 resized to one tile; an image that is not split is its global view alone). Each goes through
@@ -14,7 +14,8 @@ merged); every tile and the global view is its own grid, so windows never cross 
 borders. SmolVLM's video frames reach the model as ordinary images (one global view per
 frame, timestamps in the text); each frame is its own grid, not labelled as a video.
 
-Exact: Idefics3 and SmolVLM images (split or not), several per row; video frames as still images; FlashAttention-2 (2-D padding masks; = the sdpa run under the test stand-in).
+Exact: Idefics3 and SmolVLM images (split or not), several per row; video frames as still images;
+  FlashAttention-2 (2-D padding masks; = the sdpa run under the test stand-in).
 Refused: a vision tower whose patch grid does not divide by scale_factor (the model cannot run it).
 """
 
@@ -42,7 +43,8 @@ class Idefics3Adapter(Adapter):
         if isinstance(getattr(self.model, "text_model", None), nn.Module):
             return self.model
         raise TypeError(
-            f"{type(self.model).__name__}: cannot find the multimodal core (expected `.model.text_model`)"
+            f"{type(self.model).__name__}: cannot find the multimodal core (expected "
+            "`.model.text_model`)"
         )
 
     def language_model(self) -> nn.Module:
@@ -53,8 +55,8 @@ class Idefics3Adapter(Adapter):
         patches, scale = int(vc.image_size) // int(vc.patch_size), int(self.config.scale_factor)
         if patches % scale:
             raise NotImplementedError(
-                f"the {self.family} adapter needs the tile's {patches} x {patches} patch grid to divide by "
-                f"scale_factor={scale}"
+                f"the {self.family} adapter needs the tile's {patches} x {patches} patch grid to "
+                f"divide by scale_factor={scale}"
             )
 
     def tile_side(self) -> int:

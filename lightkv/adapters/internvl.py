@@ -7,7 +7,9 @@ each tile goes through the vision tower on its own and, after the pixel shuffle
 Each tile is a separate grid in the layout (the thumbnail included): the model gets no
 record of how tiles were arranged, so windows never span tile borders.
 
-Exact: identity (nothing removed = unhooked logits, prefill and decode), batch rows alone = in a padded batch, sdpa, eager and FlashAttention-2 (2-D padding masks; = the sdpa run under the test stand-in), several images (and tiles) per row, beam search.
+Exact: identity (nothing removed = unhooked logits, prefill and decode), batch rows alone = in a
+  padded batch, sdpa, eager and FlashAttention-2 (2-D padding masks; = the sdpa run under the test
+  stand-in), several images (and tiles) per row, beam search.
 Refused: nothing family-specific.
 """
 

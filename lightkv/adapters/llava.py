@@ -3,8 +3,13 @@
 Each image becomes ``(image_size / patch_size)^2`` consecutive placeholder tokens
 (``config.image_token_id``), filled in raster order (24 x 24 = 576 for LLaVA-1.5).
 
-Exact: identity (nothing removed = unhooked logits, prefill and decode), batch rows alone = in a padded batch, sdpa, eager and FlashAttention-2 (2-D padding masks; = the sdpa run under the test stand-in), several images per row, beam search; tower relevance (VisionZip, VisPruner: the CLS attention of the CLIP tower layer `vision_feature_layer` selects, or the mean attention of a SigLIP tower), the only family that exposes it.
-Refused: ``vision_feature_select_strategy`` other than ``default`` (the CLS token would shift the grid).
+Exact: identity (nothing removed = unhooked logits, prefill and decode), batch rows alone = in a
+  padded batch, sdpa, eager and FlashAttention-2 (2-D padding masks; = the sdpa run under the test
+  stand-in), several images per row, beam search; tower relevance (VisionZip, VisPruner: the CLS
+  attention of the CLIP tower layer `vision_feature_layer` selects, or the mean attention of a
+  SigLIP tower), the only family that exposes it.
+Refused: ``vision_feature_select_strategy`` other than ``default`` (the CLS token would shift the
+  grid).
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ class LlavaAdapter(Adapter):
     def check_config(self) -> None:
         if getattr(self.config.vision_config, "model_type", None) == "pixtral":
             raise NotImplementedError(
-                "this LLaVA model has a Pixtral vision tower (Pixtral-12B): its images are grids of any size with "
-                "[IMG_BREAK] row ends, not LLaVA-1.5 squares; use the 'pixtral' adapter (detected automatically)"
+                "this LLaVA model has a Pixtral vision tower (Pixtral-12B): its images are grids "
+                "of any size with [IMG_BREAK] row ends, not LLaVA-1.5 squares; use the 'pixtral' "
+                "adapter (detected automatically)"
             )
         self.require_default_feature_strategy()
 
@@ -49,8 +55,9 @@ class LlavaAdapter(Adapter):
         layers = getattr(getattr(core, "encoder", None), "layers", None)
         if not isinstance(feature_layer, int) or layers is None:
             raise NotImplementedError(
-                "tower relevance needs one vision_feature_layer (an int) and a CLIP/SigLIP-style tower "
-                f"(.encoder.layers); this model has {feature_layer!r} and {type(tower).__name__}"
+                "tower relevance needs one vision_feature_layer (an int) and a CLIP/SigLIP-style "
+                f"tower (.encoder.layers); this model has {feature_layer!r} and "
+                f"{type(tower).__name__}"
             )
         index = len(layers) + feature_layer if feature_layer < 0 else feature_layer - 1
         if not 0 <= index < len(layers):
@@ -75,7 +82,8 @@ class LlavaAdapter(Adapter):
         per_image = side * side
         if n % per_image:
             raise ValueError(
-                f"{n} image tokens is not a multiple of {per_image} tokens per image ({side}x{side} grid)"
+                f"{n} image tokens is not a multiple of {per_image} tokens per image "
+                f"({side}x{side} grid)"
             )
         places = place_images(placeholders, [per_image] * (n // per_image))
         segments = [ImageSegment(row=r, offset=o, grid=(side, side)) for r, o in places]

@@ -13,7 +13,9 @@ The grid shapes come from ``image_sizes`` with the model's own helpers
 instead of ``image_sizes``; then each image's grid is read from its packed features,
 where every row ends with a copy of the model's ``image_newline`` vector.
 
-Exact: identity (nothing removed = unhooked logits, prefill and decode), batch rows alone = in a padded batch, sdpa, eager and FlashAttention-2 (2-D padding masks; = the sdpa run under the test stand-in), images of different sizes in one batch, beam search.
+Exact: identity (nothing removed = unhooked logits, prefill and decode), batch rows alone = in a
+  padded batch, sdpa, eager and FlashAttention-2 (2-D padding masks; = the sdpa run under the test
+  stand-in), images of different sizes in one batch, beam search.
 Refused: ``vision_feature_select_strategy`` other than ``default``.
 
 Extreme aspect ratios (e.g. 8 x 120 pixels) un-pad to a high-resolution grid without rows

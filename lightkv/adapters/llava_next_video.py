@@ -15,7 +15,8 @@ The grids come from ``image_sizes`` with the model's own helpers
 ``mm_encoder_outputs`` instead, and then the image grids are read from the packed features
 (newlines are copies of ``image_newline``) and each video's frame count from its length.
 
-Exact: anyres images (degenerate un-pads included), videos, images and videos mixed in one batch; FlashAttention-2 (2-D padding masks; = the sdpa run under the test stand-in).
+Exact: anyres images (degenerate un-pads included), videos, images and videos mixed in one batch;
+  FlashAttention-2 (2-D padding masks; = the sdpa run under the test stand-in).
 Refused: features that are not a ``side x side`` grid per tile (``full`` with a CLS token).
 """
 

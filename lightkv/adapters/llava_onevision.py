@@ -23,7 +23,8 @@ The grids come from ``image_sizes`` with the model's own helpers
 ``mm_encoder_outputs`` instead, and then each grid is read from the packed features (the
 newline tokens are copies of the model's ``image_newline`` vector).
 
-Exact: anyres-max images (shrunk or not), multi-image prompts, videos, images and videos mixed; FlashAttention-2 (2-D padding masks; = the sdpa run under the test stand-in).
+Exact: anyres-max images (shrunk or not), multi-image prompts, videos, images and videos mixed;
+  FlashAttention-2 (2-D padding masks; = the sdpa run under the test stand-in).
 Refused: features that are not a ``side x side`` grid per tile (``full`` with a CLS token).
 """
 

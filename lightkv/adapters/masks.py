@@ -53,9 +53,10 @@ def flash_mask(valid: torch.Tensor, origin: torch.Tensor | None = None) -> torch
         ordered = compact and not bool((valid[:, :-1] & (origin[:, 1:] <= origin[:, :-1])).any())
         if not ordered:
             raise RuntimeError(
-                "a compressed row has a hole between real tokens or tokens out of original order, which "
-                "FlashAttention-2's causal varlen kernel cannot express; this is a lightkv bug (rows must be "
-                "compacted by drop_padding): report it, or load the model with attn_implementation='sdpa'"
+                "a compressed row has a hole between real tokens or tokens out of original order, "
+                "which FlashAttention-2's causal varlen kernel cannot express; this is a lightkv "
+                "bug (rows must be compacted by drop_padding): report it, or load the model with "
+                "attn_implementation='sdpa'"
             )
     return None if bool(valid.all()) else valid
 

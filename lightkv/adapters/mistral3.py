@@ -1,5 +1,6 @@
-"""Mistral3 (``Mistral3ForConditionalGeneration``) and Pixtral-LLaVA (``LlavaForConditionalGeneration``
-with a Pixtral vision tower, e.g. Pixtral-12B): one grid per image, rows ended by break tokens.
+"""Mistral3 (``Mistral3ForConditionalGeneration``) and Pixtral-LLaVA
+(``LlavaForConditionalGeneration`` with a Pixtral vision tower, e.g. Pixtral-12B): one grid per
+image, rows ended by break tokens.
 
 An image of ``image_sizes = (height, width)`` pixels becomes ``(height // d) x (width // d)``
 tokens, ``d = patch_size * spatial_merge_size`` (Mistral3: 14 x 2 = 28 px; Pixtral-LLaVA has no
@@ -18,8 +19,10 @@ the whole ``pixel_values`` tensor, as the tower then encodes it. A prompt withou
 tokens (not the processor's layout) is read as one row per image unless ``image_sizes``
 give the grid.
 
-Exact: Mistral3 and Pixtral-LLaVA images of any size, several per row, break/end tokens structural; FlashAttention-2 (2-D padding masks; = the sdpa run under the test stand-in).
-Refused: sliding-window decoders; Pixtral-LLaVA with vision_feature_select_strategy other than "full".
+Exact: Mistral3 and Pixtral-LLaVA images of any size, several per row, break/end tokens structural;
+  FlashAttention-2 (2-D padding masks; = the sdpa run under the test stand-in).
+Refused: sliding-window decoders; Pixtral-LLaVA with vision_feature_select_strategy other than
+  "full".
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ def is_pixtral_llava(config) -> bool:
 
 
 class Mistral3Adapter(Adapter):
-    """Mistral3: a ``(height // 28) x (width // 28)`` grid per image, rows ended by ``[IMG_BREAK]``."""
+    """Mistral3: a ``(height // 28) x (width // 28)`` grid per image, rows ended by
+    ``[IMG_BREAK]``."""
 
     family = "mistral3"
     model_types = ("mistral3",)
@@ -52,7 +56,8 @@ class Mistral3Adapter(Adapter):
         if getattr(text, "sliding_window", None) is not None:
             raise NotImplementedError(
                 f"the {self.family} adapter does not support sliding-window attention layers "
-                f"(text_config.sliding_window={getattr(text, 'sliding_window', None)}); set it to None"
+                f"(text_config.sliding_window={getattr(text, 'sliding_window', None)}); set it to "
+                "None"
             )
 
     def downsample(self) -> int:
@@ -93,8 +98,8 @@ class Mistral3Adapter(Adapter):
         pos = placeholders.nonzero().cpu()
         if sum(counts) != pos.shape[0]:
             raise ValueError(
-                f"the prompt has {pos.shape[0]} image placeholder tokens but the image inputs describe "
-                f"{sum(counts)} ({len(counts)} image(s) of {counts} tokens)"
+                f"the prompt has {pos.shape[0]} image placeholder tokens but the image inputs "
+                f"describe {sum(counts)} ({len(counts)} image(s) of {counts} tokens)"
             )
         n = input_ids.shape[1]
         segments, start = [], 0
@@ -126,8 +131,9 @@ class Mistral3Adapter(Adapter):
             )
             if count % w or not torch.equal(seg[:, 1], expected):
                 raise ValueError(
-                    f"image {k} ({count} tokens) is not laid out as rows of equal width, each followed by one "
-                    "[IMG_BREAK] token (build the prompt with the model's processor)"
+                    f"image {k} ({count} tokens) is not laid out as rows of equal width, each "
+                    "followed by one [IMG_BREAK] token (build the prompt with the model's "
+                    "processor)"
                 )
             if grid is not None and grid != (h, w):
                 raise ValueError(
@@ -143,7 +149,8 @@ class Mistral3Adapter(Adapter):
 
 
 class PixtralLlavaAdapter(Mistral3Adapter):
-    """Pixtral-LLaVA (Pixtral-12B): a ``(height // 16) x (width // 16)`` grid per image, no merge."""
+    """Pixtral-LLaVA (Pixtral-12B): a ``(height // 16) x (width // 16)`` grid per image, no
+    merge."""
 
     family = "pixtral"
     model_types = ()  # model_type "llava" with a Pixtral tower; detect_family routes it here
@@ -151,15 +158,15 @@ class PixtralLlavaAdapter(Mistral3Adapter):
     def check_config(self) -> None:
         if not is_pixtral_llava(self.config):
             raise NotImplementedError(
-                "the pixtral adapter is for LlavaForConditionalGeneration with a Pixtral vision tower "
-                f"(model_type {self.config.model_type!r}, vision tower "
+                "the pixtral adapter is for LlavaForConditionalGeneration with a Pixtral vision "
+                f"tower (model_type {self.config.model_type!r}, vision tower "
                 f"{getattr(getattr(self.config, 'vision_config', None), 'model_type', None)!r})"
             )
         strategy = getattr(self.config, "vision_feature_select_strategy", "full")
         if strategy != "full":
             raise NotImplementedError(
-                "the pixtral adapter supports vision_feature_select_strategy='full' (Pixtral has no CLS token); "
-                f"this model uses {strategy!r}"
+                "the pixtral adapter supports vision_feature_select_strategy='full' (Pixtral has "
+                f"no CLS token); this model uses {strategy!r}"
             )
         super().check_config()
 

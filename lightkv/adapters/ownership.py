@@ -70,8 +70,9 @@ class CallOwner:
             return False
         if threading.get_ident() != self.thread:
             raise RuntimeError(
-                f"this {type(model).__name__} has a lightkv session open in another thread: its hooks would "
-                "compress this call and count it in that session's report; call the model from the thread that "
-                "entered the session, or after its `with` block (one session per model and thread)"
+                f"this {type(model).__name__} has a lightkv session open in another thread: its "
+                "hooks would compress this call and count it in that session's report; call the "
+                "model from the thread that entered the session, or after its `with` block (one "
+                "session per model and thread)"
             )
         return True

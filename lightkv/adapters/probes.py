@@ -107,7 +107,8 @@ class AttentionProbe:
         raise NotImplementedError
 
     def keys_from(self, raw: dict[str, torch.Tensor], cos, sin) -> torch.Tensor:
-        """``[B, H_kv, M, d]`` keys from raw projection outputs; post-RoPE unless ``cos`` is None."""
+        """``[B, H_kv, M, d]`` keys from raw projection outputs; post-RoPE unless ``cos`` is
+        None."""
         raise NotImplementedError
 
     def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

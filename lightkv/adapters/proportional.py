@@ -49,9 +49,9 @@ def add_log_sizes(mask: torch.Tensor | None, sizes: torch.Tensor, family: str) -
     ):
         got = "None" if mask is None else f"{mask.dtype} {tuple(mask.shape)}"
         raise TypeError(
-            f"proportional attention needs an additive float mask [B, 1, Q, {sizes.shape[1]}] from the {family!r} "
-            f"adapter's prefill_mask / decode_mask with impl='eager', got {got}; fix the adapter's masks or set "
-            "proportional_attention: false"
+            f"proportional attention needs an additive float mask [B, 1, Q, {sizes.shape[1]}] from "
+            f"the {family!r} adapter's prefill_mask / decode_mask with impl='eager', got {got}; "
+            "fix the adapter's masks or set proportional_attention: false"
         )
     # log in float32 first: the mask's dtype (bf16) would round the sizes before the log
     bias = sizes.clamp_min(1).to(torch.float32).log().to(mask.dtype)
@@ -76,8 +76,9 @@ class ProportionalAttention:
         reason = type(adapter).proportional_attention_refused
         if self.enabled and reason:
             raise NotImplementedError(
-                f"proportional attention is not supported for the {adapter.family!r} family: {reason}; "
-                "set proportional_attention: false (Pipeline(proportional_attention=False))"
+                f"proportional attention is not supported for the {adapter.family!r} family: "
+                f"{reason}; set proportional_attention: false "
+                "(Pipeline(proportional_attention=False))"
             )
         self._of: Provenance | None = None
         self._sizes: torch.Tensor | None = None

@@ -12,7 +12,9 @@ embedding sees. Surviving tokens keep these 3-D positions. The frames of a video
 their video and frame index (`lightkv.graph.VisionLayout.image_frame`), for
 spatio-temporal windows.
 
-Exact: identity (nothing removed = unhooked logits, prefill and decode), batch rows alone = in a padded batch, sdpa, eager and FlashAttention-2 (2-D padding masks; = the sdpa run under the test stand-in), images and videos mixed in one batch, 3-D M-RoPE positions, beam search.
+Exact: identity (nothing removed = unhooked logits, prefill and decode), batch rows alone = in a
+  padded batch, sdpa, eager and FlashAttention-2 (2-D padding masks; = the sdpa run under the test
+  stand-in), images and videos mixed in one batch, 3-D M-RoPE positions, beam search.
 Refused: sliding-window attention layers (``use_sliding_window``).
 """
 
@@ -60,8 +62,8 @@ class Qwen25VLAdapter(Adapter):
             positions = inputs.get("position_ids")
             if positions is None or positions.dim() != 3 or positions.shape[0] < 3:
                 raise ValueError(
-                    f"Qwen2.5-VL inputs with {what} tokens need {grid_key} or 3-D M-RoPE position_ids "
-                    "(pass mm_token_type_ids so that the model builds them)"
+                    f"Qwen2.5-VL inputs with {what} tokens need {grid_key} or 3-D M-RoPE "
+                    "position_ids (pass mm_token_type_ids so that the model builds them)"
                 )
             segments += self._segments_from_positions(placeholders, positions[-3:], what)
         return self.layout_from_segments(input_ids, segments, padding)

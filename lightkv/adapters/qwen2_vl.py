@@ -16,7 +16,8 @@ features (or, without them, one video per run of video placeholders). Surviving 
 keep their 3-D positions. Pass ``mm_token_type_ids`` (without it transformers falls back
 to 1-D positions).
 
-Exact: images, videos and both mixed in one batch, in a forward or generate (greedy, sampling, beam search); FlashAttention-2 (2-D padding masks; = the sdpa run under the test stand-in).
+Exact: images, videos and both mixed in one batch, in a forward or generate (greedy, sampling, beam
+  search); FlashAttention-2 (2-D padding masks; = the sdpa run under the test stand-in).
 Refused: sliding-window attention layers (``use_sliding_window``).
 """
 
@@ -103,8 +104,8 @@ class Qwen2VLAdapter(Qwen25VLAdapter):
                 positions = inputs.get("position_ids")
                 if positions is None or positions.dim() != 3 or positions.shape[0] < 3:
                     raise ValueError(
-                        f"{self.family} inputs with {what} tokens need {grid_key} or 3-D M-RoPE position_ids "
-                        "(pass mm_token_type_ids so that the model builds them)"
+                        f"{self.family} inputs with {what} tokens need {grid_key} or 3-D M-RoPE "
+                        "position_ids (pass mm_token_type_ids so that the model builds them)"
                     )
                 found = self._segments_from_positions(placeholders, positions[-3:], what)
                 counts = self._encoded_counts(inputs, what) if what == "video" else None

@@ -18,7 +18,8 @@ address the full, uncompressed sequence, so a stage that compresses at one of th
 is refused when the session starts (`Qwen3VLAdapter.check_stages`); stages at layer ``D`` or
 later see hidden states that already hold every DeepStack feature, and are exact.
 
-Exact: images, videos and both mixed in one batch, with stages after the last DeepStack layer; FlashAttention-2 (2-D padding masks; = the sdpa run under the test stand-in).
+Exact: images, videos and both mixed in one batch, with stages after the last DeepStack layer;
+  FlashAttention-2 (2-D padding masks; = the sdpa run under the test stand-in).
 Refused: a stage at a decoder layer that still receives DeepStack features (layer < D).
 """
 
@@ -57,13 +58,15 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
         )
         if early:
             raise NotImplementedError(
-                f"Qwen3-VL adds DeepStack visual features to the hidden states after decoder layers 0..{d - 1}, "
-                f"at the uncompressed image positions; the schedule compresses at layer {early[0]}, before DeepStack "
-                f"has finished. Schedule every stage at layer {d} or later"
+                "Qwen3-VL adds DeepStack visual features to the hidden states after decoder "
+                f"layers 0..{d - 1}, at the uncompressed image positions; the schedule compresses "
+                f"at layer {early[0]}, before DeepStack has finished. Schedule every stage at "
+                f"layer {d} or later"
             )
 
     def _video_counts_without_features(self, placeholders: torch.Tensor) -> list[int]:
         raise ValueError(
-            "Qwen3-VL inputs with video tokens need video_grid_thw (or generate()'s pre-encoded video features) "
-            "to tell which frames form one video: each frame is its own run of placeholders"
+            "Qwen3-VL inputs with video tokens need video_grid_thw (or generate()'s pre-encoded "
+            "video features) to tell which frames form one video: each frame is its own run of "
+            "placeholders"
         )

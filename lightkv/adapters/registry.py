@@ -144,8 +144,8 @@ def detect_family(model: nn.Module) -> str:
         family = next((n for n, c in plugins.items() if model_type in c.model_types), None)
     if family is None:
         raise ValueError(
-            f"lightkv has no adapter for {type(model).__name__} (model_type={model_type!r}); supported families: "
-            f"{_known()} (model types: {', '.join(MODEL_TYPES)})"
+            f"lightkv has no adapter for {type(model).__name__} (model_type={model_type!r}); "
+            f"supported families: {_known()} (model types: {', '.join(MODEL_TYPES)})"
         )
     return family
 

@@ -97,8 +97,9 @@ class ReleasedQuirksHook:
             )
         if any(s.spec.mode == "pre_llm" or s.spec.mode == "cache" for s in stages):
             raise NotImplementedError(
-                f"released_quirks ({on}) apply to merges after a decoder layer; the released code has no pre-LLM "
-                "or cache stages: turn the quirks off or use a schedule of decoder layers"
+                f"released_quirks ({on}) apply to merges after a decoder layer; the released code "
+                "has no pre-LLM or cache stages: turn the quirks off or use a schedule of decoder "
+                "layers"
             )
         if (
             quirks.unmasked_first_merge
@@ -113,16 +114,17 @@ class ReleasedQuirksHook:
                 attn = getattr(layers[i], "self_attn", None)
                 if attn is None or getattr(attn, "config", None) is None:
                     raise NotImplementedError(
-                        f"eager_merge_layers switches a merge layer's attention module to eager through its config, "
-                        f"but decoder layer {i} ({type(layers[i]).__name__}) has no self_attn.config; turn the quirk off"
+                        "eager_merge_layers switches a merge layer's attention module to eager "
+                        f"through its config, but decoder layer {i} ({type(layers[i]).__name__}) "
+                        "has no self_attn.config; turn the quirk off"
                     )
                 self._attention[i] = attn
         if quirks.renumber_positions:
             self._rotary = getattr(language_model, "rotary_emb", None)
             if not callable(self._rotary):
                 raise NotImplementedError(
-                    f"renumber_positions needs the decoder's rotary embedding ({type(language_model).__name__}"
-                    ".rotary_emb); turn the quirk off"
+                    "renumber_positions needs the decoder's rotary embedding "
+                    f"({type(language_model).__name__}.rotary_emb); turn the quirk off"
                 )
 
     # ------------------------------------------------------------ eager merge layers
@@ -201,9 +203,10 @@ class ReleasedQuirksHook:
             real = valid.any(dim=1)
             if bool((real & ~has_vision).any()):
                 raise NotImplementedError(
-                    "unmasked_first_merge under FlashAttention-2 with a batch that mixes rows with and without "
-                    "images: the kernel's causal flag is one for the whole batch, and a text-only row must stay "
-                    "causal; batch text-only prompts separately or load the model with attn_implementation='sdpa'"
+                    "unmasked_first_merge under FlashAttention-2 with a batch that mixes rows "
+                    "with and without images: the kernel's causal flag is one for the whole "
+                    "batch, and a text-only row must stay causal; batch text-only prompts "
+                    "separately or load the model with attn_implementation='sdpa'"
                 )
             return flash_mask(valid)
         allowed = valid.unsqueeze(1) & valid.unsqueeze(2)

@@ -109,10 +109,10 @@ class SessionReport:
         if want is None or got is None or abs(got - want) <= TARGET_TOLERANCE:
             return None
         return (
-            f"pipeline {self.pipeline!r} kept {got:.3f} of the vision KV, not the {want:.3f} it targets "
-            f"(tolerance {TARGET_TOLERANCE}): its stages cannot remove that much on this model or these "
-            "images (a parity split removes at most half a window per stage; small images are skipped); "
-            "use more or earlier stages, or a policy that can remove more"
+            f"pipeline {self.pipeline!r} kept {got:.3f} of the vision KV, not the {want:.3f} it "
+            f"targets (tolerance {TARGET_TOLERANCE}): its stages cannot remove that much on this "
+            "model or these images (a parity split removes at most half a window per stage; small "
+            "images are skipped); use more or earlier stages, or a policy that can remove more"
         )
 
     @property
@@ -183,7 +183,8 @@ class SessionReport:
             first = trace.uncompressed.get(first.layer, first)
         pre_llm = any(rec.stage.spec.mode == "pre_llm" for rec in trace.stages)
         if first is not None and pre_llm and trace.layout is not None:
-            # the pre-LLM mode compressed the prompt before layer 0 was counted: the baseline is the prompt itself
+            # the pre-LLM mode compressed the prompt before layer 0 was counted: the baseline is the
+            # prompt itself
             first = _prompt_stat(trace.layout, first.layer)
         flops = flops_base = 0.0
         for stat in trace.layers:
@@ -301,8 +302,8 @@ class SessionReport:
             return f"lightkv session ({self.pipeline}, {self.family}): no prefill yet"
         kept = "n/a" if self.kept_vision_fraction is None else f"{self.kept_vision_fraction:.3f}"
         lines = [
-            f"lightkv session: pipeline={self.pipeline} family={self.family} batch={self.batch_size} "
-            f"prompt={self.input_len} tokens",
+            f"lightkv session: pipeline={self.pipeline} family={self.family} "
+            f"batch={self.batch_size} prompt={self.input_len} tokens",
             f"  kept vision fraction (avg over layers): {kept}"
             + (
                 ""
@@ -322,7 +323,8 @@ class SessionReport:
             )
         for s in self.stages:
             lines.append(
-                f"  stage after layer {s.layer}: vision {s.vision_in} -> {s.vision_out}, width {s.width_in} -> {s.width_out}"
+                f"  stage after layer {s.layer}: vision {s.vision_in} -> {s.vision_out}, width "
+                f"{s.width_in} -> {s.width_out}"
             )
         if self.missed_target:
             lines.append(f"  warning: {self.missed_target}")

@@ -175,8 +175,8 @@ class CompressionSession:
     def __enter__(self) -> CompressionSession:
         if self._lm in ACTIVE:
             raise RuntimeError(
-                f"a lightkv compression session is already active on this {type(self.model).__name__}; "
-                "exit it before applying another pipeline"
+                "a lightkv compression session is already active on this "
+                f"{type(self.model).__name__}; exit it before applying another pipeline"
             )
         try:
             self._handles.append(
@@ -310,7 +310,8 @@ class CompressionSession:
             layout = self._build_layout(inputs, padding)
         elif any(inputs.get(k) is not None for k in ("pixel_values", "pixel_values_videos")):
             raise ValueError(
-                "lightkv needs input_ids to find the vision tokens; call the model with input_ids, not inputs_embeds"
+                "lightkv needs input_ids to find the vision tokens; call the model with "
+                "input_ids, not inputs_embeds"
             )
         if layout is not None and not bool(layout.vision_mask.any()):
             layout = None

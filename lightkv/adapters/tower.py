@@ -1,5 +1,6 @@
 """`TowerTap`: the attention each image token receives inside the vision tower, for relevance
-policies that declare ``reads_tower`` (VisionZip's dominant tokens, `lightkv.policies.TowerAttention`).
+policies that declare ``reads_tower`` (VisionZip's dominant tokens,
+`lightkv.policies.TowerAttention`).
 
 A forward pre-hook on the self-attention of the tower layer whose output the projector reads
 (``vision_feature_layer``) projects that layer's normed input once more (one query row per
@@ -53,12 +54,13 @@ class TowerTap:
         for name in ("q_proj", "k_proj"):
             if not isinstance(getattr(spec.attention, name, None), nn.Module):
                 raise TypeError(
-                    f"{type(spec.attention).__name__} has no `{name}`: cannot read the tower's attention"
+                    f"{type(spec.attention).__name__} has no `{name}`: cannot read the tower's "
+                    "attention"
                 )
         if queries == "cls" and not spec.cls:
             raise ValueError(
-                "tower_attention with queries='cls' needs a tower with a CLS token (CLIP); this one has "
-                "none: use queries='mean' or 'auto'"
+                "tower_attention with queries='cls' needs a tower with a CLS token (CLIP); this "
+                "one has none: use queries='mean' or 'auto'"
             )
         self.spec = spec
         self.cls = spec.cls if queries == "auto" else queries == "cls"
@@ -79,7 +81,8 @@ class TowerTap:
             return None
         if len(wanted) > 1:
             raise ValueError(
-                f"the stages read the tower's attention with different queries {sorted(wanted)}: use one"
+                f"the stages read the tower's attention with different queries {sorted(wanted)}: "
+                "use one"
             )
         return cls(adapter.tower_spec(), wanted.pop())
 
@@ -125,8 +128,8 @@ class TowerTap:
         """
         if self.received is None:
             raise RuntimeError(
-                "the vision tower did not run in this forward: tower relevance needs the image inputs "
-                "(pixel_values) in the prefill call"
+                "the vision tower did not run in this forward: tower relevance needs the image "
+                "inputs (pixel_values) in the prefill call"
             )
         att = self.received
         images, heads, tokens = att.shape
@@ -134,8 +137,9 @@ class TowerTap:
         off = 1 if self.spec.cls else 0
         if layout.num_images != images or bool(((grid[:, 0] * grid[:, 1]) + off != tokens).any()):
             raise RuntimeError(
-                f"the tower saw {images} image(s) of {tokens - off} patches but the prompt holds {layout.num_images} "
-                f"with grids {grid.tolist()}: tower relevance needs one tower pass over exactly the prompt's images"
+                f"the tower saw {images} image(s) of {tokens - off} patches but the prompt holds "
+                f"{layout.num_images} with grids {grid.tolist()}: tower relevance needs one tower "
+                "pass over exactly the prompt's images"
             )
         vision = layout.vision_mask
         img = layout.image[vision]

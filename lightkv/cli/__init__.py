@@ -13,7 +13,7 @@ With the laboratory installed (``lightkv-lab``; entry-point groups ``lightkv.com
 ``lightkv.models``, see `lightkv.lab`), also:
 
 ```
-lightkv generate [--model scenes|digitgrid|symbolgrid]   a bundled model, held-out image and question
+lightkv generate [--model scenes|digitgrid|symbolgrid]   bundled model, held-out image and question
 lightkv bench efficiency|quality|ablation|scaling|kvquant ...
 lightkv demo [--preset NAME] [--questions N]       the bundled Scenes LVLM, with and without LightKV
 lightkv stages-demo [--preset NAME]                the pure core on a real image, no model
@@ -57,7 +57,8 @@ examples:
   lightkv config validate mine.yaml --num-layers 28
   lightkv config schema > lightkv.schema.json   for editor completion and checks
   lightkv bench efficiency --quick              prefill FLOPs, KV bytes, TTFT, memory, overhead
-  lightkv generate --model llava-hf/llava-1.5-7b-hf --image cat.png --prompt "What is this?" --compare
+  lightkv generate --model llava-hf/llava-1.5-7b-hf --image cat.png --prompt "What is this?" \
+--compare
 
 exit status: 0 ok, 1 invalid configuration, 2 usage error (bad arguments, missing file,
 unknown preset)."""
@@ -206,11 +207,13 @@ def _main(argv: Sequence[str] | None) -> int:
             raise
         if e.filename:  # a result file (written whole or not at all: the previous one is unchanged)
             print(
-                f"{PROG}: error: cannot write {e.filename}: {e.strerror}; any previous file there is unchanged",
+                f"{PROG}: error: cannot write {e.filename}: {e.strerror}; any previous file there "
+                "is unchanged",
                 file=sys.stderr,
             )
             return EXIT_USAGE
-        # e.g. `lightkv config schema > /dev/full`: drop what stdout still holds, say why in one line
+        # e.g. `lightkv config schema > /dev/full`: drop what stdout still holds, say why in one
+        # line
         try:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())

@@ -184,9 +184,8 @@ def _dry_run(cfg, num_layers: int, grid: tuple[int, int]) -> str:
             }
         )
         return (
-            f"dry run on one {h}x{w} image: each of the {len(stages)} compressed layers' caches keeps "
-            + " or ".join(map(str, kept))
-            + f" of {h * w} vision tokens"
+            f"dry run on one {h}x{w} image: each of the {len(stages)} compressed layers' caches "
+            "keeps " + " or ".join(map(str, kept)) + f" of {h * w} vision tokens"
         )
     results = pipe.run(hidden, layout, num_layers=num_layers, relevance=relevance, keys=keys)
     counts = [h * w] + [int(r.layout.vision_counts()[0]) for r in results]

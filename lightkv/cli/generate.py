@@ -33,27 +33,28 @@ def add_commands(commands) -> None:
     fmt = argparse.HelpFormatter
     gen = commands.add_parser(
         "generate",
-        help="answer a prompt about an image with a compressed prefill (optionally vs uncompressed)",
-        description="Load a supported transformers model and its processor (a local directory or a hub id), "
-        "answer PROMPT about IMAGE with greedy decoding while a pipeline compresses the vision tokens of the "
-        "prefill, and print the answer with a short report: kept vision fraction, vision and total KV bytes "
-        "with and without compression, time to first token and generate time. --compare also generates "
-        "without compression.",
+        help="answer a prompt about an image with a compressed prefill "
+        "(optionally vs uncompressed)",
+        description="Load a supported transformers model and its processor (a local directory or "
+        "a hub id), answer PROMPT about IMAGE with greedy decoding while a pipeline compresses "
+        "the vision tokens of the prefill, and print the answer with a short report: kept vision "
+        "fraction, vision and total KV bytes with and without compression, time to first token "
+        "and generate time. --compare also generates without compression.",
         formatter_class=fmt,
     )
     gen.add_argument(
         "--model",
         metavar="NAME|DIR|ID",
         default=DEFAULT_MODEL,
-        help="a bundled model (scenes, digitgrid, symbolgrid), or a model directory or hub id with its "
-        "processor (default: scenes, the bundled Scenes-VQA model)",
+        help="a bundled model (scenes, digitgrid, symbolgrid), or a model directory or hub id "
+        "with its processor (default: scenes, the bundled Scenes-VQA model)",
     )
     gen.add_argument(
         "--image",
         metavar="FILE",
         default=None,
-        help="image file (any format Pillow reads; default with a bundled model: one of its held-out "
-        "images; a bundled model answers only about images of its own task)",
+        help="image file (any format Pillow reads; default with a bundled model: one of its "
+        "held-out images; a bundled model answers only about images of its own task)",
     )
     gen.add_argument(
         "--prompt",
@@ -123,12 +124,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     model_path = str(found.path) if found is not None else args.model
     if not bundled and (args.image is None or args.prompt is None):
         raise UsageError(
-            f"--image and --prompt are required with --model {args.model} (they default only for the "
-            f"bundled models: {', '.join(names or lab.LAB_MODELS)})"
+            f"--image and --prompt are required with --model {args.model} (they default only for "
+            f"the bundled models: {', '.join(names or lab.LAB_MODELS)})"
         )
     if args.prompt is not None and not args.prompt.strip():
         raise UsageError(
-            "--prompt is empty; give a question, or leave --prompt out for a bundled model's default"
+            "--prompt is empty; give a question, or leave --prompt out for a bundled model's "
+            "default"
         )
     notes = []
     if args.config or args.preset:
@@ -152,8 +154,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             image = g.load_image(args.image)  # before loading a possibly large model
             if bundled:
                 notes.append(
-                    f"the bundled {bundled} model was trained only on its own synthetic {bundled} images: "
-                    "its answers about any other image mean nothing"
+                    f"the bundled {bundled} model was trained only on its own synthetic {bundled} "
+                    "images: its answers about any other image mean nothing"
                 )
         else:
             image, question = found.example()
@@ -207,7 +209,8 @@ def _default_preset(layers: int | None) -> tuple[str, str]:
     if layers is None:
         return (
             DEEP_PRESET,
-            f"preset {DEEP_PRESET} (the default; the model's depth could not be read from its config)",
+            f"preset {DEEP_PRESET} (the default; the model's depth could not be read from its "
+            "config)",
         )
     try:
         load_config_or_preset(DEEP_PRESET).validate_for_model(layers)

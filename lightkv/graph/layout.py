@@ -168,7 +168,8 @@ class VisionLayout:
         if padding_mask is not None:
             if tuple(padding_mask.shape) != (batch_size, seq_len):
                 raise ValueError(
-                    f"padding_mask has shape {tuple(padding_mask.shape)}, expected {(batch_size, seq_len)}"
+                    f"padding_mask has shape {tuple(padding_mask.shape)}, expected "
+                    f"{(batch_size, seq_len)}"
                 )
             kind[padding_mask.bool().cpu()] = int(TokenKind.PAD)
         grids, rows, videos, frames = [], [], [], []
@@ -183,8 +184,9 @@ class VisionLayout:
                 )
             if seg.offset < 0 or seg.offset + seg.length > seq_len:
                 raise ValueError(
-                    f"image segment {index} spans positions {seg.offset}..{seg.offset + seg.length - 1}, "
-                    f"outside a sequence of length {seq_len}"
+                    f"image segment {index} spans positions "
+                    f"{seg.offset}..{seg.offset + seg.length - 1}, outside a sequence of length "
+                    f"{seq_len}"
                 )
             span = slice(seg.offset, seg.offset + seg.length)
             if (image[seg.row, span] >= 0).any() or (kind[seg.row, span] == TokenKind.PAD).any():
@@ -197,7 +199,8 @@ class VisionLayout:
             if seg.newline_every:
                 if seg.newline_every != w:
                     raise ValueError(
-                        f"image segment {index}: newline_every={seg.newline_every} must equal the grid width {w}"
+                        f"image segment {index}: newline_every={seg.newline_every} must equal the "
+                        f"grid width {w}"
                     )
                 seg_kind[c == w] = int(TokenKind.STRUCTURAL)
             kind[seg.row, span] = seg_kind
@@ -206,7 +209,8 @@ class VisionLayout:
             coords[seg.row, span, 1] = c
             if isinstance(seg.frame, bool) or not isinstance(seg.frame, int) or seg.frame < 0:
                 raise ValueError(
-                    f"image segment {index}: frame must be a non-negative integer, got {seg.frame!r}"
+                    f"image segment {index}: frame must be a non-negative integer, got "
+                    f"{seg.frame!r}"
                 )
             if seg.video is None and seg.frame:
                 raise ValueError(

@@ -19,9 +19,9 @@ Both cut a side of ``s`` rows (or columns) into ``W`` bands with one of two rule
 * ``"leading"`` (the reference code's): ``W`` bands of ``floor(s / W)`` rows, the *first*
   ``s mod W`` of them one row longer (s = 32, W = 6: 6, 6, 5, 5, 5, 5).
 
-Both give the same band lengths, only in another order, so token counts agree while the
-windows themselves differ. Both return window ids that are unique across the whole batch (``-1`` for tokens that are
-not vision tokens) and compact (``0 .. num_windows - 1``, in order of first appearance by
+Both give the same band lengths, only in another order, so token counts agree while the windows
+themselves differ. Both return window ids that are unique across the whole batch (``-1`` for tokens
+that are not vision tokens) and compact (``0 .. num_windows - 1``, in order of first appearance by
 image, then by window position).
 """
 
@@ -54,7 +54,8 @@ def check_bands(bands: str) -> None:
     """Raise a clear error for an unknown band rule."""
     if bands not in BANDS:
         raise ValueError(
-            f"unknown bands rule {bands!r}; choose 'proportional' (lightkv) or 'leading' (reference code)"
+            f"unknown bands rule {bands!r}; choose 'proportional' (lightkv) or 'leading' "
+            "(reference code)"
         )
 
 
@@ -195,8 +196,8 @@ def grid_window_local(
         if not partial and layout.num_images and ((grid[:, 0] < s_r) | (grid[:, 1] < s_c)).any():
             small = grid[(grid[:, 0] < s_r) | (grid[:, 1] < s_c)][0].tolist()
             raise ValueError(
-                f"window_size {tuple(window_size)} is larger than an image grid of {tuple(small)} tokens; "
-                "use a smaller window_size, or windows_per_side which adapts to each image"
+                f"window_size {tuple(window_size)} is larger than an image grid of {tuple(small)} "
+                "tokens; use a smaller window_size, or windows_per_side which adapts to each image"
             )
         n_c = torch.div(w + s_c - 1, s_c, rounding_mode="floor")
         wr = torch.div(r, s_r, rounding_mode="floor")

@@ -246,8 +246,8 @@ def single_process_launch(env: Mapping[str, str], num_processes: int) -> str | N
     launched = "ACCELERATE_MIXED_PRECISION" in env and "MASTER_ADDR" in env
     if num_processes == 1 and launched and "WORLD_SIZE" not in env:
         return (
-            "accelerate launch started one process although several were asked for (on CPU it does not "
-            "start more); every document runs here: for several CPU processes use "
+            "accelerate launch started one process although several were asked for (on CPU it "
+            "does not start more); every document runs here: for several CPU processes use "
             "`python -m torch.distributed.run --nproc_per_node N -m lmms_eval ...`"
         )
     return None

@@ -154,7 +154,8 @@ class Policy:
         own = [s for s in failed if s.name == name]
         if own:
             raise PluginError(
-                f"{cls.family} {name!r} comes from a plugin that failed to load: {own[0].describe()}"
+                f"{cls.family} {name!r} comes from a plugin that failed to load: "
+                f"{own[0].describe()}"
             )
         known = ", ".join(sorted(cls._registry)) or "(none)"
         message = f"unknown {cls.family} {name!r}; registered {cls.family}s: {known}"

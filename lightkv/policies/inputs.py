@@ -143,7 +143,8 @@ class StageInputs:
                 raise ValueError(f"hidden states must be [B, N, D], got shape {shape}")
             if tuple(self.hidden.shape[:2]) != (b, n):
                 raise ValueError(
-                    f"hidden states {tuple(self.hidden.shape)} do not match the layout [B={b}, N={n}]"
+                    f"hidden states {tuple(self.hidden.shape)} do not match the layout [B={b}, "
+                    f"N={n}]"
                 )
             if not self.hidden.is_floating_point():
                 raise TypeError(f"hidden states must be floating point, got {self.hidden.dtype}")
@@ -158,8 +159,8 @@ class StageInputs:
         if self.keys is not None:
             if self.keys.dim() not in (3, 4) or tuple(self.keys.shape[:2]) != (b, n):
                 raise ValueError(
-                    f"keys must be [B, N, H_kv, d] (or [B, N, d] for one head) with B, N = {(b, n)}, "
-                    f"got {tuple(self.keys.shape)}"
+                    "keys must be [B, N, H_kv, d] (or [B, N, d] for one head) with B, N = "
+                    f"{(b, n)}, got {tuple(self.keys.shape)}"
                 )
 
     def __post_init__(self) -> None:

@@ -93,7 +93,8 @@ def _check_loaded(obj: Any, ep: Any, policy_base: type) -> str | None:
     elif ep.name not in registered:
         warnings.warn(
             f"lightkv plugin {ep.name} = {ep.value} registers {obj.__qualname__} as "
-            f"{family.family} {registered[0]!r}, not {ep.name!r}: configurations must say {registered[0]!r}",
+            f"{family.family} {registered[0]!r}, not {ep.name!r}: configurations must say "
+            f"{registered[0]!r}",
             stacklevel=4,
         )
     return None

@@ -134,8 +134,8 @@ class Relevance(Policy):
             or keys.shape[2] not in (n, packed)
         ):
             raise ValueError(
-                f"queries {tuple(queries.shape)} / keys {tuple(keys.shape)} do not match the layout "
-                f"[B={layout.batch_size}, N={layout.seq_len}]"
+                f"queries {tuple(queries.shape)} / keys {tuple(keys.shape)} do not match the "
+                f"layout [B={layout.batch_size}, N={layout.seq_len}]"
             )
         if keys.shape[-1] != d:
             raise ValueError(
@@ -351,7 +351,8 @@ class RandomRelevance(Relevance):
         scores = seeded_uniform_pairs(
             identity, identity.gather(1, text_pos), heads, self.seed
         )  # [B, H, N, T]
-        # then what the released module does with its (replaced) scores: QueryAxisSoftmax's softmax and sums
+        # then what the released module does with its (replaced) scores: QueryAxisSoftmax's softmax
+        # and sums
         scores.masked_fill_(~layout.valid_mask[:, None, :, None], float("-inf"))
         attn = torch.softmax(scores, dim=2).masked_fill(~text_valid[:, None, None, :], 0.0)
         xi = attn.sum(dim=(1, 3))

@@ -79,7 +79,8 @@ class EdgeScorer(Policy):
     def match(
         self, inputs: StageInputs, graph: BipartiteGraph
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each A node's best partner for a stage: `best_edges` on ``inputs.features(self.features)``.
+        """Each A node's best partner for a stage: `best_edges` on
+        ``inputs.features(self.features)``.
 
         Returns:
             ``(dst [K, a_max], divergence [K, a_max])`` as `best_edges`.

@@ -8,12 +8,12 @@ schedule has windows per side (or into ``frames``-long bands). With the LLaVA sc
 4/2/1 windows per side a 16-frame video gets windows of 4 x (h/4) x (w/4), then
 8 x (h/2) x (w/2), then the whole video: windows grow in time and space stage by stage.
 
-Inside a window that spans several frames, its frames alternate between destinations and
-sources (the 2nd, 4th, ... frame present in the window are sources; ``split: frames``), so
-a token can merge into the same place, or a neighbour, of the previous frame when the
-features say they match: the temporal redundancy of video. Ranks count the frames still
-present, so after a stage has merged every other frame the next stage pairs the survivors. Windows inside one frame and still images use the grid
-partitioner's parity split. Tokens never leave their video, their time band or their row.
+Inside a window that spans several frames, its frames alternate between destinations and sources
+(the 2nd, 4th, ... frame present in the window are sources; ``split: frames``), so a token can merge
+into the same place, or a neighbour, of the previous frame when the features say they match: the
+temporal redundancy of video. Ranks count the frames still present, so after a stage has merged
+every other frame the next stage pairs the survivors. Windows inside one frame and still images use
+the grid partitioner's parity split. Tokens never leave their video, their time band or their row.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ class SpatioTemporalPartitioner(Partitioner):
         ):
             # bounded like a window side: 10**30 frames overflowed a tensor at the first stage
             raise ValueError(
-                f"frames must be an integer in [0, {MAX_SIDE}] (0: follow the schedule), got {self.frames!r}"
+                f"frames must be an integer in [0, {MAX_SIDE}] (0: follow the schedule), got "
+                f"{self.frames!r}"
             )
         if self.split not in ("frames", "parity"):
             raise ValueError(f"unknown split {self.split!r}; choose 'frames' or 'parity'")

@@ -1,4 +1,5 @@
-"""`TowerAttention`: relevance read inside the vision tower, before the language model sees the image.
+"""`TowerAttention`: relevance read inside the vision tower, before the language model sees the
+image.
 
 VisionZip (Yang et al., CVPR 2025, arXiv:2412.04467) and VisPruner (Zhang et al., ICCV
 2025, arXiv:2412.01818) rank an image's tokens by the attention they receive in the vision
@@ -64,16 +65,17 @@ class TowerAttention(Relevance):
             raise ValueError(f"unknown queries {self.queries!r}; choose auto, cls or mean")
 
     def score(self, queries, keys, layout, tower=None):
-        """``tower [B, H, N]`` (attention received per head, any value off vision tokens) -> ``[B, N]``."""
+        """``tower [B, H, N]`` (attention received per head, any value off vision tokens) ->
+        ``[B, N]``."""
         if tower is None:
             raise ValueError(
-                "tower_attention reads the vision tower's attention: inside a model the adapter passes it "
-                "(LLaVA-family towers); in a direct call pass tower=[B, H, N]"
+                "tower_attention reads the vision tower's attention: inside a model the adapter "
+                "passes it (LLaVA-family towers); in a direct call pass tower=[B, H, N]"
             )
         if tower.dim() != 3 or tuple(tower.shape[::2]) != (layout.batch_size, layout.seq_len):
             raise ValueError(
-                f"tower attention must be [B, H, N] with B, N = {(layout.batch_size, layout.seq_len)}, "
-                f"got {tuple(tower.shape)}"
+                "tower attention must be [B, H, N] with B, N = "
+                f"{(layout.batch_size, layout.seq_len)}, got {tuple(tower.shape)}"
             )
         xi = _reduce_heads(tower.to(torch.promote_types(tower.dtype, torch.float32)), self.heads)
         return torch.where(layout.vision_mask, xi.clamp_min(0), torch.zeros_like(xi))

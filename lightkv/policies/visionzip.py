@@ -72,8 +72,8 @@ class DominantContextual(Partitioner):
         window, is_src = Partition.empty(layout).window, torch.zeros_like(vision)
         if inputs.relevance is None:
             raise ValueError(
-                "the dominant_context partitioner ranks tokens by relevance: give the stage a relevance "
-                "(VisionZip: tower_attention)"
+                "the dominant_context partitioner ranks tokens by relevance: give the stage a "
+                "relevance (VisionZip: tower_attention)"
             )
         n = image_vision_counts(layout)
         k = kept_count(n, inputs.spec.removal_ratio)

@@ -55,14 +55,14 @@ class VScanScan(Partitioner):
       projected features (``token_merging``, lines 142-197, ``scaling = 1``: the mean of
       the kept token and the tokens merged into it).
 
-    What is the same: the shares, the per-tile quota, the global top-k, the merge. What
-    differs: both scans read one relevance, the stage's (the ``vscan`` preset: the tower's
-    CLS attention at the layer the projector reads, averaged over heads, which is the
-    code's global-scan attention, ``image_attentions[-2]``, line 268, averaged over heads at
-    line 256); the code's local scan reads a shallow tower layer's (``image_attentions[5]``,
-    line 267), which lightkv's tower relevance does not expose. The global count is ``k`` minus the local picks (the code's ``k - floor(local
-    k)`` keeps fewer than ``k`` when ``floor(local k)`` is not a multiple of the tile count);
-    a tile smaller than its quota gives all its tokens; tiles are `grid_windows`' bands on
+    What is the same: the shares, the per-tile quota, the global top-k, the merge. What differs:
+    both scans read one relevance, the stage's (the ``vscan`` preset: the tower's CLS attention at
+    the layer the projector reads, averaged over heads, which is the code's global-scan attention,
+    ``image_attentions[-2]``, line 268, averaged over heads at line 256); the code's local scan
+    reads a shallow tower layer's (``image_attentions[5]``, line 267), which lightkv's tower
+    relevance does not expose. The global count is ``k`` minus the local picks (the code's ``k -
+    floor(local k)`` keeps fewer than ``k`` when ``floor(local k)`` is not a multiple of the tile
+    count); a tile smaller than its quota gives all its tokens; tiles are `grid_windows`' bands on
     any grid (the code asserts 24 x 24); ties go to the earliest token.
 
     Attributes:

@@ -160,5 +160,6 @@ def load_config(name_or_path: str | os.PathLike) -> PipelineConfig:
     if text in PRESETS:
         return get_preset_config(text)
     raise ValueError(
-        f"no preset or file named {text!r}{_did_you_mean(text, PRESETS)}; presets: {', '.join(PRESETS)}"
+        f"no preset or file named {text!r}{_did_you_mean(text, PRESETS)}; presets: "
+        f"{', '.join(PRESETS)}"
     )

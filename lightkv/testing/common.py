@@ -1,7 +1,7 @@
 """What every tiny model family shares: token ids, `Row`, `TinyModel`, padding, the text config.
 
-A family module (`lightkv.testing.models` for the shipped five, or one module per newer
-family) builds on these and adds itself to `lightkv.testing.models.TINY_MODELS`.
+A family module (one per family: `lightkv.testing.llava`, `lightkv.testing.gemma3`, ...)
+builds on these, and `lightkv.testing.models.TINY_MODELS` registers it.
 """
 
 from __future__ import annotations
@@ -101,7 +101,8 @@ class TinyModel:
 
 
 def stack_tiles(pix: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``[n, max tiles, ...]``: each image's ``[tiles, ...]`` tiles, zero-padded to the most tiles."""
+    """``[n, max tiles, ...]``: each image's ``[tiles, ...]`` tiles, zero-padded to the most
+    tiles."""
     stacked = torch.zeros(len(pix), max(p.shape[0] for p in pix), *pix[0].shape[1:])
     for i, p in enumerate(pix):
         stacked[i, : p.shape[0]] = p

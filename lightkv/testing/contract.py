@@ -193,7 +193,8 @@ def _check_partitioner(policy: Partitioner) -> None:
     if tuple(part.window.shape) != shape or part.window.dtype != torch.long:
         raise _fail(
             policy,
-            f"partition().window must be int64 {shape}, got {part.window.dtype} {tuple(part.window.shape)}",
+            f"partition().window must be int64 {shape}, got {part.window.dtype} "
+            f"{tuple(part.window.shape)}",
         )
     if tuple(part.is_src.shape) != shape or part.is_src.dtype != torch.bool:
         raise _fail(policy, f"partition().is_src must be bool {shape}")
@@ -249,7 +250,8 @@ def _check_pruner(policy: Pruner) -> None:
         if tuple(removed.shape) != tuple(graph.src_slots.shape) or removed.dtype != torch.bool:
             raise _fail(
                 policy,
-                f"select() must return a bool [K, a_max] mask, got {removed.dtype} {tuple(removed.shape)}",
+                f"select() must return a bool [K, a_max] mask, got {removed.dtype} "
+                f"{tuple(removed.shape)}",
             )
         if (removed & pad).any():
             raise _fail(policy, f"select(ratio={ratio}) removed a padding slot")

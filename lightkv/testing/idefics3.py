@@ -105,7 +105,8 @@ def build_idefics3(
     num_heads=4,
     num_kv_heads=2,
 ):
-    """Idefics3-shaped: 1-layer SigLIP tower, pixel shuffle 2, LLaMA decoder; 4 x 4 tokens per tile."""
+    """Idefics3-shaped: 1-layer SigLIP tower, pixel shuffle 2, LLaMA decoder; 4 x 4 tokens per
+    tile."""
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3VisionConfig
 
     return _build(
@@ -139,7 +140,8 @@ def build_smolvlm(
     num_heads=4,
     num_kv_heads=2,
 ):
-    """SmolVLM-shaped: 1-layer SigLIP tower, pixel shuffle 4, LLaMA decoder; 4 x 4 tokens per tile."""
+    """SmolVLM-shaped: 1-layer SigLIP tower, pixel shuffle 4, LLaMA decoder; 4 x 4 tokens per
+    tile."""
     from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration, SmolVLMVisionConfig
 
     return _build(
@@ -161,12 +163,14 @@ def build_smolvlm(
 
 
 def tile_tokens(model) -> int:
-    """Placeholders per tile: ``(image_size / patch_size / scale_factor)^2``, as the model computes it."""
+    """Placeholders per tile: ``(image_size / patch_size / scale_factor)^2``, as the model computes
+    it."""
     return int(model.model.image_seq_len)
 
 
 def image_tokens(model, tiles: tuple[int, int]) -> torch.Tensor:
-    """The prompt tokens of one image split into ``tiles = (rows, cols)`` (``(0, 0)``: not split)."""
+    """The prompt tokens of one image split into ``tiles = (rows, cols)`` (``(0, 0)``: not
+    split)."""
     n = tile_tokens(model)
     rows, cols = tiles
     parts: list = []

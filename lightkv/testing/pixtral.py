@@ -142,7 +142,8 @@ def row(
     post: int = 5,
     seed: int = 0,
 ) -> Row:
-    """One image per ``(height, width)`` in pixels (multiples of the tower's patch times the merge)."""
+    """One image per ``(height, width)`` in pixels (multiples of the tower's patch times the
+    merge)."""
     if isinstance(images, int):
         images = [(24, 32)] * images
     g = torch.Generator().manual_seed(seed)

@@ -49,7 +49,8 @@ def build(
     num_kv_heads=2,
     patch_size=2,
 ):
-    """Qwen2-VL-shaped: 1-block vision tower (``patch_size`` px patches, 2x2 merge), 3-D M-RoPE decoder."""
+    """Qwen2-VL-shaped: 1-block vision tower (``patch_size`` px patches, 2x2 merge), 3-D M-RoPE
+    decoder."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     torch.manual_seed(seed)
