@@ -55,6 +55,7 @@ PREFERRED_ORDER = {
     "lightkv": [
         "graph",
         "policies",
+        "stage",
         "pipeline",
         "config",
         "presets",

@@ -54,6 +54,7 @@ def config_from_pipeline(
         "source": pipeline.source if source is None else source,
         "schedule": schedule,
         "layout": pipeline.layout,
+        "placement": pipeline.placement,
         "proportional_attention": pipeline.proportional_attention,
         "divergence_memory_mib": pipeline.divergence_memory_mib,
         "released_quirks": dataclasses.asdict(pipeline.released_quirks),

@@ -22,6 +22,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from ..outputs import write_atomic
 from ..pipeline import DIVERGENCE_MEMORY_MIB, Pipeline, Stage
 from ..policies import FAMILIES, Mode, Policy, StageSpec, average_kept_fraction
+from ..policies.schedulers import place
 from ..quirks import ReleasedQuirks
 from .errors import ConfigError, _did_you_mean, _dotted, _fail, _short
 from .schedule import ScheduleConfig
@@ -78,6 +79,12 @@ class PipelineConfig(BaseModel):
         default_factory=lambda: ScheduleConfig(name="explicit"),  # 12/18/24, 0.5, 4/2/1 windows
         description="Where to compress, with which windows and ratios; null (the default when "
         "a mode is given) for no stage, the mode doing the work.",
+    )
+    placement: Literal["planned", "pre_llm", "layer", "cache"] = Field(
+        "planned",
+        description="Where the planned stages run, at the same vision-KV budget: 'planned' (the "
+        "schedule's own places), 'pre_llm' (one stage before decoder layer 0), 'layer' (after "
+        "decoder layers) or 'cache' (on each layer's cache after its prefill).",
     )
     mode: PolicySpec | None = Field(
         None,
@@ -238,6 +245,14 @@ class PipelineConfig(BaseModel):
             self._check_no_stages()
             self._snapshot = self.model_dump()
             return self
+        if self.placement != "planned" and self.stage_overrides:
+            raise _fail(
+                "composition",
+                f"stage_overrides name stages of the schedule's own places, which placement "
+                f"{self.placement!r} moves (and may split or join): give the stages one set of "
+                "policies, or keep placement 'planned'",
+                ("stage_overrides",),
+            )
         limit = self.schedule.max_stages()
         for index in self.stage_overrides:
             if limit is not None and index >= limit:
@@ -279,7 +294,7 @@ class PipelineConfig(BaseModel):
         fields = type(self).model_fields
         idle = [
             f
-            for f in (*STAGE_FIELDS, "stage_overrides")
+            for f in (*STAGE_FIELDS, "stage_overrides", "placement")
             if f in self.model_fields_set
             and getattr(self, f) != fields[f].get_default(call_default_factory=True)
         ]
@@ -317,6 +332,7 @@ class PipelineConfig(BaseModel):
         policies, overrides = copy.deepcopy((cfg._policies(), overrides))
         return Pipeline(
             scheduler=None if cfg.schedule is None else cfg.schedule.build(),
+            placement=cfg.placement,
             mode=None if cfg.mode is None else copy.deepcopy(cfg.mode.built()),
             stage_overrides=overrides,
             name=cfg.name,
@@ -356,6 +372,10 @@ class PipelineConfig(BaseModel):
         except ValueError as e:
             loc = "schedule.layers" if self.schedule.name == "explicit" else "schedule"
             raise ConfigError([(loc, str(e))]) from None
+        try:
+            stages = place(stages, self.placement, num_layers)
+        except ValueError as e:
+            raise ConfigError([("placement", str(e))]) from None
         for index in self.stage_overrides:
             if index >= len(stages):
                 msg = (
@@ -416,6 +436,8 @@ class PipelineConfig(BaseModel):
     def _tail(self) -> dict[str, Any]:
         """The model-wide options that differ from their defaults."""
         out: dict[str, Any] = {}
+        if self.placement != "planned":
+            out["placement"] = self.placement
         if self.layout != "native":
             out["layout"] = self.layout
         if self.proportional_attention:

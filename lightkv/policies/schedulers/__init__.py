@@ -16,6 +16,7 @@ from .cache import CacheSchedule
 from .core import ScheduleError, Scheduler, StageSpec, average_kept_fraction, ratio_for_target
 from .explicit import ExplicitSchedule
 from .kept_fraction import KeptFractionSchedule
+from .placement import PLACEMENTS, place
 from .pre_llm import PreLLMSchedule
 from .scaled import ScaledSchedule, scale_layers
 from .two_stage import PreLLMThenLayer
@@ -25,6 +26,7 @@ __all__ = [
     "CacheSchedule",
     "ExplicitSchedule",
     "KeptFractionSchedule",
+    "PLACEMENTS",
     "Placement",
     "PreLLMSchedule",
     "PreLLMThenLayer",
@@ -33,6 +35,7 @@ __all__ = [
     "Scheduler",
     "StageSpec",
     "average_kept_fraction",
+    "place",
     "budget_schedule",
     "ratio_for_target",
     "scale_layers",
