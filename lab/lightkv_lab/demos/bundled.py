@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     from lightkv.adapters import apply
     from lightkv.outputs import output_dir_problem
     from lightkv.presets import get_preset
-    from lightkv_lab.bench.quality_report import provenance_picture
+    from lightkv_lab.bench.provenance import provenance_picture
     from lightkv_lab.tasks import evaluate
     from lightkv_lab.tasks import model as dg
 
