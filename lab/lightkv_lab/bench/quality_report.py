@@ -58,9 +58,9 @@ def markdown_table(result: dict[str, Any]) -> str:
     targets = sorted({r["target"] for r in rows}, reverse=True)
     methods = list(dict.fromkeys(r["method"] for r in rows))
     intro = (
-        f"Model `{model['name']}` ({model['task']}, {model['vision_tokens']} vision tokens, {model['layers']} "
-        f"decoder layers), {n} held-out conversations. Cells: overall accuracy / detail accuracy "
-        f"({', '.join(detail)}) @ realised kept fraction."
+        f"Model `{model['name']}` ({model['task']}, {model['vision_tokens']} vision tokens, "
+        f"{model['layers']} decoder layers), {n} held-out conversations. Cells: overall accuracy / "
+        f"detail accuracy ({', '.join(detail)}) @ realised kept fraction."
     )
     lines = [intro, ""]
     lines += [
@@ -83,14 +83,16 @@ def markdown_table(result: dict[str, Any]) -> str:
     cols = qtypes + (["followup"] if has_f else [])
     per_type = (
         "Per question type: accuracy; KL(p_uncompressed || p_compressed) per answer token (nats, "
-        "overall); log-probability drop of the reference answer (overall, episodes the uncompressed model "
-        "answers right); lightkv minus this method in detail accuracy (points) and in KL (nats, "
-        "negative: lightkv more faithful), each with a paired bootstrap 95% interval."
+        "overall); log-probability drop of the reference answer (overall, episodes the "
+        "uncompressed model answers right); lightkv minus this method in detail accuracy (points) "
+        "and in KL (nats, negative: lightkv more faithful), each with a paired bootstrap 95% "
+        "interval."
     )
     header = (
         "| method | target | kept | "
         + " | ".join(cols)
-        + f" | KL | logp drop | lightkv - this, {detail[0]} | lightkv - this, KL | vision KV / episode |"
+        + f" | KL | logp drop | lightkv - this, {detail[0]} | lightkv - this, KL | vision KV / "
+        "episode |"
     )
     lines += ["", per_type, "", header, "|---" * (len(cols) + 8) + "|"]
     for r in [result["uncompressed"]] + [r for r in rows if r["target"] < 1.0]:
@@ -124,20 +126,22 @@ def markdown_table(result: dict[str, Any]) -> str:
     rel = result.get("relevance_mass")
     if rel:
         intro = (
-            f"Share of the image's relevance mass on the asked cell vs another cell ('what' questions, "
-            f"{rel['episodes']} episodes; area share of a cell {rel['area_share']:.4f}):"
+            "Share of the image's relevance mass on the asked cell vs another cell ('what' "
+            f"questions, {rel['episodes']} episodes; area share of a cell {rel['area_share']:.4f}):"
         )
         lines += [
             "",
             intro,
             "",
-            "| after layer | query-axis ξ: asked | control | last-token attention: asked | control |",
+            "| after layer | query-axis ξ: asked | control | last-token attention: asked | control "
+            "|",
             "|---|---|---|---|---|",
         ]
         for layer, d in rel["layers"].items():
             q, t = d["query_softmax"], d["last_token"]
             lines.append(
-                f"| {layer} | {q['asked']:.3f} | {q['control']:.3f} | {t['asked']:.3f} | {t['control']:.3f} |"
+                f"| {layer} | {q['asked']:.3f} | {q['control']:.3f} | {t['asked']:.3f} | "
+                f"{t['control']:.3f} |"
             )
     lines += _region_lines(result)
     return "\n".join(lines) + "\n"
@@ -153,9 +157,10 @@ def retained_lines(result: dict[str, Any]) -> list[str]:
     targets = sorted({r["target"] for r in rows}, reverse=True)
     lines = [
         "",
-        "Retained accuracy, % of the uncompressed model's overall accuracy (the field's format), and "
-        "in brackets lightkv minus the method in overall accuracy (points, paired bootstrap 95% interval); "
-        "a flag marks a method that missed the target (see the kept fraction above).",
+        "Retained accuracy, % of the uncompressed model's overall accuracy (the field's format), "
+        "and in brackets lightkv minus the method in overall accuracy (points, paired bootstrap "
+        "95% interval); a flag marks a method that missed the target (see the kept fraction "
+        "above).",
         "",
         "| method | " + " | ".join(f"{t:.0%}" for t in targets) + " |",
         "|---" * (len(targets) + 1) + "|",
@@ -184,10 +189,10 @@ def _region_lines(result: dict[str, Any]) -> list[str]:
     if red:
         lines += [
             "",
-            f"Redundancy: after layer {red['layer']} (lightkv's first stage), {red['share']:.1%} of the "
-            f"vision tokens have a neighbour in their stage window with cosine >= {red['threshold']} "
-            f"(hidden states minus the image's mean vision token; mean best cosine {red['mean_best']:.3f}, "
-            f"{red['tokens']} tokens)"
+            f"Redundancy: after layer {red['layer']} (lightkv's first stage), {red['share']:.1%} "
+            "of the vision tokens have a neighbour in their stage window with cosine >= "
+            f"{red['threshold']} (hidden states minus the image's mean vision token; mean best "
+            f"cosine {red['mean_best']:.3f}, {red['tokens']} tokens)"
             + (
                 "; >= " + ", >= ".join(f"{t}: {v:.1%}" for t, v in red["shares"].items())
                 if "shares" in red
@@ -206,9 +211,10 @@ def _region_lines(result: dict[str, Any]) -> list[str]:
         policies = list(reg["layers"])
         lines += [
             "",
-            f"Relevance on the asked region as a multiple of its area share (1.0: prompt-blind), and in "
-            f"brackets the share of questions whose top-ξ token is in the region; {reg['episodes']} held-out "
-            f"questions, layers up to lightkv's first stage (after layer {reg['first_stage_layer']}):",
+            "Relevance on the asked region as a multiple of its area share (1.0: prompt-blind), "
+            "and in brackets the share of questions whose top-ξ token is in the region; "
+            f"{reg['episodes']} held-out questions, layers up to lightkv's first stage (after "
+            f"layer {reg['first_stage_layer']}):",
             "",
             "| after layer | " + " | ".join(policies) + " |",
             "|---|" + "---|" * len(policies),
@@ -230,8 +236,9 @@ def _type_line(r: dict[str, Any], cols: list[str], detail: str) -> str:
     return (
         f"| {r['method']} | {r['target']:.2f} | {r['kept_fraction']:.3f} | "
         + " | ".join(f"{r['accuracy'][q]:.3f}" for q in cols)
-        + f" | {r['kl']['overall']:.2e} | {'' if drop is None else f'{drop:.3f}'} | {_ci(vs) or '-'} | "
-        f"{_ci(vkl, 1.0, '{:+.1e}') or '-'} | {r['kv_bytes_vision'] / 1024:.0f} KiB |"
+        + f" | {r['kl']['overall']:.2e} | {'' if drop is None else f'{drop:.3f}'} | "
+        f"{_ci(vs) or '-'} | {_ci(vkl, 1.0, '{:+.1e}') or '-'} | {r['kv_bytes_vision'] / 1024:.0f} "
+        "KiB |"
     )
 
 
@@ -278,14 +285,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
     key.legend(*axes[0].get_legend_handles_labels(), loc="center left", fontsize=8, frameon=False)
     m = result["model"]
     fig.suptitle(
-        f"{m['task']}: {result['config']['episodes']} held-out conversations, {m['vision_tokens']} vision "
-        f"tokens, {m['layers']} decoder layers"
+        f"{m['task']}: {result['config']['episodes']} held-out conversations, {m['vision_tokens']} "
+        f"vision tokens, {m['layers']} decoder layers"
     )
     vis.save_figure(fig, path)
 
 
 def write_outputs(result: dict[str, Any], out: Path, model: str | None = None) -> list[Path]:
-    """``quality-<model>.json``, ``.md``, ``.png`` and ``quality-<model>-provenance.png`` under ``out``."""
+    """``quality-<model>.json``, ``.md``, ``.png`` and ``quality-<model>-provenance.png`` under
+    ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     stem = f"quality-{result['model']['task']}"
     paths = [

@@ -31,9 +31,9 @@ def _check_memory(cfg) -> None:
     if have and cfg.device == "cpu" and need > 0.8 * have:
         per_layer = need / cfg.layers
         raise UsageError(
-            f"--layers {cfg.layers} at --width {cfg.width} needs about {need / 2**30:.1f} GiB of weights "
-            f"({per_layer / 2**30:.2f} GiB a layer) and this machine has {have / 2**30:.1f} GiB: use "
-            f"--layers {max(2, int(0.8 * have // per_layer))} or fewer"
+            f"--layers {cfg.layers} at --width {cfg.width} needs about {need / 2**30:.1f} GiB of "
+            f"weights ({per_layer / 2**30:.2f} GiB a layer) and this machine has "
+            f"{have / 2**30:.1f} GiB: use --layers {max(2, int(0.8 * have // per_layer))} or fewer"
         )
 
 

@@ -50,8 +50,8 @@ def add_parsers(commands) -> dict[str, argparse.ArgumentParser]:
     bench = commands.add_parser(
         "bench",
         help="run the shipped benchmarks",
-        description="Efficiency on random-weight models with real vision-token counts; quality with the "
-        "bundled models (Scenes by default).",
+        description="Efficiency on random-weight models with real vision-token counts; quality "
+        "with the bundled models (Scenes by default).",
         formatter_class=fmt,
     )
     bsub = bench.add_subparsers(
@@ -60,17 +60,18 @@ def add_parsers(commands) -> dict[str, argparse.ArgumentParser]:
     eff = bsub.add_parser(
         "efficiency",
         help="prefill FLOPs, KV bytes, TTFT, peak memory and overhead: uncompressed vs presets",
-        description="Uncompressed vs each preset on LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, Qwen2.5-VL (image and "
-        "16-frame video) and InternVL shapes "
-        "(real vision-token counts, reduced decoders): analytic FLOPs, KV bytes from the cache, time to first "
-        "token, peak prefill memory, compression overhead and the cost of reference-style H x N x N scoring. "
+        description="Uncompressed vs each preset on LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, "
+        "Qwen2.5-VL (image and 16-frame video) and InternVL shapes (real vision-token counts, "
+        "reduced decoders): analytic FLOPs, KV bytes from the cache, time to first token, peak "
+        "prefill memory, compression overhead and the cost of reference-style H x N x N scoring. "
         "Writes efficiency.json, efficiency.md and PNG plots.",
         formatter_class=fmt,
     )
     eff.add_argument(
         "--quick",
         action="store_true",
-        help="a short run: 6 layers of width 128, 2 presets, 3 repeats (317 s of CPU time measured: about 3-5 min on a quiet 2-core machine, 10 min on a loaded one)",
+        help="a short run: 6 layers of width 128, 2 presets, 3 repeats (317 s of CPU time "
+        "measured: about 3-5 min on a quiet 2-core machine, 10 min on a loaded one)",
     )
     eff.add_argument(
         "--models",
@@ -115,8 +116,8 @@ def add_parsers(commands) -> dict[str, argparse.ArgumentParser]:
         "--width",
         choices=("reduced", "full"),
         default=None,
-        help="full: the real models' width, heads and MLP (7B: 4096 / 32 heads / 11008), only the depth "
-        "reduced (--layers); reduced (default): --heads x 128",
+        help="full: the real models' width, heads and MLP (7B: 4096 / 32 heads / 11008), only the "
+        "depth reduced (--layers); reduced (default): --heads x 128",
     )
     eff.add_argument(
         "--heads",
@@ -127,8 +128,8 @@ def add_parsers(commands) -> dict[str, argparse.ArgumentParser]:
     eff.add_argument(
         "--projection-baseline",
         action="store_true",
-        help="also time lightkv projecting each scheduled layer's input a second time (what reading the "
-        "layer's own projections saves)",
+        help="also time lightkv projecting each scheduled layer's input a second time (what "
+        "reading the layer's own projections saves)",
     )
     eff.add_argument(
         "--no-eager-reference",
@@ -146,8 +147,9 @@ def add_parsers(commands) -> dict[str, argparse.ArgumentParser]:
         "--attn-implementation",
         choices=("sdpa", "eager", "flash_attention_2"),
         default="sdpa",
-        help="the models' attention, for the uncompressed and the compressed prefills alike (default: "
-        "sdpa); flash_attention_2 needs CUDA, flash_attn and bf16/fp16; every variant must run the same one",
+        help="the models' attention, for the uncompressed and the compressed prefills alike "
+        "(default: sdpa); flash_attention_2 needs CUDA, flash_attn and bf16/fp16; every variant "
+        "must run the same one",
     )
     eff.add_argument(
         "--threads", type=machine_threads, metavar="N", help="torch CPU threads (default: torch's)"
@@ -168,9 +170,10 @@ def add_parsers(commands) -> dict[str, argparse.ArgumentParser]:
     sc = bsub.add_parser(
         "scaling",
         help="stage and prefill cost vs vision-token count (576 to 7,225), with fitted exponents",
-        description="Times the lightkv preset's stage chain on random hidden states (preset windows and fixed "
-        "8x8-token windows) and whole prefills of a LLaVA-shaped model, for square images of each --sides; fits "
-        "t ~ N^k. Writes scaling.json, scaling.md and efficiency-scaling.png.",
+        description="Times the lightkv preset's stage chain on random hidden states (preset "
+        "windows and fixed 8x8-token windows) and whole prefills of a LLaVA-shaped model, for "
+        "square images of each --sides; fits t ~ N^k. Writes scaling.json, scaling.md and "
+        "efficiency-scaling.png.",
         formatter_class=fmt,
     )
     sc.add_argument(
@@ -229,11 +232,12 @@ def add_parsers(commands) -> dict[str, argparse.ArgumentParser]:
     qual = bsub.add_parser(
         "quality",
         help="accuracy and fidelity vs kept vision KV with the bundled model, every method",
-        description="Every method (preset) at kept vision-KV targets of about 100/75/55/40/25%, its schedule "
-        "scaled to the model's depth, on held-out conversations (a question, then a follow-up about another "
-        "region): exact match per question type, KL to the uncompressed answer distribution, log-probability "
-        "drop, paired bootstrap intervals vs lightkv, an ablation table at 55%, realised kept fraction and vision "
-        "KV bytes. Writes quality-<task>.json, .md, .png and quality-<task>-provenance.png.",
+        description="Every method (preset) at kept vision-KV targets of about 100/75/55/40/25%, "
+        "its schedule scaled to the model's depth, on held-out conversations (a question, then a "
+        "follow-up about another region): exact match per question type, KL to the uncompressed "
+        "answer distribution, log-probability drop, paired bootstrap intervals vs lightkv, an "
+        "ablation table at 55%, realised kept fraction and vision KV bytes. Writes "
+        "quality-<task>.json, .md, .png and quality-<task>-provenance.png.",
         formatter_class=fmt,
     )
     qual.add_argument(
@@ -285,11 +289,13 @@ def add_parsers(commands) -> dict[str, argparse.ArgumentParser]:
     _removed_flag(qual, "--ablation-targets", "--ablation-kept-fractions")
     abl = bsub.add_parser(
         "ablation",
-        help="LightKV variants vs the reference and baselines at equal budget, with paired intervals",
-        description="Each variant of LightKV (size-aware messages, relevance-decided splits and budgets, other "
-        "relevance scores) and each baseline at 55% and 40% of the vision KV cache, on the bundled SymbolGrid "
-        "and DigitGrid models: exact match per question type and KL, with paired bootstrap intervals of lightkv "
-        "minus each. Writes ablation.json, .md and .png.",
+        help="LightKV variants vs the reference and baselines at equal budget, with paired "
+        "intervals",
+        description="Each variant of LightKV (size-aware messages, relevance-decided splits and "
+        "budgets, other relevance scores) and each baseline at 55% and 40% of the vision KV cache, "
+        "on the bundled SymbolGrid and DigitGrid models: exact match per question type and KL, "
+        "with paired bootstrap intervals of lightkv minus each. Writes ablation.json, .md and "
+        ".png.",
         formatter_class=fmt,
     )
     abl.add_argument(

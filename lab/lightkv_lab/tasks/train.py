@@ -173,7 +173,8 @@ def _mix(args) -> dict:
 
 
 def export(args) -> Path:
-    """Write the Hugging Face directory from ``--out/tune.pt`` (or ``qa.pt``; sizes from the checkpoint)."""
+    """Write the Hugging Face directory from ``--out/tune.pt`` (or ``qa.pt``; sizes from the
+    checkpoint)."""
     state = torch.load(_last_decoder_checkpoint(Path(args.out)), weights_only=False)
     saved = argparse.Namespace(**state["args"])
     grid, spec = _spec(saved)

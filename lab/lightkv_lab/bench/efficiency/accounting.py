@@ -48,7 +48,8 @@ def reference_shape_flops(spec: ModelSpec, name: str, report, n0: int) -> dict[s
     plan = pipe.scheduler.plan(ref["layers"])
     modes = set(pipe.scheduler.modes(ref["layers"]))
     if modes and modes <= {"cache", "h2o"}:
-        # the cache mode: the prefill is the uncompressed one, every layer's cache is cut the same way
+        # the cache mode: the prefill is the uncompressed one, every layer's cache is cut the same
+        # way
         return {
             "flops_ratio_reference_shape": 1.0,
             "kept_vision_fraction_reference_depth": report.kept_vision_fraction,

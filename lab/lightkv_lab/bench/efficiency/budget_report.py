@@ -96,8 +96,8 @@ def budget_table(result: dict[str, Any]) -> list[str]:
         head = " | ".join(f"{float(t):.0%}: TTFT - FLOPs (rounds) | overhead" for t in targets)
         lines += [
             "",
-            f"{name}: TTFT ratio minus FLOPs ratio in points (each round's own ratio in brackets) and "
-            "overhead, per budget:",
+            f"{name}: TTFT ratio minus FLOPs ratio in points (each round's own ratio in brackets) "
+            "and overhead, per budget:",
             "",
             f"| preset | {head} |",
             "|---|" + "---:|---:|" * len(targets),

@@ -186,10 +186,12 @@ def markdown_table(result: dict[str, Any]) -> str:
     dev = result["machine"]["device"]
     lines = [
         (
-            f"Measured on {dev} ({result['machine']['device_name'] or 'unknown'}, {result['machine']['threads']} threads, "
-            f"{result['machine'].get('allocator', 'system')} host allocator), "
-            f"torch {result['machine']['torch']}. Ratios are preset / uncompressed; TTFT is the median of "
-            f"{result['config']['repeats']} prefills after {result['config']['warmup']} warm-up(s)."
+            f"Measured on {dev} ({result['machine']['device_name'] or 'unknown'}, "
+            f"{result['machine']['threads']} threads, "
+            f"{result['machine'].get('allocator', 'system')} host allocator), torch "
+            f"{result['machine']['torch']}. Ratios are preset / uncompressed; TTFT is the median "
+            f"of {result['config']['repeats']} prefills after {result['config']['warmup']} "
+            "warm-up(s)."
         ),
         "",
         f"Command: `{command_line(result['config'])}`",
@@ -197,15 +199,17 @@ def markdown_table(result: dict[str, Any]) -> str:
         f"*Decoders:* {result['reductions']}",
         "",
         (
-            "| model | preset | vision tokens | vision KV (reduced) | vision KV (ref. depth) | KV total | FLOPs | "
-            "FLOPs (ref. shape) | TTFT | TTFT ms (uncompr.) | peak mem | overhead | overhead (7B est.) |"
+            "| model | preset | vision tokens | vision KV (reduced) | vision KV (ref. depth) | KV "
+            "total | FLOPs | FLOPs (ref. shape) | TTFT | TTFT ms (uncompr.) | peak mem | overhead "
+            "| overhead (7B est.) |"
         ),
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["summary"]:
         lines.append(
-            f"| {r['model']} | {r['preset']} | {r['vision_tokens']:,} | {cell(r['vision_kv_ratio'])} | "
-            f"{cell(r['kept_vision_ref_depth'])} | {cell(r['kv_ratio'])} | {cell(r['flops_ratio'])} | "
+            f"| {r['model']} | {r['preset']} | {r['vision_tokens']:,} | "
+            f"{cell(r['vision_kv_ratio'])} | {cell(r['kept_vision_ref_depth'])} | "
+            f"{cell(r['kv_ratio'])} | {cell(r['flops_ratio'])} | "
             f"{cell(r['flops_ratio_ref_shape'])} | {cell(r['ttft_ratio'])} | "
             f"{cell(r['ttft_ms'], '{:.0f}')} ({cell(r['ttft_ms_uncompressed'], '{:.0f}')}) | "
             f"{cell(r['peak_mem_ratio'])} | {cell(r['overhead_share'], '{:.1%}')} | "
@@ -237,34 +241,40 @@ def markdown_table(result: dict[str, Any]) -> str:
     if eager:
         lines += [
             "",
-            "Reference-style relevance (full `H x N x N` attention at each merge layer) vs ours (`N x T`, sdpa):",
+            "Reference-style relevance (full `H x N x N` attention at each merge layer) vs ours "
+            "(`N x T`, sdpa):",
             "",
             (
-                "| model | reference scoring ms | our relevance ms | time ratio | H x N x N bytes (reduced / 7B) | "
-                "peak: lightkv | peak: + reference scoring | vs uncompressed |"
+                "| model | reference scoring ms | our relevance ms | time ratio | H x N x N bytes "
+                "(reduced / 7B) | peak: lightkv | peak: + reference scoring | vs uncompressed |"
             ),
             "|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for n, e in eager:
             lines.append(
-                f"| {n} | {cell(e.get('reference_scoring_ms'), '{:.1f}')} | {cell(e.get('lightkv_relevance_ms'), '{:.1f}')} | "
+                f"| {n} | {cell(e.get('reference_scoring_ms'), '{:.1f}')} | "
+                f"{cell(e.get('lightkv_relevance_ms'), '{:.1f}')} | "
                 f"{cell(e.get('time_ratio'), '{:.1f}x')} | {_mib(e.get('matrix_bytes'))} / "
-                f"{_mib(e.get('matrix_bytes_reference_decoder'))} | {_mib(e.get('peak_bytes_lightkv'))} | "
-                f"{_mib(e.get('peak_bytes_with_reference_scoring'))} | {cell(e.get('peak_ratio_vs_uncompressed'))} |"
+                f"{_mib(e.get('matrix_bytes_reference_decoder'))} | "
+                f"{_mib(e.get('peak_bytes_lightkv'))} | "
+                f"{_mib(e.get('peak_bytes_with_reference_scoring'))} | "
+                f"{cell(e.get('peak_ratio_vs_uncompressed'))} |"
             )
     ref = result["lightkv_reference_schedule"]
     lines += [
         "",
         (
-            f"LightKV's reference schedule (layers {ref['layers_of_32']} of 32, 4/2/1 windows, half per stage) keeps "
-            f"{ref['kept_vision_fraction_analytic']:.1%} of the vision KV analytically. *vision KV (ref. depth)* and "
-            "*FLOPs (ref. shape)* apply each preset's unscaled schedule and this run's per-stage token counts to the "
-            "full-size decoder. *overhead*: the compression's own hooks (layout, relevance, graph + merge, masks) as a "
-            "share of the compressed prefill; *overhead (7B est.)* rescales it to the full-size decoder at this "
-            "machine's FLOP rate (relevance x width ratio^2, stage x width ratio)."
+            f"LightKV's reference schedule (layers {ref['layers_of_32']} of 32, 4/2/1 windows, "
+            f"half per stage) keeps {ref['kept_vision_fraction_analytic']:.1%} of the vision KV "
+            "analytically. *vision KV (ref. depth)* and *FLOPs (ref. shape)* apply each preset's "
+            "unscaled schedule and this run's per-stage token counts to the full-size decoder. "
+            "*overhead*: the compression's own hooks (layout, relevance, graph + merge, masks) as "
+            "a share of the compressed prefill; *overhead (7B est.)* rescales it to the full-size "
+            "decoder at this machine's FLOP rate (relevance x width ratio^2, stage x width ratio)."
         ),
         "",
-        # the project's own acceptance flags (ttft_within_5pp_of_flops, ...) are for its CI and docs, not
+        # the project's own acceptance flags (ttft_within_5pp_of_flops, ...) are for its CI and
+        # docs, not
         # for a reader of this table: they stay in the JSON
         "The project's acceptance checks of this run are in efficiency.json (`targets`).",
     ]

@@ -112,13 +112,14 @@ def _reductions_note(cfg: BenchConfig) -> str:
         spec = MODELS[name]
         r, ref = spec.reduced(cfg.layers, cfg.heads, cfg.width == "full"), spec.ref
         parts.append(
-            f"{spec.title}: {ref['layers']} -> {r['layers']} layers, width {ref['hidden']} -> {r['hidden']} "
-            f"(heads {ref['heads']}/{ref['kv_heads']} -> {r['heads']}/{r['kv_heads']}, head_dim 128, "
-            f"MLP {ref['intermediate']} -> {r['intermediate']})"
+            f"{spec.title}: {ref['layers']} -> {r['layers']} layers, width {ref['hidden']} -> "
+            f"{r['hidden']} (heads {ref['heads']}/{ref['kv_heads']} -> "
+            f"{r['heads']}/{r['kv_heads']}, head_dim 128, MLP {ref['intermediate']} -> "
+            f"{r['intermediate']})"
         )
     return (
         "; ".join(parts)
-        + ". Vision-token counts are the real ones; vision towers are 1-layer stand-ins. "
-        "Explicit schedules are scaled to the reduced depth by `scale_layers` (layers left uncompressed by "
+        + ". Vision-token counts are the real ones; vision towers are 1-layer stand-ins. Explicit "
+        "schedules are scaled to the reduced depth by `scale_layers` (layers left uncompressed by "
         "each stage scaled by depth ratio)."
     )

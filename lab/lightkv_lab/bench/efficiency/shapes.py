@@ -44,8 +44,8 @@ PROJECTED = "lightkv+second-projection"
 
 
 DEFAULT_PRESETS = ("lightkv", "tome", "fastv", "pdrop", "elasticcache", "h2o")
-"""The compared presets; elasticcache and h2o act on the cache after prefill (TTFT unchanged is their
-honest result: they save KV memory, not prefill compute)."""
+"""The compared presets; elasticcache and h2o act on the cache after prefill (TTFT unchanged is
+their honest result: they save KV memory, not prefill compute)."""
 
 
 @dataclass
@@ -122,7 +122,8 @@ class BenchConfig:
         self.budgets = check_kept_fractions(self.budgets, "budgets (--kept-fractions)")
         if self.budgets and self.projection_baseline:
             raise ValueError(
-                "projection_baseline times the lightkv preset's own schedule: run it without budgets"
+                "projection_baseline times the lightkv preset's own schedule: run it without "
+                "budgets"
             )
         if self.projection_baseline and "lightkv" not in self.presets:
             raise ValueError(

@@ -107,7 +107,8 @@ MODELS: dict[str, ModelSpec] = {
             "pinpoints": ((96, 96), (48, 96), (96, 48)),
         },
         image=[(96, 96)],
-        image_note="a 2x2-tile image: 24x24 base grid + 48x48 high-res grid with 48 row newlines (2,928 tokens)",
+        image_note="a 2x2-tile image: 24x24 base grid + 48x48 high-res grid with 48 row newlines "
+        "(2,928 tokens)",
     ),
     "qwen2_5_vl": ModelSpec(
         "qwen2_5_vl",
@@ -143,8 +144,8 @@ MODELS: dict[str, ModelSpec] = {
         lightkv_preset="lightkv",
         build_kwargs={"image_size": 54, "patch_size": 2, "max_tiles": 3},
         image=[(162, 162)],
-        image_note="an anyres-max-9 image of 3x3 tiles of 27x27: base tile (729) + 81x81 stitched grid: "
-        "7,290 vision tokens and 81 structural row newlines",
+        image_note="an anyres-max-9 image of 3x3 tiles of 27x27: base tile (729) + 81x81 stitched "
+        "grid: 7,290 vision tokens and 81 structural row newlines",
     ),
     "qwen2_5_vl_video": ModelSpec(
         "qwen2_5_vl_video",
@@ -157,6 +158,7 @@ MODELS: dict[str, ModelSpec] = {
         build_kwargs={"patch_size": 2},
         image=[],
         video=[(16, 32, 32)],
-        image_note="a 16-frame video of 32x32 patches per frame, 2x2 merge: 16 frames of 16x16 (4,096 tokens)",
+        image_note="a 16-frame video of 32x32 patches per frame, 2x2 merge: 16 frames of 16x16 "
+        "(4,096 tokens)",
     ),
 }

@@ -235,7 +235,8 @@ def make_scene(
 
 
 class EpisodeStream(_Stream):
-    """An endless, seed-deterministic stream of SymbolGrid episodes (`lightkv_lab.tasks.stream.EpisodeStream`)."""
+    """An endless, seed-deterministic stream of SymbolGrid episodes
+    (`lightkv_lab.tasks.stream.EpisodeStream`)."""
 
     task = "symbolgrid"
     QTYPES, SPLITS, DEFAULT_CONFIG = QTYPES, SPLITS, DEFAULT_CONFIG
@@ -263,7 +264,8 @@ def collate(
 
 
 def collate_prompts(episodes: Sequence[Episode], num_image_tokens: int) -> dict[str, torch.Tensor]:
-    """Prompt-only batch (no answer, no ``labels``); every row's next token is the answer's first."""
+    """Prompt-only batch (no answer, no ``labels``); every row's next token is the answer's
+    first."""
     return collate(episodes, num_image_tokens, with_answer=False)
 
 
