@@ -13,7 +13,8 @@ ElasticCache and H2O add to the prefill, steadier than whole-model TTFT on a sha
 * ``second_projection`` (with ``--second-projection``): the scoring before the tap (the
   layer's input normed and projected again, every query chunk against every key column).
 
-    python benchmarks/cache_importance_layer.py --tokens 2970 --repeats 3 --threads 2 --out benchmarks/results/cache-importance/layer.json
+    python benchmarks/cache_importance_layer.py --tokens 2970 --repeats 3 --threads 2 \
+        --out benchmarks/results/cache-importance/layer.json
 
 ``--allocator system`` times with glibc's defaults (fresh pages for every large block).
 """
@@ -101,7 +102,8 @@ def main() -> None:
         "--allocator",
         choices=ALLOCATORS,
         default="steady",
-        help="host memory (lightkv_lab.bench.allocator; default steady, as the efficiency benchmark)",
+        help="host memory (lightkv_lab.bench.allocator; default steady, as the efficiency "
+        "benchmark)",
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

@@ -171,7 +171,8 @@ def main() -> None:
     after["seconds_whole_window"] = after["seconds"] / args.fraction
     after["pairs_whole_window"] = full_pairs
     result = {
-        "scorer": "Jensen-Shannon over per-head key softmaxes (fp32), one global window, parity split",
+        "scorer": "Jensen-Shannon over per-head key softmaxes (fp32), one global window, "
+        "parity split",
         "width": {"heads": HEADS, "head_dim": HEAD_DIM},
         "machine": {
             "cpu": platform.processor() or platform.machine(),
@@ -210,29 +211,32 @@ def _markdown(r: dict) -> str:
     ]
     for m in r["before_measured"]:
         lines.append(
-            f"| {m['tokens']:,} | {m['pairs']:,} | unchunked (measured) | {m['peak_bytes'] / gib:.2f} GiB | "
-            f"{m['seconds']:.2f} s |"
+            f"| {m['tokens']:,} | {m['pairs']:,} | unchunked (measured) | "
+            f"{m['peak_bytes'] / gib:.2f} GiB | {m['seconds']:.2f} s |"
         )
     est = r["before_full_estimate"]
     lines.append(
-        f"| {est['tokens']:,} | {est['pairs']:,} | unchunked (**estimated**, cannot allocate here) | "
-        f"{est['peak_bytes'] / gib:,.0f} GiB | - |"
+        f"| {est['tokens']:,} | {est['pairs']:,} | unchunked (**estimated**, cannot allocate here) "
+        f"| {est['peak_bytes'] / gib:,.0f} GiB | - |"
     )
     a = r["after_full"]
     timed = (
         "measured"
         if a["source_fraction"] == 1
-        else f"{a['seconds']:.1f} s measured on {a['source_fraction']:.0%} of the source rows, scaled"
+        else f"{a['seconds']:.1f} s measured on {a['source_fraction']:.0%} of the source rows, "
+        "scaled"
     )
     lines.append(
-        f"| {a['tokens']:,} | {a['pairs_whole_window']:,} | chunked, {a['budget_bytes'] // 2**20} MiB budget (peak measured) | "
-        f"{a['peak_bytes'] / gib:.2f} GiB | {a['seconds_whole_window']:.0f} s ({timed}) |"
+        f"| {a['tokens']:,} | {a['pairs_whole_window']:,} | chunked, {a['budget_bytes'] // 2**20} "
+        f"MiB budget (peak measured) | {a['peak_bytes'] / gib:.2f} GiB | "
+        f"{a['seconds_whole_window']:.0f} s ({timed}) |"
     )
     lines += [
         "",
-        f"The estimate is the largest measured peak per pair ({r['before_peak_bytes_per_pair']:,.0f} bytes) times "
-        "the pairs at 2,928 tokens. The chunked call returns exactly the unchunked result "
-        f"(checked at 288 tokens with a 1 MiB budget: {'equal' if r['chunked_equals_unchunked_at_288_tokens'] else 'NOT equal'}).",
+        "The estimate is the largest measured peak per pair "
+        f"({r['before_peak_bytes_per_pair']:,.0f} bytes) times the pairs at 2,928 tokens. The "
+        "chunked call returns exactly the unchunked result (checked at 288 tokens with a 1 MiB "
+        f"budget: {'equal' if r['chunked_equals_unchunked_at_288_tokens'] else 'NOT equal'}).",
         "",
     ]
     return "\n".join(lines)

@@ -105,10 +105,11 @@ def main(argv=None) -> int:
     rows = [measure(n, args.repeats) for n in args.tokens]
     for r in rows:
         print(
-            f"N={r['tokens']:5d}: layer {r['layer_s']:.3f} s, attention {r['attention_causal_s']:.3f} s "
-            f"(masked {r['attention_masked_s']:.3f} s), attention {r['attention_share_of_time']:.1%} of the time vs "
-            f"{r['attention_share_of_flops']:.1%} of the FLOPs; GFLOP/s attention {r['gflops_per_s_attention']:.0f}, "
-            f"rest {r['gflops_per_s_rest']:.0f}"
+            f"N={r['tokens']:5d}: layer {r['layer_s']:.3f} s, attention "
+            f"{r['attention_causal_s']:.3f} s (masked {r['attention_masked_s']:.3f} s), attention "
+            f"{r['attention_share_of_time']:.1%} of the time vs "
+            f"{r['attention_share_of_flops']:.1%} of the FLOPs; GFLOP/s attention "
+            f"{r['gflops_per_s_attention']:.0f}, rest {r['gflops_per_s_rest']:.0f}"
         )
     if args.out:
         write_atomic(

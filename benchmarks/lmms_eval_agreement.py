@@ -1,11 +1,12 @@
-"""lightkv's evaluator, the scorer of ``lightkv bench quality`` and lmms-eval agree: the same held-out DigitGrid episodes, three paths, the same numbers.
+"""lightkv's evaluator, the scorer of ``lightkv bench quality`` and lmms-eval agree: the same
+held-out DigitGrid episodes, three paths, the same numbers.
 
 For each method (uncompressed, the presets ``lightkv-budget`` and ``fastv``, and LightKV and
 FastV at ``lightkv bench quality``'s 25% target, given to lmms-eval as YAML files) on the
-bundled DigitGrid model: exact match from `lightkv_lab.tasks.evaluate.evaluate` (batched ``generate``), from
-`lightkv_lab.tasks.scoring.score` (the teacher-forced scorer behind ``lightkv bench
-quality``, first turn), and from ``python -m lmms_eval --model lightkv`` on a local task
-built from the same episodes (`lightkv_lab.digitgrid_task`), with the kept vision
+bundled DigitGrid model: exact match from `lightkv_lab.tasks.evaluate.evaluate` (batched
+``generate``), from `lightkv_lab.tasks.scoring.score` (the teacher-forced scorer behind
+``lightkv bench quality``, first turn), and from ``python -m lmms_eval --model lightkv`` on a
+local task built from the same episodes (`lightkv_lab.digitgrid_task`), with the kept vision
 fraction each path reports. Needs the lmms-eval extra (``make lmms-eval``):
 
     python benchmarks/lmms_eval_agreement.py              # 200 episodes, ~7 min on 2 CPU cores
@@ -37,7 +38,7 @@ METHODS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--episodes", type=int, default=200)
     ap.add_argument("--batch", type=int, default=25)
     ap.add_argument("--out", type=Path, default=RESULTS)
@@ -117,13 +118,15 @@ def markdown(rows: list[dict]) -> str:
     n = rows[0]["episodes"] if rows else 0
     lines = [
         (
-            f"Exact match on the same {n} held-out DigitGrid episodes (bundled model), three paths; "
-            "kept vision fraction as each path reports it (`benchmarks/lmms_eval_agreement.py`)."
+            f"Exact match on the same {n} held-out DigitGrid episodes (bundled model), three "
+            "paths; kept vision fraction as each path reports it "
+            "(`benchmarks/lmms_eval_agreement.py`)."
         ),
         "",
         (
-            "| method | lightkv evaluator | `lightkv bench quality` scorer | lmms-eval `--model lightkv` "
-            "| kept (evaluator) | kept (scorer) | kept (lmms-eval) | same answers (evaluator vs lmms-eval) |"
+            "| method | lightkv evaluator | `lightkv bench quality` scorer | lmms-eval `--model "
+            "lightkv` | kept (evaluator) | kept (scorer) | kept (lmms-eval) | same answers "
+            "(evaluator vs lmms-eval) |"
         ),
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -132,9 +135,9 @@ def markdown(rows: list[dict]) -> str:
             "n/a" if r["lmms_eval_kept_fraction"] is None else f"{r['lmms_eval_kept_fraction']:.4f}"
         )
         lines.append(
-            f"| {r['method']} | {r['evaluator_exact_match']:.4f} | {r['scorer_exact_match']:.4f} "
-            f"| {r['lmms_eval_exact_match']:.4f} | {r['evaluator_kept_fraction']:.4f} | {r['scorer_kept_fraction']:.4f} "
-            f"| {kept_lmms} | {r['same_answers']}/{r['episodes']} |"
+            f"| {r['method']} | {r['evaluator_exact_match']:.4f} | {r['scorer_exact_match']:.4f} | "
+            f"{r['lmms_eval_exact_match']:.4f} | {r['evaluator_kept_fraction']:.4f} | "
+            f"{r['scorer_kept_fraction']:.4f} | {kept_lmms} | {r['same_answers']}/{r['episodes']} |"
         )
     return "\n".join(lines) + "\n"
 

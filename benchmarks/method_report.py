@@ -6,7 +6,8 @@ layers, lightkv's; the vision tokens left after the method's last stage, the pap
 paired 95% bootstrap intervals against DivPrune, CDPruner and the method with relevance off.
 
     python benchmarks/method_report.py benchmarks/results/method-search/final-seed0-n600.jsonl \
-        benchmarks/results/method-search/final-seed4102-n1000.jsonl --out benchmarks/results/method-search/final
+        benchmarks/results/method-search/final-seed4102-n1000.jsonl \
+        --out benchmarks/results/method-search/final
 """
 
 from __future__ import annotations
@@ -99,9 +100,9 @@ def write_list(paths: list[Path], out: Path) -> int:
             overall = rec.get("overall", sum(rec["correct"]) / len(rec["correct"]))
             cfg = json.dumps(rec["cfg"], separators=(",", ":")).replace("|", "/")
             lines.append(
-                f"| {path.name} | `{cfg}` | {rec['target']:.2f} | {rec['kept']:.3f} | {overall:.4f} | "
-                f"{acc.get('count', float('nan')):.3f} | {acc.get('read', float('nan')):.3f} | "
-                f"{acc.get('followup', float('nan')):.3f} |"
+                f"| {path.name} | `{cfg}` | {rec['target']:.2f} | {rec['kept']:.3f} | "
+                f"{overall:.4f} | {acc.get('count', float('nan')):.3f} | "
+                f"{acc.get('read', float('nan')):.3f} | {acc.get('followup', float('nan')):.3f} |"
             )
     target = out.with_suffix(".md")
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
@@ -155,14 +156,17 @@ def main(argv=None) -> int:
     for r in summary:
         rows.append(
             f"| {r['method']} | {100 * r['target']:.0f}% | {100 * r['kept_kv']:.1f}% | "
-            f"{100 * r['kept_tokens']:.1f}% | {100 * r['retained']:.1f}% | {iv(r, 'minus divprune')} | "
-            f"{iv(r, 'minus cdpruner')} | {iv(r, 'minus lightkv')} | {iv(r, 'minus lightkv-cover relevance off')} |"
+            f"{100 * r['kept_tokens']:.1f}% | {100 * r['retained']:.1f}% | "
+            f"{iv(r, 'minus divprune')} | {iv(r, 'minus cdpruner')} | {iv(r, 'minus lightkv')} | "
+            f"{iv(r, 'minus lightkv-cover relevance off')} |"
         )
-    md = [f"Conversations: {', '.join(p.name for p in args.files)} (n = {full.numel()}); uncompressed "
-          f"accuracy {full.mean():.4f}. Differences: points of first-answer accuracy, the row's method minus "
-          "the column's on the same conversations, paired bootstrap 95% interval (2,000 resamples).", "",
-          "| method | target | vision KV kept (avg over layers) | tokens after last stage | retained | "
-          "minus DivPrune | minus CDPruner | minus lightkv | minus lightkv-cover (relevance off) |",
+    md = [f"Conversations: {', '.join(p.name for p in args.files)} (n = {full.numel()}); "
+          f"uncompressed accuracy {full.mean():.4f}. Differences: points of first-answer accuracy, "
+          "the row's method minus the column's on the same conversations, paired bootstrap 95% "
+          "interval (2,000 resamples).", "",
+          "| method | target | vision KV kept (avg over layers) | tokens after last stage | "
+          "retained | minus DivPrune | minus CDPruner | minus lightkv | minus lightkv-cover "
+          "(relevance off) |",
           "|---|---:|---:|---:|---:|---:|---:|---:|---:|", *rows, ""]  # fmt: skip
     # the most any relevance could win: conversations the uncompressed model answers right and
     # the method with relevance off answers wrong (and the reverse, which relevance cannot fix)
@@ -174,17 +178,19 @@ def main(argv=None) -> int:
             won = "" if on is None else f"{int(((1 - off) * torch.cat(on['correct'])).sum())}"
             lost = "" if on is None else f"{int((off * (1 - torch.cat(on['correct']))).sum())}"
             head.append(
-                f"| {100 * target:.0f}% | {int((full * (1 - off)).sum())} ({100 * float((full * (1 - off)).mean()):.1f}%) | "
+                f"| {100 * target:.0f}% | {int((full * (1 - off)).sum())} "
+                f"({100 * float((full * (1 - off)).mean()):.1f}%) | "
                 f"{int(((1 - full) * off).sum())} | {won} | {lost} |"
             )
     if head:
         md += [
-            "Headroom for relevance: of the same conversations, how many the uncompressed model answers "
-            "right and `lightkv-cover` with relevance off answers wrong (the most any relevance could win "
-            "back), the reverse, and how many turning relevance on wins and loses.",
+            "Headroom for relevance: of the same conversations, how many the uncompressed model "
+            "answers right and `lightkv-cover` with relevance off answers wrong (the most any "
+            "relevance could win back), the reverse, and how many turning relevance on wins and "
+            "loses.",
             "",
-            "| target | uncompressed right, off wrong | off right, uncompressed wrong | on right, off wrong | "
-            "off right, on wrong |",
+            "| target | uncompressed right, off wrong | off right, uncompressed wrong | on right, "
+            "off wrong | off right, on wrong |",
             "|---:|---:|---:|---:|---:|",
             *head,
             "",

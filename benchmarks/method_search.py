@@ -180,7 +180,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--benchmark",
         action="store_true",
-        help="allow the benchmark's seeds (0, 1): only for the final numbers of a chosen configuration",
+        help="allow the benchmark's seeds (0, 1): only for the final numbers of a chosen "
+        "configuration",
     )
     args = ap.parse_args(argv)
     if args.seed in (0, 1) and not args.benchmark:
@@ -238,8 +239,9 @@ def main(argv=None) -> int:
                 )
                 done.add(key(cfg, target))
                 print(
-                    f"[{time.time() - t0:5.0f}s] {target:.2f} kept {res.kept_fraction:.3f} overall {overall:.4f} "
-                    f"follow {acc.get('followup', float('nan')):.3f}  {json.dumps(cfg)}",
+                    f"[{time.time() - t0:5.0f}s] {target:.2f} kept {res.kept_fraction:.3f} overall "
+                    f"{overall:.4f} follow {acc.get('followup', float('nan')):.3f}  "
+                    f"{json.dumps(cfg)}",
                     flush=True,
                 )
     return 0

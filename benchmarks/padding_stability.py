@@ -19,7 +19,7 @@ three settings against the row alone: a batch of two identical rows (batched mat
 padding), the row alone but left-padded (a padding mask, batch 1), and the padded batch; and
 one sdpa call of the model's shape with and without masked padding key columns.
 
-    python benchmarks/padding_stability.py                       # 100 rows, 5 methods, ~6 min on 2 cores
+    python benchmarks/padding_stability.py      # 100 rows, 5 methods, ~6 min on 2 cores
     python benchmarks/padding_stability.py --rows 20 --out /tmp/p.json
 
 Writes ``benchmarks/results/padding-stability.json`` (atomically).
@@ -219,8 +219,8 @@ def main(argv=None) -> int:
             entry["max_merge_input_diff"] = max(r["merge_input_diff"] for r in rows)
         results[name] = entry
         print(
-            f"{name:24s} {entry['rate_dlogp_above_threshold']:.2f} of rows > {THRESHOLD:g} "
-            f"(max {entry['max_dlogp']:.3g}); decisions changed: {entry.get('decisions_changed', '-')}",
+            f"{name:24s} {entry['rate_dlogp_above_threshold']:.2f} of rows > {THRESHOLD:g} (max "
+            f"{entry['max_dlogp']:.3g}); decisions changed: {entry.get('decisions_changed', '-')}",
             flush=True,
         )
     first = (

@@ -13,7 +13,7 @@ cache tensors as allocated), the kept vision fraction and estimated FLOPs from t
 report, and peak memory (CUDA: ``max_memory_allocated``; CPU: peak resident memory of a
 fresh subprocess, sampled every 0.2 ms during the prefill, above its level just before).
 
-    python benchmarks/prefill_llava.py                 # both shapes, CPU, JSON to benchmarks/results/
+    python benchmarks/prefill_llava.py   # both shapes, CPU, JSON to benchmarks/results/
     python benchmarks/prefill_llava.py --device cuda --dtype bfloat16 --layers 32 --hidden 4096
 """
 
@@ -262,7 +262,8 @@ def main(argv=None) -> int:
             )
         results["shapes"][shape] = entry
         print(
-            f"{shape}: {entry['prompt_tokens']} prompt tokens, ratios {json.dumps(entry['ratios'])}",
+            f"{shape}: {entry['prompt_tokens']} prompt tokens, ratios "
+            f"{json.dumps(entry['ratios'])}",
             flush=True,
         )
     out = Path(args.out)

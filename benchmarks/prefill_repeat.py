@@ -2,7 +2,8 @@
 its time settle after one warm-up? (The efficiency benchmark interleaves every variant in
 each round; there the uncompressed 7B-wide prefill kept getting faster for four rounds.)
 
-    python benchmarks/prefill_repeat.py --runs 8 --out benchmarks/results/low-budget/prefill-repeat.json
+    python benchmarks/prefill_repeat.py --runs 8 \
+        --out benchmarks/results/low-budget/prefill-repeat.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Profile the compression's own work inside one prefill (torch.profiler, per hook family:
 layout, relevance, stage, bookkeeping) and list the operators each spends its time in.
 
-    python benchmarks/profile_overhead.py                       # LLaVA-NeXT shape, width 1024, 6 layers
+    python benchmarks/profile_overhead.py     # LLaVA-NeXT shape, width 1024, 6 layers
     python benchmarks/profile_overhead.py --width full --layers 4
     python benchmarks/profile_overhead.py --variants lightkv lightkv+second-projection tome
 

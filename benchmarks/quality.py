@@ -1,4 +1,5 @@
-"""Accuracy vs kept vision KV on DigitGrid-VQA: every method at 100/75/55/40/25% with the bundled model.
+"""Accuracy vs kept vision KV on DigitGrid-VQA: every method at 100/75/55/40/25% with the
+bundled model.
 
 The bundled DigitGrid LVLM (a trained `LlavaForConditionalGeneration`, 256 vision tokens,
 6 decoder layers) answers 2,000 held-out questions whose answers live in one image region;

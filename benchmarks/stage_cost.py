@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         hidden, layout, relevance = shape.inputs()
         layer_ms, layer_runs = median_ms(partial(layer, hidden), args.repeats)
         print(
-            f"{shape.name} B={shape.batch} N={shape.seq_len}: decoder layer {layer_ms:.1f} ms (median)",
+            f"{shape.name} B={shape.batch} N={shape.seq_len}: decoder layer {layer_ms:.1f} ms "
+            "(median)",
             flush=True,
         )
         for backend in backends:
@@ -221,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
                         }
                     )
                     print(
-                        f"  {backend:<14}{label:<22}{stage_ms:9.2f} ms  ({100 * stage_ms / layer_ms:.2f}% of the layer)",
+                        f"  {backend:<14}{label:<22}{stage_ms:9.2f} ms  "
+                        f"({100 * stage_ms / layer_ms:.2f}% of the layer)",
                         flush=True,
                     )
             if args.profile and backend == backends[0]:
@@ -243,17 +245,22 @@ def main(argv: list[str] | None = None) -> int:
         "target_ratio": TARGET,
         "loadavg_before": load_before,
         "loadavg_after": os.getloadavg() if hasattr(os, "getloadavg") else None,
-        "note": "median wall time after one warm-up run; both stages timed on the uncompressed sequence",
+        "note": "median wall time after one warm-up run; both stages timed on the uncompressed "
+        "sequence",
     }
     write_atomic(output, json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
 
-    header = f"{'shape':<11}{'B':>3}{'N':>6}{'backend':>15}  {'stage':<22}{'kept':>6}{'stage ms':>10}{'layer ms':>11}{'stage/layer':>13}"
+    header = (
+        f"{'shape':<11}{'B':>3}{'N':>6}{'backend':>15}  {'stage':<22}{'kept':>6}{'stage ms':>10}"
+        f"{'layer ms':>11}{'stage/layer':>13}"
+    )
     print("\n" + header + "\n" + "-" * len(header))
     for r in rows:
         flag = "" if r["ratio"] < TARGET else "  > 5%"
         print(
-            f"{r['shape']:<11}{r['batch']:>3}{r['seq_len']:>6}{r['backend']:>15}  {r['stage']:<22}{r['vision_kept']:>6}"
-            f"{r['stage_median_ms']:>10.2f}{r['layer_median_ms']:>11.1f}{100 * r['ratio']:>12.2f}%{flag}"
+            f"{r['shape']:<11}{r['batch']:>3}{r['seq_len']:>6}{r['backend']:>15}  "
+            f"{r['stage']:<22}{r['vision_kept']:>6}{r['stage_median_ms']:>10.2f}"
+            f"{r['layer_median_ms']:>11.1f}{100 * r['ratio']:>12.2f}%{flag}"
         )
     print(f"\nwrote {output}")
     for name, table in profiles.items():

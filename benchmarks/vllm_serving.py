@@ -13,8 +13,10 @@ before the LLM (``pre_llm``, ratio 0.5, uniform relevance). At equal batch it me
   ``ignore_eos``), and requests per second;
 - the prompt length vLLM scheduled (the image placeholders after compression).
 
-    python benchmarks/vllm_serving.py --out benchmarks/results/gpu       # needs vLLM 0.32.0 and a GPU
-    python benchmarks/vllm_serving.py --dry-run                        # checks the set-up, no vLLM needed
+    # needs vLLM 0.32.0 and a GPU
+    python benchmarks/vllm_serving.py --out benchmarks/results/gpu
+    # checks the set-up, no vLLM needed
+    python benchmarks/vllm_serving.py --dry-run
 
 ``benchmarks/gpu_check.sh`` runs it with ``GPU_CHECK_VLLM=1``. Writes ``vllm-serving.json``
 and ``vllm-serving.md`` into ``--out``.
@@ -217,7 +219,8 @@ def report(results: list[dict], args: argparse.Namespace) -> str:
     base = results[0]
     lines = [
         f"Qwen2.5-VL 7B shape (random weights, bf16), batch {args.batch}, one "
-        f"{args.image_tokens_side}x{args.image_tokens_side}-token image per prompt, {args.max_tokens} new tokens.",
+        f"{args.image_tokens_side}x{args.image_tokens_side}-token image per prompt, "
+        f"{args.max_tokens} new tokens.",
         "",
         "| variant | prompt tokens | batch TTFT (s) | x stock | output tok/s | x stock |",
         "|---|---|---|---|---|---|",
@@ -235,7 +238,8 @@ def report(results: list[dict], args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse arguments; with ``--variant`` serve one engine, else run every variant in a subprocess."""
+    """Parse arguments; with ``--variant`` serve one engine, else run every variant in a
+    subprocess."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="benchmarks/results/gpu")
     p.add_argument("--batch", type=int, default=32)
@@ -276,8 +280,8 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 )
                 print(
-                    f"vllm_serving (dry run): {name}: {kept} of {side * side} image tokens; model dir "
-                    f"{sorted(f.name for f in model_dir.iterdir())}"
+                    f"vllm_serving (dry run): {name}: {kept} of {side * side} image tokens; model "
+                    f"dir {sorted(f.name for f in model_dir.iterdir())}"
                 )
             return 0
         results = []

@@ -38,7 +38,8 @@ def pytest_addoption(parser):
     parser.addoption(
         "--require-quant",
         action="store_true",
-        help="fail (instead of skip) the KV-quantization tests when optimum-quanto (the [quant] extra) is missing",
+        help="fail (instead of skip) the KV-quantization tests when optimum-quanto (the [quant] "
+        "extra) is missing",
     )
 
 

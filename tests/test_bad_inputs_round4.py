@@ -16,7 +16,7 @@ def _one_line(capsys) -> str:
     return err[0]
 
 
-# ---------------------------------------------------------------------------- item 5: one kept-fraction range
+# ----------------------------------------------------------------- item 5: one kept-fraction range
 @pytest.mark.parametrize(
     "command", [["bench", "quality"], ["bench", "ablation"], ["bench", "efficiency", "--quick"]]
 )

@@ -194,9 +194,9 @@ def test_the_cli_names_every_benchmarked_shape():
 
 
 def test_cache_mode_presets_in_both_benchmarks():
-    """ElasticCache and H2O: KV bytes cut, prefill FLOPs not (the importance scores add some), and in
-    the quality benchmark at the target's kept vision KV; the first answer token comes from the
-    uncompressed prefill."""
+    """ElasticCache and H2O: KV bytes cut, prefill FLOPs not (the importance scores add some), and
+    in the quality benchmark at the target's kept vision KV; the first answer token comes from
+    the uncompressed prefill."""
     from lightkv_lab.bench.quality import AccuracyConfig, method_pipeline, run
 
     from lightkv.adapters.modes.h2o import H2OMode
@@ -259,8 +259,8 @@ def test_command_line_names_what_differs_from_the_default():
         eager_reference=False,
     )
     assert command_line(asdict(cfg)) == (
-        "lightkv bench efficiency --models llava_next llava --presets lightkv tome --layers 6 --width full "
-        "--repeats 2 --projection-baseline --no-memory --no-eager-reference"
+        "lightkv bench efficiency --models llava_next llava --presets lightkv tome --layers 6 "
+        "--width full --repeats 2 --projection-baseline --no-memory --no-eager-reference"
     )
     args = build_parser().parse_args(command_line(asdict(cfg)).split()[1:])
     assert (args.width, args.layers, args.projection_baseline, args.no_eager_reference) == (
@@ -346,8 +346,9 @@ def _variant(ttft, flops, overhead, placement=None, rounds=None):
 
 def test_budget_targets_take_lightkv_where_its_schedule_reaches_the_budget():
     """At each budget LightKV is ``lightkv@t`` unless its schedule stops short (``min``); then
-    ``lightkv-first-layer@t`` if it reaches the budget, then ``lightkv-low-budget@t``. The targets hold only if every budget's gap is within a point
-    and every overhead at most 1%; a reduced-width run checks none of them."""
+    ``lightkv-first-layer@t`` if it reaches the budget, then ``lightkv-low-budget@t``. The
+    targets hold only if every budget's gap is within a point and every overhead at most 1%; a
+    reduced-width run checks none of them."""
     from lightkv_lab.bench.efficiency.report import budget_table, budget_targets, lightkv_at
 
     variants = {
@@ -440,13 +441,11 @@ def test_the_host_allocator_is_an_option_recorded_with_the_result(result):
         import subprocess
 
         code = (
-            "import torch\n"
-            "from lightkv_lab.bench.allocator import host_allocator\n"
-            "def rss():\n"
-            "    return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmRSS'))\n"
-            "for name in ('system', 'steady'):\n"
-            "    with host_allocator(name):\n"
-            "        a = torch.ones(2**24); before = rss(); del a; print(name, before - rss())\n"
+            "import torch\nfrom lightkv_lab.bench.allocator import host_allocator\ndef rss():\n    "
+            "return next(int(l.split()[1]) for l in open('/proc/self/status') if "
+            "l.startswith('VmRSS'))\nfor name in ('system', 'steady'):\n    with "
+            "host_allocator(name):\n        a = torch.ones(2**24); before = rss(); del a; "
+            "print(name, before - rss())\n"
         )
         out = subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, check=True

@@ -89,17 +89,18 @@ def test_config_validate_ok(capsys, tmp_path):
 def test_config_validate_invalid_file_exit_1(capsys, tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text(
-        "name: bad\nschedule:\n  layers: [12, 18]\n  removal_ratios: [0.5, 1.5]\npartitioner: gird\n"
+        "name: bad\nschedule:\n  layers: [12, 18]\n  removal_ratios: [0.5, 1.5]\npartitioner: "
+        "gird\n"
     )
     code, out, err = run(capsys, "config", "validate", str(path))
     assert code == 1 and not out
     lines = err.splitlines()
     assert lines == [
-        f"lightkv: error: {path}: schedule.removal_ratios.1: removal ratio must be in [0, 1) (0 keeps every token), got 1.5",
+        f"lightkv: error: {path}: schedule.removal_ratios.1: removal ratio must be in [0, 1) (0 "
+        "keeps every token), got 1.5",
         (
-            f"lightkv: error: {path}: partitioner.name: unknown partitioner 'gird'; registered partitioners: "
-            + ", ".join(Partitioner.registered())
-            + "; did you mean 'grid'?"
+            f"lightkv: error: {path}: partitioner.name: unknown partitioner 'gird'; registered "
+            "partitioners: " + ", ".join(Partitioner.registered()) + "; did you mean 'grid'?"
         ),
     ]
 
@@ -108,8 +109,8 @@ def test_config_validate_layer_beyond_depth_exit_1(capsys):
     code, _, err = run(capsys, "config", "validate", "lightkv", "--num-layers", "16")
     assert code == 1
     assert err.strip() == (
-        "lightkv: error: lightkv: schedule.layers: the schedule compresses after layer 24, but the model "
-        "has only 16 layers (0..15); use layers below 16 or a kept_fraction schedule"
+        "lightkv: error: lightkv: schedule.layers: the schedule compresses after layer 24, but the "
+        "model has only 16 layers (0..15); use layers below 16 or a kept_fraction schedule"
     )
 
 
@@ -126,7 +127,8 @@ def test_config_validate_bad_yaml(capsys, tmp_path):
         (["config", "validate", "missing.yaml"], "lightkv: error: missing.yaml: does not exist"),
         (
             ["config", "show", "lightkvv"],
-            "lightkv: error: no preset or file named 'lightkvv'; did you mean 'lightkv'?; presets: ",
+            "lightkv: error: no preset or file named 'lightkvv'; did you mean 'lightkv'?; "
+            "presets: ",
         ),
         (
             ["config", "show", "no/such/dir.yaml"],
@@ -322,7 +324,8 @@ def test_a_too_shallow_bench_names_layers(capsys, tmp_path):
 
 
 def test_an_empty_cache_layer_list_is_refused(capsys, tmp_path):
-    """Regression (issue 27, item 12): ``layers: []`` in a cache schedule compressed nothing, silently."""
+    """Regression (issue 27, item 12): ``layers: []`` in a cache schedule compressed nothing,
+    silently."""
     path = tmp_path / "empty.yaml"
     path.write_text(
         "name: empty\nschedule:\n  name: cache\n  params: {layers: []}\npartitioner: grid\n"
@@ -367,7 +370,8 @@ def test_huge_grids_and_windows_are_one_line_errors(capsys, tmp_path):
     assert code == 2 and "--grid: at most 1,048,576 tokens" in err and "Traceback" not in err
     path = tmp_path / "big.yaml"
     path.write_text(
-        "name: big\nschedule:\n  layers: [1]\n  removal_ratios: [0.5]\n  windows_per_side: [9223372036854775808]\n"
+        "name: big\nschedule:\n  layers: [1]\n  removal_ratios: [0.5]\n  windows_per_side: "
+        "[9223372036854775808]\n"
     )
     code, out, err = run(capsys, "config", "validate", str(path))
     assert code == 1 and err.strip().endswith(

@@ -121,7 +121,8 @@ def test_released_quirks_only_in_the_released_presets(name):
     pipe = PRESETS[name].build()
     released = name.startswith("lightkv-paper-released")
     assert pipe.released_quirks.any == released
-    # the reference code's float32 budget is arithmetic, not a quirk: every lightkv-paper* preset has it
+    # the reference code's float32 budget is arithmetic, not a quirk: every lightkv-paper* preset
+    # has it
     assert (getattr(pipe.pruner, "budget_dtype", "float64") == "float32") == name.startswith(
         "lightkv-paper"
     )
@@ -386,7 +387,10 @@ def test_shorthand_scalars_and_defaults():
 
 
 def test_params_are_coerced_to_the_policy_types_and_stored_plain():
-    text = "name: x\nschedule: {layers: [2], removal_ratios: [0.5]}\nscorer: {name: cosine, params: {eps: 1e-6}}\n"
+    text = (
+        "name: x\nschedule: {layers: [2], removal_ratios: [0.5]}\n"
+        "scorer: {name: cosine, params: {eps: 1e-6}}\n"
+    )
     cfg = PipelineConfig.from_yaml_text(
         text
     )  # PyYAML reads 1e-6 as a string; the policy wants a float
@@ -481,8 +485,8 @@ def test_bad_parameters_name_the_field_value_and_allowed():
         "partitioner.params.splitt"
     ]
     assert (
-        "has no parameter 'splitt' (did you mean 'split'?); its parameters are: bands, min_tokens_per_window, seed, split, src_parity"
-        in msg
+        "has no parameter 'splitt' (did you mean 'split'?); its parameters are: bands, "
+        "min_tokens_per_window, seed, split, src_parity" in msg
     )
     msg = problems(_error({"partitioner": {"name": "grid", "params": {"split": "zigzag"}}}))[
         "partitioner.params.split"
@@ -564,7 +568,8 @@ def test_bad_parameters_name_the_field_value_and_allowed():
         (
             {"name": "nope"},
             "schedule.name",
-            "unknown scheduler 'nope'; registered schedulers: budget, cache, explicit, kept_fraction, pre_llm, pre_llm_then_layer, scaled",
+            "unknown scheduler 'nope'; registered schedulers: budget, cache, explicit, "
+            "kept_fraction, pre_llm, pre_llm_then_layer, scaled",
         ),
     ],
 )

@@ -1,4 +1,5 @@
-"""The bundled demo (`lightkv stages-demo`, `python -m lightkv_lab.stages_demo`) runs offline and reports the paper's counts."""
+"""The bundled demo (`lightkv stages-demo`, `python -m lightkv_lab.stages_demo`) runs offline and
+reports the paper's counts."""
 
 from __future__ import annotations
 

@@ -89,7 +89,8 @@ def _python_pages() -> list[Path]:
 
 @pytest.fixture
 def clean_registries():
-    """Policies and modes registered by an example are forgotten afterwards (other tests list registries)."""
+    """Policies and modes registered by an example are forgotten afterwards (other tests list
+    registries)."""
     from lightkv.adapters.modes import Mode
     from lightkv.policies import FAMILIES
 

@@ -225,9 +225,9 @@ def test_a_missed_target_is_reported_and_warned(assets, capsys, tmp_path):
     the JSON carries target and achieved, and stderr says it missed, in one line."""
     config = tmp_path / "greedy.yaml"
     config.write_text(
-        "name: greedy\nschedule:\n  name: pre_llm\n  params: {removal_ratio: 0.8, windows_per_side: 2}\n"
-        "partitioner: grid\nscorer: cosine\npruner: divergence\npasser: relevance_mean\n"
-        "relevance: query_softmax\n"
+        "name: greedy\nschedule:\n  name: pre_llm\n  params: {removal_ratio: 0.8, "
+        "windows_per_side: 2}\npartitioner: grid\nscorer: cosine\npruner: divergence\npasser: "
+        "relevance_mean\nrelevance: query_softmax\n"
     )
     code = main(_gen(assets, "--config", str(config), "--max-new-tokens", "1", "--json"))
     out, err = capsys.readouterr()
@@ -280,8 +280,8 @@ def test_ttft_and_generate_time_come_from_the_same_calls(assets, capsys):
     )
     out, _ = capsys.readouterr()
     assert (
-        "median of 2 generate call(s) each; the first token and the whole call are timed in the same calls"
-        in out
+        "median of 2 generate call(s) each; the first token and the whole call are timed in the "
+        "same calls" in out
     )
 
 

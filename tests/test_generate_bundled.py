@@ -77,5 +77,6 @@ def test_a_missing_extra_is_one_line():
     err = done.stderr.strip().splitlines()
     assert done.returncode == 2, done.stderr
     assert err == [
-        "lightkv: error: this command needs sklearn, which is not installed: pip install 'lightkv-lab'"
+        "lightkv: error: this command needs sklearn, which is not installed: pip install "
+        "'lightkv-lab'"
     ]

@@ -145,7 +145,7 @@ def test_max_removal_ratio_from_the_short_form_reaches_the_scheduler():
     assert PipelineConfig.from_yaml_text(cfg.to_yaml()) == cfg
 
 
-# ---------------------------------------------------------------------------- scaled and budget from YAML
+# --------------------------------------------------------------------- scaled and budget from YAML
 def test_scaled_schedule_from_yaml_moves_llava_layers_to_8():
     cfg = _schedule("  name: scaled\n  params: {layers: [12, 18, 24], ref_depth: 32}\n")
     assert cfg.schedule == ScheduleConfig(name="scaled")  # the defaults, spelled out
@@ -165,7 +165,8 @@ def test_scaled_schedule_from_yaml_moves_llava_layers_to_8():
 
 @pytest.mark.parametrize(
     "depth, target, max_removal_ratio, layers, ratio, how",
-    [  # the values of lightkv_lab.bench.quality.budget_schedule (scaled LLaVA layers, 4/2/1 windows)
+    # the values of lightkv_lab.bench.quality.budget_schedule (scaled LLaVA layers, 4/2/1 windows)
+    [
         (8, 0.55, 0.5, (2, 4, 5), 0.5, "scaled"),
         (8, 0.55, 0.75, (2, 4, 5), 0.5227, "scaled"),
         (8, 0.4, 0.5, (0, 2, 3), 0.4308, "scaled"),
@@ -179,7 +180,8 @@ def test_budget_schedule_from_yaml_places_stages_as_the_benchmark(
     depth, target, max_removal_ratio, layers, ratio, how
 ):
     cfg = _schedule(
-        f"  name: budget\n  params: {{kept_fraction: {target}, max_removal_ratio: {max_removal_ratio}}}\n"
+        f"  name: budget\n  params: {{kept_fraction: {target}, max_removal_ratio: "
+        f"{max_removal_ratio}}}\n"
     )
     scheduler = cfg.build().scheduler
     assert isinstance(scheduler, BudgetSchedule) and scheduler.placement(depth) == how

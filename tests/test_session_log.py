@@ -196,7 +196,8 @@ def test_the_launch_warning_reaches_stderr_under_lmms_evals_filter(capsys):
     assert err == [f"lightkv: warning: {message}"]
     from pathlib import Path
 
-    import lightkv.integrations  # the model calls it, not warnings.warn (read as text: lmms-eval may be absent)
+    # the model calls it, not warnings.warn (read as text: lmms-eval may be absent)
+    import lightkv.integrations
 
     source = (Path(lightkv.integrations.__file__).parent / "lmms_eval.py").read_text(
         encoding="utf-8"

@@ -175,7 +175,10 @@ def test_check_version_accepts_the_declared_range(monkeypatch, version):
 def test_importing_the_plugin_package_needs_no_vllm():
     import subprocess
 
-    code = "import sys, lightkv.integrations.vllm, lightkv.integrations.vllm.plan; print('vllm' in sys.modules)"
+    code = (
+        "import sys, lightkv.integrations.vllm, lightkv.integrations.vllm.plan; "
+        "print('vllm' in sys.modules)"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
     )
@@ -219,13 +222,13 @@ def test_the_gpu_checks_vllm_section_dry_runs_without_a_gpu(tmp_path):
         ("divprune-11", 64),
     ):
         assert (
-            f"vllm_concurrency (dry run): {variant}: {kept} of 576 image tokens, concurrency [1, 8, 32]"
-            in proc.stdout
+            f"vllm_concurrency (dry run): {variant}: {kept} of 576 image tokens, concurrency [1, "
+            "8, 32]" in proc.stdout
         )
     assert "lightkv-pre-llm-uniform: 288 of 576 image tokens" in proc.stdout
     assert (
-        "3c. where flash_attn imports: stock vs lightkv under --attn-implementation flash_attention_2"
-        in proc.stdout
+        "3c. where flash_attn imports: stock vs lightkv under --attn-implementation "
+        "flash_attention_2" in proc.stdout
     )
     assert f"{tmp_path}/budgets-fa2" in proc.stdout and "padded batch of 8" in proc.stdout
     assert "3c. benchmarks/flash_batch.py --dry-run passed" in proc.stdout

@@ -257,7 +257,8 @@ def module_page(module: Module, modules: dict[str, Module]) -> str:
         lines += [
             "## Re-exported names",
             "",
-            f"Importable as `from {module.name} import ...`; each link leads to the object's own page.",
+            f"Importable as `from {module.name} import ...`; each link leads to the object's own "
+            "page.",
             "",
             ", ".join(reexports),
             "",
@@ -360,13 +361,17 @@ def families_markdown(page_uri: str) -> str:
     """The adapter registry as a table: family, model types, module (linked), summary."""
     registry = ROOT / PACKAGE / "adapters" / "registry.py"
     if not registry.is_file():
-        return '!!! warning "No adapter registry"\n    `lightkv/adapters/registry.py` does not exist in this checkout.\n'
+        return (
+            '!!! warning "No adapter registry"\n'
+            "    `lightkv/adapters/registry.py` does not exist in this checkout.\n"
+        )
     families = _literal_dict(registry, "SUPPORTED_FAMILIES")
     model_types = _literal_dict(registry, "MODEL_TYPES")
     modules = {m.name: m for m in _tree().walk()}
     here = posixpath.dirname(page_uri)
     rows = [
-        "| family | `config.model_type` | adapter | how it lays out vision tokens | exact | refused |",
+        "| family | `config.model_type` | adapter | how it lays out vision tokens | exact | "
+        "refused |",
         "|---|---|---|---|---|---|",
     ]
     for family, target in families.items():
@@ -380,7 +385,8 @@ def families_markdown(page_uri: str) -> str:
         doc = ast.get_docstring(module.tree()) or ""
         exact, refused = (_cell(_docstring_field(doc, k)) for k in ("Exact", "Refused"))
         rows.append(
-            f"| `{family}` | {types} | [`{cls}`]({link}) | {_cell(module.summary())} | {exact} | {refused} |"
+            f"| `{family}` | {types} | [`{cls}`]({link}) | {_cell(module.summary())} | {exact} | "
+            f"{refused} |"
         )
     return "\n".join(rows) + "\n"
 
@@ -541,9 +547,9 @@ def results_markdown(patterns: list[str], page_uri: str) -> str:
         shown = ", ".join(f"`{p}`" for p in patterns)
         return (
             '!!! note "Not generated yet"\n'
-            f"    No file matching {shown} exists in this checkout, so there is nothing to show here yet. "
-            "Run the command given on this page, commit what it writes, and rebuild the site: "
-            "the results then appear here automatically.\n"
+            f"    No file matching {shown} exists in this checkout, so there is nothing to show "
+            "here yet. Run the command given on this page, commit what it writes, and rebuild the "
+            "site: the results then appear here automatically.\n"
         )
     parts = []
     here = posixpath.dirname(page_uri)

@@ -58,7 +58,8 @@ def font(size: int) -> ImageFont.ImageFont:
 
 
 def inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, VisionLayout, torch.Tensor]:
-    """``(image [504, 504, 3] uint8, patch colours [576, 3] in [0, 1], layout, hidden [1, N, 32])``."""
+    """``(image [504, 504, 3] uint8, patch colours [576, 3] in [0, 1], layout,
+    hidden [1, N, 32])``."""
     from skimage import data
 
     image = torch.from_numpy(data.astronaut()[: GRID * PATCH, : GRID * PATCH].copy())
@@ -85,7 +86,8 @@ def inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, VisionLayout, tor
 
 
 def panel(colours: torch.Tensor, owner: torch.Tensor | None, windows: int | None) -> Image.Image:
-    """A ``24*CELL`` square: patch colours, dark group borders (`lightkv_lab.vis`), blue window lines."""
+    """A ``24*CELL`` square: patch colours, dark group borders (`lightkv_lab.vis`), blue window
+    lines."""
     img = paint_patches(colours, (GRID, GRID), CELL)
     if owner is not None:
         img = outline_groups(img, owner, (GRID, GRID), CELL)

@@ -74,7 +74,8 @@ def main() -> None:
                 diffs.append(float((got.logits[0] - ref.logits[0]).abs().max()))
                 agree += bool(torch.equal(got.sequences, ref.sequences))
             print(
-                f"  {name:36s} max |dlogit| {min(diffs):.2g}-{max(diffs):.2g}   greedy equal {agree}/6"
+                f"  {name:36s} max |dlogit| {min(diffs):.2g}-{max(diffs):.2g}   greedy equal "
+                f"{agree}/6"
             )
 
 

@@ -1,4 +1,5 @@
-"""End-to-end demo of the pure core on a real image (``lightkv stages-demo``, ``python -m lightkv_lab.stages_demo``).
+"""End-to-end demo of the pure core on a real image (``lightkv stages-demo``, ``python -m
+lightkv_lab.stages_demo``).
 
 No model is involved. The demo turns ``skimage.data.astronaut()`` into the kind of sequence
 an LVLM prefill sees, with a stand-in for every model quantity:
@@ -209,17 +210,20 @@ def format_table(report: PresetReport, inputs: DemoInputs, num_layers: int = NUM
     ]
     bounds = [-1] + report.layers + [num_layers - 1]
     lines.append(
-        f"  {'input':<6}{'-':>12}{'-':>14}{n_vision:>13}{f'0-{bounds[1]}':>18}{float(vis_xi.mean()):>22.3f}"
+        "  "
+        f"{'input':<6}{'-':>12}{'-':>14}{n_vision:>13}{f'0-{bounds[1]}':>18}"
+        f"{float(vis_xi.mean()):>22.3f}"
     )
     for i, res in enumerate(report.results):
         span = f"{bounds[i + 1] + 1}-{bounds[i + 2]}"
         lines.append(
-            f"  {i + 1:<6}{report.layers[i]:>12}{report.windows[i]:>14}{report.counts[i]:>13}{span:>18}"
-            f"{_survivor_relevance(res, xi):>22.3f}"
+            "  "
+            f"{i + 1:<6}{report.layers[i]:>12}{report.windows[i]:>14}{report.counts[i]:>13}"
+            f"{span:>18}{_survivor_relevance(res, xi):>22.3f}"
         )
     lines.append(
-        f"  vision KV kept, averaged over {num_layers} layers: {report.kept_fraction:.4f} from the counts "
-        f"({report.kept_fraction_analytic:.4f} analytic, average_kept_fraction)"
+        f"  vision KV kept, averaged over {num_layers} layers: {report.kept_fraction:.4f} from the "
+        f"counts ({report.kept_fraction_analytic:.4f} analytic, average_kept_fraction)"
     )
     k = max(1, n_vision // 10)
     top = torch.zeros(n_vision, dtype=torch.bool)
@@ -233,8 +237,8 @@ def format_table(report: PresetReport, inputs: DemoInputs, num_layers: int = NUM
     lines.append(
         f"  after the last stage: the top-10% most relevant patches ({k}) sit in groups of "
         f"{float(gs[top].mean()):.2f} patches on average, the other {n_vision - k} in groups of "
-        f"{float(gs[~top].mean()):.2f}; {int(kept_own[top].sum())}/{k} of them are still their own token "
-        f"(vs {int(kept_own[~top].sum())}/{n_vision - k} of the rest)"
+        f"{float(gs[~top].mean()):.2f}; {int(kept_own[top].sum())}/{k} of them are still their own "
+        f"token (vs {int(kept_own[~top].sum())}/{n_vision - k} of the rest)"
     )
     return "\n".join(lines)
 
@@ -311,7 +315,8 @@ def build_parser(prog: str = "python -m lightkv_lab.stages_demo") -> argparse.Ar
     """The demo's command-line options (shared with ``lightkv stages-demo``)."""
     parser = argparse.ArgumentParser(
         prog=prog,
-        description="Compress the vision tokens of a real image with lightkv presets (no model needed).",
+        description="Compress the vision tokens of a real image with lightkv presets (no model "
+        "needed).",
     )
     parser.add_argument(
         "--preset",
@@ -341,8 +346,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m lightkv_lab.stage
 
     inputs = build_inputs()
     print(
-        f"image: skimage astronaut, cropped to {GRID * PATCH}x{GRID * PATCH}, {GRID}x{GRID} patches of {PATCH}x{PATCH} px "
-        f"-> {GRID * GRID} vision tokens (D={DIM}) between {TEXT_BEFORE} + {TEXT_AFTER} text tokens"
+        f"image: skimage astronaut, cropped to {GRID * PATCH}x{GRID * PATCH}, {GRID}x{GRID} "
+        f"patches of {PATCH}x{PATCH} px -> {GRID * GRID} vision tokens (D={DIM}) between "
+        f"{TEXT_BEFORE} + {TEXT_AFTER} text tokens"
     )
     print(
         f"prompt: {PROMPT!r}; relevance xi of a patch = similarity of its mean colour to "

@@ -98,7 +98,8 @@ def merged_view(
     owner: torch.Tensor, colours: torch.Tensor, grid: tuple[int, int], cell: int
 ) -> torch.Tensor:
     """The "merged image": every patch painted with the mean colour of its provenance group
-    (``colours``: ``[P, 3]`` in ``[0, 1]``), group borders darkened; ``uint8 [h*cell, w*cell, 3]``."""
+    (``colours``: ``[P, 3]`` in ``[0, 1]``), group borders darkened;
+    ``uint8 [h*cell, w*cell, 3]``."""
     return outline_groups(paint_patches(group_mean(owner, colours), grid, cell), owner, grid, cell)
 
 

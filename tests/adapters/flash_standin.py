@@ -98,7 +98,8 @@ class FlashStandIn:
         s_aux=None,
         **kwargs,
     ):
-        """``query`` ``[B, H, Lq, D]``, ``key``/``value`` ``[B, Hkv, Lk, D]`` -> ``([B, Lq, H, D], None)``."""
+        """``query`` ``[B, H, Lq, D]``, ``key``/``value`` ``[B, Hkv, Lk, D]`` ->
+        ``([B, Lq, H, D], None)``."""
         self.counts["calls"] += 1
         if attention_mask is not None and attention_mask.dim() != 2:
             self.counts["masks_4d"] += 1

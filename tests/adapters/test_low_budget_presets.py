@@ -1,7 +1,7 @@
 """The low-budget presets (DivPrune, CDPruner, DART, MMTok, downsampling, lightkv-low-budget,
-lightkv-first-layer) inside
-every family: exact identity at ratio 0, a row alone equals the row in a padded batch (sdpa and eager), bf16
-runs, and families that cannot take a preset refuse it with a clear error.
+lightkv-first-layer) inside every family: exact identity at ratio 0, a row alone equals the
+row in a padded batch (sdpa and eager), bf16 runs, and families that cannot take a preset
+refuse it with a clear error.
 
 VisionZip and VisPruner read the vision tower's attention, which only the LLaVA-1.5 adapter
 exposes: `test_tower.py` covers them there and their refusal elsewhere."""

@@ -107,7 +107,8 @@ def test_a_registered_mode_sees_every_layer_it_covers_in_order(llava):
 
 @pytest.mark.parametrize("hook", ["_on_layer_pre", "_on_layer_post"])
 def test_the_session_layer_hooks_hold_no_mode_branches(hook):
-    """The hooks hand each call to the modes; the only test is whether this session owns the forward."""
+    """The hooks hand each call to the modes; the only test is whether this session owns the
+    forward."""
     tree = ast.parse(
         textwrap.dedent(inspect.getsource(getattr(session_module.CompressionSession, hook)))
     )

@@ -137,7 +137,8 @@ def test_llava_equals_the_model_on_the_kept_embeddings_at_their_original_positio
     ).last_hidden_state
     ref_logits = model.lm_head(ref)
     assert (logits[0, -1] - ref_logits[0, -1]).abs().max().item() <= 1e-5
-    # decoding continues at the original positions: the next token sits at column n, not at len(kept)
+    # decoding continues at the original positions: the next token sits at column n, not at
+    # len(kept)
     with apply(pipe, model) as session:
         gen = model.generate(
             **batch,

@@ -31,7 +31,8 @@ QUANT = dict(nbits=4, q_group_size=16, residual_length=2)
 SETTINGS = ("nbits", "axis_key", "axis_value", "q_group_size", "residual_length")
 
 
-# the `quanto` fixture: tests/conftest.py (skips without optimum-quanto, fails under --require-quant)
+# the `quanto` fixture: tests/conftest.py (skips without optimum-quanto, fails under
+# --require-quant)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +103,8 @@ def test_lightkv_over_a_quantized_cache(quanto, llava):
     n = batch["attention_mask"].shape[1]
 
     def error(tokens) -> tuple[list[float], Cache]:
-        """Per-step logit error of the quantized cache against the dynamic one, both fed ``tokens``."""
+        """Per-step logit error of the quantized cache against the dynamic one, both fed
+        ``tokens``."""
         full = forced_logits(model, batch, tokens, DynamicCache(config=model.config))
         cache = quantized(model)
         return [

@@ -150,7 +150,8 @@ def test_registries_list_name_and_create_policies():
     }
     with pytest.raises(
         ValueError,
-        match="unknown partitioner 'hexagonal'; registered partitioners: .*global, grid, importance, pseudo_square",
+        match="unknown partitioner 'hexagonal'; registered partitioners: .*global, grid, "
+        "importance, pseudo_square",
     ):
         Partitioner.lookup("hexagonal")
     with pytest.raises(ValueError, match="has no parameter"):

@@ -1,4 +1,5 @@
-"""Variants of LightKV against the reference and the baselines at equal budget (``lightkv bench ablation``).
+"""Variants of LightKV against the reference and the baselines at equal budget (``lightkv bench
+ablation``).
 
 Each variant is the ``lightkv`` preset with one or two policies swapped (`VARIANTS`): merge
 weights that count how many originals a token stands for, splits and budgets where prompt
@@ -82,7 +83,8 @@ class AblationConfig:
 
 
 def variant_pipeline(name: str, num_layers: int, target: float):
-    """``(pipeline, how)``: the ``lightkv`` preset at ``target`` with `VARIANTS` ``[name]`` swapped in."""
+    """``(pipeline, how)``: the ``lightkv`` preset at ``target`` with `VARIANTS` ``[name]`` swapped
+    in."""
     from lightkv.policies import FAMILIES
 
     if name not in VARIANTS:
@@ -190,8 +192,8 @@ def markdown_table(result: dict[str, Any]) -> str:
         cols = m["qtypes"] + (["followup"] if "followup" in m["uncompressed"]["accuracy"] else [])
         detail = m["detail_qtypes"][0]
         title = (
-            f"## {m['name']} ({m['task']}, {m['vision_tokens']} vision tokens, {m['layers']} layers, "
-            f"{result['config']['episodes']} conversations)"
+            f"## {m['name']} ({m['task']}, {m['vision_tokens']} vision tokens, {m['layers']} "
+            f"layers, {result['config']['episodes']} conversations)"
         )
         lines += [
             title,
@@ -201,8 +203,9 @@ def markdown_table(result: dict[str, Any]) -> str:
         ]
         for target in result["config"]["targets"]:
             intro = (
-                f"At {target:.0%} kept. Last columns: lightkv minus this method, in points of `{detail}` "
-                "accuracy and of overall accuracy, paired bootstrap 95% intervals (positive: lightkv better)."
+                f"At {target:.0%} kept. Last columns: lightkv minus this method, in points of "
+                f"`{detail}` accuracy and of overall accuracy, paired bootstrap 95% intervals "
+                "(positive: lightkv better)."
             )
             header = (
                 "| method | kept | " + " | ".join(cols) + f" | KL | lightkv - this, {detail} | "
@@ -214,7 +217,8 @@ def markdown_table(result: dict[str, Any]) -> str:
                 lines.append(
                     f"| {r['method']} | {r['kept_fraction']:.3f} | "
                     + " | ".join(_acc(r, q) for q in cols)
-                    + f" | {r['kl']['overall']:.2e} | {_ci(vs.get(detail))} | {_ci(vs.get('overall'))} |"
+                    + f" | {r['kl']['overall']:.2e} | {_ci(vs.get(detail))} | "
+                    f"{_ci(vs.get('overall'))} |"
                 )
             lines.append("")
     return "\n".join(lines)

@@ -54,7 +54,8 @@ def check_kept_fractions(values, option: str = "--kept-fractions") -> tuple[floa
         f = float(v)
         if not MIN_KEPT_FRACTION <= f <= 1.0:  # NaN fails too
             raise ValueError(
-                f"{option} takes kept fractions in [{MIN_KEPT_FRACTION}, 1] (1 = uncompressed), got {v!r}"
+                f"{option} takes kept fractions in [{MIN_KEPT_FRACTION}, 1] (1 = uncompressed), "
+                f"got {v!r}"
             )
         if f not in out:
             out.append(f)

@@ -14,7 +14,8 @@ __all__ = ["RESULTS", "results_dir"]
 
 def results_dir(root: Path | None = None, cwd: Path | None = None) -> Path:
     """The default output folder (see the module docstring); ``root`` is the repository, the
-    folder above ``lab/lightkv_lab`` (default: where this module is), ``cwd`` the current directory."""
+    folder above ``lab/lightkv_lab`` (default: where this module is), ``cwd`` the current
+    directory."""
     root = root or Path(__file__).resolve().parents[3]
     if (root / "pyproject.toml").is_file() and (root / "benchmarks").is_dir():
         return root / "benchmarks" / "results"

@@ -7,11 +7,11 @@ writes. Each
 method (preset) runs at several kept-fraction targets; its schedule is first scaled from the
 reference 32-layer depth to the model's (`lightkv.policies.scale_layers`), then one
 common per-stage ratio is chosen so that the vision KV kept on average over layers hits the
-target (`lightkv.policies.budget_schedule`, the `budget` scheduler). Where a method cannot remove that much (a merge stage with a
-parity split removes at most half of its window; 2x2 pooling at most three quarters), its
-stages move earlier, then it gets a stage after every layer (``how: "extra stages"``), and if
-even that is not enough it runs at its smallest reachable fraction (``how: "min"``). 100% is
-the uncompressed model, shared by all methods.
+target (`lightkv.policies.budget_schedule`, the `budget` scheduler). Where a method cannot
+remove that much (a merge stage with a parity split removes at most half of its window; 2x2
+pooling at most three quarters), its stages move earlier, then it gets a stage after every
+layer (``how: "extra stages"``), and if even that is not enough it runs at its smallest
+reachable fraction (``how: "min"``). 100% is the uncompressed model, shared by all methods.
 
 Every method sees the same held-out conversations in the same batches (a first question,
 then a follow-up about another region answered from the cache compressed for the first), scored
@@ -25,8 +25,16 @@ writes ``quality-<model>.json``, ``.md``, ``.png`` (accuracy and KL vs kept frac
 
 ```python
 from lightkv_lab.bench.quality import AccuracyConfig, run
-result = run(AccuracyConfig(model="digitgrid", episodes=40, methods=("lightkv", "fastv"), targets=(1.0, 0.55),
-                            ablations=False, relevance_episodes=0))
+result = run(
+    AccuracyConfig(
+        model="digitgrid",
+        episodes=40,
+        methods=("lightkv", "fastv"),
+        targets=(1.0, 0.55),
+        ablations=False,
+        relevance_episodes=0,
+    )
+)
 ```
 """
 
@@ -125,7 +133,8 @@ class AccuracyConfig:
 
 
 def ablation_pipeline(name: str, num_layers: int, target: float = ABLATION_TARGET):
-    """``(pipeline, how)``: the ``lightkv`` preset at ``target`` with `ABLATIONS` ``[name]`` swapped in."""
+    """``(pipeline, how)``: the ``lightkv`` preset at ``target`` with `ABLATIONS` ``[name]`` swapped
+    in."""
     from lightkv.policies import EdgeScorer, Relevance
 
     families = {"scorer": EdgeScorer, "relevance": Relevance}
@@ -169,7 +178,8 @@ def run(config: AccuracyConfig = AccuracyConfig(), progress: bool = True) -> dic
             # a pipeline of a mode alone (h2o) records the mode and its settings instead
             runs.append((name, target, how, pipe.scheduler or pipe.mode, res))
             log(
-                f"{name:22s} target {target:.2f} kept {res.kept_fraction:.3f} {_fmt(res.accuracy())}"
+                f"{name:22s} target {target:.2f} kept {res.kept_fraction:.3f} "
+                f"{_fmt(res.accuracy())}"
             )
     ablations = []
     if config.ablations:
@@ -179,7 +189,8 @@ def run(config: AccuracyConfig = AccuracyConfig(), progress: bool = True) -> dic
                 res = sc.score(model, convs, grid, pipe, batch=config.batch)
                 ablations.append((pipe.name, target, how, pipe.scheduler, res))
                 log(
-                    f"{pipe.name:22s} target {target:.2f} kept {res.kept_fraction:.3f} {_fmt(res.accuracy())}"
+                    f"{pipe.name:22s} target {target:.2f} kept {res.kept_fraction:.3f} "
+                    f"{_fmt(res.accuracy())}"
                 )
     lightkv_at = {t: r for m, t, _, _, r in runs if m == "lightkv"}
     rows = [
@@ -203,7 +214,8 @@ def run(config: AccuracyConfig = AccuracyConfig(), progress: bool = True) -> dic
     if config.relevance_episodes and getattr(task.data, "ASKED_REGION", False):
         region, redundancy = _region_measures(model, grid, num_layers, config)
         log(
-            f"relevance on the asked region (x area share): {region['layers']}; redundancy: {redundancy}"
+            f"relevance on the asked region (x area share): {region['layers']}; redundancy: "
+            f"{redundancy}"
         )
     elif config.relevance_episodes:
         what = [

@@ -1,7 +1,8 @@
 """Tables, plots and the provenance picture of the quality benchmark (`lightkv_lab.bench.quality`).
 
 This module imports `lightkv_lab.bench.quality` (for the methods' pipelines), never the other
-way round; pictures are drawn with `lightkv_lab.vis`."""
+way round; pictures are drawn with `lightkv_lab.vis`. The provenance picture is in
+`lightkv_lab.bench.provenance` (re-exported here)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from lightkv.outputs import write_atomic
 from lightkv_lab import vis
+from lightkv_lab.bench.provenance import TITLE_CHARS, provenance_picture
 
-__all__ = ["detail_accuracy", "markdown_table", "plot", "provenance_picture", "write_outputs"]
+__all__ = [
+    "TITLE_CHARS",
+    "detail_accuracy",
+    "markdown_table",
+    "plot",
+    "provenance_picture",
+    "write_outputs",
+]
 
 FLAGS = {
     "scaled": "",
@@ -51,9 +58,9 @@ def markdown_table(result: dict[str, Any]) -> str:
     targets = sorted({r["target"] for r in rows}, reverse=True)
     methods = list(dict.fromkeys(r["method"] for r in rows))
     intro = (
-        f"Model `{model['name']}` ({model['task']}, {model['vision_tokens']} vision tokens, {model['layers']} "
-        f"decoder layers), {n} held-out conversations. Cells: overall accuracy / detail accuracy "
-        f"({', '.join(detail)}) @ realised kept fraction."
+        f"Model `{model['name']}` ({model['task']}, {model['vision_tokens']} vision tokens, "
+        f"{model['layers']} decoder layers), {n} held-out conversations. Cells: overall accuracy / "
+        f"detail accuracy ({', '.join(detail)}) @ realised kept fraction."
     )
     lines = [intro, ""]
     lines += [
@@ -76,14 +83,16 @@ def markdown_table(result: dict[str, Any]) -> str:
     cols = qtypes + (["followup"] if has_f else [])
     per_type = (
         "Per question type: accuracy; KL(p_uncompressed || p_compressed) per answer token (nats, "
-        "overall); log-probability drop of the reference answer (overall, episodes the uncompressed model "
-        "answers right); lightkv minus this method in detail accuracy (points) and in KL (nats, "
-        "negative: lightkv more faithful), each with a paired bootstrap 95% interval."
+        "overall); log-probability drop of the reference answer (overall, episodes the "
+        "uncompressed model answers right); lightkv minus this method in detail accuracy (points) "
+        "and in KL (nats, negative: lightkv more faithful), each with a paired bootstrap 95% "
+        "interval."
     )
     header = (
         "| method | target | kept | "
         + " | ".join(cols)
-        + f" | KL | logp drop | lightkv - this, {detail[0]} | lightkv - this, KL | vision KV / episode |"
+        + f" | KL | logp drop | lightkv - this, {detail[0]} | lightkv - this, KL | vision KV / "
+        "episode |"
     )
     lines += ["", per_type, "", header, "|---" * (len(cols) + 8) + "|"]
     for r in [result["uncompressed"]] + [r for r in rows if r["target"] < 1.0]:
@@ -117,20 +126,22 @@ def markdown_table(result: dict[str, Any]) -> str:
     rel = result.get("relevance_mass")
     if rel:
         intro = (
-            f"Share of the image's relevance mass on the asked cell vs another cell ('what' questions, "
-            f"{rel['episodes']} episodes; area share of a cell {rel['area_share']:.4f}):"
+            "Share of the image's relevance mass on the asked cell vs another cell ('what' "
+            f"questions, {rel['episodes']} episodes; area share of a cell {rel['area_share']:.4f}):"
         )
         lines += [
             "",
             intro,
             "",
-            "| after layer | query-axis ξ: asked | control | last-token attention: asked | control |",
+            "| after layer | query-axis ξ: asked | control | last-token attention: asked | control "
+            "|",
             "|---|---|---|---|---|",
         ]
         for layer, d in rel["layers"].items():
             q, t = d["query_softmax"], d["last_token"]
             lines.append(
-                f"| {layer} | {q['asked']:.3f} | {q['control']:.3f} | {t['asked']:.3f} | {t['control']:.3f} |"
+                f"| {layer} | {q['asked']:.3f} | {q['control']:.3f} | {t['asked']:.3f} | "
+                f"{t['control']:.3f} |"
             )
     lines += _region_lines(result)
     return "\n".join(lines) + "\n"
@@ -146,9 +157,10 @@ def retained_lines(result: dict[str, Any]) -> list[str]:
     targets = sorted({r["target"] for r in rows}, reverse=True)
     lines = [
         "",
-        "Retained accuracy, % of the uncompressed model's overall accuracy (the field's format), and "
-        "in brackets lightkv minus the method in overall accuracy (points, paired bootstrap 95% interval); "
-        "a flag marks a method that missed the target (see the kept fraction above).",
+        "Retained accuracy, % of the uncompressed model's overall accuracy (the field's format), "
+        "and in brackets lightkv minus the method in overall accuracy (points, paired bootstrap "
+        "95% interval); a flag marks a method that missed the target (see the kept fraction "
+        "above).",
         "",
         "| method | " + " | ".join(f"{t:.0%}" for t in targets) + " |",
         "|---" * (len(targets) + 1) + "|",
@@ -177,10 +189,10 @@ def _region_lines(result: dict[str, Any]) -> list[str]:
     if red:
         lines += [
             "",
-            f"Redundancy: after layer {red['layer']} (lightkv's first stage), {red['share']:.1%} of the "
-            f"vision tokens have a neighbour in their stage window with cosine >= {red['threshold']} "
-            f"(hidden states minus the image's mean vision token; mean best cosine {red['mean_best']:.3f}, "
-            f"{red['tokens']} tokens)"
+            f"Redundancy: after layer {red['layer']} (lightkv's first stage), {red['share']:.1%} "
+            "of the vision tokens have a neighbour in their stage window with cosine >= "
+            f"{red['threshold']} (hidden states minus the image's mean vision token; mean best "
+            f"cosine {red['mean_best']:.3f}, {red['tokens']} tokens)"
             + (
                 "; >= " + ", >= ".join(f"{t}: {v:.1%}" for t, v in red["shares"].items())
                 if "shares" in red
@@ -199,9 +211,10 @@ def _region_lines(result: dict[str, Any]) -> list[str]:
         policies = list(reg["layers"])
         lines += [
             "",
-            f"Relevance on the asked region as a multiple of its area share (1.0: prompt-blind), and in "
-            f"brackets the share of questions whose top-ξ token is in the region; {reg['episodes']} held-out "
-            f"questions, layers up to lightkv's first stage (after layer {reg['first_stage_layer']}):",
+            "Relevance on the asked region as a multiple of its area share (1.0: prompt-blind), "
+            "and in brackets the share of questions whose top-ξ token is in the region; "
+            f"{reg['episodes']} held-out questions, layers up to lightkv's first stage (after "
+            f"layer {reg['first_stage_layer']}):",
             "",
             "| after layer | " + " | ".join(policies) + " |",
             "|---|" + "---|" * len(policies),
@@ -223,8 +236,9 @@ def _type_line(r: dict[str, Any], cols: list[str], detail: str) -> str:
     return (
         f"| {r['method']} | {r['target']:.2f} | {r['kept_fraction']:.3f} | "
         + " | ".join(f"{r['accuracy'][q]:.3f}" for q in cols)
-        + f" | {r['kl']['overall']:.2e} | {'' if drop is None else f'{drop:.3f}'} | {_ci(vs) or '-'} | "
-        f"{_ci(vkl, 1.0, '{:+.1e}') or '-'} | {r['kv_bytes_vision'] / 1024:.0f} KiB |"
+        + f" | {r['kl']['overall']:.2e} | {'' if drop is None else f'{drop:.3f}'} | "
+        f"{_ci(vs) or '-'} | {_ci(vkl, 1.0, '{:+.1e}') or '-'} | {r['kv_bytes_vision'] / 1024:.0f} "
+        "KiB |"
     )
 
 
@@ -271,143 +285,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
     key.legend(*axes[0].get_legend_handles_labels(), loc="center left", fontsize=8, frameon=False)
     m = result["model"]
     fig.suptitle(
-        f"{m['task']}: {result['config']['episodes']} held-out conversations, {m['vision_tokens']} vision "
-        f"tokens, {m['layers']} decoder layers"
+        f"{m['task']}: {result['config']['episodes']} held-out conversations, {m['vision_tokens']} "
+        f"vision tokens, {m['layers']} decoder layers"
     )
     vis.save_figure(fig, path)
 
 
-TITLE_CHARS = 38
-"""Characters per title line of a 3.6-inch panel at 9 pt: longer titles wrap, so none is
-clipped at the picture's edge."""
-
-
-def _title(ax: Any, text: str) -> None:
-    import textwrap
-
-    lines = [w for line in text.splitlines() for w in (textwrap.wrap(line, TITLE_CHARS) or [""])]
-    ax.set_title("\n".join(lines), fontsize=9)
-
-
-def provenance_picture(
-    path: Path,
-    model_dir: str | None = None,
-    seed: int = 3,
-    target: float = 0.55,
-    methods: Sequence[str] = ("lightkv", "tome"),
-) -> dict[str, Any]:
-    """One held-out ``what`` question, in ``2 + len(methods)`` panels: the image; the prompt
-    relevance ξ lightkv computes at its first stage (the model's own vision-query x text-key
-    score); then for each method the final provenance, every original patch painted with the
-    mean colour of the group of patches its surviving token stands for (the asked cell
-    outlined in red). Returns what was drawn."""
-    import random
-
-    from lightkv.adapters import apply
-    from lightkv.graph.layout import TokenKind
-    from lightkv_lab.bench.quality import method_pipeline
-    from lightkv_lab.tasks import evaluate as ev
-    from lightkv_lab.tasks import model as dg
-
-    plt = vis.pyplot()
-    path_ = dg.resolve_model(model_dir)
-    model, _, grid = dg.load(path_)
-    data = dg.read_task(path_).data
-    rng = random.Random(f"provenance:{seed}")
-    patch = model.config.vision_config.patch_size
-    side = grid.image_size // patch
-    k = grid.cell // patch
-    n_img = side * side
-    first_vision = 1  # <bos>, then the image tokens
-    region_task = getattr(data, "ASKED_REGION", False)
-    while True:
-        if region_task:  # a small object's texture: a detail that merging can lose
-            ep = data.make_episode(rng, "heldout", "texture", grid)
-            if 1 < int(ep.meta["region"].sum()) <= 6:
-                break
-        else:
-            ep = data.make_episode(rng, "heldout", "what", grid)
-            if ep.answer != ["none"]:
-                break
-    if region_task:
-        asked_mask = ep.meta["region"].repeat_interleave(k, 0).repeat_interleave(k, 1)
-    else:
-        asked_mask = torch.zeros(side, side, dtype=torch.bool)
-        asked_mask[
-            ep.meta["row"] * k : (ep.meta["row"] + 1) * k,
-            ep.meta["col"] * k : (ep.meta["col"] + 1) * k,
-        ] = True
-    rows_, cols_ = asked_mask.nonzero().T
-    top, left = int(rows_.min()), int(cols_.min())
-    high, wide = int(rows_.max()) - top + 1, int(cols_.max()) - left + 1
-    area = float(asked_mask.float().mean())
-    what = "object" if region_task else "cell"
-    colours = (
-        ep.image.reshape(3, side, patch, side, patch).mean((2, 4)).permute(1, 2, 0)
-    )  # [side, side, 3]
-    fig, axes = plt.subplots(1, 2 + len(methods), figsize=(3.6 * (2 + len(methods)), 4.4))
-    vis.show(axes[0], ep.image.permute(1, 2, 0))
-    _title(axes[0], f"'{' '.join(ep.question)}' -> {' '.join(ep.answer)}")
-    drawn: dict[str, Any] = {
-        "question": " ".join(ep.question),
-        "answer": " ".join(ep.answer),
-        "methods": {},
-        "asked_area": area,
-        "asked": what,
-    }
-
-    def outline(ax, scale: int) -> None:  # the asked cell or object, in red
-        vis.outline_box(ax, left * scale, top * scale, wide * scale, height=high * scale)
-
-    outline(axes[0], patch)
-    num_layers = model.config.text_config.num_hidden_layers
-    for i, name in enumerate(methods):
-        pipe, _ = method_pipeline(name, num_layers, target)
-        with apply(pipe, model, record=True) as session:
-            got = ev.answer(model, [ep], grid)[0]
-            trace = session.last_prefill
-        if i == 0:
-            rec = trace.stages[0]
-            vision = rec.layout.kind[0] == int(TokenKind.VISION)
-            xi = rec.relevance[0][vision].float().reshape(side, side)
-            vis.heatmap(axes[1], xi)
-            outline(axes[1], 1)
-            share = float(xi[asked_mask].sum() / xi.sum())
-            _title(
-                axes[1],
-                f"{name} relevance ξ after layer {rec.layer}\n"
-                f"{share:.0%} of it on the asked {what} (area {area:.1%})",
-            )
-            drawn["relevance_share_asked"] = share
-        owner = trace.provenance.owner[0, first_vision : first_vision + n_img]
-        groups = torch.unique(owner, return_inverse=True)[1]
-        sizes = torch.bincount(groups)
-        painted = vis.group_mean(owner, colours.reshape(-1, 3)).reshape(side, side, 3)
-        ax = axes[2 + i]
-        vis.show(ax, painted.clamp(0, 1))
-        vis.draw_group_borders(ax, owner, (side, side))
-        outline(ax, 1)
-        asked = groups.reshape(side, side)[asked_mask]
-        own = int(asked.flatten()[0])
-        n_left = int(groups.max()) + 1
-        kept = session.report().kept_vision_fraction
-        _title(
-            ax,
-            f"{name} at {kept:.0%} kept: '{' '.join(got)}'\n"
-            f"{n_left} tokens left; the asked {what}'s token stands for {int(sizes[own])}",
-        )
-        drawn["methods"][name] = {
-            "answer": " ".join(got),
-            "tokens_left": n_left,
-            "asked_cell_tokens": len(torch.unique(asked)),
-            "asked_group_size": int(sizes[own]),
-        }
-    vis.save_figure(fig, path, ticks=False)
-    return drawn
-
-
 def write_outputs(result: dict[str, Any], out: Path, model: str | None = None) -> list[Path]:
-    """``quality-<model>.json``, ``.md``, ``.png`` and ``quality-<model>-provenance.png`` under ``out``."""
+    """``quality-<model>.json``, ``.md``, ``.png`` and ``quality-<model>-provenance.png`` under
+    ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     stem = f"quality-{result['model']['task']}"
     paths = [

@@ -14,8 +14,8 @@ def add_demo(commands) -> None:
     """Add ``demo`` to the top-level subparsers (entry point ``demo`` of ``lightkv.commands``)."""
     demo = commands.add_parser(
         "demo",
-        help="a bundled LVLM (Scenes by default) answers held-out questions with and without LightKV "
-        "(options: lightkv demo --help)",
+        help="a bundled LVLM (Scenes by default) answers held-out questions with and without "
+        "LightKV (options: lightkv demo --help)",
         add_help=False,  # --help goes to the demo's own parser
     )
     demo.set_defaults(

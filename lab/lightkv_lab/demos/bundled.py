@@ -91,15 +91,16 @@ def main(argv: list[str] | None = None) -> int:
     from lightkv.adapters import apply
     from lightkv.outputs import output_dir_problem
     from lightkv.presets import get_preset
-    from lightkv_lab.bench.quality_report import provenance_picture
+    from lightkv_lab.bench.provenance import provenance_picture
     from lightkv_lab.tasks import evaluate
     from lightkv_lab.tasks import model as dg
 
     args = build_parser().parse_args(argv)
     if not 1 <= args.questions <= MAX_QUESTIONS or not 0 <= args.contrast <= MAX_CONTRAST:
         print(
-            f"lightkv demo: --questions must be in [1, {MAX_QUESTIONS}] and --contrast in [0, {MAX_CONTRAST}] "
-            "(about 0.3 s per question, 0.1 s per contrast question and method on 2 cores)",
+            f"lightkv demo: --questions must be in [1, {MAX_QUESTIONS}] and --contrast in [0, "
+            f"{MAX_CONTRAST}] (about 0.3 s per question, 0.1 s per contrast question and method on "
+            "2 cores)",
             file=sys.stderr,
         )
         return 2
@@ -111,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not args.no_png and importlib.util.find_spec("matplotlib") is None:
         print(
-            "lightkv demo: the picture needs matplotlib, which is not installed: pip install 'lightkv-lab' "
-            "(or pass --no-png)",
+            "lightkv demo: the picture needs matplotlib, which is not installed: pip install "
+            "'lightkv-lab' (or pass --no-png)",
             file=sys.stderr,
         )
         return 2
@@ -122,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # before any work, not after a minute of it
     if problem:
         print(
-            f"lightkv demo: --out {out}: {problem}; give a writable directory for lightkv-demo-provenance.png "
-            "(or --no-png)",
+            f"lightkv demo: --out {out}: {problem}; give a writable directory for "
+            "lightkv-demo-provenance.png (or --no-png)",
             file=sys.stderr,
         )
         return 2
@@ -155,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters)"
     )
     print(
-        f"pipeline: {args.preset} ({pipe.scheduler.__class__.__name__}); held-out episodes, seed {args.seed}\n"
+        f"pipeline: {args.preset} ({pipe.scheduler.__class__.__name__}); held-out episodes, seed "
+        f"{args.seed}\n"
     )
     w = 18 if data.__name__.endswith("digitgrid.data") else 26
     head = (
@@ -186,9 +188,9 @@ def main(argv: list[str] | None = None) -> int:
             print(more)
     n = len(episodes)
     print(
-        f"\ncorrect: {right[0]}/{n} uncompressed, {right[1]}/{n} with {args.preset} "
-        "(vision KV: compressed/uncompressed, summed over layers; prefill: uncompressed/compressed, median of 3; "
-        "on a model this small the hooks cost more than the layers they shorten)"
+        f"\ncorrect: {right[0]}/{n} uncompressed, {right[1]}/{n} with {args.preset} (vision KV: "
+        "compressed/uncompressed, summed over layers; prefill: uncompressed/compressed, median of "
+        "3; on a model this small the hooks cost more than the layers they shorten)"
     )
     if args.contrast:
         for target in (0.55, args.low):
@@ -198,10 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         target = out / "lightkv-demo-provenance.png"
         drawn = provenance_picture(target, str(path))
         print(
-            f"\nwrote {target}: '{drawn['question']}' (answer {drawn['answer']}): the image, lightkv's prompt "
-            f"relevance ({drawn['relevance_share_asked']:.0%} on the asked {drawn['asked']}, which is "
-            f"{drawn['asked_area']:.1%} of the image), and which patches merged into which token with lightkv "
-            "and with prompt-agnostic ToMe"
+            f"\nwrote {target}: '{drawn['question']}' (answer {drawn['answer']}): the image, "
+            f"lightkv's prompt relevance ({drawn['relevance_share_asked']:.0%} on the asked "
+            f"{drawn['asked']}, which is {drawn['asked_area']:.1%} of the image), and which "
+            "patches merged into which token with lightkv and with prompt-agnostic ToMe"
         )
     return 0
 
@@ -246,8 +248,8 @@ def _contrast(model, grid, num_layers: int, args, target: float) -> None:
         methods, 1
     ):  # minutes in all on 2 cores: say where it is (stderr, one line each)
         print(
-            f"lightkv demo: [{i}/{len(methods)}] {m} at {target:.0%} kept on {len(convs)} questions "
-            f"({time.perf_counter() - t0:.0f} s so far)",
+            f"lightkv demo: [{i}/{len(methods)}] {m} at {target:.0%} kept on {len(convs)} "
+            f"questions ({time.perf_counter() - t0:.0f} s so far)",
             file=sys.stderr,
             flush=True,
         )
@@ -256,7 +258,8 @@ def _contrast(model, grid, num_layers: int, args, target: float) -> None:
         f"{m} {int(s.correct.sum())} ({s.kept_fraction:.0%} kept)" for m, s in scores.items()
     )
     print(
-        f"\nat {target:.0%} of the vision KV cache, right out of {len(convs)} held-out questions: {right}"
+        f"\nat {target:.0%} of the vision KV cache, right out of {len(convs)} held-out questions: "
+        f"{right}"
     )
     light = scores["lightkv"].correct
     wins = [

@@ -1,11 +1,13 @@
 """The synthetic LVLM tasks and what they share: one model builder, trainer, evaluation,
 scoring and demo, and one subpackage per task's data.
 
-| task | package | its tokens | what it can show |
-|---|---|---|---|
-| Scenes-VQA (default) | `lightkv_lab.tasks.scenes` | mostly redundant (ground, large objects), details in single tokens | methods near-lossless at half the tokens, separating at low budgets |
-| DigitGrid-VQA | `lightkv_lab.tasks.digitgrid` | every token of a cell identical | the saturated end: every merging method passes |
-| SymbolGrid-VQA | `lightkv_lab.tasks.symbolgrid` | neighbours never repeat | the adversarial end: every prefill method fails |
+* Scenes-VQA (the default), `lightkv_lab.tasks.scenes`: its tokens are mostly redundant
+  (ground, large objects), with details in single tokens; methods are near-lossless at half
+  the tokens and separate at low budgets.
+* DigitGrid-VQA, `lightkv_lab.tasks.digitgrid`: every token of a cell is identical; the
+  saturated end, where every merging method passes.
+* SymbolGrid-VQA, `lightkv_lab.tasks.symbolgrid`: neighbouring tokens never repeat; the
+  adversarial end, where every prefill method fails.
 
 Shared modules: `registry` (`Task`, `get_task`), `model` (build, save, load, the bundled
 models), `batching`, `train` (``python -m lightkv_lab.tasks.train``), `evaluate`, `scoring`,

@@ -74,7 +74,8 @@ def collate(
 def left_pad(
     rows: list[list[int]], label_rows: list[list[int]] | None, pad_id: int = PAD_ID
 ) -> dict[str, torch.Tensor]:
-    """``input_ids``, ``attention_mask`` (and ``labels``) ``[B, L]``, left-padded with ``pad_id``."""
+    """``input_ids``, ``attention_mask`` (and ``labels``) ``[B, L]``, left-padded with
+    ``pad_id``."""
     length = max(len(r) for r in rows)
     b = len(rows)
     out = {

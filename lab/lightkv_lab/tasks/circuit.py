@@ -68,7 +68,8 @@ def invariant_dims(head_dim: int) -> torch.Tensor:
 
 
 def _pinv_rows(vectors: torch.Tensor) -> torch.Tensor:
-    """``[K, D]`` map ``L`` with ``L @ vectors[k] = e_k`` for linearly independent ``vectors [K, D]``."""
+    """``[K, D]`` map ``L`` with ``L @ vectors[k] = e_k`` for linearly independent ``vectors [K,
+    D]``."""
     return torch.linalg.pinv(vectors.T.double()).float()
 
 
@@ -104,7 +105,8 @@ def _codes(model, data, grid: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _ridge(x: torch.Tensor, y: torch.Tensor, lam: float = 1e-6) -> torch.Tensor:
-    """``[K, D]`` map ``W`` minimising ``|x W^T - y|^2 + lam |W|^2`` for ``x [M, D]``, ``y [M, K]``."""
+    """``[K, D]`` map ``W`` minimising ``|x W^T - y|^2 + lam |W|^2`` for ``x [M, D]``, ``y [M,
+    K]``."""
     x, y = x.double(), y.double()
     gram = x.T @ x + lam * x.shape[0] * torch.eye(x.shape[1], dtype=x.dtype)
     return torch.linalg.solve(gram, x.T @ y).T.float()

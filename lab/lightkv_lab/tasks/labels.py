@@ -67,6 +67,7 @@ def translation(width: int, seed: int) -> torch.Tensor:
 
 
 def vision_words(model, ids, translate: torch.Tensor | None) -> torch.Tensor:
-    """``[len(ids), D]``: word embeddings as vision tokens carry them (``M E`` with ``--translate``)."""
+    """``[len(ids), D]``: word embeddings as vision tokens carry them (``M E`` with
+    ``--translate``)."""
     emb = model.get_input_embeddings().weight.detach()[ids]
     return emb if translate is None else emb @ translate.T

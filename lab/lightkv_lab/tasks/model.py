@@ -65,9 +65,9 @@ GRID_FILE = "digitgrid.json"
 
 
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{% for item in message['content'] %}"
-    "{% if item['type'] == 'image' %} <image> <sep>{% elif item['type'] == 'text' %} {{ item['text'] }}"
-    "{% endif %}{% endfor %}{% endfor %}"
+    "{{ bos_token }}{% for message in messages %}{% for item in message['content'] %}{% if "
+    "item['type'] == 'image' %} <image> <sep>{% elif item['type'] == 'text' %} {{ item['text'] "
+    "}}{% endif %}{% endfor %}{% endfor %}"
 )
 """One user turn, image first: ``<bos> <image> <sep> question``, the training format."""
 

@@ -1,4 +1,5 @@
-"""The synthetic tasks one model builder, trainer and evaluator serve: Scenes, DigitGrid, SymbolGrid.
+"""The synthetic tasks one model builder, trainer and evaluator serve: Scenes, DigitGrid,
+SymbolGrid.
 
 A `Task` bundles what those need from a task's data module: its vocabulary, its
 `GridConfig`, episodes, scenes, collation, and the per-token words of the alignment target

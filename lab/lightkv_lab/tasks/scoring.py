@@ -243,7 +243,8 @@ def paired_bootstrap(
     same episodes, with a 95% percentile-bootstrap interval (episodes resampled together)."""
     if x.shape != y.shape or x.dim() != 1 or x.numel() == 0:
         raise ValueError(
-            f"paired_bootstrap needs two 1-D tensors of one length, got {tuple(x.shape)}, {tuple(y.shape)}"
+            f"paired_bootstrap needs two 1-D tensors of one length, got {tuple(x.shape)}, "
+            f"{tuple(y.shape)}"
         )
     d = x.double() - y.double()
     gen = torch.Generator().manual_seed(seed)

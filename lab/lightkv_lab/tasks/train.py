@@ -71,6 +71,7 @@ from lightkv_lab.tasks.model import ModelSpec, alignment_targets, build_model, s
 from lightkv_lab.tasks.registry import Task, get_task, task_for
 from lightkv_lab.tasks.train_args import build_parser
 from lightkv_lab.tasks.train_eval import _projected, evaluate_align, evaluate_qa
+from lightkv_lab.tasks.train_init import freeze_lookup, mimetic_init, trainable
 
 __all__ = ["evaluate_qa", "main"]
 
@@ -109,91 +110,12 @@ def _cell_ce(
     return F.cross_entropy(logits.flatten(0, 1), truth.repeat(feats.shape[0]))
 
 
-def _mimetic_init(
-    model,
-    qk: float = 1.5,
-    vo: float = 0.7,
-    noise: float = 0.02,
-    seed: int = 0,
-    first: int = 0,
-    translate: torch.Tensor | None = None,
-    lookup_heads: int = 0,
-    lookup_qk: float = 3.0,
-    lookup_from: int = 0,
-) -> None:
-    """Query/key projections near ``qk * I`` (attention compares like with like) and value/
-    output projections near ``vo * I`` (heads copy what they read), plus N(0, noise) noise,
-    in layers ``first`` and later. Layers before ``first`` start as no-ops (zero attention
-    output and MLP down projections): the prior for reading the image sits in the later
-    layers, so the early ones learn only what the later ones cannot do."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for i, layer in enumerate(model.model.language_model.layers):
-            attn = layer.self_attn
-            if i < first:
-                attn.o_proj.weight.zero_()
-                layer.mlp.down_proj.weight.zero_()
-                continue
-            for proj, scale in (
-                (attn.q_proj, qk),
-                (attn.k_proj, qk),
-                (attn.v_proj, vo),
-                (attn.o_proj, vo),
-            ):
-                w = proj.weight
-                eye = torch.eye(w.shape[0], w.shape[1])
-                w.copy_(scale * eye + noise * torch.randn(w.shape, generator=gen))
-            if translate is not None and lookup_heads and i >= lookup_from:
-                rows = slice(0, lookup_heads * attn.head_dim)
-                attn.q_proj.weight[rows] = lookup_qk * translate[rows] + noise * torch.randn_like(
-                    attn.q_proj.weight[rows]
-                )
-                out = attn.o_proj.weight
-                out[:, rows] = vo * translate.T[:, rows] + noise * torch.randn_like(out[:, rows])
-
-
-def _freeze_lookup(model, first: int, heads: int) -> None:
-    """Keep the query and key rows of the lookup heads (layers ``first`` on) at their
-    initial values: their gradients are zeroed, so Adam never moves them (weight decay
-    aside). The heads stay text-to-vision retrieval heads; what they bring back, and
-    everything else, is learned."""
-    for layer in list(model.model.language_model.layers)[first:]:
-        attn = layer.self_attn
-        rows = heads * attn.head_dim
-        for proj in (attn.q_proj, attn.k_proj):
-
-            def hook(grad, rows=rows):
-                grad = grad.clone()
-                grad[:rows] = 0
-                return grad
-
-            proj.weight.register_hook(hook)
-
-
 @torch.no_grad()
 def _vision_sample(model, task: Task, grid, n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tokens [n * N, D], symbols [n * N])``: projected vision tokens of ``n`` training
     images (a seeded stream of its own) and what each shows."""
     grids, images = task.image_batch(random.Random("circuit-probe"), "train", n, grid)
     return _projected(model, images).flatten(0, 1), grids.flatten()
-
-
-def _trainable(model, stage: str) -> list[torch.nn.Parameter]:
-    for p in model.parameters():
-        p.requires_grad_(False)
-    if stage == "align":
-        mods = [
-            model.model.vision_tower,
-            model.model.multi_modal_projector,
-        ]  # qa and tune: the decoder
-    else:
-        mods = [model.model.language_model]
-    params = [p for m in mods for p in m.parameters()]
-    emb = model.get_input_embeddings().weight
-    params = [p for p in params if p is not emb]
-    for p in params:
-        p.requires_grad_(True)
-    return params
 
 
 def _task(args) -> Task:
@@ -251,7 +173,8 @@ def _mix(args) -> dict:
 
 
 def export(args) -> Path:
-    """Write the Hugging Face directory from ``--out/tune.pt`` (or ``qa.pt``; sizes from the checkpoint)."""
+    """Write the Hugging Face directory from ``--out/tune.pt`` (or ``qa.pt``; sizes from the
+    checkpoint)."""
     state = torch.load(_last_decoder_checkpoint(Path(args.out)), weights_only=False)
     saved = argparse.Namespace(**state["args"])
     grid, spec = _spec(saved)
@@ -320,7 +243,7 @@ def run_stage(args) -> None:
                 f"{unexpected}); train qa with the align stage's --vision-* sizes"
             )
         if args.mimetic:
-            _mimetic_init(
+            mimetic_init(
                 model,
                 seed=args.seed,
                 first=args.mimetic_from,
@@ -337,11 +260,11 @@ def run_stage(args) -> None:
                 *_vision_sample(model, task, grid),
                 circuit.CircuitSpec(layer=args.circuit_layer),
             )
-    params = _trainable(model, args.stage)
+    params = trainable(model, args.stage)
     if args.stage == "qa" and getattr(args, "circuit", False):
         circuit.freeze(model, args.circuit_layer, heads)
     if args.stage == "qa" and getattr(args, "freeze_lookup", False):
-        _freeze_lookup(model, max(args.mimetic_from, args.lookup_from), args.lookup_heads)
+        freeze_lookup(model, max(args.mimetic_from, args.lookup_from), args.lookup_heads)
     groups = [{"params": params, "base_lr": args.lr}]
     slow = getattr(args, "slow_layers", 0)
     if args.stage == "qa" and slow:

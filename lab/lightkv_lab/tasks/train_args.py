@@ -59,13 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--translate",
         action="store_true",
-        help="vision tokens carry M E[word] (M: seeded orthogonal) instead of E[word] (align and qa)",
+        help="vision tokens carry M E[word] (M: seeded orthogonal) instead of E[word] (align and "
+        "qa)",
     )
     p.add_argument(
         "--lookup-heads",
         type=int,
         default=0,
-        help="with --mimetic --translate: heads per layer that start as text-to-vision lookups (qa)",
+        help="with --mimetic --translate: heads per layer that start as text-to-vision lookups "
+        "(qa)",
     )
     p.add_argument(
         "--freeze-lookup",
@@ -86,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--circuit",
         action="store_true",
-        help="symbolgrid: row + column cell embeddings and retrieval heads at init (needs --translate)",
+        help="symbolgrid: row + column cell embeddings and retrieval heads at init (needs "
+        "--translate)",
     )
     p.add_argument(
         "--circuit-layer", type=int, default=3, help="decoder layer of the --circuit heads"

@@ -35,12 +35,18 @@ result = run(BenchConfig(models=("llava",), presets=("lightkv",), quick=True))
 
 The package, by responsibility:
 
-* `lightkv_lab.bench.efficiency.shapes`: the benchmarked model shapes (`MODELS`), `BenchConfig`,
-  schedules scaled to the reduced depth and the reduced models themselves;
+* `lightkv_lab.bench.efficiency.specs`: the benchmarked model shapes (`MODELS`, `ModelSpec`);
+* `lightkv_lab.bench.efficiency.shapes`: `BenchConfig`, schedules scaled to the reduced depth
+  and the reduced models themselves;
 * `lightkv_lab.bench.efficiency.measure`: timers, the overhead probe, reference-style scoring,
-  KV bytes and FLOPs accounting, peak memory (in a child process on CPU);
-* `lightkv_lab.bench.efficiency.runner`: one model's measurements (`bench_model`) and `run`;
-* `lightkv_lab.bench.efficiency.report`: summary rows, target checks, Markdown, plots and files;
+  peak memory (in a child process on CPU);
+* `lightkv_lab.bench.efficiency.accounting`: KV bytes and FLOPs accounting;
+* `lightkv_lab.bench.efficiency.model_bench`: one model's measurements (`bench_model`);
+* `lightkv_lab.bench.efficiency.runner`: the whole run (`run`);
+* `lightkv_lab.bench.efficiency.report`: summary rows, target checks, Markdown and files;
+* `lightkv_lab.bench.efficiency.budget_report`: LightKV at kept-fraction budgets: its
+  targets and table;
+* `lightkv_lab.bench.efficiency.plots`: the bar charts;
 * `lightkv_lab.bench.efficiency.profile`: torch.profiler ranges per hook family and the operators
   inside them (``benchmarks/profile_overhead.py``);
 * `lightkv_lab.bench.efficiency.scaling`: stage and prefill cost vs vision tokens, with fitted

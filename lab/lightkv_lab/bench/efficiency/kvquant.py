@@ -143,7 +143,8 @@ def kvquant_markdown(result: dict[str, Any]) -> str:
     labels = list(next(iter(result["models"].values()))["ratio"])
     lines = [
         "KV bytes after prefill, as a fraction of the uncompressed `DynamicCache` (bytes from "
-        "`lightkv.adapters.kv_bytes`: quantized storage with its scales, plus any full-precision residual):",
+        "`lightkv.adapters.kv_bytes`: quantized storage with its scales, plus any full-precision "
+        "residual):",
         "",
         "| model | " + " | ".join(f"`{x}`" for x in labels) + " |",
         "|---|" + "---:|" * len(labels),

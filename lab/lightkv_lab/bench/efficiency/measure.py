@@ -1,9 +1,10 @@
 """What the efficiency benchmark measures inside a prefill, and how.
 
 Timers (CUDA events on a GPU), `OverheadProbe` (the compression's own hooks, timed),
-`ReferenceScoring` (the authors' full ``H x N x N`` relevance, timed and sized), KV bytes
-and FLOPs accounting, and peak memory: `measure_peaks`, run on CPU in a child process
-(`measure_peaks_in_child`) whose allocator returns freed tensors to the system at once.
+`ReferenceScoring` (the authors' full ``H x N x N`` relevance, timed and sized), and peak
+memory: `measure_peaks`, run on CPU in a child process (`measure_peaks_in_child`) whose
+allocator returns freed tensors to the system at once. KV bytes and FLOPs accounting are in
+`lightkv_lab.bench.efficiency.accounting` (re-exported here).
 """
 
 from __future__ import annotations
@@ -21,9 +22,13 @@ from typing import Any
 
 import torch
 
+from lightkv_lab.bench.efficiency.accounting import (
+    kv_from_cache,
+    reference_flops,
+    reference_shape_flops,
+)
 from lightkv_lab.bench.efficiency.shapes import (
     EAGER_REF,
-    HEAD_DIM,
     MODELS,
     PRE_TEXT,
     PROJECTED,
@@ -31,7 +36,6 @@ from lightkv_lab.bench.efficiency.shapes import (
     BenchConfig,
     ModelSpec,
     build_model,
-    preset_pipeline,
     scaled_pipeline,
     text_after_image,
 )
@@ -41,8 +45,11 @@ __all__ = [
     "ReferenceScoring",
     "Timer",
     "first_token",
+    "kv_from_cache",
     "measure_peaks",
     "measure_peaks_in_child",
+    "reference_flops",
+    "reference_shape_flops",
 ]
 
 
@@ -331,96 +338,6 @@ def measure_peaks_in_child(
         tail = (done.stderr or "").strip().splitlines()[-1:] or ["(no output)"]
         raise RuntimeError(f"memory measurement of {spec.name} failed: {tail[0]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def kv_from_cache(cache, report) -> dict[str, Any]:
-    """Total KV bytes from the cache tensors; the vision part as those tensors' bytes per
-    entry times the vision (and structural) entries the session report counts per layer."""
-    total = vision = 0
-    lengths = []
-    for i, layer in enumerate(cache.layers):
-        nbytes = (
-            layer.keys.numel() * layer.keys.element_size()
-            + layer.values.numel() * layer.values.element_size()
-        )
-        length = int(layer.keys.shape[-2])
-        total += nbytes
-        lengths.append(length)
-        if report is not None:
-            lr = report.layers[i]
-            vision += nbytes // max(1, length * layer.keys.shape[0]) * (lr.vision + lr.structural)
-    return {"kv_bytes": total, "kv_bytes_vision": vision, "cache_lengths": lengths}
-
-
-def reference_shape_flops(spec: ModelSpec, name: str, report, n0: int) -> dict[str, float]:
-    """FLOPs ratio and kept vision / total KV fractions on the full-size reference decoder,
-    with the preset's own (unscaled) schedule and the per-stage token counts of this run."""
-    from lightkv.adapters.probes import LayerShape
-
-    ref = spec.ref
-    shape = LayerShape(
-        hidden=ref["hidden"],
-        heads=ref["heads"],
-        kv_heads=ref["kv_heads"],
-        head_dim=HEAD_DIM,
-        mlp_hidden=ref["intermediate"],
-        mlp_matrices=3,
-    )
-    pipe = preset_pipeline(name, spec)
-    plan = pipe.plan(ref["layers"])
-    modes = set(pipe.modes(ref["layers"]))
-    if modes and modes <= {"cache", "h2o"}:
-        # the cache mode: the prefill is the uncompressed one, every layer's cache is cut the same way
-        return {
-            "flops_ratio_reference_shape": 1.0,
-            "kept_vision_fraction_reference_depth": report.kept_vision_fraction,
-            "kv_ratio_reference_depth": report.kv_ratio,
-            "reference_schedule": list(range(ref["layers"])),
-        }
-    stages = report.stages
-    if len(plan) != len(stages):  # a depth-dependent schedule: not comparable stage by stage
-        return {}
-    prompt = (
-        report.baseline[0] if report.baseline else report.layers[0]
-    )  # before any stage, pre-LLM ones too
-    length, vision = n0, prompt.vision + prompt.structural
-    v0, lengths, visions = vision, [], []
-    before = {p.layer: s for p, s in zip(plan, stages) if p.mode == "pre_llm"}
-    after = {p.layer: s for p, s in zip(plan, stages) if p.mode != "pre_llm"}
-    for layer in range(ref["layers"]):
-        for at in (
-            before,
-            after,
-        ):  # a pre-LLM stage shortens layer 0 itself, the others the next layer
-            if layer in at:
-                s = at[layer]
-                length, vision = s.width_out, vision - (s.vision_in - s.vision_out)
-            if at is before:
-                lengths.append(length)
-                visions.append(vision)
-    flops = sum(shape.flops(l, (l + 1) / 2) for l in lengths)
-    base = ref["layers"] * shape.flops(n0, (n0 + 1) / 2)
-    return {
-        "flops_ratio_reference_shape": flops / base,
-        "kept_vision_fraction_reference_depth": sum(visions) / (v0 * ref["layers"]) if v0 else 1.0,
-        "kv_ratio_reference_depth": sum(lengths) / (n0 * ref["layers"]),
-        "reference_schedule": [p.layer for p in plan],
-    }
-
-
-def reference_flops(spec: ModelSpec, n0: int) -> float:
-    from lightkv.adapters.probes import LayerShape
-
-    ref = spec.ref
-    shape = LayerShape(
-        hidden=ref["hidden"],
-        heads=ref["heads"],
-        kv_heads=ref["kv_heads"],
-        head_dim=HEAD_DIM,
-        mlp_hidden=ref["intermediate"],
-        mlp_matrices=3,
-    )
-    return ref["layers"] * shape.flops(n0, (n0 + 1) / 2)
 
 
 def memory_child_main(payload: str) -> int:

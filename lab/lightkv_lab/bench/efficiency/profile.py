@@ -5,7 +5,8 @@ each of the session's hooks (layout, relevance, stage, bookkeeping; the same spl
 ```python
 from lightkv_lab.bench.efficiency import BenchConfig, MODELS
 from lightkv_lab.bench.efficiency.profile import profile_prefill
-out = profile_prefill(MODELS["llava_next"], BenchConfig(models=("llava_next",), layers=4, heads=2), "lightkv")
+cfg = BenchConfig(models=("llava_next",), layers=4, heads=2)
+out = profile_prefill(MODELS["llava_next"], cfg, "lightkv")
 out["parts_ms"]["stage"], out["ops"]["stage"][:3]
 ```
 """

@@ -244,8 +244,8 @@ def scaling_markdown(result: dict[str, Any]) -> str:
     names = list(st["exponents"])
     cfg = result["config"]
     lines = [
-        f"Stage chain of the `lightkv` preset (3 stages) on random `[1, N, {cfg['width']}]` hidden states, "
-        f"median of {cfg['repeats']} runs, {result['machine']['threads']} threads:",
+        f"Stage chain of the `lightkv` preset (3 stages) on random `[1, N, {cfg['width']}]` hidden "
+        f"states, median of {cfg['repeats']} runs, {result['machine']['threads']} threads:",
         "",
         "| vision tokens | " + " | ".join(f"{n} (ms)" for n in names) + " |",
         "|---:|" + "---:|" * len(names),
@@ -267,7 +267,8 @@ def scaling_markdown(result: dict[str, Any]) -> str:
             f"Whole prefill, LLaVA-shaped random model ({d['layers']} layers, width {d['hidden']}, "
             f"MLP {d['intermediate']}), uncompressed vs `lightkv` (schedule scaled to the depth):",
             "",
-            "| vision tokens | uncompressed ms | lightkv ms | ratio | stage ms | relevance ms | overhead |",
+            "| vision tokens | uncompressed ms | lightkv ms | ratio | stage ms | relevance ms | "
+            "overhead |",
             "|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for p in pf["points"]:
@@ -278,8 +279,8 @@ def scaling_markdown(result: dict[str, Any]) -> str:
             )
         e = pf["exponents"]
         lines.append(
-            f"| **fitted exponent k** | **{e['uncompressed_ms']:.2f}** | **{e['lightkv_ms']:.2f}** | | "
-            f"**{e['stage_ms']:.2f}** | **{e['relevance_ms']:.2f}** | |"
+            f"| **fitted exponent k** | **{e['uncompressed_ms']:.2f}** | **{e['lightkv_ms']:.2f}** "
+            f"| | **{e['stage_ms']:.2f}** | **{e['relevance_ms']:.2f}** | |"
         )
     return "\n".join(lines) + "\n"
 

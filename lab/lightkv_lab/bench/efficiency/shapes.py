@@ -1,9 +1,9 @@
-"""Benchmarked model shapes, the benchmark's configuration, and the reduced models.
+"""The benchmark's configuration and what it builds from a model shape.
 
-`MODELS` holds the shapes of LLaVA-1.5-7B, LLaVA-NeXT-7B, Qwen2.5-VL-7B and InternVL3-8B
-(real vision-token counts and head dimension, reduced decoder); `BenchConfig` says what
-`lightkv_lab.bench.efficiency.run` measures; `scale_layers` moves a preset's schedule to the
-reduced depth; `build_model` builds a random-weight model with a one-row prompt.
+`BenchConfig` says what `lightkv_lab.bench.efficiency.run` measures; `scaled_pipeline` moves a
+preset's schedule to the reduced depth (`scale_layers`); `build_model` builds a random-weight
+model with a one-row prompt. The shapes themselves (`MODELS`, `ModelSpec`) are in
+`lightkv_lab.bench.efficiency.specs`, re-exported here.
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ import torch
 
 from lightkv.policies.schedulers import scale_layers
 from lightkv_lab.bench.allocator import ALLOCATORS
+from lightkv_lab.bench.efficiency.specs import HEAD_DIM, MODELS, ModelSpec
 from lightkv_lab.bench.paths import results_dir
 
 __all__ = [
     "DEFAULT_PRESETS",
+    "HEAD_DIM",
     "MODELS",
     "BenchConfig",
     "ModelSpec",
@@ -31,7 +33,6 @@ __all__ = [
     "text_after_image",
 ]
 
-HEAD_DIM = 128
 PRE_TEXT, POST_TEXT = 20, 15
 RESULTS = results_dir()
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -42,154 +43,9 @@ EAGER_REF = "lightkv+eager-scores"
 PROJECTED = "lightkv+second-projection"
 
 
-# ---------------------------------------------------------------------------- shapes
-@dataclass(frozen=True)
-class ModelSpec:
-    """One benchmarked model shape.
-
-    Attributes:
-        name: key (``--models``).
-        title: the real model this imitates.
-        family: `lightkv.testing.TINY_MODELS` key.
-        ref: the real decoder: layers, hidden, heads, kv_heads, intermediate.
-        heads, kv_heads: reduced attention heads (head_dim 128 kept); width = heads x 128.
-        lightkv_preset: what the preset name ``lightkv`` means for this model.
-        image: builder arguments giving the real vision-token count.
-        video: the row builder's ``videos`` argument, for video shapes (None: no video).
-    """
-
-    name: str
-    title: str
-    family: str
-    ref: dict[str, int]
-    heads: int
-    kv_heads: int
-    lightkv_preset: str
-    build_kwargs: dict[str, Any]
-    image: Any
-    image_note: str
-    video: Any = None
-
-    def reduced(
-        self, layers: int, heads: int | None = None, full_width: bool = False
-    ) -> dict[str, int]:
-        """The benchmarked decoder: ``layers`` deep; the real width, heads and MLP with
-        ``full_width``, else ``heads`` (default: this shape's reduced count) x 128 wide."""
-        if full_width:
-            ref = self.ref
-            return {
-                "layers": layers,
-                "hidden": ref["hidden"],
-                "heads": ref["heads"],
-                "kv_heads": ref["kv_heads"],
-                "intermediate": ref["intermediate"],
-            }
-        heads = heads or self.heads
-        kv = max(1, heads * self.ref["kv_heads"] // self.ref["heads"])
-        hidden = heads * HEAD_DIM
-        inter = round(hidden * self.ref["intermediate"] / self.ref["hidden"] / 16) * 16
-        return {
-            "layers": layers,
-            "hidden": hidden,
-            "heads": heads,
-            "kv_heads": kv,
-            "intermediate": inter,
-        }
-
-    def weight_bytes(
-        self, layers: int, heads: int | None = None, full_width: bool = False, element: int = 4
-    ) -> int:
-        """Bytes of the benchmarked decoder's weights (projections and MLP; embeddings and
-        norms left out): what a run must hold in memory at least."""
-        d = self.reduced(layers, heads, full_width)
-        h, kv = d["hidden"], d["kv_heads"] * HEAD_DIM
-        per_layer = 2 * h * h + 2 * h * kv + 3 * h * d["intermediate"]
-        return layers * per_layer * element
-
-
-MODELS: dict[str, ModelSpec] = {
-    "llava": ModelSpec(
-        "llava",
-        "LLaVA-1.5-7B",
-        "llava",
-        {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 32, "intermediate": 11008},
-        heads=4,
-        kv_heads=4,
-        lightkv_preset="lightkv",
-        build_kwargs={"image_size": 48, "patch_size": 2},
-        image=1,
-        image_note="one 24x24 image (576 tokens)",
-    ),
-    "llava_next": ModelSpec(
-        "llava_next",
-        "LLaVA-NeXT-7B (Vicuna)",
-        "llava_next",
-        {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 32, "intermediate": 11008},
-        heads=4,
-        kv_heads=4,
-        lightkv_preset="lightkv",
-        build_kwargs={
-            "image_size": 48,
-            "patch_size": 2,
-            "pinpoints": ((96, 96), (48, 96), (96, 48)),
-        },
-        image=[(96, 96)],
-        image_note="a 2x2-tile image: 24x24 base grid + 48x48 high-res grid with 48 row newlines (2,928 tokens)",
-    ),
-    "qwen2_5_vl": ModelSpec(
-        "qwen2_5_vl",
-        "Qwen2.5-VL-7B",
-        "qwen2_5_vl",
-        {"layers": 28, "hidden": 3584, "heads": 28, "kv_heads": 4, "intermediate": 18944},
-        heads=7,
-        kv_heads=1,
-        lightkv_preset="lightkv-qwen2_5_vl",
-        build_kwargs={"patch_size": 2},
-        image=[(1, 64, 64)],
-        image_note="a 64x64-patch image, 2x2 merge: 32x32 grid (1,024 tokens)",
-    ),
-    "internvl": ModelSpec(
-        "internvl",
-        "InternVL3-8B (Qwen2.5-7B decoder)",
-        "internvl",
-        {"layers": 28, "hidden": 3584, "heads": 28, "kv_heads": 4, "intermediate": 18944},
-        heads=7,
-        kv_heads=1,
-        lightkv_preset="lightkv",
-        build_kwargs={"image_size": 64, "patch_size": 2},
-        image=[5],
-        image_note="5 tiles of 16x16 (2x2 tiles + thumbnail, 1,280 tokens)",
-    ),
-    "llava_onevision": ModelSpec(
-        "llava_onevision",
-        "LLaVA-OneVision-7B (Qwen2-7B decoder)",
-        "llava_onevision",
-        {"layers": 28, "hidden": 3584, "heads": 28, "kv_heads": 4, "intermediate": 18944},
-        heads=7,
-        kv_heads=1,
-        lightkv_preset="lightkv",
-        build_kwargs={"image_size": 54, "patch_size": 2, "max_tiles": 3},
-        image=[(162, 162)],
-        image_note="an anyres-max-9 image of 3x3 tiles of 27x27: base tile (729) + 81x81 stitched grid: "
-        "7,290 vision tokens and 81 structural row newlines",
-    ),
-    "qwen2_5_vl_video": ModelSpec(
-        "qwen2_5_vl_video",
-        "Qwen2.5-VL-7B, video",
-        "qwen2_5_vl",
-        {"layers": 28, "hidden": 3584, "heads": 28, "kv_heads": 4, "intermediate": 18944},
-        heads=7,
-        kv_heads=1,
-        lightkv_preset="lightkv-video",
-        build_kwargs={"patch_size": 2},
-        image=[],
-        video=[(16, 32, 32)],
-        image_note="a 16-frame video of 32x32 patches per frame, 2x2 merge: 16 frames of 16x16 (4,096 tokens)",
-    ),
-}
 DEFAULT_PRESETS = ("lightkv", "tome", "fastv", "pdrop", "elasticcache", "h2o")
-"""The compared presets; elasticcache and h2o act on the cache after prefill (TTFT unchanged is their
-honest result: they save KV memory, not prefill compute)."""
+"""The compared presets; elasticcache and h2o act on the cache after prefill (TTFT unchanged is
+their honest result: they save KV memory, not prefill compute)."""
 
 
 @dataclass
@@ -266,7 +122,8 @@ class BenchConfig:
         self.budgets = check_kept_fractions(self.budgets, "budgets (--kept-fractions)")
         if self.budgets and self.projection_baseline:
             raise ValueError(
-                "projection_baseline times the lightkv preset's own schedule: run it without budgets"
+                "projection_baseline times the lightkv preset's own schedule: run it without "
+                "budgets"
             )
         if self.projection_baseline and "lightkv" not in self.presets:
             raise ValueError(

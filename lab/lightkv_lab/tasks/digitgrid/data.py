@@ -279,7 +279,8 @@ def make_scene(
 
 
 class EpisodeStream(_Stream):
-    """An endless, seed-deterministic stream of DigitGrid episodes (`lightkv_lab.tasks.stream.EpisodeStream`)."""
+    """An endless, seed-deterministic stream of DigitGrid episodes
+    (`lightkv_lab.tasks.stream.EpisodeStream`)."""
 
     task = "digitgrid"
     QTYPES, SPLITS, DEFAULT_CONFIG = QTYPES, SPLITS, DEFAULT_CONFIG

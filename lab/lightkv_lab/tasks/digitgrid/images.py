@@ -28,7 +28,8 @@ def _digits() -> tuple[torch.Tensor, torch.Tensor]:
     try:
         from sklearn.datasets import load_digits
     except ImportError as e:  # pragma: no cover - depends on the environment
-        # ModuleNotFoundError naming the module: the command line turns it into one line with the extra
+        # ModuleNotFoundError naming the module: the command line turns it into one line with the
+        # extra
         raise ModuleNotFoundError(
             "DigitGrid needs scikit-learn (pip install 'lightkv-lab' or scikit-learn)",
             name="sklearn",
@@ -154,7 +155,8 @@ def sample_image(
 def render_image(
     rng: random.Random, digit_index: torch.Tensor, config: GridConfig = DEFAULT_CONFIG
 ) -> torch.Tensor:
-    """Draw the ``[3, H, W]`` image for a ``digit_index`` map (background noise seeded by ``rng``)."""
+    """Draw the ``[3, H, W]`` image for a ``digit_index`` map (background noise seeded by
+    ``rng``)."""
     images = _digits()[0] if config.glyphs == "handwritten" else None
     gen = torch.Generator().manual_seed(rng.getrandbits(63))
     size, cell, g = config.image_size, config.cell, config.grid

@@ -211,7 +211,8 @@ def _quadrant(scene: Scene, ob) -> tuple[int, int]:
 
 
 def _relation_pairs(scene: Scene) -> list[tuple[int, int]]:
-    """Ordered pairs of objects in side-by-side or stacked quadrants (one quadrant index differs)."""
+    """Ordered pairs of objects in side-by-side or stacked quadrants (one quadrant index
+    differs)."""
     quads = [_quadrant(scene, ob) for ob in scene.objects]
     return [
         (i, j)
@@ -328,7 +329,8 @@ def followup(rng: random.Random, ep: Episode, config: GridConfig = DEFAULT_CONFI
 
 
 class EpisodeStream(_Stream):
-    """An endless, seed-deterministic stream of Scenes episodes (`lightkv_lab.tasks.stream.EpisodeStream`)."""
+    """An endless, seed-deterministic stream of Scenes episodes
+    (`lightkv_lab.tasks.stream.EpisodeStream`)."""
 
     task = "scenes"
     QTYPES, SPLITS, DEFAULT_CONFIG = QTYPES, SPLITS, DEFAULT_CONFIG
@@ -350,12 +352,14 @@ def num_image_tokens(config: GridConfig = DEFAULT_CONFIG, patch: int | None = No
 def collate(
     episodes: Sequence[Episode], num_image_tokens: int, *, with_answer: bool = True
 ) -> dict[str, torch.Tensor]:
-    """Batch episodes for a LLaVA-style model (`lightkv_lab.tasks.batching.collate` with this vocabulary)."""
+    """Batch episodes for a LLaVA-style model (`lightkv_lab.tasks.batching.collate` with this
+    vocabulary)."""
     return _batching.collate(episodes, num_image_tokens, with_answer=with_answer, encoder=encode)
 
 
 def collate_prompts(episodes: Sequence[Episode], num_image_tokens: int) -> dict[str, torch.Tensor]:
-    """Prompt-only batch (no answer, no ``labels``); every row's next token is the answer's first."""
+    """Prompt-only batch (no answer, no ``labels``); every row's next token is the answer's
+    first."""
     return collate(episodes, num_image_tokens, with_answer=False)
 
 

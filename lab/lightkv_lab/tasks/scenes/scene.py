@@ -167,7 +167,8 @@ class Scene:
         return torch.stack([what_id[kind, what], how_id[kind, how], vert, horiz], -1)
 
     def mask(self, kind: str, index: int | None = None, colour: int | None = None) -> torch.Tensor:
-        """bool ``[G, G]``: the tokens of object ``index``, of the gems of ``colour``, or of the sign."""
+        """bool ``[G, G]``: the tokens of object ``index``, of the gems of ``colour``, or of the
+        sign."""
         g = self.size
         m = torch.zeros(g, g, dtype=torch.bool)
         if kind == "object":
@@ -306,7 +307,8 @@ def _material_patterns() -> torch.Tensor:
 def render_image(
     rng: random.Random, scene: Scene, config: GridConfig = DEFAULT_CONFIG
 ) -> torch.Tensor:
-    """Draw the ``[3, H, W]`` image of a scene (lighting, ink strength and noise seeded by ``rng``)."""
+    """Draw the ``[3, H, W]`` image of a scene (lighting, ink strength and noise seeded by
+    ``rng``)."""
     gen = torch.Generator().manual_seed(rng.getrandbits(63))
     g = scene.size
     kind, what, how = scene.maps()

@@ -27,20 +27,55 @@ Splits: ``train`` and ``heldout`` streams use different seeds; held-out layouts,
 and noise are new, the 32 symbol shapes are shared (as with DigitGrid's colour glyphs).
 Sequences are ``<bos> <image>*n <sep> question [answer <eos>]``, left-padded, as in
 `lightkv_lab.tasks.digitgrid.data` (same special-token ids).
+
+This module holds the questions, the episodes (`make_episode`, `make_scene`, `EpisodeStream`)
+and the batching; the rest lives below it and is re-exported here: the vocabulary and
+constants in `lightkv_lab.tasks.symbolgrid.vocab`, `GridConfig` and `Episode` in
+`lightkv_lab.tasks.symbolgrid.config`, the symbols and images in
+`lightkv_lab.tasks.symbolgrid.images`.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from functools import lru_cache
 
 import torch
 
+# every public name this module had before the split stays importable from it (the noqa ones
+# are re-exported only: not in __all__ and not used below)
 from lightkv_lab.tasks.digitgrid import data as _dg
 from lightkv_lab.tasks.digitgrid.data import IGNORE_INDEX, to_pil
 from lightkv_lab.tasks.stream import EpisodeStream as _Stream
+from lightkv_lab.tasks.symbolgrid.config import DEFAULT_CONFIG, Episode, GridConfig
+from lightkv_lab.tasks.symbolgrid.images import make_grid, render_image, sample_image
+from lightkv_lab.tasks.symbolgrid.vocab import (
+    ANSWER_WORDS,  # noqa: F401
+    BOS_ID,
+    CELL_WORDS,
+    COLOURS,  # noqa: F401
+    CONTENT_IDS,  # noqa: F401
+    COUNT_WORDS,
+    DETAIL_QTYPES,
+    EOS_ID,
+    IMAGE_ID,
+    MAX_COUNT,  # noqa: F401
+    MAX_GRID,  # noqa: F401
+    PAD_ID,
+    QTYPES,
+    SEP_ID,
+    SHAPES,  # noqa: F401
+    SPECIAL_TOKENS,
+    SPLITS,
+    SYMBOL_WORDS,
+    TEMPLATE_WORDS,  # noqa: F401
+    VOCAB,
+    WORD_TO_ID,
+    cell_word,
+    decode,
+    encode,
+    symbol_word,
+)
 
 __all__ = [
     "BOS_ID",
@@ -76,215 +111,6 @@ __all__ = [
     "symbol_word",
     "to_pil",
 ]
-
-SPLITS = ("train", "heldout")
-QTYPES = ("what", "read", "count", "exists")
-DETAIL_QTYPES = ("what", "read")
-"""Question types whose answer is the content of single tokens."""
-
-MAX_GRID = 24
-"""Largest supported grid side (the vocabulary holds cell words up to this)."""
-MAX_COUNT = 8
-
-COLOURS = ("red", "gold", "lime", "green", "cyan", "azure", "violet", "magenta")
-SHAPES = ("bar", "post", "dot", "ring")
-SYMBOL_WORDS = tuple(f"{c}-{s}" for c in COLOURS for s in SHAPES)
-"""The 32 symbols, colour-major: symbol ``k`` is colour ``k // 4``, shape ``k % 4``."""
-
-SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<image>", "<sep>")
-CELL_WORDS = tuple(f"r{r}c{c}" for r in range(1, MAX_GRID + 1) for c in range(1, MAX_GRID + 1))
-COUNT_WORDS = tuple(f"n{i}" for i in range(MAX_COUNT + 1))
-TEMPLATE_WORDS = ("what", "is", "at", "read", "how", "many", "there", "a")
-ANSWER_WORDS = ("yes", "no")
-
-VOCAB: tuple[str, ...] = (
-    SPECIAL_TOKENS + TEMPLATE_WORDS + ANSWER_WORDS + SYMBOL_WORDS + CELL_WORDS + COUNT_WORDS
-)
-"""The fixed word vocabulary; a word's id is its index. Special tokens come first (the
-same ids as DigitGrid's)."""
-WORD_TO_ID: dict[str, int] = {w: i for i, w in enumerate(VOCAB)}
-assert len(WORD_TO_ID) == len(VOCAB), "duplicate word in VOCAB"
-
-PAD_ID, BOS_ID, EOS_ID, IMAGE_ID, SEP_ID = (WORD_TO_ID[t] for t in SPECIAL_TOKENS)
-assert (PAD_ID, BOS_ID, EOS_ID, IMAGE_ID, SEP_ID) == (
-    _dg.PAD_ID,
-    _dg.BOS_ID,
-    _dg.EOS_ID,
-    _dg.IMAGE_ID,
-    _dg.SEP_ID,
-), "SymbolGrid shares DigitGrid's special-token ids (one collation, one tokenizer layout)"
-CONTENT_IDS = tuple(WORD_TO_ID[w] for w in SYMBOL_WORDS)
-
-
-def encode(words: Sequence[str]) -> list[int]:
-    """Word list -> id list. Raises ``KeyError`` naming the first unknown word."""
-    try:
-        return [WORD_TO_ID[w] for w in words]
-    except KeyError as e:
-        raise KeyError(f"word {e.args[0]!r} is not in the SymbolGrid vocabulary") from None
-
-
-def decode(ids: Sequence[int] | torch.Tensor, *, skip_special: bool = False) -> list[str]:
-    """Id list (or 1-D tensor) -> word list; ``skip_special`` drops ``<pad>``/``<bos>``/... ."""
-    if isinstance(ids, torch.Tensor):
-        ids = ids.tolist()
-    words = [VOCAB[i] for i in ids]
-    return [w for w in words if w not in SPECIAL_TOKENS] if skip_special else words
-
-
-@dataclass(frozen=True)
-class GridConfig:
-    """Geometry and sampling knobs of SymbolGrid images and questions."""
-
-    grid: int = 16
-    """Cells (= vision tokens) per side."""
-    cell: int = 4
-    """Cell side in pixels (the vision tower's patch)."""
-    rare: int = 4
-    """Symbols per image placed a controlled number of times (the count/exists subjects)."""
-    max_rare: int = 5
-    """Each rare symbol occurs ``0..max_rare`` times."""
-    read_len: int = 4
-    """Symbols a ``read`` question answers (its cell and the next ``read_len - 1`` to the right)."""
-    noise: float = 0.2
-    """Background is uniform noise in ``[0, noise]``."""
-    asked: tuple[str, ...] = QTYPES
-    """Question types the evaluation asks (held-out episodes, conversations, benchmark);
-    training always draws from all of `QTYPES`. A model records the ones it answers."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "asked", tuple(self.asked))  # JSON gives a list
-        if not self.asked or any(q not in QTYPES for q in self.asked):
-            raise ValueError(f"asked must be a non-empty subset of {QTYPES}, got {self.asked}")
-        if not 2 <= self.grid <= MAX_GRID:
-            raise ValueError(f"grid must be in [2, {MAX_GRID}], got {self.grid}")
-        if self.cell < 4:
-            raise ValueError(
-                f"cell must be >= 4 pixels (a symbol is drawn on 4x4), got {self.cell}"
-            )
-        if not 1 <= self.rare < len(SYMBOL_WORDS) or not 0 <= self.max_rare <= MAX_COUNT:
-            raise ValueError(
-                f"need 1 <= rare < {len(SYMBOL_WORDS)} and 0 <= max_rare <= {MAX_COUNT}"
-            )
-        if self.rare * self.max_rare > self.grid**2:
-            raise ValueError("rare * max_rare exceeds the number of cells")
-        if not 1 <= self.read_len <= self.grid:
-            raise ValueError(f"read_len must be in [1, grid], got {self.read_len}")
-        if not 0.0 <= self.noise <= 1.0:
-            raise ValueError("noise must be in [0, 1]")
-
-    @property
-    def image_size(self) -> int:
-        return self.grid * self.cell
-
-
-DEFAULT_CONFIG = GridConfig()
-
-
-@dataclass
-class Episode:
-    """One image with one question and its answer."""
-
-    image: torch.Tensor
-    """float32 ``[3, H, W]`` in ``[0, 1]``."""
-    grid: torch.Tensor
-    """int64 ``[G, G]``: symbol index per cell."""
-    rare: tuple[int, ...]
-    """The image's rare symbols."""
-    question: list[str]
-    answer: list[str]
-    qtype: str
-    split: str
-    meta: dict = field(default_factory=dict)
-    """What was asked: ``{"row", "col"}`` (0-based) for what/read, ``{"symbol"}`` for
-    count/exists."""
-
-
-# --------------------------------------------------------------------------- symbols
-
-
-@lru_cache(maxsize=1)
-def _shapes() -> torch.Tensor:
-    """``[4, 4, 4]`` ink masks of the shapes on a 4x4 cell."""
-    m = torch.zeros(4, 4, 4)
-    m[0, 1:3, :] = 1  # bar: a horizontal band
-    m[1, :, 1:3] = 1  # post: a vertical band
-    m[2, 1:3, 1:3] = 1  # dot: the centre
-    m[3] = 1
-    m[3, 1:3, 1:3] = 0  # ring: the border
-    return m
-
-
-@lru_cache(maxsize=1)
-def _colours() -> torch.Tensor:
-    """``[8, 3]`` fully saturated RGB of hues ``k / 8``."""
-    return torch.stack([_dg.hue_rgb(k / len(COLOURS)) for k in range(len(COLOURS))])
-
-
-def symbol_word(k: int) -> str:
-    return SYMBOL_WORDS[k]
-
-
-def cell_word(row: int, col: int) -> str:
-    """The word naming cell ``(row, col)`` (0-based), e.g. ``cell_word(4, 6) == "r5c7"``."""
-    if not (0 <= row < MAX_GRID and 0 <= col < MAX_GRID):
-        raise ValueError(f"cell ({row}, {col}) is outside a {MAX_GRID}x{MAX_GRID} grid")
-    return CELL_WORDS[row * MAX_GRID + col]
-
-
-# --------------------------------------------------------------------------- grids and images
-
-
-def make_grid(
-    rng: random.Random, split: str, config: GridConfig = DEFAULT_CONFIG
-) -> tuple[torch.Tensor, tuple]:
-    """Sample ``(grid, rare)``: the symbol of every cell and the image's rare symbols."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    g, n_sym = config.grid, len(SYMBOL_WORDS)
-    rare = tuple(rng.sample(range(n_sym), config.rare))
-    common = [k for k in range(n_sym) if k not in rare]
-    cells = [rng.choice(common) for _ in range(g * g)]
-    free = list(range(g * g))
-    rng.shuffle(free)
-    for k in rare:
-        for _ in range(rng.randint(0, config.max_rare)):
-            cells[free.pop()] = k
-    return torch.tensor(cells, dtype=torch.int64).reshape(g, g), rare
-
-
-def sample_image(
-    rng: random.Random, split: str, config: GridConfig = DEFAULT_CONFIG
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(grid, image)`` of one fresh image (what the trainer's align stage draws)."""
-    grid, _ = make_grid(rng, split, config)
-    return grid, render_image(rng, grid, config)
-
-
-def render_image(
-    rng: random.Random, grid: torch.Tensor, config: GridConfig = DEFAULT_CONFIG
-) -> torch.Tensor:
-    """Draw the ``[3, H, W]`` image of a symbol grid (noise, ink and texture seeded by ``rng``)."""
-    gen = torch.Generator().manual_seed(rng.getrandbits(63))
-    g, cell = config.grid, config.cell
-    flat = grid.flatten()
-    shape = _shapes()[flat % len(SHAPES)]  # [N, 4, 4]
-    colour = _colours()[flat // len(SHAPES)]  # [N, 3]
-    ink = 0.65 + 0.35 * torch.rand((flat.numel(), 1, 1), generator=gen)
-    texture = 0.8 + 0.2 * torch.rand((flat.numel(), 4, 4), generator=gen)
-    glyph = shape * ink * texture  # [N, 4, 4]
-    if cell > 4:  # centre the 4x4 symbol, scaled by nearest neighbour to the largest fit
-        s = cell // 4
-        glyph = glyph.repeat_interleave(s, 1).repeat_interleave(s, 2)
-        pad = cell - 4 * s
-        glyph = torch.nn.functional.pad(glyph, (pad // 2, pad - pad // 2, pad // 2, pad - pad // 2))
-    noise = torch.rand((3, g * cell, g * cell), generator=gen) * config.noise
-    ink_rgb = glyph[:, None] * colour[:, :, None, None]  # [N, 3, cell, cell]
-    ink_rgb = (
-        ink_rgb.reshape(g, g, 3, cell, cell).permute(2, 0, 3, 1, 4).reshape(3, g * cell, g * cell)
-    )
-    return torch.maximum(noise, ink_rgb).clamp_(0.0, 1.0)
-
 
 # --------------------------------------------------------------------------- questions
 
@@ -409,7 +235,8 @@ def make_scene(
 
 
 class EpisodeStream(_Stream):
-    """An endless, seed-deterministic stream of SymbolGrid episodes (`lightkv_lab.tasks.stream.EpisodeStream`)."""
+    """An endless, seed-deterministic stream of SymbolGrid episodes
+    (`lightkv_lab.tasks.stream.EpisodeStream`)."""
 
     task = "symbolgrid"
     QTYPES, SPLITS, DEFAULT_CONFIG = QTYPES, SPLITS, DEFAULT_CONFIG
@@ -437,7 +264,8 @@ def collate(
 
 
 def collate_prompts(episodes: Sequence[Episode], num_image_tokens: int) -> dict[str, torch.Tensor]:
-    """Prompt-only batch (no answer, no ``labels``); every row's next token is the answer's first."""
+    """Prompt-only batch (no answer, no ``labels``); every row's next token is the answer's
+    first."""
     return collate(episodes, num_image_tokens, with_answer=False)
 
 
