@@ -102,7 +102,18 @@ PREFERRED_ORDER = {
     ],
     "lightkv.adapters.cache": ["layer", "quantized", "install", "storage"],
     "lightkv.generate": ["loading", "running", "results", "errors"],
-    "lightkv.config": ["pipeline", "schedule", "specs", "errors", "yaml_io", "schema"],
+    "lightkv.config": [
+        "pipeline",
+        "schedule",
+        "specs",
+        "checks",
+        "overrides",
+        "quirks",
+        "errors",
+        "errors_pydantic",
+        "yaml_io",
+        "schema",
+    ],
     "lightkv.testing": ["contract", "models"],
 }
 RESULT_SUFFIXES = (".json", ".md", ".csv", ".png", ".svg")

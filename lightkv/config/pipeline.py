@@ -17,48 +17,26 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from ..outputs import write_atomic
 from ..pipeline import DIVERGENCE_MEMORY_MIB, Pipeline, Stage
-from ..policies import FAMILIES, Mode, Policy, StageSpec, average_kept_fraction
+from ..policies import FAMILIES, Policy, StageSpec, average_kept_fraction
 from ..policies.schedulers import place
 from ..quirks import ReleasedQuirks
-from .errors import ConfigError, _did_you_mean, _dotted, _fail, _short
+from .checks import check_no_stages, mode_without_schedule, validated, validated_mode
+from .errors import ConfigError, _fail
+from .errors_pydantic import translate_errors
+from .overrides import validated_overrides
+from .quirks import ReleasedQuirksConfig
 from .schedule import ScheduleConfig
 from .specs import (
     STAGE_FIELDS,
     PolicySpec,
     StageField,
-    _build,
-    _canonical,
 )
 from .yaml_io import _load_yaml, dump_yaml, read_config_text
 
 __all__ = ["PipelineConfig", "ReleasedQuirksConfig"]
-
-
-class ReleasedQuirksConfig(BaseModel):
-    """`lightkv.quirks.ReleasedQuirks` as validated data (``released_quirks:`` in YAML)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    renumber_positions: StrictBool = Field(
-        False,
-        description="After every merge the later prefill layers see plain positions 0..N'-1 over each row's "
-        "survivors (on Qwen2.5-VL on all three M-RoPE axes); decoding keeps the model's own positions.",
-    )
-    unmasked_first_merge: StrictBool = Field(
-        False,
-        description="The decoder layer whose output the first stage merges attends without a causal mask during "
-        "prefill (every real token to every real token of its row).",
-    )
-    eager_merge_layers: StrictBool = Field(
-        False,
-        description="Every decoder layer whose output a stage merges computes its attention during prefill with "
-        "transformers' eager attention (softmax in float32), as the released code does; float64 logits then "
-        "equal the released code's bit for bit. Decoding and the other layers keep the model's implementation.",
-    )
 
 
 class PipelineConfig(BaseModel):
@@ -135,38 +113,12 @@ class PipelineConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _mode_without_schedule(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        old = data.get("schedule")
-        if old == "h2o" or (isinstance(old, dict) and old.get("name") == "h2o"):
-            params = old.get("params") if isinstance(old, dict) else None
-            flow = ", ".join(f"{k}: {v}" for k, v in (params or {}).items())
-            raise _fail(
-                "removed_param",
-                "the h2o schedule is now the h2o mode (it plans no stage): write "
-                f"`mode: {{name: h2o, params: {{{flow}}}}}` and no schedule",
-                ("schedule",),
-            )
-        # a pipeline of a mode alone plans no stage: its YAML lists no schedule
-        if data.get("mode") is not None and "schedule" not in data:
-            data = {**data, "schedule": None}
-        return data
+        return mode_without_schedule(data)
 
     @field_validator("mode")
     @classmethod
     def _known_mode(cls, spec: PolicySpec | None) -> PolicySpec | None:
-        if spec is None:
-            return None
-        spec = _validated(Mode, spec)
-        if not type(spec.built()).own:
-            raise _fail(
-                "not_own_mode",
-                f"mode {spec.name!r} runs the stages that name it or whenever a session needs "
-                f"it, so a pipeline cannot hold it as its own: choose the place of stages with "
-                f"the schedule, and give `mode:` only for modes such as h2o",
-                ("name",),
-            )
-        return spec
+        return None if spec is None else validated_mode(spec)
 
     @field_validator("summary")
     @classmethod
@@ -180,69 +132,21 @@ class PipelineConfig(BaseModel):
     def _known_policy(cls, spec: PolicySpec | None, info) -> PolicySpec | None:
         if spec is None:  # only scorer is Optional; pydantic rejects None for the others
             return None
-        return _validated(FAMILIES[info.field_name], spec)
+        return validated(FAMILIES[info.field_name], spec)
 
     @field_validator("stage_overrides")
     @classmethod
     def _known_overrides(cls, overrides: dict[int, dict[str, PolicySpec | None]]) -> dict:
-        out: dict[int, dict[str, PolicySpec | None]] = {}
-        problems: list[
-            PydanticCustomError
-        ] = []  # every bad override, not only the first (three were two)
-        for index in sorted(overrides):
-            if index < 0:
-                problems.append(
-                    _fail(
-                        "stage_index",
-                        f"stage indices are 0-based and must be >= 0, got {index}",
-                        (index,),
-                    )
-                )
-                continue
-            fields = {}
-            for field in STAGE_FIELDS:  # canonical order
-                if field not in overrides[index]:
-                    continue
-                spec = overrides[index][field]
-                if spec is None:
-                    if field != "scorer":
-                        problems.append(
-                            _fail(
-                                "required", f"only scorer may be null, not {field}", (index, field)
-                            )
-                        )
-                    fields[field] = None
-                    continue
-                try:
-                    fields[field] = _validated(FAMILIES[field], spec)
-                except PydanticCustomError as e:
-                    ctx = e.context or {}
-                    problems.append(
-                        _fail(
-                            e.type.removeprefix("lightkv_"),
-                            ctx.get("message", e.message()),
-                            (index, field) + tuple(ctx.get("subloc", ())),
-                        )
-                    )
-            out[index] = fields
-        if len(problems) == 1:
-            raise problems[0]
-        if (
-            problems
-        ):  # several: pydantic merges a nested ValidationError under this field, one line each
-            raise ValidationError.from_exception_data(
-                cls.__name__, [InitErrorDetails(type=p, loc=(), input=overrides) for p in problems]
-            )
-        return out
+        return validated_overrides(overrides, cls.__name__)
 
     @model_validator(mode="after")
     def _check_composition(self) -> PipelineConfig:
         for f in STAGE_FIELDS:  # defaults are not validated by pydantic: build them here
             spec = getattr(self, f)
             if spec is not None and spec.built() is None:
-                setattr(self, f, _validated(FAMILIES[f], spec))
+                setattr(self, f, validated(FAMILIES[f], spec))
         if self.schedule is None:
-            self._check_no_stages()
+            check_no_stages(self)
             self._snapshot = self.model_dump()
             return self
         if self.placement != "planned" and self.stage_overrides:
@@ -279,32 +183,6 @@ class PipelineConfig(BaseModel):
                 raise _fail("composition", str(e), where) from None
         self._snapshot = self.model_dump()
         return self
-
-    def _check_no_stages(self) -> None:
-        """Without a schedule nothing but the mode runs: refuse policies that would not."""
-        if self.mode is None:
-            raise _fail(
-                "no_work",
-                "schedule is null and no mode is given, so the pipeline would do nothing: give "
-                "a schedule (its stages) or a mode (e.g. mode: {name: h2o})",
-                ("schedule",),
-            )
-        # a policy given with another value than the default would silently not run (the
-        # defaults themselves come back when a whole dump is validated again)
-        fields = type(self).model_fields
-        idle = [
-            f
-            for f in (*STAGE_FIELDS, "stage_overrides", "placement")
-            if f in self.model_fields_set
-            and getattr(self, f) != fields[f].get_default(call_default_factory=True)
-        ]
-        if idle:
-            raise _fail(
-                "unused_policy",
-                f"the pipeline plans no stage (no schedule), so {idle[0]!r} would never run: "
-                f"remove it, or give a schedule whose stages use it",
-                (idle[0],),
-            )
 
     # ------------------------------------------------------------------ building
     def _policies(self) -> dict[str, Policy | None]:
@@ -480,15 +358,11 @@ class PipelineConfig(BaseModel):
         return text
 
 
-def _validated(family, spec: PolicySpec) -> PolicySpec:
-    """``spec`` in canonical form, holding the policy it names, constructed once."""
-    policy, params = _build(family, spec)
-    return PolicySpec(
-        name=spec.name, params=_canonical(family, policy, spec.name, params)
-    )._remember(policy)
+def _from_validation_error(err: ValidationError) -> ConfigError:
+    """One ``(location, message)`` problem per pydantic error, in lightkv's words."""
+    return translate_errors(err, _model_at)
 
 
-# ---------------------------------------------------------------------------- pydantic errors
 def _model_at(loc: tuple[Any, ...]) -> type[BaseModel]:
     """The model whose field set applies at ``loc`` (for 'unknown field' messages)."""
     if not loc:
@@ -498,39 +372,3 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel]:
     if loc[0] == "released_quirks":
         return ReleasedQuirksConfig
     return PolicySpec
-
-
-def _is_policy_loc(loc: tuple[Any, ...]) -> bool:
-    return bool(loc) and (
-        (len(loc) == 1 and loc[0] in STAGE_FIELDS)
-        or (len(loc) == 3 and loc[0] == "stage_overrides")
-    )
-
-
-def _from_validation_error(err: ValidationError) -> ConfigError:
-    """One ``(location, message)`` problem per pydantic error, in lightkv's words."""
-    problems = []
-    for e in err.errors(include_url=False):
-        ctx = e.get("ctx") or {}
-        loc = tuple(e["loc"]) + tuple(ctx.get("subloc", ()))
-        kind = e["type"]
-        if loc and loc[-1] == "[key]":
-            loc = loc[:-1]
-            msg = f"unknown field {loc[-1]!r}{_did_you_mean(loc[-1], STAGE_FIELDS)} (allowed: {', '.join(STAGE_FIELDS)})"
-            if loc[0] == "stage_overrides" and len(loc) == 2:
-                msg = f"stage index must be an integer, got {loc[-1]!r}"
-        elif kind == "extra_forbidden":
-            allowed = list(_model_at(loc[:-1]).model_fields)
-            msg = f"unknown field {loc[-1]!r}{_did_you_mean(loc[-1], allowed)} (allowed: {', '.join(allowed)})"
-        elif kind == "missing":
-            msg = "this field is required"
-        elif kind in ("model_type", "model_attributes_type", "dict_type") and _is_policy_loc(loc):
-            msg = f"expected a registered policy name or {{name: ..., params: {{...}}}}, got {_short(e.get('input'))}"
-        elif kind in ("model_type", "model_attributes_type", "dict_type"):
-            msg = f"expected a mapping of fields, got {_short(e.get('input'))}"
-        elif kind.startswith("lightkv_"):
-            msg = e["msg"]
-        else:
-            msg = f"{e['msg']}, got {_short(e.get('input'))}"
-        problems.append((_dotted(loc), msg))
-    return ConfigError(problems)

@@ -1,0 +1,83 @@
+"""Checks a pipeline config runs beyond its fields' types: a policy spec built once in
+canonical form, the pipeline's own mode, and a pipeline that plans no stage."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..policies import Mode
+from .errors import _fail
+from .specs import STAGE_FIELDS, PolicySpec, _build, _canonical
+
+__all__ = ["check_no_stages", "mode_without_schedule", "validated", "validated_mode"]
+
+
+def validated(family, spec: PolicySpec) -> PolicySpec:
+    """``spec`` in canonical form, holding the policy it names, constructed once."""
+    policy, params = _build(family, spec)
+    return PolicySpec(
+        name=spec.name, params=_canonical(family, policy, spec.name, params)
+    )._remember(policy)
+
+
+def mode_without_schedule(data: Any) -> Any:
+    """Plain data before validation: a ``mode:`` block without ``schedule:`` is a pipeline
+    of the mode alone (``schedule: null``); the old ``h2o`` schedule is refused, naming the
+    mode that replaced it."""
+    if not isinstance(data, dict):
+        return data
+    old = data.get("schedule")
+    if old == "h2o" or (isinstance(old, dict) and old.get("name") == "h2o"):
+        params = old.get("params") if isinstance(old, dict) else None
+        flow = ", ".join(f"{k}: {v}" for k, v in (params or {}).items())
+        raise _fail(
+            "removed_param",
+            "the h2o schedule is now the h2o mode (it plans no stage): write "
+            f"`mode: {{name: h2o, params: {{{flow}}}}}` and no schedule",
+            ("schedule",),
+        )
+    if data.get("mode") is not None and "schedule" not in data:
+        data = {**data, "schedule": None}
+    return data
+
+
+def validated_mode(spec: PolicySpec) -> PolicySpec:
+    """The pipeline's own mode, validated; a mode that runs stages or always runs is
+    refused (a pipeline cannot hold it as its own)."""
+    spec = validated(Mode, spec)
+    if not type(spec.built()).own:
+        raise _fail(
+            "not_own_mode",
+            f"mode {spec.name!r} runs the stages that name it or whenever a session needs "
+            "it, so a pipeline cannot hold it as its own: choose the place of stages with "
+            "the schedule (or placement), and give `mode:` only for modes such as h2o",
+            ("name",),
+        )
+    return spec
+
+
+def check_no_stages(cfg: Any) -> None:
+    """Without a schedule nothing but the mode runs: refuse a config without a mode, and
+    policies (or a placement) given with other values than the defaults, which would
+    silently not run (the defaults come back when a whole dump is validated again)."""
+    if cfg.mode is None:
+        raise _fail(
+            "no_work",
+            "schedule is null and no mode is given, so the pipeline would do nothing: give "
+            "a schedule (its stages) or a mode (e.g. mode: {name: h2o})",
+            ("schedule",),
+        )
+    fields = type(cfg).model_fields
+    idle = [
+        f
+        for f in (*STAGE_FIELDS, "stage_overrides", "placement")
+        if f in cfg.model_fields_set
+        and getattr(cfg, f) != fields[f].get_default(call_default_factory=True)
+    ]
+    if idle:
+        raise _fail(
+            "unused_policy",
+            f"the pipeline plans no stage (no schedule), so {idle[0]!r} would never run: "
+            "remove it, or give a schedule whose stages use it",
+            (idle[0],),
+        )
