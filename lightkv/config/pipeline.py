@@ -157,6 +157,15 @@ class PipelineConfig(BaseModel):
                 "policies, or keep placement 'planned'",
                 ("stage_overrides",),
             )
+        quirks = [k for k, v in self.released_quirks.model_dump().items() if v]
+        if quirks and self.placement in ("pre_llm", "cache"):
+            raise _fail(
+                "composition",
+                f"released_quirks ({', '.join(quirks)}) apply to merges after a decoder layer, "
+                f"and the released code has no stage {'before the LLM' if self.placement == 'pre_llm' else 'on the cache'}: "
+                "turn the quirks off or use placement 'layer' or 'planned'",
+                ("placement",),
+            )
         limit = self.schedule.max_stages()
         for index in self.stage_overrides:
             if limit is not None and index >= limit:

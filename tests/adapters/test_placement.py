@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 import lightkv
 from lightkv.config import ConfigError, PipelineConfig
-from lightkv.policies import ExplicitSchedule, StageSpec, average_kept_fraction, place
-from lightkv.policies.schedulers import scale_layers
+from lightkv.policies import ExplicitSchedule, StageSpec, average_kept_fraction
+from lightkv.policies.schedulers import place, scale_layers
 from lightkv.presets import PRESETS, get_preset_config
 from lightkv.testing import TINY_MODELS
 
@@ -25,14 +25,39 @@ PLACES = ("pre_llm", "layer", "cache")
 # (preset, placement) -> why it is refused: every other combination must run. A refusal that
 # appears or disappears fails the test, so the table is what lightkv promises.
 REFUSED = {
-    **{
-        ("vscan", p): "stage_overrides name stages of the schedule's own places" for p in PLACES
-    },
+    **{("vscan", p): "stage_overrides name stages of the schedule's own places" for p in PLACES},
     **{
         (name, "cache"): "cannot compute relevance"
         for name in ("lightkv-cover", "visionzip", "vispruner", "scope", "holov")
     },
     **{(name, p): "would never run" for name in ("h2o",) for p in PLACES},
+    **{
+        (name, p): "released_quirks"
+        for name in ("lightkv-paper-released", "lightkv-paper-released-qwen2_5_vl")
+        for p in ("pre_llm", "cache")
+    },
+}
+# Combinations that run short of the planned budget, and say so (`SessionReport.missed_target`):
+# one merge stage with a parity split removes at most half of each window, and the pooling
+# preset's 2 x 2 windows a quarter, while a multi-stage schedule compounds its ratios.
+# On the cache, each layer's stage removes what all planned stages before it removed
+# together (0.75 after two LightKV stages), which one parity split cannot either.
+SHORT = {
+    *(
+        (name, "pre_llm")
+        for name in (
+            "lightkv",
+            "lightkv-budget",
+            "lightkv-no-relevance",
+            "lightkv-paper",
+            "lightkv-paper-qwen2_5_vl",
+            "lightkv-qwen2_5_vl",
+            "lightkv-video",
+            "lightkv-video-paper",
+            "pool",
+        )
+    ),
+    *((name, "cache") for name in ("lightkv", "lightkv-no-relevance", "lightkv-video", "tome")),
 }
 
 
@@ -100,11 +125,18 @@ def test_unknown_placements_and_text_are_refused():
         lightkv.Pipeline(placement="before")
     with pytest.raises(ConfigError, match="placement"):
         PipelineConfig.from_yaml_text("placement: before")
-    cfg = PipelineConfig.from_yaml_text("schedule: {layers: [1, 3], removal_ratios: 0.5}\nplacement: cache")
+    cfg = PipelineConfig.from_yaml_text(
+        "schedule: {layers: [1, 3], removal_ratios: 0.5}\nplacement: cache"
+    )
     assert cfg.to_dict()["placement"] == "cache"
     assert PipelineConfig.from_yaml_text(cfg.to_yaml()) == cfg
     assert [s.layer for s in cfg.validate_for_model(4)] == [2, 3]
-    assert "placement" not in PipelineConfig.from_yaml_text("schedule: {layers: [1], removal_ratios: 0.5}").to_dict()
+    assert (
+        "placement"
+        not in PipelineConfig.from_yaml_text(
+            "schedule: {layers: [1], removal_ratios: 0.5}"
+        ).to_dict()
+    )
 
 
 @pytest.fixture(scope="module")
@@ -162,5 +194,8 @@ def test_every_preset_runs_at_every_placement_or_says_why(models, name, placemen
     assert pipe.target_kept_fraction(DEPTH) == pytest.approx(
         average_kept_fraction(pipe.plan(DEPTH), DEPTH)
     )
-    # the same budget, up to rounding on 64-token images and what a split can remove
-    assert report.kept_vision_fraction == pytest.approx(planned.kept_vision_fraction, abs=0.13)
+    if (name, placement) in SHORT:  # told, not silent
+        assert report.missed_target is not None
+        assert report.kept_vision_fraction >= planned.kept_vision_fraction
+    else:  # the same budget, up to rounding on 64-token images
+        assert report.kept_vision_fraction == pytest.approx(planned.kept_vision_fraction, abs=0.1)
