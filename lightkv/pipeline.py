@@ -117,11 +117,13 @@ class Pipeline:
             )
         if not isinstance(self.released_quirks, ReleasedQuirks):
             raise TypeError(
-                f"released_quirks must be a lightkv.quirks.ReleasedQuirks, got {self.released_quirks!r}"
+                "released_quirks must be a lightkv.quirks.ReleasedQuirks, "
+                f"got {self.released_quirks!r}"
             )
         if self.layout not in ("native", "reference"):
             raise ValueError(
-                f"unknown layout {self.layout!r}; choose 'native' (lightkv) or 'reference' (authors' code)"
+                f"unknown layout {self.layout!r}; "
+                "choose 'native' (lightkv) or 'reference' (authors' code)"
             )
         if not isinstance(self.proportional_attention, bool):
             raise TypeError(
@@ -147,7 +149,8 @@ class Pipeline:
             unknown = set(self.stage_overrides.get(i, {})) - set(policies)
             if unknown:
                 raise ValueError(
-                    f"stage_overrides[{i}] names unknown field(s) {sorted(unknown)}; allowed: {sorted(policies)}"
+                    f"stage_overrides[{i}] names unknown field(s) {sorted(unknown)}; "
+                    f"allowed: {sorted(policies)}"
                 )
             policies.update(self.stage_overrides.get(i, {}))
             stages.append(
@@ -217,8 +220,9 @@ class Pipeline:
         stages = self.stages(num_layers)
         if any(s.spec.mode == "cache" for s in stages):
             raise ValueError(
-                "this pipeline's stages run on a layer's cached keys and values after prefill, not on "
-                "hidden states: use lightkv.cache_stage.CacheStage (or lightkv.apply on a model)"
+                "this pipeline's stages run on a layer's cached keys and values after prefill, "
+                "not on hidden states: use lightkv.cache_stage.CacheStage "
+                "(or lightkv.apply on a model)"
             )
         for stage in stages:
             res = stage(hidden, layout, relevance, provenance, keys, prompt)

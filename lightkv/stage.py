@@ -102,7 +102,8 @@ class Stage:
             )
         if self.passer.merges and self.scorer is None:
             raise ValueError(
-                f"message passer {self.passer.name!r} merges tokens and needs an edge scorer: give one (scorer: cosine) or use passer 'drop'"
+                f"message passer {self.passer.name!r} merges tokens and needs an edge scorer: "
+                "give one (scorer: cosine) or use passer 'drop'"
             )
 
     @property

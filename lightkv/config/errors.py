@@ -127,6 +127,7 @@ def _plain(value: Any, where: str) -> Any:
         return {str(k): _plain(v, where) for k, v in value.items()}
     raise _fail(
         "param_value",
-        f"parameter {where!r} must be a plain value (number, string, bool, null, list or mapping), got {_short(value)}",
+        f"parameter {where!r} must be a plain value (number, string, bool, null, list or "
+        f"mapping), got {_short(value)}",
         (where,),
     )

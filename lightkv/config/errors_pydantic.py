@@ -32,16 +32,25 @@ def translate_errors(
         kind = e["type"]
         if loc and loc[-1] == "[key]":
             loc = loc[:-1]
-            msg = f"unknown field {loc[-1]!r}{_did_you_mean(loc[-1], STAGE_FIELDS)} (allowed: {', '.join(STAGE_FIELDS)})"
+            msg = (
+                f"unknown field {loc[-1]!r}{_did_you_mean(loc[-1], STAGE_FIELDS)} "
+                f"(allowed: {', '.join(STAGE_FIELDS)})"
+            )
             if loc[0] == "stage_overrides" and len(loc) == 2:
                 msg = f"stage index must be an integer, got {loc[-1]!r}"
         elif kind == "extra_forbidden":
             allowed = list(model_at(loc[:-1]).model_fields)
-            msg = f"unknown field {loc[-1]!r}{_did_you_mean(loc[-1], allowed)} (allowed: {', '.join(allowed)})"
+            msg = (
+                f"unknown field {loc[-1]!r}{_did_you_mean(loc[-1], allowed)} "
+                f"(allowed: {', '.join(allowed)})"
+            )
         elif kind == "missing":
             msg = "this field is required"
         elif kind in ("model_type", "model_attributes_type", "dict_type") and _is_policy_loc(loc):
-            msg = f"expected a registered policy name or {{name: ..., params: {{...}}}}, got {_short(e.get('input'))}"
+            msg = (
+                "expected a registered policy name or {name: ..., params: {...}}, "
+                f"got {_short(e.get('input'))}"
+            )
         elif kind in ("model_type", "model_attributes_type", "dict_type"):
             msg = f"expected a mapping of fields, got {_short(e.get('input'))}"
         elif kind.startswith("lightkv_"):

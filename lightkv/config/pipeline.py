@@ -79,28 +79,32 @@ class PipelineConfig(BaseModel):
     )
     layout: Literal["native", "reference"] = Field(
         "native",
-        description="How an adapter lays out the vision tokens: 'native' (lightkv: every grid on its own, "
-        "structural tokens protected) or 'reference' (the authors' code: on LLaVA-NeXT the whole anyres "
-        "sequence of an image, base grid, high-resolution grid and row newlines, is one span).",
+        description="How an adapter lays out the vision tokens: 'native' (lightkv: every grid on "
+        "its own, structural tokens protected) or 'reference' (the authors' code: on LLaVA-NeXT "
+        "the whole anyres sequence of an image, base grid, high-resolution grid and row newlines, "
+        "is one span).",
     )
     # Strict: a YAML string such as "false" must not silently turn the option on.
     proportional_attention: StrictBool = Field(
         False,
-        description="ToMe's proportional attention: every layer after a merge adds log(size) of each key to its "
-        "attention logits (prefill and decoding), so a merged token weighs as the tokens it stands for.",
+        description="ToMe's proportional attention: every layer after a merge adds log(size) of "
+        "each key to its attention logits (prefill and decoding), so a merged token weighs as the "
+        "tokens it stands for.",
     )
 
     divergence_memory_mib: int = Field(
         DIVERGENCE_MEMORY_MIB,
         ge=1,
         strict=True,
-        description="MiB a non-bilinear edge scorer's pairwise intermediates may take at once: it is evaluated in "
-        "chunks of windows and source rows within it (same result); cosine and L2 need no chunks.",
+        description="MiB a non-bilinear edge scorer's pairwise intermediates may take at once: it "
+        "is evaluated in chunks of windows and source rows within it (same result); cosine and L2 "
+        "need no chunks.",
     )
     released_quirks: ReleasedQuirksConfig = Field(
         default_factory=lambda: ReleasedQuirksConfig(),
-        description="What the authors' released code does inside a model that the method does not; all off except "
-        "in the lightkv-paper-released presets (LLaVA-1.5 and Qwen2.5-VL only).",
+        description="What the authors' released code does inside a model that the method does "
+        "not; all off except in the lightkv-paper-released presets (LLaVA-1.5 and Qwen2.5-VL "
+        "only).",
     )
 
     _snapshot: Any = PrivateAttr(default=None)
@@ -162,7 +166,8 @@ class PipelineConfig(BaseModel):
             raise _fail(
                 "composition",
                 f"released_quirks ({', '.join(quirks)}) apply to merges after a decoder layer, "
-                f"and the released code has no stage {'before the LLM' if self.placement == 'pre_llm' else 'on the cache'}: "
+                "and the released code has no stage "
+                f"{'before the LLM' if self.placement == 'pre_llm' else 'on the cache'}: "
                 "turn the quirks off or use placement 'layer' or 'planned'",
                 ("placement",),
             )
@@ -171,7 +176,8 @@ class PipelineConfig(BaseModel):
             if limit is not None and index >= limit:
                 raise _fail(
                     "stage_index",
-                    f"stage index {index} is beyond the schedule, which has {limit} stage(s) (indices 0..{limit - 1})",
+                    f"stage index {index} is beyond the schedule, which has {limit} stage(s) "
+                    f"(indices 0..{limit - 1})",
                     ("stage_overrides", index),
                 )
         base = self._policies()
@@ -266,8 +272,8 @@ class PipelineConfig(BaseModel):
         for index in self.stage_overrides:
             if index >= len(stages):
                 msg = (
-                    f"stage {index} does not exist: on a model with {num_layers} layers the schedule has "
-                    f"{len(stages)} stage(s)"
+                    f"stage {index} does not exist: on a model with {num_layers} layers the "
+                    f"schedule has {len(stages)} stage(s)"
                 )
                 raise ConfigError([(f"stage_overrides.{index}", msg)])
         return stages

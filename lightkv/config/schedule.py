@@ -98,7 +98,8 @@ def canonical_schedule(data: Any) -> tuple[Any, Scheduler | None]:
             allowed = sorted(keys)
             raise _fail(
                 "unknown_field",
-                f"unknown field {key!r}{_did_you_mean(key, allowed)} (allowed: {', '.join(allowed)})",
+                f"unknown field {key!r}{_did_you_mean(key, allowed)} "
+                f"(allowed: {', '.join(allowed)})",
                 (key,),
             )
     form = _form(data, short)

@@ -148,9 +148,9 @@ def _coerce_params(family: type[Policy], spec: PolicySpec, prefix: bool = True) 
     """Check ``spec`` against ``family``'s registry and the policy's parameter types.
 
     Returns the parameters converted to the types the policy declares (e.g. YAML lists
-    to tuples) (a renamed parameter's old name is refused, naming the new one), ready for ``family.create``; nothing is constructed. Messages
-    about values start with the family and name (``scheduler 'explicit': ...``) unless
-    ``prefix`` is false.
+    to tuples) (a renamed parameter's old name is refused, naming the new one), ready for
+    ``family.create``; nothing is constructed. Messages about values start with the family
+    and name (``scheduler 'explicit': ...``) unless ``prefix`` is false.
 
     Raises:
         PydanticCustomError: unknown name, unknown parameter or a badly typed value.
@@ -174,7 +174,8 @@ def _coerce_params(family: type[Policy], spec: PolicySpec, prefix: bool = True) 
         allowed = ", ".join(sorted(fields)) or "(none)"
         raise _fail(
             "unknown_param",
-            f"{family.family} {spec.name!r} has no parameter {bad[0]!r}{_did_you_mean(bad[0], fields, paren=True)}; "
+            f"{family.family} {spec.name!r} has no parameter "
+            f"{bad[0]!r}{_did_you_mean(bad[0], fields, paren=True)}; "
             f"its parameters are: {allowed}",
             ("params", bad[0]),
         )

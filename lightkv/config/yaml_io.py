@@ -108,7 +108,10 @@ def _check_events(text: str) -> str | None:
     for event in yaml.parse(text, Loader=_Loader):
         if isinstance(event, yaml.AliasEvent):
             if event.anchor in open_anchors:
-                return f"the alias *{event.anchor} refers to a collection that contains it (a recursive document)"
+                return (
+                    f"the alias *{event.anchor} refers to a collection that contains it "
+                    "(a recursive document)"
+                )
             counts[-1] += sizes.get(event.anchor, 1)
         elif isinstance(event, yaml.ScalarEvent):
             counts[-1] += 1
@@ -118,7 +121,10 @@ def _check_events(text: str) -> str | None:
             open_anchors.append(event.anchor)
             counts.append(1)
             if len(counts) - 1 > MAX_YAML_DEPTH:
-                return f"collections nested more than {MAX_YAML_DEPTH} deep; a pipeline config needs a few levels"
+                return (
+                    f"collections nested more than {MAX_YAML_DEPTH} deep; "
+                    "a pipeline config needs a few levels"
+                )
         elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
             size = counts.pop()
             anchor = open_anchors.pop()

@@ -2,14 +2,20 @@
 one small registered class per place (see `base` for the protocol, and the guide "Add a
 compression mode").
 
-| name | module | where | chosen by |
-|---|---|---|---|
-| ``sequence`` | `sequence` | every layer: masks, positions and cache holes of the current sequence | always on |
-| ``pre_llm`` | `pre_llm` | a stage on the embeddings, before decoder layer 0 | ``StageSpec.mode`` |
-| ``layer`` | `layer` | a stage on a decoder layer's output | ``StageSpec.mode`` (the default) |
-| ``cache`` | `cache` | a stage on a layer's cached keys and values after its prefill | ``StageSpec.mode`` |
-| ``h2o`` | `h2o` | eviction of cache entries after the prefill and each decoding step | ``Pipeline.mode`` (`H2OMode`, with its settings) |
-| ``tower`` | `tower` | the vision tower's attention, for relevance that reads it | a relevance policy's ``reads_tower`` |
+Each mode, by name (its module; where it compresses; what chooses it):
+
+- ``sequence`` (`sequence`): every layer: masks, positions and cache holes of the current
+  sequence; always on.
+- ``pre_llm`` (`pre_llm`): a stage on the embeddings, before decoder layer 0; chosen by
+  ``StageSpec.mode``.
+- ``layer`` (`layer`): a stage on a decoder layer's output; chosen by ``StageSpec.mode`` (the
+  default).
+- ``cache`` (`cache`): a stage on a layer's cached keys and values after its prefill; chosen
+  by ``StageSpec.mode``.
+- ``h2o`` (`h2o`): eviction of cache entries after the prefill and each decoding step; chosen
+  by ``Pipeline.mode`` (`H2OMode`, with its settings).
+- ``tower`` (`tower`): the vision tower's attention, for relevance that reads it; chosen by a
+  relevance policy's ``reads_tower``.
 """
 
 from . import cache, h2o, layer, pre_llm, sequence, tower  # noqa: F401  (each registers its mode)

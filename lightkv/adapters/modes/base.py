@@ -139,7 +139,8 @@ class LayerCall:
         layout = self.state.layout
         if layout is not None and self.hidden.shape[1] != layout.seq_len:
             raise RuntimeError(
-                f"layer {self.layer} received {self.hidden.shape[1]} tokens but the layout has {layout.seq_len}; "
+                f"layer {self.layer} received {self.hidden.shape[1]} tokens but the layout has "
+                f"{layout.seq_len}; "
                 "the model's forward does not match what the adapter expects"
             )
 

@@ -1,14 +1,19 @@
 """Schedulers: at which decoder layers to compress, with which windows and ratios.
 
-| name | class | stages |
-|---|---|---|
-| ``explicit`` | `ExplicitSchedule` | fixed layers, ratios and windows |
-| ``kept_fraction`` | `KeptFractionSchedule` | relative depths, one ratio fitted to a target kept fraction |
-| ``scaled`` | `ScaledSchedule` | an explicit schedule for ``ref_depth`` layers, moved to the model's depth |
-| ``budget`` | `BudgetSchedule` | a scaled schedule placed and fitted to a target kept fraction |
-| ``pre_llm`` | `PreLLMSchedule` | one stage on the embeddings, before decoder layer 0 |
-| ``pre_llm_then_layer`` | `PreLLMThenLayer` | a stage on the embeddings, then one at a relative depth (VScan) |
-| ``cache`` | `CacheSchedule` | a stage on each listed layer's cached keys and values, after prefill |
+Each scheduler, by name (its class: the stages it plans):
+
+- ``explicit`` (`ExplicitSchedule`): fixed layers, ratios and windows.
+- ``kept_fraction`` (`KeptFractionSchedule`): relative depths, one ratio fitted to a target
+  kept fraction.
+- ``scaled`` (`ScaledSchedule`): an explicit schedule for ``ref_depth`` layers, moved to the
+  model's depth.
+- ``budget`` (`BudgetSchedule`): a scaled schedule placed and fitted to a target kept
+  fraction.
+- ``pre_llm`` (`PreLLMSchedule`): one stage on the embeddings, before decoder layer 0.
+- ``pre_llm_then_layer`` (`PreLLMThenLayer`): a stage on the embeddings, then one at a
+  relative depth (VScan).
+- ``cache`` (`CacheSchedule`): a stage on each listed layer's cached keys and values, after
+  prefill.
 """
 
 from .budget import BudgetSchedule, Placement, budget_schedule

@@ -1,4 +1,5 @@
-"""`BudgetSchedule` (``budget``): a method's own stages, scaled to the model, at a kept-fraction budget."""
+"""`BudgetSchedule` (``budget``): a method's own stages, scaled to the model, at a
+kept-fraction budget."""
 
 from __future__ import annotations
 
@@ -36,13 +37,13 @@ def budget_schedule(
 
     Placements are tried in order: ``layers`` (already at the model's depth), then the same
     stages moved earlier by 1, 2, ... layers (spacing kept), then a stage after every layer
-    but the last (the deepest compression a method with this per-stage ``max_removal_ratio`` can
-    make; per-stage windows repeat their last entry). The first placement that can keep
-    ``kept_fraction + tolerance`` or less gets one common ratio ``<= max_removal_ratio`` by bisection on
-    `average_kept_fraction`. ``how`` is ``"scaled"`` (the method's own stages), ``"extra
-    stages"`` (a stage after every layer) or ``"min"`` (out of reach: the deepest placement
-    at ``max_removal_ratio``). The tolerance keeps e.g. LightKV's own 0.5 ratio at its scaled layers
-    for a 55% target on 6 layers (56.25%) rather than moving it.
+    but the last (the deepest compression a method with this per-stage ``max_removal_ratio``
+    can make; per-stage windows repeat their last entry). The first placement that can keep
+    ``kept_fraction + tolerance`` or less gets one common ratio ``<= max_removal_ratio`` by
+    bisection on `average_kept_fraction`. ``how`` is ``"scaled"`` (the method's own
+    stages), ``"extra stages"`` (a stage after every layer) or ``"min"`` (out of reach: the
+    deepest placement at ``max_removal_ratio``). The tolerance keeps e.g. LightKV's own 0.5
+    ratio at its scaled layers for a 55% target on 6 layers (56.25%) rather than moving it.
 
     Raises:
         ValueError: ``kept_fraction`` outside ``(0, 1]``.
@@ -92,9 +93,9 @@ class BudgetSchedule(Scheduler):
 
     `plan` moves ``layers`` to the model's depth with `scale_layers` (as `ScaledSchedule`
     does), then places the stages with `budget_schedule`: at the scaled layers if one common
-    ratio ``<= max_removal_ratio`` keeps ``kept_fraction + tolerance`` or less, else the same stages moved
-    earlier, else a stage after every layer but the last; `placement` says which. This is
-    how the quality benchmark puts every method at the same budget.
+    ratio ``<= max_removal_ratio`` keeps ``kept_fraction + tolerance`` or less, else the same
+    stages moved earlier, else a stage after every layer but the last; `placement` says
+    which. This is how the quality benchmark puts every method at the same budget.
 
     Attributes:
         layers: 0-based layers of the method's reference schedule, below ``ref_depth``.

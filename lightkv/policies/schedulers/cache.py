@@ -26,7 +26,8 @@ def _layers(layers: Sequence[int] | None, num_layers: int, who: str) -> list[int
         )
     if out and out[-1] >= num_layers:
         raise ValueError(
-            f"the schedule compresses the cache of layer {out[-1]}, but the model has only {num_layers} layers"
+            f"the schedule compresses the cache of layer {out[-1]}, "
+            f"but the model has only {num_layers} layers"
         )
     return out
 

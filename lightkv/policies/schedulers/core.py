@@ -1,4 +1,5 @@
-"""The scheduler family, its stage record and the kept-fraction arithmetic every scheduler shares."""
+"""The scheduler family, its stage record and the kept-fraction arithmetic every scheduler
+shares."""
 
 from __future__ import annotations
 
@@ -185,8 +186,9 @@ class Scheduler(Policy):
             raise ValueError(f"stage layers must be strictly increasing, got {layers}")
         if layers and layers[-1] >= num_layers:
             raise ValueError(
-                f"the schedule compresses after layer {layers[-1]}, but the model has only {num_layers} "
-                f"layers (0..{num_layers - 1}); use layers below {num_layers} or a kept_fraction schedule"
+                f"the schedule compresses after layer {layers[-1]}, but the model has only "
+                f"{num_layers} layers (0..{num_layers - 1}); use layers below {num_layers} or a "
+                "kept_fraction schedule"
             )
         return stages
 

@@ -58,9 +58,9 @@ class ExplicitSchedule(Scheduler):
                 self.windows_per_side = None
             elif n != 3:
                 raise ScheduleError(
-                    f"ExplicitSchedule(layers={tuple(self.layers)}): windows_per_side defaults to (4, 2, 1), one entry "
-                    f"per default layer; give windows_per_side with 1 or {n} entries (e.g. windows_per_side=(1,)) "
-                    "or window_size",
+                    f"ExplicitSchedule(layers={tuple(self.layers)}): windows_per_side defaults to "
+                    "(4, 2, 1), one entry per default layer; give windows_per_side with 1 or "
+                    f"{n} entries (e.g. windows_per_side=(1,)) or window_size",
                     "windows_per_side",
                 )
         self.stages()  # any other length or value problem, at construction too

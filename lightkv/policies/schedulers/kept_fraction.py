@@ -27,10 +27,11 @@ class KeptFractionSchedule(Scheduler):
     """Hit a target vision-KV fraction (averaged over layers) on a model of any depth.
 
     Stages sit at the same relative depths as the reference LLaVA schedule (12/32, 18/32,
-    24/32 by default) and one common ratio ``P <= max_removal_ratio`` is found by bisection so that
-    `average_kept_fraction` equals ``kept_fraction``. If even ``max_removal_ratio`` at those depths keeps
-    too much, all stages move earlier by the same number of layers (keeping their spacing)
-    until the target is reachable: compressing earlier is the only other way to keep less.
+    24/32 by default) and one common ratio ``P <= max_removal_ratio`` is found by bisection so
+    that `average_kept_fraction` equals ``kept_fraction``. If even ``max_removal_ratio`` at
+    those depths keeps too much, all stages move earlier by the same number of layers
+    (keeping their spacing) until the target is reachable: compressing earlier is the only
+    other way to keep less.
 
     Attributes:
         kept_fraction: the target kept fraction in ``(0, 1]``.
@@ -76,7 +77,8 @@ class KeptFractionSchedule(Scheduler):
                 wps = wps * n
             elif isinstance(wps, list) and len(wps) != n:
                 raise ScheduleError(
-                    f"windows_per_side has {len(wps)} entries for {n} relative layers; give 1 or {n}",
+                    f"windows_per_side has {len(wps)} entries for {n} relative layers; "
+                    f"give 1 or {n}",
                     "windows_per_side",
                 )
             params["windows_per_side"] = wps
@@ -108,7 +110,8 @@ class KeptFractionSchedule(Scheduler):
         number = {"type": "number"}
         return {
             "type": "object",
-            "title": "a kept-fraction target (shorthand of name: kept_fraction, params: {kept_fraction: ...})",
+            "title": "a kept-fraction target "
+            "(shorthand of name: kept_fraction, params: {kept_fraction: ...})",
             "properties": {
                 "kept_fraction": number,
                 "relative_layers": _nullable(_one_or_list(number)),
@@ -143,7 +146,8 @@ class KeptFractionSchedule(Scheduler):
         n, k = len(self.relative_layers), len(self.windows_per_side)
         if k != n:
             raise ScheduleError(
-                f"windows_per_side has {k} entries for {n} relative layers; give one per relative layer",
+                f"windows_per_side has {k} entries for {n} relative layers; "
+                "give one per relative layer",
                 "windows_per_side",
             )
 
@@ -173,9 +177,10 @@ class KeptFractionSchedule(Scheduler):
         )
         if shift is None:
             raise ValueError(
-                f"kept fraction {self.kept_fraction} is out of reach on {num_layers} layers: starting at layer 0 "
-                f"with ratio {self.max_removal_ratio} per stage still keeps {kept(self.max_removal_ratio, base[0]):.3f}; "
-                "add stages (relative_layers) or use a partitioner that removes more (max_removal_ratio)"
+                f"kept fraction {self.kept_fraction} is out of reach on {num_layers} layers: "
+                f"starting at layer 0 with ratio {self.max_removal_ratio} per stage still keeps "
+                f"{kept(self.max_removal_ratio, base[0]):.3f}; add stages (relative_layers) or use "
+                "a partitioner that removes more (max_removal_ratio)"
             )
         p = round(
             ratio_for_target(lambda r: kept(r, shift), self.kept_fraction, self.max_removal_ratio),

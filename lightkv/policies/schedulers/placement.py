@@ -5,12 +5,13 @@ decoder layers, ElasticCache on each layer's cache). `place` moves the same stag
 another place at the same vision-KV budget, so any keep-set or merge method runs in any of
 the three by one field (``placement:`` in YAML, `lightkv.Pipeline.placement`):
 
-| placement | the stages become | kept vision KV |
-|---|---|---|
-| ``planned`` | the schedule's own | the schedule's |
-| ``pre_llm`` | one stage before decoder layer 0 | the planned average, at every layer |
-| ``layer`` | stages after decoder layers; a pre-LLM stage moves after layer 0 | the planned average |
-| ``cache`` | one stage on each layer's cache after its prefill | the planned share, layer by layer |
+- ``planned``: the stages become the schedule's own; kept vision KV: the schedule's.
+- ``pre_llm``: the stages become one stage before decoder layer 0; kept vision KV: the
+  planned average, at every layer.
+- ``layer``: the stages become stages after decoder layers, a pre-LLM stage moving after
+  layer 0; kept vision KV: the planned average.
+- ``cache``: the stages become one stage on each layer's cache after its prefill; kept vision
+  KV: the planned share, layer by layer.
 
 Each moved stage keeps its windows (``pre_llm``: the first planned stage's; ``cache``: the
 windows of the last stage that acted before the layer). What cannot be placed is refused
