@@ -196,6 +196,12 @@ def test_config_validate_accepts_every_mode(capsys, preset):
         assert "each of the 32 compressed layers' caches keeps 288 of 576 vision tokens" in out
     if preset == "lightkv-pre-llm":
         assert "stage 0: before layer 0 (pre-LLM)" in out
+    if preset == "h2o":  # a mode alone: what it keeps, and no dry run without a model
+        assert (
+            "no stages; mode H2OMode(budget=0.5" in out
+            and "kept on average over layers: 50.0%" in out
+        )
+        assert "no dry run: mode 'h2o' works on a model's cache" in out
 
 
 @pytest.mark.parametrize(

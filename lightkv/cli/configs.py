@@ -115,6 +115,11 @@ def _plan_lines(cfg, num_layers: int, target: str) -> list[str]:
         stages = cfg.validate_for_model(num_layers)
     except ConfigError as e:
         raise e.with_source(target) from None
+    if not stages and cfg.mode is not None:
+        mode = cfg.build().mode
+        kept = mode.target_kept_fraction(num_layers)
+        promise = "" if kept is None else f"; vision KV kept on average over layers: {kept:.1%}"
+        return [f"on a {num_layers}-layer model: no stages; mode {mode!r} does the work{promise}"]
     if not stages:
         return [f"on a {num_layers}-layer model: no stages (nothing is compressed)"]
     lines = [f"on a {num_layers}-layer model, {len(stages)} stage(s):"]
@@ -153,7 +158,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _default_depth(cfg) -> int:
-    layers = cfg.schedule.layers
+    layers = None if cfg.schedule is None else cfg.schedule.layers
     return max(32, layers[-1] + 1) if layers else 32
 
 
@@ -171,6 +176,8 @@ def _dry_run(cfg, num_layers: int, grid: tuple[int, int]) -> str:
     relevance = torch.rand(1, n, generator=gen)
     keys = torch.randn(1, n, 2, 16, generator=gen)  # for key-space policies: 2 heads of 16
     stages = pipe.stages(num_layers)
+    if not stages and pipe.mode is not None:
+        return f"no dry run: mode {pipe.mode.name!r} works on a model's cache (lightkv.apply)"
     if stages and all(
         s.spec.mode == "cache" for s in stages
     ):  # the cache mode: each layer's cache on its own
