@@ -184,7 +184,7 @@ def test_budget_schedule_from_yaml_places_stages_as_the_benchmark(
         f"{max_removal_ratio}}}\n"
     )
     scheduler = cfg.build().scheduler
-    assert isinstance(scheduler, BudgetSchedule) and scheduler.placement(depth) == how
+    assert isinstance(scheduler, BudgetSchedule) and scheduler.fit(depth) == how
     stages = cfg.validate_for_model(depth)
     assert tuple(s.layer for s in stages) == layers and {s.removal_ratio for s in stages} == {ratio}
     windows = [4, 2, 1] + [1] * (len(layers) - 3)

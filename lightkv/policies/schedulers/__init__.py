@@ -16,7 +16,7 @@ Each scheduler, by name (its class: the stages it plans):
   prefill.
 """
 
-from .budget import BudgetSchedule, Placement, budget_schedule
+from .budget import BudgetFit, BudgetSchedule, budget_schedule
 from .cache import CacheSchedule
 from .core import ScheduleError, Scheduler, StageSpec, average_kept_fraction, ratio_for_target
 from .explicit import ExplicitSchedule
@@ -27,12 +27,12 @@ from .scaled import ScaledSchedule, scale_layers
 from .two_stage import PreLLMThenLayer
 
 __all__ = [
+    "BudgetFit",
     "BudgetSchedule",
     "CacheSchedule",
     "ExplicitSchedule",
     "KeptFractionSchedule",
     "PLACEMENTS",
-    "Placement",
     "PreLLMSchedule",
     "PreLLMThenLayer",
     "ScaledSchedule",

@@ -19,9 +19,11 @@ from .core import (
 from .explicit import ExplicitSchedule
 from .scaled import check_reference, reference_layers
 
-__all__ = ["BudgetSchedule", "Placement", "budget_schedule"]
+__all__ = ["BudgetFit", "BudgetSchedule", "budget_schedule"]
 
-Placement = Literal["scaled", "extra stages", "min"]
+BudgetFit = Literal["scaled", "extra stages", "min"]
+"""How `budget_schedule` reached a target (not where stages run: that is a pipeline's
+``placement``)."""
 
 
 def budget_schedule(
@@ -35,14 +37,14 @@ def budget_schedule(
 ):
     """``(ExplicitSchedule, how)`` keeping about ``kept_fraction`` of the vision KV.
 
-    Placements are tried in order: ``layers`` (already at the model's depth), then the same
+    Layer sets are tried in order: ``layers`` (already at the model's depth), then the same
     stages moved earlier by 1, 2, ... layers (spacing kept), then a stage after every layer
     but the last (the deepest compression a method with this per-stage ``max_removal_ratio``
-    can make; per-stage windows repeat their last entry). The first placement that can keep
+    can make; per-stage windows repeat their last entry). The first layer set that can keep
     ``kept_fraction + tolerance`` or less gets one common ratio ``<= max_removal_ratio`` by
     bisection on `average_kept_fraction`. ``how`` is ``"scaled"`` (the method's own
     stages), ``"extra stages"`` (a stage after every layer) or ``"min"`` (out of reach: the
-    deepest placement at ``max_removal_ratio``). The tolerance keeps e.g. LightKV's own 0.5
+    deepest layer set at ``max_removal_ratio``). The tolerance keeps e.g. LightKV's own 0.5
     ratio at its scaled layers for a 55% target on 6 layers (56.25%) rather than moving it.
 
     Raises:
@@ -53,8 +55,8 @@ def budget_schedule(
     if kept_fraction >= 1.0:
         return ExplicitSchedule(layers=(), removal_ratios=(), windows_per_side=None), "scaled"
     layers = list(layers)
-    placements = [(tuple(l - shift for l in layers), "scaled") for shift in range(layers[0] + 1)]
-    placements.append((tuple(range(num_layers - 1)), "extra stages"))
+    fits = [(tuple(l - shift for l in layers), "scaled") for shift in range(layers[0] + 1)]
+    fits.append((tuple(range(num_layers - 1)), "extra stages"))
 
     def kept(p: float, at: tuple[int, ...]) -> float:
         return average_kept_fraction([StageSpec(l, p, windows_per_side=1) for l in at], num_layers)
@@ -71,7 +73,7 @@ def budget_schedule(
             extra["windows_per_side"] = per_stage(windows_per_side, len(at))
         return ExplicitSchedule(layers=at, removal_ratios=(p,), **extra)
 
-    for at, how in placements:
+    for at, how in fits:
         if kept(max_removal_ratio, at) <= kept_fraction + tolerance:
             return build(
                 round(
@@ -82,7 +84,7 @@ def budget_schedule(
                 ),
                 at,
             ), how
-    return build(max_removal_ratio, placements[-1][0]), "min"
+    return build(max_removal_ratio, fits[-1][0]), "min"
 
 
 @Scheduler.register("budget")
@@ -94,7 +96,7 @@ class BudgetSchedule(Scheduler):
     `plan` moves ``layers`` to the model's depth with `scale_layers` (as `ScaledSchedule`
     does), then places the stages with `budget_schedule`: at the scaled layers if one common
     ratio ``<= max_removal_ratio`` keeps ``kept_fraction + tolerance`` or less, else the same
-    stages moved earlier, else a stage after every layer but the last; `placement` says
+    stages moved earlier, else a stage after every layer but the last; `fit` says
     which. This is how the quality benchmark puts every method at the same budget.
 
     Attributes:
@@ -133,7 +135,7 @@ class BudgetSchedule(Scheduler):
             raise ScheduleError("give at least one reference layer, e.g. [12, 18, 24]", "layers")
         check_reference(self, (self.max_removal_ratio,))
 
-    def _placed(self, num_layers: int) -> tuple[ExplicitSchedule, Placement]:
+    def _fitted(self, num_layers: int) -> tuple[ExplicitSchedule, BudgetFit]:
         layers = reference_layers(self.layers, self.ref_depth, num_layers)
         return budget_schedule(
             layers,
@@ -147,18 +149,18 @@ class BudgetSchedule(Scheduler):
 
     def explicit(self, num_layers: int) -> ExplicitSchedule:
         """The `ExplicitSchedule` this schedule is on a ``num_layers``-layer model."""
-        return self._placed(num_layers)[0]
+        return self._fitted(num_layers)[0]
 
-    def placement(self, num_layers: int) -> Placement:
-        """Which placement `plan` uses on ``num_layers`` layers: ``"scaled"`` (the method's
+    def fit(self, num_layers: int) -> BudgetFit:
+        """How `plan` reaches the target on ``num_layers`` layers: ``"scaled"`` (the method's
         own stages, possibly moved earlier), ``"extra stages"`` (a stage after every layer
-        but the last) or ``"min"`` (the target is out of reach: the deepest placement at
+        but the last) or ``"min"`` (the target is out of reach: the deepest layer set at
         ``max_removal_ratio``)."""
-        return self._placed(num_layers)[1]
+        return self._fitted(num_layers)[1]
 
     def target_kept_fraction(self, num_layers: int) -> float:
         return float(self.kept_fraction)
 
     def plan(self, num_layers):
         self._check_depth(num_layers)
-        return self._placed(num_layers)[0].plan(num_layers)
+        return self._fitted(num_layers)[0].plan(num_layers)
