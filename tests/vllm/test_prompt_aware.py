@@ -40,8 +40,9 @@ def served(result, rows, cols, question):
         for r in result["records"]
         if r["grid"][1:] == [2 * rows, 2 * cols] and r["question"] == question
     ]
-    assert len(found) == 1, f"{len(found)} records for {rows}x{cols} and {question}"
-    rec = found[0]
+    assert found, f"no record for {rows}x{cols} and {question}"
+    rec = found[0]  # an image encoded again (an encoder cache miss) gives the same result
+    assert all(r["embeds"] == rec["embeds"] for r in found)
     e = torch.tensor(rec["embeds"])
     index = e[:, -3].long() * cols + e[:, -2].long()
     return index, e[:, :-4], torch.tensor(rec["encoder"])
