@@ -155,6 +155,23 @@ def test_prompt_aware_select_is_the_stage_on_the_image_then_its_question(spec):
     assert other.index.numel() == len(kept[0])  # another question: the same count
 
 
+def test_a_pipeline_that_relates_the_images_of_a_prompt_is_found():
+    """`per_image` probes whether an image's survivors depend on the prompt's other images
+    (the model then refuses more than one image per prompt)."""
+    from lightkv.policies.similarity import QuestionSimilarity
+
+    @dataclass
+    class _RowWide(QuestionSimilarity):  # shifted by the row's vision tokens: relates images
+        def score(self, queries, keys, layout, prompt=None, hidden=None):
+            xi = super().score(queries, keys, layout, prompt=prompt, hidden=hidden)
+            shift = layout.vision_mask.sum(1, keepdim=True) / 100  # the row's image tokens
+            return torch.where(layout.vision_mask, xi + shift, xi)
+
+    pipe = replace(_cover(), relevance=_RowWide())
+    assert not PreLLMPlan.load(pipe, num_layers=2).per_image
+    assert PreLLMPlan.load(_cover(), num_layers=2).per_image
+
+
 def test_the_question_is_the_text_after_the_last_image():
     pad = 9
     assert question_ids([1, 2, pad, pad, 3, pad, 4, 5], pad) == [4, 5]

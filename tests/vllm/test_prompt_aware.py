@@ -66,7 +66,8 @@ def test_survivors_equal_lightkv_apply(engine, model_dir, pipeline, chunk):
             torch.testing.assert_close(own, vllm_encoder, rtol=1e-4, atol=1e-5)  # one model
             got, got_embeds, _ = served(result, rows, cols, question)
             assert got.tolist() == index.tolist()  # exact sets, in grid order
-            torch.testing.assert_close(got_embeds, embeds, rtol=1e-5, atol=1e-5)
+            # merged embeddings: float32 rounding of a weighted mean (lightkv-cover), ~1e-5
+            torch.testing.assert_close(got_embeds, embeds, rtol=1e-4, atol=1e-4)
             assert 0 < got.numel() < rows * cols
             kept[n, rows, cols] = got.tolist()
     if pipeline == "cdpruner":  # the same image under two questions: two selections
