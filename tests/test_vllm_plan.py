@@ -128,7 +128,7 @@ def test_prompt_aware_select_is_the_stage_on_the_image_then_its_question(spec):
 
     pipe = _cover() if spec == "cover" else lightkv.load(spec)
     plan, stage = PreLLMPlan.load(pipe, num_layers=2), pipe.stages(2)[0]
-    assert plan.reads_prompt and plan.per_image
+    assert plan.reads_prompt and plan.per_image == (spec == "cdpruner")
     g = torch.Generator().manual_seed(1)
     grids, lens = [(6, 8), (4, 4), (10, 6)], [3, 0, 5]
     embeds = [torch.randn(r * c, 32, generator=g) for r, c in grids]
@@ -156,20 +156,12 @@ def test_prompt_aware_select_is_the_stage_on_the_image_then_its_question(spec):
 
 
 def test_a_pipeline_that_relates_the_images_of_a_prompt_is_found():
-    """`per_image` probes whether an image's survivors depend on the prompt's other images
-    (the model then refuses more than one image per prompt)."""
-    from lightkv.policies.similarity import QuestionSimilarity
-
-    @dataclass
-    class _RowWide(QuestionSimilarity):  # shifted by the row's vision tokens: relates images
-        def score(self, queries, keys, layout, prompt=None, hidden=None):
-            xi = super().score(queries, keys, layout, prompt=prompt, hidden=hidden)
-            shift = layout.vision_mask.sum(1, keepdim=True) / 100  # the row's image tokens
-            return torch.where(layout.vision_mask, xi + shift, xi)
-
-    pipe = replace(_cover(), relevance=_RowWide())
-    assert not PreLLMPlan.load(pipe, num_layers=2).per_image
-    assert PreLLMPlan.load(_cover(), num_layers=2).per_image
+    """`per_image` probes whether an image's survivors depend on the prompt's other images:
+    lightkv-cover's `question_similarity` scales relevance over all images of a prompt (the
+    model then refuses more than one image per prompt); CDPruner scales it per image."""
+    assert not PreLLMPlan.load(_cover(), num_layers=2).per_image
+    assert PreLLMPlan.load("cdpruner", num_layers=2).per_image
+    assert PreLLMPlan.load("divprune", num_layers=2).per_image
 
 
 def test_the_question_is_the_text_after_the_last_image():
@@ -251,7 +243,10 @@ def test_check_version_accepts_the_declared_range(monkeypatch, version):
 def test_importing_the_plugin_package_needs_no_vllm():
     import subprocess
 
-    code = "import sys, lightkv.integrations.vllm, lightkv.integrations.vllm.plan; print('vllm' in sys.modules)"
+    code = (
+        "import sys, lightkv.integrations.vllm, lightkv.integrations.vllm.plan; "
+        "print('vllm' in sys.modules)"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
     )
@@ -295,13 +290,13 @@ def test_the_gpu_checks_vllm_section_dry_runs_without_a_gpu(tmp_path):
         ("divprune-11", 64),
     ):
         assert (
-            f"vllm_concurrency (dry run): {variant}: {kept} of 576 image tokens, concurrency [1, 8, 32]"
-            in proc.stdout
+            f"vllm_concurrency (dry run): {variant}: {kept} of 576 image tokens, concurrency [1, "
+            "8, 32]" in proc.stdout
         )
     assert "lightkv-pre-llm-uniform: 288 of 576 image tokens" in proc.stdout
     assert (
-        "3c. where flash_attn imports: stock vs lightkv under --attn-implementation flash_attention_2"
-        in proc.stdout
+        "3c. where flash_attn imports: stock vs lightkv under --attn-implementation "
+        "flash_attention_2" in proc.stdout
     )
     assert f"{tmp_path}/budgets-fa2" in proc.stdout and "padded batch of 8" in proc.stdout
     assert "3c. benchmarks/flash_batch.py --dry-run passed" in proc.stdout

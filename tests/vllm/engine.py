@@ -6,20 +6,21 @@ vLLM's process-wide state.
 
 REQUEST: ``model`` (directory), ``arch`` (an architecture for ``hf_overrides``, or null for
 stock vLLM), ``pipeline`` (the ``lightkv`` override, or null), ``prompts`` (each
-``{"images": [[rows, cols], ...], "seed": s}``), ``max_tokens``, ``chunk`` (optional ``max_num_batched_tokens``: prefill in chunks of that
-many tokens), ``prefix_caching`` (vLLM's prefix caching on), ``sequential`` (one request
-after another), ``eager`` (``enforce_eager``, default true). A prompt may give ``image_seed``
-(the same image under another seed) and ``question`` (words after its one image): see
-`tiny.request`. Each image's encoder output, the embeddings handed to the language model
-(and the question the plugin gave it), and the M-RoPE positions each prompt was run with
-are captured.
+``{"images": [[rows, cols], ...], "seed": s}``), ``max_tokens``, ``chunk`` (optional
+``max_num_batched_tokens``: prefill in chunks of that many tokens), ``prefix_caching``
+(vLLM's prefix caching on), ``sequential`` (one request after another), ``eager``
+(``enforce_eager``, default true), ``limits`` (``limit_mm_per_prompt``, default
+``{"image": 2}``). A prompt may give ``image_seed`` (the same image under
+another seed) and ``question`` (words after its one image): see `tiny.request`. Each image's
+encoder output, the embeddings handed to the language model (and the question the plugin
+gave it), and the M-RoPE positions each prompt was run with are captured.
 
 RESULT: ``outputs`` (per prompt: ``prompt_len``, ``prompt`` (token ids), ``tokens``,
 ``blocks``: KV blocks the request held when it finished, ``positions``: ``[3, N]``,
-``cached``: prompt tokens served from the prefix cache), ``block_size``, ``records``, ``alone`` (with ``"alone": true``:
-each prompt's tokens generated on its own), ``video_error`` (with ``"video": true``: what a
-video prompt raised), or ``error`` (the exception's
-type and message, when building the engine or generating failed).
+``cached``: prompt tokens served from the prefix cache), ``block_size``, ``records``,
+``alone`` (with ``"alone": true``: each prompt's tokens generated on its own),
+``video_error`` (with ``"video": true``: what a video prompt raised), or ``error`` (the
+exception's type and message, when building the engine or generating failed).
 """
 
 from __future__ import annotations

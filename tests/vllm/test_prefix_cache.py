@@ -47,7 +47,7 @@ def test_same_image_other_question_with_prefix_caching(engine):
     assert (first["tokens"], first["prompt"]) == (fresh[0]["tokens"], fresh[0]["prompt"])
     assert (other["tokens"], other["prompt"]) == (fresh[1]["tokens"], fresh[1]["prompt"])
     assert first["cached"] == 0
-    # the same request twice hits the cache (whole blocks of the compressed prompt) and decodes the same
+    # the same request twice hits the cache (whole blocks of the compressed prompt), same tokens
     assert again["cached"] >= cached["block_size"] and again["tokens"] == first["tokens"]
     # the kept sets are lightkv's for this image, whether the encoder ran again or not
     kept = PreLLMPlan.load("divprune", num_layers=2).kept_count(12, 10)

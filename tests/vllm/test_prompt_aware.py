@@ -30,6 +30,9 @@ PROMPTS = [
     {"images": [[6, 10], [8, 4]], "seed": 2},  # two images, the question after the second
 ]
 CASES = [("cdpruner", None), ("cdpruner", 32), (COVER, 32)]
+ONE_IMAGE = [p for p in PROMPTS if len(p["images"]) == 1]
+"""lightkv-cover relates the images of a prompt (relevance scaled over all of them), so vLLM
+serves it one image per prompt."""
 
 
 def served(result, rows, cols, question):
@@ -52,9 +55,13 @@ def served(result, rows, cols, question):
     "pipeline, chunk", CASES, ids=["cdpruner", "cdpruner-chunked", "cover-chunked"]
 )
 def test_survivors_equal_lightkv_apply(engine, model_dir, pipeline, chunk):
-    result = ok(engine(arch=QWEN, pipeline=pipeline, prompts=PROMPTS, max_tokens=4, chunk=chunk))
+    one = {"limits": {"image": 1}}
+    prompts, extra = (PROMPTS, {}) if pipeline == "cdpruner" else (ONE_IMAGE, one)
+    if chunk:
+        extra["chunk"] = chunk
+    result = ok(engine(arch=QWEN, pipeline=pipeline, prompts=prompts, max_tokens=4, **extra))
     kept = {}
-    for n, prompt in enumerate(PROMPTS):
+    for n, prompt in enumerate(prompts):
         first = reference.survivors(model_dir, pipeline, prompt)  # the model's own encoder
         encoder = [
             served(result, r, c, first[0][0])[2] for r, c in prompt["images"]
@@ -85,3 +92,13 @@ def test_chunked_prefill_gives_the_same_tokens(engine):
             b["positions"],
             b["prompt_len"],
         )
+
+
+def test_a_pipeline_that_relates_images_needs_one_image_per_prompt(engine):
+    """lightkv-cover's selection of an image depends on the prompt's other images, which vLLM
+    encodes on their own: refused at load unless prompts hold one image."""
+    result = engine(arch=QWEN, pipeline=COVER, prompts=ONE_IMAGE[:1], max_tokens=2)
+    assert "error" in result, "expected a refusal, the engine ran"
+    message = result["error"]["message"]
+    assert "relates the images of a prompt" in message, message
+    assert "limit_mm_per_prompt={'image': 1}" in message, message

@@ -6,8 +6,8 @@ vLLM keeps one sequence length per request for all decoder layers, and it sizes 
 (the number of image placeholder tokens) when it processes the prompt, before the vision
 encoder has run. So a pipeline can run inside vLLM only if
 
-- every stage is pre-LLM (`lightkv.policies.StageSpec.mode` ``"pre_llm"``: the ``pre_llm`` schedule):
-  one stage on the embeddings, before decoder layer 0, so every layer caches the same
+- every stage is pre-LLM (`lightkv.policies.StageSpec.mode` ``"pre_llm"``: the ``pre_llm``
+  schedule): one stage on the embeddings, before decoder layer 0, so every layer caches the same
   shorter sequence;
 - no policy reads the model's internals: the plugin runs where vLLM embeds an image
   (``embed_multimodal``). Relevance from layer 0's queries and keys (``query_softmax``,
@@ -92,7 +92,8 @@ def _resolve(spec: Any) -> tuple[Pipeline, str]:
 
         return load(spec), os.fspath(spec)
     raise UnsupportedPipeline(
-        f"hf_overrides[{PIPELINE_KEY!r}] must be a lightkv preset name, a pipeline YAML path or an inline "
+        f"hf_overrides[{PIPELINE_KEY!r}] must be a lightkv preset name, a pipeline YAML path or an "
+        "inline "
         f"pipeline mapping, got {type(spec).__name__}"
     )
 
@@ -109,7 +110,8 @@ def _refusals(pipeline: Pipeline, stages: list[Stage], name: str) -> list[str]:
             if layers
         )
         why.append(
-            f"it compresses inside the decoder ({where}): vLLM keeps one KV length for all layers of "
+            f"it compresses inside the decoder ({where}): vLLM keeps one KV length for all layers "
+            "of "
             "a request, so a stage can run only before layer 0 (the pre-LLM mode; see "
             "docs/concepts/serving.md)"
         )
@@ -124,8 +126,10 @@ def _refusals(pipeline: Pipeline, stages: list[Stage], name: str) -> list[str]:
             )
         elif rel.query_rows != "none" or rel.key_cols != "none":
             why.append(
-                f"relevance {rel.name!r} is prompt-aware through layer 0's queries and keys over the "
-                "prompt, which vLLM computes only inside the decoder (the plugin gives the stage the "
+                f"relevance {rel.name!r} is prompt-aware through layer 0's queries and keys over "
+                "the "
+                "prompt, which vLLM computes only inside the decoder (the plugin gives the stage "
+                "the "
                 "question's input embeddings: use `relevance: question_similarity`)"
             )
         elif getattr(rel, "reads_prompt", False) and rel.name not in QUESTION_READERS:
@@ -140,14 +144,16 @@ def _refusals(pipeline: Pipeline, stages: list[Stage], name: str) -> list[str]:
                 and policy.name not in QUESTION_READERS
             ):
                 why.append(
-                    f"{policy.family} {policy.name!r} reads the prompt (its question tokens), which "
+                    f"{policy.family} {policy.name!r} reads the prompt (its question tokens), "
+                    "which "
                     "the plugin gives only to "
                     + ", ".join(sorted(QUESTION_READERS))
                     + " (not verified for others)"
                 )
         if stage.needs:
             why.append(
-                f"its policies need {', '.join(sorted(stage.needs))} of layer 0, which vLLM computes only "
+                f"its policies need {', '.join(sorted(stage.needs))} of layer 0, which vLLM "
+                "computes only "
                 "inside the decoder"
             )
     if pipeline.proportional_attention:
@@ -209,7 +215,8 @@ class PreLLMPlan:
             raise
         if not stages:
             raise UnsupportedPipeline(
-                f"lightkv pipeline {name!r} schedules no prefill stage on a {num_layers}-layer model (it "
+                f"lightkv pipeline {name!r} schedules no prefill stage on a {num_layers}-layer "
+                "model (it "
                 f"compresses while decoding, or not at all). {_FIX}"
             )
         why = _refusals(pipeline, stages, name)
@@ -221,8 +228,10 @@ class PreLLMPlan:
         probe = (6, 10)
         if plan._probe_count(probe, 1) != plan._probe_count(probe, 2):
             raise UnsupportedPipeline(
-                f"lightkv pipeline {name!r} keeps a number of tokens that depends on the image's content: vLLM "
-                f"sizes a prompt before its image is encoded, so the count must follow from the grid. {_FIX}"
+                f"lightkv pipeline {name!r} keeps a number of tokens that depends on the image's "
+                "content: vLLM "
+                "sizes a prompt before its image is encoded, so the count must follow from the "
+                f"grid. {_FIX}"
             )
         return plan
 
@@ -253,18 +262,20 @@ class PreLLMPlan:
     @property
     def per_image(self) -> bool:
         """Whether an image's survivors are independent of the prompt's other images (probed
-        once on seeded random embeddings: two images and a question in one prompt, then the
-        first alone with the same question). vLLM encodes each image of a prompt on its own,
-        so a pipeline that relates them (``question_similarity`` scales relevance over all
-        images of a prompt) serves one image per prompt."""
+        once on seeded random embeddings: two images and a question in one prompt, then each
+        alone with the same question). vLLM encodes each image of a prompt on its own, so a
+        pipeline that relates them (``question_similarity`` scales relevance over all images
+        of a prompt: lightkv-cover) serves one image per prompt."""
         if "per_image" not in self._counts_meta:
             g = torch.Generator().manual_seed(3)
             a, b, q = (torch.randn(n, 16, generator=g) for n in (60, 24, 3))
-            ids = torch.arange(3)
-            both = run_rows(self.stage, [([a, b], [(6, 10), (4, 6)], q, ids)], True)[0][0]
-            alone = run_rows(self.stage, [([a], [(6, 10)], q, ids)], True)[0][0]
-            same = torch.equal(both.index, alone.index) and torch.allclose(
-                both.embeds, alone.embeds, rtol=1e-5, atol=1e-6
+            images, grids, ids = [a, b], [(6, 10), (4, 6)], torch.arange(3)
+            rows = [(images, grids, q, ids)] + [([e], [gr], q, ids) for e, gr in zip(images, grids)]
+            both, *alone = run_rows(self.stage, rows, True)
+            same = all(
+                torch.equal(x.index, y[0].index)
+                and torch.allclose(x.embeds, y[0].embeds, rtol=1e-5, atol=1e-6)
+                for x, y in zip(both, alone)
             )
             self._counts_meta["per_image"] = "yes" if same else "no"
         return self._counts_meta["per_image"] == "yes"

@@ -68,7 +68,8 @@ def plan_for(hf_config: Any) -> PreLLMPlan:
     if spec is None:
         raise ValueError(
             f"{type(hf_config).__name__} names no lightkv pipeline: pass hf_overrides="
-            f"{{'architectures': [...], {PIPELINE_KEY!r}: 'divprune'}} (a preset name, a YAML path or an "
+            f"{{'architectures': [...], {PIPELINE_KEY!r}: 'divprune'}} (a preset name, a YAML path "
+            "or an "
             "inline pipeline mapping)"
         )
     text = getattr(hf_config, "text_config", hf_config)
@@ -215,26 +216,30 @@ class LightKVQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerati
         config = vllm_config.model_config.hf_config
         if getattr(config, "model_type", None) != "qwen2_5_vl":
             raise ValueError(
-                f"LightKVQwen2_5_VLForConditionalGeneration needs a Qwen2.5-VL checkpoint (model_type "
+                "LightKVQwen2_5_VLForConditionalGeneration needs a Qwen2.5-VL checkpoint "
+                "(model_type "
                 f"'qwen2_5_vl'), got model_type {getattr(config, 'model_type', None)!r}"
             )
         plan = plan_for(config)
         mm = vllm_config.model_config.get_multimodal_config()
         if mm.is_multimodal_pruning_enabled():
             raise ValueError(
-                "lightkv's vLLM plugin and vLLM's video pruning (EVS, --video-pruning-rate) cannot be combined: "
+                "lightkv's vLLM plugin and vLLM's video pruning (EVS, --video-pruning-rate) cannot "
+                "be combined: "
                 "unset video_pruning_rate"
             )
         if vllm_config.use_v2_model_runner:
             raise ValueError(
-                "lightkv's vLLM plugin runs on vLLM's V1 model runner, whose multimodal pruning path it uses: "
+                "lightkv's vLLM plugin runs on vLLM's V1 model runner, whose multimodal pruning "
+                "path it uses: "
                 "set VLLM_USE_V2_MODEL_RUNNER=0"
             )
         images = mm.get_limit_per_prompt("image")
         if plan.reads_prompt and not plan.per_image and (images is None or images > 1):
             raise ValueError(
-                f"lightkv pipeline {plan.name!r} relates the images of a prompt, and vLLM encodes "
-                "each image on its own: set limit_mm_per_prompt={'image': 1}"
+                f"lightkv pipeline {plan.name!r} relates the images of a prompt (its selection of "
+                "one image depends on the others), and vLLM encodes each image on its own: set "
+                "limit_mm_per_prompt={'image': 1}"
             )
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.lightkv_plan = plan
@@ -312,8 +317,10 @@ class LightKVQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerati
             tokens = media[media >= num_computed_tokens][: offsets.shape[0]]
             if tokens.shape[0] != offsets.shape[0]:
                 raise RuntimeError(
-                    f"{offsets.shape[0]} image embeddings but {tokens.shape[0]} image tokens from token "
-                    f"{num_computed_tokens} on: the processor and the model disagree on the kept counts"
+                    f"{offsets.shape[0]} image embeddings but {tokens.shape[0]} image tokens from "
+                    "token "
+                    f"{num_computed_tokens} on: the processor and the model disagree on the kept "
+                    "counts"
                 )
             start = starts[torch.searchsorted(starts, tokens) - 1]  # each token's <|vision_start|>
             positions[:, tokens] = (offsets + positions[0, start].unsqueeze(1) + 1).T.to(
@@ -354,7 +361,8 @@ class LightKVQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerati
                 max(rows, cols) > 2 / torch.finfo(dtype).eps
             ):  # integers stay exact up to 2^(mantissa + 1)
                 raise ValueError(
-                    f"a {rows} x {cols}-token image: its positions are not exact in {dtype} (vLLM carries them "
+                    f"a {rows} x {cols}-token image: its positions are not exact in {dtype} (vLLM "
+                    "carries them "
                     "beside the embeddings); serve in float32 or limit the image size (max_pixels)"
                 )
             index = sel.index.to(device)

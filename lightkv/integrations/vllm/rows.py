@@ -44,7 +44,8 @@ def check_grid(rows: int, cols: int) -> None:
         raise ValueError(f"an image grid must be positive, got {rows} x {cols}")
     if rows * cols > MAX_IMAGE_TOKENS:
         raise ValueError(
-            f"an image grid has at most {MAX_IMAGE_TOKENS:,} tokens (Qwen2.5-VL's largest default image)"
+            f"an image grid has at most {MAX_IMAGE_TOKENS:,} tokens (Qwen2.5-VL's largest default "
+            "image)"
             f", got {rows:,} x {cols:,} = {rows * cols:,}"
         )
 
