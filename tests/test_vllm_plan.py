@@ -17,7 +17,13 @@ import lightkv
 from lightkv import ImageSegment, VisionLayout
 from lightkv.integrations.vllm import ARCHITECTURES, SUPPORTED_VLLM, TESTED_VLLM, check_version
 from lightkv.integrations.vllm.install import TORCH_FAMILY, requirements
-from lightkv.integrations.vllm.plan import PROMPT_AGNOSTIC_PRESETS, PreLLMPlan, UnsupportedPipeline
+from lightkv.integrations.vllm.plan import (
+    PROMPT_AGNOSTIC_PRESETS,
+    PROMPT_AWARE_PRESETS,
+    PreLLMPlan,
+    UnsupportedPipeline,
+)
+from lightkv.integrations.vllm.question import question_ids, question_list, question_tag
 from lightkv.policies import SmallestDivergence
 from lightkv.policies.counts import kept_count
 
@@ -28,8 +34,8 @@ WINDOWED = {
 }
 
 
-@pytest.mark.parametrize("name", PROMPT_AGNOSTIC_PRESETS)
-def test_the_prompt_agnostic_presets_load(name):
+@pytest.mark.parametrize("name", PROMPT_AGNOSTIC_PRESETS + PROMPT_AWARE_PRESETS)
+def test_the_served_presets_load(name):
     plan = PreLLMPlan.load(name, num_layers=28)
     assert plan.stage.spec.mode == "pre_llm" and plan.stage.spec.layer == 0
 
@@ -46,8 +52,8 @@ def test_the_prompt_agnostic_presets_load(name):
         ("lightkv-low-budget", "prompt-aware"),
         ("visionzip", "vision tower's attention"),
         ("vispruner", "vision tower's attention"),
-        ("cdpruner", "pruner 'cdpruner' reads the prompt"),
         ("mmtok", "pruner 'mmtok' reads the prompt"),
+        ("lightkv-cover", "set `proportional_attention: false`"),
         ("scope", "vision tower's attention"),
         ("holov", "vision tower's attention"),
         ("vscan", "after layer(s) 13"),
@@ -67,8 +73,9 @@ def test_every_shipped_preset_is_either_served_or_refused():
             PreLLMPlan.load(name, num_layers=28)
         except UnsupportedPipeline:
             continue
-        assert name in PROMPT_AGNOSTIC_PRESETS, (
-            f"{name} runs in vLLM: list it in PROMPT_AGNOSTIC_PRESETS and the guide"
+        assert name in PROMPT_AGNOSTIC_PRESETS + PROMPT_AWARE_PRESETS, (
+            f"{name} runs in vLLM: list it in PROMPT_AGNOSTIC_PRESETS or PROMPT_AWARE_PRESETS "
+            "and the guide"
         )
 
 
@@ -107,6 +114,67 @@ def test_select_is_lightkvs_stage_per_image_in_one_padded_batch():
         torch.testing.assert_close(sel.embeds, alone.hidden[0])
         assert sel.index.numel() == plan.kept_count(r, c) < r * c
         assert torch.all(sel.index[1:] > sel.index[:-1])
+
+
+def _cover():
+    return replace(lightkv.load("lightkv-cover"), proportional_attention=False)
+
+
+@pytest.mark.parametrize("spec", ["cdpruner", "cover"])
+def test_prompt_aware_select_is_the_stage_on_the_image_then_its_question(spec):
+    """Each image in its own row, followed by its question; the same as lightkv's Stage on a
+    whole prompt (text, the image, the question) with the Prompt and question relevance."""
+    from lightkv.policies import Prompt
+
+    pipe = _cover() if spec == "cover" else lightkv.load(spec)
+    plan, stage = PreLLMPlan.load(pipe, num_layers=2), pipe.stages(2)[0]
+    assert plan.reads_prompt and plan.per_image == (spec == "cdpruner")
+    g = torch.Generator().manual_seed(1)
+    grids, lens = [(6, 8), (4, 4), (10, 6)], [3, 0, 5]
+    embeds = [torch.randn(r * c, 32, generator=g) for r, c in grids]
+    questions = [torch.randn(t, 32, generator=g) for t in lens]
+    ids = [torch.arange(t) + 7 for t in lens]
+    selections = plan.select(embeds, grids, questions=questions, question_ids=ids)
+    kept = []
+    for e, (r, c), q, sel in zip(embeds, grids, questions, selections):
+        pre = torch.randn(4, 32, generator=g)  # text before the image: not read
+        hidden = torch.cat([pre, e, q])[None]
+        layout = VisionLayout.from_segments(
+            1, hidden.shape[1], [ImageSegment(row=0, offset=4, grid=(r, c))]
+        )
+        prompt = Prompt(torch.zeros(1, hidden.shape[1], dtype=torch.long))
+        xi = stage.relevance_scores(None, None, layout, prompt=prompt, hidden=hidden).float()
+        alone = stage(hidden, layout, xi, None, None, prompt)
+        row = alone.kept_index[0]
+        vision = (row >= 4) & (row < 4 + r * c)
+        assert sel.index.tolist() == (row[vision] - 4).tolist()
+        torch.testing.assert_close(sel.embeds, alone.hidden[0][vision])
+        assert sel.index.numel() == plan.kept_count(r, c) < r * c
+        kept.append(sel.index.tolist())
+    other = plan.select(embeds[:1], grids[:1], questions=[-questions[0]])[0]
+    assert other.index.numel() == len(kept[0])  # another question: the same count
+
+
+def test_a_pipeline_that_relates_the_images_of_a_prompt_is_found():
+    """`per_image` probes whether an image's survivors depend on the prompt's other images:
+    lightkv-cover's `question_similarity` scales relevance over all images of a prompt (the
+    model then refuses more than one image per prompt); CDPruner scales it per image."""
+    assert not PreLLMPlan.load(_cover(), num_layers=2).per_image
+    assert PreLLMPlan.load("cdpruner", num_layers=2).per_image
+    assert PreLLMPlan.load("divprune", num_layers=2).per_image
+
+
+def test_the_question_is_the_text_after_the_last_image():
+    pad = 9
+    assert question_ids([1, 2, pad, pad, 3, pad, 4, 5], pad) == [4, 5]
+    assert question_ids([pad, pad], pad) == [] and question_ids([1, 2], pad) == [1, 2]
+    assert question_tag([4, 5]) == question_tag((4, 5)) != question_tag([5, 4])
+    assert [t.tolist() for t in question_list(torch.tensor([[1, 2], [3, 4]]), 2)] == [
+        [1, 2],
+        [3, 4],
+    ]
+    with pytest.raises(RuntimeError, match="without its question"):
+        question_list(None, 1)
 
 
 def test_select_checks_shapes():

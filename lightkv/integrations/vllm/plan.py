@@ -6,14 +6,18 @@ vLLM keeps one sequence length per request for all decoder layers, and it sizes 
 (the number of image placeholder tokens) when it processes the prompt, before the vision
 encoder has run. So a pipeline can run inside vLLM only if
 
-- every stage is pre-LLM (`lightkv.policies.StageSpec.mode` ``"pre_llm"``: the ``pre_llm`` schedule):
-  one stage on the embeddings, before decoder layer 0, so every layer caches the same
+- every stage is pre-LLM (`lightkv.policies.StageSpec.mode` ``"pre_llm"``: the ``pre_llm``
+  schedule): one stage on the embeddings, before decoder layer 0, so every layer caches the same
   shorter sequence;
-- no policy reads the prompt or the model's internals: the plugin runs where vLLM embeds an
-  image (``embed_multimodal``), which sees the image alone. Prompt-aware relevance
-  (``query_softmax``, ``last_token``, ``question_attention``), a policy that reads the
-  question (CDPruner), layer 0's keys, or the vision tower's attention (VisionZip, VisPruner)
-  are refused;
+- no policy reads the model's internals: the plugin runs where vLLM embeds an image
+  (``embed_multimodal``). Relevance from layer 0's queries and keys (``query_softmax``,
+  ``last_token``, ``question_attention``), layer 0's keys, or the vision tower's attention
+  (VisionZip, VisPruner) are refused;
+- a policy that reads the prompt reads it only as the question's input embeddings
+  (`QUESTION_READERS`: ``question_similarity``, CDPruner): the plugin's processor hands each
+  image the question's token ids (the text after the prompt's last image, lightkv's
+  `lightkv.policies.Prompt.question_mask`), and `select` runs the stage on the image followed
+  by the question, as lightkv's adapters run it on the whole prompt;
 - the kept count of an image depends on its grid alone (checked when the pipeline is loaded,
   and again for every image).
 
@@ -31,14 +35,16 @@ from typing import Any
 
 import torch
 
-from ...graph.layout import ImageSegment, VisionLayout
 from ...pipeline import Pipeline, Stage
 from ...quirks import ReleasedQuirks
+from .rows import MAX_IMAGE_TOKENS, Selection, check_grid, run_rows
 
 __all__ = [
     "MAX_IMAGE_TOKENS",
     "PIPELINE_KEY",
     "PROMPT_AGNOSTIC_PRESETS",
+    "PROMPT_AWARE_PRESETS",
+    "QUESTION_READERS",
     "PreLLMPlan",
     "Selection",
     "UnsupportedPipeline",
@@ -49,52 +55,27 @@ PIPELINE_KEY = "lightkv"
 """The model config attribute (set through vLLM's ``hf_overrides``) that names the pipeline."""
 
 PROMPT_AGNOSTIC_PRESETS = ("divprune", "downsample")
+"""Shipped presets that run inside vLLM as they are, prompt-blind."""
 
-MAX_IMAGE_TOKENS = 16384
-"""The largest image grid (rows x cols tokens) the plan sizes: Qwen2.5-VL's largest default
-image (16,384 merged tokens at ``max_pixels``). DivPrune's probe holds an N x N similarity
-(1 GiB in float32 at this size); a 100,000 x 100,000 grid used to allocate 640 GB."""
-"""Shipped presets that run inside vLLM as they are."""
+PROMPT_AWARE_PRESETS = ("cdpruner",)
+"""Shipped presets that run inside vLLM as they are and read the question."""
+
+QUESTION_READERS = frozenset({"question_similarity", "cdpruner"})
+"""Policies that read the prompt only as the question's input embeddings (`Prompt.question_mask`
+over the stage's hidden states), which the plugin gives the stage; other prompt readers are
+refused."""
+
 
 _FIX = (
-    "vLLM runs only pre-LLM, prompt-agnostic pipelines: use the presets "
-    + ", ".join(repr(p) for p in PROMPT_AGNOSTIC_PRESETS)
-    + " or a pipeline with `schedule: {name: pre_llm}` and `relevance: uniform` "
-    "(see docs/guides/vllm.md)"
+    "vLLM runs only pre-LLM pipelines: use the presets "
+    + ", ".join(repr(p) for p in PROMPT_AGNOSTIC_PRESETS + PROMPT_AWARE_PRESETS)
+    + " or a pipeline with `schedule: {name: pre_llm}` and `relevance: uniform` or "
+    "`question_similarity` (see docs/guides/vllm.md)"
 )
 
 
 class UnsupportedPipeline(ValueError):
     """A lightkv pipeline that vLLM cannot run; the message says why and what to use."""
-
-
-@dataclass(frozen=True)
-class Selection:
-    """The survivors of one image.
-
-    Attributes:
-        embeds: ``[k, D]`` their embeddings (a merged token holds the merge's result).
-        index: ``[k]`` int64, ascending: each survivor's index in the image's row-major
-            token grid (its original position).
-    """
-
-    embeds: torch.Tensor
-    index: torch.Tensor
-
-
-def check_grid(rows: int, cols: int) -> None:
-    """Refuse a grid that is not positive or larger than `MAX_IMAGE_TOKENS`, before any tensor.
-
-    Raises:
-        ValueError: naming the grid and the limit.
-    """
-    if rows <= 0 or cols <= 0:
-        raise ValueError(f"an image grid must be positive, got {rows} x {cols}")
-    if rows * cols > MAX_IMAGE_TOKENS:
-        raise ValueError(
-            f"an image grid has at most {MAX_IMAGE_TOKENS:,} tokens (Qwen2.5-VL's largest default image)"
-            f", got {rows:,} x {cols:,} = {rows * cols:,}"
-        )
 
 
 def _resolve(spec: Any) -> tuple[Pipeline, str]:
@@ -111,7 +92,8 @@ def _resolve(spec: Any) -> tuple[Pipeline, str]:
 
         return load(spec), os.fspath(spec)
     raise UnsupportedPipeline(
-        f"hf_overrides[{PIPELINE_KEY!r}] must be a lightkv preset name, a pipeline YAML path or an inline "
+        f"hf_overrides[{PIPELINE_KEY!r}] must be a lightkv preset name, a pipeline YAML path or an "
+        "inline "
         f"pipeline mapping, got {type(spec).__name__}"
     )
 
@@ -128,7 +110,8 @@ def _refusals(pipeline: Pipeline, stages: list[Stage], name: str) -> list[str]:
             if layers
         )
         why.append(
-            f"it compresses inside the decoder ({where}): vLLM keeps one KV length for all layers of "
+            f"it compresses inside the decoder ({where}): vLLM keeps one KV length for all layers "
+            "of "
             "a request, so a stage can run only before layer 0 (the pre-LLM mode; see "
             "docs/concepts/serving.md)"
         )
@@ -138,32 +121,46 @@ def _refusals(pipeline: Pipeline, stages: list[Stage], name: str) -> list[str]:
         rel = stage.relevance
         if getattr(rel, "reads_tower", False):
             why.append(
-                f"relevance {rel.name!r} reads the vision tower's attention, which vLLM's vision encoder "
-                "does not return"
+                f"relevance {rel.name!r} reads the vision tower's attention, which vLLM's vision "
+                "encoder does not return"
             )
-        elif (
-            getattr(rel, "reads_prompt", False)
-            or rel.query_rows != "none"
-            or rel.key_cols != "none"
-        ):
+        elif rel.query_rows != "none" or rel.key_cols != "none":
             why.append(
-                f"relevance {rel.name!r} is prompt-aware (it reads the prompt, or the decoder's queries and "
-                "keys over it): the plugin runs where vLLM embeds the image, which does not see the prompt"
+                f"relevance {rel.name!r} is prompt-aware through layer 0's queries and keys over "
+                "the "
+                "prompt, which vLLM computes only inside the decoder (the plugin gives the stage "
+                "the "
+                "question's input embeddings: use `relevance: question_similarity`)"
+            )
+        elif getattr(rel, "reads_prompt", False) and rel.name not in QUESTION_READERS:
+            why.append(
+                f"relevance {rel.name!r} reads the prompt otherwise than as the question's input "
+                "embeddings, all the plugin gives the stage"
             )
         for policy in (stage.partitioner, stage.scorer, stage.pruner, stage.passer):
-            if policy is not None and getattr(policy, "reads_prompt", False):
+            if (
+                policy is not None
+                and getattr(policy, "reads_prompt", False)
+                and policy.name not in QUESTION_READERS
+            ):
                 why.append(
-                    f"{policy.family} {policy.name!r} reads the prompt (its question tokens), which vLLM "
-                    "does not give the image's embedding step"
+                    f"{policy.family} {policy.name!r} reads the prompt (its question tokens), "
+                    "which "
+                    "the plugin gives only to "
+                    + ", ".join(sorted(QUESTION_READERS))
+                    + " (not verified for others)"
                 )
         if stage.needs:
             why.append(
-                f"its policies need {', '.join(sorted(stage.needs))} of layer 0, which vLLM computes only "
+                f"its policies need {', '.join(sorted(stage.needs))} of layer 0, which vLLM "
+                "computes only "
                 "inside the decoder"
             )
     if pipeline.proportional_attention:
         why.append(
-            "proportional attention changes the decoder's attention, which vLLM's kernels do not"
+            "proportional attention changes the decoder's attention, which vLLM's kernels do not: "
+            "set `proportional_attention: false` (the same kept tokens; e.g. lightkv-cover's YAML "
+            "with it off)"
         )
     if pipeline.released_quirks != ReleasedQuirks():
         why.append("the released code's quirks act inside the decoder")
@@ -218,7 +215,8 @@ class PreLLMPlan:
             raise
         if not stages:
             raise UnsupportedPipeline(
-                f"lightkv pipeline {name!r} schedules no prefill stage on a {num_layers}-layer model (it "
+                f"lightkv pipeline {name!r} schedules no prefill stage on a {num_layers}-layer "
+                "model (it "
                 f"compresses while decoding, or not at all). {_FIX}"
             )
         why = _refusals(pipeline, stages, name)
@@ -230,8 +228,10 @@ class PreLLMPlan:
         probe = (6, 10)
         if plan._probe_count(probe, 1) != plan._probe_count(probe, 2):
             raise UnsupportedPipeline(
-                f"lightkv pipeline {name!r} keeps a number of tokens that depends on the image's content: vLLM "
-                f"sizes a prompt before its image is encoded, so the count must follow from the grid. {_FIX}"
+                f"lightkv pipeline {name!r} keeps a number of tokens that depends on the image's "
+                "content: vLLM "
+                "sizes a prompt before its image is encoded, so the count must follow from the "
+                f"grid. {_FIX}"
             )
         return plan
 
@@ -251,12 +251,42 @@ class PreLLMPlan:
             self._counts_meta["fingerprint"] = value
         return self._counts_meta["fingerprint"]
 
+    @property
+    def reads_prompt(self) -> bool:
+        """Whether the stage reads the question (`QUESTION_READERS`): `select` then needs each
+        image's question, and vLLM's cache keys include it."""
+        policies = (self.stage.relevance, self.stage.partitioner, self.stage.scorer)
+        policies += (self.stage.pruner, self.stage.passer)
+        return any(getattr(p, "reads_prompt", False) for p in policies if p is not None)
+
+    @property
+    def per_image(self) -> bool:
+        """Whether an image's survivors are independent of the prompt's other images (probed
+        once on seeded random embeddings: two images and a question in one prompt, then each
+        alone with the same question). vLLM encodes each image of a prompt on its own, so a
+        pipeline that relates them (``question_similarity`` scales relevance over all images
+        of a prompt: lightkv-cover) serves one image per prompt."""
+        if "per_image" not in self._counts_meta:
+            g = torch.Generator().manual_seed(3)
+            a, b, q = (torch.randn(n, 16, generator=g) for n in (60, 24, 3))
+            images, grids, ids = [a, b], [(6, 10), (4, 6)], torch.arange(3)
+            rows = [(images, grids, q, ids)] + [([e], [gr], q, ids) for e, gr in zip(images, grids)]
+            both, *alone = run_rows(self.stage, rows, True)
+            same = all(
+                torch.equal(x.index, y[0].index)
+                and torch.allclose(x.embeds, y[0].embeds, rtol=1e-5, atol=1e-6)
+                for x, y in zip(both, alone)
+            )
+            self._counts_meta["per_image"] = "yes" if same else "no"
+        return self._counts_meta["per_image"] == "yes"
+
     def _probe_count(self, grid: tuple[int, int], seed: int) -> int:
         g = torch.Generator().manual_seed(seed)
         n = grid[0] * grid[1]
-        return int(
-            self.select([torch.randn(n, 16, generator=g)], [grid], check=False)[0].index.numel()
-        )
+        embeds = torch.randn(n, 16, generator=g)
+        question = torch.randn(3, 16, generator=g) if seed % 2 == 0 else None
+        sel = self.select([embeds], [grid], check=False, questions=[question])[0]
+        return int(sel.index.numel())
 
     def kept_count(self, rows: int, cols: int) -> int:
         """Tokens an image of ``rows x cols`` tokens keeps: what vLLM sizes the prompt with.
@@ -270,14 +300,23 @@ class PreLLMPlan:
         return self._counts[rows, cols]
 
     def select(
-        self, embeds: Sequence[torch.Tensor], grids: Sequence[tuple[int, int]], check: bool = True
+        self,
+        embeds: Sequence[torch.Tensor],
+        grids: Sequence[tuple[int, int]],
+        check: bool = True,
+        questions: Sequence[torch.Tensor | None] | None = None,
+        question_ids: Sequence[torch.Tensor | None] | None = None,
     ) -> list[Selection]:
-        """Run the stage on a batch of images, one image per row.
+        """Run the stage on a batch of images, one image per row (followed by its question).
 
         Args:
             embeds: per image ``[rows * cols, D]`` embeddings in row-major grid order.
             grids: per image ``(rows, cols)``.
             check: compare each image's kept count with `kept_count` (what vLLM announced).
+            questions: per image ``[T, D]`` the input embeddings of its prompt's question (the
+                text after the prompt's last image), or None (no question): read by a pipeline
+                that `reads_prompt`.
+            question_ids: per image ``[T]`` the question's token ids (zeros when not given).
 
         Returns:
             per image, its `Selection`.
@@ -288,39 +327,17 @@ class PreLLMPlan:
         """
         if len(embeds) != len(grids):
             raise ValueError(f"{len(embeds)} embeddings for {len(grids)} grids")
-        if not embeds:
-            return []
-        for r, c in grids:
-            check_grid(int(r), int(c))
-        sizes = [int(r) * int(c) for r, c in grids]
-        for i, (e, n) in enumerate(zip(embeds, sizes)):
-            if e.dim() != 2 or e.shape[0] != n:
-                raise ValueError(
-                    f"image {i}: embeddings {tuple(e.shape)} do not match its {grids[i]} grid ({n} tokens)"
-                )
-        width, b = max(sizes), len(sizes)
-        hidden = embeds[0].new_zeros(b, width, embeds[0].shape[1])
-        pad = torch.ones(b, width, dtype=torch.bool)
-        for i, (e, n) in enumerate(zip(embeds, sizes)):
-            hidden[i, :n] = e
-            pad[i, :n] = False
-        segments = [
-            ImageSegment(row=i, offset=0, grid=(int(r), int(c))) for i, (r, c) in enumerate(grids)
-        ]
-        layout = VisionLayout.from_segments(
-            b, width, segments, padding_mask=pad, device=hidden.device
-        )
-        relevance = self.stage.relevance.score(None, None, layout).to(hidden.device)
-        out = self.stage(hidden, layout, relevance)
-        result = []
-        for i in range(b):
-            row = out.kept_index[i]
-            keep = (row >= 0) & (row < sizes[i])
-            sel = Selection(out.hidden[i][keep], row[keep])
-            if check and sel.index.numel() != self.kept_count(*grids[i]):
+        questions = list(questions) if questions is not None else [None] * len(embeds)
+        ids = list(question_ids) if question_ids is not None else [None] * len(embeds)
+        if not len(questions) == len(ids) == len(embeds):
+            raise ValueError(f"{len(questions)} questions for {len(embeds)} images")
+        rows = [([e], [g], q, i) for e, g, q, i in zip(embeds, grids, questions, ids)]
+        result = [sels[0] for sels in run_rows(self.stage, rows, self.reads_prompt)]
+        for sel, grid in zip(result, grids):
+            if check and sel.index.numel() != self.kept_count(*grid):
                 raise RuntimeError(
-                    f"lightkv pipeline {self.name!r} kept {sel.index.numel()} tokens of a {grids[i]} image, but "
-                    f"vLLM was told {self.kept_count(*grids[i])}: its kept count depends on the content. {_FIX}"
+                    f"lightkv pipeline {self.name!r} kept {sel.index.numel()} tokens of a {grid} "
+                    f"image, but vLLM was told {self.kept_count(*grid)}: its kept count depends on "
+                    f"the content. {_FIX}"
                 )
-            result.append(sel)
         return result

@@ -41,9 +41,11 @@ from vllm.model_executor.models.qwen2_5_vl import (
     Qwen2_5_VLProcessingInfo,
 )
 from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.multimodal.inputs import MultiModalBatchedField, MultiModalFieldElem
 from vllm.multimodal.processing import PromptReplacement, PromptUpdate
 
 from .plan import PIPELINE_KEY, PreLLMPlan
+from .question import QUESTION_FIELD, question_ids, question_list, question_tag
 
 __all__ = [
     "LightKVQwen2_5_VLForConditionalGeneration",
@@ -66,7 +68,8 @@ def plan_for(hf_config: Any) -> PreLLMPlan:
     if spec is None:
         raise ValueError(
             f"{type(hf_config).__name__} names no lightkv pipeline: pass hf_overrides="
-            f"{{'architectures': [...], {PIPELINE_KEY!r}: 'divprune'}} (a preset name, a YAML path or an "
+            f"{{'architectures': [...], {PIPELINE_KEY!r}: 'divprune'}} (a preset name, a YAML path "
+            "or an "
             "inline pipeline mapping)"
         )
     text = getattr(hf_config, "text_config", hf_config)
@@ -128,16 +131,52 @@ class LightKVQwen2_5_VLProcessor(Qwen2_5_VLMultiModalProcessor):
     multimodal hashes that name the pipeline."""
 
     def _get_mm_hashes(self, inputs: Any) -> Any:
-        """Each image's hash, over the image and the pipeline's `lightkv.api.fingerprint`.
+        """Each image's hash, over the image, the pipeline's `lightkv.api.fingerprint` and,
+        for a pipeline that reads the question, the question's token ids (`question_tag`).
 
         vLLM keys its processor cache, its encoder cache and its prefix cache (the extra keys of
         a block's hash) with these hashes, and hands them to KV connectors (LMCache, ...): a
-        compressed image's KV is found again only under the same pipeline, never another's,
-        also when engines with different pipelines share one external KV store."""
-        return inputs.get_mm_hashes(
-            f"{self.info.model_id}#lightkv:{plan_for(self.info.get_hf_config()).fingerprint}",
-            self.info.ctx.get_mm_config().mm_hasher_algorithm,
+        compressed image's KV is found again only under the same pipeline (and question),
+        never another's, also when engines with different pipelines share one external KV
+        store. A client's ``multi_modal_uuids`` stand for the image only, so the plugin adds
+        its tag to them too."""
+        plan = plan_for(self.info.get_hf_config())
+        tag = f"lightkv:{plan.fingerprint}"
+        if plan.reads_prompt:
+            token = self.info.get_hf_config().image_token_id
+            tag += f"#q:{question_tag(question_ids(self._prompt_ids(inputs.prompt), token))}"
+        hashes = inputs.get_mm_hashes(
+            f"{self.info.model_id}#{tag}", self.info.ctx.get_mm_config().mm_hasher_algorithm
         )
+        uuids = getattr(inputs, "mm_uuid_items", None) or {}
+        return {
+            modality: [
+                f"{h}#{tag}" if h is not None and h in (uuids.get(modality) or ()) else h
+                for h in items
+            ]
+            for modality, items in hashes.items()
+        }
+
+    def _prompt_ids(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.info.get_tokenizer().encode(prompt, add_special_tokens=False))
+        return [int(t) for t in prompt]
+
+    def apply(self, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's processing; for a pipeline that reads the question, each image item also
+        carries its prompt's question (`QUESTION_FIELD`: the token ids after the last image),
+        which `embed_multimodal` gives the stage. Items vLLM marks as cached elsewhere (None)
+        are keyed by a hash that includes the same question."""
+        out = super().apply(inputs, *args, **kwargs)
+        if plan_for(self.info.get_hf_config()).reads_prompt:
+            token = self.info.get_hf_config().image_token_id
+            ids = torch.tensor(question_ids(out["prompt_token_ids"], token), dtype=torch.long)
+            for item in out["mm_kwargs"].get("image", []):
+                if item is not None:
+                    item[QUESTION_FIELD] = MultiModalFieldElem(
+                        data=ids, field=MultiModalBatchedField(keep_on_cpu=True)
+                    )
+        return out
 
     def _get_prompt_updates(
         self, mm_items: Any, hf_processor_mm_kwargs: Mapping[str, Any], out_mm_kwargs: Any
@@ -177,20 +216,30 @@ class LightKVQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerati
         config = vllm_config.model_config.hf_config
         if getattr(config, "model_type", None) != "qwen2_5_vl":
             raise ValueError(
-                f"LightKVQwen2_5_VLForConditionalGeneration needs a Qwen2.5-VL checkpoint (model_type "
+                "LightKVQwen2_5_VLForConditionalGeneration needs a Qwen2.5-VL checkpoint "
+                "(model_type "
                 f"'qwen2_5_vl'), got model_type {getattr(config, 'model_type', None)!r}"
             )
         plan = plan_for(config)
         mm = vllm_config.model_config.get_multimodal_config()
         if mm.is_multimodal_pruning_enabled():
             raise ValueError(
-                "lightkv's vLLM plugin and vLLM's video pruning (EVS, --video-pruning-rate) cannot be combined: "
+                "lightkv's vLLM plugin and vLLM's video pruning (EVS, --video-pruning-rate) cannot "
+                "be combined: "
                 "unset video_pruning_rate"
             )
         if vllm_config.use_v2_model_runner:
             raise ValueError(
-                "lightkv's vLLM plugin runs on vLLM's V1 model runner, whose multimodal pruning path it uses: "
+                "lightkv's vLLM plugin runs on vLLM's V1 model runner, whose multimodal pruning "
+                "path it uses: "
                 "set VLLM_USE_V2_MODEL_RUNNER=0"
+            )
+        images = mm.get_limit_per_prompt("image")
+        if plan.reads_prompt and not plan.per_image and (images is None or images > 1):
+            raise ValueError(
+                f"lightkv pipeline {plan.name!r} relates the images of a prompt (its selection of "
+                "one image depends on the others), and vLLM encodes each image on its own: set "
+                "limit_mm_per_prompt={'image': 1}"
             )
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.lightkv_plan = plan
@@ -268,8 +317,10 @@ class LightKVQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerati
             tokens = media[media >= num_computed_tokens][: offsets.shape[0]]
             if tokens.shape[0] != offsets.shape[0]:
                 raise RuntimeError(
-                    f"{offsets.shape[0]} image embeddings but {tokens.shape[0]} image tokens from token "
-                    f"{num_computed_tokens} on: the processor and the model disagree on the kept counts"
+                    f"{offsets.shape[0]} image embeddings but {tokens.shape[0]} image tokens from "
+                    "token "
+                    f"{num_computed_tokens} on: the processor and the model disagree on the kept "
+                    "counts"
                 )
             start = starts[torch.searchsorted(starts, tokens) - 1]  # each token's <|vision_start|>
             positions[:, tokens] = (offsets + positions[0, start].unsqueeze(1) + 1).T.to(
@@ -284,6 +335,7 @@ class LightKVQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerati
         appended (``[k, D + 4]``, vLLM's layout for pruned media): ``(0, row, col)``, each
         survivor's original M-RoPE offsets inside the image, and ``max(rows, cols)``, where
         the text after the image starts."""
+        question = kwargs.pop(QUESTION_FIELD, None)
         inputs = self._parse_and_validate_multimodal_inputs(**kwargs)
         if inputs.get("video") is not None:
             raise ValueError(
@@ -295,14 +347,22 @@ class LightKVQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerati
         embeds = self._process_image_input(image)
         merge = self.visual.spatial_merge_size
         grids = [(int(h) // merge, int(w) // merge) for _, h, w in image["image_grid_thw"].tolist()]
+        ids = texts = None
+        if self.lightkv_plan.reads_prompt:  # the question's input embeddings, as lightkv's adapters
+            ids = [i.to(embeds[0].device) for i in question_list(question, len(grids))]
+            texts = [self.language_model.embed_input_ids(i) for i in ids]
+        selections = self.lightkv_plan.select(
+            list(embeds), grids, questions=texts, question_ids=ids
+        )
         out = []
-        for sel, (rows, cols) in zip(self.lightkv_plan.select(list(embeds), grids), grids):
+        for sel, (rows, cols) in zip(selections, grids):
             dtype, device = sel.embeds.dtype, sel.embeds.device
             if (
                 max(rows, cols) > 2 / torch.finfo(dtype).eps
             ):  # integers stay exact up to 2^(mantissa + 1)
                 raise ValueError(
-                    f"a {rows} x {cols}-token image: its positions are not exact in {dtype} (vLLM carries them "
+                    f"a {rows} x {cols}-token image: its positions are not exact in {dtype} (vLLM "
+                    "carries them "
                     "beside the embeddings); serve in float32 or limit the image size (max_pixels)"
                 )
             index = sel.index.to(device)
