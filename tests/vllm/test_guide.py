@@ -24,7 +24,8 @@ CHECKPOINT = "Qwen/Qwen2.5-VL-7B-Instruct"
 
 
 def guide_example() -> str:
-    """The guide's ``LLM(...)`` example: its one Python block with ``hf_overrides`` and ``generate``."""
+    """The guide's ``LLM(...)`` example: its one Python block with ``hf_overrides`` and
+    ``generate``."""
     found = [
         b
         for b in re.findall(r"```python\n(.*?)```", GUIDE.read_text(encoding="utf-8"), flags=re.S)

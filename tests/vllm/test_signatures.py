@@ -22,7 +22,8 @@ IMG, START, END = V["<|image_pad|>"], V["<|vision_start|>"], V["<|vision_end|>"]
 
 
 def _case(device):
-    # w, <vs>, 3 kept tokens of a 2 x 3 image, <ve>, w, <vs>, 2 kept tokens of a 1 x 2 image, <ve>, w
+    # w, <vs>, 3 kept tokens of a 2 x 3 image, <ve>, w,
+    # <vs>, 2 kept tokens of a 1 x 2 image, <ve>, w
     ids = [1, START, IMG, IMG, IMG, END, 2, START, IMG, IMG, END, 3]
     n = len(ids)
     positions = torch.arange(n).expand(3, n).clone().to(device)

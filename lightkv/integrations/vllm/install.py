@@ -29,7 +29,7 @@ from pathlib import Path
 # Chosen by the earlier steps (or unused for images); never resolved again from vLLM's list.
 TORCH_FAMILY = {"torch", "torchvision", "torchaudio", "torchcodec"}
 SHIM_NAME = "lightkv_torchvision_shim"
-SHIM = '''"""Written by lightkv's `make vllm`: lets a CUDA build of torchvision import beside a CPU torch.
+SHIM = '''"""Written by lightkv's `make vllm`: a CUDA torchvision imports beside a CPU torch.
 
 torchvision registers fake kernels for `torchvision::nms` and `torchvision::qnms` when it is
 imported; with its compiled library unloadable those operators have no schema and the import
@@ -64,7 +64,8 @@ def _marker_ok(marker: str) -> bool:
 
 
 def requirements(dist: str) -> list[str]:
-    """The requirements of the installed distribution ``dist`` that apply here, torch family excluded."""
+    """The requirements of the installed distribution ``dist`` that apply here, torch family
+    excluded."""
     try:
         from packaging.requirements import Requirement
     except ImportError:

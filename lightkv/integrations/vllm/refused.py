@@ -36,7 +36,8 @@ def refuse(family: str) -> NoReturn:
     """
     raise NotImplementedError(
         f"lightkv's vLLM plugin does not compress {family} yet: only Qwen2.5-VL "
-        "(LightKVQwen2_5_VLForConditionalGeneration) is supported. Serve this model without the LightKV "
+        "(LightKVQwen2_5_VLForConditionalGeneration) is supported. "
+        "Serve this model without the LightKV "
         "architecture in hf_overrides, or compress it with lightkv.apply in transformers"
     )
 

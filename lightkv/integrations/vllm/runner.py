@@ -34,8 +34,10 @@ def _wrap(cls: type) -> None:
             hf_config = self.model_config.hf_config
             if getattr(hf_config, PIPELINE_KEY, None) is not None:
                 raise ValueError(
-                    f"the model config names a lightkv pipeline ({PIPELINE_KEY}={getattr(hf_config, PIPELINE_KEY)!r}) "
-                    f"but {type(model).__name__} is vLLM's stock model, which would run uncompressed: add "
+                    "the model config names a lightkv pipeline "
+                    f"({PIPELINE_KEY}={getattr(hf_config, PIPELINE_KEY)!r}) "
+                    f"but {type(model).__name__} is vLLM's stock model, which would run "
+                    "uncompressed: add "
                     "'architectures': ['LightKVQwen2_5_VLForConditionalGeneration'] to hf_overrides"
                 )
         return result
@@ -45,7 +47,8 @@ def _wrap(cls: type) -> None:
 
 
 def install() -> None:
-    """Wrap the model runners' ``load_model`` (idempotent; the CPU runner only on a CPU platform)."""
+    """Wrap the model runners' ``load_model`` (idempotent; the CPU runner only on a CPU
+    platform)."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
