@@ -6,9 +6,13 @@ Three parts, each a small subclass of vLLM's Qwen2.5-VL classes:
 - `LightKVQwen2_5_VLProcessingInfo`: images only (a video is refused with a message);
 - `LightKVQwen2_5_VLProcessor`: the number of placeholder tokens of each image is the
   pipeline's kept count for the image's grid (`PreLLMPlan.kept_count`), because vLLM sizes
-  the prompt before the vision encoder runs;
+  the prompt before the vision encoder runs; for a pipeline that reads the question, each
+  image item carries its prompt's question and its hash names it
+  (`lightkv.integrations.vllm.question`);
 - `LightKVQwen2_5_VLForConditionalGeneration`: after the vision encoder, `PreLLMPlan.select`
-  (lightkv's `lightkv.Stage`) chooses and merges each image's tokens; each survivor carries
+  (lightkv's `lightkv.Stage`, given the question's input embeddings from the language
+  model's table where the pipeline reads them) chooses and merges each image's tokens; each
+  survivor carries
   its original M-RoPE position, which vLLM's multimodal pruning support
   (``SupportsMultiModalPruning.recompute_mrope_positions``, the path of its EVS video
   pruning) writes into the request's positions.
