@@ -9,9 +9,11 @@ stock vLLM), ``pipeline`` (the ``lightkv`` override, or null), ``prompts`` (each
 ``{"images": [[rows, cols], ...], "seed": s}``), ``max_tokens``, ``chunk`` (optional
 ``max_num_batched_tokens``: prefill in chunks of that many tokens), ``prefix_caching``
 (vLLM's prefix caching on), ``sequential`` (one request after another), ``eager``
-(``enforce_eager``, default true), ``limits`` (``limit_mm_per_prompt``, default
-``{"image": 2}``). A prompt may give ``image_seed`` (the same image under
-another seed) and ``question`` (words after its one image): see `tiny.request`. Each image's
+(``enforce_eager``, default true), ``multiprocessing`` (the engine core in its own
+process, vLLM's default: no blocks, records or positions are captured), ``limits``
+(``limit_mm_per_prompt``, default ``{"image": 2}``). A prompt may give ``image_seed`` (the
+same image under another seed) and ``question`` (words after its one image): see
+`tiny.request`. Each image's
 encoder output, the embeddings handed to the language model (and the question the plugin
 gave it), and the M-RoPE positions each prompt was run with are captured.
 
@@ -89,6 +91,9 @@ def _blocks_of(blocks: dict[str, int], request_id: str) -> int | None:
 
 
 def run(req: dict) -> dict:
+    separate = bool(req.get("multiprocessing"))  # vLLM's default: the engine core in a process
+    if separate:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     from vllm import LLM, SamplingParams
 
     overrides = {}
@@ -111,19 +116,20 @@ def run(req: dict) -> dict:
         limit_mm_per_prompt=req.get("limits", {"image": 2}),
         **({"max_num_batched_tokens": req["chunk"]} if req.get("chunk") else {}),
     )
-    core = llm.llm_engine.engine_core.engine_core
     blocks: dict[str, int] = {}
-    manager = core.scheduler.kv_cache_manager
-    free = manager.free
+    if not separate:  # the engine core and the model are in this process: count and record
+        core = llm.llm_engine.engine_core.engine_core
+        manager = core.scheduler.kv_cache_manager
+        free = manager.free
 
-    def free_and_count(request):
-        blocks[request.request_id] = sum(
-            len(ids) for ids in manager.get_block_ids(request.request_id)
-        )
-        return free(request)
+        def free_and_count(request):
+            blocks[request.request_id] = sum(
+                len(ids) for ids in manager.get_block_ids(request.request_id)
+            )
+            return free(request)
 
-    manager.free = free_and_count
-    llm.apply_model(_record)
+        manager.free = free_and_count
+        llm.apply_model(_record)
     prompts = []
     for p in req["prompts"]:
         text, images = tiny.request(p)
@@ -155,6 +161,8 @@ def run(req: dict) -> dict:
             )
         except Exception as e:
             video_error = {"type": type(e).__name__, "message": str(e)}
+    if separate:  # stop the engine core process (it holds this process's output pipes)
+        llm.llm_engine.engine_core.shutdown(timeout=60)
     return {
         "alone": alone,
         "video_error": video_error,

@@ -102,3 +102,17 @@ def test_a_pipeline_that_relates_images_needs_one_image_per_prompt(engine):
     message = result["error"]["message"]
     assert "relates the images of a prompt" in message, message
     assert "limit_mm_per_prompt={'image': 1}" in message, message
+
+
+def test_the_question_travels_to_the_engine_core_process(engine):
+    """With the engine core in its own process (vLLM's default) the question field crosses
+    vLLM's IPC with its image, also for an image the processor cache sends only by hash (the
+    first prompt twice), and every request decodes as in one process."""
+    prompts = PROMPTS + PROMPTS[:1]
+    one = ok(engine(arch=QWEN, pipeline="cdpruner", prompts=prompts, max_tokens=4))
+    two = ok(
+        engine(arch=QWEN, pipeline="cdpruner", prompts=prompts, max_tokens=4, multiprocessing=True)
+    )
+    assert [o["tokens"] for o in two["outputs"]] == [o["tokens"] for o in one["outputs"]]
+    assert [o["prompt"] for o in two["outputs"]] == [o["prompt"] for o in one["outputs"]]
+    assert one["outputs"][-1]["tokens"] == one["outputs"][0]["tokens"]

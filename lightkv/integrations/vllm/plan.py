@@ -93,8 +93,7 @@ def _resolve(spec: Any) -> tuple[Pipeline, str]:
         return load(spec), os.fspath(spec)
     raise UnsupportedPipeline(
         f"hf_overrides[{PIPELINE_KEY!r}] must be a lightkv preset name, a pipeline YAML path or an "
-        "inline "
-        f"pipeline mapping, got {type(spec).__name__}"
+        f"inline pipeline mapping, got {type(spec).__name__}"
     )
 
 
@@ -111,8 +110,7 @@ def _refusals(pipeline: Pipeline, stages: list[Stage], name: str) -> list[str]:
         )
         why.append(
             f"it compresses inside the decoder ({where}): vLLM keeps one KV length for all layers "
-            "of "
-            "a request, so a stage can run only before layer 0 (the pre-LLM mode; see "
+            "of a request, so a stage can run only before layer 0 (the pre-LLM mode; see "
             "docs/concepts/serving.md)"
         )
     if len(stages) > 1:
@@ -127,10 +125,8 @@ def _refusals(pipeline: Pipeline, stages: list[Stage], name: str) -> list[str]:
         elif rel.query_rows != "none" or rel.key_cols != "none":
             why.append(
                 f"relevance {rel.name!r} is prompt-aware through layer 0's queries and keys over "
-                "the "
-                "prompt, which vLLM computes only inside the decoder (the plugin gives the stage "
-                "the "
-                "question's input embeddings: use `relevance: question_similarity`)"
+                "the prompt, which vLLM computes only inside the decoder (the plugin gives the "
+                "stage the question's input embeddings: use `relevance: question_similarity`)"
             )
         elif getattr(rel, "reads_prompt", False) and rel.name not in QUESTION_READERS:
             why.append(
@@ -144,17 +140,15 @@ def _refusals(pipeline: Pipeline, stages: list[Stage], name: str) -> list[str]:
                 and policy.name not in QUESTION_READERS
             ):
                 why.append(
-                    f"{policy.family} {policy.name!r} reads the prompt (its question tokens), "
-                    "which "
-                    "the plugin gives only to "
+                    f"{policy.family} {policy.name!r} reads the prompt (its question tokens), which"
+                    " the plugin gives only to "
                     + ", ".join(sorted(QUESTION_READERS))
                     + " (not verified for others)"
                 )
         if stage.needs:
             why.append(
                 f"its policies need {', '.join(sorted(stage.needs))} of layer 0, which vLLM "
-                "computes only "
-                "inside the decoder"
+                "computes only inside the decoder"
             )
     if pipeline.proportional_attention:
         why.append(
@@ -216,8 +210,7 @@ class PreLLMPlan:
         if not stages:
             raise UnsupportedPipeline(
                 f"lightkv pipeline {name!r} schedules no prefill stage on a {num_layers}-layer "
-                "model (it "
-                f"compresses while decoding, or not at all). {_FIX}"
+                f"model (it compresses while decoding, or not at all). {_FIX}"
             )
         why = _refusals(pipeline, stages, name)
         if why:
@@ -229,9 +222,8 @@ class PreLLMPlan:
         if plan._probe_count(probe, 1) != plan._probe_count(probe, 2):
             raise UnsupportedPipeline(
                 f"lightkv pipeline {name!r} keeps a number of tokens that depends on the image's "
-                "content: vLLM "
-                "sizes a prompt before its image is encoded, so the count must follow from the "
-                f"grid. {_FIX}"
+                "content: vLLM sizes a prompt before its image is encoded, so the count must "
+                f"follow from the grid. {_FIX}"
             )
         return plan
 

@@ -6,9 +6,13 @@ Three parts, each a small subclass of vLLM's Qwen2.5-VL classes:
 - `LightKVQwen2_5_VLProcessingInfo`: images only (a video is refused with a message);
 - `LightKVQwen2_5_VLProcessor`: the number of placeholder tokens of each image is the
   pipeline's kept count for the image's grid (`PreLLMPlan.kept_count`), because vLLM sizes
-  the prompt before the vision encoder runs;
+  the prompt before the vision encoder runs; for a pipeline that reads the question, each
+  image item carries its prompt's question and its hash names it
+  (`lightkv.integrations.vllm.question`);
 - `LightKVQwen2_5_VLForConditionalGeneration`: after the vision encoder, `PreLLMPlan.select`
-  (lightkv's `lightkv.Stage`) chooses and merges each image's tokens; each survivor carries
+  (lightkv's `lightkv.Stage`, given the question's input embeddings from the language
+  model's table where the pipeline reads them) chooses and merges each image's tokens; each
+  survivor carries
   its original M-RoPE position, which vLLM's multimodal pruning support
   (``SupportsMultiModalPruning.recompute_mrope_positions``, the path of its EVS video
   pruning) writes into the request's positions.
@@ -67,10 +71,9 @@ def plan_for(hf_config: Any) -> PreLLMPlan:
     spec = getattr(hf_config, PIPELINE_KEY, None)
     if spec is None:
         raise ValueError(
-            f"{type(hf_config).__name__} names no lightkv pipeline: pass hf_overrides="
-            f"{{'architectures': [...], {PIPELINE_KEY!r}: 'divprune'}} (a preset name, a YAML path "
-            "or an "
-            "inline pipeline mapping)"
+            f"{type(hf_config).__name__} names no lightkv pipeline: pass "
+            f"hf_overrides={{'architectures': [...], {PIPELINE_KEY!r}: 'divprune'}} (a preset name,"
+            " a YAML path or an inline pipeline mapping)"
         )
     text = getattr(hf_config, "text_config", hf_config)
     layers = int(text.num_hidden_layers)
@@ -217,22 +220,19 @@ class LightKVQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerati
         if getattr(config, "model_type", None) != "qwen2_5_vl":
             raise ValueError(
                 "LightKVQwen2_5_VLForConditionalGeneration needs a Qwen2.5-VL checkpoint "
-                "(model_type "
-                f"'qwen2_5_vl'), got model_type {getattr(config, 'model_type', None)!r}"
+                f"(model_type 'qwen2_5_vl'), got model_type {getattr(config, 'model_type', None)!r}"
             )
         plan = plan_for(config)
         mm = vllm_config.model_config.get_multimodal_config()
         if mm.is_multimodal_pruning_enabled():
             raise ValueError(
-                "lightkv's vLLM plugin and vLLM's video pruning (EVS, --video-pruning-rate) cannot "
-                "be combined: "
-                "unset video_pruning_rate"
+                "lightkv's vLLM plugin and vLLM's video pruning (EVS, --video-pruning-rate) cannot"
+                " be combined: unset video_pruning_rate"
             )
         if vllm_config.use_v2_model_runner:
             raise ValueError(
                 "lightkv's vLLM plugin runs on vLLM's V1 model runner, whose multimodal pruning "
-                "path it uses: "
-                "set VLLM_USE_V2_MODEL_RUNNER=0"
+                "path it uses: set VLLM_USE_V2_MODEL_RUNNER=0"
             )
         images = mm.get_limit_per_prompt("image")
         if plan.reads_prompt and not plan.per_image and (images is None or images > 1):
@@ -318,9 +318,8 @@ class LightKVQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerati
             if tokens.shape[0] != offsets.shape[0]:
                 raise RuntimeError(
                     f"{offsets.shape[0]} image embeddings but {tokens.shape[0]} image tokens from "
-                    "token "
-                    f"{num_computed_tokens} on: the processor and the model disagree on the kept "
-                    "counts"
+                    f"token {num_computed_tokens} on: the processor and the model disagree on the "
+                    "kept counts"
                 )
             start = starts[torch.searchsorted(starts, tokens) - 1]  # each token's <|vision_start|>
             positions[:, tokens] = (offsets + positions[0, start].unsqueeze(1) + 1).T.to(
@@ -362,8 +361,8 @@ class LightKVQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerati
             ):  # integers stay exact up to 2^(mantissa + 1)
                 raise ValueError(
                     f"a {rows} x {cols}-token image: its positions are not exact in {dtype} (vLLM "
-                    "carries them "
-                    "beside the embeddings); serve in float32 or limit the image size (max_pixels)"
+                    "carries them beside the embeddings); serve in float32 or limit the image size"
+                    " (max_pixels)"
                 )
             index = sel.index.to(device)
             positions = torch.stack(

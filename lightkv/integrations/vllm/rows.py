@@ -45,8 +45,7 @@ def check_grid(rows: int, cols: int) -> None:
     if rows * cols > MAX_IMAGE_TOKENS:
         raise ValueError(
             f"an image grid has at most {MAX_IMAGE_TOKENS:,} tokens (Qwen2.5-VL's largest default "
-            "image)"
-            f", got {rows:,} x {cols:,} = {rows * cols:,}"
+            f"image), got {rows:,} x {cols:,} = {rows * cols:,}"
         )
 
 
