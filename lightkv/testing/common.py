@@ -67,6 +67,39 @@ def _text_config(**over) -> dict:
     return cfg
 
 
+def _clip_llama_configs(
+    image_size: int,
+    patch_size: int,
+    num_layers: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+):
+    """The tiny CLIP vision tower and Llama decoder configs the LLaVA families share."""
+    from transformers import CLIPVisionConfig, LlamaConfig
+
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=image_size,
+        patch_size=patch_size,
+        projection_dim=32,
+    )
+    text = LlamaConfig(
+        **_text_config(
+            num_hidden_layers=num_layers,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+        )
+    )
+    return vision, text
+
+
 def _finish(model, dtype: torch.dtype):
     model = model.eval()
     return model.to(dtype) if dtype != torch.float32 else model

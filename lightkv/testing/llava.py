@@ -10,9 +10,9 @@ from .common import (
     IMAGE,
     Row,
     _batch_ids,
+    _clip_llama_configs,
     _finish,
     _seq,
-    _text_config,
     text_ids,
 )
 
@@ -32,30 +32,13 @@ def build_llava(
     """LLaVA-1.5-shaped: CLIP tower (1 layer) + LLaMA decoder; ``(image_size/patch_size)^2`` tokens
     per image."""
     from transformers import (
-        CLIPVisionConfig,
-        LlamaConfig,
         LlavaConfig,
         LlavaForConditionalGeneration,
     )
 
     torch.manual_seed(seed)
-    vision = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=image_size,
-        patch_size=patch_size,
-        projection_dim=32,
-    )
-    text = LlamaConfig(
-        **_text_config(
-            num_hidden_layers=num_layers,
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads,
-        )
+    vision, text = _clip_llama_configs(
+        image_size, patch_size, num_layers, hidden_size, intermediate_size, num_heads, num_kv_heads
     )
     cfg = LlavaConfig(
         vision_config=vision,

@@ -11,9 +11,9 @@ from .common import (
     IMAGE,
     Row,
     _batch_ids,
+    _clip_llama_configs,
     _finish,
     _seq,
-    _text_config,
     stack_tiles,
     text_ids,
 )
@@ -35,30 +35,13 @@ def build_llava_next(
     """LLaVA-NeXT-shaped: ``(image_size/patch_size)^2`` base tokens per image plus an
     un-padded high-resolution grid (tiles chosen from ``pinpoints``) with row newlines."""
     from transformers import (
-        CLIPVisionConfig,
-        LlamaConfig,
         LlavaNextConfig,
         LlavaNextForConditionalGeneration,
     )
 
     torch.manual_seed(seed)
-    vision = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=image_size,
-        patch_size=patch_size,
-        projection_dim=32,
-    )
-    text = LlamaConfig(
-        **_text_config(
-            num_hidden_layers=num_layers,
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads,
-        )
+    vision, text = _clip_llama_configs(
+        image_size, patch_size, num_layers, hidden_size, intermediate_size, num_heads, num_kv_heads
     )
     cfg = LlavaNextConfig(
         vision_config=vision,

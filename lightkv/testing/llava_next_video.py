@@ -15,9 +15,9 @@ from .common import (
     IMAGE,
     VIDEO,
     Row,
+    _clip_llama_configs,
     _finish,
     _seq,
-    _text_config,
     collate_tiles_and_videos,
     text_ids,
 )
@@ -43,30 +43,13 @@ def build(
     """LLaVA-NeXT-Video-shaped: ``(image_size / patch_size)^2`` base tokens per image, tiles
     from ``pinpoints``; video frames pooled by ``spatial_pool_stride``."""
     from transformers import (
-        CLIPVisionConfig,
-        LlamaConfig,
         LlavaNextVideoConfig,
         LlavaNextVideoForConditionalGeneration,
     )
 
     torch.manual_seed(seed)
-    vision = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=image_size,
-        patch_size=patch_size,
-        projection_dim=32,
-    )
-    text = LlamaConfig(
-        **_text_config(
-            num_hidden_layers=num_layers,
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads,
-        )
+    vision, text = _clip_llama_configs(
+        image_size, patch_size, num_layers, hidden_size, intermediate_size, num_heads, num_kv_heads
     )
     cfg = LlavaNextVideoConfig(
         vision_config=vision,
