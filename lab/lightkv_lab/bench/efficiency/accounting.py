@@ -33,17 +33,7 @@ def kv_from_cache(cache, report) -> dict[str, Any]:
 def reference_shape_flops(spec: ModelSpec, name: str, report, n0: int) -> dict[str, float]:
     """FLOPs ratio and kept vision / total KV fractions on the full-size reference decoder,
     with the preset's own (unscaled) schedule and the per-stage token counts of this run."""
-    from lightkv.adapters.probes import LayerShape
-
-    ref = spec.ref
-    shape = LayerShape(
-        hidden=ref["hidden"],
-        heads=ref["heads"],
-        kv_heads=ref["kv_heads"],
-        head_dim=HEAD_DIM,
-        mlp_hidden=ref["intermediate"],
-        mlp_matrices=3,
-    )
+    ref, shape = spec.ref, reference_layer_shape(spec)
     pipe = preset_pipeline(name, spec)
     plan = pipe.plan(ref["layers"])
     modes = set(pipe.modes(ref["layers"]))
@@ -87,11 +77,12 @@ def reference_shape_flops(spec: ModelSpec, name: str, report, n0: int) -> dict[s
     }
 
 
-def reference_flops(spec: ModelSpec, n0: int) -> float:
+def reference_layer_shape(spec: ModelSpec):
+    """One decoder layer of the full-size reference model (`LayerShape`, for FLOPs)."""
     from lightkv.adapters.probes import LayerShape
 
     ref = spec.ref
-    shape = LayerShape(
+    return LayerShape(
         hidden=ref["hidden"],
         heads=ref["heads"],
         kv_heads=ref["kv_heads"],
@@ -99,4 +90,7 @@ def reference_flops(spec: ModelSpec, n0: int) -> float:
         mlp_hidden=ref["intermediate"],
         mlp_matrices=3,
     )
-    return ref["layers"] * shape.flops(n0, (n0 + 1) / 2)
+
+
+def reference_flops(spec: ModelSpec, n0: int) -> float:
+    return spec.ref["layers"] * reference_layer_shape(spec).flops(n0, (n0 + 1) / 2)
