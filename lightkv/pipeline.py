@@ -110,6 +110,11 @@ class Pipeline:
                 f"mode must be a configured lightkv.policies.Mode (e.g. H2OMode(budget=0.5)) "
                 f"or None, got {self.mode!r}"
             )
+        if self.scheduler is not None and self.mode is not None and not self.mode.beside_stages:
+            raise ValueError(
+                f"mode {self.mode.name!r} works on the uncompressed prompt and does not run beside "
+                "stages: give it no scheduler (scheduler=None), or compress with stages alone"
+            )
         if self.scheduler is None and self.mode is None:
             raise ValueError(
                 "a pipeline without a scheduler does nothing: give it a scheduler (its stages) "
@@ -181,21 +186,24 @@ class Pipeline:
 
     def target_kept_fraction(self, num_layers: int) -> float | None:
         """What the pipeline promises to keep of the vision KV on a ``num_layers`` decoder
-        (averaged over layers): its mode's promise where it makes one, else the
-        scheduler's (`Scheduler.target_kept_fraction`); None where neither does."""
-        if self.mode is not None:
-            target = self.mode.target_kept_fraction(num_layers)
-            if target is not None or self.scheduler is None:
-                return target
+        (averaged over layers): its mode's promise, or its stages' (the scheduler's
+        `Scheduler.target_kept_fraction`; the placed stages' average under a placement).
+        None where neither promises, and where both would act (a mode's promise counts its
+        own work only, so neither number alone is what the session keeps)."""
+        mode = None if self.mode is None else self.mode.target_kept_fraction(num_layers)
         if self.scheduler is None:
-            return None
+            return mode
         if self.placement != "planned":  # the same budget, by construction of `place`
             try:
                 stages = self.plan(num_layers)
             except ValueError:
                 return None
-            return average_kept_fraction(stages, num_layers) if stages else None
-        return self.scheduler.target_kept_fraction(num_layers)
+            staged = average_kept_fraction(stages, num_layers) if stages else None
+        else:
+            staged = self.scheduler.target_kept_fraction(num_layers)
+        if mode is not None and staged is not None:
+            return None
+        return staged if mode is None else mode
 
     def run(
         self,

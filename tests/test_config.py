@@ -759,13 +759,42 @@ def test_mode_errors(data, where, fragment):
 
 
 def test_a_mode_beside_stages():
-    """A pipeline's own mode runs beside its stages (H2O eviction on top of LightKV's merges):
-    both listed, the stages' policies kept, the mode's promise reported."""
-    cfg = PipelineConfig.from_yaml_text("schedule: {layers: [1], removal_ratios: 0.5}\nmode: h2o")
-    pipe = cfg.build()
-    assert [s.spec.layer for s in pipe.stages(4)] == [1] and pipe.modes(4) == ["h2o", "layer"]
-    assert "schedule" in cfg.to_dict() and "pruner" in cfg.to_dict()
-    assert PipelineConfig.from_yaml_text(cfg.to_yaml()) == cfg
+    """A pipeline's own mode may run beside its stages (both listed, the stages' policies
+    kept); no single promise is claimed when both would act. H2O, which works on the
+    uncompressed prompt, is refused beside stages in one line."""
+    from dataclasses import dataclass
+
+    from lightkv.adapters.modes.h2o import H2OMode
+    from lightkv.policies import Mode
+
+    @dataclass
+    class Promising(Mode):
+        keep: float | None = None
+
+        def target_kept_fraction(self, num_layers):
+            return self.keep
+
+    Mode.register("promising")(Promising)
+    try:
+        text = "schedule: {layers: [1], removal_ratios: 0.5}\nmode: promising"
+        cfg = PipelineConfig.from_yaml_text(text)
+        pipe = cfg.build()
+        assert [s.spec.layer for s in pipe.stages(4)] == [1]
+        assert pipe.modes(4) == ["promising", "layer"]
+        assert "schedule" in cfg.to_dict() and "pruner" in cfg.to_dict()
+        assert PipelineConfig.from_yaml_text(cfg.to_yaml()) == cfg
+        assert pipe.target_kept_fraction(4) == pytest.approx(0.75)  # the stages' alone
+        # each promise counts its own work only: no single number is claimed for both
+        assert pipe.with_mode(Promising(keep=0.5)).target_kept_fraction(4) is None
+        assert (
+            pipe.with_scheduler(None).with_mode(Promising(keep=0.5)).target_kept_fraction(4) == 0.5
+        )
+    finally:
+        del Mode._registry["promising"]
+    with pytest.raises(ConfigError, match="mode: mode 'h2o' works on the uncompressed prompt"):
+        PipelineConfig.from_yaml_text("schedule: {layers: [1], removal_ratios: 0.5}\nmode: h2o")
+    with pytest.raises(ValueError, match="does not run beside stages: give it no scheduler"):
+        lightkv.Pipeline(mode=H2OMode())
 
 
 def test_proportional_attention_key():

@@ -153,6 +153,13 @@ class PipelineConfig(BaseModel):
             check_no_stages(self)
             self._snapshot = self.model_dump()
             return self
+        if self.mode is not None and not type(self.mode.built()).beside_stages:
+            raise _fail(
+                "composition",
+                f"mode {self.mode.name!r} works on the uncompressed prompt and does not run "
+                "beside stages: remove the schedule (a mode alone plans no stage), or the mode",
+                ("mode",),
+            )
         if self.placement != "planned" and self.stage_overrides:
             raise _fail(
                 "composition",

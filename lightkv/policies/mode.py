@@ -57,11 +57,15 @@ class Mode(Policy):
         own: whether a pipeline may hold the mode as its own (`lightkv.Pipeline.mode`); the
             shipped modes that run planned stages (``pre_llm``, ``layer``, ``cache``) or
             always run (``sequence``, ``tower``) may not.
+        beside_stages: whether the mode runs in a pipeline that also plans stages (False:
+            it works on the uncompressed prompt, as ``h2o`` does; such a pipeline is
+            refused).
     """
 
     family: ClassVar[str] = "mode"
     order: ClassVar[int] = 50
     own: ClassVar[bool] = True
+    beside_stages: ClassVar[bool] = True
     layers: frozenset[int] | None = frozenset()
     cache_layers: frozenset[int] = frozenset()
     text_too: bool = False

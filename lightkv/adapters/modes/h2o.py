@@ -88,6 +88,8 @@ class H2OMode(CacheEntriesMode):
         layers: the layers that evict (None: every layer).
     """
 
+    beside_stages = False  # it scores and evicts the uncompressed prompt's cache
+
     budget: float = 0.5
     recent_share: float = 0.5
     tokens: Literal["vision", "all"] = "vision"
