@@ -19,12 +19,11 @@ Each mode, by name (its module; where it compresses; what chooses it):
 """
 
 from . import cache, h2o, layer, pre_llm, sequence, tower  # noqa: F401  (each registers its mode)
-from .base import ENTRY_POINT_GROUP, LayerCall, Mode, SessionContext, choose_modes
+from .base import LayerCall, Mode, SessionContext, choose_modes
 from .cache import CacheEntriesMode
 from .h2o import H2OMode, evict
 
 __all__ = [
-    "ENTRY_POINT_GROUP",
     "CacheEntriesMode",
     "H2OMode",
     "LayerCall",

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ...pipeline import Pipeline, Stage
-from ...policies.mode import MODE_ENTRY_POINT_GROUP, Mode
+from ...policies.mode import Mode
 from ..base import Adapter
 from ..cache import _Token
 from ..ownership import cache_of
@@ -37,10 +37,7 @@ from ..proportional import ProportionalAttention
 from ..released import ReleasedQuirksHook
 from ..trace import ForwardState
 
-__all__ = ["ENTRY_POINT_GROUP", "LayerCall", "Mode", "SessionContext", "choose_modes"]
-
-ENTRY_POINT_GROUP = MODE_ENTRY_POINT_GROUP
-"""Entry-point group through which a package exposes modes (the name is the mode's)."""
+__all__ = ["LayerCall", "Mode", "SessionContext", "choose_modes"]
 
 
 @dataclass
