@@ -36,8 +36,8 @@ from lightkv.adapters.masks import drop_padding
 from lightkv.adapters.probes import probe_for_layer
 from lightkv.cache_stage import CacheStage
 from lightkv.graph.layout import ImageSegment, VisionLayout
+from lightkv.methods.cache_policies import accumulated_attention, causal_chunks
 from lightkv.outputs import write_atomic
-from lightkv.policies.cache_policies import accumulated_attention, causal_chunks
 from lightkv.policies.relevance import _accumulator, _match_heads
 from lightkv.presets import get_preset_config
 

@@ -24,6 +24,7 @@ LAB = ROOT / "lab" / "lightkv_lab"
 LAYERS = [
     ("graph", "outputs"),  # outputs: standard library only (atomic result writes), for every layer
     ("policies",),
+    ("methods",),  # the published methods, one module each, their presets beside them
     ("stage", "pipeline", "cache_stage", "quirks"),
     ("config", "presets"),
     ("adapters",),

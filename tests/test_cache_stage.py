@@ -17,18 +17,20 @@ from lightkv import Stage
 from lightkv.adapters.modes.h2o import H2OMode
 from lightkv.cache_stage import CacheStage
 from lightkv.config import PipelineConfig
-from lightkv.policies import (
+from lightkv.methods import (
     AccumulatedAttention,
+    ImportancePartitioner,
+    accumulated_attention,
+    h2o_keep,
+)
+from lightkv.policies import (
     CacheSchedule,
     CosineDivergence,
-    ImportancePartitioner,
     MessagePasser,
     SmallestDivergence,
     StageInputs,
     StageSpec,
-    accumulated_attention,
     average_kept_fraction,
-    h2o_keep,
 )
 from lightkv.presets import get_preset_config
 from lightkv.testing import check_policy

@@ -25,6 +25,7 @@ from lightkv.config import (
     pipeline_from_yaml,
     pipeline_to_yaml,
 )
+from lightkv.methods.pooling import AnchorPartitioner, StridedPartitioner
 from lightkv.policies import (
     FAMILIES,
     CosineDivergence,
@@ -34,7 +35,6 @@ from lightkv.policies import (
     L2Divergence,
     StageInputs,
 )
-from lightkv.policies.pooling import AnchorPartitioner, StridedPartitioner
 from lightkv.presets import PRESETS, Preset, get_preset, get_preset_config, load_config
 
 PRESET_NAMES = list(PRESETS)
@@ -65,7 +65,7 @@ def problems(exc: ConfigError) -> dict[str, str]:
 def test_required_presets_are_shipped_as_yaml():
     assert REQUIRED <= set(PRESETS)
     files = {
-        e.name for e in resources.files("lightkv.presets").iterdir() if e.name.endswith(".yaml")
+        e.name for e in resources.files("lightkv.methods").iterdir() if e.name.endswith(".yaml")
     }
     assert files == {f"{n}.yaml" for n in PRESETS}
     assert PRESET_NAMES[0] == "lightkv"
@@ -73,10 +73,10 @@ def test_required_presets_are_shipped_as_yaml():
 
 @pytest.mark.parametrize("name", PRESET_NAMES)
 def test_preset_yaml_round_trip_is_exact(name):
-    text = (resources.files("lightkv.presets") / f"{name}.yaml").read_text(encoding="utf-8")
+    text = (resources.files("lightkv.methods") / f"{name}.yaml").read_text(encoding="utf-8")
     cfg = PipelineConfig.from_yaml_text(text)
     # the shipped file is in canonical form; after editing one, canonicalise it with
-    # `lightkv config show lightkv/presets/NAME.yaml > tmp && mv tmp lightkv/presets/NAME.yaml`
+    # `lightkv config show lightkv/methods/NAME.yaml > tmp && mv tmp lightkv/methods/NAME.yaml`
     assert cfg.to_yaml() == text, f"{name}.yaml is not in canonical form"
     again = PipelineConfig.from_yaml_text(cfg.to_yaml())
     assert again == cfg

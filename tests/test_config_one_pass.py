@@ -24,7 +24,7 @@ from lightkv.policies import (
 )
 from lightkv.policies.scorers import CosineDivergence
 
-PRESET_DIR = Path(lightkv.__file__).parent / "presets"
+PRESET_DIR = Path(lightkv.__file__).parent / "methods"
 BUILT: dict[str, int] = {}
 
 

@@ -28,8 +28,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightkv import ImageSegment, VisionLayout, get_preset
+from lightkv.methods.pooling import StridedPartitioner
 from lightkv.policies import StageInputs, StageSpec
-from lightkv.policies.pooling import StridedPartitioner
 
 merge_mod = pytest.importorskip(
     "tomesd.merge", reason="tomesd is a test-only dependency: pip install tomesd"

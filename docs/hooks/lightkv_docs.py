@@ -11,7 +11,7 @@ never imports lightkv, torch or transformers.
 * **Markers** in pages are replaced before rendering:
 
   * ``<!-- lightkv:presets -->``: a table of the shipped presets, read from
-    ``lightkv/presets/*.yaml``, with each file in a collapsible block
+    ``lightkv/methods/*.yaml``, with each file in a collapsible block
     (``<!-- lightkv:presets table -->``: the table only).
   * ``<!-- lightkv:families -->``: the supported model families, read from
     ``lightkv/adapters/registry.py``, with links to their adapter modules.
@@ -55,6 +55,7 @@ PREFERRED_ORDER = {
     "lightkv": [
         "graph",
         "policies",
+        "methods",
         "stage",
         "pipeline",
         "config",
@@ -289,10 +290,10 @@ def _cell(text: str) -> str:
 
 # ---------------------------------------------------------------------------- presets
 def presets_markdown(table_only: bool = False) -> str:
-    preset_dir = ROOT / PACKAGE / "presets"
+    preset_dir = ROOT / PACKAGE / "methods"
     files = {p.stem: p for p in sorted(preset_dir.glob("*.yaml"))}
     if not files:
-        return '!!! warning "No presets found"\n    `lightkv/presets/*.yaml` is empty.\n'
+        return '!!! warning "No presets found"\n    `lightkv/methods/*.yaml` is empty.\n'
     order: list[str] = []
     init = preset_dir / "__init__.py"
     if init.is_file():

@@ -1,6 +1,6 @@
 """`TowerTap`: the attention each image token receives inside the vision tower, for relevance
 policies that declare ``reads_tower`` (VisionZip's dominant tokens,
-`lightkv.policies.TowerAttention`).
+`lightkv.methods.TowerAttention`).
 
 A forward pre-hook on the self-attention of the tower layer whose output the projector reads
 (``vision_feature_layer``) projects that layer's normed input once more (one query row per

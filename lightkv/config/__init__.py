@@ -2,7 +2,7 @@
 
 A `PipelineConfig` fully describes a `lightkv.Pipeline`: its schedule and, for each stage,
 the policy of each family by registered name with its parameters. It is the single source
-of truth for presets (``lightkv/presets/*.yaml``), user files and the JSON Schema.
+of truth for presets (``lightkv/methods/*.yaml``), user files and the JSON Schema.
 
 ```yaml
 name: my-lightkv

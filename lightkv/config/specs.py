@@ -21,8 +21,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from .. import methods as _methods  # noqa: F401  (registers the published methods' policies)
 from ..policies import FAMILIES, Mode, Policy
-from ..policies import pooling as _pooling  # noqa: F401  (registers the "anchor" and "strided" partitioners)
 from ..policies.base import removed_field_message
 from .errors import ConfigError, _did_you_mean, _fail, _plain, _short
 

@@ -9,23 +9,13 @@
 | `Scheduler` | at which layers, with which windows and ratios |
 | `Relevance` | prompt relevance ξ per vision token |
 | `Mode` | where in the model compression happens (the shipped ones: `lightkv.adapters.modes`) |
+
+This package holds the families, the registry and the generic pieces; the published methods'
+own pieces (CDPruner's DPP, VisionZip's split, ...) live one module each in `lightkv.methods`.
 """
 
 from .base import ENTRY_POINT_GROUP, Policy
-from .cache_policies import (
-    AccumulatedAttention,
-    ImportancePartitioner,
-    accumulated_attention,
-    accumulated_attention_flops,
-    h2o_keep,
-)
-from .cdpruner import CDPruner
-from .coverage import RelevanceCoverage
-from .dart import DART
-from .divprune import DivPrune
-from .holov import HoloV
 from .inputs import Features, StageInputs
-from .mmtok import MMTok
 from .mode import MODE_ENTRY_POINT_GROUP, Mode
 from .partitioners import (
     GlobalPartitioner,
@@ -43,7 +33,6 @@ from .passers import (
     SizeWeightedMean,
 )
 from .plugins import EntryPointStatus, PluginError
-from .pooling import AnchorPartitioner, ResizePartitioner, StridedPartitioner
 from .prompt import Prompt
 from .pruners import (
     AllSources,
@@ -83,14 +72,8 @@ from .schedulers import (
     ratio_for_target,
     scale_layers,
 )
-from .scope import SCOPE
 from .scorers import CosineDivergence, EdgeScorer, L2Divergence, RandomDivergence
-from .similarity import QuestionSimilarity
 from .spatiotemporal import SpatioTemporalPartitioner
-from .tower import TowerAttention
-from .visionzip import DominantContextual
-from .vispruner import VisPruner
-from .vscan import VScanScan
 
 FAMILIES = {
     family.family: family
@@ -104,27 +87,10 @@ __all__ = [
     "FAMILIES",
     "MODE_ENTRY_POINT_GROUP",
     "Mode",
-    "AccumulatedAttention",
-    "AnchorPartitioner",
-    "ResizePartitioner",
-    "DominantContextual",
-    "VisPruner",
     "AllSources",
     "CacheSchedule",
-    "CDPruner",
-    "DART",
-    "ImportancePartitioner",
-    "accumulated_attention",
-    "accumulated_attention_flops",
-    "h2o_keep",
     "BudgetSchedule",
     "CosineDivergence",
-    "DivPrune",
-    "RelevanceCoverage",
-    "HoloV",
-    "MMTok",
-    "SCOPE",
-    "VScanScan",
     "DropMessages",
     "EdgeScorer",
     "EntryPointStatus",
@@ -138,8 +104,6 @@ __all__ = [
     "PreLLMThenLayer",
     "Prompt",
     "QuestionAttention",
-    "QuestionSimilarity",
-    "TowerAttention",
     "L2Divergence",
     "LastTokenAttention",
     "LowestRelevance",
@@ -168,7 +132,6 @@ __all__ = [
     "SpatioTemporalPartitioner",
     "StageInputs",
     "StageSpec",
-    "StridedPartitioner",
     "TextQueryAttention",
     "UniformRelevance",
     "RandomRelevance",

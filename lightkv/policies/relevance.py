@@ -86,7 +86,7 @@ class Relevance(Policy):
     reads_tower: ClassVar[bool] = False
     """Whether `score` also takes ``tower=`` (``[B, H, N]``: the attention each token
     receives inside the vision tower, which the adapter computes), for policies that rank
-    tokens as the vision encoder does (see `lightkv.policies.TowerAttention`)."""
+    tokens as the vision encoder does (see `lightkv.methods.TowerAttention`)."""
 
     def score(
         self, queries: torch.Tensor | None, keys: torch.Tensor | None, layout: VisionLayout
@@ -109,7 +109,7 @@ class Relevance(Policy):
     """Whether `score` also takes ``hidden=`` (``[B, N, D]``: the hidden states the stage
     reads; before the LLM the input embeddings), for policies that compare tokens in the
     residual stream instead of projecting queries and keys (see
-    `lightkv.policies.QuestionSimilarity`)."""
+    `lightkv.methods.QuestionSimilarity`)."""
 
     def hidden_flops(self, layout: VisionLayout, hidden_size: int, prompt=None) -> float:
         """FLOPs `score` spends on ``hidden=`` (a policy that `reads_hidden`; 0 otherwise)."""

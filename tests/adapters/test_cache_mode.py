@@ -22,7 +22,8 @@ from lightkv.adapters import apply
 from lightkv.adapters.cache import MaskedCacheLayer
 from lightkv.adapters.modes.h2o import H2OMode
 from lightkv.graph.layout import TokenKind
-from lightkv.policies import CacheSchedule, h2o_keep
+from lightkv.methods import h2o_keep
+from lightkv.policies import CacheSchedule
 from lightkv.testing import TINY_MODELS
 
 from .conftest import decoder_layers, get_model

@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightkv.policies import CDPruner, Prompt, StageInputs
+from lightkv.methods import CDPruner
+from lightkv.policies import Prompt, StageInputs
 from tests.policies.keep_set_cases import (
     assert_rows_independent,
     kept_positions,

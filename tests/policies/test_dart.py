@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightkv.policies import DART, StageInputs
+from lightkv.methods import DART
+from lightkv.policies import StageInputs
 from tests.policies.keep_set_cases import assert_rows_independent, kept_positions, prune_inputs
 from tests.strategies import batches
 

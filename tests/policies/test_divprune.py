@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightkv.policies import DivPrune, StageInputs
+from lightkv.methods import DivPrune
+from lightkv.policies import StageInputs
 from tests.policies.keep_set_cases import kept_positions, one_image, prune_inputs
 from tests.strategies import batches
 

@@ -13,16 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightkv import ImageSegment, VisionLayout
+from lightkv.methods import DominantContextual, ResizePartitioner
+from lightkv.methods.pooling import resized_grid
 from lightkv.pipeline import Stage
-from lightkv.policies import (
-    AllSources,
-    DominantContextual,
-    EdgeScorer,
-    MessagePasser,
-    ResizePartitioner,
-)
+from lightkv.policies import AllSources, EdgeScorer, MessagePasser
 from lightkv.policies.counts import kept_count
-from lightkv.policies.pooling import resized_grid
 from lightkv.policies.schedulers import StageSpec
 from lightkv.testing import check_policy
 

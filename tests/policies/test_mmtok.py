@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightkv.policies import MMTok, Prompt, StageInputs
+from lightkv.methods import MMTok
+from lightkv.policies import Prompt, StageInputs
 from tests.policies.keep_set_cases import (
     assert_rows_independent,
     kept_positions,

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 import lightkv
 from lightkv import ImageSegment, VisionLayout
 from lightkv.adapters import apply
-from lightkv.policies import Prompt, QuestionSimilarity, Relevance
+from lightkv.methods import QuestionSimilarity
+from lightkv.policies import Prompt, Relevance
 from lightkv.testing import TINY_MODELS, check_policy
 from tests.strategies import batches
 

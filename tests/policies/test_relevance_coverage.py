@@ -12,16 +12,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightkv import ImageSegment, VisionLayout
+from lightkv.methods import DivPrune, RelevanceCoverage
 from lightkv.pipeline import Stage
 from lightkv.policies import (
     CosineDivergence,
-    DivPrune,
     GlobalPartitioner,
     KeepSetPruner,
     MessagePasser,
     Prompt,
     Pruner,
-    RelevanceCoverage,
     StageInputs,
     StageSpec,
 )

@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightkv.policies import SCOPE, StageInputs
+from lightkv.methods import SCOPE
+from lightkv.policies import StageInputs
 from tests.policies.keep_set_cases import (
     assert_rows_independent,
     kept_positions,

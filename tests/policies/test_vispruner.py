@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightkv import ImageSegment, VisionLayout
-from lightkv.policies import StageInputs, VisPruner
+from lightkv.methods import VisPruner
+from lightkv.policies import StageInputs
 from lightkv.testing import check_policy
 from tests.policies.keep_set_cases import (
     assert_rows_independent,

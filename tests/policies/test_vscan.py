@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lightkv.methods import VScanScan
 from lightkv.pipeline import Stage
 from lightkv.policies import (
     AllSources,
@@ -18,7 +19,6 @@ from lightkv.policies import (
     SizeWeightedMean,
     StageInputs,
     StageSpec,
-    VScanScan,
     average_kept_fraction,
 )
 from lightkv.policies.counts import kept_count

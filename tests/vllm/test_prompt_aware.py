@@ -19,7 +19,7 @@ from .test_plugin import ok
 
 COVER = {  # the preset, less proportional attention (vLLM's kernels cannot weight keys)
     **yaml.safe_load(
-        (Path(lightkv.__file__).parent / "presets" / "lightkv-cover.yaml").read_text()
+        (Path(lightkv.__file__).parent / "methods" / "lightkv-cover.yaml").read_text()
     ),
     "proportional_attention": False,
 }

@@ -19,7 +19,7 @@ import torch
 
 from ...graph.layout import TokenKind
 from ...graph.scatter import right_align
-from ...policies.cache_policies import accumulated_attention, accumulated_attention_flops, h2o_keep
+from ...methods.cache_policies import accumulated_attention, accumulated_attention_flops, h2o_keep
 from ...policies.relevance import _match_heads
 from ..cache import MaskedCacheLayer
 from ..masks import _batch
@@ -72,7 +72,7 @@ class H2OMode(CacheEntriesMode):
     After the prefill and after every decoding step, each listed layer keeps, per batch
     row, the ``recent`` most recent candidate entries plus the ``heavy`` candidates with the
     largest attention accumulated so far (over the prompt's queries, then every decoded
-    token's), and evicts the other candidates (`lightkv.policies.h2o_keep`). Evicted entries
+    token's), and evicts the other candidates (`lightkv.methods.h2o_keep`). Evicted entries
     never come back. The budget is fixed at prefill: ``floor(budget * n)`` entries for the
     ``n`` candidate tokens of the row's prompt, ``floor(recent_share * that)`` of them recent.
     The mode plans no stage: a pipeline runs it as its own mode (``mode: {name: h2o}``).

@@ -1,5 +1,5 @@
 """The ``tower`` mode: the vision tower's own attention, for relevance policies that declare
-``reads_tower`` (VisionZip's dominant tokens, `lightkv.policies.TowerAttention`).
+``reads_tower`` (VisionZip's dominant tokens, `lightkv.methods.TowerAttention`).
 
 It runs wherever such a policy is used (`Mode.wanted`), whatever the schedule: a hook on
 the tower layer the projector reads (`lightkv.adapters.tower.TowerTap`) keeps the attention

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .inputs import Features
-from .pruners import KeepSetPruner, Pruner
+from ..policies.inputs import Features
+from ..policies.pruners import KeepSetPruner, Pruner
 
 __all__ = ["VisPruner"]
 

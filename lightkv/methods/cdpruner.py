@@ -16,8 +16,8 @@ from typing import ClassVar
 
 import torch
 
-from .inputs import Features, StageInputs
-from .pruners import KeepSetPruner, PruneInputs, Pruner
+from ..policies.inputs import Features, StageInputs
+from ..policies.pruners import KeepSetPruner, PruneInputs, Pruner
 
 __all__ = ["CDPruner"]
 

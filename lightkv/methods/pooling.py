@@ -27,8 +27,8 @@ import torch
 
 from ..graph.scatter import segment_rank
 from ..graph.windows import grid_windows
-from .counts import image_vision_counts, kept_count
-from .partitioners import GlobalPartitioner, Partition, Partitioner
+from ..policies.counts import image_vision_counts, kept_count
+from ..policies.partitioners import GlobalPartitioner, Partition, Partitioner
 
 __all__ = ["AnchorPartitioner", "ResizePartitioner", "StridedPartitioner", "resized_grid"]
 

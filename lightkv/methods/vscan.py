@@ -16,8 +16,8 @@ import torch
 
 from ..graph.scatter import scatter_sum, segment_rank
 from ..graph.windows import grid_windows
-from .counts import image_vision_counts, kept_count
-from .partitioners import Partition, Partitioner
+from ..policies.counts import image_vision_counts, kept_count
+from ..policies.partitioners import Partition, Partitioner
 
 __all__ = ["VScanScan"]
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from ..graph.scatter import scatter_sum
-from .inputs import Features
-from .pruners import KeepSetPruner, Pruner, allocate_removals
+from ..policies.inputs import Features
+from ..policies.pruners import KeepSetPruner, Pruner, allocate_removals
 
 __all__ = ["HoloV"]
 

@@ -14,8 +14,8 @@ from typing import ClassVar
 
 import torch
 
-from .inputs import Features
-from .pruners import KeepSetPruner, Pruner
+from ..policies.inputs import Features
+from ..policies.pruners import KeepSetPruner, Pruner
 
 __all__ = ["MMTok"]
 

@@ -14,8 +14,8 @@ from typing import ClassVar, Literal
 
 import torch
 
-from .partitioners import GlobalPartitioner, Partition, Partitioner
-from .relevance import Relevance, _accumulator, _match_heads
+from ..policies.partitioners import GlobalPartitioner, Partition, Partitioner
+from ..policies.relevance import Relevance, _accumulator, _match_heads
 
 __all__ = [
     "AccumulatedAttention",

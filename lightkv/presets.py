@@ -1,4 +1,4 @@
-"""Shipped pipelines, as YAML files in this package (``lightkv/presets/*.yaml``).
+"""Shipped pipelines, as YAML files beside the methods they run (``lightkv/methods/*.yaml``).
 
 Each preset is a `lightkv.config.PipelineConfig`: LightKV and its per-model schedules, and
 the baselines (FastV, ToMe, PyramidDrop, random dropping, spatial pooling, and the cache-level
@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from ..config import ConfigError, PipelineConfig
-from ..config.errors import _did_you_mean
-from ..pipeline import Pipeline
+from . import methods
+from .config import ConfigError, PipelineConfig
+from .config.errors import _did_you_mean
+from .pipeline import Pipeline
 
 __all__ = ["PRESETS", "Preset", "get_preset", "get_preset_config", "is_config_path", "load_config"]
 
@@ -80,7 +81,7 @@ class Preset:
 
 def _load() -> dict[str, Preset]:
     found: dict[str, Preset] = {}
-    for entry in resources.files(__name__).iterdir():
+    for entry in resources.files(methods).iterdir():
         if not entry.name.endswith(".yaml"):
             continue
         stem = entry.name[: -len(".yaml")]

@@ -1,0 +1,84 @@
+"""The published methods, one module each, with each method's preset YAML beside it.
+
+`lightkv.policies` holds the family protocols, the registry and the generic pieces (grid
+windows, cosine divergence, the divergence and keep-set pruners, the weighted-mean passers,
+the relevance from a layer's projections, the schedulers). A method that needs a piece no
+other method uses keeps it here, in its own module, registered under the name its YAML uses:
+
+| module | presets (YAML beside it) | what the module adds |
+|---|---|---|
+| `cdpruner` | ``cdpruner`` | the conditional-DPP pruner |
+| `dart` | ``dart`` | the duplication-aware pivot pruner |
+| `divprune` | ``divprune`` | max-min diversity selection |
+| `holov` | ``holov`` | crop-wise budgets by attention and similarity |
+| `mmtok` | ``mmtok`` | multimodal coverage selection |
+| `scope` | ``scope`` | saliency x coverage selection |
+| `vispruner` | ``vispruner`` | important + diverse selection |
+| `visionzip` | ``visionzip`` | dominant / contextual split; the tower's attention relevance |
+| `vscan` | ``vscan`` | the global and local scans |
+| `pooling` | ``pool``, ``downsample`` | anchor, resize and strided (ToMe-SD) partitions |
+| `cache_policies` | ``elasticcache``, ``h2o`` | importance partition, accumulated attention |
+| `lightkv` | ``lightkv``, ``lightkv-*`` | relevance coverage and question similarity |
+
+``fastv``, ``pdrop``, ``tome`` and ``random`` are compositions of generic pieces alone: their
+YAML sits here with no module. Importing this package registers every method's policies;
+`lightkv.config` does so before it resolves a name.
+"""
+
+from __future__ import annotations
+
+from . import (  # noqa: F401  (each registers its policies)
+    cache_policies,
+    cdpruner,
+    dart,
+    divprune,
+    holov,
+    lightkv,
+    mmtok,
+    pooling,
+    scope,
+    visionzip,
+    vispruner,
+    vscan,
+)
+from .cache_policies import (
+    AccumulatedAttention,
+    ImportancePartitioner,
+    accumulated_attention,
+    accumulated_attention_flops,
+    h2o_keep,
+)
+from .cdpruner import CDPruner
+from .dart import DART
+from .divprune import DivPrune
+from .holov import HoloV
+from .lightkv import QuestionSimilarity, RelevanceCoverage
+from .mmtok import MMTok
+from .pooling import AnchorPartitioner, ResizePartitioner, StridedPartitioner
+from .scope import SCOPE
+from .visionzip import DominantContextual, TowerAttention
+from .vispruner import VisPruner
+from .vscan import VScanScan
+
+__all__ = [
+    "AccumulatedAttention",
+    "AnchorPartitioner",
+    "CDPruner",
+    "DART",
+    "DivPrune",
+    "DominantContextual",
+    "HoloV",
+    "ImportancePartitioner",
+    "MMTok",
+    "QuestionSimilarity",
+    "RelevanceCoverage",
+    "ResizePartitioner",
+    "SCOPE",
+    "StridedPartitioner",
+    "TowerAttention",
+    "VScanScan",
+    "VisPruner",
+    "accumulated_attention",
+    "accumulated_attention_flops",
+    "h2o_keep",
+]
