@@ -30,10 +30,10 @@ from lightkv_lab.bench.efficiency.shapes import (
     build_model,
     scaled_pipeline,
 )
+from lightkv_lab.tiny import TINY_MODELS
 
 from lightkv.adapters import apply
 from lightkv.adapters.attention import AttentionWatch, check_same_attention
-from lightkv.testing import TINY_MODELS
 
 PRESETS = ("lightkv", "divprune", "lightkv-low-budget")
 KEPT = (0.55, 0.22, 0.11)

@@ -35,12 +35,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from lightkv_lab.tiny.llava_next import build_llava_next
+
 import lightkv
 from lightkv import Pipeline
 from lightkv.adapters import apply
 from lightkv.outputs import write_atomic
 from lightkv.policies import ExplicitSchedule
-from lightkv.testing import IMAGE, build_llava, build_llava_next, text_ids
+from lightkv.testing import IMAGE, build_llava, text_ids
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

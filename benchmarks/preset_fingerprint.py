@@ -58,9 +58,10 @@ def run(pipe, model, batch, options):
 
 
 def record(path):
+    from lightkv_lab.tiny import TINY_MODELS
+
     import lightkv
     from lightkv.presets import PRESETS
-    from lightkv.testing import TINY_MODELS
 
     print("lightkv from", lightkv.__file__, file=sys.stderr)
     method_pipeline, evaluate, to_pil, BUNDLED, read_grid = lab()

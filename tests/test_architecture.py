@@ -43,7 +43,7 @@ LAYERS = [
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 # The laboratory's layers, lowest first; all of it stands above the whole library.
 LAB_LAYERS = [
-    ("vis",),  # provenance and relevance pictures
+    ("vis", "tiny"),  # provenance and relevance pictures; tiny random models of every family
     ("tasks",),  # the bundled models' tasks: data, trainer, evaluation
     (
         "models",
@@ -171,6 +171,45 @@ def test_the_library_ships_no_laboratory_files():
         if p.is_file() and "__pycache__" not in p.parts and p.stat().st_size > 2**20
     ]
     assert not big, f"files over 1 MB in the library: {big}"
+
+
+def test_the_library_ships_only_the_testing_helpers_it_uses():
+    """`lightkv.testing` holds the policy contract, the shared token helpers and the tiny LLaVA
+    the docs run on; every other family's tiny model is the laboratory's (`lightkv_lab.tiny`)."""
+    shipped = sorted(p.stem for p in (PACKAGE / "testing").glob("*.py"))
+    assert shipped == ["__init__", "common", "contract", "llava"], shipped
+
+
+# The framework without the methods, the family adapters and the tools: readable in a day.
+FAMILY_ADAPTERS = {
+    "fuyu", "gemma3", "idefics3", "internvl", "llava", "llava_next", "llava_next_video",
+    "llava_onevision", "mistral3", "qwen2_5_vl", "qwen2_vl", "qwen3_vl",
+}  # fmt: skip
+TOOLS = {"api", "testing", "generate", "lab", "cli", "__main__", "integrations"}
+FRAMEWORK_MAX_LINES = 15_000
+
+
+def framework_lines() -> dict[str, int]:
+    """Lines per part of the library: framework, methods, family adapters, tools."""
+    parts = {"framework": 0, "methods": 0, "family adapters": 0, "tools": 0}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).with_suffix("").parts
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        if rel[0] == "methods":
+            parts["methods"] += lines
+        elif rel[0] == "adapters" and len(rel) == 2 and rel[1] in FAMILY_ADAPTERS:
+            parts["family adapters"] += lines
+        elif rel[0] in TOOLS:
+            parts["tools"] += lines
+        else:
+            parts["framework"] += lines
+    return parts
+
+
+def test_the_framework_is_readable_in_a_day():
+    parts = framework_lines()
+    assert parts["framework"] <= FRAMEWORK_MAX_LINES, parts
+    assert all(parts.values()), f"a part of the count is empty (a path moved?): {parts}"
 
 
 # Modules another change of the same issue is rewriting; each entry must still be over the cap

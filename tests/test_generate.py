@@ -76,9 +76,10 @@ def _processor(model):
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
+    from lightkv_lab.tiny import TINY_MODELS
     from PIL import Image
 
-    from lightkv.testing import IMAGE, TINY_MODELS
+    from lightkv.testing import IMAGE
 
     root = tmp_path_factory.mktemp("generate")
     model = TINY_MODELS["llava"].build()

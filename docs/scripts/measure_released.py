@@ -10,12 +10,12 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from lightkv_lab.tiny import TINY_MODELS
 
 import lightkv
 from lightkv.adapters import apply
 from lightkv.policies import ExplicitSchedule, QueryAxisSoftmax
 from lightkv.quirks import ReleasedQuirks
-from lightkv.testing import TINY_MODELS
 
 SCHEDULE = ExplicitSchedule(
     layers=(1, 2), windows_per_side=(2, 1), removal_ratios=(0.5,)

@@ -1,4 +1,4 @@
-"""Tiny random LLaVA-1.5 models (CLIP tower, LLaMA decoder) and prompts for them."""
+"""Tiny random LLaVA-1.5 models (CLIP tower, LLaMA decoder) and prompts for them: `TINY_LLAVA`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from .common import (
     IMAGE,
     Row,
+    TinyModel,
     _batch_ids,
     _clip_llama_configs,
     _finish,
@@ -78,3 +79,9 @@ def examples_llava(model) -> list[Row]:
         row_llava(model, 2, pre=2, seed=1),
         row_llava(model, 0, seed=2),
     ]
+
+
+TINY_LLAVA = TinyModel("llava", build_llava, row_llava, collate_llava, examples_llava)
+"""The tiny random LLaVA-1.5 the docs and a package's own tests run sessions on:
+``TINY_LLAVA.build()``, ``.row(model, images=1, seed=0)``, ``.collate(rows)``. Every other
+family's tiny model is in the laboratory (``lightkv_lab.tiny.TINY_MODELS``)."""

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightkv_lab.tiny import TINY_MODELS
 
 import lightkv
 from lightkv import Pipeline
 from lightkv.policies import ExplicitSchedule
-from lightkv.testing import TINY_MODELS
 
 FAMILY_NAMES = list(TINY_MODELS)
 

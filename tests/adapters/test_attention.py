@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from lightkv_lab.bench.budgets import method_pipeline
+from lightkv_lab.tiny import TINY_MODELS
 
 from lightkv.adapters import apply
 from lightkv.adapters.attention import (
@@ -21,7 +22,6 @@ from lightkv.adapters.attention import (
 )
 from lightkv.adapters.guards import attention_implementation
 from lightkv.presets import PRESETS, get_preset
-from lightkv.testing import TINY_MODELS
 
 from .conftest import get_model, tiny_lightkv
 

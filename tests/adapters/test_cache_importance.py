@@ -23,12 +23,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lightkv_lab.bench.efficiency.measure import OverheadProbe
+from lightkv_lab.tiny import TINY_MODELS
 
 from lightkv.adapters import apply
 from lightkv.adapters.modes import h2o as h2o_mode
-from lightkv.policies import cache_policies
+from lightkv.methods import cache_policies
 from lightkv.policies.relevance import _accumulator, _match_heads
-from lightkv.testing import TINY_MODELS
 
 from .conftest import get_model
 from .test_cache_mode import METHODS

@@ -16,6 +16,7 @@ import math
 
 import pytest
 import torch
+from lightkv_lab.tiny import TINY_MODELS
 
 import lightkv
 from lightkv.adapters import apply
@@ -24,7 +25,6 @@ from lightkv.adapters.modes.h2o import H2OMode
 from lightkv.graph.layout import TokenKind
 from lightkv.methods import h2o_keep
 from lightkv.policies import CacheSchedule
-from lightkv.testing import TINY_MODELS
 
 from .conftest import decoder_layers, get_model
 

@@ -17,13 +17,13 @@ from dataclasses import replace
 import pytest
 import torch
 from lightkv_lab.bench.budgets import method_pipeline
+from lightkv_lab.tiny import TINY_MODELS
 
 from lightkv import Pipeline
 from lightkv.adapters import apply, masks
 from lightkv.adapters.attention import AttentionWatch, configured_attention
 from lightkv.adapters.guards import attention_implementation
 from lightkv.presets import PRESETS, get_preset
-from lightkv.testing import TINY_MODELS
 
 from .conftest import get_model, identity_pipeline, tiny_lightkv
 from .flash_standin import NAME, FlashStandIn, use_flash

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightkv_lab.tiny import TINY_MODELS, gemma3
 
 import lightkv
 from lightkv.adapters import apply, get_adapter
 from lightkv.graph.layout import TokenKind
 from lightkv.policies import ExplicitSchedule
-from lightkv.testing import TINY_MODELS, gemma3
 from lightkv.testing.common import IMAGE
 
 from .conftest import get_model, identity_pipeline, tiny_lightkv

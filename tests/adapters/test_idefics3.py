@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightkv_lab.tiny import TINY_MODELS
+from lightkv_lab.tiny.idefics3 import FAKE, GLOBAL_IMG, LINE, build_idefics3, build_smolvlm, row_col
 
 from lightkv import Pipeline
 from lightkv.adapters import apply, detect_family
 from lightkv.adapters.idefics3 import Idefics3Adapter
 from lightkv.graph.layout import TokenKind
 from lightkv.policies import ExplicitSchedule
-from lightkv.testing import IMAGE, TINY_MODELS
-from lightkv.testing.idefics3 import FAKE, GLOBAL_IMG, LINE, build_idefics3, build_smolvlm, row_col
+from lightkv.testing import IMAGE
 
 from .conftest import get_model, tiny_lightkv
 

@@ -4,12 +4,13 @@ tensors (not against the adapter's arithmetic)."""
 from __future__ import annotations
 
 import torch
+from lightkv_lab.tiny import TINY_MODELS
 
 from lightkv import Pipeline
 from lightkv.adapters import apply, get_adapter
 from lightkv.graph.layout import TokenKind
 from lightkv.policies import ExplicitSchedule
-from lightkv.testing import IMAGE, NEWLINE, TINY_MODELS, VIDEO
+from lightkv.testing import IMAGE, NEWLINE, VIDEO
 
 from .conftest import decoder_layers, get_model, tiny_lightkv
 

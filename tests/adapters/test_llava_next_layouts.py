@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightkv_lab.tiny import TINY_MODELS
+from lightkv_lab.tiny.llava_next import build_llava_next, llava_next_tokens
 
 import lightkv
 from lightkv import Pipeline
 from lightkv.adapters import apply
 from lightkv.adapters.llava_next import LlavaNextAdapter
 from lightkv.graph import TokenKind
-from lightkv.testing import IMAGE, TINY_MODELS, build_llava_next, llava_next_tokens
+from lightkv.testing import IMAGE
 
 from .conftest import get_model, tiny_lightkv
 

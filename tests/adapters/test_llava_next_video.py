@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightkv_lab.tiny import TINY_MODELS
+from lightkv_lab.tiny import llava_next_video as nv
 
 from lightkv import Pipeline
 from lightkv.adapters import apply
 from lightkv.adapters.llava_next_video import LlavaNextVideoAdapter
 from lightkv.graph import TokenKind
 from lightkv.policies import ExplicitSchedule
-from lightkv.testing import IMAGE, TINY_MODELS, VIDEO
-from lightkv.testing import llava_next_video as nv
+from lightkv.testing import IMAGE, VIDEO
 
 from .conftest import get_model, tiny_lightkv
 

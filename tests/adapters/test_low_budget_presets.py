@@ -13,10 +13,10 @@ from dataclasses import replace
 import pytest
 import torch
 from lightkv_lab.bench.budgets import method_pipeline
+from lightkv_lab.tiny import TINY_MODELS
 
 from lightkv.adapters import apply
 from lightkv.policies import PreLLMSchedule, average_kept_fraction
-from lightkv.testing import TINY_MODELS
 
 from .conftest import assert_rows_match_batch, get_model
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightkv_lab.tiny import TINY_MODELS
+from lightkv_lab.tiny.pixtral import IMG_BREAK, IMG_END, build_mistral3, build_pixtral_llava
 
 from lightkv import Pipeline
 from lightkv.adapters import apply, detect_family, get_adapter
@@ -14,8 +16,7 @@ from lightkv.adapters.llava import LlavaAdapter
 from lightkv.adapters.mistral3 import Mistral3Adapter, PixtralLlavaAdapter
 from lightkv.graph.layout import TokenKind
 from lightkv.policies import ExplicitSchedule
-from lightkv.testing import IMAGE, TINY_MODELS
-from lightkv.testing.pixtral import IMG_BREAK, IMG_END, build_mistral3, build_pixtral_llava
+from lightkv.testing import IMAGE
 
 from .conftest import get_model, tiny_lightkv
 

@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 import torch
+from lightkv_lab.tiny import TINY_MODELS
 
 import lightkv
 from lightkv.adapters import apply
@@ -17,7 +18,6 @@ from lightkv.adapters import session as session_module
 from lightkv.adapters.modes import Mode
 from lightkv.policies import StageSpec
 from lightkv.policies.schedulers import ExplicitSchedule
-from lightkv.testing import TINY_MODELS
 
 
 @pytest.fixture(scope="module")

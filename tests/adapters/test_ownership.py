@@ -9,9 +9,9 @@ import threading
 
 import pytest
 import torch
+from lightkv_lab.tiny import TINY_MODELS
 
 from lightkv.adapters import apply
-from lightkv.testing import TINY_MODELS
 
 from .conftest import get_model, tiny_lightkv
 

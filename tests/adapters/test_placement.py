@@ -11,13 +11,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lightkv_lab.tiny import TINY_MODELS
 
 import lightkv
 from lightkv.config import ConfigError, PipelineConfig
 from lightkv.policies import ExplicitSchedule, StageSpec, average_kept_fraction
 from lightkv.policies.schedulers import place, scale_layers
 from lightkv.presets import PRESETS, get_preset_config
-from lightkv.testing import TINY_MODELS
 
 DEPTH = 8
 PLACES = ("pre_llm", "layer", "cache")

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightkv_lab.tiny import TINY_MODELS
 
 import lightkv
 from lightkv.adapters import apply
 from lightkv.adapters.cache import MaskedCacheLayer
 from lightkv.graph.layout import TokenKind
 from lightkv.policies import MessagePasser, Partitioner, PreLLMSchedule, Pruner
-from lightkv.testing import TINY_MODELS
 
 from .conftest import assert_rows_match_batch, get_model
 from .promise import removed_first_stage

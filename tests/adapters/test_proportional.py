@@ -17,6 +17,7 @@ import dataclasses
 
 import pytest
 import torch
+from lightkv_lab.tiny import TINY_MODELS
 
 import lightkv
 from lightkv import Pipeline
@@ -25,7 +26,6 @@ from lightkv.adapters.base import Adapter
 from lightkv.adapters.cache import MaskedCacheLayer
 from lightkv.adapters.llava import LlavaAdapter
 from lightkv.policies import CacheSchedule, ExplicitSchedule, PreLLMSchedule
-from lightkv.testing import TINY_MODELS
 
 from .conftest import (
     assert_rows_match_batch,

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightkv_lab.tiny import TINY_MODELS
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, QuantizedCache
 
 from lightkv.adapters import apply, kv_bytes
 from lightkv.adapters.cache import MaskedCacheLayer, MaskedQuantizedLayer
-from lightkv.testing import TINY_MODELS
 
 from .conftest import get_model, identity_pipeline, tiny_lightkv
 

@@ -4,11 +4,11 @@ rope index), frames labelled by video, mixed batches, the generate() path."""
 from __future__ import annotations
 
 import pytest
+from lightkv_lab.tiny import TINY_MODELS
 
 from lightkv.adapters import apply, get_adapter
 from lightkv.adapters.qwen2_vl import label_video_frames
 from lightkv.graph.layout import ImageSegment
-from lightkv.testing import TINY_MODELS
 
 from .conftest import get_model, identity_pipeline, tiny_lightkv
 from .qwen_oracle import check_layout, expected_tokens, layout_of, non_vision_survive

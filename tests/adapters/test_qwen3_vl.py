@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightkv_lab.tiny import TINY_MODELS, qwen3_vl
 
 from lightkv import Pipeline
 from lightkv.adapters import apply, get_adapter
 from lightkv.adapters.qwen3_vl import Qwen3VLAdapter, deepstack_layers
 from lightkv.graph.layout import TokenKind
 from lightkv.policies import ExplicitSchedule
-from lightkv.testing import TINY_MODELS, qwen3_vl
 
 from .conftest import get_model, identity_pipeline, tiny_lightkv
 from .qwen_oracle import check_layout, expected_tokens, layout_of, non_vision_survive

@@ -22,13 +22,13 @@ import dataclasses
 
 import pytest
 import torch
+from lightkv_lab.tiny import TINY_MODELS
 
 import lightkv
 from lightkv import Pipeline
 from lightkv.adapters import apply
 from lightkv.policies import ExplicitSchedule
 from lightkv.quirks import ReleasedQuirks
-from lightkv.testing import TINY_MODELS
 
 from .conftest import assert_rows_match_batch, get_model
 

@@ -7,12 +7,12 @@ import math
 
 import pytest
 import torch
+from lightkv_lab.tiny import TINY_MODELS
 
 import lightkv
 from lightkv import Pipeline
 from lightkv.adapters import apply
 from lightkv.policies import ExplicitSchedule, QueryAxisSoftmax
-from lightkv.testing import TINY_MODELS
 
 from .conftest import decoder_layers, get_model
 

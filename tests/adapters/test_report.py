@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from lightkv_lab.tiny import TINY_MODELS
 
 from lightkv.adapters import apply
-from lightkv.testing import TINY_MODELS
 
 from .conftest import get_model, tiny_lightkv
 

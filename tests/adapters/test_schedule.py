@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightkv_lab.tiny import TINY_MODELS
 
 from lightkv.adapters import apply
 from lightkv.adapters.cache import MaskedCacheLayer
 from lightkv.graph.layout import TokenKind
-from lightkv.testing import TINY_MODELS
 
 from .conftest import get_model, tiny_lightkv
 from .promise import promised_vision

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightkv_lab.tiny import TINY_MODELS
 
 import lightkv
 from lightkv import Pipeline
 from lightkv.adapters import SUPPORTED_FAMILIES, apply
 from lightkv.adapters.cache import MaskedCacheLayer
 from lightkv.policies import ExplicitSchedule
-from lightkv.testing import TINY_MODELS
 
 from .conftest import get_model, tiny_lightkv
 
@@ -199,7 +199,7 @@ def test_placeholder_mismatch_has_a_clear_message():
 
 @pytest.mark.parametrize("family", ["llava", "llava_next", "internvl"])
 def test_full_feature_strategy_is_refused_with_a_clear_error(family):
-    from lightkv.testing import TINY_MODELS
+    from lightkv_lab.tiny import TINY_MODELS
 
     model = TINY_MODELS[family].build()
     model.config.vision_feature_select_strategy = "full"

@@ -4,10 +4,10 @@ the adapters add no arithmetic of their own."""
 from __future__ import annotations
 
 import torch
+from lightkv_lab.tiny import TINY_MODELS
 
 from lightkv.adapters import apply
 from lightkv.adapters.masks import drop_padding
-from lightkv.testing import TINY_MODELS
 
 from .conftest import decoder_layers, get_model, tiny_lightkv
 

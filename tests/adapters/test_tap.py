@@ -8,11 +8,11 @@ import dataclasses
 
 import pytest
 import torch
+from lightkv_lab.tiny import TINY_MODELS
 
 import lightkv
 from lightkv.adapters import apply
 from lightkv.policies import CosineDivergence, ExplicitSchedule
-from lightkv.testing import TINY_MODELS
 
 from .conftest import get_model, tiny_lightkv
 

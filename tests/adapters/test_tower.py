@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import pytest
 import torch
+from lightkv_lab.tiny import TINY_MODELS
 
 import lightkv
 from lightkv.adapters import apply
 from lightkv.policies import PreLLMSchedule
-from lightkv.testing import TINY_MODELS
 
 from .conftest import assert_rows_match_batch, get_model
 

@@ -4,10 +4,10 @@ and the spatio-temporal preset merges across them."""
 from __future__ import annotations
 
 import torch
+from lightkv_lab.tiny import TINY_MODELS
 
 import lightkv
 from lightkv.policies import ExplicitSchedule
-from lightkv.testing import TINY_MODELS
 
 FAMILY = TINY_MODELS["qwen2_5_vl"]
 

@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import pytest
 import torch
+from lightkv_lab.tiny import TINY_MODELS
 
 import lightkv
 from lightkv.adapters import apply
-from lightkv.testing import TINY_MODELS
 
 from .conftest import assert_rows_match_batch, get_model
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lightkv_lab.tiny import TINY_MODELS
 
 import lightkv
 from lightkv import ImageSegment, VisionLayout
@@ -21,7 +22,6 @@ from lightkv.policies import (
     Relevance,
     TextQueryAttention,
 )
-from lightkv.testing import TINY_MODELS
 from tests.strategies import batches
 
 

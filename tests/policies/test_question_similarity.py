@@ -9,13 +9,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lightkv_lab.tiny import TINY_MODELS
 
 import lightkv
 from lightkv import ImageSegment, VisionLayout
 from lightkv.adapters import apply
 from lightkv.methods import QuestionSimilarity
 from lightkv.policies import Prompt, Relevance
-from lightkv.testing import TINY_MODELS, check_policy
+from lightkv.testing import check_policy
 from tests.strategies import batches
 
 

@@ -152,9 +152,9 @@ def prefill_scaling(cfg: ScalingConfig) -> dict[str, Any]:
     """Uncompressed and LightKV prefill (ms, median) of a LLaVA-shaped model per image
     side, and the session's own work by part (`OverheadProbe`), variants interleaved."""
     from lightkv.adapters import apply
-    from lightkv.testing import TINY_MODELS
     from lightkv_lab.bench.efficiency.measure import OverheadProbe, first_token
     from lightkv_lab.bench.efficiency.shapes import MODELS, scaled_pipeline
+    from lightkv_lab.tiny import TINY_MODELS
 
     spec = MODELS["llava"]
     sizes = spec.reduced(cfg.layers, cfg.heads)

@@ -261,7 +261,7 @@ def check_attention_available(impl: str, device: str, dtype: str) -> None:
 def build_model(spec: ModelSpec, cfg: BenchConfig, attn: str | None = None):
     """``(model, inputs, sizes)``: the reduced model on the device and a one-row prompt, with
     attention ``attn`` (default: ``cfg.attn_implementation``)."""
-    from lightkv.testing import TINY_MODELS
+    from lightkv_lab.tiny import TINY_MODELS
 
     attn = attn or cfg.attn_implementation
     sizes = spec.reduced(cfg.layers, cfg.heads, cfg.width == "full")

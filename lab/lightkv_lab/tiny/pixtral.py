@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .common import IMAGE, Row, _batch_ids, _finish, _seq, _text_config, text_ids
+from lightkv.testing.common import IMAGE, Row, _batch_ids, _finish, _seq, _text_config, text_ids
 
 __all__ = [
     "IMG_BREAK",

@@ -15,7 +15,16 @@ from collections.abc import Sequence
 
 import torch
 
-from .common import IMAGE, PAD, Row, _batch_ids, _finish, _seq, _text_config, text_ids
+from lightkv.testing.common import (
+    IMAGE,
+    PAD,
+    Row,
+    _batch_ids,
+    _finish,
+    _seq,
+    _text_config,
+    text_ids,
+)
 
 __all__ = [
     "FAKE",

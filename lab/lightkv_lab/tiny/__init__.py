@@ -1,14 +1,15 @@
 """Tiny random models of every supported family, and prompt batches for them.
 
 Built from config objects (no download), in well under a second each; used by the test
-suite, the benchmarks and the CLI demo. Every family has:
+suite and the benchmarks (the library ships only the tiny LLaVA, `lightkv.testing.TINY_LLAVA`,
+which is ``TINY_MODELS["llava"]`` here). Every family has:
 
 * ``build(attn_implementation="sdpa", dtype=torch.float32, seed=0, **sizes)`` -> model,
 * ``row(model, ..., seed=0)`` -> one prompt (`Row`: 1-D ``input_ids`` + the row's image inputs),
 * ``collate(rows)`` -> the keyword arguments of a left-padded batch.
 
 ```python
-from lightkv.testing import TINY_MODELS
+from lightkv_lab.tiny import TINY_MODELS
 fam = TINY_MODELS["llava"]
 model = fam.build()
 batch = fam.collate([fam.row(model, images=1, seed=0), fam.row(model, images=2, seed=1)])
@@ -18,7 +19,10 @@ model.generate(**batch, max_new_tokens=5)
 
 from __future__ import annotations
 
-__all__ = ["TINY_MODELS", "TinyModel", "Row", "left_pad", "text_ids"]
+__all__ = ["TINY_MODELS"]
+
+from lightkv.testing.common import NEWLINE, TinyModel
+from lightkv.testing.llava import TINY_LLAVA
 
 from . import (  # families with a module each (functions named build, row, ...)
     gemma3,
@@ -29,42 +33,18 @@ from . import (  # families with a module each (functions named build, row, ...)
     qwen2_vl,
     qwen3_vl,
 )
-from .common import (  # noqa: F401  (re-exported: tests and docs import them from here)
-    IMAGE,
-    IMG_END,
-    IMG_START,
-    NEWLINE,
-    PAD,
-    TEXT_HIGH,
-    TEXT_LOW,
-    VIDEO,
-    VISION_END,
-    VISION_START,
-    VOCAB,
-    Row,
-    TinyModel,
-    _batch_ids,
-    _finish,
-    _seq,
-    _text_config,
-    left_pad,
-    stack_tiles,
-    text_ids,
-)
 from .fuyu import build_fuyu, collate_fuyu, examples_fuyu, row_fuyu
 from .internvl import build_internvl, examples_internvl, row_internvl
-from .llava import build_llava, collate_llava, examples_llava, row_llava
-from .llava_next import (  # noqa: F401  (llava_next_tokens: re-exported by lightkv.testing)
+from .llava_next import (
     build_llava_next,
     collate_llava_next,
     examples_llava_next,
-    llava_next_tokens,
     row_llava_next,
 )
 from .qwen2_5_vl import build_qwen2_5_vl, collate_qwen2_5_vl, examples_qwen2_5_vl, row_qwen2_5_vl
 
 TINY_MODELS: dict[str, TinyModel] = {
-    "llava": TinyModel("llava", build_llava, row_llava, collate_llava, examples_llava),
+    "llava": TINY_LLAVA,
     "llava_next": TinyModel(
         "llava_next", build_llava_next, row_llava_next, collate_llava_next, examples_llava_next
     ),
@@ -72,7 +52,7 @@ TINY_MODELS: dict[str, TinyModel] = {
         "qwen2_5_vl", build_qwen2_5_vl, row_qwen2_5_vl, collate_qwen2_5_vl, examples_qwen2_5_vl
     ),
     "internvl": TinyModel(
-        "internvl", build_internvl, row_internvl, collate_llava, examples_internvl
+        "internvl", build_internvl, row_internvl, TINY_LLAVA.collate, examples_internvl
     ),
     "fuyu": TinyModel(
         "fuyu",

@@ -8,8 +8,17 @@ from __future__ import annotations
 
 import torch
 
+from lightkv.testing.common import (
+    IMAGE,
+    VIDEO,
+    VISION_END,
+    VISION_START,
+    Row,
+    _finish,
+    _text_config,
+)
+
 from . import qwen2_vl
-from .common import IMAGE, VIDEO, VISION_END, VISION_START, Row, _finish, _text_config
 
 __all__ = ["build", "collate", "examples", "row"]
 

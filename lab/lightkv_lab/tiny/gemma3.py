@@ -17,7 +17,16 @@ from collections.abc import Sequence
 
 import torch
 
-from .common import IMAGE, Row, _batch_ids, _finish, _seq, _text_config, left_pad, text_ids
+from lightkv.testing.common import (
+    IMAGE,
+    Row,
+    _batch_ids,
+    _finish,
+    _seq,
+    _text_config,
+    left_pad,
+    text_ids,
+)
 
 __all__ = ["BOI", "EOI", "build", "collate", "examples", "row"]
 

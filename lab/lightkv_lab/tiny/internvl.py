@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .common import (
+from lightkv.testing.common import (
     IMAGE,
     IMG_END,
     IMG_START,

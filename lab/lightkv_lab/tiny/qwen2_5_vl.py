@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .common import (
+from lightkv.testing.common import (
     IMAGE,
     VIDEO,
     VISION_END,
