@@ -19,6 +19,9 @@ Model arguments (``--model_args k=v,...``):
   ``attn_implementation`` (default ``sdpa``), ``max_new_tokens`` (when a task sets none;
   default 128). The batch size is lmms-eval's ``--batch_size`` (lmms-eval passes it to the
   model itself, so it cannot also be a model argument).
+- ``likelihood``: what ``loglikelihood`` returns first, ``logprob`` (default: the summed
+  log-probability, lmms-eval's API) or ``nll`` (its negative: lmms-eval 0.7.3 scores
+  ``multiple_choice`` tasks by the smallest value, as its own models return a loss).
 
 Every request type of an image task is answered. ``generate_until``: batched (prompts of
 one task and one set of generation arguments, longest first, left padding), greedy unless
@@ -52,7 +55,7 @@ import torch
 from lmms_eval.api.instance import GenerationResult
 from lmms_eval.api.model import lmms
 
-from .lmms_eval_requests import LightKVTokenCounts, ScoringAndRounds
+from .lmms_eval_requests import LightKVTokenCounts, ScoringAndRounds, likelihood_kind
 from .session_log import (
     PrefillTimer,
     ReportTotals,
@@ -151,6 +154,7 @@ class LightKV(ScoringAndRounds, lmms):
         batch_size: int | str = 1,
         max_new_tokens: int | str = 128,
         max_batch_size: int | None = None,
+        likelihood: str = "logprob",
         **kwargs: Any,
     ) -> None:
         super().__init__()
@@ -185,6 +189,7 @@ class LightKV(ScoringAndRounds, lmms):
         # lmms-eval's --batch_size (always passed; "auto" is not supported: one prompt a batch)
         self.batch_size_per_gpu = int(batch_size) if str(batch_size).isdigit() else 1
         self.max_new_tokens = int(max_new_tokens)
+        self.likelihood = likelihood_kind(likelihood)
         self.session = None
         if self.pipeline is not None:
             import lightkv

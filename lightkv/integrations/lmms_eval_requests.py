@@ -25,7 +25,17 @@ from lmms_eval.api.instance import GenerationResult, TokenCounts
 from .session_log import PrefillTimer, ReportTotals, row_reports, uncompressed_rows
 from .turns import Turns, continuation_tokens, new_turn_ids, next_turn, score_continuations
 
-__all__ = ["LightKVTokenCounts", "LoglikelihoodResult", "ScoringAndRounds"]
+__all__ = ["LightKVTokenCounts", "LoglikelihoodResult", "ScoringAndRounds", "likelihood_kind"]
+
+
+def likelihood_kind(value: str) -> str:
+    """The model argument ``likelihood``, checked: ``logprob`` or ``nll``."""
+    if value not in ("logprob", "nll"):
+        raise ValueError(
+            f"likelihood={value}: give logprob (the summed log-probability) or nll (its "
+            "negative, for lmms-eval 0.7.3's multiple_choice tasks, which pick the smallest)"
+        )
+    return value
 
 
 @dataclass
@@ -82,7 +92,8 @@ class ScoringAndRounds:
         """lmms-eval's ``loglikelihood`` requests: ``(context, continuation, doc_to_visual,
         doc_id, task, split)`` (or ``(context, continuation)``: no image, the unconditional
         requests of ``acc_mutual_info``); per request, the continuation's summed
-        log-probability after the context and its images, and whether it is greedy."""
+        log-probability after the context and its images (its negative with
+        ``likelihood=nll``), and whether it is greedy."""
         from tqdm import tqdm
 
         items = []
@@ -109,7 +120,8 @@ class ScoringAndRounds:
                 self._model, inputs, [items[i][2] for i in batch], pad, self.session
             )
             rows = self._rows([bool(items[i][1]) for i in batch], inputs, seconds)
-            for i, pair, row in zip(batch, pairs, rows):
+            for i, (lp, greedy), row in zip(batch, pairs, rows):
+                pair = (-lp if self.likelihood == "nll" else lp, greedy)
                 row = dict(row, task=requests[i].task_name, rank=self.rank)
                 counts = LightKVTokenCounts(input_tokens=row["prompt_tokens"], lightkv=row)
                 out[i] = LoglikelihoodResult(text=pair, token_counts=counts)
