@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from lmms_eval.api.instance import GenerationResult, TokenCounts
 
@@ -72,23 +72,48 @@ class LoglikelihoodResult(GenerationResult):
         return len(self.text)
 
 
+class _Host(Protocol):
+    """What `ScoringAndRounds` uses of the model class it is mixed into (`LightKV`)."""
+
+    _model: Any
+    processor: Any
+    tokenizer: Any
+    session: Any
+    task_dict: dict
+    totals: dict[str, ReportTotals]
+    batch_size_per_gpu: int
+    likelihood: str
+
+    @property
+    def rank(self) -> int: ...
+
+    def _visuals(self, doc_to_visual, doc_id, task, split) -> list: ...
+    def _prompt(self, context: str, n_images: int) -> str: ...
+    def _inputs(self, prompts: list[str], images: list[list]) -> dict: ...
+    def _generation_args(self, gen_kwargs: dict) -> tuple[dict, list[str]]: ...
+    def _cut(self, text: str, until: list[str]) -> str: ...
+    def _log_aggregate(self) -> None: ...
+
+
+def _rows(host: _Host, has_vision: list[bool], inputs, prefill_s) -> list[dict]:
+    if host.session is not None:
+        return row_reports(host.session, prefill_s)
+    prompt = inputs["attention_mask"].sum(-1).tolist()
+    return uncompressed_rows(has_vision, [int(p) for p in prompt], prefill_s)
+
+
+def _count(host: _Host, request, row: dict) -> None:
+    if not (request.metadata or {}).get("__padding_only__"):
+        for k in ("", request.task_name):
+            host.totals.setdefault(k, ReportTotals()).add(row)
+
+
 class ScoringAndRounds:
     """``loglikelihood`` and ``generate_until_multi_round`` of `LightKV` (which provides
-    ``_visuals``, ``_prompt``, ``_inputs``, ``_generation_args``, ``_cut``, ``_log_aggregate``
-    and the model, processor, tokenizer, session and totals)."""
+    what `_Host` lists: ``_visuals``, ``_prompt``, ``_inputs``, ``_generation_args``,
+    ``_cut``, ``_log_aggregate`` and the model, processor, tokenizer, session and totals)."""
 
-    def _rows(self, has_vision: list[bool], inputs, prefill_s) -> list[dict]:
-        if self.session is not None:
-            return row_reports(self.session, prefill_s)
-        prompt = inputs["attention_mask"].sum(-1).tolist()
-        return uncompressed_rows(has_vision, [int(p) for p in prompt], prefill_s)
-
-    def _count(self, request, row: dict) -> None:
-        if not (request.metadata or {}).get("__padding_only__"):
-            for k in ("", request.task_name):
-                self.totals.setdefault(k, ReportTotals()).add(row)
-
-    def loglikelihood(self, requests) -> list[LoglikelihoodResult]:
+    def loglikelihood(self: _Host, requests) -> list[LoglikelihoodResult]:
         """lmms-eval's ``loglikelihood`` requests: ``(context, continuation, doc_to_visual,
         doc_id, task, split)`` (or ``(context, continuation)``: no image, the unconditional
         requests of ``acc_mutual_info``); per request, the continuation's summed
@@ -119,17 +144,17 @@ class ScoringAndRounds:
             pairs, seconds = score_continuations(
                 self._model, inputs, [items[i][2] for i in batch], pad, self.session
             )
-            rows = self._rows([bool(items[i][1]) for i in batch], inputs, seconds)
+            rows = _rows(self, [bool(items[i][1]) for i in batch], inputs, seconds)
             for i, (lp, greedy), row in zip(batch, pairs, rows):
                 pair = (-lp if self.likelihood == "nll" else lp, greedy)
                 row = dict(row, task=requests[i].task_name, rank=self.rank)
                 counts = LightKVTokenCounts(input_tokens=row["prompt_tokens"], lightkv=row)
                 out[i] = LoglikelihoodResult(text=pair, token_counts=counts)
-                self._count(requests[i], row)
+                _count(self, requests[i], row)
         self._log_aggregate()
         return out
 
-    def generate_until_multi_round(self, requests) -> list[GenerationResult]:
+    def generate_until_multi_round(self: _Host, requests) -> list[GenerationResult]:
         """lmms-eval's multi-round requests: ``(context, generation_kwargs, doc_to_visual,
         doc_to_text, doc_id, task, split)``. Round 0 answers the context with the document's
         images; round ``r`` asks what ``doc_to_text(doc, previous_output=answers,
@@ -140,55 +165,55 @@ class ScoringAndRounds:
 
         out = []
         for r in tqdm(requests, disable=self.rank != 0, desc="lightkv conversing"):
-            out.append(self._conversation(r))
+            out.append(_conversation(self, r))
         self._log_aggregate()
         return out
 
-    def _conversation(self, request) -> GenerationResult:
-        context, gen_kwargs, doc_to_visual, doc_to_text, doc_id, task, split = request.args
-        doc = self.task_dict[task][split][doc_id]
-        images = self._visuals(doc_to_visual, doc_id, task, split)
-        args, until = self._generation_args(gen_kwargs)
-        prompt = self._prompt(context, len(images))
-        content = [{"type": "image"}] * len(images) + [{"type": "text", "text": context}]
-        messages = [{"role": "user", "content": content}]
-        turns, answers, n_out, info = Turns(self._model), [], 0, None
-        t0 = time.perf_counter()
-        with (
-            self.session if self.session is not None else contextlib.nullcontext(),
-            PrefillTimer(self._model) as timer,
-        ):
-            inputs = self._inputs([prompt], [images])
-            ids = turns.ask(args, inputs=inputs)
-            while True:
-                reply = self.tokenizer.decode(ids[0], skip_special_tokens=True)
-                answers.append(self._cut(reply, until))
-                n_out += ids.shape[1]
-                step = doc_to_text(
-                    doc, previous_output=list(answers), round_idx=len(answers),
-                    previous_round_info=info,
-                )  # fmt: skip
-                visuals, context, terminal, result, info = step
-                if terminal:
-                    break
-                if visuals and not _same_images(visuals, images):
-                    raise NotImplementedError(
-                        f"round {len(answers)} of {task} brings new images: lightkv carries "
-                        "the first round's compressed cache and does not add images to it"
-                    )
-                messages, prompt, text = next_turn(
-                    self.processor, messages, prompt, reply, str(context)
+
+def _conversation(host: _Host, request) -> GenerationResult:
+    """One multi-round request, all its rounds inside one ``with`` of the session."""
+    context, gen_kwargs, doc_to_visual, doc_to_text, doc_id, task, split = request.args
+    doc = host.task_dict[task][split][doc_id]
+    images = host._visuals(doc_to_visual, doc_id, task, split)
+    args, until = host._generation_args(gen_kwargs)
+    prompt = host._prompt(context, len(images))
+    content = [{"type": "image"}] * len(images) + [{"type": "text", "text": context}]
+    messages = [{"role": "user", "content": content}]
+    turns, answers, n_out, info = Turns(host._model), [], 0, None
+    t0 = time.perf_counter()
+    with (
+        host.session if host.session is not None else contextlib.nullcontext(),
+        PrefillTimer(host._model) as timer,
+    ):
+        inputs = host._inputs([prompt], [images])
+        ids = turns.ask(args, inputs=inputs)
+        while True:
+            reply = host.tokenizer.decode(ids[0], skip_special_tokens=True)
+            answers.append(host._cut(reply, until))
+            n_out += ids.shape[1]
+            step = doc_to_text(
+                doc, previous_output=list(answers), round_idx=len(answers),
+                previous_round_info=info,
+            )  # fmt: skip
+            visuals, context, terminal, result, info = step
+            if terminal:
+                break
+            if visuals and not _same_images(visuals, images):
+                raise NotImplementedError(
+                    f"round {len(answers)} of {task} brings new images: lightkv carries "
+                    "the first round's compressed cache and does not add images to it"
                 )
-                ids = turns.ask(args, new_ids=new_turn_ids(self.tokenizer, text, ids[0].tolist()))
-        row = self._rows([bool(images)], inputs, timer.seconds)[0]
-        row = dict(row, task=task, rank=self.rank, rounds=len(answers), output_tokens=n_out)
-        row["generate_s"] = time.perf_counter() - t0
-        self._count(request, row)
-        counts = LightKVTokenCounts(
-            input_tokens=row["prompt_tokens"], output_tokens=n_out, lightkv=row
-        )
-        final = list(result) if isinstance(result, (list, tuple)) else answers
-        return GenerationResult(text=final, token_counts=counts)
+            messages, prompt, text = next_turn(
+                host.processor, messages, prompt, reply, str(context)
+            )
+            ids = turns.ask(args, new_ids=new_turn_ids(host.tokenizer, text, ids[0].tolist()))
+    row = _rows(host, [bool(images)], inputs, timer.seconds)[0]
+    row = dict(row, task=task, rank=host.rank, rounds=len(answers), output_tokens=n_out)
+    row["generate_s"] = time.perf_counter() - t0
+    _count(host, request, row)
+    counts = LightKVTokenCounts(input_tokens=row["prompt_tokens"], output_tokens=n_out, lightkv=row)
+    final = list(result) if isinstance(result, (list, tuple)) else answers
+    return GenerationResult(text=final, token_counts=counts)
 
 
 def _same_images(visuals, images: list) -> bool:
