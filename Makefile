@@ -71,10 +71,11 @@ lmms-eval: install
 	$(PY) -c "import torch, lmms_eval, accelerate.commands.accelerate_cli; from transformers import AutoProcessor; \
 	  print('lmms-eval ready, torch', torch.__version__)"
 
-# The offline lmms-eval test (DigitGrid through `python -m lmms_eval`), with the extra
+# The offline lmms-eval tests (DigitGrid through `python -m lmms_eval`; the likelihood and
+# multi-round requests with lmms-eval's Instance objects on the bundled Scenes model), with the extra
 # installed; LIGHTKV_REQUIRE_LMMS_EVAL makes it fail, not skip, if lmms-eval cannot import.
 test-lmms-eval: lmms-eval
-	LIGHTKV_REQUIRE_LMMS_EVAL=1 $(PY) -m pytest -q -rs tests/test_lmms_eval.py
+	LIGHTKV_REQUIRE_LMMS_EVAL=1 $(PY) -m pytest -q -rs tests/test_lmms_eval.py tests/test_lmms_eval_requests.py
 
 demo: install
 	$(PY) -m lightkv demo

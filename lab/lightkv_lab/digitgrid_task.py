@@ -31,11 +31,14 @@ from pathlib import Path
 from lightkv.outputs import write_atomic
 
 __all__ = [
+    "CHOICE_TASK",
+    "ROUNDS_TASK",
     "TASK_NAME",
     "lmms_eval_command",
     "offline_env",
     "read_run",
     "task_episodes",
+    "write_choice_and_rounds_tasks",
     "write_task",
 ]
 
@@ -79,6 +82,93 @@ metric_list:
 metadata:
   version: 0.0
 """
+
+
+CHOICE_TASK = "digitgrid_lightkv_choice"
+ROUNDS_TASK = "digitgrid_lightkv_rounds"
+
+MORE_UTILS = '''
+ANSWERS = {answers!r}
+
+
+def doc_to_choice(doc):
+    return ANSWERS
+
+
+def doc_to_target(doc):
+    return ANSWERS.index(doc["answer"])
+
+
+def doc_to_round(doc, lmms_eval_specific_kwargs=None, previous_output=None, round_idx=None,
+                 previous_round_info=None):
+    """Round 0 asks the question, round 1 asks it again; then the conversation ends."""
+    if round_idx is None:
+        return doc["question"]
+    if round_idx == 1:
+        return None, doc["question"], False, previous_output, None
+    return None, None, True, previous_output, None
+
+
+def rounds_results(doc, results):
+    rounds = results[0]
+    return {{"exact_match": float(all(r.split() == doc["answer"].split() for r in rounds))}}
+'''
+
+MORE_YAML = """\
+task: {name}
+dataset_path: {data}
+dataset_kwargs:
+  load_from_disk: true
+test_split: test
+doc_to_visual: !function utils.doc_to_visual
+"""
+
+CHOICE_YAML = """\
+output_type: multiple_choice
+doc_to_text: !function utils.doc_to_text
+doc_to_choice: !function utils.doc_to_choice
+doc_to_target: !function utils.doc_to_target
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 0.0
+"""
+
+ROUNDS_YAML = """\
+output_type: generate_until_multi_round
+doc_to_text: !function utils.doc_to_round
+doc_to_target: answer
+generation_kwargs:
+  max_new_tokens: {max_new_tokens}
+  do_sample: false
+process_results: !function utils.rounds_results
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 0.0
+"""
+
+
+def write_choice_and_rounds_tasks(directory: str | Path, episodes, grid) -> Path:
+    """`write_task`, plus two tasks on the same data: ``digitgrid_lightkv_choice``
+    (``multiple_choice`` among every answer of the episodes: lmms-eval's ``loglikelihood``
+    requests) and ``digitgrid_lightkv_rounds`` (``generate_until_multi_round``: the question,
+    then the same question again; exact when both answers are)."""
+    from lightkv_lab.tasks.registry import task_for
+
+    directory = write_task(directory, episodes, grid)
+    answers = sorted({" ".join(ep.answer) for ep in episodes})
+    write_atomic(directory / "utils.py", UTILS + MORE_UTILS.format(answers=answers))
+    data = (directory / "data").resolve()
+    max_new = task_for(grid).answer_length(grid) + 2
+    for name, body in ((CHOICE_TASK, CHOICE_YAML), (ROUNDS_TASK, ROUNDS_YAML)):
+        text = MORE_YAML.format(name=name, data=data) + body.format(max_new_tokens=max_new)
+        write_atomic(directory / f"{name}.yaml", text)
+    return directory
 
 
 def task_episodes(n: int, processor, grid, seed: int = 0) -> list:

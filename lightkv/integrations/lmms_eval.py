@@ -19,9 +19,19 @@ Model arguments (``--model_args k=v,...``):
   ``attn_implementation`` (default ``sdpa``), ``max_new_tokens`` (when a task sets none;
   default 128). The batch size is lmms-eval's ``--batch_size`` (lmms-eval passes it to the
   model itself, so it cannot also be a model argument).
+- ``likelihood``: what ``loglikelihood`` returns first, ``logprob`` (default: the summed
+  log-probability, lmms-eval's API) or ``nll`` (its negative: lmms-eval 0.7.3 scores
+  ``multiple_choice`` tasks by the smallest value, as its own models return a loss).
 
-Generation is batched (prompts of one task and one set of generation arguments, longest
-first, left padding) and greedy unless the task asks for sampling. Every sample's lightkv
+Every request type of an image task is answered. ``generate_until``: batched (prompts of
+one task and one set of generation arguments, longest first, left padding), greedy unless
+the task asks for sampling. ``loglikelihood`` (``loglikelihood`` and ``multiple_choice``
+tasks): the context with its images prefilled once under compression, the continuation read
+over that compressed cache; its summed log-probability and whether greedy decoding gives it,
+batched. ``generate_until_multi_round``: one conversation at a time, its first round
+prefilled under compression and the compressed cache carried to every later round inside
+one session (a round that brings new images is refused). See
+`lightkv.integrations.lmms_eval_requests`. Every sample's lightkv
 report (`lightkv.integrations.session_log.row_reports`: kept vision fraction, vision KV
 bytes with and without compression, prefill seconds of its batch) is written into
 lmms-eval's sample log (``--log_samples``) as ``token_counts[0]["lightkv"]``; the means over
@@ -39,13 +49,13 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lmms_eval.api.instance import GenerationResult, TokenCounts
+from lmms_eval.api.instance import GenerationResult
 from lmms_eval.api.model import lmms
 
+from .lmms_eval_requests import LightKVTokenCounts, ScoringAndRounds, likelihood_kind
 from .session_log import (
     PrefillTimer,
     ReportTotals,
@@ -68,19 +78,6 @@ def manifest():
     from lmms_eval.models.registry_v2 import ModelManifest
 
     return ModelManifest(model_id="lightkv", simple_class_path=f"{__name__}.LightKV")
-
-
-@dataclass
-class LightKVTokenCounts(TokenCounts):
-    """lmms-eval's per-sample token counts plus the sample's lightkv report (what its
-    sample log writes, through ``to_dict``)."""
-
-    lightkv: dict | None = None
-
-    def to_dict(self) -> dict:
-        out = super().to_dict()
-        out["lightkv"] = self.lightkv
-        return out
 
 
 def load_pipeline(preset: str | None = None, config: str | None = None):
@@ -140,7 +137,7 @@ def _load(pretrained: str, dtype: str, device_map: Any, attn_implementation: str
     return model.eval(), processor
 
 
-class LightKV(lmms):
+class LightKV(ScoringAndRounds, lmms):
     """lmms-eval model: a Hugging Face LVLM whose prefill a lightkv pipeline compresses."""
 
     is_simple = True
@@ -157,6 +154,7 @@ class LightKV(lmms):
         batch_size: int | str = 1,
         max_new_tokens: int | str = 128,
         max_batch_size: int | None = None,
+        likelihood: str = "logprob",
         **kwargs: Any,
     ) -> None:
         super().__init__()
@@ -191,6 +189,7 @@ class LightKV(lmms):
         # lmms-eval's --batch_size (always passed; "auto" is not supported: one prompt a batch)
         self.batch_size_per_gpu = int(batch_size) if str(batch_size).isdigit() else 1
         self.max_new_tokens = int(max_new_tokens)
+        self.likelihood = likelihood_kind(likelihood)
         self.session = None
         if self.pipeline is not None:
             import lightkv
@@ -255,12 +254,14 @@ class LightKV(lmms):
         return out
 
     # ------------------------------------------------------------------ generation
-    def _generate(self, prompts: list[str], images: list[list], gen_kwargs: dict):
+    def _inputs(self, prompts: list[str], images: list[list]) -> dict:
+        """The processor's batch of ``prompts`` (left-padded) and their images, on the
+        model's device (floating tensors in the model's dtype)."""
         flat = [im for ims in images for im in ims]
         inputs = self.processor(
             text=prompts, images=flat or None, padding=True, return_tensors="pt"
         )
-        inputs = {
+        return {
             k: (
                 v.to(self._device, self._model.dtype)
                 if v.is_floating_point()
@@ -270,6 +271,9 @@ class LightKV(lmms):
             else v
             for k, v in inputs.items()
         }
+
+    def _generation_args(self, gen_kwargs: dict) -> tuple[dict, list[str]]:
+        """``generate``'s arguments for a task's generation kwargs, and its stop strings."""
         kw = dict(gen_kwargs)
         until = kw.pop("until", None) or []
         until = [until] if isinstance(until, str) else list(until)
@@ -284,6 +288,18 @@ class LightKV(lmms):
             args.update(
                 {k: kw[k] for k in ("temperature", "top_p", "top_k") if kw.get(k) is not None}
             )
+        return args, until
+
+    @staticmethod
+    def _cut(text: str, until: list[str]) -> str:
+        for stop in until:
+            if stop and stop in text:
+                text = text.split(stop)[0]
+        return text
+
+    def _generate(self, prompts: list[str], images: list[list], gen_kwargs: dict):
+        inputs = self._inputs(prompts, images)
+        args, until = self._generation_args(gen_kwargs)
         n_in = inputs["input_ids"].shape[1]
         t0 = time.perf_counter()
         with torch.inference_mode(), PrefillTimer(self._model) as timer:
@@ -305,13 +321,12 @@ class LightKV(lmms):
         new = out[:, n_in:]
         texts = self.tokenizer.batch_decode(new, skip_special_tokens=True)
         results = []
+        pad = self.tokenizer.pad_token_id
         for text, ids, row in zip(texts, new.tolist(), rows):
-            for stop in until:
-                if stop and stop in text:
-                    text = text.split(stop)[0]
-            pad = self.tokenizer.pad_token_id
             n_out = sum(1 for i in ids if i != pad) if pad is not None else len(ids)
-            results.append((text, n_out, dict(row, generate_s=elapsed, output_tokens=n_out)))
+            results.append(
+                (self._cut(text, until), n_out, dict(row, generate_s=elapsed, output_tokens=n_out))
+            )
         return results
 
     def generate_until(self, requests) -> list:
@@ -370,14 +385,4 @@ class LightKV(lmms):
             total_gen_tokens=int(overall.output_tokens),
             avg_speed=speed,
             additional_metrics=metrics,
-        )
-
-    def loglikelihood(self, requests):
-        raise NotImplementedError(
-            "--model lightkv answers generate_until tasks only (loglikelihood: not yet)"
-        )
-
-    def generate_until_multi_round(self, requests):
-        raise NotImplementedError(
-            "--model lightkv answers generate_until tasks only (multi-round: not yet)"
         )
