@@ -1,7 +1,8 @@
 """What every tiny model family shares: token ids, `Row`, `TinyModel`, padding, the text config.
 
-A family module (one per family: `lightkv.testing.llava`, `lightkv.testing.gemma3`, ...)
-builds on these, and `lightkv.testing.models.TINY_MODELS` registers it.
+A family module (`lightkv.testing.llava` here; every other family's in the laboratory,
+``lightkv_lab.tiny.gemma3``, ...) builds on these, and ``lightkv_lab.tiny.TINY_MODELS``
+registers it.
 """
 
 from __future__ import annotations
