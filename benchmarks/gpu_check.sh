@@ -7,7 +7,10 @@
 #    present (for machines without network: `make gpu-wheels` fills .whl/ on a machine with
 #    one), else pip. torch itself is never installed here: the machine's CUDA build is used.
 # 2. Runs the test suite's CUDA-marked tests (tests/adapters/test_cuda.py: identity, bf16 /
-#    fp16 vs float32 on the CPU, rows independent of their batch, the projection tap).
+#    fp16 vs float32 on the CPU, rows independent of their batch, the projection tap;
+#    tests/adapters/test_cuda_bias.py: lightkv-cover's proportional attention under the real
+#    FlashAttention-2 kernel (the bias channel, where flash_attn imports), through sdpa's
+#    channel and compiled FlexAttention, each against the sdpa mask route).
 # 3. Runs the efficiency benchmark at full 7B width and depth (LLaVA-1.5 and LLaVA-NeXT
 #    shapes, 32 layers of width 4096) in bf16 on the GPU: absolute TTFT from CUDA events, peak
 #    memory from torch.cuda.max_memory_allocated, lightkv next to tome, fastv and the
@@ -23,6 +26,11 @@
 #    padded batch of 8 rows of unequal images on the LLaVA-1.5 shape
 #    (benchmarks/flash_batch.py, into $OUT/flash-batch). Every variant must run
 #    flash_attention_2, as the stock model does.
+#    3e. Proportional attention's cost per kernel (issue 49, benchmarks/bias_routes.py):
+#    lightkv-cover at 22 / 11 / 5% kept on the LLaVA-1.5 shape, 32 layers at full width, bf16,
+#    8 padded rows: TTFT and decoding ms/token under sdpa (mask and channel routes),
+#    FlashAttention-2 (channel) and FlexAttention (score_mod), against the same kept tokens
+#    without the bias and the uncompressed model on each kernel (into $OUT/bias-routes).
 #    3d. CUDA-graph decoding (tests/adapters/test_cuda.py -k graph): inside a session a static
 #    cache is refused with its reason; after it, static-cache decoding compiled with CUDA
 #    graphs ("reduce-overhead") gives the tokens of eager decoding.
@@ -54,13 +62,16 @@ START=$(date +%s)
 
 if [ "${DRY_RUN:-0}" = 1 ]; then
   echo "gpu_check (dry run): 1. dependencies beside the machine's CUDA torch"
-  echo "gpu_check (dry run): 2. $PY -m pytest -q -m cuda tests/adapters/test_cuda.py"
+  echo "gpu_check (dry run): 2. $PY -m pytest -q -m cuda tests/adapters/test_cuda.py tests/adapters/test_cuda_bias.py"
   echo "gpu_check (dry run): 3. $PY -m lightkv bench efficiency --device cuda --dtype bfloat16 --width full ..."
   echo "gpu_check (dry run): 3b. the same at --kept-fractions 0.55 0.22 0.11 for the prefill and cache presets"
-  echo "gpu_check (dry run): 3c. where flash_attn imports: stock vs lightkv under --attn-implementation flash_attention_2 (lightkv divprune lightkv-low-budget at 0.55 0.22 0.11) into $OUT/budgets-fa2, and a padded batch of 8 (benchmarks/flash_batch.py) into $OUT/flash-batch"
+  echo "gpu_check (dry run): 3c. where flash_attn imports: stock vs lightkv under --attn-implementation flash_attention_2 (lightkv divprune lightkv-low-budget lightkv-cover at 0.55 0.22 0.11) into $OUT/budgets-fa2, and a padded batch of 8 (benchmarks/flash_batch.py) into $OUT/flash-batch"
   PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} $PY benchmarks/flash_batch.py --dry-run --rows 2 --kept-fractions 0.22 \
     --out "$OUT/flash-batch-dry-run" >/dev/null || exit 5
   echo "gpu_check (dry run): 3c. benchmarks/flash_batch.py --dry-run passed (CPU, sdpa)"
+  PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} $PY benchmarks/bias_routes.py --dry-run --kept-fractions 0.22 \
+    --out "$OUT/bias-routes-dry-run" >/dev/null || exit 5
+  echo "gpu_check (dry run): 3e. benchmarks/bias_routes.py --dry-run passed (CPU, sdpa)"
   echo "gpu_check (dry run): 3d. $PY -m pytest -q -m cuda tests/adapters/test_cuda.py -k graph (CUDA-graph decoding; static cache refused in a session)"
   if [ "${GPU_CHECK_VLLM:-0}" = 1 ]; then
     echo "gpu_check (dry run): 4. $VLLM_SPEC into $VLLM_VENV; python benchmarks/vllm_serving.py $VLLM_ARGS --out $OUT"
@@ -98,7 +109,7 @@ EOF
 
 # ---- 2. the CUDA-marked tests
 T0=$(date +%s)
-$PY -m pytest -q -m cuda tests/adapters/test_cuda.py -k "not graph" -p no:cacheprovider --junitxml "$OUT/cuda-tests.xml" \
+$PY -m pytest -q -m cuda tests/adapters/test_cuda.py tests/adapters/test_cuda_bias.py -k "not graph" -p no:cacheprovider --junitxml "$OUT/cuda-tests.xml" \
   2>&1 | tee "$OUT/cuda-tests.log"
 TESTS_RC=${PIPESTATUS[0]}
 T1=$(date +%s)
@@ -122,7 +133,7 @@ BUDGETS_RC=${PIPESTATUS[0]}
 FA2_RC=-1
 if $PY -c "import flash_attn" 2>/dev/null; then
   timeout 240 $PY -m lightkv bench efficiency --device cuda --dtype bfloat16 --width full --layers 32 \
-    --models llava_next --presets lightkv divprune lightkv-low-budget \
+    --models llava_next --presets lightkv divprune lightkv-low-budget lightkv-cover \
     --kept-fractions 0.55 0.22 0.11 --repeats 5 --no-eager-reference --no-progress \
     --attn-implementation flash_attention_2 --out "$OUT/budgets-fa2" 2>&1 | tee "$OUT/budgets-fa2.log"
   FA2_RC=${PIPESTATUS[0]}
@@ -130,6 +141,11 @@ if $PY -c "import flash_attn" 2>/dev/null; then
     | tee "$OUT/flash-batch.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || FA2_RC=1
 fi
+
+# ---- 3e. proportional attention per kernel: lightkv-cover's bias on sdpa, FlashAttention-2, flex
+timeout 420 $PY benchmarks/bias_routes.py --layers 32 --repeats 3 --out "$OUT/bias-routes" 2>&1 \
+  | tee "$OUT/bias-routes.log"
+BIAS_RC=${PIPESTATUS[0]}
 
 # ---- 3d. CUDA-graph decoding after (not inside) a session; static cache refused inside one
 $PY -m pytest -q -m cuda tests/adapters/test_cuda.py -k graph -p no:cacheprovider 2>&1 | tee "$OUT/graphs.log"
@@ -158,9 +174,9 @@ fi
 T3=$(date +%s)
 
 $PY - "$OUT" "$TESTS_RC" "$BENCH_RC" "$((T1 - T0))" "$((T2 - T1))" "$((T3 - START))" "$VLLM_RC" "$((T3 - T2))" \
-  "$BUDGETS_RC" "$FA2_RC" "$GRAPHS_RC" <<'EOF'
+  "$BUDGETS_RC" "$FA2_RC" "$GRAPHS_RC" "$BIAS_RC" <<'EOF'
 import json, sys
-out, tests_rc, bench_rc, t_tests, t_bench, total, vllm_rc, t_vllm, budgets_rc, fa2_rc, graphs_rc = sys.argv[1:]
+out, tests_rc, bench_rc, t_tests, t_bench, total, vllm_rc, t_vllm, budgets_rc, fa2_rc, graphs_rc, bias_rc = sys.argv[1:]
 json.dump({"cuda_tests": {"rc": int(tests_rc), "seconds": int(t_tests)},
            "budgets": {"rc": int(budgets_rc), "out": f"{out}/budgets",
                        "command": "lightkv bench efficiency ... --models llava_next --presets lightkv "
@@ -171,6 +187,8 @@ json.dump({"cuda_tests": {"rc": int(tests_rc), "seconds": int(t_tests)},
                                       "lightkv-low-budget --kept-fractions 0.55 0.22 0.11 --attn-implementation "
                                       "flash_attention_2; python benchmarks/flash_batch.py --rows 8 (where flash_attn "
                                       "imports)", "flash_batch": f"{out}/flash-batch"},
+           "bias_routes": {"rc": int(bias_rc), "out": f"{out}/bias-routes",
+                           "command": "python benchmarks/bias_routes.py --layers 32 --repeats 3"},
            "cuda_graph_decoding": {"rc": int(graphs_rc), "log": f"{out}/graphs.log",
                                    "command": "pytest -m cuda tests/adapters/test_cuda.py -k graph"},
            "vllm_serving": {"rc": int(vllm_rc), "seconds": int(t_vllm), "ran": int(vllm_rc) != -1,
@@ -181,6 +199,6 @@ json.dump({"cuda_tests": {"rc": int(tests_rc), "seconds": int(t_tests)},
                                      "--repeats 10"},
            "seconds": int(total)}, open(f"{out}/gpu_check.json", "w"), indent=1)
 EOF
-echo "gpu_check: tests rc=$TESTS_RC, efficiency rc=$BENCH_RC, budgets rc=$BUDGETS_RC, fa2 rc=$FA2_RC (-1: no flash_attn), graphs rc=$GRAPHS_RC, vllm rc=$VLLM_RC (-1: not run), $((T3 - START)) s; results in $OUT"
-[ "$TESTS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$BUDGETS_RC" -eq 0 ] && [ "$GRAPHS_RC" -eq 0 ] \
+echo "gpu_check: tests rc=$TESTS_RC, efficiency rc=$BENCH_RC, budgets rc=$BUDGETS_RC, fa2 rc=$FA2_RC (-1: no flash_attn), bias routes rc=$BIAS_RC, graphs rc=$GRAPHS_RC, vllm rc=$VLLM_RC (-1: not run), $((T3 - START)) s; results in $OUT"
+[ "$TESTS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$BUDGETS_RC" -eq 0 ] && [ "$GRAPHS_RC" -eq 0 ] && [ "$BIAS_RC" -eq 0 ] \
   && { [ "$FA2_RC" -eq -1 ] || [ "$FA2_RC" -eq 0 ]; } && { [ "$VLLM_RC" -eq -1 ] || [ "$VLLM_RC" -eq 0 ]; }

@@ -52,6 +52,7 @@ def apply(
     adapter: str | Adapter | None = None,
     record: bool = False,
     reuse_projections: bool = True,
+    proportional_route: str = "auto",
     **adapter_options: Any,
 ) -> CompressionSession:
     """A context manager that compresses ``model``'s prefill with ``pipeline``.
@@ -67,6 +68,9 @@ def apply(
         record: keep each stage's exact inputs (``session.records``).
         reuse_projections: read relevance from the scheduled layers' own q / k projections
             (False: project their inputs a second time, for comparisons).
+        proportional_route: where proportional attention's ``log(size)`` goes: ``auto``
+            (by the model's attention implementation), ``mask``, ``channel`` or ``flex``
+            (`lightkv.adapters.bias`).
         **adapter_options: family options (e.g. ``newline_token_id`` for Fuyu).
 
     Raises:
@@ -79,5 +83,6 @@ def apply(
         adapter=adapter,
         record=record,
         reuse_projections=reuse_projections,
+        proportional_route=proportional_route,
         **adapter_options,
     )

@@ -123,6 +123,8 @@ class AttentionWatch:
         def forward(*args, **kwargs):
             cfg = getattr(module, "config", None)
             key = getattr(cfg, "_attn_implementation", None) or "eager"  # get_interface's default
+            # a call lightkv routed (proportional attention's bias channel): the kernel that ran
+            key = getattr(cfg, "lightkv_kernel", None) or key
             counter = _SdpaCounter()
             with counter:
                 out = original(*args, **kwargs)

@@ -1,9 +1,9 @@
 """What a `CompressionSession` refuses up front, with a clear error, because its hooks
 could not work on it: a ``torch.compile``'d model (compiled code skips module hooks),
 attention implementations lightkv has no masks for (FlashAttention-2 runs, on 2-D padding
-masks, except where `check_flash` says why not), caches other than the default
-dynamic one (and its quantized variant), the cache mode over a quantized cache, and attention
-masks that are not 2-D.
+masks, except where `check_flash` says why not; FlexAttention on 4-D masks), caches other
+than the default dynamic one (and its quantized variant), the cache mode over a quantized
+cache, and attention masks that are not 2-D.
 
 Internals of `lightkv.adapters.session`; an adapter author does not need them (a family's
 own configuration checks go in `lightkv.adapters.base.Adapter.check_config`).
@@ -31,9 +31,11 @@ __all__ = [
     "refuse_compiled",
 ]
 
-SUPPORTED_ATTENTION = ("sdpa", "eager", FLASH)
-"""Attention implementations the hooks support: a 4-D mask per compressed layer (sdpa, eager)
-or a 2-D padding mask per compressed layer over compacted rows (FlashAttention-2)."""
+SUPPORTED_ATTENTION = ("sdpa", "eager", FLASH, "flex_attention")
+"""Attention implementations the hooks support: a 4-D mask per compressed layer (sdpa, eager;
+``flex_attention`` takes the additive float form, which transformers adds in its
+``score_mod``) or a 2-D padding mask per compressed layer over compacted rows
+(FlashAttention-2)."""
 
 
 def attention_implementation(config: Any) -> str:
@@ -54,27 +56,26 @@ def attention_implementation(config: Any) -> str:
         )
         raise ValueError(
             f"lightkv needs attn_implementation in {SUPPORTED_ATTENTION}; this model uses "
-            f"{impl!r}: {why}. Load it with attn_implementation='sdpa' or 'flash_attention_2' (or "
+            f"{impl!r}: {why}. Load it with attn_implementation='sdpa', 'flash_attention_2' or "
+            "'flex_attention' (or "
             "model.set_attn_implementation(...)); in the efficiency benchmark pass "
             "--attn-implementation sdpa."
         )
     return impl
 
 
-def check_flash(
-    impl: str, adapter: Any, attention: Sequence[nn.Module], proportional: bool
-) -> None:
+def check_flash(impl: str, adapter: Any, attention: Sequence[nn.Module]) -> None:
     """Refuse, under FlashAttention-2, what its kernels cannot compute on a compressed
-    sequence (nothing happens under another ``impl``).
+    sequence (nothing happens under another ``impl``). Proportional attention is not
+    refused: it takes the channel route (`lightkv.adapters.bias`).
 
     Args:
         impl: the decoder's attention implementation.
         adapter: the family adapter (its `Adapter.flash_attention_refused`).
         attention: the decoder layers' self-attention modules (their ``sliding_window``).
-        proportional: `lightkv.Pipeline.proportional_attention` is on.
 
     Raises:
-        ValueError: the family, a sliding-window layer or proportional attention.
+        ValueError: the family or a sliding-window layer.
     """
     if impl != FLASH:
         return
@@ -92,12 +93,6 @@ def check_flash(
             f"{windowed}: the kernel measures the window in columns of the compacted row, not in "
             "the original positions the "
             "dropped tokens leave gaps in" + fix
-        )
-    if proportional:
-        raise ValueError(
-            "proportional attention adds log(size) to every key's logit, and FlashAttention-2 "
-            "takes no bias: set proportional_attention: false "
-            "(Pipeline(proportional_attention=False))" + fix.replace(";", ", or")
         )
 
 

@@ -27,7 +27,9 @@ own q / k projections as it runs (`ProjectionTap`, never an ``N x N`` matrix);
 replace listed layers' cache entries after they ran; ``tower`` reads the vision tower's
 attention. Beam search works because the hole masks live in the cache layers and follow
 ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave``;
-``proportional`` adds ``log(size)`` per key; ``released`` reproduces the released code's
+``proportional`` adds ``log(size)`` per key (on the mask, or through the bias
+channel or FlexAttention on kernels without a mask argument: `lightkv.adapters.bias`);
+``released`` reproduces the released code's
 renumbered positions, unmasked first merge and eager merge layers.
 """
 
@@ -85,6 +87,11 @@ class CompressionSession:
         reuse_projections: compute relevance (and stage keys) from the scheduled layer's own
             query / key projections as the layer runs (`lightkv.adapters.tap`); False
             projects the layer's input a second time (the slower path, for comparisons).
+        proportional_route: how `lightkv.Pipeline.proportional_attention` reaches the
+            logits (`lightkv.adapters.bias`): ``auto`` (the mask under eager and sdpa, the
+            bias channel under FlashAttention-2, FlexAttention under flex_attention),
+            ``mask``, ``channel`` or ``flex``. Every route is exact; unused without the
+            option.
         **adapter_options: family-specific options (e.g. Fuyu's ``newline_token_id``).
 
     Notes:
@@ -103,6 +110,7 @@ class CompressionSession:
         adapter: str | Adapter | None = None,
         record: bool = False,
         reuse_projections: bool = True,
+        proportional_route: str = "auto",
         **adapter_options: Any,
     ):
         if not isinstance(pipeline, Pipeline):
@@ -140,7 +148,13 @@ class CompressionSession:
             self.stages,
             self.num_layers,
             probes,
-            proportional.ProportionalAttention(self.adapter, pipeline.proportional_attention),
+            proportional.ProportionalAttention(
+                self.adapter,
+                pipeline.proportional_attention,
+                proportional_route,
+                [getattr(layer, "self_attn", None) for layer in self.layers],
+                attention_implementation(self._lm.config),
+            ),
             ReleasedQuirksHook(self.adapter, pipeline.released_quirks, self._lm, self.stages),
             record=record,
             reuse_projections=reuse_projections,
@@ -153,12 +167,24 @@ class CompressionSession:
         self._text_too = any(m.text_too for m in self.modes)
         self._signature = inspect.signature(self._mm.forward)
         # fail early on unsupported attention, and on what FlashAttention-2 cannot compute
+        impl = self._attn_impl()
         check_flash(
-            self._attn_impl(),
-            self.adapter,
-            [getattr(layer, "self_attn", None) for layer in self.layers],
-            pipeline.proportional_attention,
+            impl, self.adapter, [getattr(layer, "self_attn", None) for layer in self.layers]
         )
+        if impl == "flex_attention" and pipeline.released_quirks.any:
+            raise NotImplementedError(
+                "the released code's quirks hand their merge layers masks for transformers' own "
+                "kernels, which lightkv does not route under flex_attention; load the model with "
+                "attn_implementation='sdpa' or 'flash_attention_2'"
+            )
+        route = self._ctx.proportional.route(impl)
+        if pipeline.proportional_attention and route != "mask" and self._ctx.released.eager_layers:
+            raise NotImplementedError(
+                f"released_quirks eager_merge_layers run merge layers eagerly (the mask route) "
+                f"while proportional attention takes the {route} route under {impl}: a merge "
+                "layer's cache would hold its entries without the bias its decoding needs; turn "
+                "the quirk off or load the model with attn_implementation='sdpa'"
+            )
         self._handles: list[Any] = []
         self._owner = False
         self._calls = CallOwner()  # the thread whose calls are compressed, and its forward's state

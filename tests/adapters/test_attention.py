@@ -1,10 +1,13 @@
 """A stage never changes the attention implementation: every preset keeps sdpa (what ran,
 watched per call, and the configs after the session), but for the released presets' declared
-eager merge layers; FlashAttention-3, flex attention and
+eager merge layers; FlashAttention-3, paged attention and
 static caches are refused with errors that say why and name the fix (FlashAttention-2 runs:
-test_flash.py); the watch itself sees eager and a switch."""
+test_flash.py; FlexAttention: test_bias_routes.py); the watch itself sees eager and a
+switch."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -143,14 +146,15 @@ def test_an_sdpa_call_without_the_kernel_is_named():
     assert calls and dict(watch.ran) == {SDPA_WITHOUT_KERNEL: 1}
 
 
-@pytest.mark.parametrize("impl", ["flash_attention_3", "flex_attention"])
-def test_other_flash_kernels_and_flex_attention_are_refused_at_apply(monkeypatch, impl):
+@pytest.mark.parametrize("impl", ["flash_attention_3", "paged|sdpa"])
+def test_other_flash_kernels_and_paged_attention_are_refused_at_apply(monkeypatch, impl):
     """lightkv's 2-D padding masks are checked against FlashAttention-2's contract only, and
-    flex attention takes a BlockMask lightkv does not build: ``apply`` refuses (a tiny
-    model's config names it; nothing runs). FlashAttention-2 itself runs (test_flash.py)."""
+    paged attention takes none of its masks: ``apply`` refuses (a tiny model's config names
+    it; nothing runs). FlashAttention-2 (test_flash.py) and FlexAttention
+    (test_bias_routes.py) run."""
     model = get_model("llava")
     monkeypatch.setattr(model.model.language_model.config, "_attn_implementation", impl)
-    with pytest.raises(ValueError, match=f"uses '{impl}'.*attn_implementation='sdpa'"):
+    with pytest.raises(ValueError, match=f"uses '{re.escape(impl)}'.*attn_implementation='sdpa'"):
         apply(tiny_lightkv(), model)
     with pytest.raises(
         ValueError, match="FlashAttention-2's contract only" if "flash" in impl else "takes neither"

@@ -4,7 +4,10 @@ of its entries are holes, and the session's open/closed flag its layers share.""
 from __future__ import annotations
 
 import torch
+from torch.nn.functional import pad
 from transformers.cache_utils import DynamicLayer
+
+from ..bias import expand_keys, expand_values, log_sizes
 
 __all__ = ["MaskedCacheLayer"]
 
@@ -25,7 +28,10 @@ class MaskedCacheLayer(DynamicLayer):
     measured in) and, with proportional attention, ``sizes`` (``[B, L]`` long, how many
     original tokens each entry stands for; None while every entry stands for one) follow
     the cache through beam search (`reorder_cache`), `batch_select_indices` and
-    `batch_repeat_interleave`.
+    `batch_repeat_interleave`. On proportional attention's channel route (FlashAttention-2)
+    a layer with merged entries holds ``K' = [K, log(size) * channel]`` and ``V' = [V, 0]``
+    (head dim ``d + 1``; ``channel`` is ``1 / scale``, set while it does), every later
+    entry with a 0 there (``log 1``); `plain` gives the entries without that column.
     Cropping is refused: compressed layers hold different numbers of entries, so "remove
     the last k tokens" has no single meaning (assisted decoding is not supported).
     """
@@ -48,6 +54,9 @@ class MaskedCacheLayer(DynamicLayer):
         self.pending_sizes: torch.Tensor | None = (
             None  # set at prefill when a token stands for several
         )
+        self.channel: float | None = None
+        """Set while the keys and values carry proportional attention's bias column."""
+        self.pending_channel: float | None = None  # set at prefill with pending_sizes
         self.extra: dict[str, torch.Tensor] = {}
         """``[B, ...]`` tensors of the cache mode (H2O's accumulated scores, candidates and
         budgets) that follow the rows through beam search like ``valid``."""
@@ -60,6 +69,14 @@ class MaskedCacheLayer(DynamicLayer):
                 "layers need the session's masks: decode inside the `with lightkv.apply(pipeline, "
                 "model):` block"
             )
+        channel, self.pending_channel = self.pending_channel, None
+        if channel is not None and self.pending_sizes is not None:
+            key_states = expand_keys(
+                key_states, log_sizes(self.pending_sizes, key_states.dtype), channel
+            )
+            value_states, self.channel = expand_values(value_states), channel
+        elif self.channel is not None:  # decoded tokens stand for themselves: log 1 = 0
+            key_states, value_states = (pad(t, (0, 1)) for t in (key_states, value_states))
         keys, values = super().update(key_states, value_states, *args, **kwargs)
         new = self.pending
         if new is None:
@@ -98,6 +115,12 @@ class MaskedCacheLayer(DynamicLayer):
         position."""
         return self.columns if self.columns is not None else super().get_seq_length()
 
+    def plain(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)`` ``[B, H_kv, L, d]`` without the bias column (`channel`)."""
+        if self.channel is None:
+            return self.keys, self.values
+        return self.keys[..., :-1], self.values[..., :-1]
+
     def replace(
         self,
         keys: torch.Tensor,
@@ -105,15 +128,22 @@ class MaskedCacheLayer(DynamicLayer):
         valid: torch.Tensor,
         origin: torch.Tensor,
         sizes: torch.Tensor | None = None,
+        channel: float | None = None,
     ) -> None:
         """Put a compressed cache in place (the cache mode, after the layer's prefill or a
         decoding step): ``[B, H_kv, L', d]`` keys and values with their ``[B, L']`` validity,
         original columns and, for proportional attention, sizes (None: every entry stands
-        for one). ``columns`` (the original columns seen) does not change."""
+        for one) and, on its channel route, ``1 / scale`` of the layer (the entries are then
+        stored with the bias column). ``columns`` (the original columns seen) does not
+        change."""
         if keys.shape[2] != valid.shape[1] or valid.shape != origin.shape:
             raise ValueError("keys, valid and origin disagree on the number of entries")
         if sizes is not None and sizes.shape != valid.shape:
             raise ValueError("sizes and valid disagree on the number of entries")
+        self.channel = channel if sizes is not None else None
+        if self.channel is not None:
+            keys = expand_keys(keys, log_sizes(sizes, keys.dtype), self.channel)
+            values = expand_values(values)
         self.keys, self.values = keys, values
         self.valid, self.origin = valid.bool(), origin.long()
         self.sizes = None if sizes is None else sizes.long()
@@ -153,4 +183,5 @@ class MaskedCacheLayer(DynamicLayer):
         self.valid = self.pending = self.origin = self.pending_origin = None
         self.columns = self.pending_columns = None
         self.sizes = self.pending_sizes = None
+        self.channel = self.pending_channel = None
         self.extra = {}

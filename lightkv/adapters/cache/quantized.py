@@ -45,6 +45,12 @@ class MaskedQuantizedLayer(MaskedCacheLayer):
     _layer_type = None  # the masked classes never enter transformers' layer-type mappings
 
     def update(self, key_states, value_states, *args, **kwargs):
+        if self.pending_channel is not None and self.pending_sizes is not None:
+            raise NotImplementedError(
+                "proportional attention's bias channel (its route under FlashAttention-2) "
+                "cannot be stored in a quantized cache (the channel would be quantized with the "
+                "keys); use a DynamicCache, or attn_implementation='sdpa' (the mask route)"
+            )
         try:
             return super().update(key_states, value_states, *args, **kwargs)
         except ValueError as err:

@@ -185,7 +185,7 @@ class CacheMode(CacheEntriesMode):
         st, stage = call.state, self.stages[call.layer]
         with torch.no_grad():
             res = CacheStage(stage)(
-                layer.keys, layer.values, st.layout, importance, None, finish=drop_padding
+                *layer.plain(), st.layout, importance, None, finish=drop_padding
             )
         # with proportional attention a merged entry keeps its size for the decoding masks
         layer.replace(
@@ -194,6 +194,7 @@ class CacheMode(CacheEntriesMode):
             res.valid,
             res.origin,
             self.ctx.proportional.cache_sizes(res.result.sizes),
+            self.ctx.proportional.channel(call.layer, st.impl),
         )
         st.trace.stages.append(StageRecord(layer=call.layer, stage=stage, result=res.result))
         return res.result.layout.kind

@@ -188,7 +188,9 @@ class H2OMode(CacheEntriesMode):
         with torch.no_grad():
             qn, kn = _queries_keys(probe, call)
             acc = torch.promote_types(qn.dtype, torch.float32)
-            keys = _match_heads(torch.cat([layer.keys.to(acc), kn.to(acc)], dim=2), probe.heads)
+            keys = _match_heads(
+                torch.cat([layer.plain()[0].to(acc), kn.to(acc)], dim=2), probe.heads
+            )
             new_valid = call.state.new_valid.to(layer.valid.device)
             valid = torch.cat([layer.valid, new_valid], dim=1)
             past, total = layer.valid.shape[1], valid.shape[1]
@@ -251,7 +253,13 @@ def evict(layer: MaskedCacheLayer, keep: torch.Tensor):
         return g.masked_fill(hole[:, None, :, None], 0)
 
     sizes = None if layer.sizes is None else moved(layer.sizes, 1)
+    keys, values = layer.plain()
     layer.replace(
-        cache(layer.keys), cache(layer.values), moved(valid, False), moved(layer.origin, -1), sizes
+        cache(keys),
+        cache(values),
+        moved(valid, False),
+        moved(layer.origin, -1),
+        sizes,
+        layer.channel,
     )
     return moved

@@ -4,7 +4,8 @@ as it is now, whatever shortened it.
 In a prefill it records each layer's token counts and, after a hidden-state stage, hands
 every later layer the shorter sequence's mask (4-D; under FlashAttention-2 the 2-D padding mask
 of its compacted rows) (`Adapter.prefill_mask`, plus
-``log(size)`` with proportional attention), its position embeddings and ids (gathered at
+``log(size)`` with proportional attention on its mask route; on the channel and flex
+routes the layer's attention call is routed instead), its position embeddings and ids (gathered at
 the survivors' original positions; a layer with its own RoPE, Gemma 3's local and global,
 gets its own gathered) and a `MaskedCacheLayer` that remembers the holes. In a decoding
 step each layer whose cache has holes gets a mask built from that cache.
@@ -86,6 +87,8 @@ class SequenceMode(Mode):
                 i, layout, st.provenance, impl, hidden.dtype
             )
         kwargs["attention_mask"] = st.masks[key]
+        # the channel and flex routes carry log(size) through this call's kernel, not the mask
+        channel = ctx.proportional.arm_prefill(i, st.provenance, impl, hidden.dtype)
         full = kwargs.get("position_embeddings")
         if full is not None and full is not st.full_pos and isinstance(full, tuple):
             # this layer has its own position embeddings (Gemma 3: local and global RoPE)
@@ -105,14 +108,15 @@ class SequenceMode(Mode):
             masked.pending_sizes = ctx.proportional.sizes(
                 st.provenance
             )  # None unless proportional attention
+            masked.pending_channel = channel  # None unless its channel route
 
     def install(self) -> list:
-        return (
-            self.ctx.released.install()
-        )  # the eager merge layers' switches (none unless asked for)
+        # the eager merge layers' switches and the bias routes' (none unless asked for)
+        return self.ctx.released.install() + self.ctx.proportional.install()
 
     def end_forward(self) -> None:
         self.ctx.released.disarm()
+        self.ctx.proportional.end_forward()
 
     def decode_pre(self, call: LayerCall) -> None:
         st, i, cache = call.state, call.layer, call.cache
