@@ -22,6 +22,7 @@ import dataclasses
 
 import pytest
 import torch
+from lightkv_lab.tiny import TINY_MODELS
 
 import lightkv
 from lightkv.adapters import apply
@@ -30,7 +31,6 @@ from lightkv.adapters.bias import DISPATCH_KEY, BiasView, choose_route, expand_k
 from lightkv.adapters.cache import MaskedCacheLayer
 from lightkv.policies import CacheSchedule, ExplicitSchedule
 from lightkv.presets import get_preset
-from lightkv.testing import TINY_MODELS
 
 from .conftest import get_model, identity_pipeline, tiny_lightkv
 from .flash_standin import NAME, FlashStandIn

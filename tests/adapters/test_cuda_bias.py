@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightkv_lab.tiny import TINY_MODELS
 
 from lightkv.adapters import apply
 from lightkv.adapters.attention import AttentionWatch
 from lightkv.presets import get_preset
-from lightkv.testing import TINY_MODELS
 
 pytestmark = [
     pytest.mark.cuda,

@@ -93,7 +93,7 @@ def row(
     seed: int = 0,
     videos_first: bool = False,
 ) -> Row:
-    """Like `lightkv.testing.qwen2_vl.row`, each video frame after its own timestamp."""
+    """Like `lightkv_lab.tiny.qwen2_vl.row`, each video frame after its own timestamp."""
     return qwen2_vl.row(model, images, videos, pre, post, seed, videos_first, frames_apart=True)
 
 
