@@ -62,7 +62,7 @@ def attention_implementation(config: Any) -> str:
 
 
 def check_flash(
-    impl: str, adapter: Any, attention: Sequence[nn.Module], proportional: bool
+    impl: str, adapter: Any, attention: Sequence[nn.Module | None], proportional: bool
 ) -> None:
     """Refuse, under FlashAttention-2, what its kernels cannot compute on a compressed
     sequence (nothing happens under another ``impl``).
@@ -70,7 +70,8 @@ def check_flash(
     Args:
         impl: the decoder's attention implementation.
         adapter: the family adapter (its `Adapter.flash_attention_refused`).
-        attention: the decoder layers' self-attention modules (their ``sliding_window``).
+        attention: the decoder layers' self-attention modules (their ``sliding_window``; None
+            for a layer without one).
         proportional: `lightkv.Pipeline.proportional_attention` is on.
 
     Raises:
