@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Literal
 
 from ..base import removed_names
@@ -78,7 +77,12 @@ def budget_schedule(
         if kept(max_removal_ratio, at) <= kept_fraction + tolerance:
             return build(
                 round(
-                    ratio_for_target(partial(kept, at=at), kept_fraction, max_removal_ratio),
+                    ratio_for_target(
+                        # mypy cannot infer a lambda with a default (`at` bound per loop step)
+                        lambda p, at=at: kept(p, at),  # type: ignore[misc]
+                        kept_fraction,
+                        max_removal_ratio,
+                    ),
                     4,
                 ),
                 at,
