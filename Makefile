@@ -154,7 +154,7 @@ lint: install
 	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build dist *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache .hypothesis build dist *.egg-info
 
 # The documentation site (mkdocs-material + mkdocstrings). `docs` builds it strictly: a
 # broken link, a missing page or a docstring mkdocstrings cannot read fails the build.
