@@ -146,14 +146,16 @@ scenes-model: install
 	$(DG_TRAIN) export --out runs/scenes --export lab/lightkv_lab/assets/scenes-llava
 
 # ruff's rules and the 100-column format (pyproject.toml [tool.ruff]) over both distributions,
-# the tests, the benchmarks and the docs' scripts; run by .ci/run.
+# the tests, the benchmarks and the docs' scripts, then mypy over the library (it ships
+# py.typed; pyproject.toml [tool.mypy]); run by .ci/run.
 LINT_PATHS = lightkv lab tests benchmarks docs
 lint: install
 	$(PY) -m ruff check $(LINT_PATHS)
 	$(PY) -m ruff format --check $(LINT_PATHS)
+	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build dist *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache .hypothesis build dist *.egg-info
 
 # The documentation site (mkdocs-material + mkdocstrings). `docs` builds it strictly: a
 # broken link, a missing page or a docstring mkdocstrings cannot read fails the build.

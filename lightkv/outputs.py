@@ -25,7 +25,7 @@ Content = str | bytes | Callable[[BinaryIO], object]
 binary file (e.g. ``lambda f: fig.savefig(f, format="png")``)."""
 
 
-def write_atomic(path: Path | str, content: Content) -> Path:
+def write_atomic(path: str | os.PathLike, content: Content) -> Path:
     """Write ``content`` to ``path`` whole or not at all; returns ``path``.
 
     The new file keeps the mode of the file it replaces (a new one gets the usual

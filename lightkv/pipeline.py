@@ -8,10 +8,12 @@ presets or YAML and applying them to a model are `lightkv.load`, `lightkv.to_yam
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
 from .graph.layout import VisionLayout
+from .policies.base import Policy
 from .policies.mode import Mode
 from .policies.partitioners import GridPartitioner, Partitioner
 from .policies.passers import MessagePasser, RelevanceWeightedMean
@@ -83,7 +85,7 @@ class Pipeline:
     pruner: Pruner = field(default_factory=SmallestDivergence)
     passer: MessagePasser = field(default_factory=RelevanceWeightedMean)
     relevance: Relevance = field(default_factory=QueryAxisSoftmax)
-    stage_overrides: dict[int, dict[str, object]] = field(default_factory=dict)
+    stage_overrides: dict[int, dict[str, Policy | None]] = field(default_factory=dict)
     name: str = "custom"
     # Text about the pipeline, not what it does: two pipelines that compress alike are equal.
     summary: str = field(default="", compare=False)
@@ -144,7 +146,8 @@ class Pipeline:
         """
         stages = []
         for i, spec in enumerate(self.plan(num_layers)):
-            policies = dict(
+            # policies by Stage field name (each one typed by Stage's own parameters)
+            policies: dict[str, Any] = dict(
                 partitioner=self.partitioner,
                 scorer=self.scorer,
                 pruner=self.pruner,

@@ -224,6 +224,7 @@ class Stage:
         if self.passer.merges and not self.pruner.needs_partner:
             # A pruner that keeps a set (DivPrune, CDPruner, ...) names no partners: each
             # token it drops merges into its window's most similar survivor instead.
+            assert self.scorer is not None  # a merging passer has one (__post_init__)
             src, dst = self.scorer.match_survivors(inputs, part.window, graph, removed)
         else:
             src = graph.src_slots[removed]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -63,7 +63,7 @@ def attention_modules(model: nn.Module, adapter: Any = None) -> list[nn.Module]:
     mods = [getattr(layer, "self_attn", None) for layer in adapter.decoder_layers()]
     if any(m is None for m in mods):
         raise TypeError(f"{type(model).__name__}: a decoder layer without a self_attn module")
-    return mods
+    return cast(list[nn.Module], mods)  # no None left (checked above)
 
 
 class _SdpaCounter(TorchFunctionMode):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -65,7 +65,8 @@ class Adapter:
                 f"{allowed}"
             )
         self.model = model
-        self.config = model.config
+        # a transformers config; each family reads its own fields from it
+        self.config: Any = model.config
         self.options = options
         self.multimodal_module()  # a clear TypeError for a model that is not multimodal at all
         try:
@@ -95,14 +96,15 @@ class Adapter:
 
     def language_model(self) -> nn.Module:
         """The decoder stack (``LlamaModel``, ``Qwen2_5_VLTextModel``, ...)."""
-        return self.multimodal_module().language_model
+        # multimodal_module() checked that this attribute is a Module
+        return cast(nn.Module, self.multimodal_module().language_model)
 
     def decoder_layers(self) -> Sequence[nn.Module]:
         """The decoder layers, in order."""
         layers = getattr(self.language_model(), "layers", None)
         if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
             raise TypeError(f"{type(self.language_model()).__name__} has no `.layers` ModuleList")
-        return layers
+        return cast(Sequence[nn.Module], layers)  # indexable and sized, not declared a Sequence
 
     def text_config(self):
         """The decoder's config."""
@@ -164,15 +166,15 @@ class Adapter:
     def decode_mask(
         self,
         layer: int,
-        origin: torch.Tensor,
+        origin: torch.Tensor | None,
         valid: torch.Tensor,
         q_len: int,
         impl: str,
         dtype: torch.dtype,
     ) -> torch.Tensor | None:
         """The 4-D mask of ``q_len`` new tokens over compressed layer ``layer``'s cache
-        (``origin``, ``valid`` ``[B, L]``, the new tokens last); see
-        `lightkv.adapters.masks.decode_mask`."""
+        (``origin``, ``valid`` ``[B, L]``, the new tokens last; ``origin`` None where the cache
+        keeps no positions); see `lightkv.adapters.masks.decode_mask`."""
         return masks.decode_mask(valid, q_len, impl, dtype)
 
     # ---------------------------------------------------------------- layout

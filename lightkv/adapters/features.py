@@ -62,7 +62,9 @@ def relevance(
             )
         extra["hidden"] = hidden
     if rows == "none" and cols == "none":
-        flops = rel.hidden_flops(layout, hidden.shape[-1], prompt) if rel.reads_hidden else 0.0
+        flops = 0.0
+        if rel.reads_hidden and hidden is not None:  # given whenever it is read (checked above)
+            flops = rel.hidden_flops(layout, hidden.shape[-1], prompt)
         return stage.relevance_scores(None, None, layout, **extra).float(), flops
     b, n = layout.batch_size, layout.seq_len
     if pos is None:
@@ -70,7 +72,10 @@ def relevance(
             f"layer {layer} received no position_embeddings; cannot compute relevance"
         )
     cos, sin = _batch(pos[0], b), _batch(pos[1], b)
-    x = probe.normed(hidden) if raw is None else None
+    x: torch.Tensor | None = None
+    if raw is None:
+        assert hidden is not None, "the hidden states are projected when no raw outputs are given"
+        x = probe.normed(hidden)
     d = probe.head_dim
     flops = 0.0
 
@@ -79,6 +84,7 @@ def relevance(
         finish = probe.queries_from if what == "queries" else probe.keys_from
         every = index.shape[1] == n  # every row, in order: nothing to gather or scatter back
         if raw is None:
+            assert x is not None  # normed above when raw is None
             part = probe.project_only(x if every else gather_tokens(x, index), what)
             flops += 2.0 * index.numel() * probe.hidden * heads * d
         else:
@@ -126,6 +132,7 @@ def stage_keys(
     FLOPs of that projection (none when ``raw`` is given)."""
     if raw is not None:
         return probe.keys_from(raw, None, None).transpose(1, 2), 0.0
+    assert hidden is not None, "the keys are projected from the hidden states without raw outputs"
     k = probe.keys(probe.normed(hidden), None, None)  # [B, H_kv, N, d], pre-RoPE
     return k.transpose(1, 2), 2.0 * hidden.shape[0] * hidden.shape[
         1

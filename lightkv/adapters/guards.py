@@ -64,7 +64,7 @@ def attention_implementation(config: Any) -> str:
     return impl
 
 
-def check_flash(impl: str, adapter: Any, attention: Sequence[nn.Module]) -> None:
+def check_flash(impl: str, adapter: Any, attention: Sequence[nn.Module | None]) -> None:
     """Refuse, under FlashAttention-2, what its kernels cannot compute on a compressed
     sequence (nothing happens under another ``impl``). Proportional attention is not
     refused: it takes the channel route (`lightkv.adapters.bias`).
@@ -72,7 +72,8 @@ def check_flash(impl: str, adapter: Any, attention: Sequence[nn.Module]) -> None
     Args:
         impl: the decoder's attention implementation.
         adapter: the family adapter (its `Adapter.flash_attention_refused`).
-        attention: the decoder layers' self-attention modules (their ``sliding_window``).
+        attention: the decoder layers' self-attention modules (their ``sliding_window``; None
+            for a layer without one).
 
     Raises:
         ValueError: the family or a sliding-window layer.

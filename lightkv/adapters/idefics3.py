@@ -21,6 +21,8 @@ Refused: a vision tower whose patch grid does not divide by scale_factor (the mo
 
 from __future__ import annotations
 
+from typing import cast
+
 from torch import nn
 
 from .base import Adapter
@@ -48,7 +50,7 @@ class Idefics3Adapter(Adapter):
         )
 
     def language_model(self) -> nn.Module:
-        return self.multimodal_module().text_model
+        return cast(nn.Module, self.multimodal_module().text_model)  # checked a Module above
 
     def check_config(self) -> None:
         vc = self.config.vision_config

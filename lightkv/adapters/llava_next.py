@@ -31,6 +31,8 @@ pseudo-square partitioner re-packs (2928 -> 1465 -> 733 -> 367 at 4/2/1 windows)
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from ..graph.layout import ImageSegment
@@ -73,7 +75,7 @@ class LlavaNextAdapter(Adapter):
     def grids_from_features(self, feature: torch.Tensor) -> tuple[tuple[int, int], tuple[int, int]]:
         """``(base grid, high-resolution grid)`` of one packed image feature ``[L, D]``."""
         side = _side(self.config.vision_config)
-        newline = self.multimodal_module().image_newline
+        newline = cast(torch.Tensor, self.multimodal_module().image_newline)  # a Parameter [D]
         hi = feature[side * side :]
         if hi.shape[0] == 0:  # an extreme aspect ratio un-pads to no rows at all
             return (side, side), (0, 0)

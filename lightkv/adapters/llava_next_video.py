@@ -55,7 +55,8 @@ class LlavaNextVideoAdapter(Adapter):
 
     def image_grids(self, image_size) -> tuple[tuple[int, int], tuple[int, int]]:
         """``(base grid, high-resolution grid)`` of one image: LLaVA-NeXT's anyres rule."""
-        return LlavaNextAdapter.image_grids(self, image_size)
+        # LLaVA-NeXT's rule, borrowed: it reads only self.config, which both families share
+        return LlavaNextAdapter.image_grids(self, image_size)  # type: ignore[arg-type]
 
     def frame_grid(self) -> tuple[int, int]:
         """``(rows, cols)`` of one pooled video frame: ``side // spatial_pool_stride`` (the

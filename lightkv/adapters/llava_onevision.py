@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import cast
 
 import torch
 
@@ -227,7 +228,7 @@ class LlavaOnevisionAdapter(Adapter):
         side = _side(self.config.vision_config)
         encoded = (inputs.get("mm_encoder_outputs") or {}).get("image")
         if encoded is not None:
-            newline = self.multimodal_module().image_newline
+            newline = cast(torch.Tensor, self.multimodal_module().image_newline)  # a Parameter [D]
             return [
                 ((side, side), read_anyres_feature(f, side * side, newline, "LLaVA-OneVision"))
                 for f in encoded.pooler_output

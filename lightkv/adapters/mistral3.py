@@ -27,6 +27,8 @@ Refused: sliding-window decoders; Pixtral-LLaVA with vision_feature_select_strat
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from ..graph.layout import ImageSegment
@@ -49,7 +51,7 @@ class Mistral3Adapter(Adapter):
     ``[IMG_BREAK]``."""
 
     family = "mistral3"
-    model_types = ("mistral3",)
+    model_types: ClassVar[tuple[str, ...]] = ("mistral3",)  # a subclass has none
 
     def check_config(self) -> None:
         text = self.config.get_text_config()

@@ -16,6 +16,7 @@ Two decoder shapes cover the supported families:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -80,10 +81,12 @@ class AttentionProbe:
 
     Attributes:
         layer: the decoder layer.
+        attn: its attention module.
         heads, kv_heads, head_dim: attention sizes.
     """
 
     layer: nn.Module
+    attn: Any  # each family's attention module; its projections are read by name
     hidden: int
     heads: int
     kv_heads: int
@@ -91,7 +94,7 @@ class AttentionProbe:
 
     def normed(self, hidden: torch.Tensor) -> torch.Tensor:
         """The attention input: the layer's input norm applied to ``hidden`` ``[B, M, D]``."""
-        return self.layer.input_layernorm(hidden)
+        return cast(nn.Module, self.layer.input_layernorm)(hidden)
 
     def projections(self) -> dict[str, nn.Module]:
         """The layer's own projection modules whose outputs hold the queries and keys, by
@@ -128,7 +131,7 @@ class AttentionProbe:
 
     def shape(self) -> LayerShape:
         """Layer sizes for estimates."""
-        mlp = self.layer.mlp
+        mlp: Any = self.layer.mlp  # each family's MLP; its projections are read by name
         if hasattr(mlp, "gate_proj"):
             inner, mats = mlp.gate_proj.out_features, 3
         elif hasattr(mlp, "dense_h_to_4h"):
@@ -151,7 +154,7 @@ class ProjectionProbe(AttentionProbe):
     """Separate ``q_proj`` / ``k_proj`` projections (LLaMA-style attention)."""
 
     def __init__(self, layer: nn.Module):
-        attn = layer.self_attn
+        attn: Any = layer.self_attn  # the family's attention module, read by name
         self.layer, self.attn = layer, attn
         self.head_dim = int(
             getattr(attn, "head_dim", 0)
@@ -191,7 +194,7 @@ class FusedQKVProbe(AttentionProbe):
     partial rotary embedding (Persimmon / Fuyu)."""
 
     def __init__(self, layer: nn.Module):
-        attn = layer.self_attn
+        attn: Any = layer.self_attn  # the family's attention module, read by name
         self.layer, self.attn = layer, attn
         self.heads = int(attn.num_heads)
         self.kv_heads = self.heads

@@ -131,7 +131,7 @@ def detect_family(model: nn.Module) -> str:
         ValueError: the model type is not supported (the message lists the families).
     """
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    family = MODEL_TYPES.get(model_type)
+    family = MODEL_TYPES.get(model_type or "")  # None: a config without a model type
     if (
         family == "llava"
         and getattr(getattr(model.config, "vision_config", None), "model_type", None) == "pixtral"

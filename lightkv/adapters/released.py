@@ -160,7 +160,8 @@ class ReleasedQuirksHook:
             return
         self._armed = None
         self._swapped[layer] = module.config
-        module.config = EagerConfigView(module.config)
+        # torch types a Module's attributes as Tensor | Module; this one is a config
+        module.config = EagerConfigView(module.config)  # type: ignore[assignment]
 
     def _restore(self, layer: int, module: nn.Module) -> None:
         if layer in self._swapped:
@@ -169,7 +170,9 @@ class ReleasedQuirksHook:
     def eager_mask(self, layer: int, layout: VisionLayout, dtype: torch.dtype) -> torch.Tensor:
         """The additive float mask of an eager merge layer whose input is not compressed:
         causal, padding hidden (the first merge layer without `unmasked_first_merge`)."""
-        return prefill_mask(layout.origin, layout.valid_mask, EAGER, dtype)
+        mask = prefill_mask(layout.origin, layout.valid_mask, EAGER, dtype)
+        assert mask is not None  # only sdpa and FlashAttention-2 masks may be None
+        return mask
 
     def noncausal(self, layer: int) -> bool:
         """Whether ``layer`` is the first merge layer, which the released code runs without a

@@ -188,6 +188,7 @@ class SessionReport:
             first = _prompt_stat(trace.layout, first.layer)
         flops = flops_base = 0.0
         for stat in trace.layers:
+            assert first is not None  # set above from the non-empty trace.layers
             shape = session.layer_shapes[stat.layer]
             per_token = 2 * shape.kv_heads * shape.head_dim * elem
             vis = int(stat.vision.sum()) + int(stat.structural.sum())

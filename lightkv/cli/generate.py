@@ -158,6 +158,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                     "images: its answers about any other image mean nothing"
                 )
         else:
+            assert found is not None  # --image is required unless the model is bundled (above)
             image, question = found.example()
             prompt = prompt or question["question"]
             example = {

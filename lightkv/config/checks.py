@@ -3,7 +3,7 @@ canonical form, the pipeline's own mode, and a pipeline that plans no stage."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from ..policies import Mode
 from .errors import _fail
@@ -45,7 +45,7 @@ def validated_mode(spec: PolicySpec) -> PolicySpec:
     """The pipeline's own mode, validated; a mode that runs stages or always runs is
     refused (a pipeline cannot hold it as its own)."""
     spec = validated(Mode, spec)
-    if not type(spec.built()).own:
+    if not type(cast(Mode, spec.built())).own:  # validated as a Mode just above
         raise _fail(
             "not_own_mode",
             f"mode {spec.name!r} runs the stages that name it or whenever a session needs "

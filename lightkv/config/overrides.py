@@ -35,7 +35,7 @@ def validated_overrides(
                 )
             )
             continue
-        fields = {}
+        fields: dict[str, PolicySpec | None] = {}
         for field in STAGE_FIELDS:  # canonical order
             if field not in overrides[index]:
                 continue

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import (
     BaseModel,
@@ -20,7 +20,7 @@ from pydantic import (
 
 from ..outputs import write_atomic
 from ..pipeline import DIVERGENCE_MEMORY_MIB, Pipeline, Stage
-from ..policies import FAMILIES, Policy, StageSpec, average_kept_fraction
+from ..policies import FAMILIES, Mode, Policy, StageSpec, average_kept_fraction
 from ..policies.schedulers import place
 from ..quirks import ReleasedQuirks
 from .checks import check_no_stages, mode_without_schedule, validated, validated_mode
@@ -153,7 +153,8 @@ class PipelineConfig(BaseModel):
             check_no_stages(self)
             self._snapshot = self.model_dump()
             return self
-        if self.mode is not None and not type(self.mode.built()).beside_stages:
+        # validation built each spec as a policy of its family (here a Mode)
+        if self.mode is not None and not type(cast(Mode, self.mode.built())).beside_stages:
             raise _fail(
                 "composition",
                 f"mode {self.mode.name!r} works on the uncompressed prompt and does not run "
@@ -179,6 +180,7 @@ class PipelineConfig(BaseModel):
                 ("placement",),
             )
         limit = self.schedule.max_stages()
+        index: int | None  # a stage override's index; None below: the base policies
         for index in self.stage_overrides:
             if limit is not None and index >= limit:
                 raise _fail(
@@ -199,7 +201,8 @@ class PipelineConfig(BaseModel):
                     }
                 )
             try:
-                Stage(spec=StageSpec(0, 0.0, windows_per_side=1), **policies)
+                # each field holds a policy of its own family (validated above)
+                Stage(spec=StageSpec(0, 0.0, windows_per_side=1), **policies)  # type: ignore[arg-type]
             except ValueError as e:
                 where = ("scorer",) if index is None else ("stage_overrides", index)
                 raise _fail("composition", str(e), where) from None
@@ -225,7 +228,7 @@ class PipelineConfig(BaseModel):
         cfg = (
             self if self._snapshot == self.model_dump() else type(self).from_dict(self.model_dump())
         )
-        overrides = {
+        overrides: dict[int, dict[str, Policy | None]] = {
             i: {f: None if s is None else s.built() for f, s in fields.items()}
             for i, fields in cfg.stage_overrides.items()
         }
@@ -233,7 +236,7 @@ class PipelineConfig(BaseModel):
         return Pipeline(
             scheduler=None if cfg.schedule is None else cfg.schedule.build(),
             placement=cfg.placement,
-            mode=None if cfg.mode is None else copy.deepcopy(cfg.mode.built()),
+            mode=None if cfg.mode is None else copy.deepcopy(cast(Mode, cfg.mode.built())),
             stage_overrides=overrides,
             name=cfg.name,
             summary=cfg.summary,
@@ -262,7 +265,7 @@ class PipelineConfig(BaseModel):
             )
         try:
             if self.mode is not None:
-                self.mode.built().check_depth(num_layers)
+                cast(Mode, self.mode.built()).check_depth(num_layers)  # validated as a Mode
         except ValueError as e:
             raise ConfigError([("mode", str(e))]) from None
         if self.schedule is None:

@@ -24,6 +24,7 @@ silent wrong configuration).
 from __future__ import annotations
 
 import copy
+from collections.abc import Collection
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
@@ -86,6 +87,8 @@ def canonical_schedule(data: Any) -> tuple[Any, Scheduler | None]:
         return data, None
     data = {k: v for k, v in data.items() if v is not None}
     short = shorthands()
+    impl: type[Scheduler] | None  # a shorthand's scheduler class; None for the name form
+    allowed: Collection[str]
     keys = set(CANONICAL)
     for key, (_, impl) in short.items():
         keys |= {key, *impl.shorthand_keys}
@@ -146,6 +149,7 @@ def canonical_schedule(data: Any) -> tuple[Any, Scheduler | None]:
             None if lookup is None else removed_field_message(lookup, params, f"schedule {name!r}")
         )
         if removed is not None:
+            assert lookup is not None  # removed is None without a class
             old = next(k for k in params if k in lookup.removed_fields)
             raise _fail("removed_param", removed, ("params", old))
         _no_bools(lookup, params)

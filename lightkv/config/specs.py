@@ -7,7 +7,7 @@ import copy
 import dataclasses
 import functools
 import typing
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -199,9 +199,10 @@ def _coerce_params(family: type[Policy], spec: PolicySpec, prefix: bool = True) 
     return {k: out[k] for k in params}
 
 
-def _build(
-    family: type[Policy], spec: PolicySpec, prefix: bool = True
-) -> tuple[Policy, dict[str, Any]]:
+_P = TypeVar("_P", bound=Policy)
+
+
+def _build(family: type[_P], spec: PolicySpec, prefix: bool = True) -> tuple[_P, dict[str, Any]]:
     """The policy ``spec`` names, constructed once, and its coerced parameters.
 
     Raises:
@@ -215,7 +216,7 @@ def _build(
         raise _fail("param_value", f"{label}{e}", ("params",) + _error_loc(e)) from None
 
 
-def _instantiate(family: type[Policy], spec: PolicySpec, prefix: bool = True) -> Policy:
+def _instantiate(family: type[_P], spec: PolicySpec, prefix: bool = True) -> _P:
     return _build(family, spec, prefix)[0]
 
 
@@ -236,7 +237,7 @@ def _spec_of(policy: Policy, where: str) -> PolicySpec:
                 )
             ]
         )
-    params = {}
+    params: dict[str, Any] = {}
     if dataclasses.is_dataclass(policy):
         for f in dataclasses.fields(policy):
             if not f.init:

@@ -61,7 +61,7 @@ def load_model(
         raise GenerateError(
             f"cannot load the model config from {source!r}: {_first_line(e)}"
         ) from None
-    family = MODEL_TYPES.get(getattr(config, "model_type", None))
+    family = MODEL_TYPES.get(getattr(config, "model_type", ""))
     if family is None:
         raise GenerateError(
             f"{source}: model type {config.model_type!r} is not supported by lightkv; supported "
@@ -138,8 +138,9 @@ def load_image(path: str | os.PathLike):
         with Image.open(p) as img:
             return img.convert("RGB")
     except Image.DecompressionBombError:  # Pillow's guard against images of hundreds of megapixels
+        limit = (Image.MAX_IMAGE_PIXELS or 0) * 2  # set: the guard only raises under a limit
         raise GenerateError(
-            f"{path}: the image is too large to decode safely (over {Image.MAX_IMAGE_PIXELS * 2:,} "
+            f"{path}: the image is too large to decode safely (over {limit:,} "
             "pixels); resize it first"
         ) from None
     except (UnidentifiedImageError, OSError) as e:

@@ -150,20 +150,21 @@ class BipartiteGraph:
         k = self.num_windows
         a = self.src_count.tolist()
         b = a if pairs == "aa" else self.dst_count.tolist()
-        pairs = [x * y for x, y in zip(a, b)]
-        if k == 0 or k * max(a) * max(b) <= (1.0 + waste) * max(1, sum(pairs)):
+        cost = [x * y for x, y in zip(a, b)]  # each window's pairs
+        if k == 0 or k * max(a) * max(b) <= (1.0 + waste) * max(1, sum(cost)):
             return [torch.arange(k, device=self.src_slots.device)]
         order = sorted(range(k), key=lambda w: (-a[w], -b[w], w))
+        group: list[int]  # the windows of the group being filled
         groups, group, b_max, used = [], [], 0, 0
         for w in order:
             bm = max(b_max, b[w])
             if group and (len(group) + 1) * a[group[0]] * bm > (1.0 + waste) * max(
-                1, used + pairs[w]
+                1, used + cost[w]
             ):
                 groups.append(group)
                 group, bm, used = [], b[w], 0
             group.append(w)
-            b_max, used = bm, used + pairs[w]
+            b_max, used = bm, used + cost[w]
         groups.append(group)
         return [
             torch.tensor(sorted(g), dtype=torch.long, device=self.src_slots.device) for g in groups

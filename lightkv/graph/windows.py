@@ -191,7 +191,8 @@ def grid_window_local(
         wr = band_index(r, h, windows_per_side, bands)
         wc = band_index(c, w, windows_per_side, bands)
     else:
-        s_r, s_c = window_size  # type: ignore[misc]
+        assert window_size is not None  # check_window_spec: exactly one of the two
+        s_r, s_c = window_size
         grid = layout.image_grid
         if not partial and layout.num_images and ((grid[:, 0] < s_r) | (grid[:, 1] < s_c)).any():
             small = grid[(grid[:, 0] < s_r) | (grid[:, 1] < s_c)][0].tolist()

@@ -116,7 +116,7 @@ def _load(pretrained: str, dtype: str, device_map: Any, attn_implementation: str
     path = str(bundled.path) if bundled is not None else os.path.expanduser(pretrained)
     local = {"local_files_only": True} if os.path.isdir(path) else {}
     config = AutoConfig.from_pretrained(path, **local)
-    if MODEL_TYPES.get(getattr(config, "model_type", None)) is None:
+    if MODEL_TYPES.get(getattr(config, "model_type", "")) is None:
         raise ValueError(
             f"{pretrained}: model type {config.model_type!r} is not supported by lightkv; "
             f"supported families: {', '.join(SUPPORTED_FAMILIES)}"
@@ -341,6 +341,7 @@ class LightKV(ScoringAndRounds, lmms):
             return (task, split, json.dumps(gen_kwargs, sort_keys=True, default=str))
 
         order = sorted(range(len(args)), key=lambda i: (key(i), -len(args[i][0])))
+        current: list[int]  # request indices of the batch being filled
         batches, current = [], []
         for i in order:
             if current and (key(current[0]) != key(i) or len(current) == self.batch_size_per_gpu):

@@ -207,9 +207,9 @@ def gather_totals(totals: dict[str, ReportTotals], world_size: int) -> dict[str,
     no process group is up, the local totals. A collective: every rank must call it."""
     parts = [totals]
     if world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-        parts = [None] * world_size
-        torch.distributed.all_gather_object(parts, {k: v.to_dict() for k, v in totals.items()})
-        parts = [{k: ReportTotals(**v) for k, v in p.items()} for p in parts]
+        gathered: list[Any] = [None] * world_size  # every rank's totals as plain dicts
+        torch.distributed.all_gather_object(gathered, {k: v.to_dict() for k, v in totals.items()})
+        parts = [{k: ReportTotals(**v) for k, v in p.items()} for p in gathered]
     keys = list(dict.fromkeys(k for p in parts for k in p))
     return {k: ReportTotals.merge([p[k] for p in parts if k in p]) for k in keys}
 

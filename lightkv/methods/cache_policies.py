@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 
@@ -198,8 +198,8 @@ def causal_chunks(
     blocked = (keys.unsqueeze(1) > earliest.unsqueeze(2)) & (earliest < big).unsqueeze(2)
     lo = torch.minimum(torch.where(blocked, col, n).amin(dim=(0, 2)), end)
     holes = (~by_chunk(valid, True)).any(dim=-1).any(dim=0)
-    rows = torch.stack([end, lo, holes.long()]).T.tolist()
-    return [(e, lo_, bool(h)) for e, lo_, h in rows]
+    bounds = torch.stack([end, lo, holes.long()]).T.tolist()
+    return [(e, lo_, bool(h)) for e, lo_, h in bounds]
 
 
 @Relevance.register("accumulated_attention")
@@ -215,8 +215,8 @@ class AccumulatedAttention(Relevance):
     Logits use ``1 / sqrt(d)``.
     """
 
-    query_rows: ClassVar[str] = "all"
-    key_cols: ClassVar[str] = "all"
+    query_rows = "all"
+    key_cols = "all"
     chunk: int = 256
 
     def product_flops(self, layout, heads, head_dim):

@@ -252,8 +252,8 @@ class QuestionSimilarity(Relevance):
         floor: what the least similar token keeps, as a share of the row's range (> 0).
     """
 
-    query_rows: ClassVar[str] = "none"
-    key_cols: ClassVar[str] = "none"
+    query_rows = "none"
+    key_cols = "none"
     reads_prompt: ClassVar[bool] = True
     reads_hidden: ClassVar[bool] = True
     floor: float = 1e-3

@@ -150,8 +150,8 @@ class TowerAttention(Relevance):
             ``mean``: the methods' own rule).
     """
 
-    query_rows: ClassVar[str] = "none"
-    key_cols: ClassVar[str] = "none"
+    query_rows = "none"
+    key_cols = "none"
     reads_tower: ClassVar[bool] = True
     heads: Heads = "sum"
     queries: Literal["auto", "cls", "mean"] = "auto"

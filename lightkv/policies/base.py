@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, cast
 
 from .plugins import ENTRY_POINT_GROUP, EntryPointStatus, PluginError, load_entry_points
 
@@ -38,6 +38,8 @@ P = TypeVar("P", bound=type)
 
 
 T = TypeVar("T", bound=type)
+
+_PolicyT = TypeVar("_PolicyT", bound="Policy")
 
 
 def removed_names(**old_to_new: str) -> Callable[[T], T]:
@@ -53,7 +55,7 @@ def removed_names(**old_to_new: str) -> Callable[[T], T]:
 
     def deco(cls: T) -> T:
         mapping = {**getattr(cls, "removed_fields", {}), **old_to_new}
-        init = cls.__init__
+        init = cls.__init__  # type: ignore[misc]  # the class's own, wrapped below
 
         @functools.wraps(init)
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -89,7 +91,9 @@ class Policy:
 
     family: ClassVar[str] = "policy"
     name: ClassVar[str] = ""
-    _registry: ClassVar[dict[str, type]]
+    removed_fields: ClassVar[dict[str, str]] = {}
+    """Old field name -> its new name (`removed_names`); empty where nothing was renamed."""
+    _registry: ClassVar[dict[str, type[Policy]]]
     _entry_points: ClassVar[dict[str, EntryPointStatus]] = {}
     """Entry points tried so far in this process (shared by every family)."""
 
@@ -132,13 +136,14 @@ class Policy:
         return deco
 
     @classmethod
-    def registered(cls) -> dict[str, type]:
+    def registered(cls: type[_PolicyT]) -> dict[str, type[_PolicyT]]:
         """Name -> class for every registered implementation of this family."""
         cls._load_entry_points()
-        return dict(sorted(cls._registry.items()))
+        # `register` admits only subclasses of the family into its registry
+        return cast("dict[str, type[_PolicyT]]", dict(sorted(cls._registry.items())))
 
     @classmethod
-    def lookup(cls, name: str) -> type:
+    def lookup(cls: type[_PolicyT], name: str) -> type[_PolicyT]:
         """The class registered under ``name``.
 
         Raises:
@@ -149,7 +154,7 @@ class Policy:
         if name not in cls._registry:
             cls._load_entry_points(first=name, done=lambda: name in cls._registry)
         if name in cls._registry:
-            return cls._registry[name]
+            return cast("type[_PolicyT]", cls._registry[name])  # a subclass (see `register`)
         failed = [s for s in cls._entry_points.values() if s.error is not None]
         own = [s for s in failed if s.name == name]
         if own:
@@ -164,7 +169,7 @@ class Policy:
         raise ValueError(message)
 
     @classmethod
-    def create(cls, name: str, **params: Any) -> Policy:
+    def create(cls: type[_PolicyT], name: str, **params: Any) -> _PolicyT:
         """Instantiate the implementation registered under ``name`` with ``params``.
 
         Raises:

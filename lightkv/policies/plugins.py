@@ -51,7 +51,7 @@ it saw."""
 def _path_state() -> tuple:
     """Each sys.path entry with its modification time: installing a distribution adds a
     ``*.dist-info`` folder to one of them, which changes that folder's time."""
-    state = []
+    state: list[tuple[str, int | None]] = []
     for entry in sys.path:
         try:
             state.append((entry, os.stat(entry or ".").st_mtime_ns))
@@ -79,7 +79,8 @@ def _check_loaded(obj: Any, ep: Any, policy_base: type) -> str | None:
         return None  # a module: importing it ran its @register decorators
     if not issubclass(obj, policy_base):
         return f"{obj.__qualname__} is not a lightkv policy (subclass a family such as EdgeScorer)"
-    family = next((c for c in obj.__mro__ if "_registry" in c.__dict__), None)
+    # a Policy family (its base class; typed loosely: `Policy` imports this module)
+    family: Any = next((c for c in obj.__mro__ if "_registry" in c.__dict__), None)
     if family is None or family is policy_base:
         return f"{obj.__qualname__} does not belong to a policy family"
     registered = [n for n, impl in family._registry.items() if impl is obj]

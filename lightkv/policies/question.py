@@ -35,8 +35,8 @@ class QuestionAttention(Relevance):
         heads: ``mean``, ``sum`` or ``max`` over query heads.
     """
 
-    query_rows: ClassVar[str] = "all"
-    key_cols: ClassVar[str] = "all"
+    query_rows = "all"
+    key_cols = "all"
     reads_prompt: ClassVar[bool] = True
     ids: tuple[int, ...] | None = None
     exclude: tuple[int, ...] = ()

@@ -204,8 +204,8 @@ class LastTokenAttention(Relevance):
         heads: ``mean`` (FastV), ``sum`` or ``max`` over query heads.
     """
 
-    query_rows: ClassVar[str] = "last"
-    key_cols: ClassVar[str] = "all"
+    query_rows = "last"
+    key_cols = "all"
     heads: Heads = "mean"
 
     def __post_init__(self) -> None:
@@ -248,8 +248,8 @@ class TextQueryAttention(Relevance):
         causal: the causal mask (True) or every valid key for every text query (False).
     """
 
-    query_rows: ClassVar[str] = "all"
-    key_cols: ClassVar[str] = "all"
+    query_rows = "all"
+    key_cols = "all"
     heads: Heads = "mean"
     causal: bool = True
 
@@ -296,8 +296,8 @@ class UniformRelevance(Relevance):
     """ξ = 1 for every vision token: prompt-agnostic merging (ToMe, or LightKV with
     relevance switched off)."""
 
-    query_rows: ClassVar[str] = "none"
-    key_cols: ClassVar[str] = "none"
+    query_rows = "none"
+    key_cols = "none"
 
     def score(self, queries, keys, layout):
         return layout.vision_mask.float()
@@ -329,7 +329,7 @@ class RandomRelevance(Relevance):
         softmax: pass the scores through the module's softmax and sums (the released code).
     """
 
-    key_cols: ClassVar[str] = "text"
+    key_cols = "text"
     packed_text_keys: ClassVar[bool] = True
     seed: int = 0
     softmax: bool = True

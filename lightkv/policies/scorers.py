@@ -109,6 +109,7 @@ class EdgeScorer(Policy):
                 best_div = div.new_full((k, a), float("inf"))
             best_dst[windows, : dst.shape[1]] = dst
             best_div[windows, : div.shape[1]] = div
+        assert best_div is not None  # several groups, so the loop ran
         return best_dst, best_div
 
     def match_survivors(
@@ -167,6 +168,8 @@ class EdgeScorer(Policy):
             return graph.src_slots.new_full((k, a), -1), src.new_full((k, a), float("inf"))
         b = graph.dst_slots.shape[1]
         pairs = self.chunk_pairs(src[0, 0].numel(), src.element_size(), budget)
+        best_div: torch.Tensor | None
+        best_slot: torch.Tensor | None
         if self.bilinear or k * a * b <= pairs:
             best_div, best_slot = self._best(src, dst, graph.dst_slots)
         else:
@@ -179,9 +182,11 @@ class EdgeScorer(Policy):
             for k0, k1 in _chunks(k, windows):
                 for r0, r1 in _chunks(a, rows):
                     div, slot = self._best(src[k0:k1, r0:r1], dst[k0:k1], graph.dst_slots[k0:k1])
-                    if best_div is None:  # the divergence's own dtype, as in one call
+                    # the divergence's own dtype, as in one call
+                    if best_div is None or best_slot is None:
                         best_div, best_slot = div.new_empty((k, a)), slot.new_empty((k, a))
                     best_div[k0:k1, r0:r1], best_slot[k0:k1, r0:r1] = div, slot
+        assert best_div is not None and best_slot is not None  # k, a > 0: the loops ran
         best_dst = graph.dst_slots.gather(1, best_slot)
         invalid = (graph.src_slots < 0) | torch.isinf(best_div)
         return best_dst.masked_fill(invalid, -1), best_div.masked_fill(invalid, float("inf"))

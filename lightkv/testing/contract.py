@@ -33,6 +33,7 @@ Every failure is an ``AssertionError`` that names the policy and the broken rule
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -86,6 +87,8 @@ def contract_batch(dtype: torch.dtype = torch.float32, seed: int = 0) -> StageIn
 
 def _row(inputs: StageInputs, b: int) -> StageInputs:
     """Row ``b`` of a batch as a batch of one (its images renumbered)."""
+    # contract_batch gives all three
+    assert inputs.hidden is not None and inputs.relevance is not None and inputs.keys is not None
     return StageInputs(
         inputs.layout.row(b),
         inputs.spec,
@@ -95,7 +98,7 @@ def _row(inputs: StageInputs, b: int) -> StageInputs:
     )
 
 
-def _family(cls: type) -> type:
+def _family(cls: type) -> type[Policy]:
     for base in (Partitioner, EdgeScorer, Pruner, MessagePasser, Relevance, Scheduler, Mode):
         if issubclass(cls, base):
             return base
@@ -157,7 +160,10 @@ def _check_stage(policy: Policy, dtype: torch.dtype) -> None:
         raise _fail(policy, "a stage added vision tokens")
     if not torch.equal(batch.layout.text_mask.sum(1), inputs.layout.text_mask.sum(1)):
         raise _fail(policy, "a stage changed the number of text tokens")
-    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    # allclose's rtol and atol (its keywords are typed apart: float, float, bool)
+    tol: dict[str, Any] = (
+        dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    )
     for b in range(inputs.batch_size):
         alone = stage.run(_row(inputs, b))
         width = alone.hidden.shape[1]
@@ -182,6 +188,7 @@ def _check_stage(policy: Policy, dtype: torch.dtype) -> None:
         spec=dataclasses.replace(inputs.spec, removal_ratio=0.0),
         **{k: getattr(stage, k) for k in ("partitioner", "scorer", "pruner", "passer")},
     ).run(inputs)
+    assert inputs.hidden is not None  # contract_batch gives it
     if not torch.equal(still.hidden, inputs.hidden) or still.layout != inputs.layout:
         raise _fail(policy, "a stage at ratio 0 is not the identity")
 
@@ -242,6 +249,7 @@ def _check_pruner(policy: Pruner) -> None:
     graph = BipartiteGraph.build(part.window, part.is_src)
     dst, div = EdgeScorer.lookup("cosine")().match(inputs, graph)
     pad = graph.src_slots < 0
+    assert inputs.relevance is not None  # contract_batch gives it
     xi = graph.token_blocks(inputs.relevance.float(), "src")
     ident = graph.token_blocks(token_identity(inputs.layout), "src").masked_fill(pad, -1)
     prune = PruneInputs(graph, div, xi, ident, inputs)
@@ -291,7 +299,7 @@ def _check_relevance(policy: Relevance) -> None:
     gen = torch.Generator().manual_seed(2)
     queries = torch.randn(b, 2 * HEADS, n, HEAD_DIM, generator=gen)
     keys = torch.randn(b, HEADS, n, HEAD_DIM, generator=gen)
-    extra = {}
+    extra: dict[str, Any] = {}
     if policy.reads_prompt:  # token ids of the contract batch: text ids 5.., vision tokens 3
         ids = torch.where(inputs.layout.vision_mask, 3, 5 + torch.arange(n).expand(b, n) % 7)
         extra = {"prompt": Prompt(ids)}
@@ -351,7 +359,7 @@ def _check_mode(policy: Mode) -> None:
             raise _fail(policy, f"target_kept_fraction({depth}) = {target!r}, not in (0, 1]")
 
 
-_FAMILY_CHECKS = {
+_FAMILY_CHECKS: dict[type[Policy], Callable[[Any], None]] = {
     Partitioner: _check_partitioner,
     EdgeScorer: _check_scorer,
     Pruner: _check_pruner,

@@ -14,6 +14,7 @@ is exercised while the uncompressed layers (0, 1) keep the whole prompt.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -81,7 +82,8 @@ def build(
             layer_types=list(layer_types) if layer_types is not None else None,
         )
     )
-    cfg = Gemma3Config(
+    # attn_implementation is a keyword of every config's constructor, not a declared field
+    cfg = Gemma3Config(  # type: ignore[call-arg]
         vision_config=vision,
         text_config=text,
         mm_tokens_per_image=tokens_per_image,
@@ -127,7 +129,8 @@ def row(model, images: int = 1, pre: int = 4, post: int = 5, seed: int = 0) -> R
 
 def collate(rows: Sequence[Row]) -> dict:
     out = _batch_ids(rows)
-    out["token_type_ids"], _ = left_pad([r.mm_token_type_ids for r in rows])
+    types = [cast(torch.Tensor, r.mm_token_type_ids) for r in rows]  # row() sets them
+    out["token_type_ids"], _ = left_pad(types)
     pix = [r.images["pixel_values"] for r in rows if r.images]
     if pix:
         out["pixel_values"] = torch.cat(pix)

@@ -31,7 +31,8 @@ IMG_END = 113  # "[IMG_END]": ends the last row
 def _vision(patch_size: int, image_size: int):
     from transformers import PixtralVisionConfig
 
-    return PixtralVisionConfig(
+    # head_dim is a field of older transformers' config; newer ones take it as an extra key
+    return PixtralVisionConfig(  # type: ignore[call-arg]
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=1,

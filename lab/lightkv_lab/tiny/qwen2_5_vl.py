@@ -4,7 +4,7 @@ images and videos for them."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -119,7 +119,7 @@ def row_qwen2_5_vl(
 
 def collate_qwen2_5_vl(rows: Sequence[Row]) -> dict:
     out = _batch_ids(rows)
-    types, _ = left_pad([r.mm_token_type_ids for r in rows])
+    types, _ = left_pad([cast(torch.Tensor, r.mm_token_type_ids) for r in rows])  # row() sets them
     out["mm_token_type_ids"] = types
     for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
         parts = [r.images[key] for r in rows if key in r.images]

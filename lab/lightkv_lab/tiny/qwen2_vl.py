@@ -9,7 +9,7 @@ frame.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -141,7 +141,8 @@ def row(
 def collate(rows: Sequence[Row]) -> dict:
     """Left-padded batch: ids, mask, ``mm_token_type_ids``, pixels and grids in row order."""
     out = _batch_ids(rows)
-    out["mm_token_type_ids"], _ = left_pad([r.mm_token_type_ids for r in rows])
+    types = [cast(torch.Tensor, r.mm_token_type_ids) for r in rows]  # row() sets them
+    out["mm_token_type_ids"], _ = left_pad(types)
     for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
         parts = [r.images[key] for r in rows if key in r.images]
         if parts:

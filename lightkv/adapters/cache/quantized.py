@@ -4,7 +4,7 @@ built once per quantized layer class."""
 from __future__ import annotations
 
 import types
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers.cache_utils import DynamicLayer
@@ -94,10 +94,10 @@ class MaskedQuantizedLayer(MaskedCacheLayer):
         )
 
 
-_MASKED: dict[type, type] = {}
+_MASKED: dict[type, type[MaskedQuantizedLayer]] = {}
 
 
-def _masked_class(base: type) -> type:
+def _masked_class(base: type) -> type[MaskedQuantizedLayer]:
     """``Masked<base>(MaskedQuantizedLayer, base)``, built once per quantized layer class."""
     if base not in _MASKED:
         name = f"Masked{base.__name__}"
@@ -110,7 +110,7 @@ def _masked_class(base: type) -> type:
                 __doc__=f"`MaskedQuantizedLayer` over `{base.__name__}`.",
             ),
         )
-        _MASKED[base] = cls
+        _MASKED[base] = cast(type[MaskedQuantizedLayer], cls)  # a subclass by construction
     return _MASKED[base]
 
 

@@ -23,7 +23,7 @@ name in YAML and in the ``lightkv.modes`` entry-point group.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -103,7 +103,8 @@ class LayerCall:
     @property
     def hidden(self) -> torch.Tensor:
         """The layer's input hidden states ``[B, N, D]``."""
-        return self.args[0] if self.args else self.kwargs.get("hidden_states")
+        # a decoder layer is always called with its hidden states, by position or by name
+        return self.args[0] if self.args else cast(torch.Tensor, self.kwargs.get("hidden_states"))
 
     @hidden.setter
     def hidden(self, value: torch.Tensor) -> None:

@@ -105,6 +105,7 @@ class CacheEntriesMode(Mode):
         if tapped is None:
             with torch.no_grad():
                 tapped = TapResult(*self.importance(call), None)
+        assert call.state.trace is not None  # a prefill's state has its trace
         call.state.trace.relevance_flops += tapped.flops
         return tapped.relevance
 
@@ -118,6 +119,7 @@ class CacheEntriesMode(Mode):
             xi = self._score(call, tapped)
         layer = cache.layers[i]
         kind = self.rewrite(call, layer, xi)
+        assert st.trace is not None  # a prefill's state has its trace
         stat = st.trace.layers[-1]
         st.trace.uncompressed[stat.layer] = stat
         valid = layer.valid

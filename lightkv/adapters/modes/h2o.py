@@ -185,6 +185,9 @@ class H2OMode(CacheEntriesMode):
             return
         probe = self.ctx.probes[call.layer]
         b, q = call.hidden.shape[:2]
+        # a scored layer holds the prompt's entries; every forward's state has new_valid
+        assert layer.valid is not None and layer.keys is not None
+        assert call.state.new_valid is not None
         with torch.no_grad():
             qn, kn = _queries_keys(probe, call)
             acc = torch.promote_types(qn.dtype, torch.float32)
@@ -220,6 +223,7 @@ class H2OMode(CacheEntriesMode):
     def _evict(layer: MaskedCacheLayer) -> None:
         ex = layer.extra
         valid = layer.valid
+        assert valid is not None and layer.origin is not None  # a scored layer has its entries
         keep = (
             h2o_keep(ex["scores"], ex["candidate"] & valid, layer.origin, ex["heavy"], ex["recent"])
             & valid
@@ -239,6 +243,8 @@ def evict(layer: MaskedCacheLayer, keep: torch.Tensor):
         any other per-entry tensor ``[B, L]`` the same way (``fill`` in the new holes).
     """
     valid = layer.valid
+    assert valid is not None and layer.origin is not None  # a filled masked layer
+    assert layer.keys is not None and layer.values is not None
     if bool((keep == valid).all()):
         return None
     index, _ = right_align(keep)

@@ -5,6 +5,8 @@ shorter sequence that every later layer receives (`lightkv.adapters.modes.sequen
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 
 from ...pipeline import Stage
@@ -12,6 +14,9 @@ from .. import features
 from ..masks import drop_padding, gather_position_ids, gather_tokens
 from ..trace import ForwardState, StageRecord
 from .base import SessionContext
+
+if TYPE_CHECKING:
+    from .tower import TowerMode
 
 __all__ = ["compress", "prepare"]
 
@@ -31,13 +36,18 @@ def prepare(
         probe = ctx.probes[i]
         # relevance that reads the vision tower's attention needs the tower mode, which
         # `choose_modes` starts for exactly such stages
-        tower = ctx.modes["tower"].per_token(layout) if stage.relevance.reads_tower else None
+        tower = (
+            cast("TowerMode", ctx.modes["tower"]).per_token(layout)
+            if stage.relevance.reads_tower
+            else None
+        )
         st.pending_relevance, flops = features.relevance(
             probe, stage, hidden, position_embeddings, layout, i, prompt=st.prompt, tower=tower
         )
         st.pending_keys, key_flops = (
             features.stage_keys(probe, hidden) if "keys" in stage.needs else (None, 0.0)
         )
+        assert st.trace is not None  # a prefill's state has its trace
         st.trace.relevance_flops += flops + key_flops
 
 
@@ -48,6 +58,7 @@ def compress(
     the shorter sequence (``st`` gets its layout, provenance and positions)."""
     layout, provenance = st.layout, st.provenance
     relevance, keys = st.pending_relevance, st.pending_keys
+    assert layout is not None and st.trace is not None  # a prefill with vision tokens
     result = drop_padding(stage(hidden, layout, relevance, provenance, keys, st.prompt))
     record = StageRecord(layer=i, stage=stage, result=result, tapped=st.pending_tapped)
     if ctx.record:
@@ -64,6 +75,7 @@ def compress(
 
 def _refresh(ctx: SessionContext, st: ForwardState) -> None:
     """Position embeddings, position ids and (cleared) masks of the current sequence."""
+    assert st.layout is not None and st.trace is not None  # set by compress
     index = st.layout.origin.clamp_min(0)
     if st.full_pos is not None:
         cos, sin = st.full_pos

@@ -66,6 +66,7 @@ class LayerMode(Mode):
                 tapped.keys,
                 True,
             )
+            assert st.trace is not None  # a prefill's state has its trace
             st.trace.relevance_flops += tapped.flops
         elif i in self.taps:  # the projections did not run as the tap expected: project the input
             prepare(

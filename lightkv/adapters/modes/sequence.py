@@ -43,6 +43,7 @@ class SequenceMode(Mode):
     def prefill_pre(self, call: LayerCall) -> None:
         st, i, hidden, kwargs = call.state, call.layer, call.hidden, call.kwargs
         trace = st.trace
+        assert trace is not None and st.new_valid is not None  # a prefill's state has both
         if trace.kv_dtype is None:
             trace.kv_dtype = hidden.dtype
         layout = st.layout
@@ -104,6 +105,7 @@ class SequenceMode(Mode):
         if cache is not None:
             masked = install_masked_layer(cache, i, ctx.token, ctx.adapter.cache_layer_types)
             masked.pending, masked.pending_origin = layout.valid_mask, layout.origin
+            assert st.provenance is not None  # set by the stage that compressed the sequence
             masked.pending_columns = st.provenance.owner.shape[1]  # the original prompt width
             masked.pending_sizes = ctx.proportional.sizes(
                 st.provenance
@@ -131,6 +133,7 @@ class SequenceMode(Mode):
             return
         dev = layer_cache.valid.device
         q = call.hidden.shape[1]
+        assert st.new_valid is not None  # every forward's state has it (the session)
         valid = torch.cat([layer_cache.valid, st.new_valid.to(dev)], dim=1)
         new_origin = (st.past + torch.arange(q, device=dev)).expand(valid.shape[0], q)
         origin = (

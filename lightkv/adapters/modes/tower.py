@@ -42,7 +42,9 @@ class TowerMode(Mode):
 
     def start(self) -> None:
         ctx = self.ctx
-        self.tap = TowerTap.for_stages(ctx.adapter, ctx.stages)
+        tap = TowerTap.for_stages(ctx.adapter, ctx.stages)
+        assert tap is not None, "the tower mode runs where a stage reads the tower (wanted)"
+        self.tap = tap
 
     def install(self) -> list[Any]:
         return self.tap.install()

@@ -59,7 +59,8 @@ def _marker_ok(marker: str) -> bool:
     try:
         from packaging.markers import Marker
     except ImportError:  # a bare venv: pip's own copy
-        from pip._vendor.packaging.markers import Marker
+        # pip's vendored copy of the same class
+        from pip._vendor.packaging.markers import Marker  # type: ignore[assignment]
     return Marker(marker).evaluate({"extra": ""})
 
 
@@ -69,7 +70,8 @@ def requirements(dist: str) -> list[str]:
     try:
         from packaging.requirements import Requirement
     except ImportError:
-        from pip._vendor.packaging.requirements import Requirement
+        # pip's vendored copy of the same class
+        from pip._vendor.packaging.requirements import Requirement  # type: ignore[assignment]
     out = []
     for line in metadata.requires(dist) or []:
         req = Requirement(line)

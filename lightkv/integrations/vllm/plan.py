@@ -247,6 +247,7 @@ class PreLLMPlan:
     def reads_prompt(self) -> bool:
         """Whether the stage reads the question (`QUESTION_READERS`): `select` then needs each
         image's question, and vLLM's cache keys include it."""
+        policies: tuple[object, ...]  # the stage's five policies (the scorer may be None)
         policies = (self.stage.relevance, self.stage.partitioner, self.stage.scorer)
         policies += (self.stage.pruner, self.stage.passer)
         return any(getattr(p, "reads_prompt", False) for p in policies if p is not None)

@@ -19,7 +19,7 @@ from .plan import PIPELINE_KEY
 __all__ = ["install"]
 
 
-def _wrap(cls: type) -> None:
+def _wrap(cls: Any) -> None:  # a vLLM model runner class (vLLM ships no type hints here)
     original = cls.__dict__.get("load_model")
     if original is None or getattr(original, "_lightkv", False):
         return

@@ -78,7 +78,10 @@ def budget_schedule(
             return build(
                 round(
                     ratio_for_target(
-                        lambda p, at=at: kept(p, at), kept_fraction, max_removal_ratio
+                        # mypy cannot infer a lambda with a default (`at` bound per loop step)
+                        lambda p, at=at: kept(p, at),  # type: ignore[misc]
+                        kept_fraction,
+                        max_removal_ratio,
                     ),
                     4,
                 ),

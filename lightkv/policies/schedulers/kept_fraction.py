@@ -89,7 +89,7 @@ class KeptFractionSchedule(Scheduler):
         return params
 
     def to_shorthand(self) -> dict[str, Any]:
-        default = type(self).__dataclass_fields__
+        default: dict[str, Any] = type(self).__dataclass_fields__  # fields with plain defaults
         rel_default = tuple(self.relative_layers) == tuple(default["relative_layers"].default)
         out: dict[str, Any] = {"kept_fraction": float(self.kept_fraction)}
         if not rel_default:
