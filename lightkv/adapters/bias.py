@@ -179,7 +179,9 @@ def _model_kernel(module: nn.Module, impl: str):
             f"{type(module).__name__}'s module has no eager_attention_forward for the channel "
             "route under eager attention; load the model with attn_implementation='sdpa'"
         )
-    return ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager)
+    # the eager fallback is None only when impl is not "eager" (refused above otherwise),
+    # and get_interface then finds impl in the registry
+    return ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager)  # type: ignore[arg-type]
 
 
 def proportional_attention_forward(
@@ -198,7 +200,7 @@ def proportional_attention_forward(
     Raises:
         RuntimeError: called for a module that no `BiasDispatch` armed.
     """
-    view = module.config
+    view: Any = module.config
     if not isinstance(view, BiasView):
         raise RuntimeError(
             f"{DISPATCH_KEY!r} is lightkv's per-call attention route and runs only inside a "
@@ -337,9 +339,10 @@ class BiasDispatch:
     def channel(self, layer: int) -> float:
         """``1 / scale`` of ``layer``'s attention (what the bias column is multiplied by)."""
         attn = self.attention[layer]
+        assert attn is not None, f"layer {layer} has no attention module to carry the bias"
         scaling = getattr(attn, "scaling", None)
         if scaling is None:
-            scaling = attn.head_dim**-0.5
+            scaling = int(getattr(attn, "head_dim")) ** -0.5  # noqa: B009  (a module attribute)
         return 1.0 / float(scaling)
 
     def arm(self, layer: int, route: str, logs: torch.Tensor | None = None) -> None:
@@ -350,14 +353,16 @@ class BiasDispatch:
         """The forward ended (also after an error): nothing stays armed or swapped."""
         self._armed.clear()
         for i in list(self._swapped):
-            self._restore(i, self.attention[i])
+            attn = self.attention[i]
+            assert attn is not None  # only layers with an attention module are swapped
+            self._restore(i, attn)
 
     def _swap(self, layer: int, module: nn.Module, *args: Any) -> None:
         spec = self._armed.pop(layer, None)
         if spec is None:
             return
         self._swapped[layer] = module.config
-        module.config = BiasView(module.config, *spec)
+        module.config = BiasView(module.config, *spec)  # type: ignore[assignment]  # a view
 
     def _restore(self, layer: int, module: nn.Module, *args: Any) -> None:
         if layer in self._swapped:

@@ -251,10 +251,10 @@ class ProportionalAttention:
                 self.dispatch.arm(layer, route)
                 impl = "sdpa"
             return self.adapter.decode_mask(layer, origin, valid, q_len, impl, dtype)
-        new = torch.ones(
-            cache.sizes.shape[0], q_len, dtype=cache.sizes.dtype, device=cache.sizes.device
-        )
-        sizes = torch.cat([cache.sizes, new], dim=1)
+        held = cache.sizes
+        assert held is not None  # biased implies sizes
+        new = torch.ones(held.shape[0], q_len, dtype=held.dtype, device=held.device)
+        sizes = torch.cat([held, new], dim=1)
         if route == "mask":
             mask = self.adapter.decode_mask(layer, origin, valid, q_len, "eager", dtype)
             return add_log_sizes(mask, sizes, self.adapter.family)

@@ -117,6 +117,7 @@ class MaskedCacheLayer(DynamicLayer):
 
     def plain(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(keys, values)`` ``[B, H_kv, L, d]`` without the bias column (`channel`)."""
+        assert self.keys is not None and self.values is not None, "an empty cache layer"
         if self.channel is None:
             return self.keys, self.values
         return self.keys[..., :-1], self.values[..., :-1]
@@ -141,7 +142,7 @@ class MaskedCacheLayer(DynamicLayer):
         if sizes is not None and sizes.shape != valid.shape:
             raise ValueError("sizes and valid disagree on the number of entries")
         self.channel = channel if sizes is not None else None
-        if self.channel is not None:
+        if self.channel is not None and sizes is not None:
             keys = expand_keys(keys, log_sizes(sizes, keys.dtype), self.channel)
             values = expand_values(values)
         self.keys, self.values = keys, values
