@@ -29,10 +29,15 @@ if TYPE_CHECKING:  # the adapters need transformers: imported for the annotation
 __all__ = ["apply", "load", "to_yaml"]
 
 
-def load(name_or_path: str | os.PathLike) -> Pipeline:
+def load(name_or_path: str | os.PathLike, *, kept_fraction: float | None = None) -> Pipeline:
     """A shipped preset by name, or a YAML pipeline file by path, built.
 
     See `lightkv.presets.is_config_path` for how a string is read as a name or a path.
+    ``kept_fraction`` puts the method at a kept vision-KV fraction in ``(0, 1]`` on whatever
+    depth the model has (`lightkv.Pipeline.kept_fraction`, resolved at `apply`; it replaces
+    a file's own ``kept_fraction``): FastV stays after its layer with a larger or smaller
+    ratio, a pre-LLM method keeps ``kept_fraction`` before the LLM, and a target the method
+    cannot reach on the model is a one-line error naming the nearest it can.
 
     Returns:
         The pipeline: its scheduler and stage compositions, ready for `apply` (or for
@@ -45,16 +50,20 @@ def load(name_or_path: str | os.PathLike) -> Pipeline:
         pipe = lightkv.load("lightkv")           # a shipped preset (`lightkv presets` lists them)
         pipe = lightkv.load("configs/mine.yaml")  # a pipeline file
         stage = pipe.stages(num_layers=32)[0]    # the first stage, a pure function of tensors
+        fastv = lightkv.load("fastv", kept_fraction=0.25)  # FastV keeping 25% of the vision KV
         ```
 
     Raises:
         FileNotFoundError: a path that does not exist.
-        ValueError: an unknown preset (the message lists the presets).
+        ValueError: an unknown preset (the message lists the presets), or a
+            ``kept_fraction`` outside ``(0, 1]``.
         lightkv.config.ConfigError: an invalid file.
     """
     if is_config_path(name_or_path):
-        return load_config(name_or_path).build()
-    return get_preset(os.fspath(name_or_path))
+        pipe = load_config(name_or_path).build()
+    else:
+        pipe = get_preset(os.fspath(name_or_path))
+    return pipe if kept_fraction is None else pipe.at_kept_fraction(kept_fraction)
 
 
 def to_yaml(pipeline: Pipeline, path: str | os.PathLike | None = None) -> str:

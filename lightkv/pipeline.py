@@ -28,6 +28,7 @@ from .policies.schedulers import (
     average_kept_fraction,
     place,
 )
+from .policies.schedulers.knob import check_target
 from .policies.scorers import CosineDivergence, EdgeScorer
 from .quirks import ReleasedQuirks
 from .stage import DIVERGENCE_MEMORY_MIB, Stage, StageResult, check_memory
@@ -77,6 +78,15 @@ class Pipeline:
             ``lightkv-paper-released`` presets. `run` is the same either way.
         divergence_memory_mib: the memory budget of every stage's non-bilinear edge
             scorer (`Stage.divergence_memory_mib`); results do not depend on it.
+        kept_fraction: the kept-fraction knob: this method at a vision-KV fraction in
+            ``(0, 1]``, averaged over layers, on whatever depth the model has (None: the
+            schedule as written). Resolved against the depth when the stages are planned
+            (`scheduler_at`, `mode_at`): each scheduler family puts itself at the target
+            (`Scheduler.at_kept_fraction`) keeping where its stages run, within the
+            policies' limits (`max_removal_ratio`); the report's target is this value; a
+            target the method cannot reach there is a one-line
+            `lightkv.policies.KeptFractionOutOfReach` naming the nearest it can. `placement`
+            then moves the fitted stages at that budget.
     """
 
     scheduler: Scheduler | None = field(default_factory=ExplicitSchedule)
@@ -97,8 +107,11 @@ class Pipeline:
     divergence_memory_mib: int = DIVERGENCE_MEMORY_MIB
     placement: str = "planned"
     mode: Mode | None = None
+    kept_fraction: float | None = None
 
     def __post_init__(self) -> None:
+        if self.kept_fraction is not None:
+            self.kept_fraction = check_target(self.kept_fraction)
         if self.placement not in PLACEMENTS:
             raise ValueError(
                 f"unknown placement {self.placement!r}; choose one of {', '.join(PLACEMENTS)}"
@@ -167,18 +180,61 @@ class Pipeline:
         return stages
 
     def plan(self, num_layers: int) -> list[StageSpec]:
-        """The scheduler's stages for a decoder of ``num_layers`` layers, moved to the
-        pipeline's `placement` ([] without a scheduler); the pipeline's own mode is checked
-        against the depth too.
+        """The scheduler's stages for a decoder of ``num_layers`` layers (at `kept_fraction`
+        when set: `scheduler_at`), moved to the pipeline's `placement` ([] without a
+        scheduler); the pipeline's own mode is checked against the depth too.
 
         Raises:
-            ValueError: the schedule or the mode does not fit the model.
+            ValueError: the schedule or the mode does not fit the model, or a
+                `kept_fraction` it cannot reach there (`KeptFractionOutOfReach`).
         """
-        if self.mode is not None:
-            self.mode.check_depth(num_layers)
-        if self.scheduler is None:
+        mode = self.mode_at(num_layers)
+        if mode is not None:
+            mode.check_depth(num_layers)
+        scheduler = self.scheduler_at(num_layers)
+        if scheduler is None:
             return []
-        return place(self.scheduler.plan(num_layers), self.placement, num_layers)
+        return place(scheduler.plan(num_layers), self.placement, num_layers)
+
+    def max_removal_ratio(self, index: int, spec: StageSpec) -> float:
+        """The largest removal ratio stage ``index`` (with spec ``spec``) can really make:
+        the smaller of its partitioner's and its pruner's limits
+        (`lightkv.policies.Partitioner.max_removal_ratio`, `Pruner.max_removal_ratio`;
+        ``stage_overrides`` included). The kept-fraction knob fits ratios within it."""
+        over = self.stage_overrides.get(index, {})
+        partitioner = over.get("partitioner", self.partitioner)
+        pruner = over.get("pruner", self.pruner)
+        return min(partitioner.max_removal_ratio(spec), pruner.max_removal_ratio())  # type: ignore[union-attr]
+
+    def scheduler_at(self, num_layers: int) -> Scheduler | None:
+        """The scheduler the pipeline runs on a ``num_layers`` decoder: `scheduler`, or
+        with `kept_fraction` set, the scheduler put at it
+        (`Scheduler.at_kept_fraction`, within `max_removal_ratio`).
+
+        Raises:
+            lightkv.policies.KeptFractionOutOfReach: a target the schedule cannot reach on
+                this depth (one line naming the nearest reachable fraction).
+        """
+        if self.scheduler is None or self.kept_fraction is None:
+            return self.scheduler
+        return self.scheduler.at_kept_fraction(
+            self.kept_fraction, num_layers, self.max_removal_ratio
+        )
+
+    def mode_at(self, num_layers: int) -> Mode | None:
+        """The pipeline's own mode on a ``num_layers`` decoder: `mode`, or for a pipeline
+        whose mode alone does the work and with `kept_fraction` set, the mode put at it
+        (`lightkv.policies.Mode.at_kept_fraction`; with stages the knob moves them)."""
+        if self.mode is None or self.kept_fraction is None or self.scheduler is not None:
+            return self.mode
+        return self.mode.at_kept_fraction(self.kept_fraction, num_layers)
+
+    def knob(self) -> str:
+        """What `kept_fraction` moves in this pipeline, in a phrase (``lightkv presets
+        -v``, the docs)."""
+        if self.scheduler is not None:
+            return self.scheduler.knob()
+        return self.mode.knob() if self.mode is not None else "nothing"
 
     def modes(self, num_layers: int) -> list[str]:
         """The names of the modes the pipeline runs on a ``num_layers`` decoder: its own
@@ -189,11 +245,18 @@ class Pipeline:
 
     def target_kept_fraction(self, num_layers: int) -> float | None:
         """What the pipeline promises to keep of the vision KV on a ``num_layers`` decoder
-        (averaged over layers): its mode's promise, or its stages' (the scheduler's
+        (averaged over layers): `kept_fraction` when set (None where it cannot be reached),
+        else its mode's promise, or its stages' (the scheduler's
         `Scheduler.target_kept_fraction`; the placed stages' average under a placement).
         None where neither promises, and where both would act (a mode's promise counts its
         own work only, so neither number alone is what the session keeps)."""
         mode = None if self.mode is None else self.mode.target_kept_fraction(num_layers)
+        if self.kept_fraction is not None:  # the knob's target, where the pipeline reaches it
+            try:
+                self.plan(num_layers)
+            except ValueError:
+                return None
+            return None if self.scheduler is not None and mode is not None else self.kept_fraction
         if self.scheduler is None:
             return mode
         if self.placement != "planned":  # the same budget, by construction of `place`
@@ -256,3 +319,20 @@ class Pipeline:
     def with_mode(self, mode: Mode | None) -> Pipeline:
         """A copy with another mode of its own."""
         return replace(self, mode=mode)
+
+    def at_kept_fraction(self, kept_fraction: float | None) -> Pipeline:
+        """A copy at a kept vision-KV fraction on whatever depth the model has (the
+        `kept_fraction` knob; None: the schedule as written).
+
+        Examples:
+            ```python
+            import lightkv
+
+            fastv = lightkv.load("fastv").at_kept_fraction(0.25)
+            print([(s.layer, s.removal_ratio) for s in fastv.plan(32)])  # [(1, 0.8)]
+            ```
+
+        Raises:
+            lightkv.policies.ScheduleError: a value outside ``(0, 1]``.
+        """
+        return replace(self, kept_fraction=kept_fraction)

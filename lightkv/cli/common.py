@@ -75,6 +75,27 @@ def depth(text: str) -> int:
     return n
 
 
+def kept_fraction(text: str) -> float:
+    """Argument type: a kept vision-KV fraction in ``(0, 1]`` (the kept-fraction knob)."""
+    try:
+        t = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0.0 < t <= 1.0:  # NaN too
+        raise argparse.ArgumentTypeError(
+            f"expected a kept fraction in (0, 1] (1 keeps everything), got {text!r}"
+        )
+    return t
+
+
+def at_kept_fraction(cfg, fraction: float | None):
+    """``cfg`` (a `lightkv.config.PipelineConfig`) with its ``kept_fraction`` set to
+    ``fraction`` and validated again (``cfg`` itself when ``fraction`` is None)."""
+    if fraction is None:
+        return cfg
+    return type(cfg).from_dict({**cfg.to_dict(), "kept_fraction": fraction})
+
+
 def at_most(limit: int, cost: str):
     """Argument type: a positive integer no larger than ``limit``; past it the message says
     what one unit costs (``cost``), so a typo such as ``1e9`` is refused before any work."""

@@ -12,8 +12,10 @@ from .common import (
     EXIT_OK,
     PROG,
     Parser,
+    at_kept_fraction,
     depth,
     grid,
+    kept_fraction,
     load_config_or_preset,
     missing_action,
 )
@@ -46,6 +48,10 @@ def add_commands(commands) -> None:
         dest="config_command", metavar="ACTION", title="actions", parser_class=Parser
     )
     target_help = "a preset name (see `lightkv presets`) or a YAML file"
+    knob_help = (
+        "T: the pipeline at this kept vision-KV fraction in (0, 1] on the model's depth "
+        "(sets its kept_fraction; `lightkv presets -v` says what it moves)"
+    )
     depth_help = (
         "decoder depth of the target model: check the schedule against it and show its stages"
     )
@@ -61,6 +67,7 @@ def add_commands(commands) -> None:
     show.add_argument(
         "--format", choices=("yaml", "json"), default="yaml", help="output format (default: yaml)"
     )
+    show.add_argument("--kept-fraction", type=kept_fraction, metavar="T", help=knob_help)
     show.set_defaults(func=_cmd_show)
 
     val = sub.add_parser(
@@ -79,6 +86,7 @@ def add_commands(commands) -> None:
         metavar="HxW",
         help="image grid of the dry run (default: 24x24)",
     )
+    val.add_argument("--kept-fraction", type=kept_fraction, metavar="T", help=knob_help)
     val.set_defaults(func=_cmd_validate)
 
     schema = sub.add_parser(
@@ -104,6 +112,7 @@ def _cmd_presets(args: argparse.Namespace) -> int:
             print(wrap.fill(preset.description))
             if preset.source:
                 print(wrap.fill(f"Source: {preset.source}"))
+            print(wrap.fill(f"kept_fraction moves: {preset.build().knob()}"))
             print()
     return EXIT_OK
 
@@ -115,14 +124,17 @@ def _plan_lines(cfg, num_layers: int, target: str) -> list[str]:
         stages = cfg.validate_for_model(num_layers)
     except ConfigError as e:
         raise e.with_source(target) from None
+    model = f"on a {num_layers}-layer model"
+    if cfg.kept_fraction is not None:
+        model += f" at kept_fraction {cfg.kept_fraction:g}"
     if not stages and cfg.mode is not None:
-        mode = cfg.build().mode
-        kept = mode.target_kept_fraction(num_layers)
+        pipe = cfg.build()
+        kept = pipe.target_kept_fraction(num_layers)
         promise = "" if kept is None else f"; vision KV kept on average over layers: {kept:.1%}"
-        return [f"on a {num_layers}-layer model: no stages; mode {mode!r} does the work{promise}"]
+        return [f"{model}: no stages; mode {pipe.mode_at(num_layers)!r} does the work{promise}"]
     if not stages:
-        return [f"on a {num_layers}-layer model: no stages (nothing is compressed)"]
-    lines = [f"on a {num_layers}-layer model, {len(stages)} stage(s):"]
+        return [f"{model}: no stages (nothing is compressed)"]
+    lines = [f"{model}, {len(stages)} stage(s):"]
     for i, s in enumerate(stages):
         windows = (
             f"windows_per_side {s.windows_per_side}"
@@ -144,7 +156,7 @@ def _plan_lines(cfg, num_layers: int, target: str) -> list[str]:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    cfg = load_config_or_preset(args.target)
+    cfg = at_kept_fraction(load_config_or_preset(args.target), args.kept_fraction)
     plan = _plan_lines(cfg, args.num_layers, args.target) if args.num_layers else []
     if args.format == "json":
         print(json.dumps(cfg.to_dict(), indent=2, ensure_ascii=False))
@@ -200,7 +212,7 @@ def _dry_run(cfg, num_layers: int, grid: tuple[int, int]) -> str:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    cfg = load_config_or_preset(args.target)
+    cfg = at_kept_fraction(load_config_or_preset(args.target), args.kept_fraction)
     depth = args.num_layers or _default_depth(cfg)
     lines = _plan_lines(cfg, depth, args.target)
     if not args.num_layers:

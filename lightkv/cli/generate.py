@@ -18,7 +18,16 @@ import json
 import os
 import sys
 
-from .common import EXIT_OK, UsageError, at_most, depth, load_config_or_preset, require
+from .common import (
+    EXIT_OK,
+    UsageError,
+    at_kept_fraction,
+    at_most,
+    depth,
+    kept_fraction,
+    load_config_or_preset,
+    require,
+)
 
 __all__ = ["add_commands"]
 
@@ -71,6 +80,13 @@ def add_commands(commands) -> None:
         f"its schedule fits the model's depth, else {SHALLOW_PRESET}, which fits any depth)",
     )
     which.add_argument("--config", metavar="FILE", help="a pipeline YAML file")
+    gen.add_argument(
+        "--kept-fraction",
+        type=kept_fraction,
+        metavar="T",
+        help="the pipeline at this kept vision-KV fraction in (0, 1] on the model's depth (its "
+        "kept_fraction; a fraction the method cannot reach there is refused, naming the nearest)",
+    )
     gen.add_argument(
         "--compare", action="store_true", help="also generate without compression and compare"
     )
@@ -138,7 +154,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     else:
         target, why = _default_preset(g.decoder_depth(model_path))
         notes.append(why)
-    cfg = load_config_or_preset(target)
+    cfg = at_kept_fraction(load_config_or_preset(target), args.kept_fraction)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     hub_log = logging.getLogger("huggingface_hub")

@@ -6,10 +6,24 @@ from __future__ import annotations
 from typing import Any, cast
 
 from ..policies import Mode
-from .errors import _fail
+from .errors import ConfigError, _fail
 from .specs import STAGE_FIELDS, PolicySpec, _build, _canonical
 
-__all__ = ["check_no_stages", "mode_without_schedule", "validated", "validated_mode"]
+__all__ = [
+    "KNOB",
+    "check_no_stages",
+    "mode_without_schedule",
+    "planned_stages",
+    "validated",
+    "validated_mode",
+]
+
+KNOB = (
+    "The method at this vision-KV fraction in (0, 1], averaged over layers, on any depth (null: "
+    "the schedule as written); a fraction it cannot reach on a model is an error naming the "
+    "nearest reachable one."
+)
+"""The description of a pipeline file's ``kept_fraction`` (`lightkv.Pipeline.kept_fraction`)."""
 
 
 def validated(family, spec: PolicySpec) -> PolicySpec:
@@ -81,3 +95,30 @@ def check_no_stages(cfg: Any) -> None:
             "remove it, or give a schedule whose stages use it",
             (idle[0],),
         )
+
+
+def planned_stages(cfg: Any, num_layers: int) -> list[Any]:
+    """The stages ``cfg``'s schedule plans on ``num_layers`` layers, before its placement
+    moves them: at ``cfg.kept_fraction`` when set (the built pipeline resolves it); the
+    pipeline's own mode checked against the depth ([] without a schedule).
+
+    Raises:
+        ConfigError: located at ``kept_fraction`` (a target out of reach), ``mode`` or the
+            schedule (stages that do not fit the depth).
+    """
+    knob = cfg.kept_fraction is not None
+    pipe = cfg.build() if knob else None
+    try:
+        mode = pipe.mode_at(num_layers) if pipe else cfg.mode and cfg.mode.built()
+        if mode is not None:
+            mode.check_depth(num_layers)
+    except ValueError as e:
+        raise ConfigError([("kept_fraction" if knob else "mode", str(e))]) from None
+    if cfg.schedule is None:
+        return []
+    try:
+        scheduler = pipe.scheduler_at(num_layers) if pipe else cfg.schedule._scheduler()
+        return scheduler.plan(num_layers)
+    except ValueError as e:
+        loc = "schedule.layers" if cfg.schedule.name == "explicit" else "schedule"
+        raise ConfigError([("kept_fraction" if knob else loc, str(e))]) from None

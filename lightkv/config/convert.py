@@ -58,6 +58,7 @@ def config_from_pipeline(
         "proportional_attention": pipeline.proportional_attention,
         "divergence_memory_mib": pipeline.divergence_memory_mib,
         "released_quirks": dataclasses.asdict(pipeline.released_quirks),
+        "kept_fraction": pipeline.kept_fraction,
     }
     if pipeline.mode is not None:
         data["mode"] = _spec_of(pipeline.mode, "mode")

@@ -23,7 +23,14 @@ from ..pipeline import DIVERGENCE_MEMORY_MIB, Pipeline, Stage
 from ..policies import FAMILIES, Mode, Policy, StageSpec, average_kept_fraction
 from ..policies.schedulers import place
 from ..quirks import ReleasedQuirks
-from .checks import check_no_stages, mode_without_schedule, validated, validated_mode
+from .checks import (
+    KNOB,
+    check_no_stages,
+    mode_without_schedule,
+    planned_stages,
+    validated,
+    validated_mode,
+)
 from .errors import ConfigError, _fail
 from .errors_pydantic import translate_errors
 from .overrides import validated_overrides
@@ -100,6 +107,7 @@ class PipelineConfig(BaseModel):
         "is evaluated in chunks of windows and source rows within it (same result); cosine and L2 "
         "need no chunks.",
     )
+    kept_fraction: float | None = Field(None, gt=0.0, le=1.0, strict=True, description=KNOB)
     released_quirks: ReleasedQuirksConfig = Field(
         default_factory=lambda: ReleasedQuirksConfig(),
         description="What the authors' released code does inside a model that the method does "
@@ -246,6 +254,7 @@ class PipelineConfig(BaseModel):
             proportional_attention=cfg.proportional_attention,
             divergence_memory_mib=cfg.divergence_memory_mib,
             released_quirks=ReleasedQuirks(**cfg.released_quirks.model_dump()),
+            kept_fraction=cfg.kept_fraction,
             **policies,  # type: ignore[arg-type]
         )
 
@@ -263,18 +272,7 @@ class PipelineConfig(BaseModel):
             raise ConfigError(
                 [("num_layers", f"the model depth must be a positive integer, got {num_layers!r}")]
             )
-        try:
-            if self.mode is not None:
-                cast(Mode, self.mode.built()).check_depth(num_layers)  # validated as a Mode
-        except ValueError as e:
-            raise ConfigError([("mode", str(e))]) from None
-        if self.schedule is None:
-            return []
-        try:
-            stages = self.schedule._scheduler().plan(num_layers)
-        except ValueError as e:
-            loc = "schedule.layers" if self.schedule.name == "explicit" else "schedule"
-            raise ConfigError([(loc, str(e))]) from None
+        stages = planned_stages(self, num_layers)  # [] without a schedule
         try:
             stages = place(stages, self.placement, num_layers)
         except ValueError as e:
@@ -339,6 +337,8 @@ class PipelineConfig(BaseModel):
     def _tail(self) -> dict[str, Any]:
         """The model-wide options that differ from their defaults."""
         out: dict[str, Any] = {}
+        if self.kept_fraction is not None:
+            out["kept_fraction"] = self.kept_fraction
         if self.placement != "planned":
             out["placement"] = self.placement
         if self.layout != "native":

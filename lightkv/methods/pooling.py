@@ -45,6 +45,14 @@ class AnchorPartitioner(Partitioner):
     a ``window_size`` larger than an image is fine: its windows are just partial.
     """
 
+    def max_removal_ratio(self, spec) -> float:
+        """All but the anchor of a ``rows x cols`` window: ``1 - 1 / (rows cols)`` (1.0 with
+        ``windows_per_side``, whose windows' sizes depend on the image)."""
+        if spec.window_size is None:
+            return 1.0
+        rows, cols = spec.window_size
+        return 1.0 - 1.0 / (rows * cols)
+
     def partition(self, inputs):
         window = grid_windows(
             inputs.layout, inputs.spec.windows_per_side, inputs.spec.window_size, partial=True
@@ -151,6 +159,10 @@ class StridedPartitioner(Partitioner):
         ):
             raise ValueError(f"stride must be two positive integers (sy, sx), got {self.stride!r}")
         self.stride = stride  # type: ignore[assignment]
+
+    def max_removal_ratio(self, spec) -> float:
+        """All but one token of each ``sy x sx`` block: ``1 - 1 / (sy sx)``."""
+        return 1.0 - 1.0 / (self.stride[0] * self.stride[1])
 
     def partition(self, inputs):
         layout = inputs.layout

@@ -91,6 +91,24 @@ class Mode(Policy):
         over layers), or None when it promises none. Default: None."""
         return None
 
+    def at_kept_fraction(self, kept_fraction: float, num_layers: int) -> Mode:
+        """This mode's settings at a target vision-KV fraction on a ``num_layers`` decoder,
+        for a pipeline whose mode alone does the work (the kept-fraction knob,
+        `lightkv.Pipeline.mode_at`). Default: refused (a mode without a knob).
+
+        Raises:
+            ValueError: this mode has no knob, or cannot reach the target (then a
+                `lightkv.policies.KeptFractionOutOfReach` naming the nearest fraction).
+        """
+        raise ValueError(
+            f"mode {self.name!r} has no kept-fraction knob (it does not override "
+            "Mode.at_kept_fraction): set its own parameters instead"
+        )
+
+    def knob(self) -> str:
+        """What `at_kept_fraction` moves, in a phrase. Default: nothing."""
+        return "nothing: this mode has no kept-fraction knob"
+
     def check_depth(self, num_layers: int) -> None:
         """Raise `ValueError` when the settings do not fit a ``num_layers`` decoder (a
         listed layer beyond it). Default: every depth fits."""

@@ -54,6 +54,14 @@ class Partitioner(Policy):
 
     family: ClassVar[str] = "partitioner"
 
+    def max_removal_ratio(self, spec) -> float:
+        """The largest share of a window's tokens one stage with spec ``spec`` (a
+        `lightkv.policies.StageSpec`) can remove, whatever its removal ratio: only sources
+        (side A) leave. The kept-fraction knob fits ratios within it. Default: a
+        ``split`` other than ``all_src`` sends about half of each window to A (0.5),
+        anything else states no limit (1.0)."""
+        return 0.5 if getattr(self, "split", "all_src") != "all_src" else 1.0
+
     def partition(self, inputs: StageInputs) -> Partition:
         """Assign windows and sides.
 
@@ -297,6 +305,10 @@ class RelevanceSplit(Partitioner):
             raise ValueError(
                 f"sources must be a fraction in [0, 1] or 'ratio', got {self.sources!r}"
             )
+
+    def max_removal_ratio(self, spec) -> float:
+        """``sources`` of each window can leave (``"ratio"``: as many as the ratio asks)."""
+        return 1.0 if self.sources == "ratio" else float(self.sources)
 
     def source_count(self, n: torch.Tensor, ratio: float) -> torch.Tensor:
         """``[K]`` int64 sources per window from the window sizes ``n [K]``."""

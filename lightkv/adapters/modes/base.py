@@ -153,8 +153,9 @@ def choose_modes(ctx: SessionContext) -> list[Mode]:
         ValueError: a stage names a mode that is not registered.
     """
     configured: dict[str, Mode] = {}
-    if ctx.pipeline.mode is not None:
-        configured[ctx.pipeline.mode.name] = ctx.pipeline.mode
+    own = ctx.pipeline.mode_at(ctx.num_layers)  # at the pipeline's kept_fraction, if set
+    if own is not None:
+        configured[own.name] = own
     for name in dict.fromkeys(s.spec.mode for s in ctx.stages):
         if name not in configured:
             configured[name] = Mode.lookup(name)()

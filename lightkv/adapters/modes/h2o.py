@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -21,6 +21,7 @@ from ...graph.layout import TokenKind
 from ...graph.scatter import right_align
 from ...methods.cache_policies import accumulated_attention, accumulated_attention_flops, h2o_keep
 from ...policies.relevance import _match_heads
+from ...policies.schedulers.knob import check_target, out_of_reach
 from ..cache import MaskedCacheLayer
 from ..masks import _batch
 from ..probes import AttentionProbe
@@ -125,6 +126,24 @@ class H2OMode(CacheEntriesMode):
         """Each evicting layer keeps ``min(budget, 1)`` of its candidates, the others all."""
         at = len(_layers(self.layers, num_layers))
         return (at * min(float(self.budget), 1.0) + num_layers - at) / num_layers
+
+    def at_kept_fraction(self, kept_fraction: float, num_layers: int) -> H2OMode:
+        """The budget that keeps ``kept_fraction`` averaged over ``num_layers`` layers:
+        ``kept_fraction`` itself when every layer evicts, more where only some do.
+
+        Raises:
+            KeptFractionOutOfReach: the listed layers cannot evict that much.
+        """
+        t = check_target(kept_fraction)
+        at = len(_layers(self.layers, num_layers))
+        budget = 1.0 - (1.0 - t) * num_layers / at
+        if budget <= 0.0:  # the layers that do not evict keep more than the target
+            how = f"eviction on {at} of its layers (the others keep everything)"
+            raise out_of_reach(t, (num_layers - at) / num_layers, num_layers, how)
+        return replace(self, budget=t if at == num_layers else round(budget, 6))
+
+    def knob(self) -> str:
+        return "its budget: each evicting layer keeps that share of its vision entries"
 
     def counts(self, candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(heavy, recent)`` ``[B]`` int64 from the prompt's candidate counts ``[B]``."""

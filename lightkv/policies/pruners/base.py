@@ -45,6 +45,12 @@ class Pruner(Policy):
     needs_partner: ClassVar[bool] = True
     """Removed tokens are merged into their best B partner, so a window needs B tokens."""
 
+    def max_removal_ratio(self) -> float:
+        """The largest share of a window this pruner removes, whatever the ratio: 0.5 with
+        ``cap == "half"``, else no limit of its own (1.0; the partition's sides bound it,
+        `lightkv.policies.Partitioner.max_removal_ratio`)."""
+        return 0.5 if getattr(self, "cap", "sources") == "half" else 1.0
+
     def key(self, inputs: PruneInputs) -> torch.Tensor:
         """Removal key per A slot: ``[K, a_max]``; the lowest keys are removed first.
         Ties go to the earlier token."""

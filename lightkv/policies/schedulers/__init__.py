@@ -14,16 +14,29 @@ Each scheduler, by name (its class: the stages it plans):
   relative depth (VScan).
 - ``cache`` (`CacheSchedule`): a stage on each listed layer's cached keys and values, after
   prefill.
+
+Each family puts itself at a target kept fraction with `Scheduler.at_kept_fraction` (the
+knob of `lightkv.Pipeline`'s ``kept_fraction``), keeping where its stages run; a target it
+cannot reach is a `KeptFractionOutOfReach` naming the nearest one it can
+(`lightkv.policies.schedulers.knob`).
 """
 
 from .budget import BudgetFit, BudgetSchedule, budget_schedule
 from .cache import CacheSchedule
-from .core import ScheduleError, Scheduler, StageSpec, average_kept_fraction, ratio_for_target
+from .core import (
+    KeptFractionOutOfReach,
+    ScheduleError,
+    Scheduler,
+    StageSpec,
+    average_kept_fraction,
+    ratio_for_target,
+)
 from .explicit import ExplicitSchedule
 from .kept_fraction import KeptFractionSchedule
+from .knob import REACH_TOLERANCE, StageCap, scale_layers
 from .placement import PLACEMENTS, place
 from .pre_llm import PreLLMSchedule
-from .scaled import ScaledSchedule, scale_layers
+from .scaled import ScaledSchedule
 from .two_stage import PreLLMThenLayer
 
 __all__ = [
@@ -31,13 +44,16 @@ __all__ = [
     "BudgetSchedule",
     "CacheSchedule",
     "ExplicitSchedule",
+    "KeptFractionOutOfReach",
     "KeptFractionSchedule",
     "PLACEMENTS",
     "PreLLMSchedule",
     "PreLLMThenLayer",
+    "REACH_TOLERANCE",
     "ScaledSchedule",
     "ScheduleError",
     "Scheduler",
+    "StageCap",
     "StageSpec",
     "average_kept_fraction",
     "place",

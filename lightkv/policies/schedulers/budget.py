@@ -4,7 +4,7 @@ kept-fraction budget."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from ..base import removed_names
@@ -17,6 +17,7 @@ from .core import (
     ratio_for_target,
 )
 from .explicit import ExplicitSchedule
+from .knob import REACH_TOLERANCE, check_target, out_of_reach
 from .scaled import check_reference, reference_layers
 
 __all__ = ["BudgetFit", "BudgetSchedule", "budget_schedule"]
@@ -167,3 +168,32 @@ class BudgetSchedule(Scheduler):
     def plan(self, num_layers):
         self._check_depth(num_layers)
         return self._fitted(num_layers)[0].plan(num_layers)
+
+    def at_kept_fraction(self, kept_fraction, num_layers, max_removal_ratio=1.0):
+        """This schedule with ``kept_fraction`` as its target: its stages placed as `plan`
+        places them (moved earlier, or repeated, where its own cannot reach it), at its own
+        ``max_removal_ratio``.
+
+        Raises:
+            KeptFractionOutOfReach: even its deepest layer set (`fit` ``"min"``) keeps more
+                than ``kept_fraction + REACH_TOLERANCE``.
+        """
+        t = check_target(kept_fraction)
+        self._check_depth(num_layers)
+        out = replace(self, kept_fraction=t)
+        if out.fit(num_layers) == "min":
+            lowest = average_kept_fraction(out.plan(num_layers), num_layers)
+            if lowest > t + REACH_TOLERANCE:
+                how = (
+                    "a stage after every layer but the last (removal ratio at most "
+                    f"{self.max_removal_ratio:g}, its max_removal_ratio)"
+                )
+                raise out_of_reach(t, lowest, num_layers, how)
+        return out
+
+    def knob(self) -> str:
+        return (
+            "its target kept_fraction: its stages (layers "
+            f"{', '.join(str(at) for at in self.layers)} of {self.ref_depth}, scaled) with one "
+            "common ratio, moved earlier or repeated after every layer where they cannot reach it"
+        )

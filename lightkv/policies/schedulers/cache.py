@@ -8,10 +8,11 @@ stage: it is a mode of its own (`lightkv.adapters.modes.h2o.H2OMode`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..base import removed_names
 from .core import ScheduleError, Scheduler, StageSpec, check_fraction, check_windows
+from .knob import REACH_TOLERANCE, check_target, out_of_reach, stage_cap
 
 __all__ = ["CacheSchedule"]
 
@@ -83,3 +84,27 @@ class CacheSchedule(Scheduler):
             ],
             num_layers,
         )
+
+    def at_kept_fraction(self, kept_fraction, num_layers, max_removal_ratio=1.0):
+        """The same cache stages with the removal ratio that keeps ``kept_fraction`` on
+        average: ``1 - kept_fraction`` on every layer, more where only some layers are listed
+        (rounded to 6 decimals).
+
+        Raises:
+            KeptFractionOutOfReach: a ratio beyond the stages' limit by more than
+                `REACH_TOLERANCE` of kept fraction (e.g. too few listed layers).
+        """
+        t = check_target(kept_fraction)
+        stages = self.plan(num_layers)
+        limit = min(stage_cap(max_removal_ratio, i, s) for i, s in enumerate(stages))
+        ratio = (1.0 - t) * num_layers / len(stages)
+        if ratio > limit:
+            lowest = 1.0 - limit * len(stages) / num_layers
+            if lowest > t + REACH_TOLERANCE:
+                how = f"its {len(stages)} cache stage(s) (removal ratio at most {limit:g} each)"
+                raise out_of_reach(t, lowest, num_layers, how)
+            ratio = limit
+        return replace(self, removal_ratio=round(ratio, 6))
+
+    def knob(self) -> str:
+        return "the removal ratio of each compressed layer's cache stage"

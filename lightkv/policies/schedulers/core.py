@@ -12,6 +12,7 @@ from ...graph.windows import check_window_spec
 from ..base import Policy, removed_names
 
 __all__ = [
+    "KeptFractionOutOfReach",
     "ScheduleError",
     "Scheduler",
     "StageSpec",
@@ -35,6 +36,21 @@ class ScheduleError(ValueError):
         super().__init__(message)
         self.param = param
         self.index = index
+
+
+class KeptFractionOutOfReach(ScheduleError):
+    """A kept-fraction target a schedule cannot reach on a model (`Scheduler.at_kept_fraction`).
+
+    Attributes:
+        target: the kept fraction asked for.
+        nearest: the nearest kept fraction the schedule can reach there (the message names
+            it, to three decimals).
+    """
+
+    def __init__(self, message: str, target: float, nearest: float) -> None:
+        super().__init__(message, "kept_fraction")
+        self.target = target
+        self.nearest = nearest
 
 
 MAX_LAYER = 10_000
@@ -168,6 +184,41 @@ class Scheduler(Policy):
             return average_kept_fraction(stages, num_layers) if stages else None
         except ValueError:
             return None
+
+    def at_kept_fraction(
+        self, kept_fraction: float, num_layers: int, max_removal_ratio: Any = 1.0
+    ) -> Scheduler:
+        """This schedule at a target vision-KV fraction on a ``num_layers`` decoder, with its
+        stages where its method puts them (the kept-fraction knob, `lightkv.Pipeline`'s
+        ``kept_fraction``). Each family overrides it; this default refuses.
+
+        Args:
+            kept_fraction: the target, averaged over layers, in ``(0, 1]``.
+            num_layers: the decoder's depth.
+            max_removal_ratio: the most a stage can really remove: a number for every stage,
+                or a function of the stage's index and `StageSpec`
+                (`lightkv.policies.schedulers.knob.StageCap`; a pipeline passes its
+                policies' limits).
+
+        Returns:
+            A scheduler whose ``plan(num_layers)`` keeps ``kept_fraction``, or the nearest
+            fraction it can reach when that is at most
+            `lightkv.policies.schedulers.knob.REACH_TOLERANCE` above.
+
+        Raises:
+            KeptFractionOutOfReach: a target the schedule cannot reach on this depth (the
+                message names the nearest reachable fraction).
+            ScheduleError: a bad target, or a scheduler without a knob (this default).
+        """
+        raise ScheduleError(
+            f"the {self.name or type(self).__name__!r} scheduler has no kept-fraction knob "
+            "(it does not override Scheduler.at_kept_fraction): set its own parameters instead",
+            "kept_fraction",
+        )
+
+    def knob(self) -> str:
+        """What `at_kept_fraction` moves, in a phrase (``lightkv presets -v``, the docs)."""
+        return "nothing: this scheduler has no kept-fraction knob"
 
     @staticmethod
     def _check_depth(num_layers: int) -> None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from ..base import removed_names
 from .core import ScheduleError, Scheduler, StageSpec, check_windows, per_stage
+from .knob import REFERENCE_DEPTH, check_target, fit_common_ratio, scale_layers
 
 __all__ = ["ExplicitSchedule"]
 
@@ -184,3 +185,39 @@ class ExplicitSchedule(Scheduler):
 
     def plan(self, num_layers):
         return self._validate(self.stages(), num_layers)
+
+    def layers_on(self, num_layers: int) -> tuple[int, ...]:
+        """The layers the knob keeps on a ``num_layers`` decoder: as written where they fit;
+        else moved with `scale_layers` from the depth they are written for
+        (`REFERENCE_DEPTH`, or deeper when a layer is beyond it).
+
+        Raises:
+            ValueError: the stages do not fit ``num_layers`` layers even scaled.
+        """
+        layers = tuple(int(at) for at in self.layers)
+        if not layers or layers[-1] < num_layers:
+            return layers
+        return scale_layers(layers, max(REFERENCE_DEPTH, layers[-1] + 2), num_layers)
+
+    def at_kept_fraction(self, kept_fraction, num_layers, max_removal_ratio=1.0):
+        """The same stages (`layers_on`: as written where they fit) with one common removal
+        ratio fitted to ``kept_fraction`` (`fit_common_ratio`); windows kept per stage."""
+        t = check_target(kept_fraction)
+        self._check_depth(num_layers)
+        base = replace(self, layers=self.layers_on(num_layers))
+        stages = base.stages()
+
+        def make(p: float) -> list[StageSpec]:
+            return [replace(s, removal_ratio=p) for s in stages]
+
+        where = ", ".join(str(at) for at in base.layers)
+        how = f"its stages after layers {where}" if where else "no stage"
+        ratio = fit_common_ratio(make, num_layers, t, max_removal_ratio, how)
+        return replace(base, removal_ratios=(ratio,))
+
+    def knob(self) -> str:
+        layers = ", ".join(str(at) for at in self.layers)
+        return (
+            f"one common removal ratio of its stages after layers {layers} (the layers as "
+            f"written where they fit the model, else scaled from {REFERENCE_DEPTH} layers)"
+        )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from ..base import removed_names
@@ -16,6 +16,7 @@ from .core import (
     ratio_for_target,
 )
 from .explicit import _as_list, _nullable, _one_or_list
+from .knob import REACH_TOLERANCE, check_target, out_of_reach
 
 __all__ = ["KeptFractionSchedule"]
 
@@ -151,19 +152,57 @@ class KeptFractionSchedule(Scheduler):
                 "windows_per_side",
             )
 
+    def _base(self, num_layers: int) -> list[int]:
+        """The stages' layers on ``num_layers`` layers, before any move."""
+        return sorted({min(num_layers - 1, round(f * num_layers)) for f in self.relative_layers})
+
+    def _make(self, num_layers: int, p: float, shift: int = 0) -> list[StageSpec]:
+        return [
+            StageSpec(at - shift, p, windows_per_side=w)
+            for at, w in zip(self._base(num_layers), self.windows_per_side)
+        ]
+
+    def lowest_kept_fraction(self, num_layers: int) -> float:
+        """The least this schedule can keep on ``num_layers`` layers: its stages moved to
+        start at layer 0, each at ``max_removal_ratio``."""
+        self._check_depth(num_layers)
+        first = self._base(num_layers)[0]
+        return average_kept_fraction(
+            self._make(num_layers, self.max_removal_ratio, first), num_layers
+        )
+
+    def at_kept_fraction(self, kept_fraction, num_layers, max_removal_ratio=1.0):
+        """This schedule with ``kept_fraction`` as its target (its stages at their relative
+        depths, moved earlier where needed, at its own ``max_removal_ratio``); a target
+        below `lowest_kept_fraction` by at most `REACH_TOLERANCE` runs at that fraction.
+
+        Raises:
+            KeptFractionOutOfReach: a target further below `lowest_kept_fraction`.
+        """
+        t = check_target(kept_fraction)
+        lowest = self.lowest_kept_fraction(num_layers)
+        if lowest > t + REACH_TOLERANCE:
+            how = (
+                "its stages moved to start at layer 0 (removal ratio at most "
+                f"{self.max_removal_ratio:g} each, its max_removal_ratio)"
+            )
+            raise out_of_reach(t, lowest, num_layers, how)
+        return replace(self, kept_fraction=max(t, lowest))
+
+    def knob(self) -> str:
+        return (
+            "its target kept_fraction: one common ratio of its stages at relative depths "
+            f"{', '.join(f'{f:.3g}' for f in self.relative_layers)}, moved earlier where they "
+            "cannot reach it"
+        )
+
     def plan(self, num_layers):
         self._check_depth(num_layers)
         self._check()
-        base = sorted({min(num_layers - 1, round(f * num_layers)) for f in self.relative_layers})
-
-        def make(p: float, shift: int = 0) -> list[StageSpec]:
-            return [
-                StageSpec(at - shift, p, windows_per_side=w)
-                for at, w in zip(base, self.windows_per_side)
-            ]
+        base = self._base(num_layers)
 
         def kept(p: float, shift: int = 0) -> float:
-            return average_kept_fraction(make(p, shift), num_layers)
+            return average_kept_fraction(self._make(num_layers, p, shift), num_layers)
 
         # Too little removal at these depths even at max_removal_ratio: move every stage earlier by
         # the same number of layers (keeping their spacing) until the target is reachable.
@@ -186,4 +225,4 @@ class KeptFractionSchedule(Scheduler):
             ratio_for_target(lambda r: kept(r, shift), self.kept_fraction, self.max_removal_ratio),
             6,
         )
-        return self._validate([] if p == 0 else make(p, shift), num_layers)
+        return self._validate([] if p == 0 else self._make(num_layers, p, shift), num_layers)

@@ -9,10 +9,11 @@ shapes and the ratio, so it can be known before the prompt is scheduled.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..base import removed_names
 from .core import Scheduler, StageSpec, check_fraction, check_windows
+from .knob import REACH_TOLERANCE, check_target, out_of_reach, stage_cap
 
 __all__ = ["PreLLMSchedule"]
 
@@ -51,3 +52,24 @@ class PreLLMSchedule(Scheduler):
             0, float(self.removal_ratio), self.windows_per_side, self.window_size, mode="pre_llm"
         )
         return self._validate([spec], num_layers)
+
+    def at_kept_fraction(self, kept_fraction, num_layers, max_removal_ratio=1.0):
+        """The one stage before the LLM at removal ratio ``1 - kept_fraction``: every layer
+        caches what it keeps (at most its policies' limit).
+
+        Raises:
+            KeptFractionOutOfReach: ``1 - kept_fraction`` beyond that limit by more than
+                `REACH_TOLERANCE`.
+        """
+        t = check_target(kept_fraction)
+        self._check_depth(num_layers)
+        limit = stage_cap(max_removal_ratio, 0, self.plan(num_layers)[0])
+        if 1.0 - t <= limit:
+            return replace(self, removal_ratio=1.0 - t)
+        if 1.0 - limit > t + REACH_TOLERANCE:
+            how = f"its one stage before the LLM (removal ratio at most {limit:g})"
+            raise out_of_reach(t, 1.0 - limit, num_layers, how)
+        return replace(self, removal_ratio=limit)
+
+    def knob(self) -> str:
+        return "the removal ratio of its one stage before the LLM (1 - kept_fraction)"

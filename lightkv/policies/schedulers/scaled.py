@@ -8,35 +8,9 @@ from dataclasses import dataclass
 from ..base import removed_names
 from .core import ScheduleError, Scheduler
 from .explicit import ExplicitSchedule
+from .knob import scale_layers
 
-__all__ = ["ScaledSchedule", "scale_layers"]
-
-
-def scale_layers(layers: Sequence[int], ref_depth: int, depth: int) -> tuple[int, ...]:
-    """Stage layers of a ``ref_depth``-layer schedule moved to a ``depth``-layer decoder.
-
-    A stage after 0-based layer ``l`` leaves ``l + 1`` layers uncompressed by it; that
-    count is scaled by ``depth / ref_depth`` and rounded (at least 1, strictly increasing,
-    the last stage before the last layer), so each level of the KV step keeps about the
-    same share of the layers. 12/18/24 of 32 -> 2/4/5 of 8 (LLaVA), 12/17/22 of 28 ->
-    3/4/6 of 8 (Qwen2.5-VL).
-
-    Raises:
-        ValueError: the scaled stages do not fit ``depth`` layers.
-    """
-    out: list[int] = []
-    for l in layers:
-        kept = max(1, round((l + 1) * depth / ref_depth))
-        if out:
-            kept = max(kept, out[-1] + 2)
-        out.append(kept - 1)
-    if out and out[-1] > depth - 2:
-        raise ValueError(
-            f"schedule {list(layers)} of {ref_depth} layers does not fit {depth} layers: its "
-            f"{len(out)} stage(s) need at least {len(out) + 1} layers (a stage after each of the "
-            "first ones, and a layer after the last)"
-        )
-    return tuple(out)
+__all__ = ["ScaledSchedule"]
 
 
 def reference_layers(layers: Sequence[int], ref_depth: int, num_layers: int) -> tuple[int, ...]:
@@ -129,3 +103,18 @@ class ScaledSchedule(Scheduler):
     def plan(self, num_layers):
         self._check_depth(num_layers)
         return self.explicit(num_layers).plan(num_layers)
+
+    def at_kept_fraction(self, kept_fraction, num_layers, max_removal_ratio=1.0):
+        """Its stages at the model's depth (`explicit`) with one common removal ratio fitted
+        to ``kept_fraction`` (`ExplicitSchedule.at_kept_fraction`)."""
+        self._check_depth(num_layers)
+        return self.explicit(num_layers).at_kept_fraction(
+            kept_fraction, num_layers, max_removal_ratio
+        )
+
+    def knob(self) -> str:
+        layers = ", ".join(str(at) for at in self.layers)
+        return (
+            f"one common removal ratio of its stages after layers {layers} of {self.ref_depth}, "
+            "scaled to the model's depth"
+        )

@@ -3,9 +3,10 @@ decoder layer at a relative depth (VScan's two stages)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .core import ScheduleError, Scheduler, StageSpec, check_fraction
+from .knob import REACH_TOLERANCE, check_target, out_of_reach, stage_cap
 
 __all__ = ["PreLLMThenLayer"]
 
@@ -63,3 +64,49 @@ class PreLLMThenLayer(Scheduler):
             self.later_layer(num_layers), float(self.later_removal_ratio), windows_per_side=1
         )
         return self._validate([first, later], num_layers)
+
+    def share(self, num_layers: int) -> float:
+        """The vision KV the later stage leaves of what stage 0 keeps, averaged over
+        ``num_layers`` layers: ``((l + 1) + (L - l - 1) k1) / L``."""
+        later = self.later_layer(num_layers)
+        k1 = 1.0 - float(self.later_removal_ratio)
+        return (later + 1 + (num_layers - later - 1) * k1) / num_layers
+
+    def at_kept_fraction(self, kept_fraction, num_layers, max_removal_ratio=1.0):
+        """Both stages where they are; the later stage keeps its ratio, and stage 0 (before
+        the LLM) keeps ``kept_fraction / share`` (`share`).
+
+        Raises:
+            KeptFractionOutOfReach: a target above `share` (stage 0 removing nothing) or
+                below what stage 0 at its policies' limit keeps, by more than
+                `REACH_TOLERANCE`.
+        """
+        t = check_target(kept_fraction)
+        self._check_depth(num_layers)
+        share = self.share(num_layers)
+        limit = stage_cap(max_removal_ratio, 0, self.plan(num_layers)[0])
+        kept = t / share
+        if kept > 1.0:
+            if t - share > REACH_TOLERANCE:
+                how = (
+                    f"its later stage after layer {self.later_layer(num_layers)} at removal "
+                    f"ratio {float(self.later_removal_ratio):.3g} (the first removing nothing)"
+                )
+                raise out_of_reach(t, share, num_layers, how)
+            kept = 1.0
+        elif 1.0 - kept > limit:
+            lowest = (1.0 - limit) * share
+            if lowest > t + REACH_TOLERANCE:
+                how = (
+                    f"its first stage (removal ratio at most {limit:g}) and its later stage at "
+                    f"{float(self.later_removal_ratio):.3g}"
+                )
+                raise out_of_reach(t, lowest, num_layers, how)
+            kept = 1.0 - limit
+        return replace(self, removal_ratio=round(1.0 - kept, 6))
+
+    def knob(self) -> str:
+        return (
+            "the removal ratio of its first stage (before the LLM); the later stage keeps its "
+            f"depth {float(self.depth):g} and ratio {float(self.later_removal_ratio):.3g}"
+        )
