@@ -26,8 +26,9 @@ from pathlib import Path
 from lightkv.outputs import write_atomic
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# name: a preset, or (preset, kept-fraction target) scaled the way `lightkv bench quality`
-# scales it (`lightkv_lab.bench.quality.method_pipeline`), given to lmms-eval as a YAML config
+# name: a preset, or (preset, kept-fraction target) put there the way `lightkv bench quality`
+# puts it (the library's knob, `lightkv_lab.bench.budgets.knob_pipeline`), given to lmms-eval
+# as a YAML config
 METHODS = {
     "uncompressed": None,
     "lightkv-budget": "lightkv-budget",
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
 
-    from lightkv_lab.bench.quality import method_pipeline
+    from lightkv_lab.bench.budgets import knob_pipeline
     from lightkv_lab.digitgrid_task import (
         TASK_NAME,
         lmms_eval_command,
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         task_dir = write_task(tmp / "task", episodes, grid)
         for name, preset in METHODS.items():
             if isinstance(preset, tuple):
-                pipe, _ = method_pipeline(
+                pipe, _ = knob_pipeline(
                     preset[0], model.config.text_config.num_hidden_layers, preset[1]
                 )
                 config = tmp / f"{preset[0]}-{preset[1]}.yaml"

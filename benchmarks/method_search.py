@@ -10,7 +10,7 @@ search can be stopped and resumed and every try is on record
 
 A configuration is a preset name plus YAML overrides (``pruner``, ``passer``,
 ``relevance`` ...) put at a kept fraction by the benchmarks' rule
-(`lightkv_lab.bench.budgets.method_pipeline`).
+(`lightkv_lab.bench.budgets.knob_pipeline`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from lightkv_lab.bench.budgets import method_pipeline
+from lightkv_lab.bench.budgets import knob_pipeline
 from lightkv_lab.tasks import model as dg
 from lightkv_lab.tasks import scoring as sc
 
@@ -140,7 +140,7 @@ GRIDS = {
 def build(cfg: dict, num_layers: int, target: float):
     from lightkv.policies import EdgeScorer
 
-    pipe, how = method_pipeline(cfg["preset"], num_layers, target)
+    pipe, how = knob_pipeline(cfg["preset"], num_layers, target)
     swaps = {}
     for family, cls in FAMILIES.items():
         if family in cfg:

@@ -37,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-from lightkv_lab.bench.budgets import method_pipeline
+from lightkv_lab.bench.budgets import knob_pipeline
 from lightkv_lab.tasks.model import BUNDLED_MODELS, load
 from lightkv_lab.tasks.scenes import data as scenes
 
@@ -169,7 +169,7 @@ def main(argv=None) -> int:
     pipes = {"uncompressed": None}
     hows = {}
     for name in args.methods:
-        pipes[name], hows[name] = method_pipeline(name, depth, args.kept_fraction)
+        pipes[name], hows[name] = knob_pipeline(name, depth, args.kept_fraction)
     results = {}
     for name, pipe in pipes.items():
         rows = []

@@ -1,7 +1,8 @@
 """Fingerprint every preset: survivors (provenance), report and logits, to compare two trees.
 
 Every shipped preset, fitted to a 50% (tiny models) or 40% (bundled models) kept fraction by
-`lightkv_lab.bench.budgets.method_pipeline`, runs greedy generation (3 tokens) on the tiny
+`lightkv_lab.bench.budgets.knob_pipeline` (the library's knob; ``method_pipeline`` before
+it), runs greedy generation (3 tokens) on the tiny
 random LLaVA, LLaVA-NeXT and Qwen2.5-VL models of `lightkv.testing` and on the three bundled
 models (a held-out image and question each); a preset a model cannot take records its error.
 Used to check that a refactoring changes no behaviour (issue 37: the laboratory's move,
@@ -25,16 +26,18 @@ torch.set_num_threads(1)
 
 def lab():
     try:
-        from lightkv_lab.bench.budgets import method_pipeline
+        from lightkv_lab.bench import budgets
         from lightkv_lab.tasks import evaluate
         from lightkv_lab.tasks.digitgrid.images import to_pil
         from lightkv_lab.tasks.model import BUNDLED_MODELS, read_grid_config
     except ImportError:
-        from lightkv.bench.budgets import method_pipeline
+        from lightkv.bench import budgets
         from lightkv.tasks import evaluate
         from lightkv.tasks.digitgrid.images import to_pil
         from lightkv.tasks.model import BUNDLED_MODELS, read_grid_config
-    return method_pipeline, evaluate, to_pil, BUNDLED_MODELS, read_grid_config
+    # trees before the library's kept-fraction knob (issue 52) had the laboratory's own copy
+    knob_pipeline = getattr(budgets, "knob_pipeline", None) or budgets.method_pipeline
+    return knob_pipeline, evaluate, to_pil, BUNDLED_MODELS, read_grid_config
 
 
 def run(pipe, model, batch, options):
@@ -64,7 +67,7 @@ def record(path):
     from lightkv.presets import PRESETS
 
     print("lightkv from", lightkv.__file__, file=sys.stderr)
-    method_pipeline, evaluate, to_pil, BUNDLED, read_grid = lab()
+    knob_pipeline, evaluate, to_pil, BUNDLED, read_grid = lab()
     res = {}
     for fam_name in ("llava", "llava_next", "qwen2_5_vl"):
         fam = TINY_MODELS[fam_name]
@@ -74,7 +77,7 @@ def record(path):
         res[(fam_name, None)] = run(None, model, batch, fam.adapter_options)
         for name in sorted(PRESETS):
             try:
-                pipe = method_pipeline(name, layers, 0.5)[0]
+                pipe = knob_pipeline(name, layers, 0.5)[0]
                 res[(fam_name, name)] = run(pipe, model, batch, fam.adapter_options)
             except Exception as e:  # noqa: BLE001
                 res[(fam_name, name)] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
@@ -90,7 +93,7 @@ def record(path):
         res[(bundled, None)] = run(None, model, dict(inputs), {})
         for name in sorted(PRESETS):
             try:
-                pipe = method_pipeline(name, layers, 0.4)[0]
+                pipe = knob_pipeline(name, layers, 0.4)[0]
                 res[(bundled, name)] = run(pipe, model, dict(inputs), {})
             except Exception as e:  # noqa: BLE001
                 res[(bundled, name)] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}

@@ -229,6 +229,24 @@ class Pipeline:
             return self.mode
         return self.mode.at_kept_fraction(self.kept_fraction, num_layers)
 
+    def resolved(self, num_layers: int) -> Pipeline:
+        """A copy for a ``num_layers`` decoder with the knob resolved: its scheduler and mode
+        as `scheduler_at` and `mode_at` give them, and no `kept_fraction` (itself without
+        one). What it plans is what this pipeline plans there; its promise
+        (`target_kept_fraction`) is then its stages' own.
+
+        Raises:
+            lightkv.policies.KeptFractionOutOfReach: as `scheduler_at`.
+        """
+        if self.kept_fraction is None:
+            return self
+        return replace(
+            self,
+            scheduler=self.scheduler_at(num_layers),
+            mode=self.mode_at(num_layers),
+            kept_fraction=None,
+        )
+
     def knob(self) -> str:
         """What `kept_fraction` moves in this pipeline, in a phrase (``lightkv presets
         -v``, the docs)."""

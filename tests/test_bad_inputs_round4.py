@@ -62,35 +62,40 @@ def test_the_range_is_one_function():
 
 # ---------------------------------------------------------------------------- item 4: tracebacks
 def test_a_kept_fraction_preset_goes_to_a_budget():
-    """``bench efficiency --presets lightkv-budget --kept-fractions 0.5`` was a TypeError."""
-    from lightkv_lab.bench.budgets import method_pipeline
+    """``bench efficiency --presets lightkv-budget --kept-fractions 0.5`` was a TypeError; the
+    library's knob sets its target (issue 52: LightKV's own layers cannot go below 0.56 on
+    12 layers, so the budget preset is the one that moves its stages there)."""
+    from lightkv_lab.bench.budgets import knob_pipeline
 
-    from lightkv.policies import average_kept_fraction
+    from lightkv.policies import KeptFractionSchedule, average_kept_fraction
 
-    for target in (
-        0.55,
-        0.3,
-        0.11,
-    ):  # placed as lightkv is (0.11 is below both: "min", the benchmark says so)
-        pipe, how = method_pipeline("lightkv-budget", 12, target)
-        light, light_how = method_pipeline("lightkv", 12, target)
-        kept = average_kept_fraction(pipe.scheduler.plan(12), 12)
-        assert how == light_how and kept == pytest.approx(
-            average_kept_fraction(light.scheduler.plan(12), 12), abs=0.02
-        )
-        assert kept == pytest.approx(target, abs=0.02) or how == "min"
+    for target in (0.55, 0.4):
+        pipe, how = knob_pipeline("lightkv-budget", 12, target)
+        assert pipe.scheduler == KeptFractionSchedule(kept_fraction=target) and how == "scaled"
+        assert average_kept_fraction(pipe.plan(12), 12) == pytest.approx(target, abs=1e-4)
+    pipe, how = knob_pipeline("lightkv-budget", 12, 0.11)  # below its reach: at the nearest
+    lowest = KeptFractionSchedule().lowest_kept_fraction(12)
+    assert how == "nearest" and pipe.scheduler.kept_fraction == pytest.approx(lowest)
+    light, light_how = knob_pipeline("lightkv", 12, 0.3)  # LightKV's layers, scaled from 32
+    assert light_how == "nearest" and [s.layer for s in light.plan(12)] == [4, 6, 8]
+    # at its limit (half of each window): layers 0-4 keep all, 5-6 1/2, 7-8 1/4, 9-11 1/8
+    assert average_kept_fraction(light.plan(12), 12) == pytest.approx(6.875 / 12, abs=1e-4)
 
 
-def test_a_schedule_that_cannot_take_a_budget_is_a_value_error_naming_the_preset(monkeypatch):
+def test_a_schedule_that_cannot_take_a_budget_is_a_value_error_naming_the_preset():
     from lightkv_lab.bench import budgets
 
-    import lightkv.presets as presets
-    from lightkv.policies import ScaledSchedule
+    import lightkv
+    from lightkv.policies import Scheduler, StageSpec
 
-    odd = presets.get_preset("lightkv").with_scheduler(ScaledSchedule())
-    monkeypatch.setattr(presets, "get_preset", lambda name: odd)
-    with pytest.raises(ValueError, match="preset 'odd' .*cannot be put at a kept fraction"):
-        budgets.method_pipeline("odd", 12, 0.5)
+    class Fixed(Scheduler):  # a plugin scheduler without the kept-fraction knob
+        def plan(self, num_layers):
+            return [StageSpec(0, 0.5, windows_per_side=1)]
+
+    odd = lightkv.load("lightkv").with_scheduler(Fixed())
+    odd.name = "odd"
+    with pytest.raises(ValueError, match="preset 'odd' cannot be put at a kept fraction: .*knob"):
+        budgets.knob_pipeline(odd, 12, 0.5)
 
 
 def test_the_ablation_table_of_a_short_run_that_missed_question_types():

@@ -197,7 +197,8 @@ def test_cache_mode_presets_in_both_benchmarks():
     """ElasticCache and H2O: KV bytes cut, prefill FLOPs not (the importance scores add some), and
     in the quality benchmark at the target's kept vision KV; the first answer token comes from
     the uncompressed prefill."""
-    from lightkv_lab.bench.quality import AccuracyConfig, method_pipeline, run
+    from lightkv_lab.bench.budgets import knob_pipeline
+    from lightkv_lab.bench.quality import AccuracyConfig, run
 
     from lightkv.adapters.modes.h2o import H2OMode
     from lightkv.policies import CacheSchedule
@@ -220,9 +221,9 @@ def test_cache_mode_presets_in_both_benchmarks():
         assert rec["ratios"]["kv_bytes_vision"] == pytest.approx(0.5)
         assert rec["ratios"]["flops"] >= 1.0  # the prefill runs uncompressed
         assert rec["kept_vision_fraction_reference_depth"] == pytest.approx(0.5)
-    pipe, how = method_pipeline("elasticcache", 8, 0.4)
+    pipe, how = knob_pipeline("elasticcache", 8, 0.4)
     assert pipe.scheduler == CacheSchedule(removal_ratio=0.6) and how == "cache"
-    pipe, how = method_pipeline("h2o", 8, 0.4)
+    pipe, how = knob_pipeline("h2o", 8, 0.4)
     assert pipe.scheduler is None and pipe.mode == H2OMode(budget=0.4) and how == "cache"
     res = run(
         AccuracyConfig(

@@ -7,7 +7,7 @@ import json
 
 import pytest
 from lightkv_lab.bench import ablation as ab
-from lightkv_lab.bench.quality import method_pipeline
+from lightkv_lab.bench.budgets import knob_pipeline
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def result():
 
 @pytest.mark.parametrize("name", list(ab.VARIANTS))
 def test_a_variant_swaps_only_its_parts(name):
-    ref, how = method_pipeline("lightkv", 8, 0.55)
+    ref, how = knob_pipeline("lightkv", 8, 0.55)
     var, vhow = ab.variant_pipeline(name, 8, 0.55)
     assert vhow == how and var.scheduler == ref.scheduler  # same budget, same stages
     for family in (

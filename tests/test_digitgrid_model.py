@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("sklearn")
 
-from lightkv_lab.bench.quality import method_pipeline
+from lightkv_lab.bench.budgets import knob_pipeline
 from lightkv_lab.tasks import evaluate as ev
 from lightkv_lab.tasks import model as dg
 
@@ -76,7 +76,7 @@ def test_uncompressed_accuracy_floor(bundled, episodes):
 
 def test_lightkv_at_55_percent_keeps_answering(bundled, episodes):
     model, _, grid = bundled
-    pipe, how = method_pipeline("lightkv", model.config.text_config.num_hidden_layers, 0.55)
+    pipe, how = knob_pipeline("lightkv", model.config.text_config.num_hidden_layers, 0.55)
     assert how == "scaled" and pipe.scheduler.removal_ratios == (
         0.5,
     )  # LightKV's own ratio at its scaled layers

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightkv_lab.bench.quality import first_stage_layer, method_pipeline
+from lightkv_lab.bench.budgets import knob_pipeline
+from lightkv_lab.bench.quality import first_stage_layer
 from lightkv_lab.tasks import evaluate as ev
 from lightkv_lab.tasks import model as dg
 from lightkv_lab.tasks import scoring as sc
@@ -78,7 +79,7 @@ def test_uncompressed_accuracy_floor(base):
 
 def test_lightkv_at_55_percent_answers_as_before(bundled, convs, base):
     model, _, grid = bundled
-    pipe, _ = method_pipeline("lightkv", _layers(bundled), 0.55)
+    pipe, _ = knob_pipeline("lightkv", _layers(bundled), 0.55)
     res = sc.score(model, convs, grid, pipe, batch=60)
     assert 0.5 <= res.kept_fraction <= 0.6
     assert _overall(res) >= LIGHTKV_KEEPS * _overall(base), (res.accuracy(), base.accuracy())
@@ -87,7 +88,7 @@ def test_lightkv_at_55_percent_answers_as_before(bundled, convs, base):
 def test_random_merging_at_25_percent_loses_detail_answers(bundled, convs, base):
     """The other direction: a method that should lose does."""
     model, _, grid = bundled
-    pipe, _ = method_pipeline("random", _layers(bundled), 0.25)
+    pipe, _ = knob_pipeline("random", _layers(bundled), 0.25)
     res = sc.score(model, convs, grid, pipe, batch=60)
     detail = [q in ("count", "exists", "read") for q in base.qtypes]
     sel = torch.tensor(detail)
@@ -96,10 +97,13 @@ def test_random_merging_at_25_percent_loses_detail_answers(bundled, convs, base)
 
 
 def test_methods_separate_at_11_percent(bundled, convs):
+    # On 12 layers LightKV and ToMe cannot go below 0.57 at their own layers, FastV below 0.18
+    # after its layer 1 and random below 0.42: each runs at the nearest fraction it can reach
+    # (the kept-fraction knob, issue 52), where they still separate
     model, _, grid = bundled
     acc = {}
     for m in ("lightkv", "tome", "fastv", "random"):
-        pipe, _ = method_pipeline(m, _layers(bundled), 0.11)
+        pipe, _ = knob_pipeline(m, _layers(bundled), 0.11)
         acc[m] = _overall(sc.score(model, convs, grid, pipe, batch=60))
     assert max(acc.values()) - min(acc.values()) >= SPREAD, acc
 

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 pytest.importorskip("sklearn")
 
-from lightkv_lab.bench.quality import ablation_pipeline, method_pipeline
+from lightkv_lab.bench.budgets import knob_pipeline
+from lightkv_lab.bench.quality import ablation_pipeline
 from lightkv_lab.tasks import evaluate as ev
 from lightkv_lab.tasks import model as dg
 from lightkv_lab.tasks import scoring as sc
@@ -58,7 +59,7 @@ def test_identity_scores_equal_the_unhooked_model_exactly(digitgrid, convs, unco
 def test_forced_exact_match_equals_greedy_generation(digitgrid, convs, uncompressed):
     model, _, grid = digitgrid
     firsts = [c.first for c in convs]
-    for pipe in (None, method_pipeline("random", 6, 0.25)[0]):
+    for pipe in (None, knob_pipeline("random", 6, 0.25)[0]):
         gen = ev.evaluate(model, firsts, grid, pipe, batch=12)
         forced = uncompressed if pipe is None else sc.score(model, convs, grid, pipe, batch=12)
         greedy_right = torch.tensor([a == e.answer for a, e in zip(gen.answers, firsts)])
@@ -79,7 +80,7 @@ def test_followups_are_about_another_region(convs):
 
 def test_compression_costs_probability_and_kl_is_positive(digitgrid, convs, uncompressed):
     model, _, grid = digitgrid
-    pipe, _ = method_pipeline("random", 6, 0.25)
+    pipe, _ = knob_pipeline("random", 6, 0.25)
     res = sc.score(model, convs, grid, pipe, batch=12)
     k = sc.kl(uncompressed, res)
     assert bool((k >= 0).all()) and float(k.mean()) > 0
@@ -88,7 +89,7 @@ def test_compression_costs_probability_and_kl_is_positive(digitgrid, convs, unco
 
 def test_ablations_swap_one_part():
     pipe, _ = ablation_pipeline("random merge", 6)
-    base, _ = method_pipeline("lightkv", 6, 0.55)
+    base, _ = knob_pipeline("lightkv", 6, 0.55)
     assert type(pipe.scorer).__name__ == "RandomDivergence"
     assert (pipe.partitioner, pipe.pruner, pipe.passer, pipe.relevance, pipe.scheduler) == (
         base.partitioner,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightkv_lab.bench.quality import method_pipeline
+from lightkv_lab.bench.budgets import knob_pipeline
 from lightkv_lab.tasks import evaluate as ev
 from lightkv_lab.tasks import model as dg
 from lightkv_lab.tasks import scoring as sc
@@ -63,7 +63,7 @@ def test_uncompressed_accuracy_floor(bundled, episodes):
 
 def test_lightkv_at_55_percent_keeps_answering(bundled, episodes):
     model, _, grid = bundled
-    pipe, _ = method_pipeline("lightkv", model.config.text_config.num_hidden_layers, 0.55)
+    pipe, _ = knob_pipeline("lightkv", model.config.text_config.num_hidden_layers, 0.55)
     res = ev.evaluate(model, episodes, grid, pipe, batch=48)
     assert 0.5 <= res.kept_fraction <= 0.6
     assert res.kv_bytes_vision < 0.62 * res.kv_bytes_vision_baseline
@@ -77,7 +77,7 @@ def test_random_merging_at_40_percent_loses_detail_answers(bundled):
         :40
     ]
     base = ev.evaluate(model, eps, grid, None, batch=64)
-    pipe, _ = method_pipeline("random", model.config.text_config.num_hidden_layers, 0.40)
+    pipe, _ = knob_pipeline("random", model.config.text_config.num_hidden_layers, 0.40)
     res = ev.evaluate(model, eps, grid, pipe, batch=64)
     assert 0.35 <= res.kept_fraction <= 0.45
     losses = {q: base.accuracy[q] - res.accuracy[q] for q in base.accuracy}

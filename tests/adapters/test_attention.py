@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from lightkv_lab.bench.budgets import method_pipeline
+from lightkv_lab.bench.budgets import knob_pipeline
 from lightkv_lab.tiny import TINY_MODELS
 
 from lightkv.adapters import apply
@@ -40,7 +40,7 @@ def _deep_llava():
 
 def _pipeline(name: str):
     try:
-        return method_pipeline(name, DEPTH, 0.5)[0]
+        return knob_pipeline(name, DEPTH, 0.5)[0]
     except TypeError:  # a budget schedule (lightkv-budget): the preset as it is
         return get_preset(name)
 
@@ -78,7 +78,7 @@ def test_every_mode_keeps_sdpa_in_every_family(family, mode):
     pipe = (
         tiny_lightkv()
         if mode == "hidden"
-        else method_pipeline(
+        else knob_pipeline(
             {"pre_llm": "divprune", "cache": "elasticcache", "h2o": "h2o"}[mode], 4, 0.5
         )[0]
     )

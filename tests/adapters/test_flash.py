@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from lightkv_lab.bench.budgets import method_pipeline
+from lightkv_lab.bench.budgets import knob_pipeline
 from lightkv_lab.tiny import TINY_MODELS
 
 from lightkv import Pipeline
@@ -77,13 +77,13 @@ def _deep_llava(dtype=torch.float32):
 
 def _preset(name: str, depth: int):
     try:
-        return method_pipeline(name, depth, 0.5)[0]
+        return knob_pipeline(name, depth, 0.5)[0]
     except TypeError:  # a budget schedule (lightkv-budget): the preset as it is
         return get_preset(name)
 
 
 def _mode_pipeline(mode: str) -> Pipeline:
-    return tiny_lightkv() if MODES[mode] is None else method_pipeline(MODES[mode], 4, 0.5)[0]
+    return tiny_lightkv() if MODES[mode] is None else knob_pipeline(MODES[mode], 4, 0.5)[0]
 
 
 def _run(model, fam, pipe, batch):

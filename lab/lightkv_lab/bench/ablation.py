@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from lightkv.outputs import write_atomic
-from lightkv_lab.bench.quality import RESULTS, AccuracyConfig, _row, method_pipeline
+from lightkv_lab.bench.budgets import knob_pipeline
+from lightkv_lab.bench.quality import RESULTS, AccuracyConfig, _row
 
 __all__ = [
     "BASELINES",
@@ -89,7 +90,7 @@ def variant_pipeline(name: str, num_layers: int, target: float):
 
     if name not in VARIANTS:
         raise ValueError(f"unknown variant {name!r}; choose from: {', '.join(VARIANTS)}")
-    pipe, how = method_pipeline("lightkv", num_layers, target)
+    pipe, how = knob_pipeline("lightkv", num_layers, target)
     swaps = {
         key: FAMILIES[key].create(*value[:1], **value[1]) if key in FAMILIES else value
         for key, value in VARIANTS[name].items()
@@ -120,7 +121,7 @@ def run(config: AblationConfig = AblationConfig(), progress: bool = True) -> dic
         base = sc.score(model, convs, grid, None, batch=config.batch)
         rows = []
         for target in config.targets:
-            runs = [(m, *method_pipeline(m, layers, target)) for m in config.baselines]
+            runs = [(m, *knob_pipeline(m, layers, target)) for m in config.baselines]
             runs += [
                 (f"lightkv ({v})", *variant_pipeline(v, layers, target)) for v in config.variants
             ]

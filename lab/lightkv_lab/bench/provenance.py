@@ -42,7 +42,7 @@ def provenance_picture(
 
     from lightkv.adapters import apply
     from lightkv.graph.layout import TokenKind
-    from lightkv_lab.bench.quality import method_pipeline
+    from lightkv_lab.bench.budgets import knob_pipeline
     from lightkv_lab.tasks import evaluate as ev
     from lightkv_lab.tasks import model as dg
 
@@ -99,7 +99,7 @@ def provenance_picture(
     outline(axes[0], patch)
     num_layers = model.config.text_config.num_hidden_layers
     for i, name in enumerate(methods):
-        pipe, _ = method_pipeline(name, num_layers, target)
+        pipe, _ = knob_pipeline(name, num_layers, target)
         with apply(pipe, model, record=True) as session:
             got = ev.answer(model, [ep], grid)[0]
             trace = session.last_prefill

@@ -4,14 +4,14 @@ The model is a bundled model (`lightkv_lab.tasks.model.BUNDLED_MODELS`: Scenes, 
 line's default, with natural-image token statistics; DigitGrid, answers in one 4x4-token
 cell; SymbolGrid, answers in single vision tokens) or any model directory the trainer
 writes. Each
-method (preset) runs at several kept-fraction targets; its schedule is first scaled from the
-reference 32-layer depth to the model's (`lightkv.policies.scale_layers`), then one
-common per-stage ratio is chosen so that the vision KV kept on average over layers hits the
-target (`lightkv.policies.budget_schedule`, the `budget` scheduler). Where a method cannot
-remove that much (a merge stage with a parity split removes at most half of its window; 2x2
-pooling at most three quarters), its stages move earlier, then it gets a stage after every
-layer (``how: "extra stages"``), and if even that is not enough it runs at its smallest
-reachable fraction (``how: "min"``). 100% is the uncompressed model, shared by all methods.
+method (preset) runs at several kept-fraction targets, put there by the library's knob
+(``lightkv.load(name, kept_fraction=t)``, `lightkv_lab.bench.budgets.knob_pipeline`): its
+stages stay where the method runs them (before the LLM, after its own layers, scaled from
+32 on a shallower decoder, or on each layer's cache) and their ratios move. Where a method
+cannot remove that much there (a merge stage with a parity split removes at most half of its
+window; 2x2 pooling at most three quarters; FastV's first two layers keep everything), it runs
+at the nearest fraction it can reach (``how: "nearest"``). 100% is the uncompressed model,
+shared by all methods.
 
 Every method sees the same held-out conversations in the same batches (a first question,
 then a follow-up about another region answered from the cache compressed for the first), scored
@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from lightkv_lab.bench.budgets import MAX_RATIO, REF_DEPTH, method_pipeline  # noqa: F401  (re-exported: the quality benchmark's names)
+from lightkv_lab.bench.budgets import knob_pipeline
 from lightkv_lab.bench.paths import results_dir
 
 __all__ = [
@@ -58,7 +58,6 @@ __all__ = [
     "TARGETS",
     "AccuracyConfig",
     "ablation_pipeline",
-    "method_pipeline",
     "run",
 ]
 
@@ -138,7 +137,7 @@ def ablation_pipeline(name: str, num_layers: int, target: float = ABLATION_TARGE
     from lightkv.policies import EdgeScorer, Relevance
 
     families = {"scorer": EdgeScorer, "relevance": Relevance}
-    pipe, how = method_pipeline("lightkv", num_layers, target)
+    pipe, how = knob_pipeline("lightkv", num_layers, target)
     swaps = {
         family: families[family].create(policy, **params)
         for family, (policy, params) in ABLATIONS[name].items()
@@ -173,7 +172,7 @@ def run(config: AccuracyConfig = AccuracyConfig(), progress: bool = True) -> dic
             if target >= 1.0:
                 runs.append((name, 1.0, "scaled", None, base))
                 continue
-            pipe, how = method_pipeline(name, num_layers, target)
+            pipe, how = knob_pipeline(name, num_layers, target)
             res = sc.score(model, convs, grid, pipe, batch=config.batch)
             # a pipeline of a mode alone (h2o) records the mode and its settings instead
             runs.append((name, target, how, pipe.scheduler or pipe.mode, res))
@@ -259,14 +258,14 @@ def run(config: AccuracyConfig = AccuracyConfig(), progress: bool = True) -> dic
 def _lightkv_at(model, convs, grid, config, target: float = ABLATION_TARGET):
     from lightkv_lab.tasks import scoring as sc
 
-    pipe, _ = method_pipeline("lightkv", model.config.text_config.num_hidden_layers, target)
+    pipe, _ = knob_pipeline("lightkv", model.config.text_config.num_hidden_layers, target)
     return sc.score(model, convs, grid, pipe, batch=config.batch)
 
 
 def first_stage_layer(num_layers: int, target: float = ABLATION_TARGET) -> int:
     """The layer after which lightkv's first stage runs at ``target`` on a model this deep."""
-    pipe, _ = method_pipeline("lightkv", num_layers, target)
-    return pipe.scheduler.plan(num_layers)[0].layer
+    pipe, _ = knob_pipeline("lightkv", num_layers, target)
+    return pipe.plan(num_layers)[0].layer
 
 
 def _region_measures(model, grid, num_layers: int, config: AccuracyConfig):

@@ -28,6 +28,7 @@ FLAGS = {
     "scaled": "",
     "extra stages": " (+stages)",
     "min": " (min)",
+    "nearest": " (nearest)",
     "cache": " (cache)",
     "before the LLM": " (pre-LLM)",
     "before the LLM and later": " (pre-LLM + later)",

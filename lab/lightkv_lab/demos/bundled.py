@@ -236,12 +236,12 @@ def _contrast(model, grid, num_layers: int, args, target: float) -> None:
     each of `CONTRAST_METHODS` answer right at ``target`` kept (schedules as the quality
     benchmark builds them), and the first question lightkv gets right and another wrong."""
     from lightkv.adapters import apply
-    from lightkv_lab.bench.quality import method_pipeline
+    from lightkv_lab.bench.budgets import knob_pipeline
     from lightkv_lab.tasks import evaluate, scoring
 
     convs = scoring.conversations(args.contrast, grid, seed=args.seed + 1, followup=False)
     methods = ("lightkv", *CONTRAST_METHODS)
-    pipes = {m: method_pipeline(m, num_layers, target)[0] for m in methods}
+    pipes = {m: knob_pipeline(m, num_layers, target)[0] for m in methods}
     scores = {}
     t0 = time.perf_counter()
     for i, m in enumerate(

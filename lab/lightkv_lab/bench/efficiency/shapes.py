@@ -84,7 +84,7 @@ class BenchConfig:
     presets: tuple[str, ...] = DEFAULT_PRESETS
     budgets: tuple[float, ...] = ()
     """Kept-fraction targets: each preset runs at each (variant ``preset@target``, put there
-    by `lightkv_lab.bench.budgets.method_pipeline`); empty: each preset's own schedule."""
+    by `lightkv_lab.bench.budgets.knob_pipeline`); empty: each preset's own schedule."""
     layers: int = 8
     heads: int | None = None
     width: str = "reduced"
@@ -185,48 +185,46 @@ def _variant(name: str, spec: ModelSpec) -> tuple[str, float | None]:
 
 def preset_pipeline(name: str, spec: ModelSpec):
     """The variant's pipeline at the shape's reference depth."""
-    from lightkv.presets import get_preset
-    from lightkv_lab.bench.budgets import method_pipeline
-
-    preset, target = _variant(name, spec)
-    if target is not None:
-        return method_pipeline(preset, spec.ref["layers"], target, ref_depth=spec.ref["layers"])[0]
-    return get_preset(preset)
+    return scaled_pipeline(name, spec, spec.ref["layers"])
 
 
-def scaled_pipeline(name: str, spec: ModelSpec, depth: int):
-    """The variant's pipeline for a ``depth``-layer decoder: the preset with its explicit
-    schedule scaled from the reference depth, or (``preset@target``) put at the target."""
+def _at_depth(name: str, spec: ModelSpec, depth: int):
+    """``(pipeline, how)`` of a variant on a ``depth``-layer decoder: the preset with its
+    explicit schedule scaled from the reference depth, then (``preset@target``) put at the
+    target by the library's knob (`lightkv_lab.bench.budgets.knob_pipeline`; ``how`` None
+    without a target)."""
     from lightkv.policies import ExplicitSchedule
-    from lightkv_lab.bench.budgets import method_pipeline
+    from lightkv.presets import get_preset
+    from lightkv_lab.bench.budgets import knob_pipeline
 
     preset, target = _variant(name, spec)
     try:
-        if target is not None:
-            return method_pipeline(preset, depth, target, ref_depth=spec.ref["layers"])[0]
-        pipe = preset_pipeline(name, spec)
+        pipe = get_preset(preset)
         sched = pipe.scheduler
         if isinstance(sched, ExplicitSchedule) and depth != spec.ref["layers"]:
             pipe = pipe.with_scheduler(
                 replace(sched, layers=scale_layers(sched.layers, spec.ref["layers"], depth))
             )
-        return pipe
+        return (pipe, None) if target is None else knob_pipeline(pipe, depth, target)
     except ValueError as e:  # name the option that set the depth
         raise ValueError(
             f"preset {preset!r} on a {depth}-layer decoder (--layers {depth}): {e}"
         ) from None
 
 
+def scaled_pipeline(name: str, spec: ModelSpec, depth: int):
+    """The variant's pipeline for a ``depth``-layer decoder: the preset with its explicit
+    schedule scaled from the reference depth, or (``preset@target``) put at the target."""
+    return _at_depth(name, spec, depth)[0]
+
+
 def variant_placement(name: str, spec: ModelSpec, depth: int) -> str | None:
     """How a ``preset@target`` variant reaches its target on a ``depth``-layer decoder
-    (`lightkv_lab.bench.budgets.method_pipeline`'s ``how``: ``"min"`` when the preset's schedule
+    (`lightkv_lab.bench.budgets.knob_pipeline`'s ``how``: ``"nearest"`` when the preset
     cannot get there); None for a preset at its own schedule."""
-    from lightkv_lab.bench.budgets import method_pipeline
-
-    preset, target = _variant(name, spec)
-    if target is None:
+    if _variant(name, spec)[1] is None:  # also the variants that are no preset (PROJECTED)
         return None
-    return method_pipeline(preset, depth, target, ref_depth=spec.ref["layers"])[1]
+    return _at_depth(name, spec, depth)[1]
 
 
 # ---------------------------------------------------------------------------- models
