@@ -8,7 +8,7 @@ presets or YAML and applying them to a model are `lightkv.load`, `lightkv.to_yam
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -202,9 +202,9 @@ class Pipeline:
         (`lightkv.policies.Partitioner.max_removal_ratio`, `Pruner.max_removal_ratio`;
         ``stage_overrides`` included). The kept-fraction knob fits ratios within it."""
         over = self.stage_overrides.get(index, {})
-        partitioner = over.get("partitioner", self.partitioner)
-        pruner = over.get("pruner", self.pruner)
-        return min(partitioner.max_removal_ratio(spec), pruner.max_removal_ratio())  # type: ignore[union-attr]
+        partitioner = cast(Partitioner, over.get("partitioner", self.partitioner))
+        pruner = cast(Pruner, over.get("pruner", self.pruner))
+        return min(partitioner.max_removal_ratio(spec), pruner.max_removal_ratio())
 
     def scheduler_at(self, num_layers: int) -> Scheduler | None:
         """The scheduler the pipeline runs on a ``num_layers`` decoder: `scheduler`, or

@@ -322,3 +322,28 @@ def test_the_command_line_takes_the_knob(capsys):
         ["generate", "--model", "x", "--image", "a.png", "--prompt", "p", "--kept-fraction", "0.4"]
     )
     assert args.kept_fraction == 0.4
+
+
+def test_the_guide_lists_every_preset_under_its_schedule():
+    """docs/guides/pipelines.md's knob table (written by hand: the docs build imports nothing)
+    names each preset's schedule as the code has it."""
+    import re
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "guides" / "pipelines.md"
+    lines = page.read_text(encoding="utf-8").splitlines()
+    start = lines.index(
+        "| schedule | presets | `kept_fraction` moves | the least it keeps on 32 layers |"
+    )
+    listed = {}
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        family, presets = (cell.strip() for cell in line.strip("|").split("|")[:2])
+        for name in re.findall(r"`([^`]+)`", presets):
+            listed[name] = family.replace("`", "")
+    actual = {}
+    for name in PRESETS:
+        pipe = lightkv.load(name)
+        actual[name] = pipe.scheduler.name if pipe.scheduler else f"mode {pipe.mode.name}"
+    assert listed == actual

@@ -2,11 +2,12 @@
 
 ```
 lightkv presets [-v]                               list the shipped presets
-lightkv config show NAME|FILE [--num-layers N]     print a pipeline as canonical YAML
-lightkv config validate NAME|FILE [--num-layers N] [--grid HxW]
+lightkv config show NAME|FILE [--num-layers N] [--kept-fraction T]
+                                                   print a pipeline as canonical YAML
+lightkv config validate NAME|FILE [--num-layers N] [--grid HxW] [--kept-fraction T]
 lightkv config schema                              JSON Schema of pipeline files
 lightkv generate --model DIR|ID --image FILE --prompt TEXT
-                 [--preset NAME | --config FILE] [--compare] [--repeats N]
+                 [--preset NAME | --config FILE] [--kept-fraction T] [--compare] [--repeats N]
 ```
 
 With the laboratory installed (``lightkv-lab``; entry-point groups ``lightkv.commands`` and

@@ -211,7 +211,8 @@ class ExplicitSchedule(Scheduler):
             return [replace(s, removal_ratio=p) for s in stages]
 
         where = ", ".join(str(at) for at in base.layers)
-        how = f"its stages after layers {where}" if where else "no stage"
+        many = "s after layers" if len(base.layers) > 1 else " after layer"
+        how = f"its stage{many} {where}" if where else "no stage"
         ratio = fit_common_ratio(make, num_layers, t, max_removal_ratio, how)
         return replace(base, removal_ratios=(ratio,))
 

@@ -142,6 +142,9 @@ def fit_common_ratio(
     lowest = kept(limit)
     if lowest > target + REACH_TOLERANCE:
         raise out_of_reach(
-            target, lowest, num_layers, f"{how} (removal ratio at most {limit:g} each)"
+            target,
+            lowest,
+            num_layers,
+            f"{how} (removal ratio at most {limit:g}{' each' if len(probe) > 1 else ''})",
         )
     return round(ratio_for_target(kept, target, limit), 4)
