@@ -101,7 +101,8 @@ class BudgetSchedule(Scheduler):
     does), then places the stages with `budget_schedule`: at the scaled layers if one common
     ratio ``<= max_removal_ratio`` keeps ``kept_fraction + tolerance`` or less, else the same
     stages moved earlier, else a stage after every layer but the last; `fit` says
-    which. This is how the quality benchmark puts every method at the same budget.
+    which. (The kept-fraction knob, `Scheduler.at_kept_fraction`, keeps a method's own
+    layers instead; the benchmarks use it.)
 
     Attributes:
         layers: 0-based layers of the method's reference schedule, below ``ref_depth``.
