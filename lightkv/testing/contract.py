@@ -21,9 +21,8 @@ a text-only row), in float32 and bfloat16:
 * family rules: a partitioner keeps text, padding and structural tokens out of the graph
   and numbers windows ``0 .. K-1``, each inside one row; a pruner never removes padding
   slots or more than its budget; a passer changes only receivers; a scheduler returns
-  sorted stages inside the model and says ``ValueError`` when it cannot fit, and its
-  kept-fraction knob (`Scheduler.at_kept_fraction`) keeps its target within
-  ``REACH_TOLERANCE`` or says ``ValueError``; relevance is
+  sorted stages inside the model and says ``ValueError`` when it cannot fit, and its knob
+  (`Scheduler.at_kept_fraction`) keeps its target or says ``ValueError``; relevance is
   ``[B, N]``, finite and non-negative; a mode's settings fit a depth or say ``ValueError``,
   and its promised kept fraction is in ``(0, 1]``;
 * the parameters round-trip (``cls(**policy.params()) == policy``) and a registered
@@ -344,14 +343,11 @@ def _check_scheduler(policy: Scheduler) -> None:
             raise _fail(policy, f"plan({depth}) is not deterministic")
     for depth, target in ((8, 0.5), (32, 0.25)):  # the kept-fraction knob keeps its promise
         try:
-            stages = policy.at_kept_fraction(target, depth).plan(depth)
+            kept = average_kept_fraction(policy.at_kept_fraction(target, depth).plan(depth), depth)
         except ValueError:
             continue  # no knob, or out of reach: a one-line ValueError
-        kept = average_kept_fraction(stages, depth) if stages else 1.0
-        if abs(kept - target) > REACH_TOLERANCE + 1e-9:
-            raise _fail(
-                policy, f"at_kept_fraction({target}, {depth}) keeps {kept:.3f}, not {target}"
-            )
+        if abs(kept - target) > REACH_TOLERANCE + 1e-9:  # beyond what a session warns about
+            raise _fail(policy, f"at_kept_fraction({target}, {depth}) keeps {kept:.3f}")
     try:
         policy.plan(0)
     except ValueError:
