@@ -1,0 +1,109 @@
+"""Each preset that carries a paper's name keeps exactly the tokens its authors' released code
+keeps, on inputs recorded from that code (``fixtures/<method>.json``: the repository, the
+commit, how the authors' function was called, the seeds and the kept indices; the tensors are
+regenerated here from the seeds, `tests.methods.recipes`). The authors' code ran unchanged in
+a scratch script outside this repository; none of it is here, only what it returned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+
+import lightkv
+from tests.methods import recipes as R
+
+METHODS = ["cdpruner", "dart", "divprune", "fastv", "holov", "mmtok", "scope", "visionzip",
+           "vispruner", "vscan"]  # fmt: skip
+
+
+def cases(method: str):
+    return [
+        pytest.param(c, id=f"seed{c['seed']}-n{c['n']}-kept{c['kept']}-s{c.get('scale', 1)}")
+        for c in R.fixture(method)["cases"]
+    ]
+
+
+def stage(preset: str, n: int, kept: int, index: int = 0):
+    """Stage ``index`` of ``preset`` (32 layers), its removal ratio keeping ``kept`` of ``n``."""
+    st = lightkv.load(preset).stages(32)[index]
+    return dataclasses.replace(st, spec=dataclasses.replace(st.spec, removal_ratio=1 - kept / n))
+
+
+def inputs(method: str, case: dict) -> dict[str, torch.Tensor]:
+    return R.draw(case["seed"], case["n"], R.fixture(method)["draws"])
+
+
+def tower(st, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """The preset's tower relevance of a CLS row's patch columns ``rows [H, n]``."""
+    return st.relevance_scores(None, None, R.layout(n), tower=R.on_image(rows, n))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_fixture_cites_the_authors_repository_and_commit(method):
+    fx = R.fixture(method)
+    assert fx["repository"].startswith("https://github.com/")
+    assert re.fullmatch(r"[0-9a-f]{40}", fx["commit"])
+    assert fx["preset"] in lightkv.presets.PRESETS if hasattr(lightkv, "presets") else True
+    assert len(fx["cases"]) >= 12 and {c["n"] for c in fx["cases"]} >= {576}
+
+
+def keep_only(preset: str, method: str, case: dict, **extra) -> list[int]:
+    n = case["n"]
+    t = inputs(method, case)
+    st = stage(preset, n, case["kept"])
+    res = st(t["hidden"].unsqueeze(0), R.layout(n), None, None, None, R.prompt(n))
+    return R.image_kept(res.kept_index, n)
+
+
+@pytest.mark.parametrize("case", cases("cdpruner"))
+def test_cdpruner_keeps_the_authors_tokens(case):
+    assert keep_only("cdpruner", "cdpruner", case) == case["indices"]
+
+
+@pytest.mark.parametrize("case", cases("divprune"))
+def test_divprune_keeps_the_authors_tokens(case):
+    assert keep_only("divprune", "divprune", case) == case["indices"]
+
+
+@pytest.mark.parametrize("case", cases("mmtok"))
+def test_mmtok_keeps_the_authors_tokens(case):
+    assert keep_only("mmtok", "mmtok", case) == case["indices"]
+
+
+@pytest.mark.parametrize(("method", "case"), [
+    *(pytest.param("scope", c.values[0], id="scope-" + c.id) for c in cases("scope")),
+    *(pytest.param("vispruner", c.values[0], id="vispruner-" + c.id) for c in cases("vispruner")),
+])  # fmt: skip
+def test_tower_ranked_selection_keeps_the_authors_tokens(method, case):
+    n = case["n"]
+    t = inputs(method, case)
+    st = stage(method, n, case["kept"])
+    xi = tower(st, R.cls_row(t["tower"], case.get("scale", 1.0))[:, 1:], n)
+    res = st(t["hidden"].unsqueeze(0), R.layout(n), xi, None, None, R.prompt(n))
+    assert R.image_kept(res.kept_index, n) == case["indices"]
+
+
+@pytest.mark.parametrize("case", cases("fastv"))
+def test_fastv_keeps_the_authors_tokens(case):
+    n = case["n"]
+    t = inputs("fastv", case)
+    st = stage("fastv", n, case["kept"])
+    layout = R.layout(n)
+    xi = st.relevance_scores(t["queries"].unsqueeze(0), t["keys"].unsqueeze(0), layout)
+    hidden = torch.zeros(1, R.seq_len(n), 4)
+    res = st(hidden, layout, xi, None, None, R.prompt(n))
+    assert R.image_kept(res.kept_index, n) == case["indices"]
+
+
+@pytest.mark.parametrize("case", cases("dart"))
+def test_dart_keeps_the_authors_tokens(case):
+    n = case["n"]
+    t = inputs("dart", case)
+    st = stage("dart", n, case["kept"])
+    keys = t["keys"].transpose(0, 1).unsqueeze(0)  # [1, S, H, d]
+    res = st(t["hidden"].unsqueeze(0), R.layout(n), None, None, keys, R.prompt(n))
+    assert R.image_kept(res.kept_index, n) == case["indices"]
