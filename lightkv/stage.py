@@ -220,7 +220,7 @@ class Stage:
             identity=graph.token_blocks(token_identity(layout), "src").masked_fill(pad, -1),
             stage=inputs,
         )
-        removed = self.pruner.select(prune, self.spec.removal_ratio)
+        removed, zeroed = self.pruner.choose(prune, self.spec.removal_ratio)
         if self.passer.merges and not self.pruner.needs_partner:
             # A pruner that keeps a set (DivPrune, CDPruner, ...) names no partners: each
             # token it drops merges into its window's most similar survivor instead.
@@ -245,7 +245,11 @@ class Stage:
             receivers, new = dst[:0], tokens[:0].to(acc)
         keep = torch.ones(b, n, dtype=torch.bool, device=hidden.device)
         keep[graph.node_row[src], graph.node_pos[src]] = False
-        return self._assemble(hidden, layout, provenance, keep, src, dst, receivers, new, graph)
+        res = self._assemble(hidden, layout, provenance, keep, src, dst, receivers, new, graph)
+        if zeroed is not None and bool(zeroed.any()):  # a pruner's padding: kept as zero vectors
+            z = graph.src_slots[zeroed]
+            res.hidden[graph.node_row[z], res.remap[graph.node_row[z], graph.node_pos[z]]] = 0
+        return res
 
     @staticmethod
     def _check_finite(tokens: torch.Tensor, node_token: torch.Tensor) -> None:

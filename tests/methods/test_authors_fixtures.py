@@ -107,3 +107,34 @@ def test_dart_keeps_the_authors_tokens(case):
     keys = t["keys"].transpose(0, 1).unsqueeze(0)  # [1, S, H, d]
     res = st(t["hidden"].unsqueeze(0), R.layout(n), None, None, keys, R.prompt(n))
     assert R.image_kept(res.kept_index, n) == case["indices"]
+
+
+@pytest.mark.parametrize("case", cases("visionzip"))
+def test_visionzip_keeps_and_merges_as_the_authors(case):
+    n = case["n"]
+    t = inputs("visionzip", case)
+    st = stage("visionzip", n, case["kept"])
+    xi = tower(st, R.cls_row(t["tower"])[:, 1:], n)
+    res = st(t["hidden"].unsqueeze(0), R.layout(n), xi, None, None, R.prompt(n))
+    # the authors' LLM sees the CLS token in one of the kept slots; here it is not in the prompt
+    assert R.image_kept(res.kept_index, n) == case["indices"]
+    assert len(case["indices"]) == case["kept"] - 1
+    if "merged8" in case:  # each contextual token: its target plus the mean of those merged in
+        where = {int(p) - R.BEFORE: i for i, p in enumerate(res.kept_index[0].tolist())}
+        got = torch.stack([res.hidden[0, where[p], :8] for p in case["targets"]])
+        torch.testing.assert_close(got, torch.tensor(case["merged8"]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", cases("holov"))
+def test_holov_keeps_and_pads_as_the_authors(case):
+    n = case["n"]
+    t = inputs("holov", case)
+    st = stage("holov", n, case["kept"])
+    xi = tower(st, R.cls_row(t["tower"], case["scale"])[:, 1:], n)
+    res = st(t["hidden"].unsqueeze(0), R.layout(n), xi, None, None, R.prompt(n))
+    image = res.layout.vision_mask[0]
+    zero = (res.hidden[0] == 0).all(-1) & image
+    assert int(image.sum()) == case["kept"]  # the image still fills its budget ...
+    assert int(zero.sum()) == case["pads"]  # ... with the authors' zero vectors
+    real = res.kept_index[0][image & ~zero] - R.BEFORE
+    assert sorted(real.tolist()) == case["indices"]
