@@ -116,6 +116,17 @@ class Stage:
                 out |= policy.needs
         return out
 
+    @property
+    def tower_layers(self) -> tuple[int, ...]:
+        """The vision tower layers this stage's policies read (``StageInputs.tower``), sorted."""
+        layers = {
+            layer
+            for policy in (self.partitioner, self.scorer, self.pruner, self.passer)
+            if policy is not None
+            for layer in policy.tower_layers
+        }
+        return tuple(sorted(layers))
+
     def relevance_scores(
         self,
         queries: torch.Tensor | None,
@@ -140,6 +151,7 @@ class Stage:
         provenance: Provenance | None = None,
         keys: torch.Tensor | None = None,
         prompt: Prompt | None = None,
+        tower: dict[int, torch.Tensor] | None = None,
     ) -> StageResult:
         """Run the stage.
 
@@ -150,6 +162,8 @@ class Stage:
             provenance: provenance up to this stage (None: the input is original).
             keys: ``[B, N, H_kv, d]`` the layer's keys, for policies that need them.
             prompt: the prefill's token ids, for policies that read the prompt.
+            tower: ``{layer: [B, H, N]}`` the vision tower's attention at the `tower_layers`
+                this stage's policies read.
 
         Returns:
             a `StageResult`.
@@ -158,7 +172,9 @@ class Stage:
             raise TypeError(
                 "Stage expects (hidden: torch.Tensor [B, N, D], layout: VisionLayout, ...)"
             )
-        return self.run(StageInputs(layout, self.spec, hidden, relevance, keys, provenance, prompt))
+        return self.run(
+            StageInputs(layout, self.spec, hidden, relevance, keys, provenance, prompt, tower=tower)
+        )
 
     def run(self, inputs: StageInputs) -> StageResult:
         """Run the stage on prepared `StageInputs` (``inputs.spec`` is replaced by this
@@ -171,6 +187,12 @@ class Stage:
         inputs.check()
         for name in sorted(self.needs):
             inputs.features(name)  # a clear error now, not deep inside a policy
+        missing = [layer for layer in self.tower_layers if layer not in (inputs.tower or {})]
+        if missing:
+            raise ValueError(
+                f"this stage reads the vision tower's attention at layer(s) {missing}: pass "
+                "tower={layer: [B, H, N]} (the LLaVA adapter does)"
+            )
         hidden, layout, relevance, provenance = (
             inputs.hidden,
             inputs.layout,

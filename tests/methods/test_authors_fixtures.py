@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -138,3 +139,27 @@ def test_holov_keeps_and_pads_as_the_authors(case):
     assert int(zero.sum()) == case["pads"]  # ... with the authors' zero vectors
     real = res.kept_index[0][image & ~zero] - R.BEFORE
     assert sorted(real.tolist()) == case["indices"]
+
+
+@pytest.mark.parametrize("case", cases("vscan"))
+def test_vscan_scans_and_merges_as_the_authors(case):
+    n = case["n"]
+    t = inputs("vscan", case)
+    st = stage("vscan", n, case["kept"])
+    assert st.tower_layers == (5,)  # the local scan reads tower layer 5, as the authors' code
+    xi = tower(st, R.cls_row(t["deep"])[:, 1:], n)
+    shallow = {5: R.on_image(R.cls_row(t["shallow"])[:, 1:], n)}
+    res = st(t["hidden"].unsqueeze(0), R.layout(n), xi, None, None, R.prompt(n), shallow)
+    got = R.image_kept(res.kept_index, n)
+    if len(case["indices"]) == case["kept"]:
+        assert got == case["indices"]
+    else:  # the code keeps fewer (floor(kept / 2) not a multiple of its 16 tiles); lightkv fills
+        assert len(got) == case["kept"] and set(case["indices"]) < set(got)
+        st = replace(st, partitioner=replace(st.partitioner, fill=False))  # the code's count
+        res = st(t["hidden"].unsqueeze(0), R.layout(n), xi, None, None, R.prompt(n), shallow)
+        assert R.image_kept(res.kept_index, n) == case["indices"]
+    if "merged8" in case:  # each kept token: the mean of itself and the tokens merged into it
+        image = res.layout.vision_mask[0]
+        torch.testing.assert_close(
+            res.hidden[0][image][:, :8], torch.tensor(case["merged8"]), rtol=1e-5, atol=1e-5
+        )

@@ -48,11 +48,13 @@ def compress(
     the shorter sequence (``st`` gets its layout, provenance and positions)."""
     layout, provenance = st.layout, st.provenance
     relevance, keys = st.pending_relevance, st.pending_keys
-    result = drop_padding(stage(hidden, layout, relevance, provenance, keys, st.prompt))
+    # the tower layers a policy reads besides the relevance (VScan's local scan)
+    tower = {i: ctx.modes["tower"].per_token(layout, i) for i in stage.tower_layers} or None
+    result = drop_padding(stage(hidden, layout, relevance, provenance, keys, st.prompt, tower))
     record = StageRecord(layer=i, stage=stage, result=result, tapped=st.pending_tapped)
     if ctx.record:
         record.hidden, record.layout, record.relevance = hidden, layout, relevance
-        record.provenance, record.keys = provenance, keys
+        record.provenance, record.keys, record.tower = provenance, keys, tower
     st.trace.stages.append(record)
     st.layout, st.provenance = result.layout, result.provenance
     st.pending_relevance = st.pending_keys = None

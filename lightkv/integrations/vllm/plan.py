@@ -57,7 +57,7 @@ PIPELINE_KEY = "lightkv"
 PROMPT_AGNOSTIC_PRESETS = ("divprune", "downsample")
 """Shipped presets that run inside vLLM as they are, prompt-blind."""
 
-PROMPT_AWARE_PRESETS = ("cdpruner",)
+PROMPT_AWARE_PRESETS = ("cdpruner", "cdpruner-pos")
 """Shipped presets that run inside vLLM as they are and read the question."""
 
 QUESTION_READERS = frozenset({"question_similarity", "cdpruner"})
