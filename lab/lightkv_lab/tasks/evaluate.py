@@ -123,7 +123,9 @@ def evaluate(
     answers: list[list[str]] = []
     kept_sum = bytes_sum = base_sum = 0.0
     t0 = time.perf_counter()
-    session = apply(pipe, model)
+    from lightkv_lab.tasks.scoring import fit_tower  # scoring imports this module
+
+    session = apply(fit_tower(pipe, model.config.vision_config.num_hidden_layers), model)
     for i in range(0, len(episodes), batch):
         chunk = list(episodes[i : i + batch])
         with session:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -124,6 +124,32 @@ def _ids(task, words) -> list[int]:
     return task.data.encode(words)
 
 
+REF_TOWER_DEPTH = 24
+"""The vision tower the shipped presets' tower layers are written for (CLIP ViT-L/14: VScan's
+local scan reads its layer 5)."""
+
+
+def fit_tower(pipe, depth: int):
+    """``pipe`` with every tower layer a policy reads (``tower_layers``: VScan's local scan)
+    scaled from `REF_TOWER_DEPTH` to a tower of ``depth`` layers, ``min(depth - 1,
+    round(layer * depth / 24))`` (Scenes' 3 layers: VScan's layer 5 becomes 1), as the
+    benchmarks scale decoder layers from 32; a pipeline that names none is returned as is."""
+    fitted = {}
+    for part in ("partitioner", "scorer", "pruner", "passer"):
+        policy = getattr(pipe, part)
+        layers = set(getattr(policy, "tower_layers", ()))
+        names = (
+            [f.name for f in fields(policy) if getattr(policy, f.name) in layers] if layers else []
+        )
+        if names:
+            new = {
+                n: min(depth - 1, round(getattr(policy, n) * depth / REF_TOWER_DEPTH))
+                for n in names
+            }
+            fitted[part] = replace(policy, **new)
+    return replace(pipe, **fitted) if fitted else pipe
+
+
 @torch.no_grad()
 def score(
     model, convs: Sequence[Conversation], grid, pipeline=None, batch: int = 64
@@ -136,6 +162,7 @@ def score(
     data = task.data
     n_img = data.num_image_tokens(grid, model.config.vision_config.patch_size)
     pipe = pipeline if pipeline is not None else _identity_pipeline()
+    pipe = fit_tower(pipe, model.config.vision_config.num_hidden_layers)
     with_followup = all(c.followup is not None for c in convs)
     if not with_followup and any(c.followup is not None for c in convs):
         raise ValueError("score needs follow-up questions on all conversations or on none")
