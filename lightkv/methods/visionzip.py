@@ -68,8 +68,8 @@ class DominantContextual(Partitioner):
       dominant; LLaVA's default feature selection drops the CLS token before the language
       model, so that slot stays empty and the image keeps ``k - 1`` tokens. The contextual
       targets are placed among the ``n - d + 1`` other patches, as in the code.
-      ``cls_slot = False`` spends all ``d`` slots on patches (the ``visionzip-patches``
-      preset: ``k`` tokens kept);
+      ``cls_slot = False`` spends all ``d`` slots on patches (lightkv's former variant:
+      ``k`` tokens kept);
     * dominant: the top patches by relevance ξ (``cls_attention_sum.topk``); ties go to the
       earlier token;
     * targets: of the ``R`` remaining patches in sequence order, those at

@@ -45,7 +45,7 @@ def provenance_picture(
     from lightkv_lab.bench.quality import method_pipeline
     from lightkv_lab.tasks import evaluate as ev
     from lightkv_lab.tasks import model as dg
-    from lightkv_lab.tasks.scoring import fit_tower
+    from lightkv_lab.tasks.towers import fit_tower
 
     plt = vis.pyplot()
     path_ = dg.resolve_model(model_dir)

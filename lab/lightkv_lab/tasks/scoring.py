@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from lightkv.adapters import apply
 from lightkv_lab.tasks.digitgrid.vocab import EOS_ID, PAD_ID
 from lightkv_lab.tasks.registry import task_for
+from lightkv_lab.tasks.towers import fit_tower
 
 __all__ = ["Conversation", "ScoreResult", "conversations", "kl", "paired_bootstrap", "score"]
 
@@ -122,32 +123,6 @@ class ScoreResult:
 
 def _ids(task, words) -> list[int]:
     return task.data.encode(words)
-
-
-REF_TOWER_DEPTH = 24
-"""The vision tower the shipped presets' tower layers are written for (CLIP ViT-L/14: VScan's
-local scan reads its layer 5)."""
-
-
-def fit_tower(pipe, depth: int):
-    """``pipe`` with every tower layer a policy reads (``tower_layers``: VScan's local scan)
-    scaled from `REF_TOWER_DEPTH` to a tower of ``depth`` layers, ``min(depth - 1,
-    round(layer * depth / 24))`` (Scenes' 3 layers: VScan's layer 5 becomes 1), as the
-    benchmarks scale decoder layers from 32; a pipeline that names none is returned as is."""
-    fitted = {}
-    for part in ("partitioner", "scorer", "pruner", "passer"):
-        policy = getattr(pipe, part)
-        layers = set(getattr(policy, "tower_layers", ()))
-        names = (
-            [f.name for f in fields(policy) if getattr(policy, f.name) in layers] if layers else []
-        )
-        if names:
-            new = {
-                n: min(depth - 1, round(getattr(policy, n) * depth / REF_TOWER_DEPTH))
-                for n in names
-            }
-            fitted[part] = replace(policy, **new)
-    return replace(pipe, **fitted) if fitted else pipe
 
 
 @torch.no_grad()
