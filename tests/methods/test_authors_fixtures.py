@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import lightkv
+from lightkv.presets import PRESETS
 from tests.methods import recipes as R
 
 METHODS = ["cdpruner", "dart", "divprune", "fastv", "holov", "mmtok", "scope", "visionzip",
@@ -43,16 +44,26 @@ def tower(st, rows: torch.Tensor, n: int) -> torch.Tensor:
     return st.relevance_scores(None, None, R.layout(n), tower=R.on_image(rows, n))
 
 
+def test_every_recorded_method_is_tested_here():
+    assert sorted(p.stem for p in R.FIXTURES.glob("*.json")) == METHODS
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_every_fixture_cites_the_authors_repository_and_commit(method):
     fx = R.fixture(method)
     assert fx["repository"].startswith("https://github.com/")
     assert re.fullmatch(r"[0-9a-f]{40}", fx["commit"])
-    assert fx["preset"] in lightkv.presets.PRESETS if hasattr(lightkv, "presets") else True
-    assert len(fx["cases"]) >= 12 and {c["n"] for c in fx["cases"]} >= {576}
+    assert fx["preset"] == method and method in PRESETS
+    assert fx["code"] and fx["call"] and fx["draws"]
+    cases = fx["cases"]
+    assert len(cases) >= 12 and {c["n"] for c in cases} >= {576}
+    assert len({c["seed"] for c in cases}) >= 3 and len({c["kept"] for c in cases}) >= 3
+    for c in cases:  # sorted, distinct image indices
+        assert c["indices"] == sorted(set(c["indices"])) and 0 <= c["indices"][0]
+        assert c["indices"][-1] < c["n"]
 
 
-def keep_only(preset: str, method: str, case: dict, **extra) -> list[int]:
+def keep_only(preset: str, method: str, case: dict) -> list[int]:
     n = case["n"]
     t = inputs(method, case)
     st = stage(preset, n, case["kept"])
@@ -63,6 +74,15 @@ def keep_only(preset: str, method: str, case: dict, **extra) -> list[int]:
 @pytest.mark.parametrize("case", cases("cdpruner"))
 def test_cdpruner_keeps_the_authors_tokens(case):
     assert keep_only("cdpruner", "cdpruner", case) == case["indices"]
+
+
+def test_cdpruner_pos_is_the_same_method_with_the_sign_flipped():
+    pos, paper = lightkv.load("cdpruner-pos"), lightkv.load("cdpruner")
+    assert paper.pruner.negate and replace(pos, name=paper.name) == replace(
+        paper, pruner=replace(paper.pruner, negate=False)
+    )
+    case = R.fixture("cdpruner")["cases"][0]
+    assert len(set(keep_only("cdpruner-pos", "cdpruner", case)) & set(case["indices"])) < 8
 
 
 @pytest.mark.parametrize("case", cases("divprune"))
