@@ -14,7 +14,7 @@ other method uses keeps it here, in its own module, registered under the name it
 | `mmtok` | ``mmtok`` | multimodal coverage selection |
 | `scope` | ``scope`` | saliency x coverage selection |
 | `vispruner` | ``vispruner`` | important + diverse selection |
-| `visionzip` | ``visionzip`` | dominant / contextual split, target-plus-mean merge; the tower's attention relevance |
+| `visionzip` | ``visionzip`` | dominant / contextual split and merge; the tower attention |
 | `vscan` | ``vscan`` | the global and local scans |
 | `pooling` | ``pool``, ``downsample`` | anchor, resize and strided (ToMe-SD) partitions |
 | `cache_policies` | ``elasticcache``, ``h2o`` | importance partition, accumulated attention |

@@ -45,22 +45,24 @@ class TowerMode(Mode):
     def start(self) -> None:
         ctx = self.ctx
         tap = TowerTap.for_stages(ctx.adapter, ctx.stages)
-        self.taps: dict[int | None, TowerTap] = {} if tap is None else {None: tap}
+        self.tower_taps: dict[int | None, TowerTap] = {} if tap is None else {None: tap}
         for stage in ctx.stages:
             for policy in (stage.partitioner, stage.scorer, stage.pruner, stage.passer):
                 for layer in getattr(policy, "tower_layers", ()):
-                    if layer not in self.taps:
-                        self.taps[layer] = TowerTap.at_layer(ctx.adapter, layer, policy)
+                    if layer not in self.tower_taps:
+                        self.tower_taps[layer] = TowerTap.at_layer(ctx.adapter, layer, policy)
 
     def install(self) -> list[Any]:
-        return [h for tap in self.taps.values() for h in tap.install()]
+        return [h for tap in self.tower_taps.values() for h in tap.install()]
 
     def end_forward(self) -> None:
-        for tap in self.taps.values():  # generate runs the tower before the forward: forget now
+        for (
+            tap
+        ) in self.tower_taps.values():  # generate runs the tower before the forward: forget now
             tap.clear()
 
     def per_token(self, layout: VisionLayout, layer: int | None = None) -> torch.Tensor:
         """``[B, H, N]``: the attention each current vision token's patch received at the
         layer the projector reads (``layer`` None) or at tower layer ``layer``
         (`TowerTap.per_token`)."""
-        return self.taps[layer].per_token(layout)
+        return self.tower_taps[layer].per_token(layout)
