@@ -61,7 +61,8 @@ class HoloV(KeepSetPruner):
     ``T`` tokens and its real ones are the code's. ``"spread"`` is lightkv's variant: the
     excess goes one token at a time to the crops not yet full, earliest first
     (`allocate_removals`), so ``T`` real tokens stay (with no crop overflowing both are the
-    code's allocation).
+    code's allocation). With a merging passer (the preset drops) a dropped token may merge into
+    a padding slot and leave with it: use ``spread`` there.
 
     What is the same: the crops, the diversity statistic, the scores, the floor-and-top-up
     allocation, attention top-k within crops, the padding. What differs: the budget is each

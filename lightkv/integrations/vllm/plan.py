@@ -150,6 +150,11 @@ def _refusals(pipeline: Pipeline, stages: list[Stage], name: str) -> list[str]:
                 f"its policies need {', '.join(sorted(stage.needs))} of layer 0, which vLLM "
                 "computes only inside the decoder"
             )
+        if stage.tower_layers:
+            why.append(
+                f"its policies read the vision tower's attention at layer(s) "
+                f"{list(stage.tower_layers)}, which vLLM's vision encoder does not return"
+            )
     if pipeline.proportional_attention:
         why.append(
             "proportional attention changes the decoder's attention, which vLLM's kernels do not: "
