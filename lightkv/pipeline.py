@@ -297,13 +297,16 @@ class Pipeline:
         relevance: torch.Tensor | None = None,
         keys: torch.Tensor | None = None,
         prompt: Prompt | None = None,
+        tower: dict[int, torch.Tensor] | None = None,
     ) -> list[StageResult]:
         """Apply every stage in turn to the same hidden states, without a model.
 
         Useful to inspect what a schedule does to a layout (demo, docs, tests). ``relevance``
-        (``[B, N]`` for the input sequence) and ``keys`` (``[B, N, H_kv, d]``, for
-        key-space policies) are carried along: each survivor keeps its own; ``prompt`` (the
-        token ids, at original positions) reaches policies that read the prompt.
+        (``[B, N]`` for the input sequence), ``keys`` (``[B, N, H_kv, d]``, for key-space
+        policies) and ``tower`` (``{layer: [B, H, N]}``, for policies that read the vision
+        tower's attention at a layer) are carried along: each survivor keeps its own;
+        ``prompt`` (the token ids, at original positions) reaches policies that read the
+        prompt.
 
         Returns:
             one `StageResult` per stage (provenance accumulates across stages).
@@ -317,10 +320,16 @@ class Pipeline:
                 "(or lightkv.apply on a model)"
             )
         for stage in stages:
-            res = stage(hidden, layout, relevance, provenance, keys, prompt)
+            res = stage(hidden, layout, relevance, provenance, keys, prompt, tower)
             hole = res.kept_index < 0
             if relevance is not None:
                 relevance = relevance.gather(1, res.kept_index.clamp_min(0)).masked_fill(hole, 0)
+            if tower:
+                at = res.kept_index.clamp_min(0).unsqueeze(1)
+                tower = {
+                    k: v.gather(2, at.expand(-1, v.shape[1], -1)).masked_fill(hole.unsqueeze(1), 0)
+                    for k, v in tower.items()
+                }
             if keys is not None:
                 index = res.kept_index.clamp_min(0).view(*hole.shape, *([1] * (keys.dim() - 2)))
                 keys = keys.gather(1, index.expand(-1, -1, *keys.shape[2:])).masked_fill(

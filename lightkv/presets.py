@@ -48,6 +48,7 @@ _ORDER = (
     "vispruner",
     "divprune",
     "cdpruner",
+    "cdpruner-pos",
     "dart",
     "scope",
     "mmtok",

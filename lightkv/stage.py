@@ -116,6 +116,17 @@ class Stage:
                 out |= policy.needs
         return out
 
+    @property
+    def tower_layers(self) -> tuple[int, ...]:
+        """The vision tower layers this stage's policies read (``StageInputs.tower``), sorted."""
+        layers = {
+            layer
+            for policy in (self.partitioner, self.scorer, self.pruner, self.passer)
+            if policy is not None
+            for layer in policy.tower_layers
+        }
+        return tuple(sorted(layers))
+
     def relevance_scores(
         self,
         queries: torch.Tensor | None,
@@ -140,6 +151,7 @@ class Stage:
         provenance: Provenance | None = None,
         keys: torch.Tensor | None = None,
         prompt: Prompt | None = None,
+        tower: dict[int, torch.Tensor] | None = None,
     ) -> StageResult:
         """Run the stage.
 
@@ -150,6 +162,8 @@ class Stage:
             provenance: provenance up to this stage (None: the input is original).
             keys: ``[B, N, H_kv, d]`` the layer's keys, for policies that need them.
             prompt: the prefill's token ids, for policies that read the prompt.
+            tower: ``{layer: [B, H, N]}`` the vision tower's attention at the `tower_layers`
+                this stage's policies read.
 
         Returns:
             a `StageResult`.
@@ -158,7 +172,9 @@ class Stage:
             raise TypeError(
                 "Stage expects (hidden: torch.Tensor [B, N, D], layout: VisionLayout, ...)"
             )
-        return self.run(StageInputs(layout, self.spec, hidden, relevance, keys, provenance, prompt))
+        return self.run(
+            StageInputs(layout, self.spec, hidden, relevance, keys, provenance, prompt, tower=tower)
+        )
 
     def run(self, inputs: StageInputs) -> StageResult:
         """Run the stage on prepared `StageInputs` (``inputs.spec`` is replaced by this
@@ -171,6 +187,12 @@ class Stage:
         inputs.check()
         for name in sorted(self.needs):
             inputs.features(name)  # a clear error now, not deep inside a policy
+        missing = [layer for layer in self.tower_layers if layer not in (inputs.tower or {})]
+        if missing:
+            raise ValueError(
+                f"this stage reads the vision tower's attention at layer(s) {missing}: pass "
+                "tower={layer: [B, H, N]} (the LLaVA adapter does)"
+            )
         hidden, layout, relevance, provenance = (
             inputs.hidden,
             inputs.layout,
@@ -220,7 +242,7 @@ class Stage:
             identity=graph.token_blocks(token_identity(layout), "src").masked_fill(pad, -1),
             stage=inputs,
         )
-        removed = self.pruner.select(prune, self.spec.removal_ratio)
+        removed, zeroed = self.pruner.choose(prune, self.spec.removal_ratio)
         if self.passer.merges and not self.pruner.needs_partner:
             # A pruner that keeps a set (DivPrune, CDPruner, ...) names no partners: each
             # token it drops merges into its window's most similar survivor instead.
@@ -246,7 +268,11 @@ class Stage:
             receivers, new = dst[:0], tokens[:0].to(acc)
         keep = torch.ones(b, n, dtype=torch.bool, device=hidden.device)
         keep[graph.node_row[src], graph.node_pos[src]] = False
-        return self._assemble(hidden, layout, provenance, keep, src, dst, receivers, new, graph)
+        res = self._assemble(hidden, layout, provenance, keep, src, dst, receivers, new, graph)
+        if zeroed is not None and bool(zeroed.any()):  # a pruner's padding: kept as zero vectors
+            z = graph.src_slots[zeroed]
+            res.hidden[graph.node_row[z], res.remap[graph.node_row[z], graph.node_pos[z]]] = 0
+        return res
 
     @staticmethod
     def _check_finite(tokens: torch.Tensor, node_token: torch.Tensor) -> None:

@@ -199,9 +199,12 @@ def test_every_preset_runs_on_a_llava_layout(name):
         with pytest.raises(ValueError, match="this stage has no keys features"):
             pipe.run(hidden, layout, num_layers=32)
         keys = torch.randn(1, layout.seq_len, 2, 8, generator=torch.Generator().manual_seed(2))
-    # a preset that ranks by the tower's attention needs a relevance; the others run without one too
+    # a preset that ranks by the tower's attention needs a relevance (and the tower layers its
+    # policies read: VScan's local scan); the others run without one too
+    layers = {i for s in pipe.stages(32) for i in s.tower_layers}
+    tower = {i: relevance.unsqueeze(1).expand(-1, 2, -1) for i in layers} or None
     for rel in (relevance,) if pipe.relevance.reads_tower else (None, relevance):
-        results = pipe.run(hidden, layout, num_layers=32, relevance=rel, keys=keys)
+        results = pipe.run(hidden, layout, num_layers=32, relevance=rel, keys=keys, tower=tower)
         assert results, name
         counts = [int(r.layout.vision_counts()[0]) for r in results]
         assert all(0 < c < 576 for c in counts) and counts == sorted(counts, reverse=True)

@@ -67,6 +67,17 @@ def test_every_other_preset_is_refused_with_its_reason(name, why):
     assert "divprune" in str(err.value)  # ... and what to use instead
 
 
+def test_a_stage_reading_a_tower_layer_is_refused():
+    from dataclasses import replace
+
+    import lightkv
+
+    pipe = lightkv.load("divprune")
+    scan = lightkv.load("vscan").partitioner  # its local scan reads tower layer 5
+    with pytest.raises(UnsupportedPipeline, match=r"tower's attention at layer\(s\) \[5\]"):
+        PreLLMPlan.load(replace(pipe, partitioner=scan), num_layers=28)
+
+
 def test_every_shipped_preset_is_either_served_or_refused():
     for name in lightkv.PRESETS:
         try:

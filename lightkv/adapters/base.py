@@ -113,10 +113,17 @@ class Adapter:
     def check_config(self) -> None:
         """Raise a clear error for configurations the adapter cannot handle."""
 
-    def tower_spec(self):
-        """Where the vision tower's attention is read, for relevance policies that
-        ``reads_tower`` (a `lightkv.adapters.tower.TowerSpec`). Default: refused; the
-        LLaVA-1.5 adapter (a CLIP or SigLIP tower, one pass per image) implements it."""
+    def tower_spec(self, layer: int | None = None):
+        """Where the vision tower's attention is read (a `lightkv.adapters.tower.TowerSpec`):
+        at the layer whose output the projector reads (``layer`` None: relevance policies
+        that ``reads_tower``) or at 0-based tower layer ``layer`` (a policy's
+        ``tower_layers``). Default: refused; the LLaVA-1.5 adapter (a CLIP or SigLIP tower, one
+        pass per image) implements it.
+
+        Raises:
+            NotImplementedError: the adapter does not expose its tower.
+            IndexError: the tower has no layer ``layer`` (the message says how many it has).
+        """
         raise NotImplementedError(
             "tower relevance (e.g. tower_attention, VisionZip) reads the vision tower's "
             f"attention, which the {self.family!r} adapter does not expose; supported: llava "

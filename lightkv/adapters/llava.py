@@ -43,10 +43,11 @@ class LlavaAdapter(Adapter):
             )
         self.require_default_feature_strategy()
 
-    def tower_spec(self):
+    def tower_spec(self, layer: int | None = None):
         """The attention of the tower layer ``vision_feature_layer`` selects (hidden state
         ``L + f`` of an ``L``-layer tower for ``f < 0``, so layer ``L + f``; layer ``f - 1``
-        for ``f > 0``); CLIP towers have a CLS token first, SigLIP towers none."""
+        for ``f > 0``), or of 0-based tower layer ``layer``; CLIP towers have a CLS token
+        first, SigLIP towers none."""
         feature_layer = getattr(self.config, "vision_feature_layer", -2)
         tower = getattr(self.multimodal_module(), "vision_tower", None)
         core = getattr(
@@ -66,6 +67,10 @@ class LlavaAdapter(Adapter):
                 f"({len(layers)} layers): tower relevance cannot be read"
             )
         cls = "siglip" not in str(getattr(self.config.vision_config, "model_type", ""))
+        if layer is not None:
+            if not 0 <= layer < len(layers):
+                raise IndexError(f"this model's vision tower has layers 0-{len(layers) - 1} only")
+            index = layer
         return TowerSpec(attention=layers[index].self_attn, cls=cls)
 
     def build_layout(self, inputs, padding):

@@ -1,17 +1,19 @@
 """`TowerTap`: the attention each image token receives inside the vision tower, for relevance
 policies that declare ``reads_tower`` (VisionZip's dominant tokens,
-`lightkv.methods.TowerAttention`).
+`lightkv.methods.TowerAttention`) and for policies that name ``tower_layers`` (VScan's local
+scan reads a shallow layer).
 
 A forward pre-hook on the self-attention of the tower layer whose output the projector reads
-(``vision_feature_layer``) projects that layer's normed input once more (one query row per
-image where the tower has a CLS token; every row, in chunks, where it has none) and keeps
-``[images, heads, tokens]``: never an ``N x N`` matrix. It runs on this model instance only
-and is removed with the session's other hooks. Internals of `lightkv.adapters.session`.
+(``vision_feature_layer``), or of a named layer, projects that layer's normed input once more
+(one query row per image where the tower has a CLS token; every row, in chunks, where it has
+none) and keeps ``[images, heads, tokens]``: never an ``N x N`` matrix. It runs on this model
+instance only and is removed with the session's other hooks. Internals of
+`lightkv.adapters.session`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -85,6 +87,25 @@ class TowerTap:
                 "use one"
             )
         return cls(adapter.tower_spec(), wanted.pop())
+
+    @classmethod
+    def at_layer(cls, adapter, layer: int, policy) -> TowerTap:
+        """A tap on 0-based tower layer ``layer``, which ``policy`` reads (its ``tower_layers``;
+        the CLS row where the tower has one, else the mean over queries).
+
+        Raises:
+            ValueError: the tower has no such layer (one line naming the layer and the policy).
+            NotImplementedError: the adapter cannot expose its tower's attention.
+        """
+        try:
+            spec = adapter.tower_spec(layer)
+        except IndexError as e:
+            knob = [f.name for f in fields(policy) if getattr(policy, f.name) == layer]
+            raise ValueError(
+                f"the {policy.name} {policy.family} reads vision tower layer {layer}, but {e}: set "
+                f"{'its ' + knob[0] if knob else 'it'} to a layer the tower has"
+            ) from None
+        return cls(spec)
 
     def install(self) -> list[Any]:
         """Register the hook; returns the handles (removed by the session)."""

@@ -37,6 +37,7 @@ class StageRecord:
     relevance: torch.Tensor | None = None
     provenance: Provenance | None = None
     keys: torch.Tensor | None = None
+    tower: dict[int, torch.Tensor] | None = None
 
 
 @dataclass

@@ -7,14 +7,14 @@ other method uses keeps it here, in its own module, registered under the name it
 
 | module | presets (YAML beside it) | what the module adds |
 |---|---|---|
-| `cdpruner` | ``cdpruner`` | the conditional-DPP pruner |
+| `cdpruner` | ``cdpruner``, ``cdpruner-pos`` | the conditional-DPP pruner |
 | `dart` | ``dart`` | the duplication-aware pivot pruner |
 | `divprune` | ``divprune`` | max-min diversity selection |
 | `holov` | ``holov`` | crop-wise budgets by attention and similarity |
 | `mmtok` | ``mmtok`` | multimodal coverage selection |
 | `scope` | ``scope`` | saliency x coverage selection |
 | `vispruner` | ``vispruner`` | important + diverse selection |
-| `visionzip` | ``visionzip`` | dominant / contextual split; the tower's attention relevance |
+| `visionzip` | ``visionzip`` | dominant / contextual split and merge; the tower attention |
 | `vscan` | ``vscan`` | the global and local scans |
 | `pooling` | ``pool``, ``downsample`` | anchor, resize and strided (ToMe-SD) partitions |
 | `cache_policies` | ``elasticcache``, ``h2o`` | importance partition, accumulated attention |
@@ -23,6 +23,10 @@ other method uses keeps it here, in its own module, registered under the name it
 ``fastv``, ``pdrop``, ``tome`` and ``random`` are compositions of generic pieces alone: their
 YAML sits here with no module. Importing this package registers every method's policies;
 `lightkv.config` does so before it resolves a name.
+
+A preset that carries a paper's name keeps exactly the tokens its authors' released code keeps
+on recorded inputs (``tests/methods/fixtures``: the repository and commit of each); lightkv's
+own variant of a method ships under a name of its own (``cdpruner-pos``).
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ from .lightkv import QuestionSimilarity, RelevanceCoverage
 from .mmtok import MMTok
 from .pooling import AnchorPartitioner, ResizePartitioner, StridedPartitioner
 from .scope import SCOPE
-from .visionzip import DominantContextual, TowerAttention
+from .visionzip import DominantContextual, TargetPlusMean, TowerAttention
 from .vispruner import VisPruner
 from .vscan import VScanScan
 
@@ -75,6 +79,7 @@ __all__ = [
     "ResizePartitioner",
     "SCOPE",
     "StridedPartitioner",
+    "TargetPlusMean",
     "TowerAttention",
     "VScanScan",
     "VisPruner",

@@ -50,9 +50,12 @@ class CDPruner(KeepSetPruner):
     has no question tokens, that row's relevance is uniform (``q = 1``: plain DPP of ``S``)
     instead of an error; also a window whose relevance is constant.
 
-    The sign. The code negates the cosine; its authors say this is a property they saw only
-    in CLIP as used by LLaVA (github.com/Theia-4869/CDPruner/issues/14), so it is a field
-    here, off by default (tokens closer to the question count more).
+    The sign. The code negates the cosine before the normalisation (line 159), so tokens
+    *farther* from the question weigh more in the kernel; its authors say they saw this
+    property in CLIP as LLaVA uses it (github.com/Theia-4869/CDPruner/issues/14). It is the
+    default here (``negate = True``), so the ``cdpruner`` preset keeps the authors' tokens
+    (recorded fixtures, ``tests/methods``); ``negate = False`` is lightkv's variant, the
+    ``cdpruner-pos`` preset (tokens closer to the question weigh more).
 
     What else differs: the minimum and maximum are a window's (one image with the ``global``
     partitioner), not the whole batch's (the code's batch is one image's crops); once the
@@ -65,7 +68,8 @@ class CDPruner(KeepSetPruner):
     Attributes:
         features: the features of ``S``: ``hidden`` (default) or ``keys``. Relevance always
             reads the hidden states (the question's keys are not in the vision tokens' space).
-        negate: negate the relevance cosine, as the authors' LLaVA (CLIP) code does.
+        negate: negate the relevance cosine, as the authors' code does (default); False:
+            the ``cdpruner-pos`` variant.
         theta: None: ``q`` is the normalised relevance (the code's default); a number in
             ``[0, 1)``: ``q = exp(theta / (2 (1 - theta)) * q)`` (0 gives uniform ``q``).
     """
@@ -75,7 +79,7 @@ class CDPruner(KeepSetPruner):
     prompt to the stage (vLLM's embedding step) refuses this pruner rather than run it blind."""
 
     features: Features = "hidden"
-    negate: bool = False
+    negate: bool = True
     theta: float | None = None
 
     def __post_init__(self) -> None:

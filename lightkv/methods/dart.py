@@ -2,13 +2,15 @@
 
 Wen et al., "Stop Looking for Important Tokens in Multimodal Language Models: Duplication
 Matters More", EMNLP 2025 (arXiv:2502.11494); code github.com/ZichenWen1/DART (read from
-its copy github.com/xqy1111111/DART, the original not being reachable here).
+its copy github.com/xqy1111111/DART at 5a19452, the authors' last commit there; the original
+is not reachable here).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -24,46 +26,62 @@ class DART(KeepSetPruner):
     """Pivots by key norm, then per pivot the tokens least similar to it.
 
     The rule of the authors' LLaVA code (``llava/model/language_model/modeling_llama_self.py``,
-    ``get_retained_image_token``, lines 18-76 of xqy1111111/DART at 0247657):
+    ``DART.get_retained_image_token``, lines 397-449 of xqy1111111/DART at 5a19452):
 
-    * it runs before decoder layer ``K = 2`` on the output of layer 1 (``DART_K_norm.forward``,
-      the ``layer_idx == K`` branch): here
-      a stage after 0-based layer 1 (the ``dart`` preset's ``layers: [1]``);
-    * pivots: the ``pivot_image_tokens = 4`` image tokens and ``pivot_text_tokens = 4``
+    * it runs before decoder layer ``K = 2`` on the output of layer 1 (``DART.forward``,
+      the ``layer_idx == K`` branch): here a stage after 0-based layer 1 (the ``dart``
+      preset's ``layers: [1]``);
+    * pivots: the ``pivot_image_token = 4`` image tokens and ``pivot_text_token = 4``
       question tokens (everything after the image) with the largest L1 norm of the layer's
-      keys, all heads concatenated (lines 40-49; defaults from ``scripts/v1_5/eval/*.sh``);
-      the image pivots are kept;
+      keys, all heads concatenated (lines 419-428; defaults from ``llava/eval/*.py``); the
+      image pivots are kept;
+    * the pivots are visited in the iteration order of the Python set of their sequence
+      positions (``for item in list(indices_set)``, line 433): CPython's order, which
+      follows the positions' hashes (an int hashes to itself) modulo the set's table size,
+      not the norms;
     * each pivot in turn takes the ``TOKEN_TOPK`` remaining image tokens with the *lowest*
-      cosine similarity to it, which are kept and leave the candidates (lines 57-69; the
-      cosine is of the final-normed hidden states, ``self.norm(last_layer_state)`` in
-      ``forward``);
-    * ``TOKEN_TOPK = max_num_trunction // (pivots)`` (line 28: ``128 // 8 = 16``).
+      cosine similarity to it, which are kept and leave the candidates (lines 434-443; the
+      cosine is of the final-normed hidden states, ``self.norm(last_layer_state)``);
+    * ``TOKEN_TOPK = max_num_trunction // (pivots)`` (line 409: ``128 // 8 = 16``).
+
+    The pivot order. ``pivot_order = "set"`` (default) visits the pivots as the code does:
+    the iteration order of a Python set built from the image pivots' then the question
+    pivots' positions (by decreasing norm), each position counted from the row's first
+    valid token (the code's batch of one has no padding). It is an accident of hashing,
+    reproduced because it changes the kept set (3 of 18 recorded cases equal with the
+    fixed order); ``"norm"`` is lightkv's fixed order (image pivots, then question pivots,
+    each by decreasing norm). ``docs/concepts/low-budget.md`` gives the measured effect.
 
     Here the kept count is each window's exact budget ``k`` (`exact_removals`), not
     ``4 + 8 * 16 = 132``: ``min(pivot_image_tokens, k)`` image pivots, and the other picks
-    split evenly over the window's pivots, the first ``picks % pivots`` taking one more.
+    split evenly over the window's pivots, the first ``picks % pivots`` (in visiting order)
+    taking one more; with ``k = 4 + 8 t`` every pivot takes ``t``, the code's
+    ``TOKEN_TOPK`` for ``max_num_trunction = 8 t`` (the recorded fixtures).
 
-    What differs: pivots are taken in a fixed order (image pivots, then question pivots,
-    each by decreasing norm; the code iterates a Python set); ties (norms, cosines) go to
-    the earliest token; keys are lightkv's (before RoPE; the code's cached keys are after
-    it, which changes their L1 norm); the cosine is of the residual stream (the code applies
-    the final RMSNorm first: the same up to its per-channel weight); the question is the text
-    after the row's last vision token (as `Prompt.question_mask`), and a row with fewer
-    question tokens has fewer pivots; each image (window) is pruned on its own.
+    What differs: ties (norms, cosines) go to the earliest token; keys are lightkv's
+    (before RoPE; the code's are after it, which changes their L1 norm); the cosine is of
+    the residual stream (the code applies the final RMSNorm first: the same up to its
+    per-channel weight); the question is the text after the row's last vision token (as
+    `Prompt.question_mask`), and a row with fewer question tokens has fewer pivots; each
+    image (window) is pruned on its own.
 
     Attributes:
         pivot_image_tokens: image pivots per window (kept; at least 1).
         pivot_text_tokens: question pivots per row (never removed: they are text).
         pivot_features: whose L1 norm picks the pivots: ``keys`` (the code) or ``hidden``.
         features: the features of the cosine: ``hidden`` (the code) or ``keys``.
+        pivot_order: ``set`` (the code's: a Python set's iteration order) or ``norm``.
     """
 
     pivot_image_tokens: int = 4
     pivot_text_tokens: int = 4
     pivot_features: Features = "keys"
     features: Features = "hidden"
+    pivot_order: Literal["set", "norm"] = "set"
 
     def __post_init__(self) -> None:
+        if self.pivot_order not in ("set", "norm"):
+            raise ValueError(f"unknown pivot_order {self.pivot_order!r}; choose set or norm")
         # At least one image pivot: a window of an image without a question must still have
         # a pivot to keep its budget.
         for name, least in (("pivot_image_tokens", 1), ("pivot_text_tokens", 0)):
@@ -74,6 +92,18 @@ class DART(KeepSetPruner):
     @property
     def needs(self) -> frozenset[str]:
         return frozenset({self.features, self.pivot_features}) - {"hidden"}
+
+    @staticmethod
+    def set_order(pos: torch.Tensor, exists: torch.Tensor) -> torch.Tensor:
+        """``[K, P]`` permutation of each window's pivots: the existing ones in the iteration
+        order of ``set(their positions)`` (inserted in the given order), the others after."""
+        perm = []
+        for p, e in zip(pos.tolist(), exists.tolist()):
+            items = [q for q, ok in zip(p, e) if ok]
+            first = {q: i for i, (q, ok) in enumerate(zip(p, e)) if ok}
+            order = [first[q] for q in set(items)]
+            perm.append(order + [i for i in range(len(p)) if i not in order])
+        return torch.tensor(perm, dtype=torch.long, device=pos.device).view(pos.shape)
 
     def keep(self, inputs, count):
         """``[K, a_max]`` bool: each window's image pivots and its pivots' least similar
@@ -123,6 +153,15 @@ class DART(KeepSetPruner):
 
         vec = torch.cat([img_vec, txt_vec], dim=1)  # [K, P, F], image pivots first
         exists = torch.cat([img_exists, txt_exists[row]], dim=1)  # [K, P]
+        if self.pivot_order == "set":
+            # positions in the unpadded row: what the code's set holds
+            at = layout.valid_mask.long().cumsum(1) - 1  # [B, N]
+            img_pos = graph.node_pos[graph.src_slots.gather(1, img_order).clamp_min(0)]
+            pos = torch.cat(
+                [at[row.unsqueeze(1), img_pos], at[row.unsqueeze(1), txt_order[row]]], 1
+            )
+            perm = self.set_order(pos, exists)
+            vec, exists = vec[windows.unsqueeze(1), perm], exists.gather(1, perm)
         picks = count - n_img
         pivots = exists.sum(1).clamp_min(1)
         rank = exists.long().cumsum(1) - 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -52,17 +53,26 @@ class HoloV(KeepSetPruner):
     ``llava_arch.py`` line 143). It is the stage's relevance here (``inputs.relevance``):
     the ``holov`` preset uses ``relevance: tower_attention`` with ``heads: mean``.
 
+    Overflow. Where a crop's share exceeds its size the code keeps the whole crop, loses the
+    excess and pads the image with zero vectors up to ``T`` (lines 115-143). With ``overflow =
+    "pad"`` (default) so does lightkv: each crop keeps ``min(share, size)`` tokens and the
+    budget's remaining slots stay as zero vectors (`Pruner.choose`'s ``zeroed``: the window's
+    last tokens not kept, whose states a `lightkv.Stage` sets to 0), so the image still holds
+    ``T`` tokens and its real ones are the code's. ``"spread"`` is lightkv's variant: the
+    excess goes one token at a time to the crops not yet full, earliest first
+    (`allocate_removals`), so ``T`` real tokens stay (with no crop overflowing both are the
+    code's allocation). With a merging passer (the preset drops) a dropped token may merge into
+    a padding slot and leave with it: use ``spread`` there.
+
     What is the same: the crops, the diversity statistic, the scores, the floor-and-top-up
-    allocation, attention top-k within crops. What differs: the budget is each window's
-    exact `exact_removals` count; where a crop's share exceeds its size (the code keeps the
-    crop and loses the excess, then pads the image with zero vectors, lines 120-143) the
-    excess goes one token at a time to the crops not yet full, earliest first, by
-    `allocate_removals` (so exactly ``T`` real tokens stay; with no crop overflowing this is
-    the code's allocation); ties (top-up weights, in-crop saliency) go to the earliest;
-    the features are the stage's (in the pre-LLM mode the projected embeddings, as the
-    code's ``image_features`` after ``mm_projector``); every window (one image with the
-    ``global`` partitioner) of the batch runs at once, where the code concatenates a
-    LLaVA-NeXT image's base and crop features into one sequence.
+    allocation, attention top-k within crops, the padding. What differs: the budget is each
+    window's exact `exact_removals` count; the zero vectors sit at the places of the image's
+    last dropped tokens and the kept tokens keep their places (the code concatenates the
+    crops' picks, each crop's in decreasing attention, then the zeros); ties (top-up weights,
+    in-crop saliency) go to the earliest; the features are the stage's (in the pre-LLM mode
+    the projected embeddings, as the code's ``image_features`` after ``mm_projector``); every
+    window (one image with the ``global`` partitioner) of the batch runs at once, where the
+    code concatenates a LLaVA-NeXT image's base and crop features into one sequence.
 
     Attributes:
         crops: crops per window (the code's ``num_patches = 16``).
@@ -70,6 +80,8 @@ class HoloV(KeepSetPruner):
         scale: saliency scale (1e3).
         eps: the code's ``esp`` (1e-6) in the normalisation and the ratios.
         features: ``hidden`` or ``keys``.
+        overflow: ``pad`` (the code: a full crop's excess slots become zero vectors) or
+            ``spread`` (the excess goes to the crops not yet full).
     """
 
     crops: int = 16
@@ -77,8 +89,11 @@ class HoloV(KeepSetPruner):
     scale: float = 1e3
     eps: float = 1e-6
     features: Features = "hidden"
+    overflow: Literal["pad", "spread"] = "pad"
 
     def __post_init__(self) -> None:
+        if self.overflow not in ("pad", "spread"):
+            raise ValueError(f"unknown overflow {self.overflow!r}; choose pad or spread")
         if isinstance(self.crops, bool) or not isinstance(self.crops, int) or self.crops < 1:
             raise ValueError(f"crops must be a positive integer, got {self.crops!r}")
         for name in ("alpha", "scale", "eps"):
@@ -156,14 +171,34 @@ class HoloV(KeepSetPruner):
         rank = torch.empty_like(order)
         rank.scatter_(1, order, torch.arange(p, device=dev).expand_as(order))
         base = base + ((rank < left.unsqueeze(1)) & present).long()
+        if self.overflow == "pad":  # a crop keeps at most its size; the rest become zero vectors
+            return crop, torch.minimum(base, size)
         group = torch.arange(k, device=dev).repeat_interleave(p)
         kept = allocate_removals(
             base.flatten().to(torch.float64), size.flatten(), group, count
         ).view(k, p)
         return crop, kept
 
+    def choose(self, inputs, ratio):
+        """``(removed, zeroed)``: with ``overflow = "pad"`` the slots a full crop could not use
+        stay as zero vectors: the window's last slots not kept (slots in sequence order)."""
+        valid = inputs.graph.src_slots >= 0
+        removals = self.removals(inputs, ratio)
+        if not bool((removals > 0).any()):
+            return torch.zeros_like(valid), None
+        count = valid.sum(1) - removals
+        kept = self.keep(inputs, count)
+        free = valid & ~kept
+        after = free.flip(1).long().cumsum(1).flip(1)  # free slots at or after each slot
+        pads = free & (after <= (count - kept.sum(1)).unsqueeze(1))
+        return free & ~pads, pads
+
+    def select(self, inputs, ratio):
+        return self.choose(inputs, ratio)[0]
+
     def keep(self, inputs, count):
-        """``[K, a_max]`` bool: per crop, its share of ``count[k]`` by saliency."""
+        """``[K, a_max]`` bool: per crop, its share of ``count[k]`` by saliency (with
+        ``overflow = "pad"`` fewer where a crop's share exceeds its size)."""
         valid = inputs.graph.src_slots >= 0
         k, a = valid.shape
         if k == 0 or int(count.max()) == 0:

@@ -7,9 +7,9 @@ CLS attention in the vision tower, `lightkv.methods.visionzip.TowerAttention`) s
 of the rest, ``c = k - d`` evenly spaced targets receive every other remaining token, each
 merged into its most similar target. As a partition: dominant tokens are outside the
 graph, targets are side B, every other remaining token is side A, and an image is one
-window; with the ``all_sources`` pruner, a ``cosine`` scorer and the ``size_mean`` passer a
-stage is VisionZip's contextual merging (each target becomes the mean of itself and the
-tokens assigned to it).
+window; with the ``all_sources`` pruner, a ``cosine`` scorer and the ``target_plus_mean``
+passer (`TargetPlusMean`) a stage is VisionZip's contextual merging (each target becomes
+itself plus the mean of the tokens assigned to it, as the authors' code computes it).
 
 `TowerAttention`: relevance read inside the vision tower, before the language model sees the
 image.
@@ -44,9 +44,10 @@ import torch
 from ..graph.scatter import segment_rank
 from ..policies.counts import image_vision_counts, kept_count
 from ..policies.partitioners import Partition, Partitioner
+from ..policies.passers import MessagePasser
 from ..policies.relevance import Heads, Relevance, _check_heads, _reduce_heads
 
-__all__ = ["DominantContextual", "TowerAttention"]
+__all__ = ["DominantContextual", "TargetPlusMean", "TowerAttention"]
 
 
 @Partitioner.register("dominant_context")
@@ -55,30 +56,40 @@ class DominantContextual(Partitioner):
     """VisionZip's dominant / contextual split of each image.
 
     With ``n`` current vision tokens in an image and the stage's removal ratio ``P``, the
-    image keeps ``k = n - floor(P n)`` (`lightkv.policies.counts.kept_count`), of which
-    ``c = max(1, round(contextual * k))`` are contextual and ``d = k - c`` dominant; nothing
-    happens to an image with ``k = n``. Following VisionZip's ``visionzip/clip_encoder.py``
-    (``CLIPVisionTower_VisionZip.forward``):
+    image's budget is ``k = n - floor(P n)`` slots (`lightkv.policies.counts.kept_count`), of
+    which ``c = max(1, round(contextual * k))`` are contextual and ``d = k - c`` dominant;
+    nothing happens to an image with ``k = n``. Following VisionZip's ``visionzip/clip_encoder.py``
+    (``CLIPVisionTower_VisionZip.forward``, github.com/dvlab-research/VisionZip at 3151f6d):
 
-    * dominant: the top-``d`` tokens by relevance ξ (``cls_attention_sum.topk``); ties go
-      to the earlier token. VisionZip also always keeps the CLS token, which LLaVA's
-      ``default`` feature selection has already dropped before the language model; here
-      all ``d`` are image tokens.
-    * targets: of the ``R = n - d`` remaining tokens in sequence order, those at
+    * the CLS slot: ``visionzip(model, dominant=54, contextual=10)`` keeps 64 tokens, the CLS
+      token and 53 patches among the 54 dominant ones (``visionzip/main.py`` sets
+      ``dominant_num = dominant - 1``; the CLS index is prepended to the top-k). With
+      ``cls_slot`` (default) one dominant slot is the CLS token's, so ``d - 1`` patches are
+      dominant; LLaVA's default feature selection drops the CLS token before the language
+      model, so that slot stays empty and the image keeps ``k - 1`` tokens. The contextual
+      targets are placed among the ``n - d + 1`` other patches, as in the code.
+      ``cls_slot = False`` spends all ``d`` slots on patches (lightkv's former variant:
+      ``k`` tokens kept);
+    * dominant: the top patches by relevance ξ (``cls_attention_sum.topk``); ties go to the
+      earlier token;
+    * targets: of the ``R`` remaining patches in sequence order, those at
       ``0, step, 2 step, ...`` with ``step = max(1, R // c)``, the first ``c`` of them
-      (``torch.arange(0, R, step)[:c]``).
+      (``torch.arange(0, R, step)[:c]``);
     * the other remaining tokens are sources, merged into the target of highest
       similarity (the stage's scorer; VisionZip uses the tower layer's keys averaged over
-      heads, a stage here the features its scorer reads).
+      heads, a stage here the features its scorer reads) by the stage's passer (the
+      code's ``target + mean(assigned)``: `TargetPlusMean`).
 
     VisionZip's released budgets are 54 + 10, 108 + 20 and 162 + 30 of 576 tokens, a
     contextual share of 10/64 at each.
 
     Attributes:
-        contextual: share of the kept tokens that are contextual (merged) tokens.
+        contextual: share of the kept slots that are contextual (merged) tokens.
+        cls_slot: one dominant slot is the (absent) CLS token's, as in the authors' code.
     """
 
     contextual: float = 10 / 64
+    cls_slot: bool = True
 
     def __post_init__(self) -> None:
         if (
@@ -87,6 +98,8 @@ class DominantContextual(Partitioner):
             or not (0.0 < float(self.contextual) <= 1.0)
         ):
             raise ValueError(f"contextual must be a share in (0, 1], got {self.contextual!r}")
+        if not isinstance(self.cls_slot, bool):
+            raise ValueError(f"cls_slot must be true or false, got {self.cls_slot!r}")
 
     def partition(self, inputs):
         layout = inputs.layout
@@ -104,6 +117,8 @@ class DominantContextual(Partitioner):
         c = torch.where(k < n, torch.round(k.double() * float(self.contextual)).long().clamp(1), 0)
         c = torch.minimum(c, k)
         d = k - c
+        if self.cls_slot:  # the CLS token takes one dominant slot; it is not in this sequence
+            d = torch.where(k < n, (d - 1).clamp_min(0), d)
         img = layout.image[vision]  # [M] in sequence order
         xi = inputs.relevance[vision].to(torch.float64)
         # rank by relevance inside each image: descending xi, ties to the earlier token
@@ -128,6 +143,21 @@ class DominantContextual(Partitioner):
         used = torch.unique(window[window >= 0], sorted=True, return_inverse=True)[1]  # compact ids
         window[window >= 0] = used
         return Partition(window, is_src)
+
+
+@MessagePasser.register("target_plus_mean")
+@dataclass
+class TargetPlusMean(MessagePasser):
+    """VisionZip's contextual token: the target plus the mean of the tokens merged into it,
+    ``x_b + sum_a s_a x_a / sum_a s_a`` (``s``: the tokens' sizes, 1 before any merge), not the
+    mean of both (``contextual_tokens = target_hidden + aggregated_hidden`` in the authors'
+    ``visionzip/clip_encoder.py``). A target with nothing merged into it stays as it is."""
+
+    def weight(self, relevance, size):
+        return size.to(torch.float64)
+
+    def update(self, x, w, agg, agg_w):
+        return x.add_(agg.div_(agg_w.unsqueeze(-1)))
 
 
 @Relevance.register("tower_attention")

@@ -49,29 +49,48 @@ class VScanScan(Partitioner):
       ``local_ratio = 0.5``, lines 270-274) shared evenly over the image's tiles (6 x 6
       tokens on a 24 x 24 grid: ``tiles = 4`` per side), ``floor(floor(local k) / tiles)``
       each (line 225), the most attended tokens of each tile (``topk``, line 237);
-    * global scan: the ``k - (local picks)`` most attended of the other tokens (lines
+    * global scan: the ``k - floor(local k)`` most attended of the other tokens (lines
       276-279: the local picks' attention is zeroed, then ``topk``);
     * every other token is averaged into its most similar kept token by cosine of the
       projected features (``token_merging``, lines 142-197, ``scaling = 1``: the mean of
       the kept token and the tokens merged into it).
 
-    What is the same: the shares, the per-tile quota, the global top-k, the merge. What differs:
-    both scans read one relevance, the stage's (the ``vscan`` preset: the tower's CLS attention at
-    the layer the projector reads, averaged over heads, which is the code's global-scan attention,
-    ``image_attentions[-2]``, line 268, averaged over heads at line 256); the code's local scan
-    reads a shallow tower layer's (``image_attentions[5]``, line 267), which lightkv's tower
-    relevance does not expose. The global count is ``k`` minus the local picks (the code's ``k -
-    floor(local k)`` keeps fewer than ``k`` when ``floor(local k)`` is not a multiple of the tile
-    count); a tile smaller than its quota gives all its tokens; tiles are `grid_windows`' bands on
-    any grid (the code asserts 24 x 24); ties go to the earliest token.
+    The local scan's layer. The code's local scan reads a shallow tower layer's CLS attention
+    (``image_attentions[5]``, line 267: layer 5 of CLIP ViT-L's 24), its global scan the layer
+    the projector reads (``image_attentions[-2]``, line 268). So does this partitioner: the
+    global scan reads the stage's relevance (the ``vscan`` preset: ``tower_attention`` with
+    ``heads: mean``), the local scan ``StageInputs.tower[local_layer]`` averaged over heads
+    (``local_layer = 5``; the adapter reads that layer because it is in `tower_layers`; a
+    tower with fewer layers is refused in one line naming the layer). ``local_layer = None``
+    reads the stage's relevance for both scans.
+
+    The counts. The code's global scan keeps ``k - floor(local k)`` tokens (line 279), so
+    where ``floor(local k)`` is not a multiple of the tile count its image keeps fewer than
+    ``k`` (98 of 100 at 576 tokens; on small grids far fewer: 6 of 11 on an 8 x 8 grid, whose
+    16 tiles get no local pick). That shortfall is not copied: the global scan fills the
+    budget (``fill = True``, the default: ``k`` minus the local picks), so the kept tokens are
+    the code's plus the next ones of its global scan; ``fill = False`` keeps the code's count.
+
+    What is the same (recorded fixtures at 576 tokens: the code's kept tokens and merged
+    outputs, exactly where its count is ``k``): the shares, the per-tile quota, the global top-k,
+    the merge. What differs: tiles
+    are `grid_windows`' bands on any grid (the code's 6 x 6 windows assert a 24 x 24 grid: on
+    other grids it does not run); a tile smaller than its quota gives all its tokens; ties go to
+    the earliest token; kept tokens keep their places in the sequence.
 
     Attributes:
         local: share of the kept tokens chosen by the local scan (the code's 0.5).
         tiles: tiles per image side for the local scan (the code's 24 / 6 = 4).
+        local_layer: 0-based tower layer whose CLS attention the local scan reads (the code's
+            5), or None: the stage's relevance.
+        fill: the global scan fills the budget exactly (default) instead of keeping the
+            code's ``k - floor(local k)``.
     """
 
     local: float = 0.5
     tiles: int = 4
+    local_layer: int | None = 5
+    fill: bool = True
 
     def __post_init__(self) -> None:
         if (
@@ -82,6 +101,19 @@ class VScanScan(Partitioner):
             raise ValueError(f"local must be a share in [0, 1], got {self.local!r}")
         if isinstance(self.tiles, bool) or not isinstance(self.tiles, int) or self.tiles < 1:
             raise ValueError(f"tiles must be a positive integer, got {self.tiles!r}")
+        layer = self.local_layer
+        if layer is not None and (
+            isinstance(layer, bool) or not isinstance(layer, int) or layer < 0
+        ):
+            raise ValueError(
+                f"local_layer must be a tower layer (an integer >= 0) or null, got {layer!r}"
+            )
+        if not isinstance(self.fill, bool):
+            raise ValueError(f"fill must be true or false, got {self.fill!r}")
+
+    @property
+    def tower_layers(self) -> tuple[int, ...]:
+        return () if self.local_layer is None else (self.local_layer,)
 
     def partition(self, inputs):
         layout = inputs.layout
@@ -108,12 +140,17 @@ class VScanScan(Partitioner):
             tiles_per_img.clamp_min(1),
             rounding_mode="floor",
         )  # [I]
-        local = _rank(xi, tile) < quota[img]
+        if self.local_layer is None:
+            shallow = xi
+        else:  # the shallow layer's attention, averaged over heads (the code's .mean(dim=2))
+            shallow = inputs.tower[self.local_layer].to(torch.float64).mean(1)[vision]
+        local = _rank(shallow, tile) < quota[img]
         n_local = scatter_sum(local.long(), img, layout.num_images)
+        n_global = (k - n_local) if self.fill else k - torch.floor(k.double() * self.local).long()
         rest = _rank(
             xi.masked_fill(local, -math.inf), img
         )  # the non-local first: their rank among themselves
-        kept = local | (~local & (rest < (k - n_local)[img]))
+        kept = local | (~local & (rest < n_global[img]))
         busy = k[img] < n[img]  # images that lose tokens
         window = Partition.empty(layout).window
         is_src = torch.zeros_like(vision)

@@ -201,6 +201,13 @@ class Policy:
         hidden states and the layout (e.g. ``{"keys"}``); adapters compute only these."""
         return frozenset()
 
+    @property
+    def tower_layers(self) -> tuple[int, ...]:
+        """0-based vision tower layers whose attention this policy reads from
+        `lightkv.policies.StageInputs.tower` (VScan's local scan: a shallow layer); adapters
+        that expose the tower read exactly these."""
+        return ()
+
     @classmethod
     def _load_entry_points(
         cls, first: str | None = None, done: Callable[[], bool] = lambda: False

@@ -50,6 +50,9 @@ class StageInputs:
             for policies conditioned on what the prompt says (e.g. CDPruner's instruction
             relevance reads the question's embeddings through ``prompt.question_mask``);
             None when the caller has no ids.
+        tower: ``{layer: [B, H, N]}``: the attention each current token's patch received
+            per head inside the vision tower at the 0-based tower layers the stage's policies
+            name in ``tower_layers`` (adapters compute it for those), else None.
     """
 
     layout: VisionLayout
@@ -62,6 +65,7 @@ class StageInputs:
     divergence_budget: int | None = None
     """Bytes an edge scorer's pairwise intermediates may take at once (the pipeline's
     ``divergence_memory_mib``); None: `lightkv.policies.scorers.DEFAULT_DIVERGENCE_BYTES`."""
+    tower: dict[int, torch.Tensor] | None = None
 
     @classmethod
     def of(
@@ -77,7 +81,8 @@ class StageInputs:
     ) -> StageInputs:
         """Inputs for a stage built from a layout and window settings, without a scheduler.
 
-        ``tensors`` are the other fields (``relevance``, ``keys``, ``provenance``, ``prompt``).
+        ``tensors`` are the other fields (``relevance``, ``keys``, ``provenance``, ``prompt``,
+        ``tower``).
 
         Raises:
             TypeError: ``ratio`` (renamed ``removal_ratio``) or another unknown keyword.
@@ -156,6 +161,12 @@ class StageInputs:
             raise ValueError(
                 f"the prompt has {self.prompt.token_ids.shape[0]} rows, the layout {b}"
             )
+        for layer, att in (self.tower or {}).items():
+            if not isinstance(att, torch.Tensor) or att.dim() != 3 or att.shape[::2] != (b, n):
+                raise ValueError(
+                    f"tower attention of layer {layer} must be [B, H, N] with B, N = {(b, n)}, got "
+                    f"{tuple(att.shape) if isinstance(att, torch.Tensor) else type(att).__name__}"
+                )
         if self.keys is not None:
             if self.keys.dim() not in (3, 4) or tuple(self.keys.shape[:2]) != (b, n):
                 raise ValueError(

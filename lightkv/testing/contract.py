@@ -66,10 +66,12 @@ DIM = 16
 HEADS, HEAD_DIM = 2, 4
 
 
-def contract_batch(dtype: torch.dtype = torch.float32, seed: int = 0) -> StageInputs:
+def contract_batch(
+    dtype: torch.dtype = torch.float32, seed: int = 0, tower_layers: tuple[int, ...] = ()
+) -> StageInputs:
     """The batch the contract runs on: 3 rows, images of 6x6 and 4x5 tokens (row 0), one
     5x5 image after left padding (row 1), text only (row 2); random hidden states, keys
-    and relevance (zero outside vision tokens)."""
+    and relevance (zero outside vision tokens), and tower attention at ``tower_layers``."""
     n = 3 + 36 + 2 + 20 + 3
     segments = [
         ImageSegment(row=0, offset=3, grid=(6, 6)),
@@ -85,7 +87,8 @@ def contract_batch(dtype: torch.dtype = torch.float32, seed: int = 0) -> StageIn
     keys = torch.randn(3, n, HEADS, HEAD_DIM, generator=gen).to(dtype)
     relevance = torch.rand(3, n, generator=gen).masked_fill(~layout.vision_mask, 0.0)
     spec = StageSpec(0, 0.5, windows_per_side=2)
-    return StageInputs(layout, spec, hidden=hidden, relevance=relevance, keys=keys)
+    tower = {i: torch.rand(3, HEADS, n, generator=gen) for i in tower_layers} or None
+    return StageInputs(layout, spec, hidden=hidden, relevance=relevance, keys=keys, tower=tower)
 
 
 def _row(inputs: StageInputs, b: int) -> StageInputs:
@@ -98,6 +101,7 @@ def _row(inputs: StageInputs, b: int) -> StageInputs:
         hidden=inputs.hidden[b : b + 1],
         relevance=inputs.relevance[b : b + 1],
         keys=inputs.keys[b : b + 1],
+        tower={i: t[b : b + 1] for i, t in inputs.tower.items()} if inputs.tower else None,
     )
 
 
@@ -152,7 +156,7 @@ def _check_params(policy: Policy, cls: type) -> None:
 
 def _check_stage(policy: Policy, dtype: torch.dtype) -> None:
     """Batch-row independence and identity at ratio 0 through a whole stage."""
-    inputs = contract_batch(dtype)
+    inputs = contract_batch(dtype, tower_layers=policy.tower_layers)
     stage = _stage(policy, inputs.spec)
     batch = stage.run(inputs)
     if batch.hidden.dtype != dtype:
@@ -197,7 +201,7 @@ def _check_stage(policy: Policy, dtype: torch.dtype) -> None:
 
 
 def _check_partitioner(policy: Partitioner) -> None:
-    inputs = contract_batch()
+    inputs = contract_batch(tower_layers=policy.tower_layers)
     part = policy.partition(inputs)
     shape = (inputs.batch_size, inputs.seq_len)
     if tuple(part.window.shape) != shape or part.window.dtype != torch.long:

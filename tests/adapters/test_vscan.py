@@ -1,7 +1,8 @@
 """The ``vscan`` preset inside LLaVA: its two stages (scan and merge before the LLM, then the
 last token's attention after the middle layer) keep the promised counts, rows alone equal rows
-in the padded batch (sdpa and eager), bf16 runs, ratio 0 is the identity, the second stage reads
-the last token's attention, and the families without tower attention refuse it."""
+in the padded batch (sdpa and eager), bf16 runs, ratio 0 is the identity, the local scan reads
+the tower layer it names and the second stage the last token's attention, a tower too shallow
+for the local scan's layer and the families without tower attention refuse it."""
 
 from __future__ import annotations
 
@@ -24,11 +25,40 @@ GEN = {
 }
 
 
-def vscan(first: float = 5 / 6, later: float = 0.6666666666666667):
+def vscan(first: float = 5 / 6, later: float = 0.6666666666666667, local_layer: int | None = 0):
+    """The preset at other ratios; its local scan reads tower layer ``local_layer`` (the tiny
+    tower has one layer, 0; the preset's 5 is CLIP ViT-L's)."""
     pipe = lightkv.load("vscan")
+    pipe = replace(pipe, partitioner=replace(pipe.partitioner, local_layer=local_layer))
     return pipe.with_scheduler(
         replace(pipe.scheduler, removal_ratio=first, later_removal_ratio=later)
     )
+
+
+def test_a_tower_too_shallow_for_the_local_scan_is_refused_in_one_line():
+    model = get_model("llava")
+    with pytest.raises(ValueError) as e:
+        apply(lightkv.load("vscan"), model)
+    assert str(e.value) == (
+        "the vscan_scan partitioner reads vision tower layer 5, but this model's vision tower has "
+        "layers 0-0 only: set its local_layer to a layer the tower has"
+    )
+
+
+def test_the_local_scan_reads_the_cls_attention_of_its_tower_layer():
+    model = get_model("llava", "eager")
+    fam = TINY_MODELS["llava"]
+    batch = fam.collate(fam.examples(model)[:2])
+    with apply(vscan(), model, record=True) as session:
+        model(**batch)
+    rec = session.records[0]
+    tower = model.model.vision_tower(batch["pixel_values"], output_attentions=True)
+    cls = tower.attentions[0][:, :, 0, 1:]  # [images, heads, patches]: layer 0's CLS row
+    layout = rec.layout
+    for img in range(layout.num_images):
+        mine = (layout.image == img) & layout.vision_mask
+        row = int(mine.any(1).nonzero()[0])
+        torch.testing.assert_close(rec.tower[0][row][:, mine[row]], cls[img], rtol=1e-5, atol=1e-6)
 
 
 def test_two_stages_keep_the_promised_counts():

@@ -22,14 +22,26 @@ def _cos(a: list[float], b: list[float]) -> float:
 
 
 def slow_dart(
-    hidden, keys, image: list[int], question: list[int], keep: int, p_img: int, p_txt: int
+    hidden,
+    keys,
+    image: list[int],
+    question: list[int],
+    keep: int,
+    p_img: int,
+    p_txt: int,
+    at: dict[int, int] | None = None,
 ) -> list[int]:
-    """Positions kept of one image; ``hidden [N, D]``, ``keys [N, H, d]`` of its row."""
+    """Positions kept of one image; ``hidden [N, D]``, ``keys [N, H, d]`` of its row. With
+    ``at`` (a position's index in the unpadded row) the pivots are visited in the order of a
+    Python set of those indices (the authors' code), else image pivots then question pivots."""
     l1 = {p: sum(abs(v) for v in keys[p].flatten().tolist()) for p in image + question}
     n_img = min(p_img, keep)
     img_piv = sorted(image, key=lambda p: (-l1[p], p))[:n_img]
     txt_piv = sorted(question, key=lambda p: (-l1[p], p))[:p_txt]
     pivots = img_piv + txt_piv
+    if at is not None:
+        back = {at[p]: p for p in pivots}
+        pivots = [back[i] for i in set(at[p] for p in pivots)]
     picks = keep - n_img
     kept = list(img_piv)
     for i, pivot in enumerate(pivots):
@@ -46,8 +58,9 @@ def slow_dart(
     ratio=st.sampled_from([0.3, 0.5, 0.7777777777777778, 0.95]),
     p_img=st.integers(1, 5),
     p_txt=st.integers(0, 5),
+    order=st.sampled_from(["set", "norm"]),
 )
-def test_equals_the_slow_reference(case, ratio, p_img, p_txt):
+def test_equals_the_slow_reference(case, ratio, p_img, p_txt, order):
     keys = torch.randn(
         *case.hidden.shape[:2],
         2,
@@ -58,7 +71,10 @@ def test_equals_the_slow_reference(case, ratio, p_img, p_txt):
     stage = StageInputs.of(case.layout, case.hidden, windows_per_side=1, keys=keys)
     prune = prune_inputs(stage)
     got = kept_positions(
-        prune, DART(pivot_image_tokens=p_img, pivot_text_tokens=p_txt).select(prune, ratio)
+        prune,
+        DART(pivot_image_tokens=p_img, pivot_text_tokens=p_txt, pivot_order=order).select(
+            prune, ratio
+        ),
     )
     layout, graph = case.layout, prune.graph
     for w in range(graph.num_windows):
@@ -68,8 +84,10 @@ def test_equals_the_slow_reference(case, ratio, p_img, p_txt):
         last = max(p for p in range(layout.seq_len) if layout.vision_mask[row, p])
         question = [p for p in range(last + 1, layout.seq_len) if layout.text_mask[row, p]]
         keep = len(image) - math.floor(len(image) * ratio + 1e-9)
+        valid = [p for p in range(layout.seq_len) if layout.valid_mask[row, p]]
+        at = {p: i for i, p in enumerate(valid)} if order == "set" else None
         assert got[w] == slow_dart(
-            case.hidden[row], keys[row], image, question, keep, p_img, p_txt
+            case.hidden[row], keys[row], image, question, keep, p_img, p_txt, at
         ), f"window {w}"
 
 
@@ -103,4 +121,6 @@ def test_parameters_are_checked_and_keys_are_needed():
         DART(pivot_image_tokens=0)
     with pytest.raises(ValueError, match="pivot_text_tokens"):
         DART(pivot_text_tokens=-1)
+    with pytest.raises(ValueError, match="unknown pivot_order 'hash'; choose set or norm"):
+        DART(pivot_order="hash")
     assert DART().needs == {"keys"} and DART(pivot_features="hidden").needs == frozenset()

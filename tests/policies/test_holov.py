@@ -1,5 +1,7 @@
 """HoloV against a slow loop written from the paper's crop scores and budget rule (the authors'
-``HoloV`` function step by step), with lightkv's rule for a crop whose share exceeds its size."""
+``HoloV`` function step by step): a crop whose share exceeds its size keeps all its tokens and
+the image's remaining slots become zero vectors (the code's padding), or with ``overflow:
+spread`` (lightkv's variant) the excess goes to the crops not yet full."""
 
 from __future__ import annotations
 
@@ -34,7 +36,11 @@ def slow_crops(n: int, crops: int) -> list[list[int]]:
     return out
 
 
-def slow_holov(tokens, saliency, keep, crops=16, alpha=0.09, scale=1e3, eps=1e-6) -> list[int]:
+def slow_holov(
+    tokens, saliency, keep, crops=16, alpha=0.09, scale=1e3, eps=1e-6, overflow="pad"
+) -> list[int]:
+    """The kept tokens' indices (with ``pad``: the real ones; ``keep`` minus their number are
+    zero vectors)."""
     unit = [[v / (math.sqrt(sum(u * u for u in t)) + eps) for v in t] for t in tokens]
     runs = slow_crops(len(tokens), crops)
     scores = []
@@ -60,10 +66,10 @@ def slow_holov(tokens, saliency, keep, crops=16, alpha=0.09, scale=1e3, eps=1e-6
     by_weight = sorted(range(len(runs)), key=lambda p: (-weights[p], p))
     for p in by_weight[: max(left, 0)]:
         share[p] += 1
-    # lightkv's rule where a share exceeds its crop: cap it, then hand the excess out one token
+    # a share exceeding its crop is capped; lightkv's spread then hands the excess out one token
     # at a time to the crops not yet full, earliest first (round after round)
     share = [min(s, len(run)) for s, run in zip(share, runs)]
-    while sum(share) < keep:
+    while overflow == "spread" and sum(share) < keep:
         for p, run in enumerate(runs):
             if sum(share) < keep and share[p] < len(run):
                 share[p] += 1
@@ -86,9 +92,10 @@ def _with_relevance(stage: StageInputs, relevance: torch.Tensor):
     crops=st.sampled_from([1, 3, 4, 16]),
     seed=st.integers(0, 2**31 - 1),
     ties=st.booleans(),
+    overflow=st.sampled_from(["pad", "spread"]),
     data=st.data(),
 )
-def test_equals_the_slow_loop(n, dim, crops, seed, ties, data):
+def test_equals_the_slow_loop(n, dim, crops, seed, ties, overflow, data):
     keep = data.draw(st.integers(0, n))
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n + 3, dim, generator=gen, dtype=torch.float64)
@@ -96,9 +103,17 @@ def test_equals_the_slow_loop(n, dim, crops, seed, ties, data):
     if ties:  # a few saliency levels: in-crop ties go to the earliest token
         relevance = torch.floor(relevance * 3) / 3
     prune = _with_relevance(one_image(hidden), relevance)
-    removed = HoloV(crops=crops).select(prune, 1 - keep / n)
-    picks = slow_holov(hidden[1 : 1 + n].tolist(), relevance[0, 1 : 1 + n].tolist(), keep, crops)
-    assert kept_positions(prune, removed) == [sorted(1 + p for p in picks)]
+    removed, zeroed = HoloV(crops=crops, overflow=overflow).choose(prune, 1 - keep / n)
+    picks = slow_holov(
+        hidden[1 : 1 + n].tolist(), relevance[0, 1 : 1 + n].tolist(), keep, crops, overflow=overflow
+    )
+    dropped = [p for p in range(n) if p not in picks]
+    pads = dropped[len(dropped) - (keep - len(picks)) :] if keep > len(picks) else []
+    if keep == n:  # nothing to remove: the image stays whole (the code would still run)
+        assert zeroed is None and not removed.any()
+        return
+    assert kept_positions(prune, removed | zeroed) == [sorted(1 + p for p in picks)]
+    assert kept_positions(prune, ~zeroed) == [sorted(1 + p for p in pads)]
 
 
 def test_the_budget_follows_the_crop_scores():

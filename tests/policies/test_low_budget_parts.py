@@ -46,24 +46,29 @@ def layout2():
     )
 
 
-def visionzip_stage(ratio, contextual=10 / 64):
+def visionzip_stage(ratio, contextual=10 / 64, authors=True):
+    """VisionZip's stage: the authors' (a CLS slot, target plus mean) or lightkv's variant (all
+    slots on patches, the mean of the target and the tokens merged into it)."""
     return Stage(
         StageSpec(0, ratio, windows_per_side=1, mode="pre_llm"),
-        partitioner=DominantContextual(contextual),
+        partitioner=DominantContextual(contextual, cls_slot=authors),
         scorer=EdgeScorer.create("cosine"),
         pruner=AllSources(),
-        passer=MessagePasser.create("size_mean"),
+        passer=MessagePasser.create("target_plus_mean" if authors else "size_mean"),
     )
 
 
-def visionzip_oracle(x: torch.Tensor, xi: torch.Tensor, k: int, contextual: float) -> torch.Tensor:
+def visionzip_oracle(
+    x: torch.Tensor, xi: torch.Tensor, k: int, contextual: float, authors: bool = True
+) -> torch.Tensor:
     """One image's kept tokens as VisionZip computes them, one token at a time: ``x [n, D]``
-    in raster order, ``xi [n]`` -> ``[k, D]`` in the order of the kept tokens' positions."""
+    in raster order, ``xi [n]`` -> ``[k, D]`` (``[k - 1, D]`` with the authors' CLS slot) in
+    the order of the kept tokens' positions."""
     n = x.shape[0]
     if k >= n:
         return x
     c = max(1, round(k * contextual))
-    d = k - c
+    d = max(0, k - c - (1 if authors else 0))  # the authors spend a dominant slot on the CLS
     ranked = sorted(range(n), key=lambda i: (-float(xi[i]), i))
     dominant = set(ranked[:d])
     rest = [i for i in range(n) if i not in dominant]
@@ -76,29 +81,36 @@ def visionzip_oracle(x: torch.Tensor, xi: torch.Tensor, k: int, contextual: floa
         sims = [float(F.cosine_similarity(x[i].double(), x[t].double(), dim=0)) for t in targets]
         members[targets[max(range(len(targets)), key=lambda j: (sims[j], -j))]].append(i)
     out = {i: x[i] for i in dominant}
-    out.update(
-        {
-            t: torch.stack([x[m] for m in ms]).double().mean(0).to(x.dtype)
-            for t, ms in members.items()
-        }
-    )
+    for t, ms in members.items():
+        if authors:  # contextual_tokens = target_hidden + aggregated_hidden
+            rest_mean = torch.stack([x[m] for m in ms[1:]]).double().mean(0) if ms[1:] else 0
+            out[t] = (x[t].double() + rest_mean).to(x.dtype)
+        else:
+            out[t] = torch.stack([x[m] for m in ms]).double().mean(0).to(x.dtype)
     return torch.stack([out[i] for i in sorted(out)])
 
 
+def c_d(k: int, n: int) -> tuple[int, int]:
+    """VisionZip's contextual and dominant slots of a budget ``k < n`` (0, 0 at ``k = n``)."""
+    c = max(1, round(k * 10 / 64)) if k < n else 0
+    return c, k - c
+
+
+@pytest.mark.parametrize("authors", [True, False])
 @pytest.mark.parametrize("k_share", [1 / 9, 2 / 9, 0.55])
-def test_visionzip_stage_equals_the_loop_oracle(k_share):
+def test_visionzip_stage_equals_the_loop_oracle(k_share, authors):
     layout = layout2()
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 44, 8, generator=g)
     xi = torch.rand(2, 44, generator=g)
     ratio = 1 - k_share
-    res = visionzip_stage(ratio)(x, layout, xi)
+    res = visionzip_stage(ratio, authors=authors)(x, layout, xi)
     for img, (row, off, (h, w)) in enumerate([(0, 2, (6, 6)), (1, 1, (4, 8)), (1, 34, (2, 4))]):
         n = h * w
         k = int(kept_count(torch.tensor([n]), ratio))
-        want = visionzip_oracle(x[row, off : off + n], xi[row, off : off + n], k, 10 / 64)
+        want = visionzip_oracle(x[row, off : off + n], xi[row, off : off + n], k, 10 / 64, authors)
         mine = res.layout.image[row] == img
-        assert int(mine.sum()) == k
+        assert int(mine.sum()) == want.shape[0] == k - (authors and k < n and c_d(k, n)[1] > 0)
         torch.testing.assert_close(res.hidden[row][mine], want, rtol=1e-5, atol=1e-6)
 
 

@@ -33,28 +33,32 @@ def slow_scan(
     keep: int,
     local=0.5,
     tiles=4,
+    shallow: list[float] | None = None,
+    fill=False,
 ):
     """Indices (into the image's tokens, sequence order) of the kept tokens: per tile (token
     row ``r`` in band ``floor(r * min(tiles, h) / h)``, the same for columns) the
-    ``floor(floor(local * keep) / #tiles)`` most attended, then the most attended of the rest
-    up to ``keep``; ties to the earliest."""
+    ``floor(floor(local * keep) / #tiles)`` most attended by ``shallow`` (default ``xi``), then
+    the ``keep - floor(local * keep)`` (with ``fill``: up to ``keep``) most attended of the rest
+    by ``xi``; ties to the earliest."""
     h, w = grid
     th, tw = min(tiles, h), min(tiles, w)
     tile_of = [(r * th // h, c * tw // w) for r, c in coords]
     quota = math.floor(local * keep) // (th * tw)
+    shallow = xi if shallow is None else shallow
     kept: set[int] = set()
     for tile in sorted(set(tile_of)):
         members = [i for i in range(len(xi)) if tile_of[i] == tile]
-        kept |= set(sorted(members, key=lambda i: (-xi[i], i))[:quota])
+        kept |= set(sorted(members, key=lambda i: (-shallow[i], i))[:quota])
     rest = sorted((i for i in range(len(xi)) if i not in kept), key=lambda i: (-xi[i], i))
-    kept |= set(rest[: keep - len(kept)])
+    kept |= set(rest[: keep - len(kept) if fill else keep - math.floor(local * keep)])
     return kept
 
 
 def _stage(ratio: float) -> Stage:
     return Stage(
         spec=StageSpec(0, ratio, windows_per_side=1, mode="pre_llm"),
-        partitioner=VScanScan(),
+        partitioner=VScanScan(local_layer=None),
         scorer=CosineDivergence(),
         pruner=AllSources(),
         passer=SizeWeightedMean(),
@@ -78,21 +82,31 @@ def _images(case):
     ratio=st.sampled_from([0.0, 0.3, 0.7, 5 / 6, 0.95]),
     tiles=st.sampled_from([1, 2, 4]),
     local=st.sampled_from([0.5, 1.0]),
+    local_layer=st.sampled_from([None, 5]),
+    fill=st.booleans(),
 )
-def test_the_kept_tokens_are_the_slow_scans(case, ratio, tiles, local):
+def test_the_kept_tokens_are_the_slow_scans(case, ratio, tiles, local, local_layer, fill):
+    b, n_seq = case.relevance.shape
+    shallow = torch.rand(b, 3, n_seq, generator=torch.Generator().manual_seed(3))
     inputs = StageInputs.of(
-        case.layout, case.hidden, windows_per_side=1, removal_ratio=ratio, relevance=case.relevance
+        case.layout,
+        case.hidden,
+        windows_per_side=1,
+        removal_ratio=ratio,
+        relevance=case.relevance,
+        tower={5: shallow},
     )
-    part = VScanScan(local=local, tiles=tiles).partition(inputs)
+    scan = VScanScan(local=local, tiles=tiles, local_layer=local_layer, fill=fill)
+    part = scan.partition(inputs)
     layout = case.layout
     for img, (row, pos) in enumerate(_images(case)):
         n = len(pos)
         keep = int(kept_count(torch.tensor([n]), ratio)[0])
         grid = tuple(layout.image_grid[img].tolist())
         coords = [tuple(layout.coords[row, p].tolist()) for p in pos]
-        want = slow_scan(
-            coords, grid, [float(case.relevance[row, p]) for p in pos], keep, local, tiles
-        )
+        xi = [float(case.relevance[row, p]) for p in pos]
+        low = None if local_layer is None else [float(shallow[row, :, p].mean()) for p in pos]
+        want = slow_scan(coords, grid, xi, keep, local, tiles, low, fill)
         got = {i for i, p in enumerate(pos) if part.window[row, p] >= 0 and not part.is_src[row, p]}
         if keep == n:
             assert all(
@@ -114,7 +128,7 @@ def test_the_local_scan_keeps_every_tile_however_the_attention_is_spread():
     inputs = StageInputs.of(
         layout, torch.randn(1, 578, 4), windows_per_side=1, removal_ratio=5 / 6, relevance=xi
     )
-    part = VScanScan().partition(inputs)
+    part = VScanScan(local_layer=None).partition(inputs)
     kept = (part.window[0, 1:577] >= 0) & ~part.is_src[0, 1:577]
     assert int(kept.sum()) == 96
     per_tile = kept.view(4, 6, 4, 6).sum(dim=(1, 3))
@@ -127,7 +141,7 @@ def test_every_dropped_token_is_averaged_into_its_most_similar_kept_token(case, 
     inputs = StageInputs.of(
         case.layout, case.hidden, windows_per_side=1, removal_ratio=ratio, relevance=case.relevance
     )
-    part = VScanScan().partition(inputs)
+    part = VScanScan(local_layer=None).partition(inputs)
     res = _stage(ratio).run(inputs)
     for row, pos in _images(case):
         kept = [p for p in pos if part.window[row, p] >= 0 and not part.is_src[row, p]]
@@ -149,7 +163,7 @@ def test_every_dropped_token_is_averaged_into_its_most_similar_kept_token(case, 
 
 def test_the_partitioner_and_the_schedule_keep_the_contract():
     check_policy(VScanScan)
-    check_policy(VScanScan, local=1.0, tiles=2)
+    check_policy(VScanScan, local=1.0, tiles=2, local_layer=None, fill=True)
     check_policy(PreLLMThenLayer)
 
 
@@ -169,13 +183,18 @@ def test_the_vscan_preset_keeps_96_then_32_of_576_an_average_of_64():
     layout = VisionLayout.from_segments(1, 590, [ImageSegment(row=0, offset=5, grid=(24, 24))])
     hidden = torch.randn(1, 590, 16, generator=torch.Generator().manual_seed(0))
     relevance = torch.rand(1, 590, generator=torch.Generator().manual_seed(1))
+    shallow = {5: torch.rand(1, 4, 590, generator=torch.Generator().manual_seed(2))}
     pipe = lightkv.load("vscan")
-    results = pipe.run(hidden, layout, num_layers=32, relevance=relevance)
+    results = pipe.run(hidden, layout, num_layers=32, relevance=relevance, tower=shallow)
     assert [int(r.layout.vision_counts()[0]) for r in results] == [96, 32]
+    with pytest.raises(ValueError, match=r"vision tower's attention at layer\(s\) \[5\]: pass"):
+        pipe.run(hidden, layout, num_layers=32, relevance=relevance)
     assert average_kept_fraction(pipe.scheduler.plan(32), 32) * 576 == pytest.approx(64, abs=0.01)
 
 
-@pytest.mark.parametrize("bad", [{"local": 1.5}, {"tiles": 0}])
+@pytest.mark.parametrize(
+    "bad", [{"local": 1.5}, {"tiles": 0}, {"local_layer": -1}, {"local_layer": 2.0}, {"fill": 1}]
+)
 def test_parameters_are_checked(bad):
     with pytest.raises(ValueError):
         VScanScan(**bad)

@@ -45,6 +45,7 @@ def provenance_picture(
     from lightkv_lab.bench.budgets import knob_pipeline
     from lightkv_lab.tasks import evaluate as ev
     from lightkv_lab.tasks import model as dg
+    from lightkv_lab.tasks.towers import fit_tower
 
     plt = vis.pyplot()
     path_ = dg.resolve_model(model_dir)
@@ -100,6 +101,7 @@ def provenance_picture(
     num_layers = model.config.text_config.num_hidden_layers
     for i, name in enumerate(methods):
         pipe, _ = knob_pipeline(name, num_layers, target)
+        pipe = fit_tower(pipe, model.config.vision_config.num_hidden_layers)
         with apply(pipe, model, record=True) as session:
             got = ev.answer(model, [ep], grid)[0]
             trace = session.last_prefill

@@ -28,6 +28,7 @@ from lightkv.presets import get_preset
 from lightkv_lab.tasks.digitgrid.config import DEFAULT_CONFIG, Episode, GridConfig
 from lightkv_lab.tasks.digitgrid.vocab import EOS_ID, PAD_ID, VOCAB
 from lightkv_lab.tasks.registry import task_for
+from lightkv_lab.tasks.towers import fit_tower
 
 __all__ = ["EvalResult", "answer", "evaluate", "heldout_episodes", "relevance_mass"]
 
@@ -123,7 +124,7 @@ def evaluate(
     answers: list[list[str]] = []
     kept_sum = bytes_sum = base_sum = 0.0
     t0 = time.perf_counter()
-    session = apply(pipe, model)
+    session = apply(fit_tower(pipe, model.config.vision_config.num_hidden_layers), model)
     for i in range(0, len(episodes), batch):
         chunk = list(episodes[i : i + batch])
         with session:

@@ -31,6 +31,7 @@ import torch
 from lightkv.adapters import apply
 from lightkv_lab.tasks.digitgrid.vocab import EOS_ID, PAD_ID
 from lightkv_lab.tasks.registry import task_for
+from lightkv_lab.tasks.towers import fit_tower
 
 __all__ = ["Conversation", "ScoreResult", "conversations", "kl", "paired_bootstrap", "score"]
 
@@ -136,6 +137,7 @@ def score(
     data = task.data
     n_img = data.num_image_tokens(grid, model.config.vision_config.patch_size)
     pipe = pipeline if pipeline is not None else _identity_pipeline()
+    pipe = fit_tower(pipe, model.config.vision_config.num_hidden_layers)
     with_followup = all(c.followup is not None for c in convs)
     if not with_followup and any(c.followup is not None for c in convs):
         raise ValueError("score needs follow-up questions on all conversations or on none")

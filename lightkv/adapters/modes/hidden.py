@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from ...pipeline import Stage
+from ...stage import Stage
 from .. import features
 from ..masks import drop_padding, gather_position_ids, gather_tokens
 from ..trace import ForwardState, StageRecord
 from .base import SessionContext
+from .tower import TowerMode
 
 if TYPE_CHECKING:
     from .tower import TowerMode
@@ -59,11 +60,17 @@ def compress(
     layout, provenance = st.layout, st.provenance
     relevance, keys = st.pending_relevance, st.pending_keys
     assert layout is not None and st.trace is not None  # a prefill with vision tokens
-    result = drop_padding(stage(hidden, layout, relevance, provenance, keys, st.prompt))
+    # the tower layers a policy reads besides the relevance (VScan's local scan)
+    tower = None
+    if stage.tower_layers:
+        tower_mode = ctx.modes["tower"]
+        assert isinstance(tower_mode, TowerMode)  # stages that read the tower start it
+        tower = {t: tower_mode.per_token(layout, t) for t in stage.tower_layers}
+    result = drop_padding(stage(hidden, layout, relevance, provenance, keys, st.prompt, tower))
     record = StageRecord(layer=i, stage=stage, result=result, tapped=st.pending_tapped)
     if ctx.record:
         record.hidden, record.layout, record.relevance = hidden, layout, relevance
-        record.provenance, record.keys = provenance, keys
+        record.provenance, record.keys, record.tower = provenance, keys, tower
     st.trace.stages.append(record)
     st.layout, st.provenance = result.layout, result.provenance
     st.pending_relevance = st.pending_keys = None

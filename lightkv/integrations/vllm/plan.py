@@ -57,7 +57,7 @@ PIPELINE_KEY = "lightkv"
 PROMPT_AGNOSTIC_PRESETS = ("divprune", "downsample")
 """Shipped presets that run inside vLLM as they are, prompt-blind."""
 
-PROMPT_AWARE_PRESETS = ("cdpruner",)
+PROMPT_AWARE_PRESETS = ("cdpruner", "cdpruner-pos")
 """Shipped presets that run inside vLLM as they are and read the question."""
 
 QUESTION_READERS = frozenset({"question_similarity", "cdpruner"})
@@ -149,6 +149,11 @@ def _refusals(pipeline: Pipeline, stages: list[Stage], name: str) -> list[str]:
             why.append(
                 f"its policies need {', '.join(sorted(stage.needs))} of layer 0, which vLLM "
                 "computes only inside the decoder"
+            )
+        if stage.tower_layers:
+            why.append(
+                f"its policies read the vision tower's attention at layer(s) "
+                f"{list(stage.tower_layers)}, which vLLM's vision encoder does not return"
             )
     if pipeline.proportional_attention:
         why.append(

@@ -89,6 +89,12 @@ class Pruner(Policy):
         """``[K, a_max]`` bool: the A slots to remove."""
         return self.remove_lowest(inputs, self.budget(inputs.graph, ratio))
 
+    def choose(self, inputs: PruneInputs, ratio: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(removed, zeroed)``: `select`'s slots to remove, and ``[K, a_max]`` bool slots that
+        stay but as zero vectors (a method's padding: HoloV's code pads an image whose crops
+        cannot fill its budget), or None. What a `lightkv.Stage` calls."""
+        return self.select(inputs, ratio), None
+
     def remove_lowest(self, inputs: PruneInputs, count: torch.Tensor) -> torch.Tensor:
         """``[K, a_max]`` bool: in each window, the ``count[k]`` A slots with the lowest
         `key` (ties: the earlier token)."""
