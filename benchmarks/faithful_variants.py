@@ -5,7 +5,10 @@ Issue 48 made every preset that carries a paper's name reproduce the authors' co
 (recorded fixtures in ``tests/methods``). This measures what that changed: first-answer
 accuracy as a share of the uncompressed model's (the results pages' "retained"), and the
 paired difference variant minus authors' (points, bootstrap 95% interval), at the benchmarks'
-kept fractions (`lightkv_lab.bench.budgets.knob_pipeline`, the library's knob; the committed results were measured with the laboratory's former budget helper, which placed these presets the same way).
+kept fractions (`lightkv_lab.bench.budgets.knob_pipeline`, the library's knob). The committed
+results were measured before the knob landed, with the laboratory's former budget helper
+(``method_pipeline``, since removed): the pre-LLM presets' pipelines are the same under both;
+DART's and VScan's stages may sit elsewhere now, so rerun before comparing them.
 
     python benchmarks/faithful_variants.py --targets 0.55 0.22 0.11
 
