@@ -26,7 +26,7 @@ from .policies.relevance import QueryAxisSoftmax, Relevance
 from .policies.schedulers import StageSpec
 from .policies.scorers import DEFAULT_DIVERGENCE_BYTES, CosineDivergence, EdgeScorer
 
-__all__ = ["DIVERGENCE_MEMORY_MIB", "Stage", "StageResult", "check_memory"]
+__all__ = ["DIVERGENCE_MEMORY_MIB", "Stage", "StageResult", "check_memory", "placement_problem"]
 
 DIVERGENCE_MEMORY_MIB = DEFAULT_DIVERGENCE_BYTES // 2**20
 """The default memory budget of a stage's pairwise divergence intermediates, in MiB."""
@@ -36,6 +36,32 @@ def check_memory(mib: object) -> None:
     """A positive whole number of MiB, else a `ValueError` naming the option."""
     if isinstance(mib, bool) or not isinstance(mib, int) or mib < 1:
         raise ValueError(f"divergence_memory_mib must be a positive integer (MiB), got {mib!r}")
+
+
+def placement_problem(spec: StageSpec, relevance: Relevance) -> str | None:
+    """Why a stage placed as ``spec`` cannot compute ``relevance`` there (None: it can).
+
+    A stage on a layer's cache (``spec.mode == "cache"``) sees the layer's projections only,
+    not the vision tower's attention nor the prompt's hidden states. `lightkv.apply` and
+    ``lightkv config validate`` both refuse such a stage with this message.
+    """
+    if spec.mode != "cache":
+        return None
+    what = (
+        "the vision tower's attention"
+        if relevance.reads_tower
+        else "the prompt's embeddings (hidden states)"
+        if relevance.reads_hidden
+        else None
+    )
+    if what is None:
+        return None
+    return (
+        f"the stage on layer {spec.layer}'s cache cannot compute relevance {relevance.name!r}: "
+        f"it reads {what}, which a cache stage does not see; run the stage before "
+        "the LLM or after a layer (placement: pre_llm or layer), or use a relevance "
+        "from the layer's projections (accumulated_attention, query_softmax)"
+    )
 
 
 @dataclass(frozen=True)

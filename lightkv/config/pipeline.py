@@ -23,7 +23,7 @@ from ..pipeline import DIVERGENCE_MEMORY_MIB, Pipeline, Stage
 from ..policies import FAMILIES, Policy, StageSpec, average_kept_fraction
 from ..policies.schedulers import place
 from ..quirks import ReleasedQuirks
-from .checks import check_no_stages, mode_without_schedule, validated, validated_mode
+from .checks import check_no_stages, check_stages, mode_without_schedule, validated, validated_mode
 from .errors import ConfigError, _fail
 from .errors_pydantic import translate_errors
 from .overrides import validated_overrides
@@ -254,7 +254,9 @@ class PipelineConfig(BaseModel):
 
         Raises:
             ConfigError: a layer at or beyond the model's depth (the message gives the
-                depth), or a stage override for a stage the model does not get.
+                depth), a stage placed where its relevance cannot be computed (as
+                `lightkv.apply` refuses it), or a stage override for a stage the model does
+                not get.
         """
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
             raise ConfigError(
@@ -276,13 +278,7 @@ class PipelineConfig(BaseModel):
             stages = place(stages, self.placement, num_layers)
         except ValueError as e:
             raise ConfigError([("placement", str(e))]) from None
-        for index in self.stage_overrides:
-            if index >= len(stages):
-                msg = (
-                    f"stage {index} does not exist: on a model with {num_layers} layers the "
-                    f"schedule has {len(stages)} stage(s)"
-                )
-                raise ConfigError([(f"stage_overrides.{index}", msg)])
+        check_stages(self, stages, num_layers)
         return stages
 
     def average_kept_fraction(self, num_layers: int) -> float:

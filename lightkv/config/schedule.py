@@ -31,7 +31,7 @@ from pydantic_core import PydanticCustomError
 
 from ..policies import ExplicitSchedule, ScheduleError, Scheduler
 from ..policies.base import removed_field_message
-from .errors import _did_you_mean, _fail, _plain
+from .errors import _did_you_mean, _fail, _moved, _plain
 from .specs import PolicySpec, _build, _cached, _canonical, _jsonable, _no_bools, _spec_of
 
 __all__ = ["ScheduleConfig", "shorthands"]
@@ -53,11 +53,11 @@ def shorthands() -> dict[str, tuple[str, type[Scheduler]]]:
 def _relocate(err: PydanticCustomError, form: str) -> PydanticCustomError:
     """``err`` (located inside ``{name, params}``) at its place in the form the user wrote
     (a shorthand's keys are the scheduler's parameter names)."""
-    ctx = err.context or {}
-    sub = tuple(ctx.get("subloc", ()))
-    if form != "name" and sub[:1] == ("params",):
-        sub = sub[1:]
-    return _fail(err.type.removeprefix("lightkv_"), ctx.get("message", err.message()), sub)
+
+    def move(sub: tuple[Any, ...]) -> tuple[Any, ...]:
+        return sub[1:] if form != "name" and sub[:1] == ("params",) else sub
+
+    return _moved(err, move)
 
 
 def _form(data: dict[str, Any], short: dict[str, tuple[str, type[Scheduler]]]) -> str:
@@ -132,12 +132,7 @@ def canonical_schedule(data: Any) -> tuple[Any, Scheduler | None]:
         try:
             params = {str(k): _plain(v, str(k)) for k, v in params.items()}
         except PydanticCustomError as e:  # located by parameter name: inside params
-            ctx = e.context or {}
-            raise _fail(
-                "param_value",
-                ctx.get("message", e.message()),
-                ("params",) + tuple(ctx.get("subloc", ())),
-            ) from e
+            raise _moved(e, lambda sub: ("params",) + sub) from e
         try:
             lookup = Scheduler.lookup(name)
         except ValueError:

@@ -184,18 +184,23 @@ def _coerce_params(family: type[Policy], spec: PolicySpec, prefix: bool = True) 
     if adapters is None or not params:
         return params
     label = f"{family.family} {spec.name!r}: " if prefix else ""
-    out = {}
-    for key in fields:  # field order: the first bad field is reported, as a dataclass would
+    out, problems = {}, []
+    for key in fields:  # field order; every bad value of every field is reported
         if key not in params:
             continue
         try:
             out[key] = adapters[key].validate_python(params[key])
         except ValidationError as e:
-            first = e.errors(include_url=False)[0]
-            detail = f"{first['msg']}, got {_short(first.get('input'))}"
-            raise _fail(
-                "param_value", f"{label}{detail}", ("params", key) + tuple(first["loc"])
-            ) from None
+            problems += [
+                (
+                    ("params", key) + tuple(err["loc"]),
+                    f"{label}{err['msg']}, got {_short(err.get('input'))}",
+                )
+                for err in e.errors(include_url=False)
+            ]
+    if problems:
+        (loc, msg), *rest = problems
+        raise _fail("param_value", msg, loc, rest)
     return {k: out[k] for k in params}
 
 

@@ -31,6 +31,7 @@ import torch
 
 from lightkv.outputs import write_atomic
 from lightkv_lab.bench.quality import RESULTS, AccuracyConfig, _row, method_pipeline
+from lightkv_lab.bench.quality_report import accuracy_cell, detail_accuracy
 
 __all__ = [
     "BASELINES",
@@ -173,18 +174,6 @@ def _ci(v) -> str:
     return f"{m:+.1f} [{lo:+.1f}, {hi:+.1f}]"
 
 
-def _detail(row: dict[str, Any], model: dict[str, Any]) -> float:
-    """Mean accuracy over the detail question types the run asked (NaN if it asked none:
-    a short run, e.g. ``--episodes 2``, may not draw every type)."""
-    asked = [row["accuracy"][q] for q in model["detail_qtypes"] if q in row["accuracy"]]
-    return sum(asked) / len(asked) if asked else float("nan")
-
-
-def _acc(row: dict[str, Any], q: str) -> str:
-    """A row's accuracy on question type ``q``, or "-" when the run drew no such question."""
-    return f"{row['accuracy'][q]:.3f}" if q in row["accuracy"] else "-"
-
-
 def markdown_table(result: dict[str, Any]) -> str:
     """One table per model and target: accuracy per type, KL, and lightkv minus each method."""
     lines = []
@@ -198,7 +187,8 @@ def markdown_table(result: dict[str, Any]) -> str:
         lines += [
             title,
             "",
-            "Uncompressed: " + ", ".join(f"{q} {_acc(m['uncompressed'], q)}" for q in cols),
+            "Uncompressed: "
+            + ", ".join(f"{q} {accuracy_cell(m['uncompressed'], q)}" for q in cols),
             "",
         ]
         for target in result["config"]["targets"]:
@@ -216,7 +206,7 @@ def markdown_table(result: dict[str, Any]) -> str:
                 vs = r.get("vs_lightkv", {}).get("accuracy", {})
                 lines.append(
                     f"| {r['method']} | {r['kept_fraction']:.3f} | "
-                    + " | ".join(_acc(r, q) for q in cols)
+                    + " | ".join(accuracy_cell(r, q) for q in cols)
                     + f" | {r['kl']['overall']:.2e} | {_ci(vs.get(detail))} | "
                     f"{_ci(vs.get('overall'))} |"
                 )
@@ -237,7 +227,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
         width = 0.8 / len(targets)
         for j, t in enumerate(targets):
             vals = [
-                next(_detail(r, m) for r in m["rows"] if r["method"] == k and r["target"] == t)
+                next(
+                    detail_accuracy(r, m)
+                    for r in m["rows"]
+                    if r["method"] == k and r["target"] == t
+                )
                 for k in methods
             ]
             ax.barh(
@@ -246,7 +240,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 height=width,
                 label=f"{t:.0%} kept",
             )
-        ax.axvline(_detail(m["uncompressed"], m), color="k", lw=1, ls="--", label="uncompressed")
+        ax.axvline(
+            detail_accuracy(m["uncompressed"], m), color="k", lw=1, ls="--", label="uncompressed"
+        )
         ax.set_yticks(
             [i + width * (len(targets) - 1) / 2 for i in range(len(methods))], methods, fontsize=8
         )

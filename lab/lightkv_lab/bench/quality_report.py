@@ -7,6 +7,7 @@ way round; pictures are drawn with `lightkv_lab.vis`. The provenance picture is 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from lightkv_lab.bench.provenance import TITLE_CHARS, provenance_picture
 
 __all__ = [
     "TITLE_CHARS",
+    "accuracy_cell",
     "detail_accuracy",
     "markdown_table",
     "plot",
@@ -35,9 +37,22 @@ FLAGS = {
 
 
 def detail_accuracy(row: dict[str, Any], result: dict[str, Any]) -> float:
-    """Mean accuracy over the detail question types (answers in single tokens or cells)."""
-    qs = result["detail_qtypes"]
-    return sum(row["accuracy"][q] for q in qs) / len(qs)
+    """Mean accuracy over the detail question types (answers in single tokens or cells) that
+    the run drew (NaN when it drew none: a short run need not draw every type); ``result``
+    is any mapping with ``detail_qtypes`` (a benchmark's result or one model's entry)."""
+    acc = [row["accuracy"][q] for q in result["detail_qtypes"] if q in row["accuracy"]]
+    return sum(acc) / len(acc) if acc else math.nan
+
+
+def accuracy_cell(row: dict[str, Any], q: str) -> str:
+    """A row's accuracy on question type ``q`` for a table, or '-' for a type the run never
+    drew (``--episodes 2`` need not draw every type)."""
+    value = row["accuracy"].get(q)
+    return "-" if value is None or math.isnan(value) else f"{value:.3f}"
+
+
+def _num(value: float, fmt: str = "{:.3f}") -> str:
+    return "-" if math.isnan(value) else fmt.format(value)
 
 
 def _ci(v: Sequence[float] | None, scale: float = 100.0, fmt: str = "{:+.1f}") -> str:
@@ -74,7 +89,7 @@ def markdown_table(result: dict[str, Any]) -> str:
             cells.append(
                 ""
                 if r is None
-                else f"{r['accuracy']['overall']:.3f} / {detail_accuracy(r, result):.3f} @ "
+                else f"{r['accuracy']['overall']:.3f} / {_num(detail_accuracy(r, result))} @ "
                 f"{r['kept_fraction']:.2f}{FLAGS[r['how']]}"
             )
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
@@ -118,7 +133,7 @@ def markdown_table(result: dict[str, Any]) -> str:
             vkl = r.get("vs_lightkv", {}).get("kl", {}).get("overall")
             lines.append(
                 f"| {r['method']} | {r['kept_fraction']:.3f} | "
-                + " | ".join(f"{r['accuracy'][q]:.3f}" for q in cols)
+                + " | ".join(accuracy_cell(r, q) for q in cols)
                 + f" | {r['kl']['overall']:.2e} | "
                 + " | ".join(_ci(vs.get(q)) or "-" for q in cols)
                 + f" | {_ci(vkl, 1.0, '{:+.1e}') or '-'} |"
@@ -235,7 +250,7 @@ def _type_line(r: dict[str, Any], cols: list[str], detail: str) -> str:
     drop = r["logp_drop"].get("overall") if r["logp_drop"] else None
     return (
         f"| {r['method']} | {r['target']:.2f} | {r['kept_fraction']:.3f} | "
-        + " | ".join(f"{r['accuracy'][q]:.3f}" for q in cols)
+        + " | ".join(accuracy_cell(r, q) for q in cols)
         + f" | {r['kl']['overall']:.2e} | {'' if drop is None else f'{drop:.3f}'} | "
         f"{_ci(vs) or '-'} | {_ci(vkl, 1.0, '{:+.1e}') or '-'} | {r['kv_bytes_vision'] / 1024:.0f} "
         "KiB |"

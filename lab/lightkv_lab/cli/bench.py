@@ -90,6 +90,8 @@ def _cmd_bench_quality(args: argparse.Namespace) -> int:
         threads=args.threads,
         ablations=not args.no_ablations,
         followup=not args.no_followup,
+        # the relevance table needs no more questions than the run asks (--episodes 2 is quick)
+        relevance_episodes=min(q.AccuracyConfig.relevance_episodes, args.episodes),
         **({"methods": tuple(args.methods)} if args.methods else {}),
         **({"targets": tuple(args.targets)} if args.targets else {}),
         **({"ablation_targets": tuple(args.ablation_targets)} if args.ablation_targets else {}),

@@ -22,6 +22,7 @@ import torch
 
 from ...cache_stage import CacheStage
 from ...graph.layout import TokenKind
+from ...stage import placement_problem
 from .. import features
 from ..cache import MaskedCacheLayer, install_masked_layer
 from ..masks import drop_padding
@@ -148,22 +149,10 @@ class CacheMode(CacheEntriesMode):
 
     def start(self) -> None:
         self.stages = self.ctx.stages_in("cache")
-        for layer, stage in self.stages.items():
-            rel = stage.relevance
-            what = (
-                "the vision tower's attention"
-                if rel.reads_tower
-                else "the prompt's embeddings (hidden states)"
-                if rel.reads_hidden
-                else None
-            )
-            if what is not None:
-                raise ValueError(
-                    f"the stage on layer {layer}'s cache cannot compute relevance {rel.name!r}: "
-                    f"it reads {what}, which a cache stage does not see; run the stage before "
-                    "the LLM or after a layer (placement: pre_llm or layer), or use a relevance "
-                    "from the layer's projections (accumulated_attention, query_softmax)"
-                )
+        for stage in self.stages.values():
+            problem = placement_problem(stage.spec, stage.relevance)
+            if problem is not None:
+                raise ValueError(problem)
         self.start_cache(self.stages)
 
     def reads_projections(self, layer):

@@ -18,7 +18,14 @@ Each scheduler, by name (its class: the stages it plans):
 
 from .budget import BudgetFit, BudgetSchedule, budget_schedule
 from .cache import CacheSchedule
-from .core import ScheduleError, Scheduler, StageSpec, average_kept_fraction, ratio_for_target
+from .core import (
+    TARGET_TOLERANCE,
+    ScheduleError,
+    Scheduler,
+    StageSpec,
+    average_kept_fraction,
+    ratio_for_target,
+)
 from .explicit import ExplicitSchedule
 from .kept_fraction import KeptFractionSchedule
 from .placement import PLACEMENTS, place
@@ -39,6 +46,7 @@ __all__ = [
     "ScheduleError",
     "Scheduler",
     "StageSpec",
+    "TARGET_TOLERANCE",
     "average_kept_fraction",
     "place",
     "budget_schedule",
