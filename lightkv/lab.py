@@ -36,8 +36,10 @@ __all__ = [
 
 COMMANDS_GROUP = "lightkv.commands"
 MODELS_GROUP = "lightkv.models"
-INSTALL = "pip install lightkv-lab"
-"""How to install the laboratory (from a clone of the repository: ``make install``)."""
+INSTALL = "from a clone of the lightkv repository, pip install ./lab (no release is on PyPI yet)"
+"""How to install the laboratory. No release of either distribution is on the package index
+yet, so the path is the repository's: the library is installed (it says this), and the
+laboratory is its ``lab/`` folder (``make install`` installs both, editable)."""
 LAB_COMMANDS = ("bench", "demo", "stages-demo")
 """The laboratory's commands: without it each answers with one line saying to install it."""
 LAB_MODELS = ("scenes", "digitgrid", "symbolgrid")

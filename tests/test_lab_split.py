@@ -31,7 +31,8 @@ def test_lab_commands_without_the_lab_say_to_install_it(no_lab, capsys, argv):
     assert out == ""
     assert err.splitlines() == [
         f"lightkv: error: `lightkv {argv[0]}` needs the laboratory (lightkv-lab), "
-        f"which is not installed: pip install lightkv-lab"
+        "which is not installed: from a clone of the lightkv repository, pip install ./lab "
+        "(no release is on PyPI yet)"
     ]
 
 
@@ -49,7 +50,7 @@ def test_bundled_models_without_the_lab_say_to_install_it(no_lab, capsys, argv):
     assert (
         len(err) == 1
         and "needs the laboratory (lightkv-lab)" in err[0]
-        and "pip install lightkv-lab" in err[0]
+        and "from a clone of the lightkv repository, pip install ./lab" in err[0]
     )
 
 

@@ -212,7 +212,8 @@ def add_parsers(commands) -> dict[str, argparse.ArgumentParser]:
         "kvquant",
         help="KV bytes with lightkv, with KV quantization (fp8, quanto 4 / 2 bits) and with both",
         description="One prefill per model shape and variant; counts the bytes the cache holds "
-        "(lightkv.adapters.kv_bytes). quanto needs the quant extra: pip install 'lightkv[quant]'. "
+        "(lightkv.adapters.kv_bytes). quanto needs the quant extra: pip install "
+        "'optimum-quanto>=0.2.7'. "
         "Writes kv-quantization.json and kv-quantization.md.",
         formatter_class=fmt,
     )

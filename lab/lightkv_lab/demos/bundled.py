@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_png and importlib.util.find_spec("matplotlib") is None:
         print(
             "lightkv demo: the picture needs matplotlib, which is not installed: pip install "
-            "'lightkv-lab' (or pass --no-png)",
+            "matplotlib (or pass --no-png)",
             file=sys.stderr,
         )
         return 2

@@ -39,7 +39,7 @@ class _Progress:
                 self.bar = tqdm(total=total, desc="efficiency", unit="run", file=sys.stderr)
             except ImportError:
                 print(
-                    "(tqdm is not installed: plain progress lines; pip install 'lightkv-lab')",
+                    "(tqdm is not installed: plain progress lines; pip install tqdm)",
                     file=sys.stderr,
                 )
 
