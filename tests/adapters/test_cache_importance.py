@@ -26,7 +26,7 @@ from lightkv_lab.bench.efficiency.measure import OverheadProbe
 
 from lightkv.adapters import apply
 from lightkv.adapters.modes import h2o as h2o_mode
-from lightkv.policies import cache_policies
+from lightkv.methods import cache_policies
 from lightkv.policies.relevance import _accumulator, _match_heads
 from lightkv.testing import TINY_MODELS
 
