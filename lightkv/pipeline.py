@@ -30,7 +30,7 @@ from .policies.scorers import CosineDivergence, EdgeScorer
 from .quirks import ReleasedQuirks
 from .stage import DIVERGENCE_MEMORY_MIB, Stage, StageResult, check_memory
 
-__all__ = ["DIVERGENCE_MEMORY_MIB", "Pipeline", "Stage", "StageResult"]
+__all__ = ["Pipeline"]
 
 
 @dataclass

@@ -229,3 +229,23 @@ def test_the_facade_loads_the_upper_layers_on_first_use(name):
 
     assert callable(getattr(lightkv, name)) or isinstance(getattr(lightkv, name), dict)
     assert name in dir(lightkv)
+
+
+def test_stage_names_come_from_their_own_module():
+    """`Stage`, `StageResult` and `DIVERGENCE_MEMORY_MIB` live in `lightkv.stage`; nothing
+    imports them through `lightkv.pipeline`, which exports `Pipeline` alone (issue 48)."""
+    import re
+
+    import lightkv.pipeline
+
+    assert lightkv.pipeline.__all__ == ["Pipeline"]
+    through = re.compile(
+        r"from (lightkv\.|\.+)pipeline import[^\n]*\b(Stage|StageResult|DIVERGENCE_MEMORY_MIB)\b"
+    )
+    sites = [
+        str(p.relative_to(ROOT))
+        for d in (PACKAGE, LAB, ROOT / "tests", ROOT / "benchmarks", ROOT / "docs")
+        for p in d.rglob("*.py")
+        if through.search(p.read_text())
+    ]
+    assert not sites, sites

@@ -39,7 +39,7 @@ def test_the_comparison_prints_a_progress_line_per_method(capsys):
 def test_picture_titles_stay_inside_the_picture(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     from lightkv_lab import vis
-    from lightkv_lab.bench import quality_report
+    from lightkv_lab.bench import provenance, quality_report
 
     figures = []
     real = vis.save_figure
@@ -61,4 +61,4 @@ def test_picture_titles_stay_inside_the_picture(tmp_path, monkeypatch):
     for text, extent, box in titles:
         assert box.x0 - 0.5 <= extent.x0 and extent.x1 <= box.x1 + 0.5, (text, extent, box)
         assert extent.y1 <= box.y1 + 0.5, (text, extent, box)
-        assert all(len(line) <= quality_report.TITLE_CHARS for line in text.splitlines()), text
+        assert all(len(line) <= provenance.TITLE_CHARS for line in text.splitlines()), text

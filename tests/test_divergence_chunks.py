@@ -15,9 +15,9 @@ import lightkv
 import lightkv.config
 from lightkv import ImageSegment, VisionLayout
 from lightkv.graph import BipartiteGraph
-from lightkv.pipeline import Stage
 from lightkv.policies import EdgeScorer, StageSpec
 from lightkv.policies.scorers import CosineDivergence
+from lightkv.stage import Stage
 
 
 @dataclass
@@ -123,6 +123,6 @@ def test_the_stage_runs_a_js_scorer_within_its_pipeline_budget():
 def test_the_budget_is_a_pipeline_option():
     pipe = lightkv.config.PipelineConfig.from_yaml_text("divergence_memory_mib: 32\n").build()
     assert {s.divergence_memory_mib for s in pipe.stages(32)} == {32}
-    assert lightkv.load("lightkv").divergence_memory_mib == lightkv.pipeline.DIVERGENCE_MEMORY_MIB
+    assert lightkv.load("lightkv").divergence_memory_mib == lightkv.stage.DIVERGENCE_MEMORY_MIB
     with pytest.raises(ValueError, match="divergence_memory_mib must be a positive integer"):
         Stage(spec=StageSpec(0, 0.5, windows_per_side=1), divergence_memory_mib=0)

@@ -12,8 +12,8 @@ import torch
 
 from ..graph.layout import VisionLayout
 from ..graph.scatter import pack_rows
-from ..pipeline import Stage
 from ..policies.prompt import Prompt
+from ..stage import Stage
 from .masks import _batch, _last_valid, gather_tokens
 from .probes import AttentionProbe
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..graph.layout import VisionLayout
-from ..pipeline import Stage
+from ..stage import Stage
 from . import features
 from .probes import AttentionProbe
 

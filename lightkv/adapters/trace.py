@@ -14,7 +14,7 @@ import torch
 
 from ..graph.layout import VisionLayout
 from ..graph.provenance import Provenance
-from ..pipeline import Stage, StageResult
+from ..stage import Stage, StageResult
 
 __all__ = ["ForwardState", "LayerStat", "PrefillTrace", "StageRecord"]
 

@@ -19,10 +19,11 @@ from pydantic import (
 )
 
 from ..outputs import write_atomic
-from ..pipeline import DIVERGENCE_MEMORY_MIB, Pipeline, Stage
+from ..pipeline import Pipeline
 from ..policies import FAMILIES, Policy, StageSpec, average_kept_fraction
 from ..policies.schedulers import place
 from ..quirks import ReleasedQuirks
+from ..stage import DIVERGENCE_MEMORY_MIB, Stage
 from .checks import check_no_stages, check_stages, mode_without_schedule, validated, validated_mode
 from .errors import ConfigError, _fail
 from .errors_pydantic import translate_errors

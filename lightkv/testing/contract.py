@@ -39,7 +39,6 @@ import torch
 
 from ..graph.bipartite import BipartiteGraph
 from ..graph.layout import ImageSegment, TokenKind, VisionLayout
-from ..pipeline import Stage
 from ..policies import (
     EdgeScorer,
     MessagePasser,
@@ -55,6 +54,7 @@ from ..policies import (
 )
 from ..policies.hashing import token_identity
 from ..policies.prompt import Prompt
+from ..stage import Stage
 
 __all__ = ["check_policy", "contract_batch"]
 

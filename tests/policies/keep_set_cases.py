@@ -9,8 +9,8 @@ import torch
 
 from lightkv import ImageSegment, VisionLayout
 from lightkv.graph.bipartite import BipartiteGraph
-from lightkv.pipeline import Stage
 from lightkv.policies import DropMessages, GlobalPartitioner, PruneInputs, StageInputs, StageSpec
+from lightkv.stage import Stage
 
 PARTITIONER = GlobalPartitioner(scope="image", split="all_src")
 

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 
 from lightkv import ImageSegment, VisionLayout
 from lightkv.methods import DivPrune, RelevanceCoverage
-from lightkv.pipeline import Stage
 from lightkv.policies import (
     CosineDivergence,
     GlobalPartitioner,
@@ -24,6 +23,7 @@ from lightkv.policies import (
     StageInputs,
     StageSpec,
 )
+from lightkv.stage import Stage
 from lightkv.testing.contract import check_policy
 from tests.policies.keep_set_cases import (
     assert_rows_independent,

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from lightkv_lab.bench.budgets import MAX_RATIO, REF_DEPTH, method_pipeline  # noqa: F401  (re-exported: the quality benchmark's names)
+from lightkv_lab.bench.budgets import method_pipeline
 from lightkv_lab.bench.paths import results_dir
 
 __all__ = [

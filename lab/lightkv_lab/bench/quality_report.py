@@ -1,8 +1,8 @@
 """Tables, plots and the provenance picture of the quality benchmark (`lightkv_lab.bench.quality`).
 
 This module imports `lightkv_lab.bench.quality` (for the methods' pipelines), never the other
-way round; pictures are drawn with `lightkv_lab.vis`. The provenance picture is in
-`lightkv_lab.bench.provenance` (re-exported here)."""
+way round; pictures are drawn with `lightkv_lab.vis`. The provenance picture is drawn by
+`lightkv_lab.bench.provenance`."""
 
 from __future__ import annotations
 
@@ -14,10 +14,9 @@ from typing import Any
 
 from lightkv.outputs import write_atomic
 from lightkv_lab import vis
-from lightkv_lab.bench.provenance import TITLE_CHARS, provenance_picture
+from lightkv_lab.bench.provenance import provenance_picture
 
 __all__ = [
-    "TITLE_CHARS",
     "accuracy_cell",
     "detail_accuracy",
     "markdown_table",

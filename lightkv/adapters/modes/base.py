@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 
-from ...pipeline import Pipeline, Stage
+from ...pipeline import Pipeline
 from ...policies.mode import Mode
+from ...stage import Stage
 from ..base import Adapter
 from ..cache import _Token
 from ..ownership import cache_of

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ...pipeline import Stage
+from ...stage import Stage
 from .. import features
 from ..masks import drop_padding, gather_position_ids, gather_tokens
 from ..trace import ForwardState, StageRecord

@@ -1,5 +1,5 @@
 """The efficiency benchmark's run (`run`): every model's measurements
-(`lightkv_lab.bench.efficiency.model_bench.bench_model`, re-exported here), with a progress
+(`lightkv_lab.bench.efficiency.model_bench.bench_model`), with a progress
 bar, the machine and the summary."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Any
 import torch
 
 from lightkv_lab.bench.allocator import host_allocator
-from lightkv_lab.bench.efficiency.model_bench import bench_model, check_attention
+from lightkv_lab.bench.efficiency.model_bench import bench_model
 from lightkv_lab.bench.efficiency.report import check_targets, summary_rows
 from lightkv_lab.bench.efficiency.shapes import MODELS, BenchConfig
 
-__all__ = ["bench_model", "check_attention", "run"]
+__all__ = ["run"]
 
 
 def _steps(cfg: BenchConfig) -> int:
