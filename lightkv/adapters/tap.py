@@ -83,7 +83,7 @@ class ProjectionTap:
 
         def score(raw: dict[str, torch.Tensor]) -> TapResult:
             xi, flops = features.relevance(
-                self.probe, stage, None, pos, layout, self.layer, raw=raw, prompt=prompt
+                self.probe, stage.relevance, None, pos, layout, self.layer, raw=raw, prompt=prompt
             )
             keys = (
                 features.stage_keys(self.probe, None, raw=raw)[0] if "keys" in stage.needs else None

@@ -23,7 +23,6 @@ import torch
 from ...cache_stage import CacheStage
 from ...graph.layout import TokenKind
 from ...stage import placement_problem
-from .. import features
 from ..cache import MaskedCacheLayer, install_masked_layer
 from ..masks import drop_padding
 from ..tap import ProjectionTap, TapResult
@@ -159,16 +158,7 @@ class CacheMode(CacheEntriesMode):
         return ProjectionTap.wanted(self.stages[layer])
 
     def importance(self, call, raw=None):
-        i = call.layer
-        return features.relevance(
-            self.ctx.probes[i],
-            self.stages[i],
-            None if raw is not None else call.hidden,
-            call.kwargs.get("position_embeddings"),
-            call.state.layout,
-            i,
-            raw=raw,
-        )
+        return self.ctx.relevance(self.stages[call.layer].relevance, call, raw)
 
     def rewrite(self, call, layer, importance):
         st, stage = call.state, self.stages[call.layer]

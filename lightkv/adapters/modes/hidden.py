@@ -33,7 +33,14 @@ def prepare(
         # `choose_modes` starts for exactly such stages
         tower = ctx.modes["tower"].per_token(layout) if stage.relevance.reads_tower else None
         st.pending_relevance, flops = features.relevance(
-            probe, stage, hidden, position_embeddings, layout, i, prompt=st.prompt, tower=tower
+            probe,
+            stage.relevance,
+            hidden,
+            position_embeddings,
+            layout,
+            i,
+            prompt=st.prompt,
+            tower=tower,
         )
         st.pending_keys, key_flops = (
             features.stage_keys(probe, hidden) if "keys" in stage.needs else (None, 0.0)
