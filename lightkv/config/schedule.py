@@ -39,11 +39,13 @@ __all__ = ["ScheduleConfig", "shorthands"]
 CANONICAL = ("name", "params")
 
 
-def shorthands() -> dict[str, tuple[str, type[Scheduler]]]:
+def shorthands(plugins: bool = True) -> dict[str, tuple[str, type[Scheduler]]]:
     """Shorthand key -> ``(registered name, scheduler class)`` of every registered scheduler
-    class that declares a shorthand (plugins included)."""
+    class that declares a shorthand: plugins included, or (``plugins=False``) only those
+    loaded so far, without loading any."""
     out: dict[str, tuple[str, type[Scheduler]]] = {}
-    for name, impl in Scheduler.registered().items():
+    registry = Scheduler.registered() if plugins else Scheduler.loaded()
+    for name, impl in registry.items():
         key = impl.__dict__.get("shorthand")
         if key and key not in out and key not in CANONICAL:
             out[key] = (name, impl)
@@ -72,6 +74,14 @@ def _form(data: dict[str, Any], short: dict[str, tuple[str, type[Scheduler]]]) -
     raise _fail("schedule_form", f"give exactly one of {', '.join(described)}; {got}")
 
 
+def _keys(short: dict[str, tuple[str, type[Scheduler]]]) -> set[str]:
+    """Every key a schedule mapping may hold with these shorthands."""
+    keys = set(CANONICAL)
+    for key, (_, impl) in short.items():
+        keys |= {key, *impl.shorthand_keys}
+    return keys
+
+
 def canonical_schedule(data: Any) -> tuple[Any, Scheduler | None]:
     """``({name, params}, scheduler)`` of a schedule mapping in any accepted form: the
     scheduler's non-default parameters (plain data) and the scheduler itself, constructed
@@ -85,10 +95,11 @@ def canonical_schedule(data: Any) -> tuple[Any, Scheduler | None]:
     if not isinstance(data, dict):
         return data, None
     data = {k: v for k, v in data.items() if v is not None}
-    short = shorthands()
-    keys = set(CANONICAL)
-    for key, (_, impl) in short.items():
-        keys |= {key, *impl.shorthand_keys}
+    short = shorthands(plugins=False)  # lightkv's own: loading plugins only when needed
+    keys = _keys(short)
+    if not set(data) <= keys:  # a key no loaded scheduler takes: perhaps a plugin's shorthand
+        short = shorthands()
+        keys = _keys(short)
     for key in data:
         for _, impl in short.values():  # a renamed shorthand key: name the new one
             removed = removed_field_message(impl, [key], "schedule")

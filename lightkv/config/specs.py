@@ -276,7 +276,7 @@ def _canonical(
     Only a policy whose `__post_init__` changed a value is constructed a second time to
     check that; for every other one the non-default fields are the given ones."""
     plain = {k: _plain(_jsonable(v), k) for k, v in coerced.items()}
-    if not (dataclasses.is_dataclass(policy) and family.registered().get(name) is type(policy)):
+    if not (dataclasses.is_dataclass(policy) and family.loaded().get(name) is type(policy)):
         return plain
     params = _spec_of(policy, family.family).params
     expected = {

@@ -133,8 +133,17 @@ class Policy:
 
     @classmethod
     def registered(cls) -> dict[str, type]:
-        """Name -> class for every registered implementation of this family."""
+        """Name -> class for every registered implementation of this family (every
+        installed plugin's entry point is loaded first)."""
         cls._load_entry_points()
+        return dict(sorted(cls._registry.items()))
+
+    @classmethod
+    def loaded(cls) -> dict[str, type]:
+        """Name -> class for the implementations registered so far, without loading any
+        plugin: lightkv's own, and plugins already loaded (`lookup` loads one on demand).
+        What a check of built-in names uses, so ``import lightkv.presets`` imports no
+        plugin."""
         return dict(sorted(cls._registry.items()))
 
     @classmethod
