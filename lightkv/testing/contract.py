@@ -22,7 +22,10 @@ a text-only row), in float32 and bfloat16:
   and numbers windows ``0 .. K-1``, each inside one row; a pruner never removes padding
   slots or more than its budget; a passer changes only receivers; a scheduler returns
   sorted stages inside the model and says ``ValueError`` when it cannot fit; relevance is
-  ``[B, N]``, finite and non-negative; a mode's settings fit a depth or say ``ValueError``,
+  ``[B, N]``, finite and non-negative, and reads only the query rows and key columns it
+  declares (``query_rows``, ``key_cols``, ``packed_text_keys``: ξ from what an adapter
+  projects equals ξ from every row and column; `lightkv.testing.contract_relevance`); a
+  mode's settings fit a depth or say ``ValueError``,
   and its promised kept fraction is in ``(0, 1]``;
 * the parameters round-trip (``cls(**policy.params()) == policy``) and a registered
   policy is found under its name.
@@ -53,8 +56,8 @@ from ..policies import (
     StageSpec,
 )
 from ..policies.hashing import token_identity
-from ..policies.prompt import Prompt
 from ..stage import Stage
+from .contract_relevance import check_relevance
 
 __all__ = ["check_policy", "contract_batch"]
 
@@ -286,33 +289,7 @@ def _check_passer(policy: MessagePasser) -> None:
 
 
 def _check_relevance(policy: Relevance) -> None:
-    inputs = contract_batch()
-    b, n = inputs.batch_size, inputs.seq_len
-    gen = torch.Generator().manual_seed(2)
-    queries = torch.randn(b, 2 * HEADS, n, HEAD_DIM, generator=gen)
-    keys = torch.randn(b, HEADS, n, HEAD_DIM, generator=gen)
-    extra = {}
-    if policy.reads_prompt:  # token ids of the contract batch: text ids 5.., vision tokens 3
-        ids = torch.where(inputs.layout.vision_mask, 3, 5 + torch.arange(n).expand(b, n) % 7)
-        extra = {"prompt": Prompt(ids)}
-    if policy.reads_tower:  # attention received inside the vision tower, per head
-        extra["tower"] = torch.rand(b, HEADS, n, generator=gen)
-    if policy.reads_hidden:  # the residual stream the stage reads
-        extra["hidden"] = torch.randn(b, n, 2 * HEADS * HEAD_DIM, generator=gen)
-    xi = policy.score(queries, keys, inputs.layout, **extra)
-    if tuple(xi.shape) != (b, n):
-        raise _fail(policy, f"score() must return [B, N] = {(b, n)}, got {tuple(xi.shape)}")
-    if not xi.is_floating_point() or not torch.isfinite(xi).all() or (xi < 0).any():
-        raise _fail(policy, "relevance must be finite and non-negative")
-    for r in range(b):
-        one = {"prompt": Prompt(extra["prompt"].token_ids[r : r + 1])} if "prompt" in extra else {}
-        for name in ("tower", "hidden"):
-            if name in extra:
-                one[name] = extra[name][r : r + 1]
-        alone = policy.score(queries[r : r + 1], keys[r : r + 1], inputs.layout.row(r), **one)
-        vision = inputs.layout.vision_mask[r]
-        if not torch.allclose(alone[0][vision], xi[r][vision], rtol=1e-5, atol=1e-7):
-            raise _fail(policy, f"row {r}'s relevance differs in the batch and alone")
+    check_relevance(policy, contract_batch(), HEADS, HEAD_DIM, _fail)
 
 
 def _check_scheduler(policy: Scheduler) -> None:
