@@ -72,6 +72,20 @@ def test_the_lab_registers_its_commands_and_models_under_their_own_names():
     assert lab.bundled_model("no-such-model") is None
 
 
+def test_the_librarys_lists_of_lab_names_are_the_labs_declared_entry_points():
+    """`lightkv.lab.LAB_COMMANDS` and `LAB_MODELS` are written out (they serve when the
+    laboratory is absent, with no entry points to read): they must be what
+    lab/pyproject.toml declares, in the same order."""
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")
+    declared = tomllib.loads(
+        (Path(__file__).resolve().parents[1] / "lab" / "pyproject.toml").read_text()
+    )["project"]["entry-points"]
+    assert tuple(declared[lab.COMMANDS_GROUP]) == lab.LAB_COMMANDS
+    assert tuple(declared[lab.MODELS_GROUP]) == lab.LAB_MODELS
+
+
 def test_a_broken_lab_entry_point_warns_and_the_command_says_to_install(monkeypatch, capsys):
     from importlib.metadata import EntryPoint
 
