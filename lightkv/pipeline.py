@@ -211,13 +211,13 @@ class Pipeline:
         layout: VisionLayout,
         num_layers: int,
         relevance: torch.Tensor | None = None,
-        keys: torch.Tensor | None = None,
+        key_states: torch.Tensor | None = None,
         prompt: Prompt | None = None,
     ) -> list[StageResult]:
         """Apply every stage in turn to the same hidden states, without a model.
 
         Useful to inspect what a schedule does to a layout (demo, docs, tests). ``relevance``
-        (``[B, N]`` for the input sequence) and ``keys`` (``[B, N, H_kv, d]``, for
+        (``[B, N]`` for the input sequence) and ``key_states`` (``[B, N, H_kv, d]``, for
         key-space policies) are carried along: each survivor keeps its own; ``prompt`` (the
         token ids, at original positions) reaches policies that read the prompt.
 
@@ -233,14 +233,15 @@ class Pipeline:
                 "(or lightkv.apply on a model)"
             )
         for stage in stages:
-            res = stage(hidden, layout, relevance, provenance, keys, prompt)
+            res = stage(hidden, layout, relevance, provenance, key_states, prompt)
             hole = res.kept_index < 0
             if relevance is not None:
                 relevance = relevance.gather(1, res.kept_index.clamp_min(0)).masked_fill(hole, 0)
-            if keys is not None:
-                index = res.kept_index.clamp_min(0).view(*hole.shape, *([1] * (keys.dim() - 2)))
-                keys = keys.gather(1, index.expand(-1, -1, *keys.shape[2:])).masked_fill(
-                    hole.view(*hole.shape, *([1] * (keys.dim() - 2))), 0
+            if key_states is not None:
+                ks, extra = key_states, [1] * (key_states.dim() - 2)
+                index = res.kept_index.clamp_min(0).view(*hole.shape, *extra)
+                key_states = ks.gather(1, index.expand(-1, -1, *ks.shape[2:])).masked_fill(
+                    hole.view(*hole.shape, *extra), 0
                 )
             hidden, layout, provenance = res.hidden, res.layout, res.provenance
             results.append(res)

@@ -134,8 +134,8 @@ class Stage:
 
     @property
     def needs(self) -> frozenset[str]:
-        """Names of the `StageInputs` features this stage's policies read (e.g. ``{"keys"}``);
-        an adapter computes keys only when they are needed."""
+        """Names of the `StageInputs` features this stage's policies read (e.g.
+        ``{"key_states"}``); an adapter computes key states only when they are needed."""
         out: frozenset[str] = frozenset()
         for policy in (self.partitioner, self.scorer, self.pruner, self.passer):
             if policy is not None:
@@ -164,7 +164,7 @@ class Stage:
         layout: VisionLayout,
         relevance: torch.Tensor | None = None,
         provenance: Provenance | None = None,
-        keys: torch.Tensor | None = None,
+        key_states: torch.Tensor | None = None,
         prompt: Prompt | None = None,
     ) -> StageResult:
         """Run the stage.
@@ -174,7 +174,8 @@ class Stage:
             layout: their layout.
             relevance: ``[B, N]`` ξ (non-negative); None means uniform.
             provenance: provenance up to this stage (None: the input is original).
-            keys: ``[B, N, H_kv, d]`` the layer's keys, for policies that need them.
+            key_states: ``[B, N, H_kv, d]`` the layer's keys per token (before RoPE), for
+                policies that need them (`StageInputs.key_states`).
             prompt: the prefill's token ids, for policies that read the prompt.
 
         Returns:
@@ -184,7 +185,9 @@ class Stage:
             raise TypeError(
                 "Stage expects (hidden: torch.Tensor [B, N, D], layout: VisionLayout, ...)"
             )
-        return self.run(StageInputs(layout, self.spec, hidden, relevance, keys, provenance, prompt))
+        return self.run(
+            StageInputs(layout, self.spec, hidden, relevance, key_states, provenance, prompt)
+        )
 
     def run(self, inputs: StageInputs) -> StageResult:
         """Run the stage on prepared `StageInputs` (``inputs.spec`` is replaced by this

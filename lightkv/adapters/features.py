@@ -17,7 +17,7 @@ from ..policies.relevance import Relevance
 from .masks import _batch, _last_valid, gather_tokens
 from .probes import AttentionProbe
 
-__all__ = ["relevance", "stage_keys"]
+__all__ = ["relevance", "stage_key_states"]
 
 
 def relevance(
@@ -118,11 +118,12 @@ def relevance(
     return xi.to(torch.promote_types(xi.dtype, torch.float32)), flops
 
 
-def stage_keys(
+def stage_key_states(
     probe: AttentionProbe, hidden: torch.Tensor | None, raw: dict[str, torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, float]:
     """The layer's keys of every token, pre-RoPE, per head: ``[B, N, H_kv, d]`` (what
-    `lightkv.policies.StageInputs.keys` holds for policies that need ``"keys"``), from the
+    `lightkv.policies.StageInputs.key_states` holds for policies that need
+    ``"key_states"``), from the
     layer's raw projection outputs when given, else projected from ``hidden``; with the
     FLOPs of that projection (none when ``raw`` is given)."""
     if raw is not None:

@@ -36,7 +36,7 @@ class StageRecord:
     layout: VisionLayout | None = None
     relevance: torch.Tensor | None = None
     provenance: Provenance | None = None
-    keys: torch.Tensor | None = None
+    key_states: torch.Tensor | None = None
 
 
 @dataclass
@@ -113,7 +113,7 @@ class ForwardState:
     masks: dict = field(default_factory=dict)  # adapter.mask_key(layer) -> prefill mask
     gathered: dict = field(default_factory=dict)  # id(full position embeddings) -> (full, gathered)
     pending_relevance: torch.Tensor | None = None
-    pending_keys: torch.Tensor | None = None
+    pending_key_states: torch.Tensor | None = None
     pending_tapped: bool = False
     trace: PrefillTrace | None = None
     prompt: Any = None  # the prefill's lightkv.policies.Prompt (its input_ids)

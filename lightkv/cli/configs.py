@@ -179,7 +179,7 @@ def _dry_run(cfg, num_layers: int, grid: tuple[int, int]) -> tuple[list[str], fl
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(1, n, 32, generator=gen)
     relevance = torch.rand(1, n, generator=gen)
-    keys = torch.randn(1, n, 2, 16, generator=gen)  # for key-space policies: 2 heads of 16
+    key_states = torch.randn(1, n, 2, 16, generator=gen)  # for key-space policies: 2 heads of 16
     stages = pipe.stages(num_layers)
     if not stages and pipe.mode is not None:
         return [
@@ -189,7 +189,7 @@ def _dry_run(cfg, num_layers: int, grid: tuple[int, int]) -> tuple[list[str], fl
         # the cache mode: each layer's cache on its own, from the whole image
         from ..cache_stage import CacheStage
 
-        cache = keys.transpose(1, 2)  # [B, H_kv, N, d]
+        cache = key_states.transpose(1, 2)  # [B, H_kv, N, d]
         outs = [
             int(CacheStage(s)(cache, cache, layout, relevance).result.layout.vision_counts()[0])
             for s in stages
@@ -201,7 +201,9 @@ def _dry_run(cfg, num_layers: int, grid: tuple[int, int]) -> tuple[list[str], fl
             f"keeps {kept} of {h * w} vision tokens"
         ]
     else:
-        results = pipe.run(hidden, layout, num_layers=num_layers, relevance=relevance, keys=keys)
+        results = pipe.run(
+            hidden, layout, num_layers=num_layers, relevance=relevance, key_states=key_states
+        )
         counts = [h * w] + [int(r.layout.vision_counts()[0]) for r in results]
         ins, outs = counts[:-1], counts[1:]
         lines = [

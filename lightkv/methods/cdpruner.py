@@ -63,7 +63,7 @@ class CDPruner(KeepSetPruner):
     computed in float32 at least, the greedy in float64.
 
     Attributes:
-        features: the features of ``S``: ``hidden`` (default) or ``keys``. Relevance always
+        features: the features of ``S``: ``hidden`` (default) or ``key_states``. Relevance always
             reads the hidden states (the question's keys are not in the vision tokens' space).
         negate: negate the relevance cosine, as the authors' LLaVA (CLIP) code does.
         theta: None: ``q`` is the normalised relevance (the code's default); a number in

@@ -69,7 +69,7 @@ class HoloV(KeepSetPruner):
         alpha: weight of the diversity term (0.09).
         scale: saliency scale (1e3).
         eps: the code's ``esp`` (1e-6) in the normalisation and the ratios.
-        features: ``hidden`` or ``keys``.
+        features: ``hidden`` or ``key_states``.
     """
 
     crops: int = 16

@@ -202,7 +202,7 @@ class Policy:
     @property
     def needs(self) -> frozenset[str]:
         """Names of the `lightkv.policies.StageInputs` features this policy reads beyond the
-        hidden states and the layout (e.g. ``{"keys"}``); adapters compute only these."""
+        hidden states and the layout (e.g. ``{"key_states"}``); adapters compute only these."""
         return frozenset()
 
     @classmethod

@@ -81,10 +81,10 @@ def contract_batch(dtype: torch.dtype = torch.float32, seed: int = 0) -> StageIn
     layout = VisionLayout.from_segments(3, n, segments, padding_mask=padding)
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(3, n, DIM, generator=gen).to(dtype)
-    keys = torch.randn(3, n, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    key_states = torch.randn(3, n, HEADS, HEAD_DIM, generator=gen).to(dtype)
     relevance = torch.rand(3, n, generator=gen).masked_fill(~layout.vision_mask, 0.0)
     spec = StageSpec(0, 0.5, windows_per_side=2)
-    return StageInputs(layout, spec, hidden=hidden, relevance=relevance, keys=keys)
+    return StageInputs(layout, spec, hidden=hidden, relevance=relevance, key_states=key_states)
 
 
 def _row(inputs: StageInputs, b: int) -> StageInputs:
@@ -94,7 +94,7 @@ def _row(inputs: StageInputs, b: int) -> StageInputs:
         inputs.spec,
         hidden=inputs.hidden[b : b + 1],
         relevance=inputs.relevance[b : b + 1],
-        keys=inputs.keys[b : b + 1],
+        key_states=inputs.key_states[b : b + 1],
     )
 
 

@@ -72,7 +72,7 @@ def assert_rows_independent(pruner, inputs: StageInputs, ratio: float) -> None:
             inputs.layout.row(b),
             inputs.spec,
             hidden=inputs.hidden[b : b + 1],
-            keys=None if inputs.keys is None else inputs.keys[b : b + 1],
+            key_states=None if inputs.key_states is None else inputs.key_states[b : b + 1],
             relevance=None if inputs.relevance is None else inputs.relevance[b : b + 1],
             prompt=None
             if inputs.prompt is None

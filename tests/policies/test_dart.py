@@ -55,7 +55,7 @@ def test_equals_the_slow_reference(case, ratio, p_img, p_txt):
         generator=torch.Generator().manual_seed(1),
         dtype=torch.float64,
     )
-    stage = StageInputs.of(case.layout, case.hidden, windows_per_side=1, keys=keys)
+    stage = StageInputs.of(case.layout, case.hidden, windows_per_side=1, key_states=keys)
     prune = prune_inputs(stage)
     got = kept_positions(
         prune, DART(pivot_image_tokens=p_img, pivot_text_tokens=p_txt).select(prune, ratio)
@@ -91,7 +91,7 @@ def test_the_least_duplicated_tokens_stay():
     ).unsqueeze(0)
     keys = torch.ones(1, 8, 1, 2, dtype=torch.float64)
     keys[0, 0] = 5.0
-    stage = StageInputs.of(layout, hidden, windows_per_side=1, keys=keys)
+    stage = StageInputs.of(layout, hidden, windows_per_side=1, key_states=keys)
     prune = prune_inputs(stage)
     assert kept_positions(
         prune, DART(pivot_image_tokens=1, pivot_text_tokens=0).select(prune, 1 - 2 / 6)
@@ -103,4 +103,4 @@ def test_parameters_are_checked_and_keys_are_needed():
         DART(pivot_image_tokens=0)
     with pytest.raises(ValueError, match="pivot_text_tokens"):
         DART(pivot_text_tokens=-1)
-    assert DART().needs == {"keys"} and DART(pivot_features="hidden").needs == frozenset()
+    assert DART().needs == {"key_states"} and DART(pivot_features="hidden").needs == frozenset()

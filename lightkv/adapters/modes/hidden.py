@@ -42,8 +42,8 @@ def prepare(
             prompt=st.prompt,
             tower=tower,
         )
-        st.pending_keys, key_flops = (
-            features.stage_keys(probe, hidden) if "keys" in stage.needs else (None, 0.0)
+        st.pending_key_states, key_flops = (
+            features.stage_key_states(probe, hidden) if "key_states" in stage.needs else (None, 0.0)
         )
         st.trace.relevance_flops += flops + key_flops
 
@@ -54,15 +54,15 @@ def compress(
     """Run ``stage`` on ``hidden`` with the pending relevance; the forward continues with
     the shorter sequence (``st`` gets its layout, provenance and positions)."""
     layout, provenance = st.layout, st.provenance
-    relevance, keys = st.pending_relevance, st.pending_keys
-    result = drop_padding(stage(hidden, layout, relevance, provenance, keys, st.prompt))
+    relevance, key_states = st.pending_relevance, st.pending_key_states
+    result = drop_padding(stage(hidden, layout, relevance, provenance, key_states, st.prompt))
     record = StageRecord(layer=i, stage=stage, result=result, tapped=st.pending_tapped)
     if ctx.record:
         record.hidden, record.layout, record.relevance = hidden, layout, relevance
-        record.provenance, record.keys = provenance, keys
+        record.provenance, record.key_states = provenance, key_states
     st.trace.stages.append(record)
     st.layout, st.provenance = result.layout, result.provenance
-    st.pending_relevance = st.pending_keys = None
+    st.pending_relevance = st.pending_key_states = None
     st.pending_tapped = False
     st.compressed = True
     _refresh(ctx, st)
