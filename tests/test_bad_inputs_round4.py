@@ -206,7 +206,7 @@ def test_duplicates_are_merged_with_a_note(monkeypatch, tmp_path, capsys):
 
     seen = {}
 
-    def stop(cfg):
+    def stop(cfg, progress=True):
         seen["cfg"] = cfg
         raise ValueError("stopped")
 

@@ -199,6 +199,9 @@ def test_a_two_episode_quality_run_writes_its_json_and_markdown(tmp_path, capsys
     drawn = set(result["uncompressed"]["accuracy"]) - {"overall", "followup"}
     missing = [q for q in result["qtypes"] if q not in drawn]
     assert missing, "two conversations cannot draw all six question types"
+    # no lightkv method among --methods and no --baseline: no intervals, and a note says why
+    assert result["baseline"] is None and "no intervals: none of the methods" in md
+    assert "()" not in md
     (row,) = [line for line in md.splitlines() if line.startswith("| fastv | 0.50 |")]
     cells = [c.strip() for c in row.strip("|").split("|")]
     for i, q in enumerate(result["qtypes"]):

@@ -99,7 +99,9 @@ def variant_pipeline(name: str, num_layers: int, target: float):
 
 
 def run(config: AblationConfig = AblationConfig(), progress: bool = True) -> dict[str, Any]:
-    """Run every model; returns the JSON-able result (per model, rows per target and method)."""
+    """Run every model; returns the JSON-able result (per model, rows per target and method).
+    With ``progress``, a bar on a terminal (`lightkv_lab.bench.progress.Progress`)."""
+    from lightkv_lab.bench.progress import Progress
     from lightkv_lab.tasks import model as dg
     from lightkv_lab.tasks import scoring as sc
 
@@ -112,6 +114,8 @@ def run(config: AblationConfig = AblationConfig(), progress: bool = True) -> dic
     # the quality benchmark's row builder reads its intervals' settings from this
     q_cfg = AccuracyConfig(bootstrap=config.bootstrap, seed=config.seed)
     models = []
+    runs_per_model = 1 + len(config.targets) * (len(config.baselines) + len(config.variants))
+    bar = Progress(runs_per_model * len(config.models), "ablation", quiet=not progress)
     for name in config.models:
         path = dg.resolve_model(name)
         model, _, grid = dg.load(path)
@@ -119,26 +123,20 @@ def run(config: AblationConfig = AblationConfig(), progress: bool = True) -> dic
         layers = model.config.text_config.num_hidden_layers
         convs = sc.conversations(config.episodes, grid, seed=config.seed, followup=config.followup)
         base = sc.score(model, convs, grid, None, batch=config.batch)
+        bar.step(f"{name} uncompressed")
         rows = []
         for target in config.targets:
             runs = [(m, *method_pipeline(m, layers, target)) for m in config.baselines]
             runs += [
                 (f"lightkv ({v})", *variant_pipeline(v, layers, target)) for v in config.variants
             ]
-            scores = {
-                m: (how, pipe, sc.score(model, convs, grid, pipe, batch=config.batch))
-                for m, pipe, how in runs
-            }
+            scores = {}
+            for m, pipe, how in runs:
+                scores[m] = (how, pipe, sc.score(model, convs, grid, pipe, batch=config.batch))
+                bar.step(f"{name} {m} at {target:.2f}")
             light = scores["lightkv"][2] if "lightkv" in scores else None
             for m, (how, pipe, res) in scores.items():
                 rows.append(_row(m, target, how, pipe.scheduler, res, base, light, q_cfg))
-                if progress:
-                    acc = " ".join(f"{q}={a:.3f}" for q, a in res.accuracy().items())
-                    print(
-                        f"[{time.time() - t0:6.0f}s] {name} {m:36s} target {target:.2f} "
-                        f"kept {res.kept_fraction:.3f} {acc}",
-                        flush=True,
-                    )
         models.append(
             {
                 "name": name,
@@ -153,6 +151,7 @@ def run(config: AblationConfig = AblationConfig(), progress: bool = True) -> dic
                 "rows": rows,
             }
         )
+    bar.close()
     return {
         "benchmark": "ablation",
         "config": asdict(config),
@@ -203,7 +202,7 @@ def markdown_table(result: dict[str, Any]) -> str:
             )
             lines += [intro, "", header, "|---" * (len(cols) + 5) + "|"]
             for r in (r for r in m["rows"] if r["target"] == target):
-                vs = r.get("vs_lightkv", {}).get("accuracy", {})
+                vs = r.get("vs_baseline", {}).get("accuracy", {})
                 lines.append(
                     f"| {r['method']} | {r['kept_fraction']:.3f} | "
                     + " | ".join(accuracy_cell(r, q) for q in cols)

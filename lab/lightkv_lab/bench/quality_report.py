@@ -92,20 +92,28 @@ def markdown_table(result: dict[str, Any]) -> str:
                 f"{r['kept_fraction']:.2f}{FLAGS[r['how']]}"
             )
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    ref = result.get("baseline")
     lines += retained_lines(result)
     has_f = "followup" in result["uncompressed"]["accuracy"]
     cols = qtypes + (["followup"] if has_f else [])
     per_type = (
         "Per question type: accuracy; KL(p_uncompressed || p_compressed) per answer token (nats, "
         "overall); log-probability drop of the reference answer (overall, episodes the "
-        "uncompressed model answers right); lightkv minus this method in detail accuracy (points) "
-        "and in KL (nats, negative: lightkv more faithful), each with a paired bootstrap 95% "
-        "interval."
+        "uncompressed model answers right); "
+        + (
+            f"{ref} (the comparator, `--baseline`) minus this method in detail accuracy (points) "
+            f"and in KL (nats, negative: {ref} more faithful), each with a paired bootstrap 95% "
+            f"interval ('-': the comparator's own row, or a target {ref} did not run at)."
+            if ref
+            else "no intervals: none of the methods is a lightkv method, and no --baseline "
+            "names a comparator (`lightkv bench quality --baseline NAME`)."
+        )
     )
+    who = ref or "comparator"
     header = (
         "| method | target | kept | "
         + " | ".join(cols)
-        + f" | KL | logp drop | lightkv - this, {detail[0]} | lightkv - this, KL | vision KV / "
+        + f" | KL | logp drop | {who} - this, {detail[0]} | {who} - this, KL | vision KV / "
         "episode |"
     )
     lines += ["", per_type, "", header, "|---" * (len(cols) + 8) + "|"]
@@ -128,8 +136,8 @@ def markdown_table(result: dict[str, Any]) -> str:
         for r in ([light] if light else []) + [
             a for a in result["ablations"] if a["target"] == target
         ]:
-            vs = r.get("vs_lightkv", {}).get("accuracy", {})
-            vkl = r.get("vs_lightkv", {}).get("kl", {}).get("overall")
+            vs = r.get("vs_baseline", {}).get("accuracy", {})
+            vkl = r.get("vs_baseline", {}).get("kl", {}).get("overall")
             lines.append(
                 f"| {r['method']} | {r['kept_fraction']:.3f} | "
                 + " | ".join(accuracy_cell(r, q) for q in cols)
@@ -163,18 +171,25 @@ def markdown_table(result: dict[str, Any]) -> str:
 
 def retained_lines(result: dict[str, Any]) -> list[str]:
     """The field's format: overall accuracy as a share of the uncompressed model's, method x
-    kept-fraction target, with lightkv minus the method (points, paired bootstrap 95%)."""
+    kept-fraction target, with the comparator minus the method (points, paired bootstrap
+    95%; result ``baseline``), or a note why there are no intervals."""
     rows = [r for r in result["rows"] if r["target"] < 1.0]
     base = result["uncompressed"]["accuracy"]["overall"]
     if not rows or not base:
         return []
     targets = sorted({r["target"] for r in rows}, reverse=True)
+    ref = result.get("baseline")
+    vs = (
+        f"and in brackets {ref} (the comparator) minus the method in overall accuracy (points, "
+        "paired bootstrap 95% interval)"
+        if ref
+        else "without intervals (none of the methods is a lightkv method and no --baseline "
+        "names a comparator)"
+    )
     lines = [
         "",
         "Retained accuracy, % of the uncompressed model's overall accuracy (the field's format), "
-        "and in brackets lightkv minus the method in overall accuracy (points, paired bootstrap "
-        "95% interval); a flag marks a method that missed the target (see the kept fraction "
-        "above).",
+        f"{vs}; a flag marks a method that missed the target (see the kept fraction above).",
         "",
         "| method | " + " | ".join(f"{t:.0%}" for t in targets) + " |",
         "|---" * (len(targets) + 1) + "|",
@@ -186,12 +201,11 @@ def retained_lines(result: dict[str, Any]) -> list[str]:
             if r is None:
                 cells.append("")
                 continue
-            vs = (
-                ""
-                if m == "lightkv"
-                else " (" + _ci(r.get("vs_lightkv", {}).get("accuracy", {}).get("overall")) + ")"
+            ci = _ci(r.get("vs_baseline", {}).get("accuracy", {}).get("overall"))
+            cells.append(
+                f"{100 * r['accuracy']['overall'] / base:.1f}%{FLAGS[r['how']]}"
+                + (f" ({ci})" if ci else "")
             )
-            cells.append(f"{100 * r['accuracy']['overall'] / base:.1f}%{FLAGS[r['how']]}{vs}")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return lines
 
@@ -244,8 +258,8 @@ def _region_lines(result: dict[str, Any]) -> list[str]:
 
 
 def _type_line(r: dict[str, Any], cols: list[str], detail: str) -> str:
-    vs = r.get("vs_lightkv", {}).get("accuracy", {}).get(detail)
-    vkl = r.get("vs_lightkv", {}).get("kl", {}).get("overall")
+    vs = r.get("vs_baseline", {}).get("accuracy", {}).get(detail)
+    vkl = r.get("vs_baseline", {}).get("kl", {}).get("overall")
     drop = r["logp_drop"].get("overall") if r["logp_drop"] else None
     return (
         f"| {r['method']} | {r['target']:.2f} | {r['kept_fraction']:.3f} | "

@@ -165,7 +165,10 @@ def add_parsers(commands) -> dict[str, argparse.ArgumentParser]:
     )
     eff.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     eff.add_argument("--no-plots", action="store_true", help="write JSON and Markdown only")
-    eff.add_argument("--no-progress", action="store_true", help="no progress bar")
+    eff.add_argument(
+        "--quiet", action="store_true", help="no progress bar (none either when not a terminal)"
+    )
+    _removed_flag(eff, "--no-progress", "--quiet")
     _removed_flag(eff, "--budgets", "--kept-fractions")
     sc = bsub.add_parser(
         "scaling",
@@ -263,6 +266,15 @@ def add_parsers(commands) -> dict[str, argparse.ArgumentParser]:
         help="kept fractions (default: 1 .75 .55 .4 .25)",
     )
     qual.add_argument(
+        "--baseline",
+        metavar="PRESET",
+        help="the comparator of the paired bootstrap intervals, one of --methods (default: the "
+        "first lightkv method given; without one the interval columns are empty, with a note)",
+    )
+    qual.add_argument(
+        "--quiet", action="store_true", help="no progress bar (none either when not a terminal)"
+    )
+    qual.add_argument(
         "--model",
         metavar="NAME|DIR",
         default="scenes",
@@ -324,6 +336,9 @@ def add_parsers(commands) -> dict[str, argparse.ArgumentParser]:
     abl.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results)")
     abl.add_argument(
         "--threads", type=machine_threads, metavar="N", help="torch CPU threads (default: torch's)"
+    )
+    abl.add_argument(
+        "--quiet", action="store_true", help="no progress bar (none either when not a terminal)"
     )
     _removed_flag(abl, "--targets", "--kept-fractions")
     return {

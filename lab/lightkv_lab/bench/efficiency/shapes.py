@@ -75,7 +75,7 @@ class BenchConfig:
             ``steady`` (default: freed memory is reused, as PyTorch's caching allocator does
             on a GPU) or ``system`` (glibc's defaults: large blocks are fresh pages each
             time, which a long prefill pays more than a short one).
-        progress: show a progress bar (tqdm when installed, else plain lines).
+        progress: show a progress bar (`lightkv_lab.bench.progress.Progress`: on a terminal only).
         quick: a short run (set by `quick_config`).
     """
 
