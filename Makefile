@@ -13,7 +13,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.lightkv-installed
 
-.PHONY: install test test-quant quant test-scatter scatter demo bench bench-quick bench-quality digitgrid-model symbolgrid-model scenes-model lint clean lmms-eval test-lmms-eval gpu-wheels
+.PHONY: install test test-wheel test-quant quant test-scatter scatter demo bench bench-quick bench-quality digitgrid-model symbolgrid-model scenes-model lint clean lmms-eval test-lmms-eval gpu-wheels
 
 install: $(STAMP)
 
@@ -36,6 +36,26 @@ $(STAMP): pyproject.toml lab/pyproject.toml
 TEST_WORKERS ?= 2
 test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS)
+
+# The library's wheel alone (README: torch first, then `pip install .`): the wheel built
+# without its dependencies; .whl-test/ (git-ignored) filled once with the CPU torch and the
+# wheel's dependencies at the versions .venv holds (from .whl-test/ alone when it has them,
+# so a rerun needs no network); a fresh venv gets torch and the wheel from there only
+# (--no-index: nothing else can come along, no CUDA wheel; --no-compile: no bytecode for
+# torch's 20k files); then lightkv.apply on a tiny LLaVA and the lightkv command, run
+# outside the checkout (tests/installed_wheel.py).
+WHEEL_TEST := build/wheel-test
+WHEELHOUSE ?= .whl-test
+test-wheel: install
+	rm -rf $(WHEEL_TEST) && mkdir -p $(WHEEL_TEST)
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w $(WHEEL_TEST)/dist .
+	$(PY) tests/installed_wheel.py pins $(WHEEL_TEST)/dist/lightkv-*.whl > $(WHEEL_TEST)/pins.txt
+	$(PY) -m pip download -q --no-index --find-links $(WHEELHOUSE) -d $(WHEELHOUSE) -r $(WHEEL_TEST)/pins.txt 2>/dev/null \
+	  || $(PY) -m pip download -q --timeout 15 --retries 1 --extra-index-url $(TORCH_CPU_INDEX) -d $(WHEELHOUSE) -r $(WHEEL_TEST)/pins.txt
+	$(PYTHON) -m venv $(WHEEL_TEST)/venv
+	$(WHEEL_TEST)/venv/bin/python -m pip install -q --no-compile --no-index --find-links $(WHEELHOUSE) \
+	  -c $(WHEEL_TEST)/pins.txt torch $(WHEEL_TEST)/dist/lightkv-*.whl
+	cd $(WHEEL_TEST) && env -u PYTHONPATH venv/bin/python $(CURDIR)/tests/installed_wheel.py check
 
 # KV quantization stacked with compression: the [quant] extra (optimum-quanto), installed the
 # way the README says, then its tests with --require-quant, so a broken install fails
@@ -155,7 +175,7 @@ lint: install
 	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .hypothesis build dist *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache .hypothesis build dist *.egg-info $(WHEELHOUSE)
 
 # The documentation site (mkdocs-material + mkdocstrings). `docs` builds it strictly: a
 # broken link, a missing page or a docstring mkdocstrings cannot read fails the build.

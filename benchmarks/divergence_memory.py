@@ -57,7 +57,7 @@ class KeyJS(EdgeScorer):
     ``JS(p, q) = H((p + q) / 2) - (H(p) + H(q)) / 2``; only the mixture's entropy needs
     the pairs (three ``[K, a, b, H, d]`` intermediates)."""
 
-    features: str = "keys"
+    features: str = "key_states"
     pair_intermediates = 4  # m, its clamp, its log, their product
 
     def divergence(self, src, dst):

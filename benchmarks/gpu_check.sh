@@ -117,7 +117,7 @@ T1=$(date +%s)
 # ---- 3. efficiency at full width and depth, bf16, CUDA events
 timeout 420 $PY -m lightkv bench efficiency --device cuda --dtype bfloat16 --width full --layers 32 \
   --models llava llava_next --presets lightkv tome fastv --projection-baseline --repeats 10 \
-  --no-progress --out "$OUT" 2>&1 | tee "$OUT/efficiency.log"
+  --quiet --out "$OUT" 2>&1 | tee "$OUT/efficiency.log"
 BENCH_RC=${PIPESTATUS[0]}
 
 # ---- 3b. every budget (issue 28): the LLaVA-NeXT shape at full width, bf16, the prefill and
@@ -125,7 +125,7 @@ BENCH_RC=${PIPESTATUS[0]}
 #      (LightKV's three placements: its own schedule, after layer 0, before the LLM)
 timeout 300 $PY -m lightkv bench efficiency --device cuda --dtype bfloat16 --width full --layers 32 \
   --models llava_next --presets lightkv lightkv-first-layer lightkv-low-budget tome fastv pdrop elasticcache h2o divprune cdpruner lightkv-cover \
-  --kept-fractions 0.55 0.22 0.11 --repeats 5 --no-eager-reference --no-progress \
+  --kept-fractions 0.55 0.22 0.11 --repeats 5 --no-eager-reference --quiet \
   --out "$OUT/budgets" 2>&1 | tee "$OUT/budgets.log"
 BUDGETS_RC=${PIPESTATUS[0]}
 
@@ -134,7 +134,7 @@ FA2_RC=-1
 if $PY -c "import flash_attn" 2>/dev/null; then
   timeout 240 $PY -m lightkv bench efficiency --device cuda --dtype bfloat16 --width full --layers 32 \
     --models llava_next --presets lightkv divprune lightkv-low-budget lightkv-cover \
-    --kept-fractions 0.55 0.22 0.11 --repeats 5 --no-eager-reference --no-progress \
+    --kept-fractions 0.55 0.22 0.11 --repeats 5 --no-eager-reference --quiet \
     --attn-implementation flash_attention_2 --out "$OUT/budgets-fa2" 2>&1 | tee "$OUT/budgets-fa2.log"
   FA2_RC=${PIPESTATUS[0]}
   timeout 180 $PY benchmarks/flash_batch.py --rows 8 --layers 32 --repeats 5 --out "$OUT/flash-batch" 2>&1 \

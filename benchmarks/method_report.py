@@ -66,7 +66,7 @@ def tokens_after_last_stage(cfg: dict, target: float) -> float:
             layout,
             LAYERS,
             relevance=torch.rand(1, n + 4, generator=gen) + 0.1,
-            keys=keys,
+            key_states=keys,
             prompt=Prompt(torch.arange(n + 4).unsqueeze(0)),
         )
     except (ValueError, NotImplementedError):  # a cache method (no hidden-state stages)

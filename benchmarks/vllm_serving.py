@@ -13,7 +13,7 @@ before the LLM (``pre_llm``, ratio 0.5, uniform relevance). At equal batch it me
   ``ignore_eos``), and requests per second;
 - the prompt length vLLM scheduled (the image placeholders after compression).
 
-    # needs vLLM 0.32.0 and a GPU
+    # needs vLLM 0.32.x or 0.33.x and a GPU
     python benchmarks/vllm_serving.py --out benchmarks/results/gpu
     # checks the set-up, no vLLM needed
     python benchmarks/vllm_serving.py --dry-run

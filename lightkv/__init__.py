@@ -20,8 +20,9 @@ import importlib
 from typing import Any
 
 from .graph import ImageSegment, Provenance, TokenKind, VisionLayout
-from .pipeline import Pipeline, Stage, StageResult
+from .pipeline import Pipeline
 from .policies import StageInputs
+from .stage import Stage, StageResult
 
 __version__ = "0.1.0"
 

@@ -3,7 +3,7 @@
 The same graph machinery as a hidden-state stage (partitioner, scorer, pruner, passer),
 with the cache in place of the residual stream: every cache entry is a token whose
 "hidden state" is its key and value side by side (``[H_kv * d]`` each, all heads), and
-whose ``keys`` features (for key-space scorers) are the cached keys, per head. The passer
+whose ``key_states`` features (for key-space scorers) are the cached keys, per head. The passer
 merges a token's key and value with the same weights, so a merged entry is a convex
 combination of its sources' entries (keys and values alike). Cached keys are post-RoPE:
 merging them mixes rotations, which is what cache-merging methods (ElasticCache) do.
@@ -21,7 +21,7 @@ import torch
 
 from .graph.layout import VisionLayout
 from .graph.provenance import Provenance
-from .pipeline import Stage, StageResult
+from .stage import Stage, StageResult
 
 __all__ = ["CacheResult", "CacheStage"]
 

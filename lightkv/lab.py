@@ -36,8 +36,15 @@ __all__ = [
 
 COMMANDS_GROUP = "lightkv.commands"
 MODELS_GROUP = "lightkv.models"
-INSTALL = "pip install lightkv-lab"
-"""How to install the laboratory (from a clone of the repository: ``make install``)."""
+INSTALL = "from a clone of the lightkv repository, pip install ./lab (no release is on PyPI yet)"
+"""How to install the laboratory. No release of either distribution is on the package index
+yet, so the path is the repository's: the library is installed (it says this), and the
+laboratory is its ``lab/`` folder (``make install`` installs both, editable)."""
+# The two lists below are written out, not derived: they exist for the case where the
+# laboratory is NOT installed, when there are no entry points to read them from (and the
+# library never imports the laboratory). They are the `lightkv.commands` and
+# `lightkv.models` entry points that lab/pyproject.toml declares; tests/test_lab_split.py
+# checks them against that file and against the installed entry points.
 LAB_COMMANDS = ("bench", "demo", "stages-demo")
 """The laboratory's commands: without it each answers with one line saying to install it."""
 LAB_MODELS = ("scenes", "digitgrid", "symbolgrid")

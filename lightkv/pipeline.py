@@ -33,7 +33,7 @@ from .policies.scorers import CosineDivergence, EdgeScorer
 from .quirks import ReleasedQuirks
 from .stage import DIVERGENCE_MEMORY_MIB, Stage, StageResult, check_memory
 
-__all__ = ["DIVERGENCE_MEMORY_MIB", "Pipeline", "Stage", "StageResult"]
+__all__ = ["Pipeline"]
 
 
 @dataclass
@@ -295,16 +295,16 @@ class Pipeline:
         layout: VisionLayout,
         num_layers: int,
         relevance: torch.Tensor | None = None,
-        keys: torch.Tensor | None = None,
+        key_states: torch.Tensor | None = None,
         prompt: Prompt | None = None,
         tower: dict[int, torch.Tensor] | None = None,
     ) -> list[StageResult]:
         """Apply every stage in turn to the same hidden states, without a model.
 
         Useful to inspect what a schedule does to a layout (demo, docs, tests). ``relevance``
-        (``[B, N]`` for the input sequence), ``keys`` (``[B, N, H_kv, d]``, for key-space
-        policies) and ``tower`` (``{layer: [B, H, N]}``, for policies that read the vision
-        tower's attention at a layer) are carried along: each survivor keeps its own;
+        (``[B, N]`` for the input sequence), ``key_states`` (``[B, N, H_kv, d]``, for
+        key-space policies) and ``tower`` (``{layer: [B, H, N]}``, for policies that read the
+        vision tower's attention at a layer) are carried along: each survivor keeps its own;
         ``prompt`` (the token ids, at original positions) reaches policies that read the
         prompt.
 
@@ -320,7 +320,7 @@ class Pipeline:
                 "(or lightkv.apply on a model)"
             )
         for stage in stages:
-            res = stage(hidden, layout, relevance, provenance, keys, prompt, tower)
+            res = stage(hidden, layout, relevance, provenance, key_states, prompt, tower)
             hole = res.kept_index < 0
             if relevance is not None:
                 relevance = relevance.gather(1, res.kept_index.clamp_min(0)).masked_fill(hole, 0)
@@ -330,10 +330,11 @@ class Pipeline:
                     k: v.gather(2, at.expand(-1, v.shape[1], -1)).masked_fill(hole.unsqueeze(1), 0)
                     for k, v in tower.items()
                 }
-            if keys is not None:
-                index = res.kept_index.clamp_min(0).view(*hole.shape, *([1] * (keys.dim() - 2)))
-                keys = keys.gather(1, index.expand(-1, -1, *keys.shape[2:])).masked_fill(
-                    hole.view(*hole.shape, *([1] * (keys.dim() - 2))), 0
+            if key_states is not None:
+                ks, extra = key_states, [1] * (key_states.dim() - 2)
+                index = res.kept_index.clamp_min(0).view(*hole.shape, *extra)
+                key_states = ks.gather(1, index.expand(-1, -1, *ks.shape[2:])).masked_fill(
+                    hole.view(*hole.shape, *extra), 0
                 )
             hidden, layout, provenance = res.hidden, res.layout, res.provenance
             results.append(res)

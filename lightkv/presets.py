@@ -133,12 +133,13 @@ def get_preset_config(name: str) -> PipelineConfig:
 
 def is_config_path(name_or_path: str | os.PathLike) -> bool:
     """Whether `load_config` reads ``name_or_path`` as a file rather than a preset name: an
-    existing path other than a directory, a name ending in ``.yaml``/``.yml``, one with a
-    path separator, or ``-`` (standard input)."""
+    existing path (a directory only when it is not also a preset's name; read as a path, it
+    is refused as a directory), a name ending in ``.yaml``/``.yml``, one with a path
+    separator, or ``-`` (standard input)."""
     text = os.fspath(name_or_path)
     return (
         text == "-"
-        or (Path(text).exists() and not Path(text).is_dir())
+        or (Path(text).exists() and not (Path(text).is_dir() and text in PRESETS))
         or text.endswith((".yaml", ".yml"))
         or os.sep in text
         or "/" in text
@@ -152,7 +153,7 @@ def load_config(name_or_path: str | os.PathLike) -> PipelineConfig:
     too far are refused at once.
 
     Raises:
-        FileNotFoundError: a path that does not exist.
+        FileNotFoundError: a path that does not exist, or a directory (the message says so).
         ValueError: an unknown preset (the message lists the presets).
         ConfigError: an invalid file.
     """

@@ -26,7 +26,7 @@ from .policies.relevance import QueryAxisSoftmax, Relevance
 from .policies.schedulers import StageSpec
 from .policies.scorers import DEFAULT_DIVERGENCE_BYTES, CosineDivergence, EdgeScorer
 
-__all__ = ["DIVERGENCE_MEMORY_MIB", "Stage", "StageResult", "check_memory"]
+__all__ = ["DIVERGENCE_MEMORY_MIB", "Stage", "StageResult", "check_memory", "placement_problem"]
 
 DIVERGENCE_MEMORY_MIB = DEFAULT_DIVERGENCE_BYTES // 2**20
 """The default memory budget of a stage's pairwise divergence intermediates, in MiB."""
@@ -36,6 +36,32 @@ def check_memory(mib: object) -> None:
     """A positive whole number of MiB, else a `ValueError` naming the option."""
     if isinstance(mib, bool) or not isinstance(mib, int) or mib < 1:
         raise ValueError(f"divergence_memory_mib must be a positive integer (MiB), got {mib!r}")
+
+
+def placement_problem(spec: StageSpec, relevance: Relevance) -> str | None:
+    """Why a stage placed as ``spec`` cannot compute ``relevance`` there (None: it can).
+
+    A stage on a layer's cache (``spec.mode == "cache"``) sees the layer's projections only,
+    not the vision tower's attention nor the prompt's hidden states. `lightkv.apply` and
+    ``lightkv config validate`` both refuse such a stage with this message.
+    """
+    if spec.mode != "cache":
+        return None
+    what = (
+        "the vision tower's attention"
+        if relevance.reads_tower
+        else "the prompt's embeddings (hidden states)"
+        if relevance.reads_hidden
+        else None
+    )
+    if what is None:
+        return None
+    return (
+        f"the stage on layer {spec.layer}'s cache cannot compute relevance {relevance.name!r}: "
+        f"it reads {what}, which a cache stage does not see; run the stage before "
+        "the LLM or after a layer (placement: pre_llm or layer), or use a relevance "
+        "from the layer's projections (accumulated_attention, query_softmax)"
+    )
 
 
 @dataclass(frozen=True)
@@ -108,8 +134,8 @@ class Stage:
 
     @property
     def needs(self) -> frozenset[str]:
-        """Names of the `StageInputs` features this stage's policies read (e.g. ``{"keys"}``);
-        an adapter computes keys only when they are needed."""
+        """Names of the `StageInputs` features this stage's policies read (e.g.
+        ``{"key_states"}``); an adapter computes key states only when they are needed."""
         out: frozenset[str] = frozenset()
         for policy in (self.partitioner, self.scorer, self.pruner, self.passer):
             if policy is not None:
@@ -149,7 +175,7 @@ class Stage:
         layout: VisionLayout,
         relevance: torch.Tensor | None = None,
         provenance: Provenance | None = None,
-        keys: torch.Tensor | None = None,
+        key_states: torch.Tensor | None = None,
         prompt: Prompt | None = None,
         tower: dict[int, torch.Tensor] | None = None,
     ) -> StageResult:
@@ -160,7 +186,8 @@ class Stage:
             layout: their layout.
             relevance: ``[B, N]`` ξ (non-negative); None means uniform.
             provenance: provenance up to this stage (None: the input is original).
-            keys: ``[B, N, H_kv, d]`` the layer's keys, for policies that need them.
+            key_states: ``[B, N, H_kv, d]`` the layer's keys per token (before RoPE), for
+                policies that need them (`StageInputs.key_states`).
             prompt: the prefill's token ids, for policies that read the prompt.
             tower: ``{layer: [B, H, N]}`` the vision tower's attention at the `tower_layers`
                 this stage's policies read.
@@ -173,7 +200,9 @@ class Stage:
                 "Stage expects (hidden: torch.Tensor [B, N, D], layout: VisionLayout, ...)"
             )
         return self.run(
-            StageInputs(layout, self.spec, hidden, relevance, keys, provenance, prompt, tower=tower)
+            StageInputs(
+                layout, self.spec, hidden, relevance, key_states, provenance, prompt, tower=tower
+            )
         )
 
     def run(self, inputs: StageInputs) -> StageResult:

@@ -177,7 +177,7 @@ def test_the_library_ships_only_the_testing_helpers_it_uses():
     """`lightkv.testing` holds the policy contract, the shared token helpers and the tiny LLaVA
     the docs run on; every other family's tiny model is the laboratory's (`lightkv_lab.tiny`)."""
     shipped = sorted(p.stem for p in (PACKAGE / "testing").glob("*.py"))
-    assert shipped == ["__init__", "common", "contract", "llava"], shipped
+    assert shipped == ["__init__", "common", "contract", "contract_relevance", "llava"], shipped
 
 
 # The framework without the methods, the family adapters and the tools: readable in a day.
@@ -268,3 +268,23 @@ def test_the_facade_loads_the_upper_layers_on_first_use(name):
 
     assert callable(getattr(lightkv, name)) or isinstance(getattr(lightkv, name), dict)
     assert name in dir(lightkv)
+
+
+def test_stage_names_come_from_their_own_module():
+    """`Stage`, `StageResult` and `DIVERGENCE_MEMORY_MIB` live in `lightkv.stage`; nothing
+    imports them through `lightkv.pipeline`, which exports `Pipeline` alone (issue 48)."""
+    import re
+
+    import lightkv.pipeline
+
+    assert lightkv.pipeline.__all__ == ["Pipeline"]
+    through = re.compile(
+        r"from (lightkv\.|\.+)pipeline import[^\n]*\b(Stage|StageResult|DIVERGENCE_MEMORY_MIB)\b"
+    )
+    sites = [
+        str(p.relative_to(ROOT))
+        for d in (PACKAGE, LAB, ROOT / "tests", ROOT / "benchmarks", ROOT / "docs")
+        for p in d.rglob("*.py")
+        if through.search(p.read_text())
+    ]
+    assert not sites, sites

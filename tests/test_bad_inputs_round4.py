@@ -101,7 +101,8 @@ def test_a_schedule_that_cannot_take_a_budget_is_a_value_error_naming_the_preset
 def test_the_ablation_table_of_a_short_run_that_missed_question_types():
     """``bench ablation --episodes 2`` ended in ``KeyError: 'exists'`` after the whole run
     (no .md, no .png): a type the run never asked shows as "-"."""
-    from lightkv_lab.bench.ablation import _detail, markdown_table
+    from lightkv_lab.bench.ablation import markdown_table
+    from lightkv_lab.bench.quality_report import detail_accuracy
 
     row = {
         "method": "tome",
@@ -122,7 +123,8 @@ def test_the_ablation_table_of_a_short_run_that_missed_question_types():
     }
     md = markdown_table({"config": {"episodes": 2, "targets": [0.55]}, "models": [model]})
     assert "| tome | 0.560 | 1.000 | - |" in md and "exists -" in md
-    assert _detail(row, model) == 1.0 and math.isnan(_detail({"accuracy": {}}, model))
+    assert detail_accuracy(row, model) == 1.0
+    assert math.isnan(detail_accuracy({"accuracy": {}}, model))
 
 
 @pytest.mark.parametrize(
@@ -209,7 +211,7 @@ def test_duplicates_are_merged_with_a_note(monkeypatch, tmp_path, capsys):
 
     seen = {}
 
-    def stop(cfg):
+    def stop(cfg, progress=True):
         seen["cfg"] = cfg
         raise ValueError("stopped")
 

@@ -6,8 +6,10 @@ import json
 
 import pytest
 from lightkv_lab.bench import efficiency as eff
+from lightkv_lab.bench.efficiency.measure import measure_peaks_in_child
 
 from lightkv.cli import build_parser, main
+from lightkv.policies.schedulers import scale_layers
 
 
 @pytest.fixture(scope="module")
@@ -107,21 +109,21 @@ def test_markdown_and_files(result, tmp_path):
 
 
 def test_scale_layers():
-    assert eff.scale_layers((12, 18, 24), 32, 8) == (2, 4, 5)
-    assert eff.scale_layers((12, 17, 22), 28, 8) == (3, 4, 6)
-    assert eff.scale_layers((1,), 32, 8) == (0,)
+    assert scale_layers((12, 18, 24), 32, 8) == (2, 4, 5)
+    assert scale_layers((12, 17, 22), 28, 8) == (3, 4, 6)
+    assert scale_layers((1,), 32, 8) == (0,)
     with pytest.raises(ValueError):
-        eff.scale_layers((12, 18, 24), 32, 3)
+        scale_layers((12, 18, 24), 32, 3)
 
 
 def test_memory_child_cpu():
     cfg = eff.quick_config(models=("llava",), layers=2, heads=1, progress=False)
-    peaks = eff._child_peaks(eff.MODELS["llava"], cfg, ["uncompressed"])
+    peaks = measure_peaks_in_child(eff.MODELS["llava"], cfg, ["uncompressed"])
     assert peaks["peak_bytes"]["uncompressed"] > 0
 
 
 def test_a_variant_that_ran_other_attention_fails_naming_it():
-    from lightkv_lab.bench.efficiency.runner import check_attention
+    from lightkv_lab.bench.efficiency.model_bench import check_attention
 
     from lightkv.adapters.attention import AttentionChanged
 
@@ -350,7 +352,8 @@ def test_budget_targets_take_lightkv_where_its_schedule_reaches_the_budget():
     ``lightkv-first-layer@t`` if it reaches the budget, then ``lightkv-low-budget@t``. The
     targets hold only if every budget's gap is within a point and every overhead at most 1%; a
     reduced-width run checks none of them."""
-    from lightkv_lab.bench.efficiency.report import budget_table, budget_targets, lightkv_at
+    from lightkv_lab.bench.efficiency.budget_report import lightkv_at
+    from lightkv_lab.bench.efficiency.report import budget_table, budget_targets
 
     variants = {
         "lightkv@0.55": _variant(0.570, 0.566, 0.007, "scaled", [0.568, 0.572]),

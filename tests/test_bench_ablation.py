@@ -61,9 +61,9 @@ def test_rows_cover_every_method_on_the_same_conversations(result):
     ]
     assert {r["target"] for r in m["rows"]} == {0.55}
     light = m["rows"][0]
-    assert "vs_lightkv" not in light  # lightkv is the reference of the intervals
+    assert "vs_baseline" not in light  # lightkv is the reference of the intervals
     for r in m["rows"][1:]:
-        mean, lo, hi = r["vs_lightkv"]["accuracy"]["overall"]
+        mean, lo, hi = r["vs_baseline"]["accuracy"]["overall"]
         assert lo <= mean <= hi
         assert abs(mean - (light["accuracy"]["overall"] - r["accuracy"]["overall"])) < 1e-9
     assert all(0.5 <= r["kept_fraction"] <= 0.62 for r in m["rows"])

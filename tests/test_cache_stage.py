@@ -52,7 +52,7 @@ def elastic(ratio, passer="size_mean", scope="image"):
     return Stage(
         StageSpec(0, ratio, windows_per_side=1, mode="cache"),
         partitioner=ImportancePartitioner(scope=scope),
-        scorer=CosineDivergence(features="keys"),
+        scorer=CosineDivergence(features="key_states"),
         pruner=SmallestDivergence(),
         passer=MessagePasser.create(passer),
     )

@@ -194,9 +194,9 @@ def test_every_preset_runs_on_a_llava_layout(name):
         return check_cache_preset(pipe, layout, relevance)
     keys = None
     if any(
-        "keys" in s.needs for s in pipe.stages(32)
+        "key_states" in s.needs for s in pipe.stages(32)
     ):  # e.g. DART's pivots: a clear refusal without keys
-        with pytest.raises(ValueError, match="this stage has no keys features"):
+        with pytest.raises(ValueError, match="this stage has no key_states features"):
             pipe.run(hidden, layout, num_layers=32)
         keys = torch.randn(1, layout.seq_len, 2, 8, generator=torch.Generator().manual_seed(2))
     # a preset that ranks by the tower's attention needs a relevance (and the tower layers its
@@ -204,7 +204,9 @@ def test_every_preset_runs_on_a_llava_layout(name):
     layers = {i for s in pipe.stages(32) for i in s.tower_layers}
     tower = {i: relevance.unsqueeze(1).expand(-1, 2, -1) for i in layers} or None
     for rel in (relevance,) if pipe.relevance.reads_tower else (None, relevance):
-        results = pipe.run(hidden, layout, num_layers=32, relevance=rel, keys=keys, tower=tower)
+        results = pipe.run(
+            hidden, layout, num_layers=32, relevance=rel, key_states=keys, tower=tower
+        )
         assert results, name
         counts = [int(r.layout.vision_counts()[0]) for r in results]
         assert all(0 < c < 576 for c in counts) and counts == sorted(counts, reverse=True)
@@ -265,7 +267,7 @@ def test_reference_token_counts(name, grid, depth, counts):
     keys = torch.randn(
         1, layout.seq_len, 2, 8, generator=torch.Generator().manual_seed(1)
     )  # for DART's pivots
-    results = get_preset(name).run(hidden, layout, num_layers=depth, keys=keys)
+    results = get_preset(name).run(hidden, layout, num_layers=depth, key_states=keys)
     assert [int(r.layout.vision_counts()[0]) for r in results] == counts
 
 
@@ -886,7 +888,7 @@ def schedules(draw):
             None,
             "cosine",
             {"name": "l2"},
-            {"name": "cosine", "params": {"features": "keys", "eps": 1e-9}},
+            {"name": "cosine", "params": {"features": "key_states", "eps": 1e-9}},
         ]
     ),
     partitioner=st.sampled_from(

@@ -27,19 +27,35 @@ def test_a_long_question_wraps_inside_its_column(capsys):
     ]
 
 
-def test_the_comparison_prints_a_progress_line_per_method(capsys):
+def test_the_comparison_reads_one_way_round_with_intervals_and_lightkv_cover(capsys):
+    """Issue 52 item 5: every method of the comparison, lightkv-cover beside the leaders,
+    with lightkv minus the method and a paired bootstrap interval; both slashed columns
+    compressed/uncompressed; off a terminal no progress output (item 6: a bar only there)."""
     assert bundled.main(["--questions", "1", "--contrast", "4", "--no-png"]) == 0
-    err = capsys.readouterr().err.splitlines()
-    steps = [line for line in err if line.startswith("lightkv demo: [")]
-    methods = 1 + len(bundled.CONTRAST_METHODS)
-    assert len(steps) == 2 * methods  # at 55% and at --low
-    assert steps[0].startswith(f"lightkv demo: [1/{methods}] lightkv at 55% kept on 4 questions")
+    out, err = capsys.readouterr()
+    assert "lightkv demo: [" not in err and "it/s" not in err
+    lines = out.splitlines()
+    assert sum("comp/uncomp" in line for line in lines) == 1
+    assert lines[next(i for i, x in enumerate(lines) if "comp/uncomp" in x) + 1].startswith(
+        "question"
+    )
+    assert "vision KV and prefill both compressed/uncompressed" in out
+    assert bundled.METHODS[:2] == ("lightkv", "lightkv-cover")
+    for target in ("55%", "25%"):
+        at = next(i for i, line in enumerate(lines) if line.startswith(f"at {target} of"))
+        assert "lightkv minus the method in points, paired bootstrap 95% interval" in lines[at]
+        rows = lines[at + 1 : at + 1 + len(bundled.METHODS)]
+        assert [r.split()[0] for r in rows] == list(bundled.METHODS)
+        assert "[" not in rows[0]  # the comparator itself
+        for row in rows[1:]:
+            low, high = row[row.index("[") + 1 : row.index("]")].split(", ")
+            assert float(low) <= float(row.split(")")[-1].split("[")[0]) <= float(high), row
 
 
 def test_picture_titles_stay_inside_the_picture(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     from lightkv_lab import vis
-    from lightkv_lab.bench import quality_report
+    from lightkv_lab.bench import provenance, quality_report
 
     figures = []
     real = vis.save_figure
@@ -61,4 +77,4 @@ def test_picture_titles_stay_inside_the_picture(tmp_path, monkeypatch):
     for text, extent, box in titles:
         assert box.x0 - 0.5 <= extent.x0 and extent.x1 <= box.x1 + 0.5, (text, extent, box)
         assert extent.y1 <= box.y1 + 0.5, (text, extent, box)
-        assert all(len(line) <= quality_report.TITLE_CHARS for line in text.splitlines()), text
+        assert all(len(line) <= provenance.TITLE_CHARS for line in text.splitlines()), text

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("sklearn")
 
-from lightkv_lab.tasks.digitgrid import (
+from lightkv_lab.tasks.digitgrid.data import (
     BOS_ID,
     EOS_ID,
     IGNORE_INDEX,

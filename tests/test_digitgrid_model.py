@@ -141,7 +141,7 @@ def test_demo_checks_its_optional_dependencies_before_any_output(tmp_path, capsy
     captured = capsys.readouterr()
     assert (
         captured.out == ""
-        and "pip install 'lightkv-lab'" in captured.err
+        and "pip install matplotlib" in captured.err
         and "--no-png" in captured.err
     )
 

@@ -15,16 +15,16 @@ import lightkv
 import lightkv.config
 from lightkv import ImageSegment, VisionLayout
 from lightkv.graph import BipartiteGraph
-from lightkv.pipeline import Stage
 from lightkv.policies import EdgeScorer, StageSpec
 from lightkv.policies.scorers import CosineDivergence
+from lightkv.stage import Stage
 
 
 @dataclass
 class KeyJS(EdgeScorer):
     """Jensen-Shannon divergence between per-head softmaxes of the keys (not bilinear)."""
 
-    features: str = "keys"
+    features: str = "key_states"
 
     def divergence(self, src, dst):
         p = src.softmax(-1).unsqueeze(2)  # [K, a, 1, H, d]
@@ -108,13 +108,13 @@ def test_the_stage_runs_a_js_scorer_within_its_pipeline_budget():
     stage = Stage(
         spec=StageSpec(0, 0.5, windows_per_side=1), scorer=scorer, divergence_memory_mib=1
     )
-    out = stage(hidden, layout, keys=keys)
+    out = stage(hidden, layout, key_states=keys)
     budget = 2**20
     per_pair = scorer.pair_intermediates * 4 * 8 * 4
     assert len(scorer.calls) > 1 and all(k * a * b * per_pair <= budget for k, a, b in scorer.calls)
     scorer.calls.clear()
     again = Stage(spec=stage.spec, scorer=scorer, divergence_memory_mib=4096)(
-        hidden, layout, keys=keys
+        hidden, layout, key_states=keys
     )
     assert len(scorer.calls) == 1  # one call when it fits
     assert torch.equal(out.hidden, again.hidden) and torch.equal(out.kept_index, again.kept_index)
@@ -123,6 +123,6 @@ def test_the_stage_runs_a_js_scorer_within_its_pipeline_budget():
 def test_the_budget_is_a_pipeline_option():
     pipe = lightkv.config.PipelineConfig.from_yaml_text("divergence_memory_mib: 32\n").build()
     assert {s.divergence_memory_mib for s in pipe.stages(32)} == {32}
-    assert lightkv.load("lightkv").divergence_memory_mib == lightkv.pipeline.DIVERGENCE_MEMORY_MIB
+    assert lightkv.load("lightkv").divergence_memory_mib == lightkv.stage.DIVERGENCE_MEMORY_MIB
     with pytest.raises(ValueError, match="divergence_memory_mib must be a positive integer"):
         Stage(spec=StageSpec(0, 0.5, windows_per_side=1), divergence_memory_mib=0)

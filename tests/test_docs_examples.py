@@ -216,6 +216,10 @@ def test_readme_python_snippets_run_when_pasted_in_order():
     blocks = re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
     assert blocks
     namespace: dict = {"__name__": "readme"}
-    with contextlib.redirect_stdout(io.StringIO()), torch.no_grad():
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), torch.no_grad():
         for block in blocks:
             exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
+    # the first screen tells the truth (issue 52 item 5): no example ends with a warning
+    assert "warning" not in printed.getvalue().lower(), printed.getvalue()
+    assert namespace["session"].report().missed_target is None

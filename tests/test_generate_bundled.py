@@ -78,5 +78,5 @@ def test_a_missing_extra_is_one_line():
     assert done.returncode == 2, done.stderr
     assert err == [
         "lightkv: error: this command needs sklearn, which is not installed: pip install "
-        "'lightkv-lab'"
+        "scikit-learn"
     ]

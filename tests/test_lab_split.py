@@ -31,7 +31,8 @@ def test_lab_commands_without_the_lab_say_to_install_it(no_lab, capsys, argv):
     assert out == ""
     assert err.splitlines() == [
         f"lightkv: error: `lightkv {argv[0]}` needs the laboratory (lightkv-lab), "
-        f"which is not installed: pip install lightkv-lab"
+        "which is not installed: from a clone of the lightkv repository, pip install ./lab "
+        "(no release is on PyPI yet)"
     ]
 
 
@@ -49,7 +50,7 @@ def test_bundled_models_without_the_lab_say_to_install_it(no_lab, capsys, argv):
     assert (
         len(err) == 1
         and "needs the laboratory (lightkv-lab)" in err[0]
-        and "pip install lightkv-lab" in err[0]
+        and "from a clone of the lightkv repository, pip install ./lab" in err[0]
     )
 
 
@@ -69,6 +70,20 @@ def test_the_lab_registers_its_commands_and_models_under_their_own_names():
         model = lab.bundled_model(name)
         assert (model.path / "config.json").is_file()
     assert lab.bundled_model("no-such-model") is None
+
+
+def test_the_librarys_lists_of_lab_names_are_the_labs_declared_entry_points():
+    """`lightkv.lab.LAB_COMMANDS` and `LAB_MODELS` are written out (they serve when the
+    laboratory is absent, with no entry points to read): they must be what
+    lab/pyproject.toml declares, in the same order."""
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")
+    declared = tomllib.loads(
+        (Path(__file__).resolve().parents[1] / "lab" / "pyproject.toml").read_text()
+    )["project"]["entry-points"]
+    assert tuple(declared[lab.COMMANDS_GROUP]) == lab.LAB_COMMANDS
+    assert tuple(declared[lab.MODELS_GROUP]) == lab.LAB_MODELS
 
 
 def test_a_broken_lab_entry_point_warns_and_the_command_says_to_install(monkeypatch, capsys):

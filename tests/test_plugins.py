@@ -190,3 +190,36 @@ def test_the_cli_prints_a_broken_plugin_as_one_line_once(install, capsys):
         "lightkv: warning: lightkv plugin plugin_broken = broken_mod"
     )
     assert "UserWarning" not in err
+
+
+def test_loading_the_presets_imports_no_plugin(install, tmp_path):
+    """``import lightkv.presets`` (and loading a preset) looks lightkv's own names up without
+    loading the entry-point group: an installed plugin is imported when its name is asked
+    for, not before (issue 48 item 5). In a fresh interpreter, as a user's would be."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    install("good_dist", {"plugin_good": ("lkv_good_mod", GOOD)})
+    code = textwrap.dedent(
+        """
+        import sys
+        import lightkv.presets, lightkv
+        lightkv.load("lightkv"), lightkv.load("fastv"), lightkv.load("h2o")
+        before = "lkv_good_mod" in sys.modules
+        from lightkv.config import PipelineConfig
+        PipelineConfig.from_yaml_text("scorer: plugin_good")
+        print(before, "lkv_good_mod" in sys.modules)
+        """
+    )
+    root = Path(__file__).resolve().parents[1]
+    path = os.pathsep.join([str(tmp_path), str(root), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": path},
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True"]

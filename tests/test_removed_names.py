@@ -121,3 +121,22 @@ def test_an_old_yaml_key_on_the_command_line(tmp_path, capsys):
     assert main(["config", "validate", str(path)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'ratios' was renamed; use 'removal_ratios'" in err[0]
+
+
+@pytest.mark.parametrize(
+    "policy", ["scorer: {name: cosine, params: {features: keys}}", "pruner: {name: dart}"]
+)
+def test_the_key_states_feature_has_one_name(policy):
+    """Issue 48 item 5: ``keys`` named two tensors; the stage's per-token keys are
+    ``key_states`` (a feature value, `StageInputs.key_states`, ``Stage(key_states=...)``),
+    and the old value is refused naming the new one. DART's default reads them."""
+    from lightkv.policies import Pruner, StageInputs
+    from lightkv.policies.inputs import FEATURES
+
+    assert FEATURES == ("hidden", "key_states") and "key_states" in StageInputs.__dataclass_fields__
+    assert "keys" not in StageInputs.__dataclass_fields__
+    if "dart" in policy:
+        assert Pruner.create("dart").needs == {"key_states"}
+        return
+    with pytest.raises(ConfigError, match="Input should be 'hidden' or 'key_states', got 'keys'"):
+        PipelineConfig.from_yaml_text(policy)

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 from lightkv import ImageSegment, VisionLayout
 from lightkv.graph import BipartiteGraph
-from lightkv.pipeline import Stage
 from lightkv.policies import StageSpec
 from lightkv.policies.inputs import StageInputs
 from lightkv.policies.scorers import CosineDivergence, L2Divergence
+from lightkv.stage import Stage
 
 from .test_divergence_chunks import KeyJS
 

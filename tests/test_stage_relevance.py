@@ -11,8 +11,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from lightkv import ImageSegment, VisionLayout
-from lightkv.pipeline import Stage
 from lightkv.policies import QueryAxisSoftmax, Relevance, StageSpec
+from lightkv.stage import Stage
 from tests.strategies import batches
 
 

@@ -57,7 +57,7 @@ def test_the_served_presets_load(name):
         ("scope", "vision tower's attention"),
         ("holov", "vision tower's attention"),
         ("vscan", "after layer(s) 13"),
-        ("dart", "need keys of layer 0"),
+        ("dart", "need key_states of layer 0"),
     ],
 )
 def test_every_other_preset_is_refused_with_its_reason(name, why):

@@ -12,17 +12,17 @@ import torch
 
 from ..graph.layout import VisionLayout
 from ..graph.scatter import pack_rows
-from ..pipeline import Stage
 from ..policies.prompt import Prompt
+from ..policies.relevance import Relevance
 from .masks import _batch, _last_valid, gather_tokens
 from .probes import AttentionProbe
 
-__all__ = ["relevance", "stage_keys"]
+__all__ = ["relevance", "stage_key_states"]
 
 
 def relevance(
     probe: AttentionProbe,
-    stage: Stage,
+    policy: Relevance,
     hidden: torch.Tensor | None,
     pos: tuple[torch.Tensor, torch.Tensor] | None,
     layout: VisionLayout,
@@ -36,7 +36,7 @@ def relevance(
 
     Args:
         probe: the layer's attention probe (norm, projections, rotary embedding).
-        stage: the stage scheduled after the layer (its ``relevance`` policy is used).
+        policy: the relevance policy (a stage's ``relevance``, or any other).
         hidden: the layer's input hidden states ``[B, N, D]`` (unused when ``raw`` is given).
         pos: the layer's ``(cos, sin)`` position embeddings.
         layout: the layout of ``hidden``.
@@ -52,9 +52,10 @@ def relevance(
         ``(xi, flops)``: ξ (at least float32) and the FLOPs the projections and scores cost
         (no projection FLOPs when ``raw`` is given).
     """
-    rel = stage.relevance
+    rel = policy
     rows, cols = rel.query_rows, rel.key_cols
-    extra = {"prompt": prompt, "tower": tower}  # the stage passes on what its policy reads
+    # the policy gets what it declares it reads (`Relevance.reads_prompt`, ...), nothing else
+    extra = {k: v for k, v in (("prompt", prompt), ("tower", tower)) if getattr(rel, f"reads_{k}")}
     if rel.reads_hidden:
         if hidden is None:
             raise RuntimeError(
@@ -65,7 +66,7 @@ def relevance(
         flops = 0.0
         if rel.reads_hidden and hidden is not None:  # given whenever it is read (checked above)
             flops = rel.hidden_flops(layout, hidden.shape[-1], prompt)
-        return stage.relevance_scores(None, None, layout, **extra).float(), flops
+        return rel.score(None, None, layout, **extra).float(), flops
     b, n = layout.batch_size, layout.seq_len
     if pos is None:
         raise RuntimeError(
@@ -119,15 +120,16 @@ def relevance(
     k_cols = n if cols == "all" else (int(layout.text_mask.sum(1).max()) if cols == "text" else 0)
     own = rel.product_flops(layout, probe.heads, d)  # e.g. only the causal half
     flops += own if own is not None else 2.0 * b * probe.heads * d * q_rows * k_cols
-    xi = stage.relevance_scores(queries, keys, layout, **extra)
+    xi = rel.score(queries, keys, layout, **extra)
     return xi.to(torch.promote_types(xi.dtype, torch.float32)), flops
 
 
-def stage_keys(
+def stage_key_states(
     probe: AttentionProbe, hidden: torch.Tensor | None, raw: dict[str, torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, float]:
     """The layer's keys of every token, pre-RoPE, per head: ``[B, N, H_kv, d]`` (what
-    `lightkv.policies.StageInputs.keys` holds for policies that need ``"keys"``), from the
+    `lightkv.policies.StageInputs.key_states` holds for policies that need
+    ``"key_states"``), from the
     layer's raw projection outputs when given, else projected from ``hidden``; with the
     FLOPs of that projection (none when ``raw`` is given)."""
     if raw is not None:

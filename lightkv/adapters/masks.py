@@ -12,7 +12,7 @@ import torch
 
 from ..graph.provenance import Provenance
 from ..graph.scatter import right_align
-from ..pipeline import StageResult
+from ..stage import StageResult
 
 __all__ = [
     "FLASH",

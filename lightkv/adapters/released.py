@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from ..graph.layout import VisionLayout
-from ..pipeline import Stage
 from ..quirks import RELEASED_FAMILIES, ReleasedQuirks
+from ..stage import Stage
 from .base import Adapter
 from .masks import FLASH, finish_mask, flash_mask, prefill_mask
 

@@ -10,9 +10,10 @@ import torch
 
 from ..graph.layout import TokenKind
 from ..graph.provenance import Provenance
+from ..policies.schedulers import TARGET_TOLERANCE
 from .trace import LayerStat
 
-__all__ = ["TARGET_TOLERANCE", "LayerReport", "SessionReport", "StageSummary"]
+__all__ = ["LayerReport", "SessionReport", "StageSummary"]
 
 
 @dataclass(frozen=True)
@@ -47,11 +48,6 @@ class StageSummary:
     vision_out: int
     width_in: int
     width_out: int
-
-
-TARGET_TOLERANCE = 0.05
-"""How far (absolute kept fraction) the achieved vision KV may fall from the target before
-the report warns."""
 
 
 @dataclass
@@ -103,8 +99,9 @@ class SessionReport:
     @property
     def missed_target(self) -> str | None:
         """A one-line warning when the achieved kept fraction differs from the target by
-        more than `TARGET_TOLERANCE` (e.g. a parity split asked to remove more than half a
-        window, or a schedule on a model too shallow for it), else None."""
+        more than `lightkv.policies.schedulers.TARGET_TOLERANCE` (e.g. a parity split asked
+        to remove more than half a window, or a schedule on a model too shallow for it),
+        else None."""
         want, got = self.target_kept_fraction, self.kept_vision_fraction
         if want is None or got is None or abs(got - want) <= TARGET_TOLERANCE:
             return None

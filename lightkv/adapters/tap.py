@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..graph.layout import VisionLayout
-from ..pipeline import Stage
+from ..stage import Stage
 from . import features
 from .probes import AttentionProbe
 
@@ -32,11 +32,11 @@ __all__ = ["ProjectionTap", "TapResult"]
 @dataclass
 class TapResult:
     """What a tapped forward produced for the stage: ξ, its FLOPs and (when the stage needs
-    them) the pre-RoPE keys ``[B, N, H_kv, d]``."""
+    them) the pre-RoPE key states ``[B, N, H_kv, d]``."""
 
     relevance: torch.Tensor
     flops: float
-    keys: torch.Tensor | None
+    key_states: torch.Tensor | None
 
 
 @dataclass
@@ -67,7 +67,7 @@ class ProjectionTap:
             rel.reads_tower or rel.reads_hidden
         ):  # computed before the layer from what the session holds
             return False
-        return rel.query_rows != "none" or rel.key_cols != "none" or "keys" in stage.needs
+        return rel.query_rows != "none" or rel.key_cols != "none" or "key_states" in stage.needs
 
     def install(self) -> list[Any]:
         """Register the hooks; returns their handles (the session removes them)."""
@@ -83,12 +83,14 @@ class ProjectionTap:
 
         def score(raw: dict[str, torch.Tensor]) -> TapResult:
             xi, flops = features.relevance(
-                self.probe, stage, None, pos, layout, self.layer, raw=raw, prompt=prompt
+                self.probe, stage.relevance, None, pos, layout, self.layer, raw=raw, prompt=prompt
             )
-            keys = (
-                features.stage_keys(self.probe, None, raw=raw)[0] if "keys" in stage.needs else None
+            key_states = (
+                features.stage_key_states(self.probe, None, raw=raw)[0]
+                if "key_states" in stage.needs
+                else None
             )
-            return TapResult(xi, flops, keys)
+            return TapResult(xi, flops, key_states)
 
         self.arm_with(score, layout.seq_len)
 

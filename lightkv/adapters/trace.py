@@ -14,7 +14,7 @@ import torch
 
 from ..graph.layout import VisionLayout
 from ..graph.provenance import Provenance
-from ..pipeline import Stage, StageResult
+from ..stage import Stage, StageResult
 
 __all__ = ["ForwardState", "LayerStat", "PrefillTrace", "StageRecord"]
 
@@ -36,7 +36,7 @@ class StageRecord:
     layout: VisionLayout | None = None
     relevance: torch.Tensor | None = None
     provenance: Provenance | None = None
-    keys: torch.Tensor | None = None
+    key_states: torch.Tensor | None = None
     tower: dict[int, torch.Tensor] | None = None
 
 
@@ -114,7 +114,7 @@ class ForwardState:
     masks: dict = field(default_factory=dict)  # adapter.mask_key(layer) -> prefill mask
     gathered: dict = field(default_factory=dict)  # id(full position embeddings) -> (full, gathered)
     pending_relevance: torch.Tensor | None = None
-    pending_keys: torch.Tensor | None = None
+    pending_key_states: torch.Tensor | None = None
     pending_tapped: bool = False
     trace: PrefillTrace | None = None
     prompt: Any = None  # the prefill's lightkv.policies.Prompt (its input_ids)

@@ -188,12 +188,8 @@ def _main(argv: Sequence[str] | None) -> int:
     except (
         ModuleNotFoundError
     ) as e:  # an optional dependency: name the extra that brings it, in one line
-        extra = EXTRAS.get((e.name or "").split(".")[0])
-        fix = (
-            f"pip install '{extra}'"
-            if extra
-            else f"pip install {(e.name or '').split('.')[0] or 'it'}"
-        )
+        top = (e.name or "").split(".")[0]
+        fix = EXTRAS.get(top, f"pip install {top or 'it'}")
         print(
             f"{PROG}: error: this command needs {e.name}, which is not installed: {fix}",
             file=sys.stderr,

@@ -7,6 +7,8 @@ import argparse
 import os
 import sys
 
+from ..lab import INSTALL
+
 __all__ = [
     "EXTRAS",
     "EXIT_INVALID",
@@ -141,15 +143,17 @@ def writable_dir(path):
 
 
 EXTRAS = {
-    "PIL": "pillow",
-    "skimage": "lightkv-lab",
-    "sklearn": "lightkv-lab",
-    "matplotlib": "lightkv-lab",
-    "tqdm": "lightkv-lab",
-    "torch_scatter": "lightkv[scatter]",
-    "lightkv_lab": "lightkv-lab",
+    "PIL": "pip install pillow",
+    "skimage": "pip install scikit-image",
+    "sklearn": "pip install scikit-learn",
+    "matplotlib": "pip install matplotlib",
+    "tqdm": "pip install tqdm",
+    "torch_scatter": "pip install --no-build-isolation torch-scatter",
+    "lightkv_lab": INSTALL,
 }
-"""Top-level module -> what ``pip install`` takes to install it (for one-line errors)."""
+"""Top-level module -> how to install it (for one-line errors). Each names a package on
+PyPI, or the laboratory's folder (`lightkv.lab.INSTALL`): no release of lightkv is on the
+package index yet, so ``pip install 'lightkv[extra]'`` would not find it there."""
 
 
 def require(*modules: str, why: str = "") -> None:
@@ -162,10 +166,10 @@ def require(*modules: str, why: str = "") -> None:
 
     for name in modules:
         if importlib.util.find_spec(name) is None:
-            extra = EXTRAS.get(name, name)
+            fix = EXTRAS.get(name, f"pip install {name}")
             raise UsageError(
                 f"this command needs {name}{' ' + why if why else ''}, which is not installed: "
-                f"pip install '{extra}'"
+                f"{fix}"
             )
 
 

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import textwrap
+from dataclasses import replace
 
 from .common import (
     EXIT_INVALID,
@@ -21,6 +22,9 @@ from .common import (
 )
 
 __all__ = ["add_commands"]
+
+KEPT = "vision KV kept on average over layers: "
+"""How the plan's and the dry run's kept fraction start (the headline of ``validate``)."""
 
 
 def add_commands(commands) -> None:
@@ -149,9 +153,7 @@ def _plan_lines(cfg, num_layers: int, target: str) -> list[str]:
             else f"after layer {s.layer}"
         )
         lines.append(f"  stage {i}: {where}, removal ratio {s.removal_ratio:g}, {windows}")
-    lines.append(
-        f"vision KV kept on average over layers: {cfg.average_kept_fraction(num_layers):.1%}"
-    )
+    lines.append(f"{KEPT}{cfg.average_kept_fraction(num_layers):.1%}")
     return lines
 
 
@@ -174,10 +176,13 @@ def _default_depth(cfg) -> int:
     return max(32, layers[-1] + 1) if layers else 32
 
 
-def _dry_run(cfg, num_layers: int, grid: tuple[int, int]) -> str:
+def _dry_run(cfg, num_layers: int, grid: tuple[int, int]) -> tuple[list[str], float | None]:
+    """The dry run's lines (what it kept; a stage that removed less than its ratio, flagged)
+    and the vision-KV fraction it kept on average over layers (None: no dry run)."""
     import torch
 
     from ..graph import ImageSegment, VisionLayout
+    from ..policies.schedulers import TARGET_TOLERANCE, average_kept_fraction
 
     pipe = cfg.build()
     h, w = grid
@@ -186,44 +191,73 @@ def _dry_run(cfg, num_layers: int, grid: tuple[int, int]) -> str:
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(1, n, 32, generator=gen)
     relevance = torch.rand(1, n, generator=gen)
-    keys = torch.randn(1, n, 2, 16, generator=gen)  # for key-space policies: 2 heads of 16
+    key_states = torch.randn(1, n, 2, 16, generator=gen)  # for key-space policies: 2 heads of 16
     stages = pipe.stages(num_layers)
     if not stages and pipe.mode is not None:
-        return f"no dry run: mode {pipe.mode.name!r} works on a model's cache (lightkv.apply)"
-    if stages and all(
-        s.spec.mode == "cache" for s in stages
-    ):  # the cache mode: each layer's cache on its own
+        return [
+            f"no dry run: mode {pipe.mode.name!r} works on a model's cache (lightkv.apply)"
+        ], None
+    if stages and all(s.spec.mode == "cache" for s in stages):
+        # the cache mode: each layer's cache on its own, from the whole image
         from ..cache_stage import CacheStage
 
-        cache = keys.transpose(1, 2)  # [B, H_kv, N, d]
-        kept = sorted(
-            {
-                int(CacheStage(s)(cache, cache, layout, relevance).result.layout.vision_counts()[0])
-                for s in stages
-            }
-        )
-        return (
+        cache = key_states.transpose(1, 2)  # [B, H_kv, N, d]
+        outs = [
+            int(CacheStage(s)(cache, cache, layout, relevance).result.layout.vision_counts()[0])
+            for s in stages
+        ]
+        ins = [h * w] * len(stages)
+        kept = " or ".join(map(str, sorted(set(outs))))
+        lines = [
             f"dry run on one {h}x{w} image: each of the {len(stages)} compressed layers' caches "
-            "keeps " + " or ".join(map(str, kept)) + f" of {h * w} vision tokens"
+            f"keeps {kept} of {h * w} vision tokens"
+        ]
+    else:
+        results = pipe.run(
+            hidden, layout, num_layers=num_layers, relevance=relevance, key_states=key_states
         )
-    results = pipe.run(hidden, layout, num_layers=num_layers, relevance=relevance, keys=keys)
-    counts = [h * w] + [int(r.layout.vision_counts()[0]) for r in results]
-    return f"dry run on one {h}x{w} image: " + " -> ".join(map(str, counts)) + " vision tokens"
+        counts = [h * w] + [int(r.layout.vision_counts()[0]) for r in results]
+        ins, outs = counts[:-1], counts[1:]
+        lines = [
+            f"dry run on one {h}x{w} image: " + " -> ".join(map(str, counts)) + " vision tokens"
+        ]
+    done = [
+        replace(s.spec, removal_ratio=1.0 - b / a if a else 0.0)
+        for s, a, b in zip(stages, ins, outs)
+    ]
+    for i, (s, d) in enumerate(zip(stages, done)):
+        if s.spec.removal_ratio - d.removal_ratio > TARGET_TOLERANCE:
+            lines.append(
+                f"  stage {i} removed {d.removal_ratio:.1%} of its {ins[i]} vision tokens, not "
+                f"{s.spec.removal_ratio:.1%}: its policies cannot remove that much here (a "
+                "parity split removes at most half a window; a window too small to split keeps all)"
+            )
+    return lines, average_kept_fraction(done, num_layers)
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
+    from ..policies.schedulers import TARGET_TOLERANCE
+
     cfg = at_kept_fraction(load_config_or_preset(args.target), args.kept_fraction)
     depth = args.num_layers or _default_depth(cfg)
     lines = _plan_lines(cfg, depth, args.target)
     if not args.num_layers:
         lines[0] += " (assumed; pass --num-layers for your model)"
     try:
-        lines.append(_dry_run(cfg, depth, args.grid))
+        dry, kept = _dry_run(cfg, depth, args.grid)
     except ValueError as e:
         print(f"{PROG}: error: {args.target}: dry run failed: {e}", file=sys.stderr)
         return EXIT_INVALID
+    analytic = next((i for i, line in enumerate(lines) if line.startswith(KEPT)), None)
+    if kept is not None and analytic is not None:
+        planned = cfg.average_kept_fraction(depth)
+        if f"{kept:.1%}" != f"{planned:.1%}":  # the headline is what the dry run kept
+            lines[analytic] = (
+                f"{KEPT}{kept:.1%} in the dry run (the schedule's ratios: {planned:.1%}"
+                + (", target missed)" if abs(kept - planned) > TARGET_TOLERANCE else ")")
+            )
     print(f"{args.target}: valid pipeline {cfg.name!r}")
-    for line in lines:
+    for line in lines + dry:
         print(f"  {line}")
     return EXIT_OK
 

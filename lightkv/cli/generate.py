@@ -23,7 +23,6 @@ from .common import (
     UsageError,
     at_kept_fraction,
     at_most,
-    depth,
     kept_fraction,
     load_config_or_preset,
     require,
@@ -32,6 +31,8 @@ from .common import (
 __all__ = ["add_commands"]
 
 DEFAULT_MODEL = "scenes"
+MAX_NEW_TOKENS = 32_768
+"""The most tokens ``--max-new-tokens`` takes (a typo such as 99999999999 is refused at once)."""
 """The bundled model `generate` runs by default (the one `lightkv demo` shows)."""
 DEEP_PRESET, SHALLOW_PRESET = "lightkv", "lightkv-budget"
 """The default pipeline where LightKV's own schedule fits the decoder, and where it does not."""
@@ -92,7 +93,9 @@ def add_commands(commands) -> None:
     )
     gen.add_argument(
         "--max-new-tokens",
-        type=depth,
+        type=at_most(
+            MAX_NEW_TOKENS, "each is one decoding step, and the whole answer stays in the cache"
+        ),
         default=32,
         metavar="N",
         help="tokens to generate (default: 32)",

@@ -1,17 +1,20 @@
 """Checks a pipeline config runs beyond its fields' types: a policy spec built once in
-canonical form, the pipeline's own mode, and a pipeline that plans no stage."""
+canonical form, the pipeline's own mode, a pipeline that plans no stage, and stages placed
+where their relevance cannot be computed."""
 
 from __future__ import annotations
 
 from typing import Any, cast
 
 from ..policies import Mode
+from ..stage import placement_problem
 from .errors import ConfigError, _fail
 from .specs import STAGE_FIELDS, PolicySpec, _build, _canonical
 
 __all__ = [
     "KNOB",
     "check_no_stages",
+    "check_stages",
     "mode_without_schedule",
     "planned_stages",
     "validated",
@@ -122,3 +125,35 @@ def planned_stages(cfg: Any, num_layers: int) -> list[Any]:
     except ValueError as e:
         loc = "schedule.layers" if cfg.schedule.name == "explicit" else "schedule"
         raise ConfigError([("kept_fraction" if knob else loc, str(e))]) from None
+
+
+def check_stages(cfg: Any, stages: list, num_layers: int) -> None:
+    """Check the stages ``cfg`` plans on a ``num_layers`` decoder: every stage override
+    names one of them, and no stage's relevance is placed where it cannot be computed (a
+    stage on a layer's cache whose relevance reads the vision tower or the hidden states),
+    refused with the message `lightkv.apply` gives (`lightkv.stage.placement_problem`).
+
+    Raises:
+        ConfigError: an override beyond the stages; a misplaced relevance, located at
+            ``placement`` when the placement moved the stage there, else at the relevance.
+    """
+    for index in cfg.stage_overrides:
+        if index >= len(stages):
+            msg = (
+                f"stage {index} does not exist: on a model with {num_layers} layers the "
+                f"schedule has {len(stages)} stage(s)"
+            )
+            raise ConfigError([(f"stage_overrides.{index}", msg)])
+    for i, spec in enumerate(stages):
+        override = cfg.stage_overrides.get(i, {})
+        relevance = override["relevance"] if "relevance" in override else cfg.relevance
+        problem = placement_problem(spec, relevance.built())
+        if problem is not None:
+            where = (
+                "placement"
+                if cfg.placement != "planned"
+                else f"stage_overrides.{i}.relevance"
+                if "relevance" in override
+                else "relevance"
+            )
+            raise ConfigError([(where, problem)])

@@ -99,11 +99,32 @@ def _did_you_mean(word: Any, choices: Iterable[str], paren: bool = False) -> str
     return f" (did you mean {close[0]!r}?)" if paren else f"; did you mean {close[0]!r}?"
 
 
-def _fail(kind: str, message: str, subloc: tuple[Any, ...] = ()) -> PydanticCustomError:
-    """A validation error that `_from_validation_error` reports as ``message``, at the
-    location of the failing validator extended by ``subloc``."""
-    return PydanticCustomError(
-        f"lightkv_{kind}", "{message}", {"message": message, "subloc": subloc}
+def _fail(
+    kind: str,
+    message: str,
+    subloc: tuple[Any, ...] = (),
+    also: Iterable[tuple[tuple[Any, ...], str]] = (),
+) -> PydanticCustomError:
+    """A validation error that `lightkv.config.errors_pydantic.translate_errors` reports as
+    ``message``, at the location of the failing validator extended by ``subloc``; ``also``
+    holds further ``(subloc, message)`` problems found by the same check (one line each:
+    every bad field of a params block is reported, not only the first)."""
+    context: dict[str, Any] = {"message": message, "subloc": subloc}
+    more = tuple((tuple(loc), msg) for loc, msg in also)
+    if more:
+        context["also"] = more
+    return PydanticCustomError(f"lightkv_{kind}", "{message}", context)
+
+
+def _moved(err: PydanticCustomError, move: Any) -> PydanticCustomError:
+    """``err`` with its location and those of its further problems passed through ``move``
+    (a function of a subloc tuple): a check's error re-raised where the user wrote it."""
+    ctx = err.context or {}
+    return _fail(
+        err.type.removeprefix("lightkv_"),
+        ctx.get("message", err.message()),
+        move(tuple(ctx.get("subloc", ()))),
+        [(move(tuple(loc)), msg) for loc, msg in ctx.get("also", ())],
     )
 
 

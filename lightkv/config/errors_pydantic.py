@@ -58,4 +58,5 @@ def translate_errors(
         else:
             msg = f"{e['msg']}, got {_short(e.get('input'))}"
         problems.append((_dotted(loc), msg))
+        problems += [(_dotted(tuple(e["loc"]) + sub), m) for sub, m in ctx.get("also", ())]
     return ConfigError(problems)

@@ -7,7 +7,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from ..policies import FAMILIES
 from .checks import validated
-from .errors import _fail
+from .errors import _fail, _moved
 from .specs import STAGE_FIELDS, PolicySpec
 
 __all__ = ["validated_overrides"]
@@ -50,14 +50,7 @@ def validated_overrides(
             try:
                 fields[field] = validated(FAMILIES[field], spec)
             except PydanticCustomError as e:
-                ctx = e.context or {}
-                problems.append(
-                    _fail(
-                        e.type.removeprefix("lightkv_"),
-                        ctx.get("message", e.message()),
-                        (index, field) + tuple(ctx.get("subloc", ())),
-                    )
-                )
+                problems.append(_moved(e, lambda sub, at=(index, field): at + sub))
         out[index] = fields
     if len(problems) == 1:
         raise problems[0]

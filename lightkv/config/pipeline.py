@@ -19,13 +19,15 @@ from pydantic import (
 )
 
 from ..outputs import write_atomic
-from ..pipeline import DIVERGENCE_MEMORY_MIB, Pipeline, Stage
+from ..pipeline import Pipeline
 from ..policies import FAMILIES, Mode, Policy, StageSpec, average_kept_fraction
 from ..policies.schedulers import place
 from ..quirks import ReleasedQuirks
+from ..stage import DIVERGENCE_MEMORY_MIB, Stage
 from .checks import (
     KNOB,
     check_no_stages,
+    check_stages,
     mode_without_schedule,
     planned_stages,
     validated,
@@ -266,7 +268,9 @@ class PipelineConfig(BaseModel):
 
         Raises:
             ConfigError: a layer at or beyond the model's depth (the message gives the
-                depth), or a stage override for a stage the model does not get.
+                depth), a stage placed where its relevance cannot be computed (as
+                `lightkv.apply` refuses it), or a stage override for a stage the model does
+                not get.
         """
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
             raise ConfigError(
@@ -277,13 +281,7 @@ class PipelineConfig(BaseModel):
             stages = place(stages, self.placement, num_layers)
         except ValueError as e:
             raise ConfigError([("placement", str(e))]) from None
-        for index in self.stage_overrides:
-            if index >= len(stages):
-                msg = (
-                    f"stage {index} does not exist: on a model with {num_layers} layers the "
-                    f"schedule has {len(stages)} stage(s)"
-                )
-                raise ConfigError([(f"stage_overrides.{index}", msg)])
+        check_stages(self, stages, num_layers)
         return stages
 
     def average_kept_fraction(self, num_layers: int) -> float:

@@ -32,7 +32,7 @@ from pydantic_core import PydanticCustomError
 
 from ..policies import ExplicitSchedule, ScheduleError, Scheduler
 from ..policies.base import removed_field_message
-from .errors import _did_you_mean, _fail, _plain
+from .errors import _did_you_mean, _fail, _moved, _plain
 from .specs import PolicySpec, _build, _cached, _canonical, _jsonable, _no_bools, _spec_of
 
 __all__ = ["ScheduleConfig", "shorthands"]
@@ -40,11 +40,13 @@ __all__ = ["ScheduleConfig", "shorthands"]
 CANONICAL = ("name", "params")
 
 
-def shorthands() -> dict[str, tuple[str, type[Scheduler]]]:
+def shorthands(plugins: bool = True) -> dict[str, tuple[str, type[Scheduler]]]:
     """Shorthand key -> ``(registered name, scheduler class)`` of every registered scheduler
-    class that declares a shorthand (plugins included)."""
+    class that declares a shorthand: plugins included, or (``plugins=False``) only those
+    loaded so far, without loading any."""
     out: dict[str, tuple[str, type[Scheduler]]] = {}
-    for name, impl in Scheduler.registered().items():
+    registry = Scheduler.registered() if plugins else Scheduler.loaded()
+    for name, impl in registry.items():
         key = impl.__dict__.get("shorthand")
         if key and key not in out and key not in CANONICAL:
             out[key] = (name, impl)
@@ -54,11 +56,11 @@ def shorthands() -> dict[str, tuple[str, type[Scheduler]]]:
 def _relocate(err: PydanticCustomError, form: str) -> PydanticCustomError:
     """``err`` (located inside ``{name, params}``) at its place in the form the user wrote
     (a shorthand's keys are the scheduler's parameter names)."""
-    ctx = err.context or {}
-    sub = tuple(ctx.get("subloc", ()))
-    if form != "name" and sub[:1] == ("params",):
-        sub = sub[1:]
-    return _fail(err.type.removeprefix("lightkv_"), ctx.get("message", err.message()), sub)
+
+    def move(sub: tuple[Any, ...]) -> tuple[Any, ...]:
+        return sub[1:] if form != "name" and sub[:1] == ("params",) else sub
+
+    return _moved(err, move)
 
 
 def _form(data: dict[str, Any], short: dict[str, tuple[str, type[Scheduler]]]) -> str:
@@ -71,6 +73,14 @@ def _form(data: dict[str, Any], short: dict[str, tuple[str, type[Scheduler]]]) -
     ]
     got = f"got {' and '.join(markers)}" if markers else "got none of them"
     raise _fail("schedule_form", f"give exactly one of {', '.join(described)}; {got}")
+
+
+def _keys(short: dict[str, tuple[str, type[Scheduler]]]) -> set[str]:
+    """Every key a schedule mapping may hold with these shorthands."""
+    keys = set(CANONICAL)
+    for key, (_, impl) in short.items():
+        keys |= {key, *impl.shorthand_keys}
+    return keys
 
 
 def canonical_schedule(data: Any) -> tuple[Any, Scheduler | None]:
@@ -86,12 +96,13 @@ def canonical_schedule(data: Any) -> tuple[Any, Scheduler | None]:
     if not isinstance(data, dict):
         return data, None
     data = {k: v for k, v in data.items() if v is not None}
-    short = shorthands()
+    short = shorthands(plugins=False)  # lightkv's own: loading plugins only when needed
     impl: type[Scheduler] | None  # a shorthand's scheduler class; None for the name form
     allowed: Collection[str]
-    keys = set(CANONICAL)
-    for key, (_, impl) in short.items():
-        keys |= {key, *impl.shorthand_keys}
+    keys = _keys(short)
+    if not set(data) <= keys:  # a key no loaded scheduler takes: perhaps a plugin's shorthand
+        short = shorthands()
+        keys = _keys(short)
     for key in data:
         for _, impl in short.values():  # a renamed shorthand key: name the new one
             removed = removed_field_message(impl, [key], "schedule")
@@ -135,12 +146,7 @@ def canonical_schedule(data: Any) -> tuple[Any, Scheduler | None]:
         try:
             params = {str(k): _plain(v, str(k)) for k, v in params.items()}
         except PydanticCustomError as e:  # located by parameter name: inside params
-            ctx = e.context or {}
-            raise _fail(
-                "param_value",
-                ctx.get("message", e.message()),
-                ("params",) + tuple(ctx.get("subloc", ())),
-            ) from e
+            raise _moved(e, lambda sub: ("params",) + sub) from e
         try:
             lookup = Scheduler.lookup(name)
         except ValueError:

@@ -184,18 +184,23 @@ def _coerce_params(family: type[Policy], spec: PolicySpec, prefix: bool = True) 
     if adapters is None or not params:
         return params
     label = f"{family.family} {spec.name!r}: " if prefix else ""
-    out = {}
-    for key in fields:  # field order: the first bad field is reported, as a dataclass would
+    out, problems = {}, []
+    for key in fields:  # field order; every bad value of every field is reported
         if key not in params:
             continue
         try:
             out[key] = adapters[key].validate_python(params[key])
         except ValidationError as e:
-            first = e.errors(include_url=False)[0]
-            detail = f"{first['msg']}, got {_short(first.get('input'))}"
-            raise _fail(
-                "param_value", f"{label}{detail}", ("params", key) + tuple(first["loc"])
-            ) from None
+            problems += [
+                (
+                    ("params", key) + tuple(err["loc"]),
+                    f"{label}{err['msg']}, got {_short(err.get('input'))}",
+                )
+                for err in e.errors(include_url=False)
+            ]
+    if problems:
+        (loc, msg), *rest = problems
+        raise _fail("param_value", msg, loc, rest)
     return {k: out[k] for k in params}
 
 
@@ -272,7 +277,7 @@ def _canonical(
     Only a policy whose `__post_init__` changed a value is constructed a second time to
     check that; for every other one the non-default fields are the given ones."""
     plain = {k: _plain(_jsonable(v), k) for k, v in coerced.items()}
-    if not (dataclasses.is_dataclass(policy) and family.registered().get(name) is type(policy)):
+    if not (dataclasses.is_dataclass(policy) and family.loaded().get(name) is type(policy)):
         return plain
     params = _spec_of(policy, family.family).params
     expected = {

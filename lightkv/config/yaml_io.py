@@ -42,7 +42,10 @@ def read_config_text(path: str | os.PathLike) -> str:
             f"{name}: does not exist (a part of the path is not a directory)"
         ) from None
     if stat.S_ISDIR(info.st_mode):
-        raise FileNotFoundError(f"{name}: is a directory, not a file")
+        raise FileNotFoundError(
+            f"{name}: is a directory, not a file: give a pipeline YAML file in it, or a preset "
+            "name (lightkv presets)"
+        )
     if stat.S_ISREG(info.st_mode) and info.st_size > MAX_CONFIG_BYTES:
         raise ConfigError(
             [

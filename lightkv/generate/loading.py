@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from .errors import GenerateError, _first_line
+from .hub import hub_access
 from .results import Loaded
 
 __all__ = ["DTYPES", "build_inputs", "decoder_depth", "load_image", "load_model"]
@@ -34,13 +35,10 @@ def load_model(
 
     Raises:
         ConfigError: ``check``'s schedule does not fit the model.
-        GenerateError: the directory does not exist, the model cannot be loaded, or its
+        GenerateError: the directory does not exist, a hub id is neither reachable nor
+            cached (at once: `lightkv.generate.hub`), the model cannot be loaded, or its
             family is not supported by lightkv.
     """
-    from transformers import AutoConfig, AutoProcessor
-
-    from ..adapters.registry import MODEL_TYPES, SUPPORTED_FAMILIES
-
     expanded = os.path.expanduser(source)
     local = os.path.isdir(expanded)
     if local:
@@ -55,8 +53,14 @@ def load_model(
         raise GenerateError(
             f"{source}: no config.json in this directory (not a saved transformers model)"
         )
+    # a hub id the hub cannot serve fails here, at once (not after the hub client's retries)
+    hub = {} if local else hub_access(source)
+    from transformers import AutoConfig, AutoProcessor  # after the checks: importing takes seconds
+
+    from ..adapters.registry import MODEL_TYPES, SUPPORTED_FAMILIES
+
     try:
-        config = AutoConfig.from_pretrained(source_path)
+        config = AutoConfig.from_pretrained(source_path, **hub)
     except (OSError, ValueError, KeyError) as e:
         raise GenerateError(
             f"cannot load the model config from {source!r}: {_first_line(e)}"
@@ -76,24 +80,24 @@ def load_model(
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise GenerateError("--device cuda: CUDA is not available")
     try:
-        processor = AutoProcessor.from_pretrained(source_path)
+        processor = AutoProcessor.from_pretrained(source_path, **hub)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise GenerateError(
             f"cannot load the processor from {source!r}: {_first_line(e)}"
         ) from None
-    model = _load_weights(source, source_path, config, DTYPES[dtype])
+    model = _load_weights(source, source_path, config, DTYPES[dtype], hub)
     model = model.to(dev).eval()
     return Loaded(model=model, processor=processor, family=family, source=source, device=dev)
 
 
-def _load_weights(source: str, path: str, config, dtype: torch.dtype):
+def _load_weights(source: str, path: str, config, dtype: torch.dtype, hub: dict[str, Any]):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     errors = []
     for auto in (AutoModelForImageTextToText, AutoModelForCausalLM):
         try:
             return auto.from_pretrained(
-                path, config=config, dtype=dtype, attn_implementation="sdpa"
+                path, config=config, dtype=dtype, attn_implementation="sdpa", **hub
             )
         except ValueError as e:  # config not in this auto class's mapping
             if "Unrecognized configuration class" in str(e):
@@ -112,11 +116,13 @@ def _load_weights(source: str, path: str, config, dtype: torch.dtype):
 def decoder_depth(source: str) -> int | None:
     """The decoder depth of a model directory or hub id from its config alone (None where
     the config does not say or cannot be read: `load_model` then reports why)."""
-    from transformers import AutoConfig
-
+    path = os.path.expanduser(source)
     try:
-        config = AutoConfig.from_pretrained(os.path.expanduser(source))
-    except (OSError, ValueError, KeyError):
+        hub = {} if os.path.isdir(path) or _looks_like_path(source) else hub_access(source)
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path, **hub)
+    except (OSError, ValueError, KeyError, GenerateError):
         return None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     depth = getattr(text, "num_hidden_layers", None)

@@ -66,7 +66,7 @@ class CDPruner(KeepSetPruner):
     computed in float32 at least, the greedy in float64.
 
     Attributes:
-        features: the features of ``S``: ``hidden`` (default) or ``keys``. Relevance always
+        features: the features of ``S``: ``hidden`` (default) or ``key_states``. Relevance always
             reads the hidden states (the question's keys are not in the vision tokens' space).
         negate: negate the relevance cosine, as the authors' code does (default); False:
             the ``cdpruner-pos`` variant.

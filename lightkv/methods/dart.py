@@ -68,14 +68,14 @@ class DART(KeepSetPruner):
     Attributes:
         pivot_image_tokens: image pivots per window (kept; at least 1).
         pivot_text_tokens: question pivots per row (never removed: they are text).
-        pivot_features: whose L1 norm picks the pivots: ``keys`` (the code) or ``hidden``.
-        features: the features of the cosine: ``hidden`` (the code) or ``keys``.
+        pivot_features: whose L1 norm picks the pivots: ``key_states`` (the code) or ``hidden``.
+        features: the features of the cosine: ``hidden`` (the code) or ``key_states``.
         pivot_order: ``set`` (the code's: a Python set's iteration order) or ``norm``.
     """
 
     pivot_image_tokens: int = 4
     pivot_text_tokens: int = 4
-    pivot_features: Features = "keys"
+    pivot_features: Features = "key_states"
     features: Features = "hidden"
     pivot_order: Literal["set", "norm"] = "set"
 

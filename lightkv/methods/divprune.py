@@ -44,7 +44,7 @@ class DivPrune(KeepSetPruner):
 
     Attributes:
         features: ``hidden`` (the residual stream; in the pre-LLM mode the input embeddings,
-            as the paper) or ``keys`` (the layer's keys, heads concatenated).
+            as the paper) or ``key_states`` (the layer's keys, heads concatenated).
     """
 
     features: Features = "hidden"

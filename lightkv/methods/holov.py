@@ -79,7 +79,7 @@ class HoloV(KeepSetPruner):
         alpha: weight of the diversity term (0.09).
         scale: saliency scale (1e3).
         eps: the code's ``esp`` (1e-6) in the normalisation and the ratios.
-        features: ``hidden`` or ``keys``.
+        features: ``hidden`` or ``key_states``.
         overflow: ``pad`` (the code: a full crop's excess slots become zero vectors) or
             ``spread`` (the excess goes to the crops not yet full).
     """

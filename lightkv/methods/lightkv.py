@@ -78,7 +78,7 @@ class RelevanceCoverage(KeepSetPruner):
             (``>= 0``; the distance of their grid cells over the image's diagonal): two
             identical tokens far apart, two gems of one colour, count as different.
         features: ``hidden`` (the residual stream; before the LLM the input embeddings) or
-            ``keys`` (the layer's keys, heads concatenated).
+            ``key_states`` (the layer's keys, heads concatenated).
     """
 
     share: float = 0.25

@@ -64,7 +64,7 @@ class MMTok(KeepSetPruner):
         tau_tv: softmax temperature of the text-vision similarities (0.02).
         tau_vv: softmax temperature of the vision-vision similarities (0.2).
         exclude: question token ids not covered (e.g. stop words).
-        features: the vision tokens' features for ``Q``: ``hidden`` or ``keys``; ``P``
+        features: the vision tokens' features for ``Q``: ``hidden`` or ``key_states``; ``P``
             always reads the hidden states (the question's keys are not in the image
             tokens' space).
     """

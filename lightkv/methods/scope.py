@@ -59,7 +59,7 @@ class SCOPE(KeepSetPruner):
 
     Attributes:
         alpha: the saliency exponent (the code's ``ALPHA``, 1.0); 0 ignores saliency.
-        features: the features of the similarity: ``hidden`` or ``keys``.
+        features: the features of the similarity: ``hidden`` or ``key_states``.
     """
 
     alpha: float = 1.0

@@ -53,7 +53,7 @@ class VisPruner(KeepSetPruner):
     Attributes:
         important: share of the kept tokens chosen by relevance (the code's 0.5).
         step: the most tokens one de-duplication round removes (the code's 8).
-        features: ``hidden`` or ``keys``.
+        features: ``hidden`` or ``key_states``.
     """
 
     important: float = 0.5

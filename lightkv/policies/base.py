@@ -137,9 +137,18 @@ class Policy:
 
     @classmethod
     def registered(cls: type[_PolicyT]) -> dict[str, type[_PolicyT]]:
-        """Name -> class for every registered implementation of this family."""
+        """Name -> class for every registered implementation of this family (every
+        installed plugin's entry point is loaded first)."""
         cls._load_entry_points()
         # `register` admits only subclasses of the family into its registry
+        return cast("dict[str, type[_PolicyT]]", dict(sorted(cls._registry.items())))
+
+    @classmethod
+    def loaded(cls: type[_PolicyT]) -> dict[str, type[_PolicyT]]:
+        """Name -> class for the implementations registered so far, without loading any
+        plugin: lightkv's own, and plugins already loaded (`lookup` loads one on demand).
+        What a check of built-in names uses, so ``import lightkv.presets`` imports no
+        plugin."""
         return cast("dict[str, type[_PolicyT]]", dict(sorted(cls._registry.items())))
 
     @classmethod
@@ -198,7 +207,7 @@ class Policy:
     @property
     def needs(self) -> frozenset[str]:
         """Names of the `lightkv.policies.StageInputs` features this policy reads beyond the
-        hidden states and the layout (e.g. ``{"keys"}``); adapters compute only these."""
+        hidden states and the layout (e.g. ``{"key_states"}``); adapters compute only these."""
         return frozenset()
 
     @property

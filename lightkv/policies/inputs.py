@@ -8,7 +8,7 @@ policy, not a copy of the stage:
 ```python
 from lightkv.policies import StageInputs
 inputs = StageInputs.of(layout, windows_per_side=2)        # layout-only, e.g. in a test
-inputs.features("keys")                                     # [B, N, H_kv, d] or a clear error
+inputs.features("key_states")                               # [B, N, H_kv, d] or a clear error
 ```
 """
 
@@ -26,10 +26,12 @@ from .schedulers import StageSpec
 
 __all__ = ["Features", "StageInputs"]
 
-Features = Literal["hidden", "keys"]
-"""Per-token features a policy can ask for: the residual stream or the layer's keys."""
+Features = Literal["hidden", "key_states"]
+"""Per-token features a policy can ask for: the residual stream (``hidden``) or the layer's
+keys per token (``key_states``, `StageInputs.key_states`; not the post-RoPE ``[B, H_kv, N, d]``
+keys a relevance policy scores with, `lightkv.policies.Relevance.score`)."""
 
-FEATURES: tuple[str, ...] = ("hidden", "keys")
+FEATURES: tuple[str, ...] = ("hidden", "key_states")
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,9 @@ class StageInputs:
         hidden: ``[B, N, D]`` hidden states after the stage's layer (None only when the
             inputs describe a layout alone, e.g. to call a partitioner in a test).
         relevance: ``[B, N]`` prompt relevance ξ (non-negative), or None for uniform.
-        keys: ``[B, N, H_kv, d]`` the layer's attention keys (before RoPE), when the
-            adapter computed them (it does when a policy `needs` them), else None.
+        key_states: ``[B, N, H_kv, d]`` the layer's attention keys per token (before RoPE;
+            a cache stage's are its cached entries), when the adapter computed them (it does
+            when a policy `needs` them), else None.
         provenance: which current token represents each original token (None: the
             sequence is original).
         prompt: the prefill's token ids (a `Prompt`; adapters pass it from ``input_ids``),
@@ -59,7 +62,7 @@ class StageInputs:
     spec: StageSpec
     hidden: torch.Tensor | None = None
     relevance: torch.Tensor | None = None
-    keys: torch.Tensor | None = None
+    key_states: torch.Tensor | None = None
     provenance: Provenance | None = None
     prompt: Prompt | None = None
     divergence_budget: int | None = None
@@ -81,8 +84,8 @@ class StageInputs:
     ) -> StageInputs:
         """Inputs for a stage built from a layout and window settings, without a scheduler.
 
-        ``tensors`` are the other fields (``relevance``, ``keys``, ``provenance``, ``prompt``,
-        ``tower``).
+        ``tensors`` are the other fields (``relevance``, ``key_states``, ``provenance``,
+        ``prompt``, ``tower``).
 
         Raises:
             TypeError: ``ratio`` (renamed ``removal_ratio``) or another unknown keyword.
@@ -112,7 +115,8 @@ class StageInputs:
         return self.provenance.sizes()
 
     def features(self, kind: str) -> torch.Tensor:
-        """Per-token features by name: ``"hidden"`` ``[B, N, D]`` or ``"keys"`` ``[B, N, H_kv, d]``.
+        """Per-token features by name: ``"hidden"`` ``[B, N, D]`` or ``"key_states"``
+        ``[B, N, H_kv, d]``.
 
         This is the one place that maps a policy's ``features`` setting to a tensor.
 
@@ -121,12 +125,13 @@ class StageInputs:
         """
         if kind not in FEATURES:
             raise ValueError(f"unknown features {kind!r}; choose one of {', '.join(FEATURES)}")
-        value = self.hidden if kind == "hidden" else self.keys
+        value = self.hidden if kind == "hidden" else self.key_states
         if value is None:
             how = (
                 "pass hidden=[B, N, D]"
                 if kind == "hidden"
-                else "pass keys=[B, N, H_kv, d] to the stage (adapters do when a policy needs them)"
+                else "pass key_states=[B, N, H_kv, d] to the stage (adapters do when a policy "
+                "needs them)"
             )
             raise ValueError(f"this stage has no {kind} features: {how}")
         return value
@@ -167,14 +172,15 @@ class StageInputs:
                     f"tower attention of layer {layer} must be [B, H, N] with B, N = {(b, n)}, got "
                     f"{tuple(att.shape) if isinstance(att, torch.Tensor) else type(att).__name__}"
                 )
-        if self.keys is not None:
-            if self.keys.dim() not in (3, 4) or tuple(self.keys.shape[:2]) != (b, n):
+        if self.key_states is not None:
+            ks = self.key_states
+            if ks.dim() not in (3, 4) or tuple(ks.shape[:2]) != (b, n):
                 raise ValueError(
-                    "keys must be [B, N, H_kv, d] (or [B, N, d] for one head) with B, N = "
-                    f"{(b, n)}, got {tuple(self.keys.shape)}"
+                    "key_states must be [B, N, H_kv, d] (or [B, N, d] for one head) with B, N = "
+                    f"{(b, n)}, got {tuple(ks.shape)}"
                 )
 
     def __post_init__(self) -> None:
         # One shape for every policy: a [B, N, d] key tensor is one head.
-        if isinstance(self.keys, torch.Tensor) and self.keys.dim() == 3:
-            object.__setattr__(self, "keys", self.keys.unsqueeze(2))
+        if isinstance(self.key_states, torch.Tensor) and self.key_states.dim() == 3:
+            object.__setattr__(self, "key_states", self.key_states.unsqueeze(2))

@@ -44,7 +44,7 @@ class EdgeScorer(Policy):
 
     Attributes:
         features: which per-token features to compare: ``"hidden"`` (the residual stream
-            ``[D]`` per token, as LightKV) or ``"keys"`` (the layer's attention keys,
+            ``[D]`` per token, as LightKV) or ``"key_states"`` (the layer's attention keys,
             ``[H_kv, d]`` per token, computed by the adapter when a scorer asks for them).
     """
 
@@ -220,7 +220,7 @@ class CosineDivergence(EdgeScorer):
     (Bolya et al., ICLR 2023) matches on the same cosine similarity.
 
     Attributes:
-        features: ``"hidden"`` or ``"keys"``.
+        features: ``"hidden"`` or ``"key_states"``.
         eps: guards the norm of all-zero features.
     """
 

@@ -23,7 +23,10 @@ a text-only row), in float32 and bfloat16:
   slots or more than its budget; a passer changes only receivers; a scheduler returns
   sorted stages inside the model and says ``ValueError`` when it cannot fit, and its knob
   (`Scheduler.at_kept_fraction`) keeps its target or says ``ValueError``; relevance is
-  ``[B, N]``, finite and non-negative; a mode's settings fit a depth or say ``ValueError``,
+  ``[B, N]``, finite and non-negative, and reads only the query rows and key columns it
+  declares (``query_rows``, ``key_cols``, ``packed_text_keys``: ξ from what an adapter
+  projects equals ξ from every row and column; `lightkv.testing.contract_relevance`); a
+  mode's settings fit a depth or say ``ValueError``,
   and its promised kept fraction is in ``(0, 1]``;
 * the parameters round-trip (``cls(**policy.params()) == policy``) and a registered
   policy is found under its name.
@@ -41,7 +44,6 @@ import torch
 
 from ..graph.bipartite import BipartiteGraph
 from ..graph.layout import ImageSegment, TokenKind, VisionLayout
-from ..pipeline import Stage
 from ..policies import (
     EdgeScorer,
     MessagePasser,
@@ -57,8 +59,9 @@ from ..policies import (
     average_kept_fraction,
 )
 from ..policies.hashing import token_identity
-from ..policies.prompt import Prompt
 from ..policies.schedulers import REACH_TOLERANCE
+from ..stage import Stage
+from .contract_relevance import check_relevance
 
 __all__ = ["check_policy", "contract_batch"]
 
@@ -84,23 +87,25 @@ def contract_batch(
     layout = VisionLayout.from_segments(3, n, segments, padding_mask=padding)
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(3, n, DIM, generator=gen).to(dtype)
-    keys = torch.randn(3, n, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    key_states = torch.randn(3, n, HEADS, HEAD_DIM, generator=gen).to(dtype)
     relevance = torch.rand(3, n, generator=gen).masked_fill(~layout.vision_mask, 0.0)
     spec = StageSpec(0, 0.5, windows_per_side=2)
     tower = {i: torch.rand(3, HEADS, n, generator=gen) for i in tower_layers} or None
-    return StageInputs(layout, spec, hidden=hidden, relevance=relevance, keys=keys, tower=tower)
+    return StageInputs(
+        layout, spec, hidden=hidden, relevance=relevance, key_states=key_states, tower=tower
+    )
 
 
 def _row(inputs: StageInputs, b: int) -> StageInputs:
     """Row ``b`` of a batch as a batch of one (its images renumbered)."""
-    # contract_batch gives all three
-    assert inputs.hidden is not None and inputs.relevance is not None and inputs.keys is not None
+    hidden, relevance, key_states = inputs.hidden, inputs.relevance, inputs.key_states
+    assert hidden is not None and relevance is not None and key_states is not None  # all given
     return StageInputs(
         inputs.layout.row(b),
         inputs.spec,
-        hidden=inputs.hidden[b : b + 1],
-        relevance=inputs.relevance[b : b + 1],
-        keys=inputs.keys[b : b + 1],
+        hidden=hidden[b : b + 1],
+        relevance=relevance[b : b + 1],
+        key_states=key_states[b : b + 1],
         tower={i: t[b : b + 1] for i, t in inputs.tower.items()} if inputs.tower else None,
     )
 
@@ -301,33 +306,7 @@ def _check_passer(policy: MessagePasser) -> None:
 
 
 def _check_relevance(policy: Relevance) -> None:
-    inputs = contract_batch()
-    b, n = inputs.batch_size, inputs.seq_len
-    gen = torch.Generator().manual_seed(2)
-    queries = torch.randn(b, 2 * HEADS, n, HEAD_DIM, generator=gen)
-    keys = torch.randn(b, HEADS, n, HEAD_DIM, generator=gen)
-    extra: dict[str, Any] = {}
-    if policy.reads_prompt:  # token ids of the contract batch: text ids 5.., vision tokens 3
-        ids = torch.where(inputs.layout.vision_mask, 3, 5 + torch.arange(n).expand(b, n) % 7)
-        extra = {"prompt": Prompt(ids)}
-    if policy.reads_tower:  # attention received inside the vision tower, per head
-        extra["tower"] = torch.rand(b, HEADS, n, generator=gen)
-    if policy.reads_hidden:  # the residual stream the stage reads
-        extra["hidden"] = torch.randn(b, n, 2 * HEADS * HEAD_DIM, generator=gen)
-    xi = policy.score(queries, keys, inputs.layout, **extra)
-    if tuple(xi.shape) != (b, n):
-        raise _fail(policy, f"score() must return [B, N] = {(b, n)}, got {tuple(xi.shape)}")
-    if not xi.is_floating_point() or not torch.isfinite(xi).all() or (xi < 0).any():
-        raise _fail(policy, "relevance must be finite and non-negative")
-    for r in range(b):
-        one = {"prompt": Prompt(extra["prompt"].token_ids[r : r + 1])} if "prompt" in extra else {}
-        for name in ("tower", "hidden"):
-            if name in extra:
-                one[name] = extra[name][r : r + 1]
-        alone = policy.score(queries[r : r + 1], keys[r : r + 1], inputs.layout.row(r), **one)
-        vision = inputs.layout.vision_mask[r]
-        if not torch.allclose(alone[0][vision], xi[r][vision], rtol=1e-5, atol=1e-7):
-            raise _fail(policy, f"row {r}'s relevance differs in the batch and alone")
+    check_relevance(policy, contract_batch(), HEADS, HEAD_DIM, _fail)
 
 
 def _check_scheduler(policy: Scheduler) -> None:

@@ -129,3 +129,56 @@ def test_adapters_hold_no_session_state():
         model(**batch)
     assert vars(session.adapter) == before and not hasattr(session.adapter, "layout_mode")
     assert session.last_prefill.layout.num_images == 1  # the reference layout reached the session
+
+
+def test_a_mode_scores_with_any_registered_relevance_through_its_context():
+    """`SessionContext.relevance` (issue 48 item 5): a mode reuses a registered relevance
+    policy, no `Stage` built. FastV's ``last_token`` at layer 1 equals the last token's eager
+    attention weights averaged over heads (the model's own softmax, an independent oracle),
+    and the same from the layer's own projections (``raw``, a tap) and from its input."""
+    from lightkv.adapters.tap import ProjectionTap
+    from lightkv.policies import Relevance
+
+    fam = TINY_MODELS["llava"]
+    model = fam.build(attn_implementation="eager")
+    batch = fam.collate(fam.examples(model)[:2])
+    policy = Relevance.create("last_token")
+    got = {}
+
+    class Score(Mode):
+        layers = frozenset({1})
+
+        def install(self):
+            self.tap = ProjectionTap(self.ctx.probes[1], 1)
+            return self.tap.install()
+
+        def prefill_pre(self, call):
+            got["input"] = self.ctx.relevance(policy, call)
+            self.tap.arm_with(
+                lambda raw: self.ctx.relevance(policy, call, raw), call.hidden.shape[1]
+            )
+
+        def prefill_post(self, call):
+            got["raw"] = self.tap.take()
+
+    saved = dict(Mode._registry)
+    try:
+        Mode.register("score_probe")(Score)
+        with apply(lightkv.Pipeline(scheduler=None, mode=Score()), model), torch.no_grad():
+            attn = model(**batch, output_attentions=True).attentions[1]  # [B, H, N, N]
+    finally:
+        Mode._registry.clear()
+        Mode._registry.update(saved)
+    want = attn[:, :, -1, :].mean(1)  # every row ends with its last token (left padding)
+    valid = batch["input_ids"] == model.config.image_token_id  # ξ is zero off the images
+    (xi, flops), (xi_raw, flops_raw) = got["input"], got["raw"]
+    assert xi.shape == want.shape and 0 < flops_raw < flops  # the tap projects nothing again
+    torch.testing.assert_close(xi[valid], want[valid], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(xi_raw[valid], want[valid], rtol=1e-4, atol=1e-6)
+    assert not xi[~valid].any()
+    # a session that records no tower attention refuses a relevance that reads it
+    from lightkv.adapters.modes.base import SessionContext
+
+    no_tower = type("Context", (), {"modes": {}})()
+    with pytest.raises(ValueError, match="reads the vision tower's attention, which this"):
+        SessionContext.relevance(no_tower, Relevance.create("tower_attention"), None)

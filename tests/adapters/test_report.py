@@ -77,7 +77,7 @@ def test_a_budget_the_schedule_cannot_reach_says_so():
     model (its stages remove at most half a window each); the report carries target and
     achieved and a warning, and a schedule that keeps its promise has none."""
     import lightkv
-    from lightkv.adapters.report import TARGET_TOLERANCE
+    from lightkv.policies.schedulers import TARGET_TOLERANCE
 
     model = get_model("llava")
     fam = TINY_MODELS["llava"]

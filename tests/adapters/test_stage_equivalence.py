@@ -37,7 +37,7 @@ def test_merges_equal_pure_stage_on_captured_states(family):
         i = record.layer
         assert torch.equal(record.hidden, outputs[i])  # the stage saw the layer's real output
         pure = record.stage(
-            outputs[i], record.layout, record.relevance, record.provenance, record.keys
+            outputs[i], record.layout, record.relevance, record.provenance, record.key_states
         )
         # The adapter only drops padding columns (gathers); the surviving tokens are the
         # stage's own, bit for bit, and they are what the next layer receives.

@@ -22,7 +22,7 @@ def _tome_keys():
     pipe = lightkv.load("tome").with_scheduler(
         ExplicitSchedule(layers=(1, 2), windows_per_side=(1, 1), removal_ratios=(0.5,))
     )
-    return dataclasses.replace(pipe, scorer=CosineDivergence(features="keys"))
+    return dataclasses.replace(pipe, scorer=CosineDivergence(features="key_states"))
 
 
 def _run(model, fam, batch, pipe, **options):
@@ -55,9 +55,9 @@ def _check_tap(family, preset):
     assert not any(r.tapped for r in projected.records)
     for a, b in zip(tapped.records, projected.records, strict=True):
         torch.testing.assert_close(a.relevance, b.relevance, rtol=1e-5, atol=1e-6)
-        assert (b.keys is not None) == (preset == "tome_keys")
-        if b.keys is not None:
-            torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-6)
+        assert (b.key_states is not None) == (preset == "tome_keys")
+        if b.key_states is not None:
+            torch.testing.assert_close(a.key_states, b.key_states, rtol=1e-5, atol=1e-6)
         assert torch.equal(a.result.layout.origin, b.result.layout.origin)
     torch.testing.assert_close(logits_tapped, logits_projected, rtol=1e-4, atol=1e-5)
     # the tap's relevance and keys cost no projection FLOPs: only LightKV's N x T scores

@@ -9,8 +9,8 @@ import torch
 
 from lightkv import ImageSegment, VisionLayout
 from lightkv.graph.bipartite import BipartiteGraph
-from lightkv.pipeline import Stage
 from lightkv.policies import DropMessages, GlobalPartitioner, PruneInputs, StageInputs, StageSpec
+from lightkv.stage import Stage
 
 PARTITIONER = GlobalPartitioner(scope="image", split="all_src")
 
@@ -72,7 +72,7 @@ def assert_rows_independent(pruner, inputs: StageInputs, ratio: float) -> None:
             inputs.layout.row(b),
             inputs.spec,
             hidden=inputs.hidden[b : b + 1],
-            keys=None if inputs.keys is None else inputs.keys[b : b + 1],
+            key_states=None if inputs.key_states is None else inputs.key_states[b : b + 1],
             relevance=None if inputs.relevance is None else inputs.relevance[b : b + 1],
             prompt=None
             if inputs.prompt is None

@@ -14,6 +14,7 @@ from lightkv.policies import (
     MessagePasser,
     Partitioner,
     Pruner,
+    Relevance,
     SmallestDivergence,
 )
 from lightkv.testing import check_policy
@@ -80,9 +81,46 @@ class NoisyPasser(MessagePasser):
         return torch.arange(x.shape[0]), x + 1
 
 
+class LastRowOnPaper(Relevance):
+    """Declares the last query row but reads every row (an adapter projects one)."""
+
+    query_rows = "last"
+    key_cols = "all"
+
+    def score(self, queries, keys, layout):
+        k = keys.repeat_interleave(queries.shape[1] // keys.shape[1], dim=1)
+        xi = (queries @ k.transpose(-1, -2)).softmax(-1).mean(dim=(1, 2))
+        return torch.where(layout.vision_mask, xi, torch.zeros_like(xi))
+
+
+class KeysOnTheSly(Relevance):
+    """Declares no key columns but reads the keys (an adapter passes None)."""
+
+    query_rows = "none"
+    key_cols = "none"
+
+    def score(self, queries, keys, layout):
+        xi = keys.abs().sum(dim=(1, 3))
+        return torch.where(layout.vision_mask, xi, torch.zeros_like(xi))
+
+
+class VisionColumns(Relevance):
+    """Declares the text columns but reads the vision ones too."""
+
+    query_rows = "all"
+    key_cols = "text"
+
+    def score(self, queries, keys, layout):
+        xi = (queries.mean(1) * keys.mean(1)).sum(-1).abs()
+        return torch.where(layout.vision_mask, xi, torch.zeros_like(xi))
+
+
 @pytest.mark.parametrize(
     "cls,rule",
     [
+        (LastRowOnPaper, r"differs when given only what it declares \(query_rows='last'"),
+        (KeysOnTheSly, r"fails on what an adapter gives for query_rows='none', key_cols='none'"),
+        (VisionColumns, r"reads query rows or key columns an adapter does not project"),
         (LeakyScorer, "not independent|differ in the batch"),
         (GreedyPruner, "removed tokens|budget"),
         (TextPartitioner, "text, padding or structural"),

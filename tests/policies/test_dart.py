@@ -68,7 +68,7 @@ def test_equals_the_slow_reference(case, ratio, p_img, p_txt, order):
         generator=torch.Generator().manual_seed(1),
         dtype=torch.float64,
     )
-    stage = StageInputs.of(case.layout, case.hidden, windows_per_side=1, keys=keys)
+    stage = StageInputs.of(case.layout, case.hidden, windows_per_side=1, key_states=keys)
     prune = prune_inputs(stage)
     got = kept_positions(
         prune,
@@ -109,7 +109,7 @@ def test_the_least_duplicated_tokens_stay():
     ).unsqueeze(0)
     keys = torch.ones(1, 8, 1, 2, dtype=torch.float64)
     keys[0, 0] = 5.0
-    stage = StageInputs.of(layout, hidden, windows_per_side=1, keys=keys)
+    stage = StageInputs.of(layout, hidden, windows_per_side=1, key_states=keys)
     prune = prune_inputs(stage)
     assert kept_positions(
         prune, DART(pivot_image_tokens=1, pivot_text_tokens=0).select(prune, 1 - 2 / 6)
@@ -123,4 +123,4 @@ def test_parameters_are_checked_and_keys_are_needed():
         DART(pivot_text_tokens=-1)
     with pytest.raises(ValueError, match="unknown pivot_order 'hash'; choose set or norm"):
         DART(pivot_order="hash")
-    assert DART().needs == {"keys"} and DART(pivot_features="hidden").needs == frozenset()
+    assert DART().needs == {"key_states"} and DART(pivot_features="hidden").needs == frozenset()

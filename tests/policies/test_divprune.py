@@ -91,11 +91,13 @@ def test_duplicates_are_dropped_first_and_ties_go_to_the_earliest():
 @given(case=batches(max_side=5))
 def test_keys_features_equal_hidden_features_of_the_same_values(case):
     keys = case.hidden.view(*case.hidden.shape[:2], 2, 3)
-    a = StageInputs.of(case.layout, case.hidden, windows_per_side=1, keys=keys)
+    a = StageInputs.of(case.layout, case.hidden, windows_per_side=1, key_states=keys)
     b = StageInputs.of(
-        case.layout, torch.randn_like(case.hidden), windows_per_side=1, keys=keys
+        case.layout, torch.randn_like(case.hidden), windows_per_side=1, key_states=keys
     )  # hidden unused
     got_hidden = DivPrune().select(prune_inputs(a), 0.6)
-    got_keys = DivPrune(features="keys").select(prune_inputs(b), 0.6)
+    got_keys = DivPrune(features="key_states").select(prune_inputs(b), 0.6)
     assert torch.equal(got_hidden, got_keys)
-    assert DivPrune(features="keys").needs == {"keys"} and DivPrune().needs == frozenset()
+    assert (
+        DivPrune(features="key_states").needs == {"key_states"} and DivPrune().needs == frozenset()
+    )

@@ -48,7 +48,7 @@ def test_keeps_the_contract(name):
 def test_each_image_keeps_exactly_its_budget_and_rows_are_independent(name, case, ratio):
     keys = case.hidden.view(*case.hidden.shape[:2], 2, 3)
     inputs = StageInputs.of(
-        case.layout, case.hidden, windows_per_side=1, removal_ratio=ratio, keys=keys
+        case.layout, case.hidden, windows_per_side=1, removal_ratio=ratio, key_states=keys
     )
     pruner = Pruner.lookup(name)()
     prune = prune_inputs(inputs)

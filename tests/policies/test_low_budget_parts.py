@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 from lightkv import ImageSegment, VisionLayout
 from lightkv.methods import DominantContextual, ResizePartitioner
 from lightkv.methods.pooling import resized_grid
-from lightkv.pipeline import Stage
 from lightkv.policies import AllSources, EdgeScorer, MessagePasser
 from lightkv.policies.counts import kept_count
 from lightkv.policies.schedulers import StageSpec
+from lightkv.stage import Stage
 from lightkv.testing import check_policy
 
 

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 
 from lightkv import ImageSegment, VisionLayout
 from lightkv.methods import DivPrune, RelevanceCoverage
-from lightkv.pipeline import Stage
 from lightkv.policies import (
     CosineDivergence,
     GlobalPartitioner,
@@ -24,6 +23,7 @@ from lightkv.policies import (
     StageInputs,
     StageSpec,
 )
+from lightkv.stage import Stage
 from lightkv.testing.contract import check_policy
 from tests.policies.keep_set_cases import (
     assert_rows_independent,
@@ -221,7 +221,7 @@ def test_every_keep_set_merges_each_dropped_token_into_its_most_similar_survivor
         passer=MessagePasser.create(passer),
     )
     try:
-        res = stage(hidden, layout, xi, keys=hidden.view(1, 20, 2, 3), prompt=prompt)
+        res = stage(hidden, layout, xi, key_states=hidden.view(1, 20, 2, 3), prompt=prompt)
     except ValueError as err:  # a pruner that needs a model's context (e.g. the tower) says so
         pytest.skip(f"{pruner}: {err}")
     kept = set(res.kept_index[0][res.kept_index[0] >= 0].tolist())

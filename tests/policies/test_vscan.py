@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightkv.methods import VScanScan
-from lightkv.pipeline import Stage
 from lightkv.policies import (
     AllSources,
     CosineDivergence,
@@ -22,6 +21,7 @@ from lightkv.policies import (
     average_kept_fraction,
 )
 from lightkv.policies.counts import kept_count
+from lightkv.stage import Stage
 from lightkv.testing import check_policy
 from tests.strategies import batches
 

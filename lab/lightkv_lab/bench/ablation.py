@@ -32,6 +32,7 @@ import torch
 from lightkv.outputs import write_atomic
 from lightkv_lab.bench.budgets import knob_pipeline
 from lightkv_lab.bench.quality import RESULTS, AccuracyConfig, _row
+from lightkv_lab.bench.quality_report import accuracy_cell, detail_accuracy
 
 __all__ = [
     "BASELINES",
@@ -99,7 +100,9 @@ def variant_pipeline(name: str, num_layers: int, target: float):
 
 
 def run(config: AblationConfig = AblationConfig(), progress: bool = True) -> dict[str, Any]:
-    """Run every model; returns the JSON-able result (per model, rows per target and method)."""
+    """Run every model; returns the JSON-able result (per model, rows per target and method).
+    With ``progress``, a bar on a terminal (`lightkv_lab.bench.progress.Progress`)."""
+    from lightkv_lab.bench.progress import Progress
     from lightkv_lab.tasks import model as dg
     from lightkv_lab.tasks import scoring as sc
 
@@ -112,6 +115,8 @@ def run(config: AblationConfig = AblationConfig(), progress: bool = True) -> dic
     # the quality benchmark's row builder reads its intervals' settings from this
     q_cfg = AccuracyConfig(bootstrap=config.bootstrap, seed=config.seed)
     models = []
+    runs_per_model = 1 + len(config.targets) * (len(config.baselines) + len(config.variants))
+    bar = Progress(runs_per_model * len(config.models), "ablation", quiet=not progress)
     for name in config.models:
         path = dg.resolve_model(name)
         model, _, grid = dg.load(path)
@@ -119,26 +124,20 @@ def run(config: AblationConfig = AblationConfig(), progress: bool = True) -> dic
         layers = model.config.text_config.num_hidden_layers
         convs = sc.conversations(config.episodes, grid, seed=config.seed, followup=config.followup)
         base = sc.score(model, convs, grid, None, batch=config.batch)
+        bar.step(f"{name} uncompressed")
         rows = []
         for target in config.targets:
             runs = [(m, *knob_pipeline(m, layers, target)) for m in config.baselines]
             runs += [
                 (f"lightkv ({v})", *variant_pipeline(v, layers, target)) for v in config.variants
             ]
-            scores = {
-                m: (how, pipe, sc.score(model, convs, grid, pipe, batch=config.batch))
-                for m, pipe, how in runs
-            }
+            scores = {}
+            for m, pipe, how in runs:
+                scores[m] = (how, pipe, sc.score(model, convs, grid, pipe, batch=config.batch))
+                bar.step(f"{name} {m} at {target:.2f}")
             light = scores["lightkv"][2] if "lightkv" in scores else None
             for m, (how, pipe, res) in scores.items():
                 rows.append(_row(m, target, how, pipe.scheduler, res, base, light, q_cfg))
-                if progress:
-                    acc = " ".join(f"{q}={a:.3f}" for q, a in res.accuracy().items())
-                    print(
-                        f"[{time.time() - t0:6.0f}s] {name} {m:36s} target {target:.2f} "
-                        f"kept {res.kept_fraction:.3f} {acc}",
-                        flush=True,
-                    )
         models.append(
             {
                 "name": name,
@@ -153,6 +152,7 @@ def run(config: AblationConfig = AblationConfig(), progress: bool = True) -> dic
                 "rows": rows,
             }
         )
+    bar.close()
     return {
         "benchmark": "ablation",
         "config": asdict(config),
@@ -174,18 +174,6 @@ def _ci(v) -> str:
     return f"{m:+.1f} [{lo:+.1f}, {hi:+.1f}]"
 
 
-def _detail(row: dict[str, Any], model: dict[str, Any]) -> float:
-    """Mean accuracy over the detail question types the run asked (NaN if it asked none:
-    a short run, e.g. ``--episodes 2``, may not draw every type)."""
-    asked = [row["accuracy"][q] for q in model["detail_qtypes"] if q in row["accuracy"]]
-    return sum(asked) / len(asked) if asked else float("nan")
-
-
-def _acc(row: dict[str, Any], q: str) -> str:
-    """A row's accuracy on question type ``q``, or "-" when the run drew no such question."""
-    return f"{row['accuracy'][q]:.3f}" if q in row["accuracy"] else "-"
-
-
 def markdown_table(result: dict[str, Any]) -> str:
     """One table per model and target: accuracy per type, KL, and lightkv minus each method."""
     lines = []
@@ -199,7 +187,8 @@ def markdown_table(result: dict[str, Any]) -> str:
         lines += [
             title,
             "",
-            "Uncompressed: " + ", ".join(f"{q} {_acc(m['uncompressed'], q)}" for q in cols),
+            "Uncompressed: "
+            + ", ".join(f"{q} {accuracy_cell(m['uncompressed'], q)}" for q in cols),
             "",
         ]
         for target in result["config"]["targets"]:
@@ -214,10 +203,10 @@ def markdown_table(result: dict[str, Any]) -> str:
             )
             lines += [intro, "", header, "|---" * (len(cols) + 5) + "|"]
             for r in (r for r in m["rows"] if r["target"] == target):
-                vs = r.get("vs_lightkv", {}).get("accuracy", {})
+                vs = r.get("vs_baseline", {}).get("accuracy", {})
                 lines.append(
                     f"| {r['method']} | {r['kept_fraction']:.3f} | "
-                    + " | ".join(_acc(r, q) for q in cols)
+                    + " | ".join(accuracy_cell(r, q) for q in cols)
                     + f" | {r['kl']['overall']:.2e} | {_ci(vs.get(detail))} | "
                     f"{_ci(vs.get('overall'))} |"
                 )
@@ -238,7 +227,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
         width = 0.8 / len(targets)
         for j, t in enumerate(targets):
             vals = [
-                next(_detail(r, m) for r in m["rows"] if r["method"] == k and r["target"] == t)
+                next(
+                    detail_accuracy(r, m)
+                    for r in m["rows"]
+                    if r["method"] == k and r["target"] == t
+                )
                 for k in methods
             ]
             ax.barh(
@@ -247,7 +240,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 height=width,
                 label=f"{t:.0%} kept",
             )
-        ax.axvline(_detail(m["uncompressed"], m), color="k", lw=1, ls="--", label="uncompressed")
+        ax.axvline(
+            detail_accuracy(m["uncompressed"], m), color="k", lw=1, ls="--", label="uncompressed"
+        )
         ax.set_yticks(
             [i + width * (len(targets) - 1) / 2 for i in range(len(methods))], methods, fontsize=8
         )

@@ -129,6 +129,26 @@ class AccuracyConfig:
     seed: int = 0
     bootstrap: int = 2000
     threads: int | None = None
+    baseline: str | None = None
+    """The comparator of the paired intervals (a method of ``methods``); None: the first
+    lightkv method given (`comparator`), and no intervals when none is."""
+
+
+def comparator(config: AccuracyConfig) -> str | None:
+    """The method every row's paired intervals are taken against: ``config.baseline``, else
+    the first of ``config.methods`` whose name starts with ``lightkv`` (None: there is none).
+
+    Raises:
+        ValueError: ``baseline`` is not one of ``methods``.
+    """
+    if config.baseline is not None:
+        if config.baseline not in config.methods:
+            raise ValueError(
+                f"--baseline {config.baseline} is not among --methods "
+                f"({', '.join(config.methods)}): the intervals compare methods of one run"
+            )
+        return config.baseline
+    return next((m for m in config.methods if m.startswith("lightkv")), None)
 
 
 def ablation_pipeline(name: str, num_layers: int, target: float = ABLATION_TARGET):
@@ -146,11 +166,14 @@ def ablation_pipeline(name: str, num_layers: int, target: float = ABLATION_TARGE
 
 
 def run(config: AccuracyConfig = AccuracyConfig(), progress: bool = True) -> dict[str, Any]:
-    """Run the benchmark; returns the JSON-able result (rows of per-type metrics)."""
+    """Run the benchmark; returns the JSON-able result (rows of per-type metrics). With
+    ``progress``, a bar on a terminal (`lightkv_lab.bench.progress.Progress`)."""
+    from lightkv_lab.bench.progress import Progress
     from lightkv_lab.tasks import evaluate as ev
     from lightkv_lab.tasks import model as dg
     from lightkv_lab.tasks import scoring as sc
 
+    ref = comparator(config)
     if config.threads:
         torch.set_num_threads(config.threads)
     path = dg.resolve_model(config.model)
@@ -159,13 +182,16 @@ def run(config: AccuracyConfig = AccuracyConfig(), progress: bool = True) -> dic
     num_layers = model.config.text_config.num_hidden_layers
     convs = sc.conversations(config.episodes, grid, seed=config.seed, followup=config.followup)
     t0 = time.time()
+    compressed = [t for t in config.targets if t < 1.0]
+    steps = 1 + len(config.methods) * len(compressed) + bool(config.relevance_episodes)
+    steps += len(config.ablation_targets) * len(ABLATIONS) if config.ablations else 0
+    bar = Progress(steps, f"quality ({task.name})", quiet=not progress)
 
     def log(msg: str) -> None:
-        if progress:
-            print(f"[{time.time() - t0:6.0f}s] {msg}", flush=True)
+        bar.step(msg)
 
     base = sc.score(model, convs, grid, None, batch=config.batch)
-    log(f"uncompressed: {base.accuracy()}")
+    log("uncompressed")
     runs: list[tuple[str, float, str, Any, Any]] = []  # method, target, how, schedule, score
     for name in config.methods:
         for target in config.targets:
@@ -176,10 +202,7 @@ def run(config: AccuracyConfig = AccuracyConfig(), progress: bool = True) -> dic
             res = sc.score(model, convs, grid, pipe, batch=config.batch)
             # a pipeline of a mode alone (h2o) records the mode and its settings instead
             runs.append((name, target, how, pipe.scheduler or pipe.mode, res))
-            log(
-                f"{name:22s} target {target:.2f} kept {res.kept_fraction:.3f} "
-                f"{_fmt(res.accuracy())}"
-            )
+            log(f"{name} at {target:.2f}: kept {res.kept_fraction:.3f}")
     ablations = []
     if config.ablations:
         for target in config.ablation_targets:
@@ -187,14 +210,11 @@ def run(config: AccuracyConfig = AccuracyConfig(), progress: bool = True) -> dic
                 pipe, how = ablation_pipeline(name, num_layers, target)
                 res = sc.score(model, convs, grid, pipe, batch=config.batch)
                 ablations.append((pipe.name, target, how, pipe.scheduler, res))
-                log(
-                    f"{pipe.name:22s} target {target:.2f} kept {res.kept_fraction:.3f} "
-                    f"{_fmt(res.accuracy())}"
-                )
+                log(f"{pipe.name} at {target:.2f}: kept {res.kept_fraction:.3f}")
+    ref_at = {t: r for m, t, _, _, r in runs if m == ref}
     lightkv_at = {t: r for m, t, _, _, r in runs if m == "lightkv"}
     rows = [
-        _row(m, t, how, sched, res, base, lightkv_at.get(t), config)
-        for m, t, how, sched, res in runs
+        _row(m, t, how, sched, res, base, ref_at.get(t), config) for m, t, how, sched, res in runs
     ]
     ablation_rows = [
         _row(
@@ -204,7 +224,7 @@ def run(config: AccuracyConfig = AccuracyConfig(), progress: bool = True) -> dic
             sched,
             res,
             base,
-            lightkv_at.get(t) or _lightkv_at(model, convs, grid, config, t),
+            lightkv_at.get(t) or _lightkv_at(model, convs, grid, config, t),  # vs lightkv
             config,
         )
         for m, t, how, sched, res in ablations
@@ -212,10 +232,7 @@ def run(config: AccuracyConfig = AccuracyConfig(), progress: bool = True) -> dic
     relevance = region = redundancy = None
     if config.relevance_episodes and getattr(task.data, "ASKED_REGION", False):
         region, redundancy = _region_measures(model, grid, num_layers, config)
-        log(
-            f"relevance on the asked region (x area share): {region['layers']}; redundancy: "
-            f"{redundancy}"
-        )
+        log("relevance on the asked region")
     elif config.relevance_episodes:
         what = [
             e
@@ -225,9 +242,11 @@ def run(config: AccuracyConfig = AccuracyConfig(), progress: bool = True) -> dic
             if e.qtype == "what"
         ][: config.relevance_episodes]
         relevance = ev.relevance_mass(model, what, grid)
-        log(f"relevance mass on the asked cell: {relevance['layers']}")
+        log("relevance mass on the asked cell")
+    bar.close()
     return {
         "benchmark": f"{task.name}-quality",
+        "baseline": ref,
         "relevance_mass": relevance,
         "region_relevance": region,
         "redundancy": redundancy,
@@ -293,10 +312,6 @@ def _region_measures(model, grid, num_layers: int, config: AccuracyConfig):
     return region, near_duplicates(model, eps, grid, first)
 
 
-def _fmt(acc: dict[str, float]) -> str:
-    return " ".join(f"{q}={a:.3f}" for q, a in acc.items())
-
-
 def _by_type(res, values: torch.Tensor, followup_values: torch.Tensor | None) -> dict[str, float]:
     out = {}
     for q in dict.fromkeys(res.qtypes):
@@ -322,8 +337,10 @@ def _intervals(res, x: torch.Tensor, y: torch.Tensor, fx, fy, config) -> dict[st
     return out
 
 
-def _row(method, target, how, schedule, res, base, lightkv, config) -> dict[str, Any]:
-    """Per-type metrics of one run, with intervals vs the uncompressed model and vs lightkv."""
+def _row(method, target, how, schedule, res, base, ref, config) -> dict[str, Any]:
+    """Per-type metrics of one run, with paired intervals vs the uncompressed model and vs
+    ``ref`` (the run's comparator at this target, `comparator`; ``vs_baseline``: the
+    comparator minus this run; absent for the comparator itself or without one)."""
     from lightkv_lab.tasks.scoring import kl
 
     fup = res.followup_correct is not None
@@ -360,12 +377,12 @@ def _row(method, target, how, schedule, res, base, lightkv, config) -> dict[str,
     facc = res.followup_correct.double() if fup else None
     fbacc = base.followup_correct.double() if fup else None
     row["vs_uncompressed"] = {"accuracy": _intervals(res, acc, bacc, facc, fbacc, config)}
-    if lightkv is not None and lightkv is not res:
-        lacc = lightkv.correct.double()
-        flacc = lightkv.followup_correct.double() if fup else None
-        lkl1 = kl(base, lightkv)
-        lkl2 = kl(base, lightkv, followup=True) if fup else None
-        row["vs_lightkv"] = {
+    if ref is not None and ref is not res:
+        lacc = ref.correct.double()
+        flacc = ref.followup_correct.double() if fup else None
+        lkl1 = kl(base, ref)
+        lkl2 = kl(base, ref, followup=True) if fup else None
+        row["vs_baseline"] = {
             "accuracy": _intervals(res, lacc, acc, flacc, facc, config),
             "kl": _intervals(res, lkl1, kl1, lkl2, kl2, config),
         }

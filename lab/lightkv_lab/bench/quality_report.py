@@ -1,22 +1,23 @@
 """Tables, plots and the provenance picture of the quality benchmark (`lightkv_lab.bench.quality`).
 
 This module imports `lightkv_lab.bench.quality` (for the methods' pipelines), never the other
-way round; pictures are drawn with `lightkv_lab.vis`. The provenance picture is in
-`lightkv_lab.bench.provenance` (re-exported here)."""
+way round; pictures are drawn with `lightkv_lab.vis`. The provenance picture is drawn by
+`lightkv_lab.bench.provenance`."""
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from lightkv.outputs import write_atomic
 from lightkv_lab import vis
-from lightkv_lab.bench.provenance import TITLE_CHARS, provenance_picture
+from lightkv_lab.bench.provenance import provenance_picture
 
 __all__ = [
-    "TITLE_CHARS",
+    "accuracy_cell",
     "detail_accuracy",
     "markdown_table",
     "plot",
@@ -36,9 +37,22 @@ FLAGS = {
 
 
 def detail_accuracy(row: dict[str, Any], result: dict[str, Any]) -> float:
-    """Mean accuracy over the detail question types (answers in single tokens or cells)."""
-    qs = result["detail_qtypes"]
-    return sum(row["accuracy"][q] for q in qs) / len(qs)
+    """Mean accuracy over the detail question types (answers in single tokens or cells) that
+    the run drew (NaN when it drew none: a short run need not draw every type); ``result``
+    is any mapping with ``detail_qtypes`` (a benchmark's result or one model's entry)."""
+    acc = [row["accuracy"][q] for q in result["detail_qtypes"] if q in row["accuracy"]]
+    return sum(acc) / len(acc) if acc else math.nan
+
+
+def accuracy_cell(row: dict[str, Any], q: str) -> str:
+    """A row's accuracy on question type ``q`` for a table, or '-' for a type the run never
+    drew (``--episodes 2`` need not draw every type)."""
+    value = row["accuracy"].get(q)
+    return "-" if value is None or math.isnan(value) else f"{value:.3f}"
+
+
+def _num(value: float, fmt: str = "{:.3f}") -> str:
+    return "-" if math.isnan(value) else fmt.format(value)
 
 
 def _ci(v: Sequence[float] | None, scale: float = 100.0, fmt: str = "{:+.1f}") -> str:
@@ -75,24 +89,32 @@ def markdown_table(result: dict[str, Any]) -> str:
             cells.append(
                 ""
                 if r is None
-                else f"{r['accuracy']['overall']:.3f} / {detail_accuracy(r, result):.3f} @ "
+                else f"{r['accuracy']['overall']:.3f} / {_num(detail_accuracy(r, result))} @ "
                 f"{r['kept_fraction']:.2f}{FLAGS[r['how']]}"
             )
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    ref = result.get("baseline")
     lines += retained_lines(result)
     has_f = "followup" in result["uncompressed"]["accuracy"]
     cols = qtypes + (["followup"] if has_f else [])
     per_type = (
         "Per question type: accuracy; KL(p_uncompressed || p_compressed) per answer token (nats, "
         "overall); log-probability drop of the reference answer (overall, episodes the "
-        "uncompressed model answers right); lightkv minus this method in detail accuracy (points) "
-        "and in KL (nats, negative: lightkv more faithful), each with a paired bootstrap 95% "
-        "interval."
+        "uncompressed model answers right); "
+        + (
+            f"{ref} (the comparator, `--baseline`) minus this method in detail accuracy (points) "
+            f"and in KL (nats, negative: {ref} more faithful), each with a paired bootstrap 95% "
+            f"interval ('-': the comparator's own row, or a target {ref} did not run at)."
+            if ref
+            else "no intervals: none of the methods is a lightkv method, and no --baseline "
+            "names a comparator (`lightkv bench quality --baseline NAME`)."
+        )
     )
+    who = ref or "comparator"
     header = (
         "| method | target | kept | "
         + " | ".join(cols)
-        + f" | KL | logp drop | lightkv - this, {detail[0]} | lightkv - this, KL | vision KV / "
+        + f" | KL | logp drop | {who} - this, {detail[0]} | {who} - this, KL | vision KV / "
         "episode |"
     )
     lines += ["", per_type, "", header, "|---" * (len(cols) + 8) + "|"]
@@ -115,11 +137,11 @@ def markdown_table(result: dict[str, Any]) -> str:
         for r in ([light] if light else []) + [
             a for a in result["ablations"] if a["target"] == target
         ]:
-            vs = r.get("vs_lightkv", {}).get("accuracy", {})
-            vkl = r.get("vs_lightkv", {}).get("kl", {}).get("overall")
+            vs = r.get("vs_baseline", {}).get("accuracy", {})
+            vkl = r.get("vs_baseline", {}).get("kl", {}).get("overall")
             lines.append(
                 f"| {r['method']} | {r['kept_fraction']:.3f} | "
-                + " | ".join(f"{r['accuracy'][q]:.3f}" for q in cols)
+                + " | ".join(accuracy_cell(r, q) for q in cols)
                 + f" | {r['kl']['overall']:.2e} | "
                 + " | ".join(_ci(vs.get(q)) or "-" for q in cols)
                 + f" | {_ci(vkl, 1.0, '{:+.1e}') or '-'} |"
@@ -150,18 +172,25 @@ def markdown_table(result: dict[str, Any]) -> str:
 
 def retained_lines(result: dict[str, Any]) -> list[str]:
     """The field's format: overall accuracy as a share of the uncompressed model's, method x
-    kept-fraction target, with lightkv minus the method (points, paired bootstrap 95%)."""
+    kept-fraction target, with the comparator minus the method (points, paired bootstrap
+    95%; result ``baseline``), or a note why there are no intervals."""
     rows = [r for r in result["rows"] if r["target"] < 1.0]
     base = result["uncompressed"]["accuracy"]["overall"]
     if not rows or not base:
         return []
     targets = sorted({r["target"] for r in rows}, reverse=True)
+    ref = result.get("baseline")
+    vs = (
+        f"and in brackets {ref} (the comparator) minus the method in overall accuracy (points, "
+        "paired bootstrap 95% interval)"
+        if ref
+        else "without intervals (none of the methods is a lightkv method and no --baseline "
+        "names a comparator)"
+    )
     lines = [
         "",
         "Retained accuracy, % of the uncompressed model's overall accuracy (the field's format), "
-        "and in brackets lightkv minus the method in overall accuracy (points, paired bootstrap "
-        "95% interval); a flag marks a method that missed the target (see the kept fraction "
-        "above).",
+        f"{vs}; a flag marks a method that missed the target (see the kept fraction above).",
         "",
         "| method | " + " | ".join(f"{t:.0%}" for t in targets) + " |",
         "|---" * (len(targets) + 1) + "|",
@@ -173,12 +202,11 @@ def retained_lines(result: dict[str, Any]) -> list[str]:
             if r is None:
                 cells.append("")
                 continue
-            vs = (
-                ""
-                if m == "lightkv"
-                else " (" + _ci(r.get("vs_lightkv", {}).get("accuracy", {}).get("overall")) + ")"
+            ci = _ci(r.get("vs_baseline", {}).get("accuracy", {}).get("overall"))
+            cells.append(
+                f"{100 * r['accuracy']['overall'] / base:.1f}%{FLAGS[r['how']]}"
+                + (f" ({ci})" if ci else "")
             )
-            cells.append(f"{100 * r['accuracy']['overall'] / base:.1f}%{FLAGS[r['how']]}{vs}")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return lines
 
@@ -231,12 +259,12 @@ def _region_lines(result: dict[str, Any]) -> list[str]:
 
 
 def _type_line(r: dict[str, Any], cols: list[str], detail: str) -> str:
-    vs = r.get("vs_lightkv", {}).get("accuracy", {}).get(detail)
-    vkl = r.get("vs_lightkv", {}).get("kl", {}).get("overall")
+    vs = r.get("vs_baseline", {}).get("accuracy", {}).get(detail)
+    vkl = r.get("vs_baseline", {}).get("kl", {}).get("overall")
     drop = r["logp_drop"].get("overall") if r["logp_drop"] else None
     return (
         f"| {r['method']} | {r['target']:.2f} | {r['kept_fraction']:.3f} | "
-        + " | ".join(f"{r['accuracy'][q]:.3f}" for q in cols)
+        + " | ".join(accuracy_cell(r, q) for q in cols)
         + f" | {r['kl']['overall']:.2e} | {'' if drop is None else f'{drop:.3f}'} | "
         f"{_ci(vs) or '-'} | {_ci(vkl, 1.0, '{:+.1e}') or '-'} | {r['kv_bytes_vision'] / 1024:.0f} "
         "KiB |"

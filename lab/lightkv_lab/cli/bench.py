@@ -90,13 +90,20 @@ def _cmd_bench_quality(args: argparse.Namespace) -> int:
         threads=args.threads,
         ablations=not args.no_ablations,
         followup=not args.no_followup,
+        # the relevance table needs no more questions than the run asks (--episodes 2 is quick)
+        relevance_episodes=min(q.AccuracyConfig.relevance_episodes, args.episodes),
+        baseline=args.baseline,
         **({"methods": tuple(args.methods)} if args.methods else {}),
         **({"targets": tuple(args.targets)} if args.targets else {}),
         **({"ablation_targets": tuple(args.ablation_targets)} if args.ablation_targets else {}),
     )
+    try:
+        q.comparator(cfg)  # a --baseline outside --methods: before any work
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     out = writable_dir(Path(args.out) if args.out else q.RESULTS)
     try:
-        result = q.run(cfg)
+        result = q.run(cfg, progress=not args.quiet)
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(str(e).splitlines()[0]) from None
     files = report.write_outputs(result, out, args.model)
@@ -137,7 +144,7 @@ def _cmd_bench_ablation(args: argparse.Namespace) -> int:
     )
     out = writable_dir(Path(args.out) if args.out else RESULTS)
     try:
-        result = ab.run(cfg)
+        result = ab.run(cfg, progress=not args.quiet)
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(str(e).splitlines()[0]) from None
     files = ab.write_outputs(result, out)
@@ -182,7 +189,7 @@ def _cmd_bench_efficiency(args: argparse.Namespace) -> int:
         device=device,
         dtype=args.dtype or ("bfloat16" if device == "cuda" else "float32"),
         memory=not args.no_memory,
-        progress=not args.no_progress,
+        progress=not args.quiet,
         attn_implementation=args.attn_implementation,
         allocator=args.allocator,
     )

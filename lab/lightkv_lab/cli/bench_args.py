@@ -165,7 +165,10 @@ def add_parsers(commands) -> dict[str, argparse.ArgumentParser]:
     )
     eff.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     eff.add_argument("--no-plots", action="store_true", help="write JSON and Markdown only")
-    eff.add_argument("--no-progress", action="store_true", help="no progress bar")
+    eff.add_argument(
+        "--quiet", action="store_true", help="no progress bar (none either when not a terminal)"
+    )
+    _removed_flag(eff, "--no-progress", "--quiet")
     _removed_flag(eff, "--budgets", "--kept-fractions")
     sc = bsub.add_parser(
         "scaling",
@@ -212,7 +215,8 @@ def add_parsers(commands) -> dict[str, argparse.ArgumentParser]:
         "kvquant",
         help="KV bytes with lightkv, with KV quantization (fp8, quanto 4 / 2 bits) and with both",
         description="One prefill per model shape and variant; counts the bytes the cache holds "
-        "(lightkv.adapters.kv_bytes). quanto needs the quant extra: pip install 'lightkv[quant]'. "
+        "(lightkv.adapters.kv_bytes). quanto needs the quant extra: pip install "
+        "'optimum-quanto>=0.2.7'. "
         "Writes kv-quantization.json and kv-quantization.md.",
         formatter_class=fmt,
     )
@@ -260,6 +264,15 @@ def add_parsers(commands) -> dict[str, argparse.ArgumentParser]:
         type=float,
         metavar="F",
         help="kept fractions (default: 1 .75 .55 .4 .25)",
+    )
+    qual.add_argument(
+        "--baseline",
+        metavar="PRESET",
+        help="the comparator of the paired bootstrap intervals, one of --methods (default: the "
+        "first lightkv method given; without one the interval columns are empty, with a note)",
+    )
+    qual.add_argument(
+        "--quiet", action="store_true", help="no progress bar (none either when not a terminal)"
     )
     qual.add_argument(
         "--model",
@@ -323,6 +336,9 @@ def add_parsers(commands) -> dict[str, argparse.ArgumentParser]:
     abl.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results)")
     abl.add_argument(
         "--threads", type=machine_threads, metavar="N", help="torch CPU threads (default: torch's)"
+    )
+    abl.add_argument(
+        "--quiet", action="store_true", help="no progress bar (none either when not a terminal)"
     )
     _removed_flag(abl, "--targets", "--kept-fractions")
     return {

@@ -5,12 +5,14 @@ default ``scenes``, the Scenes-VQA model whose images have natural-image token s
 or a model directory written by the trainer, asks held-out questions of every type and
 answers each twice: uncompressed, then with a pipeline (default ``lightkv-budget``: LightKV
 at 55% of the vision KV cache, stages placed for this model's depth). Prints one row per
-question (answer, correct?, kept vision fraction, vision KV bytes, prefill time); then, on
-a fixed set of held-out questions, how many each method gets right at 55% kept and at a low
-budget (``--low``, 25% by default), where methods separate, with one question that LightKV
-answers right and another method wrong, and one where it is the other way round; and writes
-a picture of lightkv's prompt relevance
-over the asked object and of which tokens merged into which.
+question (answer, correct?, kept vision fraction, vision KV bytes and prefill time, both
+compressed / uncompressed); then, on a fixed set of held-out questions, how many LightKV,
+lightkv-cover (lightkv's method for low budgets) and each of `CONTRAST_METHODS` get right
+at 55% kept and at a low budget (``--low``, 25% by default), where methods separate, each
+with LightKV minus the method and its paired bootstrap 95% interval, one question that
+LightKV answers right and another method wrong, and one where it is the other way round;
+and writes a picture of lightkv's prompt relevance over the asked object and of which
+tokens merged into which.
 """
 
 from __future__ import annotations
@@ -69,6 +71,11 @@ def build_parser(prog: str = "lightkv demo") -> argparse.ArgumentParser:
         "--out", default=".", help="directory for lightkv-demo-provenance.png (default: .)"
     )
     p.add_argument("--no-png", action="store_true", help="do not write the provenance picture")
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bar for the comparison (none either when not a terminal)",
+    )
     return p
 
 
@@ -113,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_png and importlib.util.find_spec("matplotlib") is None:
         print(
             "lightkv demo: the picture needs matplotlib, which is not installed: pip install "
-            "'lightkv-lab' (or pass --no-png)",
+            "matplotlib (or pass --no-png)",
             file=sys.stderr,
         )
         return 2
@@ -164,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{'question':{QUESTION_WIDTH}s} {'truth':{w}s} {'uncompressed':{w}s} {args.preset:{w}s} "
         f"{'kept':>5s} {'vision KV':>17s} {'prefill ms':>13s}"
     )
+    print(f"{'':{QUESTION_WIDTH + 3 * (w + 1)}s} {'':5s} {'comp/uncomp':>17s} {'comp/uncomp':>13s}")
     print(head)
     print("-" * len(head))
     right = [0, 0]
@@ -182,19 +190,23 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{question[0]:{QUESTION_WIDTH}s} {_short(ep.answer, w)} "
             f"{_short(base, w, mark[0])} {_short(got, w, mark[1])} "
-            f"{rep.kept_vision_fraction:5.2f} {kv:>17s} {t_base:6.1f}/{t_comp:<6.1f}"
+            f"{rep.kept_vision_fraction:5.2f} {kv:>17s} {t_comp:6.1f}/{t_base:<6.1f}"
         )
         for more in question[1:]:  # a long question wraps inside its own column
             print(more)
     n = len(episodes)
     print(
-        f"\ncorrect: {right[0]}/{n} uncompressed, {right[1]}/{n} with {args.preset} (vision KV: "
-        "compressed/uncompressed, summed over layers; prefill: uncompressed/compressed, median of "
-        "3; on a model this small the hooks cost more than the layers they shorten)"
+        f"\ncorrect: {right[0]}/{n} uncompressed, {right[1]}/{n} with {args.preset} (vision KV "
+        "and prefill both compressed/uncompressed; KV summed over layers, prefill the median of 3; "
+        "on a model this small the hooks cost more than the layers they shorten)"
     )
     if args.contrast:
-        for target in (0.55, args.low):
-            _contrast(model, grid, num_layers, args, target)
+        from lightkv_lab.bench.progress import Progress
+
+        targets = (0.55, args.low)
+        with Progress(len(targets) * len(METHODS), "lightkv demo", quiet=args.quiet) as bar:
+            for target in targets:
+                _contrast(model, grid, num_layers, args, target, bar)
     if not args.no_png:
         out.mkdir(parents=True, exist_ok=True)
         target = out / "lightkv-demo-provenance.png"
@@ -229,48 +241,46 @@ def _short(words: list[str], width: int, mark: str | None = None) -> str:
 CONTRAST_METHODS = ("tome", "fastv", "pdrop", "random", "divprune")
 """Compared with lightkv: ToMe, the attention-ranked dropping methods, random dropping, and
 DivPrune (the set selection that wins at the lowest budgets, where LightKV loses)."""
+METHODS = ("lightkv", "lightkv-cover", *CONTRAST_METHODS)
+"""The comparison's rows: LightKV (the comparator of the intervals), lightkv-cover (lightkv's
+method for budgets below LightKV's reach) and `CONTRAST_METHODS`; the quality benchmark's
+results page has every method (`lightkv bench quality`)."""
 
 
-def _contrast(model, grid, num_layers: int, args, target: float) -> None:
-    """How many of ``args.contrast`` held-out questions (seed ``args.seed + 1``) lightkv and
-    each of `CONTRAST_METHODS` answer right at ``target`` kept (schedules as the quality
-    benchmark builds them), and the first question lightkv gets right and another wrong."""
+def _contrast(model, grid, num_layers: int, args, target: float, bar) -> None:
+    """How many of ``args.contrast`` held-out questions (seed ``args.seed + 1``) each of
+    `METHODS` answers right at ``target`` kept (schedules as the quality benchmark builds
+    them), with lightkv minus the method and its paired bootstrap 95% interval (points; the
+    quality benchmark's `lightkv_lab.tasks.scoring.paired_bootstrap`), and the first question
+    lightkv gets right and another wrong, and the other way round. ``bar`` steps once per
+    method (`lightkv_lab.bench.progress.Progress`)."""
     from lightkv.adapters import apply
     from lightkv_lab.bench.budgets import knob_pipeline
     from lightkv_lab.tasks import evaluate, scoring
 
     convs = scoring.conversations(args.contrast, grid, seed=args.seed + 1, followup=False)
-    methods = ("lightkv", *CONTRAST_METHODS)
-    pipes = {m: knob_pipeline(m, num_layers, target)[0] for m in methods}
+    pipes = {m: knob_pipeline(m, num_layers, target)[0] for m in METHODS}
     scores = {}
-    t0 = time.perf_counter()
-    for i, m in enumerate(
-        methods, 1
-    ):  # minutes in all on 2 cores: say where it is (stderr, one line each)
-        print(
-            f"lightkv demo: [{i}/{len(methods)}] {m} at {target:.0%} kept on {len(convs)} "
-            f"questions ({time.perf_counter() - t0:.0f} s so far)",
-            file=sys.stderr,
-            flush=True,
-        )
+    for m in METHODS:
         scores[m] = scoring.score(model, convs, grid, pipes[m], batch=50)
-    right = ", ".join(
-        f"{m} {int(s.correct.sum())} ({s.kept_fraction:.0%} kept)" for m, s in scores.items()
-    )
-    print(
-        f"\nat {target:.0%} of the vision KV cache, right out of {len(convs)} held-out questions: "
-        f"{right}"
-    )
+        bar.step(f"{m} at {target:.0%}")
     light = scores["lightkv"].correct
+    print(
+        f"\nat {target:.0%} of the vision KV cache, right out of {len(convs)} held-out questions "
+        "(kept fraction; lightkv minus the method in points, paired bootstrap 95% interval):"
+    )
+    for m, s in scores.items():
+        line = f"  {m:14s} {int(s.correct.sum()):4d} ({s.kept_fraction:.0%} kept)"
+        if m != "lightkv":
+            d, lo, hi = (100 * v for v in scoring.paired_bootstrap(light, s.correct, seed=0))
+            line += f"  {d:+5.1f} [{lo:+.1f}, {hi:+.1f}]"
+        print(line)
+    others = METHODS[1:]
     wins = [
-        i
-        for i in range(len(convs))
-        if light[i] and any(not scores[m].correct[i] for m in CONTRAST_METHODS)
+        i for i in range(len(convs)) if light[i] and any(not scores[m].correct[i] for m in others)
     ]
     losses = [
-        i
-        for i in range(len(convs))
-        if not light[i] and any(scores[m].correct[i] for m in CONTRAST_METHODS)
+        i for i in range(len(convs)) if not light[i] and any(scores[m].correct[i] for m in others)
     ]
     if not wins and not losses:
         print("  on these questions every method that answers, answers as lightkv does")
@@ -283,7 +293,7 @@ def _contrast(model, grid, num_layers: int, args, target: float) -> None:
             continue
         ep = convs[found[0]].first
         line = []
-        for m in methods:
+        for m in METHODS:
             with apply(pipes[m], model):
                 got = evaluate.answer(model, [ep], grid)[0]
             line.append(f"{m} '{' '.join(got)}'{'' if got == ep.answer else ' WRONG'}")

@@ -13,7 +13,3 @@ Shared modules: `registry` (`Task`, `get_task`), `model` (build, save, load, the
 models), `batching`, `train` (``python -m lightkv_lab.tasks.train``), `evaluate`, `scoring`,
 `circuit` (SymbolGrid's initialisation) and `demo` (``lightkv demo``).
 """
-
-from lightkv_lab.tasks.registry import TASKS, Task, get_task, task_for
-
-__all__ = ["TASKS", "Task", "get_task", "task_for"]

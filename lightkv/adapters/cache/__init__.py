@@ -13,7 +13,7 @@ masked subclass of its own class with its settings (``nbits``, axes, ``q_group_s
 quantize it. The quanto backend needs the ``quant`` extra:
 
 ```bash
-pip install "lightkv[quant]"   # optimum-quanto
+pip install "optimum-quanto>=0.2.7"   # the quant extra (in a clone: pip install ".[quant]")
 ```
 
 then pass ``cache=QuantizedCache("quanto", model.config, ...)`` (or

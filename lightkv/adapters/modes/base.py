@@ -27,8 +27,11 @@ from typing import Any, cast
 
 import torch
 
-from ...pipeline import Pipeline, Stage
+from ...pipeline import Pipeline
 from ...policies.mode import Mode
+from ...policies.relevance import Relevance
+from ...stage import Stage
+from .. import features
 from ..base import Adapter
 from ..cache import _Token
 from ..ownership import cache_of
@@ -74,6 +77,54 @@ class SessionContext:
     def stages_in(self, mode: str) -> dict[int, Stage]:
         """The stages whose spec names ``mode``, by layer."""
         return {s.spec.layer: s for s in self.stages if s.spec.mode == mode}
+
+    def relevance(
+        self, policy: Relevance, call: LayerCall, raw: dict[str, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, float]:
+        """ξ ``[B, N]`` of any relevance policy at ``call``'s layer, for a mode that scores
+        tokens or cache entries (no `Stage` needed), and the FLOPs it cost.
+
+        The policy's declared query rows and key columns are projected from the layer's
+        input (``call.hidden``) with its own norm, projections and RoPE, or gathered from
+        ``raw``, the layer's own projection outputs for every row as a projection tap reads
+        them (`lightkv.adapters.tap.ProjectionTap`; no projection FLOPs then). A policy
+        that reads the prompt gets the prefill's token ids; one that reads the vision tower
+        gets the ``tower`` mode's attention (the session runs that mode only where a
+        stage's relevance reads the tower: it is refused elsewhere); one that reads the
+        hidden states gets ``call.hidden``.
+
+        Args:
+            policy: a relevance policy (e.g. ``Relevance.create("last_token")``).
+            call: the layer's call (its layout, position embeddings and input).
+            raw: the layer's projection outputs by `AttentionProbe.projections` name.
+
+        Returns:
+            ``(xi, flops)``: ξ in at least float32, and the FLOPs of the projections and
+            scores (add them to ``call.state.trace.relevance_flops``).
+
+        Raises:
+            ValueError: ``policy`` reads the vision tower and this session has no ``tower``
+                mode.
+        """
+        if policy.reads_tower and "tower" not in self.modes:
+            raise ValueError(
+                f"relevance {policy.name!r} reads the vision tower's attention, which this "
+                "session does not record (no stage's relevance reads it)"
+            )
+        layout = call.state.layout
+        assert layout is not None  # a layer call of a prefill with vision tokens
+        tower = self.modes["tower"].per_token(layout) if policy.reads_tower else None  # type: ignore[attr-defined]
+        return features.relevance(
+            self.probes[call.layer],
+            policy,
+            call.hidden if raw is None or policy.reads_hidden else None,
+            call.kwargs.get("position_embeddings"),
+            layout,
+            call.layer,
+            raw=raw,
+            prompt=call.state.prompt,
+            tower=tower,
+        )
 
 
 class LayerCall:

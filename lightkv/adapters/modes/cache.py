@@ -22,7 +22,7 @@ import torch
 
 from ...cache_stage import CacheStage
 from ...graph.layout import TokenKind
-from .. import features
+from ...stage import placement_problem
 from ..cache import MaskedCacheLayer, install_masked_layer
 from ..masks import drop_padding
 from ..tap import ProjectionTap, TapResult
@@ -150,38 +150,17 @@ class CacheMode(CacheEntriesMode):
 
     def start(self) -> None:
         self.stages = self.ctx.stages_in("cache")
-        for layer, stage in self.stages.items():
-            rel = stage.relevance
-            what = (
-                "the vision tower's attention"
-                if rel.reads_tower
-                else "the prompt's embeddings (hidden states)"
-                if rel.reads_hidden
-                else None
-            )
-            if what is not None:
-                raise ValueError(
-                    f"the stage on layer {layer}'s cache cannot compute relevance {rel.name!r}: "
-                    f"it reads {what}, which a cache stage does not see; run the stage before "
-                    "the LLM or after a layer (placement: pre_llm or layer), or use a relevance "
-                    "from the layer's projections (accumulated_attention, query_softmax)"
-                )
+        for stage in self.stages.values():
+            problem = placement_problem(stage.spec, stage.relevance)
+            if problem is not None:
+                raise ValueError(problem)
         self.start_cache(self.stages)
 
     def reads_projections(self, layer):
         return ProjectionTap.wanted(self.stages[layer])
 
     def importance(self, call, raw=None):
-        i = call.layer
-        return features.relevance(
-            self.ctx.probes[i],
-            self.stages[i],
-            None if raw is not None else call.hidden,
-            call.kwargs.get("position_embeddings"),
-            call.state.layout,
-            i,
-            raw=raw,
-        )
+        return self.ctx.relevance(self.stages[call.layer].relevance, call, raw)
 
     def rewrite(self, call, layer, importance):
         st, stage = call.state, self.stages[call.layer]

@@ -43,10 +43,17 @@ def prepare(
             else None
         )
         st.pending_relevance, flops = features.relevance(
-            probe, stage, hidden, position_embeddings, layout, i, prompt=st.prompt, tower=tower
+            probe,
+            stage.relevance,
+            hidden,
+            position_embeddings,
+            layout,
+            i,
+            prompt=st.prompt,
+            tower=tower,
         )
-        st.pending_keys, key_flops = (
-            features.stage_keys(probe, hidden) if "keys" in stage.needs else (None, 0.0)
+        st.pending_key_states, key_flops = (
+            features.stage_key_states(probe, hidden) if "key_states" in stage.needs else (None, 0.0)
         )
         assert st.trace is not None  # a prefill's state has its trace
         st.trace.relevance_flops += flops + key_flops
@@ -58,7 +65,7 @@ def compress(
     """Run ``stage`` on ``hidden`` with the pending relevance; the forward continues with
     the shorter sequence (``st`` gets its layout, provenance and positions)."""
     layout, provenance = st.layout, st.provenance
-    relevance, keys = st.pending_relevance, st.pending_keys
+    relevance, key_states = st.pending_relevance, st.pending_key_states
     assert layout is not None and st.trace is not None  # a prefill with vision tokens
     # the tower layers a policy reads besides the relevance (VScan's local scan)
     tower = None
@@ -66,14 +73,16 @@ def compress(
         tower_mode = ctx.modes["tower"]
         assert isinstance(tower_mode, TowerMode)  # stages that read the tower start it
         tower = {t: tower_mode.per_token(layout, t) for t in stage.tower_layers}
-    result = drop_padding(stage(hidden, layout, relevance, provenance, keys, st.prompt, tower))
+    result = drop_padding(
+        stage(hidden, layout, relevance, provenance, key_states, st.prompt, tower)
+    )
     record = StageRecord(layer=i, stage=stage, result=result, tapped=st.pending_tapped)
     if ctx.record:
         record.hidden, record.layout, record.relevance = hidden, layout, relevance
-        record.provenance, record.keys, record.tower = provenance, keys, tower
+        record.provenance, record.key_states, record.tower = provenance, key_states, tower
     st.trace.stages.append(record)
     st.layout, st.provenance = result.layout, result.provenance
-    st.pending_relevance = st.pending_keys = None
+    st.pending_relevance = st.pending_key_states = None
     st.pending_tapped = False
     st.compressed = True
     _refresh(ctx, st)

@@ -61,9 +61,9 @@ class LayerMode(Mode):
         if st.layout is None:
             return
         if tapped is not None:
-            st.pending_relevance, st.pending_keys, st.pending_tapped = (
+            st.pending_relevance, st.pending_key_states, st.pending_tapped = (
                 tapped.relevance,
-                tapped.keys,
+                tapped.key_states,
                 True,
             )
             assert st.trace is not None  # a prefill's state has its trace

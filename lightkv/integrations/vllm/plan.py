@@ -35,8 +35,9 @@ from typing import Any
 
 import torch
 
-from ...pipeline import Pipeline, Stage
+from ...pipeline import Pipeline
 from ...quirks import ReleasedQuirks
+from ...stage import Stage
 from .rows import MAX_IMAGE_TOKENS, Selection, check_grid, run_rows
 
 __all__ = [

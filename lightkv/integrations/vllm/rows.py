@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from ...graph.layout import ImageSegment, VisionLayout
-from ...pipeline import Stage
 from ...policies.prompt import Prompt
+from ...stage import Stage
 
 __all__ = ["MAX_IMAGE_TOKENS", "Row", "Selection", "check_grid", "run_rows"]
 

@@ -24,6 +24,7 @@ cannot reach is a `KeptFractionOutOfReach` naming the nearest one it can
 from .budget import BudgetFit, BudgetSchedule, budget_schedule
 from .cache import CacheSchedule
 from .core import (
+    TARGET_TOLERANCE,
     KeptFractionOutOfReach,
     ScheduleError,
     Scheduler,
@@ -55,6 +56,7 @@ __all__ = [
     "Scheduler",
     "StageCap",
     "StageSpec",
+    "TARGET_TOLERANCE",
     "average_kept_fraction",
     "place",
     "budget_schedule",

@@ -258,6 +258,12 @@ def per_stage(values: Sequence, n: int, name: str, what: str = "layers") -> tupl
     return values
 
 
+TARGET_TOLERANCE = 0.05
+"""How far (absolute kept fraction) what a pipeline achieves may fall from what it targets
+before a session's report warns (`lightkv.adapters.report.SessionReport.missed_target`) and
+``lightkv config validate`` flags its dry run."""
+
+
 def average_kept_fraction(stages: list[StageSpec], num_layers: int) -> float:
     """Kept vision fraction averaged over layers, ignoring rounding.
 

@@ -55,65 +55,25 @@ The package, by responsibility:
 
 from __future__ import annotations
 
-from lightkv_lab.bench.efficiency.measure import (
-    OverheadProbe,
-    ReferenceScoring,
-    first_token,
-    measure_peaks,
-    measure_peaks_in_child,
-)
-from lightkv_lab.bench.efficiency.report import (
-    check_targets,
-    markdown_table,
-    plots,
-    summary_rows,
-    write_outputs,
-)
-from lightkv_lab.bench.efficiency.runner import bench_model, run
+from lightkv_lab.bench.efficiency.report import markdown_table, write_outputs
+from lightkv_lab.bench.efficiency.runner import run
 from lightkv_lab.bench.efficiency.shapes import (
-    DEFAULT_PRESETS,
-    DTYPES,
-    EAGER_REF,
-    HEAD_DIM,
     MODELS,
     PROJECTED,
     RESULTS,
-    UNCOMPRESSED,
     BenchConfig,
-    ModelSpec,
-    build_model,
     quick_config,
-    scale_layers,
-    scaled_pipeline,
 )
-
-_child_peaks = measure_peaks_in_child  # the older name (tests use it)
+from lightkv_lab.bench.efficiency.specs import HEAD_DIM
 
 __all__ = [
-    "DEFAULT_PRESETS",
-    "DTYPES",
-    "EAGER_REF",
     "HEAD_DIM",
     "MODELS",
     "PROJECTED",
     "RESULTS",
-    "UNCOMPRESSED",
     "BenchConfig",
-    "ModelSpec",
-    "OverheadProbe",
-    "ReferenceScoring",
-    "bench_model",
-    "build_model",
-    "check_targets",
-    "first_token",
     "markdown_table",
-    "measure_peaks",
-    "measure_peaks_in_child",
-    "plots",
     "quick_config",
     "run",
-    "scale_layers",
-    "scaled_pipeline",
-    "summary_rows",
     "write_outputs",
 ]

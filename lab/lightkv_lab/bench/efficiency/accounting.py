@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightkv_lab.bench.efficiency.shapes import HEAD_DIM, ModelSpec, preset_pipeline
+from lightkv_lab.bench.efficiency.shapes import ModelSpec, preset_pipeline
+from lightkv_lab.bench.efficiency.specs import HEAD_DIM
 
 __all__ = ["kv_from_cache", "reference_flops", "reference_shape_flops"]
 

@@ -66,7 +66,8 @@ class KVQuantConfig:
         missing = [b for b in (self.backends or ()) if b not in available_backends()]
         if missing:
             raise ValueError(
-                f"backend(s) {missing} need optimum-quanto: pip install 'lightkv[quant]'"
+                f"backend(s) {missing} need optimum-quanto: pip install 'optimum-quanto>=0.2.7' "
+                "(the lightkv[quant] extra)"
             )
         self.models = tuple(self.models)
         self.backends = tuple(self.backends) if self.backends else tuple(available_backends())

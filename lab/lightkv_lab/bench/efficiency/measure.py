@@ -4,7 +4,7 @@ Timers (CUDA events on a GPU), `OverheadProbe` (the compression's own hooks, tim
 `ReferenceScoring` (the authors' full ``H x N x N`` relevance, timed and sized), and peak
 memory: `measure_peaks`, run on CPU in a child process (`measure_peaks_in_child`) whose
 allocator returns freed tensors to the system at once. KV bytes and FLOPs accounting are in
-`lightkv_lab.bench.efficiency.accounting` (re-exported here).
+`lightkv_lab.bench.efficiency.accounting`.
 """
 
 from __future__ import annotations
@@ -22,11 +22,6 @@ from typing import Any
 
 import torch
 
-from lightkv_lab.bench.efficiency.accounting import (
-    kv_from_cache,
-    reference_flops,
-    reference_shape_flops,
-)
 from lightkv_lab.bench.efficiency.shapes import (
     EAGER_REF,
     MODELS,
@@ -45,11 +40,8 @@ __all__ = [
     "ReferenceScoring",
     "Timer",
     "first_token",
-    "kv_from_cache",
     "measure_peaks",
     "measure_peaks_in_child",
-    "reference_flops",
-    "reference_shape_flops",
 ]
 
 

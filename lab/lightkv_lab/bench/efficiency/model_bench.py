@@ -29,7 +29,6 @@ from lightkv_lab.bench.efficiency.measure import (
 )
 from lightkv_lab.bench.efficiency.shapes import (
     EAGER_REF,
-    HEAD_DIM,
     PRE_TEXT,
     PROJECTED,
     UNCOMPRESSED,
@@ -40,6 +39,7 @@ from lightkv_lab.bench.efficiency.shapes import (
     text_after_image,
     variant_placement,
 )
+from lightkv_lab.bench.efficiency.specs import HEAD_DIM
 
 __all__ = ["bench_model", "check_attention"]
 

@@ -18,7 +18,7 @@ def plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
         plt = vis.pyplot()
     except ImportError:
         print(
-            "matplotlib is not installed: skipping plots (pip install 'lightkv-lab')",
+            "matplotlib is not installed: skipping plots (pip install matplotlib)",
             file=sys.stderr,
         )
         return []

@@ -1,7 +1,7 @@
 """The efficiency benchmark's outputs: summary rows, the issue's targets, the Markdown
 table and the files (``efficiency.json``, ``efficiency.md``, PNGs). The targets and table at
 kept-fraction budgets are in `lightkv_lab.bench.efficiency.budget_report`, the bar charts in
-`lightkv_lab.bench.efficiency.plots` (both re-exported here)."""
+`lightkv_lab.bench.efficiency.plots`."""
 
 from __future__ import annotations
 
@@ -12,22 +12,18 @@ from typing import Any
 
 from lightkv.outputs import write_atomic
 from lightkv_lab.bench.efficiency.budget_report import (
-    LIGHTKV_PLACEMENTS,
     budget_table,
     budget_targets,
     cell,
-    lightkv_at,
 )
 from lightkv_lab.bench.efficiency.plots import plots
 from lightkv_lab.bench.efficiency.shapes import UNCOMPRESSED
 
 __all__ = [
-    "LIGHTKV_PLACEMENTS",
     "budget_table",
     "budget_targets",
     "check_targets",
     "command_line",
-    "lightkv_at",
     "markdown_table",
     "plots",
     "summary_rows",

@@ -1,11 +1,10 @@
 """The efficiency benchmark's run (`run`): every model's measurements
-(`lightkv_lab.bench.efficiency.model_bench.bench_model`, re-exported here), with a progress
+(`lightkv_lab.bench.efficiency.model_bench.bench_model`), with a progress
 bar, the machine and the summary."""
 
 from __future__ import annotations
 
 import platform
-import sys
 import time
 from dataclasses import asdict
 from typing import Any
@@ -13,11 +12,12 @@ from typing import Any
 import torch
 
 from lightkv_lab.bench.allocator import host_allocator
-from lightkv_lab.bench.efficiency.model_bench import bench_model, check_attention
+from lightkv_lab.bench.efficiency.model_bench import bench_model
 from lightkv_lab.bench.efficiency.report import check_targets, summary_rows
 from lightkv_lab.bench.efficiency.shapes import MODELS, BenchConfig
+from lightkv_lab.bench.progress import Progress
 
-__all__ = ["bench_model", "check_attention", "run"]
+__all__ = ["run"]
 
 
 def _steps(cfg: BenchConfig) -> int:
@@ -26,34 +26,6 @@ def _steps(cfg: BenchConfig) -> int:
         per_model += cfg.eager_repeats
     per_model += 1 if cfg.memory else 0
     return per_model * len(cfg.models)
-
-
-class _Progress:
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.n, self.enabled = total, 0, enabled
-        self.bar = None
-        if enabled:
-            try:
-                from tqdm.auto import tqdm
-
-                self.bar = tqdm(total=total, desc="efficiency", unit="run", file=sys.stderr)
-            except ImportError:
-                print(
-                    "(tqdm is not installed: plain progress lines; pip install 'lightkv-lab')",
-                    file=sys.stderr,
-                )
-
-    def __call__(self, what: str) -> None:
-        self.n += 1
-        if self.bar is not None:
-            self.bar.set_postfix_str(what)
-            self.bar.update(1)
-        elif self.enabled and (self.n % 5 == 0 or self.n == self.total):
-            print(f"[{self.n}/{self.total}] {what}", file=sys.stderr, flush=True)
-
-    def close(self):
-        if self.bar is not None:
-            self.bar.close()
 
 
 def run(config: BenchConfig | None = None) -> dict[str, Any]:
@@ -67,7 +39,7 @@ def run(config: BenchConfig | None = None) -> dict[str, Any]:
     from lightkv.policies import ExplicitSchedule, average_kept_fraction
 
     t0 = time.perf_counter()
-    progress = _Progress(_steps(cfg), cfg.progress)
+    progress = Progress(_steps(cfg), "efficiency", quiet=not cfg.progress)
     models = {}
     try:
         with host_allocator(cfg.allocator) as heap:

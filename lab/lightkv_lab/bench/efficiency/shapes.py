@@ -3,7 +3,7 @@
 `BenchConfig` says what `lightkv_lab.bench.efficiency.run` measures; `scaled_pipeline` moves a
 preset's schedule to the reduced depth (`scale_layers`); `build_model` builds a random-weight
 model with a one-row prompt. The shapes themselves (`MODELS`, `ModelSpec`) are in
-`lightkv_lab.bench.efficiency.specs`, re-exported here.
+`lightkv_lab.bench.efficiency.specs`.
 """
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ import torch
 
 from lightkv.policies.schedulers import scale_layers
 from lightkv_lab.bench.allocator import ALLOCATORS
-from lightkv_lab.bench.efficiency.specs import HEAD_DIM, MODELS, ModelSpec
+from lightkv_lab.bench.efficiency.specs import MODELS, ModelSpec
 from lightkv_lab.bench.paths import results_dir
 
 __all__ = [
     "DEFAULT_PRESETS",
-    "HEAD_DIM",
     "MODELS",
     "BenchConfig",
     "ModelSpec",
@@ -76,7 +75,7 @@ class BenchConfig:
             ``steady`` (default: freed memory is reused, as PyTorch's caching allocator does
             on a GPU) or ``system`` (glibc's defaults: large blocks are fresh pages each
             time, which a long prefill pays more than a short one).
-        progress: show a progress bar (tqdm when installed, else plain lines).
+        progress: show a progress bar (`lightkv_lab.bench.progress.Progress`: on a terminal only).
         quick: a short run (set by `quick_config`).
     """
 

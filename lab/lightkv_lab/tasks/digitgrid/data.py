@@ -44,8 +44,8 @@ from collections.abc import Sequence
 
 import torch
 
-# every public name this module had before the split stays importable from it (the noqa ones
-# are re-exported only: not in __all__ and not used below)
+# the task's data interface (`lightkv_lab.tasks.registry.Task.data`): its vocabulary, configs,
+# images and batching, read by the shared trainer, evaluation and scoring as ``task.data.X``
 from lightkv_lab.tasks.batching import (
     collate,
     collate_prompts,
@@ -56,14 +56,12 @@ from lightkv_lab.tasks.batching import (
 from lightkv_lab.tasks.digitgrid.config import DEFAULT_CONFIG, Episode, GridConfig
 from lightkv_lab.tasks.digitgrid.images import (
     digit_pool,
-    hue_rgb,  # noqa: F401
     make_grid,
     render_image,
     sample_image,
     to_pil,
 )
 from lightkv_lab.tasks.digitgrid.vocab import (
-    ANSWER_WORDS,  # noqa: F401
     BOS_ID,
     CELL_WORDS,
     CONTENT_IDS,
@@ -73,7 +71,6 @@ from lightkv_lab.tasks.digitgrid.vocab import (
     GLYPHS,
     IGNORE_INDEX,
     IMAGE_ID,
-    MAX_COUNT,  # noqa: F401
     MAX_GRID,
     PAD_ID,
     QTYPES,
@@ -81,7 +78,6 @@ from lightkv_lab.tasks.digitgrid.vocab import (
     SPECIAL_TOKENS,
     SPLIT_BOUNDARY,
     SPLITS,
-    TEMPLATE_WORDS,  # noqa: F401
     VOCAB,
     WORD_TO_ID,
     decode,

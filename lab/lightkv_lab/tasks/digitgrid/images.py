@@ -31,7 +31,7 @@ def _digits() -> tuple[torch.Tensor, torch.Tensor]:
         # ModuleNotFoundError naming the module: the command line turns it into one line with the
         # extra
         raise ModuleNotFoundError(
-            "DigitGrid needs scikit-learn (pip install 'lightkv-lab' or scikit-learn)",
+            "DigitGrid needs scikit-learn, which is not installed: pip install scikit-learn",
             name="sklearn",
         ) from e
     d = load_digits()

@@ -10,7 +10,7 @@ from functools import lru_cache
 
 import torch
 
-from lightkv_lab.tasks.digitgrid import data as _dg
+from lightkv_lab.tasks.digitgrid.images import hue_rgb
 from lightkv_lab.tasks.scenes.vocab import (
     COLOURS,
     GLYPHS,
@@ -286,7 +286,7 @@ def _glyphs() -> torch.Tensor:
 
 @lru_cache(maxsize=1)
 def _hues() -> torch.Tensor:
-    return torch.stack([_dg.hue_rgb(k / len(COLOURS)) for k in range(len(COLOURS))])
+    return torch.stack([hue_rgb(k / len(COLOURS)) for k in range(len(COLOURS))])
 
 
 _MATERIAL_RGB = torch.tensor(

@@ -42,33 +42,27 @@ from collections.abc import Sequence
 
 import torch
 
-# every public name this module had before the split stays importable from it (the noqa ones
-# are re-exported only: not in __all__ and not used below)
+# the task's data interface (`lightkv_lab.tasks.registry.Task.data`), as DigitGrid's
 from lightkv_lab.tasks.digitgrid import data as _dg
 from lightkv_lab.tasks.digitgrid.data import IGNORE_INDEX, to_pil
 from lightkv_lab.tasks.stream import EpisodeStream as _Stream
 from lightkv_lab.tasks.symbolgrid.config import DEFAULT_CONFIG, Episode, GridConfig
 from lightkv_lab.tasks.symbolgrid.images import make_grid, render_image, sample_image
 from lightkv_lab.tasks.symbolgrid.vocab import (
-    ANSWER_WORDS,  # noqa: F401
     BOS_ID,
     CELL_WORDS,
-    COLOURS,  # noqa: F401
-    CONTENT_IDS,  # noqa: F401
+    CONTENT_IDS,
     COUNT_WORDS,
     DETAIL_QTYPES,
     EOS_ID,
     IMAGE_ID,
-    MAX_COUNT,  # noqa: F401
-    MAX_GRID,  # noqa: F401
+    MAX_GRID,
     PAD_ID,
     QTYPES,
     SEP_ID,
-    SHAPES,  # noqa: F401
     SPECIAL_TOKENS,
     SPLITS,
     SYMBOL_WORDS,
-    TEMPLATE_WORDS,  # noqa: F401
     VOCAB,
     WORD_TO_ID,
     cell_word,
@@ -80,11 +74,13 @@ from lightkv_lab.tasks.symbolgrid.vocab import (
 __all__ = [
     "BOS_ID",
     "CELL_WORDS",
+    "CONTENT_IDS",
     "COUNT_WORDS",
     "DETAIL_QTYPES",
     "EOS_ID",
     "IGNORE_INDEX",
     "IMAGE_ID",
+    "MAX_GRID",
     "PAD_ID",
     "QTYPES",
     "SEP_ID",

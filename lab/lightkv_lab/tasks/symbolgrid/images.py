@@ -12,7 +12,7 @@ from functools import lru_cache
 
 import torch
 
-from lightkv_lab.tasks.digitgrid import data as _dg
+from lightkv_lab.tasks.digitgrid.images import hue_rgb
 from lightkv_lab.tasks.symbolgrid.config import DEFAULT_CONFIG, GridConfig
 from lightkv_lab.tasks.symbolgrid.vocab import COLOURS, SHAPES, SPLITS, SYMBOL_WORDS
 
@@ -37,7 +37,7 @@ def _shapes() -> torch.Tensor:
 @lru_cache(maxsize=1)
 def _colours() -> torch.Tensor:
     """``[8, 3]`` fully saturated RGB of hues ``k / 8``."""
-    return torch.stack([_dg.hue_rgb(k / len(COLOURS)) for k in range(len(COLOURS))])
+    return torch.stack([hue_rgb(k / len(COLOURS)) for k in range(len(COLOURS))])
 
 
 # --------------------------------------------------------------------------- grids and images
