@@ -10,12 +10,12 @@ import math
 
 import pytest
 import yaml
+from lightkv_lab.tiny import TINY_MODELS
 
 import lightkv
 from lightkv.cli import main
 from lightkv.config import ConfigError, PipelineConfig
 from lightkv.presets import get_preset_config
-from lightkv.testing import TINY_MODELS
 
 CACHE_REFUSED = ("lightkv-cover", "visionzip", "vispruner", "scope", "holov")
 
