@@ -95,7 +95,8 @@ lmms-eval: install
 # multi-round requests with lmms-eval's Instance objects on the bundled Scenes model), with the extra
 # installed; LIGHTKV_REQUIRE_LMMS_EVAL makes it fail, not skip, if lmms-eval cannot import.
 test-lmms-eval: lmms-eval
-	LIGHTKV_REQUIRE_LMMS_EVAL=1 $(PY) -m pytest -q -rs tests/test_lmms_eval.py tests/test_lmms_eval_requests.py
+	LIGHTKV_REQUIRE_LMMS_EVAL=1 $(PY) -m pytest -q -rs tests/test_lmms_eval.py tests/test_lmms_eval_requests.py \
+	  tests/test_offline.py
 
 demo: install
 	$(PY) -m lightkv demo

@@ -128,3 +128,14 @@ def test_generate_with_an_unreachable_hub_id(unreachable, tmp_path, capsys):
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith(f"lightkv: error: {REPO}: the Hugging Face hub cannot be reached")
     assert "HF_HUB_OFFLINE=1" in err[0]
+
+
+def test_lmms_eval_with_an_unreachable_hub_id(unreachable):
+    """``--model lightkv --model_args pretrained=ORG/NAME`` fails at once the same way (run by
+    `make test-lmms-eval`, where lmms-eval is installed)."""
+    pytest.importorskip("lmms_eval", reason="lmms-eval is not installed (`make lmms-eval`)")
+    from lightkv.integrations.lmms_eval import _load
+
+    with pytest.raises(GenerateError, match="HF_HUB_OFFLINE=1") as info:
+        _load(REPO, "float32", None, None)
+    assert "\n" not in str(info.value)

@@ -105,6 +105,7 @@ def _load(pretrained: str, dtype: str, device_map: Any, attn_implementation: str
 
     from .. import lab
     from ..adapters.registry import MODEL_TYPES, SUPPORTED_FAMILIES
+    from ..generate.hub import hub_access
 
     bundled = lab.bundled_model(pretrained) if pretrained in lab.bundled_models() else None
     if (
@@ -114,7 +115,8 @@ def _load(pretrained: str, dtype: str, device_map: Any, attn_implementation: str
     ):
         raise ValueError(lab.needs_lab(f"pretrained={pretrained} (a bundled model)"))
     path = str(bundled.path) if bundled is not None else os.path.expanduser(pretrained)
-    local = {"local_files_only": True} if os.path.isdir(path) else {}
+    # a hub id that cannot be reached fails at once, naming HF_HUB_OFFLINE=1 (not after retries)
+    local = {"local_files_only": True} if os.path.isdir(path) else hub_access(path)
     config = AutoConfig.from_pretrained(path, **local)
     if MODEL_TYPES.get(getattr(config, "model_type", "")) is None:
         raise ValueError(
