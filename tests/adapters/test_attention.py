@@ -12,6 +12,7 @@ import re
 import pytest
 import torch
 from lightkv_lab.bench.budgets import knob_pipeline
+from lightkv_lab.tasks.towers import fit_tower
 from lightkv_lab.tiny import TINY_MODELS
 
 from lightkv.adapters import apply
@@ -28,6 +29,7 @@ from lightkv.presets import PRESETS, get_preset
 
 from .conftest import get_model, tiny_lightkv
 
+TINY_TOWER_DEPTH = 1  # the tiny LLaVA's vision tower (lightkv.testing.common)
 DEPTH = 8  # every preset's schedule fits (scaled from 32 layers)
 _DEEP: dict = {}
 
@@ -40,9 +42,10 @@ def _deep_llava():
 
 def _pipeline(name: str):
     try:
-        return knob_pipeline(name, DEPTH, 0.5)[0]
+        pipe = knob_pipeline(name, DEPTH, 0.5)[0]
     except TypeError:  # a budget schedule (lightkv-budget): the preset as it is
-        return get_preset(name)
+        pipe = get_preset(name)
+    return fit_tower(pipe, TINY_TOWER_DEPTH)  # VScan's local scan reads a shallow tower layer
 
 
 def _watched_prefill(pipe, model, batch, **options):

@@ -18,6 +18,7 @@ from dataclasses import replace
 import pytest
 import torch
 from lightkv_lab.bench.budgets import knob_pipeline
+from lightkv_lab.tasks.towers import fit_tower
 from lightkv_lab.tiny import TINY_MODELS
 
 from lightkv import Pipeline
@@ -29,6 +30,7 @@ from lightkv.presets import PRESETS, get_preset
 from .conftest import get_model, identity_pipeline, tiny_lightkv
 from .flash_standin import NAME, FlashStandIn, use_flash
 
+TINY_TOWER_DEPTH = 1  # the tiny LLaVA's vision tower (lightkv.testing.common)
 DEPTH = 8  # every preset's schedule fits (scaled from 32 layers)
 STEPS = 8
 GEN = dict(
@@ -77,9 +79,10 @@ def _deep_llava(dtype=torch.float32):
 
 def _preset(name: str, depth: int):
     try:
-        return knob_pipeline(name, depth, 0.5)[0]
+        pipe = knob_pipeline(name, depth, 0.5)[0]
     except TypeError:  # a budget schedule (lightkv-budget): the preset as it is
-        return get_preset(name)
+        pipe = get_preset(name)
+    return fit_tower(pipe, TINY_TOWER_DEPTH)  # VScan's local scan reads a shallow tower layer
 
 
 def _mode_pipeline(mode: str) -> Pipeline:
