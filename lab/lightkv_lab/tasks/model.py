@@ -283,6 +283,10 @@ def load(path: str | Path = BUNDLED_MODEL, dtype: torch.dtype = torch.float32):
     from transformers.utils import logging as hf_logging
 
     path = resolve_model(path)
+    if read_task(path).name == "photos":  # the tower comes from a package, not the directory
+        from lightkv_lab.tasks.photos.model import load as load_photos
+
+        return load_photos(path, dtype)
     grid = read_grid_config(path)
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a weights bar on stderr for a 7 MB local file is noise
