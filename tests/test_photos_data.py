@@ -218,3 +218,20 @@ def test_training_runs_on_cached_features_and_resumes(tmp_path, monkeypatch):
     assert set(state["log"][-1]) >= {"step", "loss", *ph.QTYPES}
     assert any(not torch.equal(first[k], state["model"][k]) for k in first)
     assert (tmp_path / "hf" / "model.safetensors").stat().st_size < 1_000_000
+
+
+def test_draw_skips_images_a_type_cannot_be_asked_of():
+    lays = features.image_set("train", 0, 40)
+    askable = []
+    for i, lay in enumerate(lays):
+        try:
+            ph.episodes_for(random.Random(0), lay, 1, ("relation",))
+            askable.append(i)
+        except ValueError:
+            pass
+    assert 0 < len(askable) < len(lays)  # the set has both kinds of image
+    idx, scenes = ph_train._draw(random.Random(1), lays, len(askable), 2, ("relation",), None)
+    assert sorted(idx) == askable
+    assert all(ep.qtype == "relation" for scene in scenes for ep in scene)
+    with pytest.raises(ValueError, match="fewer than"):
+        ph_train._draw(random.Random(1), lays, len(askable) + 1, 1, ("relation",), None)

@@ -93,6 +93,22 @@ def _aux_loss(model, projected: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     )
 
 
+def _draw(rng, layouts, n_images: int, n_questions: int, qtypes, weights):
+    """``(indices, scenes)``: ``n_images`` distinct images (drawn again where none of
+    ``qtypes`` can be asked, e.g. ``relation`` without a pair apart along one axis) with
+    ``n_questions`` questions each."""
+    idx, scenes = [], []
+    for i in rng.sample(range(len(layouts)), len(layouts)):
+        try:
+            scenes.append(data.episodes_for(rng, layouts[i], n_questions, qtypes, weights))
+        except ValueError:
+            continue
+        idx.append(i)
+        if len(idx) == n_images:
+            return idx, scenes
+    raise ValueError(f"fewer than {n_images} of {len(layouts)} images can be asked {qtypes}")
+
+
 @torch.no_grad()
 def evaluate(model, layouts, features, n_per_type: int, seed: int = 4321) -> dict:
     """Teacher-forced exact match per question type on held-out images."""
@@ -100,8 +116,7 @@ def evaluate(model, layouts, features, n_per_type: int, seed: int = 4321) -> dic
     result = {}
     for qtype in data.QTYPES:
         rng = random.Random(f"photos-eval:{seed}:{qtype}")
-        idx = [rng.randrange(len(layouts)) for _ in range(n_per_type)]
-        scenes = [data.episodes_for(rng, layouts[i], 1, (qtype,)) for i in idx]
+        idx, scenes = _draw(rng, layouts, n_per_type, 1, (qtype,), None)
         batch = rows_for(scenes)
         emb = embed_rows(model, batch, features[idx].float())
         logits = model(inputs_embeds=emb, attention_mask=batch["attention_mask"]).logits
@@ -207,10 +222,7 @@ def run(args) -> None:
         scale = warm * (0.1 + 0.9 * max(0.0, 1 - step / args.steps)) if args.decay else warm
         for g in opt.param_groups:
             g["lr"] = args.lr * scale
-        idx = rng.sample(range(len(train_layouts)), args.batch)
-        scenes = [
-            data.episodes_for(rng, train_layouts[i], args.questions, qtypes, weights) for i in idx
-        ]
+        idx, scenes = _draw(rng, train_layouts, args.batch, args.questions, qtypes, weights)
         batch = rows_for(scenes)
         feats = train[idx].float()
         inputs = embed_rows(model, batch, feats)
