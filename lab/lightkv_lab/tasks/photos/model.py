@@ -164,14 +164,17 @@ def load(path: str | Path, dtype: torch.dtype = torch.float32):
     onnx_path()  # fail first, in one line, without the package
     path = Path(path)
     meta = json.loads((path / META_FILE).read_text())
-    level = hf_logging.get_verbosity()
+    level, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()  # the tower's weights are missing from the file by design
+    hf_logging.disable_progress_bar()  # a weights bar for a few MB of local file is noise
     try:
         model = LlavaForConditionalGeneration.from_pretrained(
             path, dtype=torch.float32, local_files_only=True
         )
     finally:
         hf_logging.set_verbosity(level)
+        if bar:
+            hf_logging.enable_progress_bar()
     load_tower(model.model.vision_tower)
     freeze_tower(model)
     model = model.to(dtype).eval()

@@ -5,7 +5,8 @@ On ``n`` fresh held-out Photos images (features from the cache, `features.cached
 the [CLS] row's concentration at the layer the projector reads and at the last layer
 (`measure.cls_concentration`) and the near-duplicate share of the tokens the projector reads
 (`measure.feature_near_duplicates`, 4 x 4 windows). The same two figures for the bundled
-Scenes model's tower on ``n`` Scenes images, so the two instruments sit side by side.
+Scenes model's tower on ``n`` Scenes images, so the two instruments sit side by side, and
+(``--plain N``) for the tower on ``N`` of the photograph crops with nothing drawn on them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import json
 import random
 import time
+from dataclasses import replace
 
 import torch
 
@@ -38,13 +40,17 @@ def _concentration(rows: torch.Tensor) -> dict:
     }
 
 
-def photos_realism(n: int, cache_dir: str, seed: int = 0) -> dict:
-    """The Photos figures on ``n`` held-out images of the set seeded ``seed``."""
-    got = cached_features(image_set("heldout", seed, n), cache_dir)
+def photos_realism(n: int, cache_dir: str, seed: int = 0, plain: bool = False) -> dict:
+    """The Photos figures on ``n`` held-out images of the set seeded ``seed`` (``plain``: the
+    same photograph crops with nothing drawn on them, the tower on real photos alone)."""
+    layouts = image_set("heldout", seed, n)
+    if plain:
+        layouts = [replace(lay, objects=(), dots=(), sign=None) for lay in layouts]
+    got = cached_features(layouts, cache_dir)
     feats = got["features"].float()
     return {
         "images": n,
-        "set": {"split": "heldout", "seed": seed},
+        "set": {"split": "heldout", "seed": seed, "plain": plain},
         "cls_projector_layer": _concentration(got["cls"][:, 0]),
         "cls_last_layer": _concentration(got["cls"][:, 1]),
         "near_duplicates": feature_near_duplicates(feats, 16),
@@ -80,6 +86,9 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m lightkv_lab.tasks.photos.realism")
     p.add_argument("--n", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--plain", type=int, default=0, help="also the tower on this many undrawn photo crops"
+    )
     p.add_argument("--cache", default="runs/photos-features")
     p.add_argument("--out", default=None, help="write the JSON here (atomically)")
     p.add_argument("--threads", type=int, default=2)
@@ -90,6 +99,8 @@ def main(argv: list[str] | None = None) -> dict:
         "photos": photos_realism(args.n, args.cache, args.seed),
         "scenes": scenes_realism(args.n, args.seed),
     }
+    if args.plain:
+        result["photographs_alone"] = photos_realism(args.plain, args.cache, args.seed, True)
     result["seconds"] = round(time.time() - t0, 1)
     text = json.dumps(result, indent=2) + "\n"
     if args.out:
