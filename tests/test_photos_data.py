@@ -235,3 +235,13 @@ def test_draw_skips_images_a_type_cannot_be_asked_of():
     assert all(ep.qtype == "relation" for scene in scenes for ep in scene)
     with pytest.raises(ValueError, match="fewer than"):
         ph_train._draw(random.Random(1), lays, len(askable) + 1, 1, ("relation",), None)
+
+
+def test_conversations_follow_the_mix_and_ask_a_second_type_of_the_same_image():
+    from lightkv_lab.tasks.scoring import conversations
+
+    convs = conversations(3, ph.DEFAULT_CONFIG, seed=5)
+    assert [c.first.qtype for c in convs] == list(ph.MIX_QTYPES[:3])
+    for c in convs:
+        assert c.followup.scene is c.first.scene and c.followup.image is c.first.image
+        assert c.followup.qtype != c.first.qtype

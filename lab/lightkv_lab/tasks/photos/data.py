@@ -66,6 +66,7 @@ from lightkv_lab.tasks.photos.vocab import *  # noqa: F403 (the vocabulary is pa
 from lightkv_lab.tasks.photos.vocab import (
     COLOURS,
     COUNT_WORDS,
+    FINE_QTYPES,
     KINDS,
     QTYPES,
     SPLITS,
@@ -77,6 +78,7 @@ from lightkv_lab.tasks.stream import EpisodeStream as _Stream
 __all__ = [
     *_vocab_all,
     "ASKED_REGION",
+    "DETAIL_QTYPES",
     "DEFAULT_CONFIG",
     "IGNORE_INDEX",
     "MIX_QTYPES",
@@ -90,6 +92,7 @@ __all__ = [
     "collate_prompts",
     "collate_scenes",
     "episodes_for",
+    "followup",
     "make_episode",
     "make_layout",
     "make_scene",
@@ -101,6 +104,9 @@ __all__ = [
 ]
 
 ASKED_REGION = True
+"""Episodes carry ``meta["region"]``: the patches the answer is read from."""
+DETAIL_QTYPES = FINE_QTYPES
+"""Question types whose answer hinges on a few patches (the quality benchmark's detail)."""
 
 
 # --------------------------------------------------------------------------- questions
@@ -235,6 +241,14 @@ def make_scene(
     """``n_questions`` episodes about one fresh image (see `collate_scenes`)."""
     layout = make_layout(rng, split, config)
     return episodes_for(rng, layout, n_questions, qtypes, weights, render_image(layout), split)
+
+
+def followup(rng: random.Random, ep: Episode, config: GridConfig = DEFAULT_CONFIG) -> Episode:
+    """A second question about ``ep``'s image, asked after its answer: a type drawn by `MIX`
+    other than ``ep``'s (the quality benchmark's follow-up turn)."""
+    others = tuple(q for q in MIX_QTYPES if q != ep.qtype)
+    (second,) = episodes_for(rng, ep.scene, 1, others, image=ep.image, split=ep.split)
+    return second
 
 
 class EpisodeStream(_Stream):
