@@ -245,3 +245,11 @@ def test_conversations_follow_the_mix_and_ask_a_second_type_of_the_same_image():
     for c in convs:
         assert c.followup.scene is c.first.scene and c.followup.image is c.first.image
         assert c.followup.qtype != c.first.qtype
+
+
+def test_code_digest_ignores_prose_and_sees_code():
+    src = '"""Module."""\n\nX = 1  # one\n\n\ndef f(a):\n    """Doc."""\n    return a + X\n'
+    prose = '"""Other words."""\nX = 1\n\ndef f(a):\n    "Doc, reworded."\n    return a + X\n'
+    code = '"""Module."""\n\nX = 2  # one\n\n\ndef f(a):\n    """Doc."""\n    return a + X\n'
+    assert features.code_digest(src) == features.code_digest(prose)
+    assert features.code_digest(src) != features.code_digest(code)

@@ -3,10 +3,11 @@
 An image set is ``n`` layouts drawn from a seeded stream (`image_set`). `cached_features`
 renders and runs the tower over it in shards of `SHARD` images; each shard is one file named
 by the SHA-256 of everything that determines its content: the tower's ONNX file, the feature
-layer, the source of the modules that draw the images (`images`, `layout`) and the shard's
-layouts. A shard is written atomically (temp file + rename), so a killed run keeps every
-finished shard and a rerun computes only the rest; a changed renderer or tower gets new
-names, never stale features.
+layer, the code of the modules that draw the images (`images`, `layout`; their syntax trees
+without docstrings, so editing prose keeps the cache) and the shard's layouts. A shard is
+written atomically (temp file + rename), so a killed run keeps every finished shard and a
+rerun computes only the rest; a changed renderer or tower gets new names, never stale
+features.
 
 A shard holds ``features`` (float16 ``[n, 256, 384]``: the hidden state the projector reads,
 [CLS] dropped) and ``cls`` (float32 ``[n, 2, 256]``: the [CLS] attention row over the patches,
@@ -15,6 +16,7 @@ summed over heads and renormalised, at the projector's layer and at the last lay
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import random
 from functools import cache
@@ -25,7 +27,7 @@ import torch
 from lightkv.outputs import write_atomic
 from lightkv_lab.tasks.photos.layout import DEFAULT_CONFIG, Layout, make_layout, render_image
 
-__all__ = ["SHARD", "cache_key", "cached_features", "image_set", "tower_outputs"]
+__all__ = ["SHARD", "cache_key", "cached_features", "code_digest", "image_set", "tower_outputs"]
 
 SHARD = 64
 """Images per cache file."""
@@ -37,9 +39,29 @@ def image_set(split: str, seed: int, n: int) -> list[Layout]:
     return [make_layout(rng, split, DEFAULT_CONFIG) for _ in range(n)]
 
 
+def code_digest(source: str) -> str:
+    """SHA-256 of a module's code without its comments, docstrings and layout (its syntax
+    tree without string statements): editing prose does not invalidate cached features."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list):
+            kept = [
+                s
+                for s in body
+                if not (
+                    isinstance(s, ast.Expr)
+                    and isinstance(s.value, ast.Constant)
+                    and isinstance(s.value.value, str)
+                )
+            ]
+            node.body = kept or [ast.Pass()]
+    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()
+
+
 @cache
 def _source_digest() -> str:
-    """SHA-256 of the ONNX file and of the modules that draw the images."""
+    """SHA-256 of the ONNX file and of the code of the modules that draw the images."""
     from lightkv_lab.tasks.photos import images, layout
     from lightkv_lab.tasks.photos.tower import onnx_path
 
@@ -48,7 +70,7 @@ def _source_digest() -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     for module in (images, layout):
-        h.update(Path(module.__file__).read_bytes())
+        h.update(code_digest(Path(module.__file__).read_text()).encode())
     return h.hexdigest()
 
 

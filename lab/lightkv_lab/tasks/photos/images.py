@@ -28,8 +28,8 @@ coins       ``skimage.data.coins`` (Brooklyn Museum)    no known copyright restr
 Each image is a random crop (half to all of the photograph's short side, mirrored half of
 the time, brightness jittered) resized to 224 px, so the background is redundant the way a
 photograph is: large areas of similar, never identical, patches. Objects are drawn with
-anti-aliased edges (4x supersampling), a dark rim, shading and a soft shadow; the sign's
-letters use Pillow's bundled font (Aileron, CC0).
+anti-aliased edges (4x supersampling), shading that darkens towards the edges and a soft
+shadow; the sign's letters use Pillow's bundled font (Aileron, CC0).
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ def _draw_object(canvas, kind, colour, cx, cy, size, rng: random.Random) -> None
     shadow = _blur(mask, max(1.0, size / 14))
     off = max(1, size // 12)
     _paste(canvas, 0.45 * shadow, np.zeros((size, size, 3), np.float32), top + off, left + off)
-    # shading: light from the top left, a little texture; a darker rim
+    # shading: light from the top left, a little texture, darker towards the edges
     yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) / max(1, size - 1)
     light = 1.08 - 0.35 * (0.5 * yy + 0.5 * xx)
     gen = np.random.default_rng(rng.getrandbits(32))

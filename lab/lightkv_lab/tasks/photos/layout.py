@@ -100,7 +100,8 @@ class Layout:
     objects: tuple[Obj, ...]
     dots: tuple[Dot, ...]
     sign: tuple[int, int, tuple[str, ...]]
-    """``(x, y, letters)``: the plate's top-left pixel and its letters."""
+    """``(x, y, letters)``: the plate's top-left pixel and its letters (None: no sign, as in
+    `lightkv_lab.tasks.photos.realism`'s photographs alone)."""
     seed: int
 
     def role(self, role: str) -> list[Obj]:
