@@ -253,3 +253,22 @@ def test_code_digest_ignores_prose_and_sees_code():
     code = '"""Module."""\n\nX = 2  # one\n\n\ndef f(a):\n    """Doc."""\n    return a + X\n'
     assert features.code_digest(src) == features.code_digest(prose)
     assert features.code_digest(src) != features.code_digest(code)
+
+
+def test_projector_starts_at_the_word_embeddings_scale():
+    """`init_projector` folds the features' statistics into LLaVA's projector: projected tokens
+    start with about unit variance per dimension (the default init: ~0.02), whatever the
+    features' offset and scale."""
+    from lightkv_lab.tasks.photos.model import PhotosSpec, build_model
+
+    gen = torch.Generator().manual_seed(0)
+    feats = 3.0 + 0.2 * torch.randn(4, 256, 384, generator=gen) * torch.rand(384, generator=gen)
+    spec = PhotosSpec(text_width=64, text_layers=1, text_heads=2, text_ffn=64)
+    model = build_model(spec, tower=False)
+    proj = model.model.multi_modal_projector
+    with torch.no_grad():
+        before = float(proj(feats).pow(2).mean())
+        ph_train.init_projector(model, feats)
+        after = float(proj(feats).pow(2).mean())
+    assert before < 0.05
+    assert 0.5 < after < 2.0
