@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -272,6 +273,7 @@ def run(args) -> None:
             entry = {"step": step, "loss": running, "minutes": (time.time() - t0) / 60, **ev}
             log.append(entry)
             bar.write(json.dumps(entry))
+            sys.stdout.flush()  # a log file sees each evaluation as it happens
         if step % args.ckpt_every == 0 or step == until:
             checkpoint()
     bar.close()
