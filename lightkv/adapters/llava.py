@@ -6,8 +6,8 @@ Each image becomes ``(image_size / patch_size)^2`` consecutive placeholder token
 Exact: identity (nothing removed = unhooked logits, prefill and decode), batch rows alone = in a
   padded batch, sdpa, eager and FlashAttention-2 (2-D padding masks; = the sdpa run under the test
   stand-in), several images per row, beam search; tower relevance (VisionZip, VisPruner: the CLS
-  attention of the CLIP tower layer `vision_feature_layer` selects, or the mean attention of a
-  SigLIP tower), the only family that exposes it.
+  attention of the CLIP or DINOv2 tower layer `vision_feature_layer` selects, or the mean
+  attention of a SigLIP tower), the only family that exposes it.
 Refused: ``vision_feature_select_strategy`` other than ``default`` (the CLS token would shift the
   grid).
 """
@@ -46,18 +46,21 @@ class LlavaAdapter(Adapter):
     def tower_spec(self, layer: int | None = None):
         """The attention of the tower layer ``vision_feature_layer`` selects (hidden state
         ``L + f`` of an ``L``-layer tower for ``f < 0``, so layer ``L + f``; layer ``f - 1``
-        for ``f > 0``), or of 0-based tower layer ``layer``; CLIP towers have a CLS token
-        first, SigLIP towers none."""
+        for ``f > 0``), or of 0-based tower layer ``layer``; CLIP and DINOv2 towers have a CLS
+        token first, SigLIP towers none. CLIP and SigLIP keep their layers in
+        ``encoder.layers`` (attention ``self_attn``), DINOv2 in ``encoder.layer`` (attention
+        ``attention``)."""
         feature_layer = getattr(self.config, "vision_feature_layer", -2)
         tower = getattr(self.multimodal_module(), "vision_tower", None)
         core = getattr(
             tower, "vision_model", tower
         )  # transformers 5 gives the CLIP/SigLIP model itself
-        layers = getattr(getattr(core, "encoder", None), "layers", None)
+        encoder = getattr(core, "encoder", None)
+        layers = getattr(encoder, "layers", None) or getattr(encoder, "layer", None)
         if not isinstance(feature_layer, int) or layers is None:
             raise NotImplementedError(
-                "tower relevance needs one vision_feature_layer (an int) and a CLIP/SigLIP-style "
-                f"tower (.encoder.layers); this model has {feature_layer!r} and "
+                "tower relevance needs one vision_feature_layer (an int) and a CLIP/SigLIP/DINOv2-"
+                f"style tower (.encoder.layers); this model has {feature_layer!r} and "
                 f"{type(tower).__name__}"
             )
         index = len(layers) + feature_layer if feature_layer < 0 else feature_layer - 1
@@ -66,12 +69,14 @@ class LlavaAdapter(Adapter):
                 f"vision_feature_layer {feature_layer} selects no attention layer of the tower "
                 f"({len(layers)} layers): tower relevance cannot be read"
             )
-        cls = "siglip" not in str(getattr(self.config.vision_config, "model_type", ""))
         if layer is not None:
             if not 0 <= layer < len(layers):
                 raise IndexError(f"this model's vision tower has layers 0-{len(layers) - 1} only")
             index = layer
-        return TowerSpec(attention=layers[index].self_attn, cls=cls)
+        block = layers[index]
+        attention = getattr(block, "self_attn", None) or getattr(block, "attention", None)
+        cls = "siglip" not in str(getattr(self.config.vision_config, "model_type", ""))
+        return TowerSpec(attention=attention, cls=cls)
 
     def build_layout(self, inputs, padding):
         input_ids = inputs["input_ids"]

@@ -33,9 +33,10 @@ class TowerSpec:
 
     Attributes:
         attention: the self-attention module of the tower layer whose output the projector
-            reads (it has ``q_proj``, ``k_proj``, ``num_heads``, ``head_dim``, ``scale``).
-        cls: the tower's first token is a CLS token (CLIP): its attention row is used and
-            it is not an image token; otherwise (SigLIP) the attention received is averaged
+            reads (it has ``q_proj``, ``k_proj``, ``num_heads`` or ``num_attention_heads``,
+            and ``scale`` or ``scaling``, else ``head_dim ** -0.5``).
+        cls: the tower's first token is a CLS token (CLIP, DINOv2): its attention row is used
+            and it is not an image token; otherwise (SigLIP) the attention received is averaged
             over every query.
     """
 
@@ -118,11 +119,15 @@ class TowerTap:
     @torch.no_grad()
     def _hook(self, module, args, kwargs):
         x = args[0] if args else kwargs["hidden_states"]
-        heads = int(getattr(module, "num_heads", 0) or module.config.num_attention_heads)
+        heads = int(
+            getattr(module, "num_heads", 0)
+            or getattr(module, "num_attention_heads", 0)
+            or module.config.num_attention_heads
+        )
         i, t, _ = x.shape
         acc = torch.promote_types(x.dtype, torch.float32)
         k = module.k_proj(x).view(i, t, heads, -1).transpose(1, 2).to(acc)  # [I, H, T, d]
-        scale = float(getattr(module, "scale", k.shape[-1] ** -0.5))
+        scale = float(getattr(module, "scale", getattr(module, "scaling", k.shape[-1] ** -0.5)))
         rows = range(0, 1) if self.cls else range(0, t, CHUNK)
         out = torch.zeros(i, heads, t, dtype=acc, device=x.device)
         for start in rows:

@@ -283,6 +283,11 @@ def load(path: str | Path = BUNDLED_MODEL, dtype: torch.dtype = torch.float32):
     from transformers.utils import logging as hf_logging
 
     path = resolve_model(path)
+    task = read_task(path)
+    if task.loader is not None:  # e.g. Photos: the tower comes from a package
+        import importlib
+
+        return importlib.import_module(task.loader).load(path, dtype)
     grid = read_grid_config(path)
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a weights bar on stderr for a 7 MB local file is noise

@@ -1,5 +1,5 @@
-"""The synthetic tasks one model builder, trainer and evaluator serve: Scenes, DigitGrid,
-SymbolGrid.
+"""The tasks one model builder, trainer and evaluator serve: Scenes, DigitGrid, SymbolGrid
+and Photos (real photographs, a pretrained tower: `lightkv_lab.tasks.photos`).
 
 A `Task` bundles what those need from a task's data module: its vocabulary, its
 `GridConfig`, episodes, scenes, collation, and the per-token words of the alignment target
@@ -29,6 +29,9 @@ class Task:
     module: str
     answer_length: Callable[[Any], int]
     """The longest answer in words (without ``<eos>``) under a `GridConfig`."""
+    loader: str | None = None
+    """A module whose ``load(path, dtype)`` reads this task's saved models, where the generic
+    `lightkv_lab.tasks.model.load` cannot (Photos: the tower comes from a package)."""
 
     @cached_property
     def data(self) -> ModuleType:
@@ -84,6 +87,12 @@ TASKS: dict[str, Task] = {
         "symbolgrid", "lightkv_lab.tasks.symbolgrid.data", lambda config: 2 * config.read_len - 1
     ),
     "scenes": Task("scenes", "lightkv_lab.tasks.scenes.data", lambda config: 5),
+    "photos": Task(
+        "photos",
+        "lightkv_lab.tasks.photos.data",
+        lambda config: 3,
+        "lightkv_lab.tasks.photos.model",
+    ),
 }
 
 

@@ -199,6 +199,11 @@ def export(args) -> Path:
 def run_stage(args) -> None:
     from tqdm import tqdm
 
+    if _task(args).name == "photos":  # a frozen pretrained tower, cached features
+        from lightkv_lab.tasks.photos.train import run
+
+        run(args)
+        return
     if args.stage == "export":
         if not args.export:
             raise SystemExit("export needs --export DIR")

@@ -117,6 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--eval-n", type=int, default=64)
     p.add_argument("--ckpt-every", type=int, default=100)
+    p.add_argument(
+        "--images", type=int, default=3000, help="photos: training images (features cached)"
+    )
+    p.add_argument(
+        "--cache", default="runs/photos-features", help="photos: the tower features' cache"
+    )
+    p.add_argument(
+        "--aux", type=float, default=0.0, help="photos: weight of the per-patch naming loss"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     return p
