@@ -75,6 +75,11 @@ class LlavaAdapter(Adapter):
             index = layer
         block = layers[index]
         attention = getattr(block, "self_attn", None) or getattr(block, "attention", None)
+        if attention is None:
+            raise NotImplementedError(
+                f"tower layer {index} ({type(block).__name__}) has no self_attn or attention "
+                "module: tower relevance cannot be read"
+            )
         cls = "siglip" not in str(getattr(self.config.vision_config, "model_type", ""))
         return TowerSpec(attention=attention, cls=cls)
 
