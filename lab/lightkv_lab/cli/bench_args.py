@@ -325,7 +325,10 @@ def add_parsers(commands) -> dict[str, argparse.ArgumentParser]:
         "--threads", type=machine_threads, metavar="N", help="torch CPU threads (default: torch's)"
     )
     _removed_flag(abl, "--targets", "--kept-fractions")
+    from lightkv_lab.cli.bench_memory import add_memory_parser
+
     return {
+        "memory": add_memory_parser(bsub),
         "bench": bench,
         "efficiency": eff,
         "scaling": sc,
