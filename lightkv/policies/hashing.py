@@ -63,5 +63,7 @@ def seeded_uniform_pairs(
 
 def seeded_uniform(identity: torch.Tensor, seed: int) -> torch.Tensor:
     """Float64 in ``[0, 1)`` per element of ``identity``, fixed for a given ``seed``."""
-    h = _mix(_mix(identity & _MASK) ^ _mix(torch.full_like(identity, (seed & _MASK) + 0x632BE5AB)))
+    # the seed's hash is one number: mixed once, not once per element (the same bits)
+    key = _mix(torch.tensor((seed & _MASK) + 0x632BE5AB, dtype=torch.int64, device=identity.device))
+    h = _mix(_mix(identity & _MASK) ^ key)
     return (h >> 9).double() / float(1 << 53)

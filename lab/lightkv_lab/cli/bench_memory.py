@@ -16,6 +16,7 @@ _LAYERS = at_most(80, "the deepest real decoder has 80 layers")
 _HEADS = at_most(128, "each head is width / heads wide")
 _WIDTH = at_most(16384, "the hidden states are tokens x width x 4 bytes")
 _REPEATS = at_most(100, "each repeat is one more prefill per point")
+_GB = at_most(4096, "gigabytes of memory")
 
 
 def add_memory_parser(bsub) -> argparse.ArgumentParser:
@@ -52,6 +53,13 @@ def add_memory_parser(bsub) -> argparse.ArgumentParser:
         type=machine_threads,
         metavar="N",
         help="torch CPU threads per process (default: 1)",
+    )
+    mem.add_argument(
+        "--memory-limit",
+        type=_GB,
+        metavar="GB",
+        help="data one point's process may map; past it the point is recorded as out of memory "
+        "(default: 8)",
     )
     mem.add_argument(
         "--no-7b",
@@ -98,6 +106,7 @@ def cmd_bench_memory(args: argparse.Namespace) -> int:
             "width": args.width,
             "repeats": args.repeats,
             "threads": args.threads,
+            "memory_limit": None if args.memory_limit is None else args.memory_limit * 10**9,
         }.items()
         if v is not None
     }

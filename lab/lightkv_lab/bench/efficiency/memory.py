@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from lightkv_lab.bench.efficiency.shapes import UNCOMPRESSED
+
 __all__ = [
     "DEFAULT_LENGTHS",
     "UNCOMPRESSED",
@@ -45,7 +47,6 @@ __all__ = [
     "run_memory",
 ]
 
-UNCOMPRESSED = "uncompressed"
 DEFAULT_LENGTHS = (1024, 2048, 4096, 5600, 9600, 16384)
 """Prompt tokens (vision and text together) of the default run."""
 VISION_SIDE = 24  # LLaVA-1.5: a 24 x 24 grid, 576 vision tokens
@@ -66,6 +67,10 @@ class MemoryConfig:
         threads: torch CPU threads in each process (1 by default: CPU time and wall time then
             agree, and a shared machine's other work disturbs the ratios least).
         timeout: seconds one point may take before it is recorded as failed.
+        memory_limit: bytes of data one point's process may map (``RLIMIT_DATA``): past it an
+            allocation fails and the point is recorded as out of memory, instead of a preset
+            whose memory is quadratic by design (``lightkv-paper-released``'s eager merge
+            layers) taking a shared machine's memory. None: no limit.
         width7b: also measure the LightKV relevance alone at 7B heads on the longest prompt.
         progress: a progress bar.
     """
@@ -79,6 +84,7 @@ class MemoryConfig:
     repeats: int = 1
     threads: int | None = 1
     timeout: float = 1200.0
+    memory_limit: int | None = 8 * 10**9
     width7b: bool = True
     progress: bool = True
 
@@ -104,6 +110,11 @@ class MemoryConfig:
             )
         if self.repeats < 1 or self.timeout <= 0:
             raise ValueError("repeats must be >= 1 and timeout > 0")
+        if self.memory_limit is not None and self.memory_limit < 2 * 10**9:
+            raise ValueError(
+                f"memory_limit must be at least 2 GB (torch itself maps about 1), got "
+                f"{self.memory_limit / 1e9:.2f} GB"
+            )
 
     @property
     def variants(self) -> tuple[str, ...]:
@@ -279,8 +290,22 @@ def child_main(payload: str) -> int:
 
 
 # ---------------------------------------------------------------------------- the run
-def _in_child(job: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Run one job in a fresh process; a failure becomes ``{"error": its last line}``."""
+def _limit(limit: int | None):
+    """The child's ``preexec_fn``: cap its data mappings at ``limit`` bytes."""
+    if limit is None:
+        return None
+
+    def cap() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+    return cap
+
+
+def _in_child(job: dict[str, Any], timeout: float, limit: int | None = None) -> dict[str, Any]:
+    """Run one job in a fresh process (its data capped at ``limit`` bytes); a failure becomes
+    ``{"error": its last line}``."""
     env = dict(os.environ)
     env["MALLOC_MMAP_THRESHOLD_"] = str(256 * 1024)  # freed tensors go back to the system
     lab = Path(__file__).resolve().parents[3]  # the folder above lightkv_lab
@@ -289,13 +314,22 @@ def _in_child(job: dict[str, Any], timeout: float) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "lightkv_lab.bench.efficiency.memory", "--child", "-"]
     try:
         done = subprocess.run(
-            cmd, input=json.dumps(job), capture_output=True, text=True, env=env, timeout=timeout
+            cmd,
+            input=json.dumps(job),
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
+            preexec_fn=_limit(limit),
         )
     except subprocess.TimeoutExpired:
         return {"error": f"took longer than {timeout:g} s (--timeout)"}
     if done.returncode != 0:
         lines = (done.stderr or "").strip().splitlines() or [f"exit status {done.returncode}"]
-        return {"error": lines[-1][:300]}
+        last = lines[-1]
+        if limit is not None and ("can't allocate memory" in last or "MemoryError" in last):
+            last = f"out of memory: needs more than the {limit / 1e9:g} GB limit (--memory-limit)"
+        return {"error": last[:300]}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -314,13 +348,13 @@ def run_memory(cfg: MemoryConfig | None = None) -> dict[str, Any]:
     try:
         for length, variant in jobs:
             job = {"kind": "point", "config": asdict(cfg), "variant": variant, "length": length}
-            got = _in_child(job, cfg.timeout)
+            got = _in_child(job, cfg.timeout, cfg.memory_limit)
             points.append({"variant": variant, "length": length, **got})
             progress(f"{variant} @ {length}")
         width7b = None
         if cfg.width7b:
             job = {"kind": "width7b", "length": cfg.lengths[-1], "threads": cfg.threads}
-            width7b = _in_child(job, cfg.timeout)
+            width7b = _in_child(job, cfg.timeout, cfg.memory_limit)
             progress(f"query_softmax at 7B heads @ {cfg.lengths[-1]}")
     finally:
         progress.close()

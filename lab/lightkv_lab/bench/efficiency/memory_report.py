@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lightkv.outputs import write_atomic
-from lightkv_lab.bench.efficiency.memory import UNCOMPRESSED
+from lightkv_lab.bench.efficiency.shapes import UNCOMPRESSED
 
 __all__ = ["MEMORY_LIMIT", "check_targets", "memory_markdown", "memory_plot", "write_memory"]
 
