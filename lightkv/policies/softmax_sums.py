@@ -13,11 +13,12 @@ the one the unblocked computation takes (the sums differ from it by rounding onl
 On the CPU, `query_axis_sums` (``query_softmax``) takes two passes of PyTorch's fused CPU
 attention kernel instead, which tiles the scores itself and returns each query row's
 log-sum-exp: first with the text columns as its queries and every valid token as its keys
-(``lse_t``, each column's normaliser over all queries), then with the vision rows as queries,
-the text columns as keys and ``-lse_t`` as the additive mask, whose log-sum-exp is
-``log sum_t exp(s_it - lse_t)``: the sum itself, in log space. Every score is computed in the
-kernel's tiles (four times faster than a block's matrix product, softmax and sums, measured at
-5,600 tokens); the values are those of the blocked path to rounding.
+(``lse_t``, each column's normaliser over all queries), then with the vision rows as queries
+and the text columns as keys, each score shifted by ``-lse_t`` (an extra dimension: 1 on the
+rows, ``-lse_t / scale`` on the columns), whose log-sum-exp is ``log sum_t exp(s_it - lse_t)``:
+the sum itself, in log space. Every score is computed in the kernel's tiles (four times faster
+than a block's matrix product, softmax and sums, measured at 5,600 tokens); the values are
+those of the blocked path to rounding.
 """
 
 from __future__ import annotations
@@ -217,13 +218,13 @@ blocked path)."""
 @functools.cache
 def _fused_kernel():
     """PyTorch's fused CPU attention returning log-sum-exps, or None where this torch has no
-    such operator or it refuses a broadcast additive mask (older releases)."""
+    such operator (older releases) or it answers in another form."""
     op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     if op is None:
         return None
     q, k = torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 3, 4)
     try:
-        _, lse = op(q, k, k, 0.0, False, attn_mask=torch.zeros(1, 1, 1, 3), scale=0.5)
+        _, lse = op(q, k, k, 0.0, False, scale=0.5)
     except (RuntimeError, TypeError):
         return None
     return op if tuple(lse.shape) == (1, 1, 2) else None
@@ -282,9 +283,13 @@ def query_axis_sums(
             # themselves (an expanded zero tensor of no memory took it twice as long, measured)
             # pass 1: each text column's log-sum-exp over every valid query
             _, lse = op(k[None], q_all, q_all, 0.0, False, scale=scale)  # [1, g, T]
-            # pass 2: the wanted rows over the text columns, each column shifted by -lse_t
-            q_rows = q.index_select(1, wanted).to(dtype)[None]
-            mask = -lse[:, :, None]  # [1, g, 1, T]
-            _, sums = op(q_rows, k[None], k[None], 0.0, False, attn_mask=mask, scale=scale)
+            # pass 2: the wanted rows over the text columns, each column shifted by -lse_t: one
+            # more dimension, 1 on the rows and -lse_t / scale on the columns, adds -lse_t to
+            # every score (3x faster than the kernel's additive-mask path, measured; the same
+            # values to float rounding)
+            q_rows = q.index_select(1, wanted).to(dtype)
+            q_rows = torch.cat([q_rows, q_rows.new_ones(*q_rows.shape[:2], 1)], dim=-1)
+            k_shift = torch.cat([k, (lse[0] / -scale).unsqueeze(-1)], dim=-1)[None]
+            _, sums = op(q_rows[None], k_shift, k_shift, 0.0, False, scale=scale)  # [1, g, V]
             total[r, h0 : h0 + heads.numel(), wanted] = sums[0].double().exp()
     return total
