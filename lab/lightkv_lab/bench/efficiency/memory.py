@@ -275,6 +275,10 @@ def measure_width7b(length: int, threads: int | None) -> dict[str, Any]:
         "seconds": wall,
         "cpu_seconds": cpu,
         "scores_bytes_at_once_before": int(heads * length * text * 4),
+        # the fused CPU path's products (each pass also multiplies by its values), against one
+        # LLaVA-1.5-7B decoder layer (projections, MLP, causal attention) on the same tokens
+        "relevance_flops": 4.0 * heads * d * text * (length + VISION_SIDE**2),
+        "layer_flops_7b": 2.0 * length * (4 * 4096**2 + 3 * 4096 * 11008) + 2.0 * length**2 * 4096,
     }
 
 

@@ -143,7 +143,9 @@ def memory_markdown(result: dict[str, Any]) -> str:
             f"{w['peak_above_inputs_bytes'] / 1e9:.3f} GB above its "
             f"{w['inputs_bytes'] / 1e9:.2f} GB of queries and keys, {w['cpu_seconds']:.1f} s of "
             f"CPU; the H x N x T scores it never holds at once are "
-            f"{w['scores_bytes_at_once_before'] / 1e9:.1f} GB.",
+            f"{w['scores_bytes_at_once_before'] / 1e9:.1f} GB. Its products are "
+            f"{w['relevance_flops'] / w['layer_flops_7b']:.0%} of one LLaVA-1.5-7B decoder "
+            "layer's FLOPs on those tokens (a stage's relevance, once per stage).",
         ]
     elif w:
         lines += ["", f"`query_softmax` at 7B heads failed: {w['error']}"]
