@@ -216,6 +216,8 @@ def test_config_validate_accepts_every_mode(capsys, preset):
         (["bench", "quality", "--episodes", "1000000000"], "--episodes: at most 20,000"),
         (["bench", "quality", "--threads", "100000"], "--threads: at most"),
         (["bench", "ablation", "--episodes", "1000000000"], "--episodes: at most 20,000"),
+        (["bench", "memory", "--lengths", "1000000000"], "--lengths: at most 65,536"),
+        (["bench", "memory", "--memory-limit", "100000"], "--memory-limit: at most 4,096"),
     ],
 )
 def test_sizes_past_a_stated_limit_are_refused_up_front(capsys, argv, needle):
@@ -245,6 +247,7 @@ def test_a_decoder_whose_weights_cannot_fit_is_refused_with_the_estimate(capsys,
         ["bench", "kvquant"],
         ["bench", "efficiency", "--quick"],
         ["bench", "ablation", "--episodes", "4"],
+        ["bench", "memory", "--quick"],
     ],
 )
 def test_an_unwritable_out_is_refused_before_any_work(capsys, tmp_path, command):
@@ -352,6 +355,7 @@ def test_an_empty_cache_layer_list_is_refused(capsys, tmp_path):
         (["bench", "ablation", "--episodes", "4"], "matplotlib", "matplotlib"),
         (["bench", "efficiency", "--quick"], "matplotlib", "matplotlib"),
         (["bench", "scaling", "--quick"], "matplotlib", "matplotlib"),
+        (["bench", "memory", "--quick"], "matplotlib", "matplotlib"),
     ],
 )
 def test_a_missing_extra_is_named_before_any_work(capsys, monkeypatch, argv, module, extra):

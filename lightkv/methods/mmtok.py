@@ -155,11 +155,14 @@ class MMTok(KeepSetPruner):
         c = self.coverage(inputs)  # [K, R, a]
         best = torch.zeros(c.shape[:2], dtype=c.dtype, device=c.device)  # [K, R]
         windows = torch.arange(k, device=c.device)
+        # one [K, R, a] buffer for every step's gains (the same operations, in place): with a long
+        # question R is thousands of rows, and two fresh blocks per step were two of its size
+        buf = torch.empty_like(c)
         for t in range(steps):
             active = count > t
             gain = (
-                (c - best.unsqueeze(2))
-                .clamp_min(0)
+                torch.sub(c, best.unsqueeze(2), out=buf)
+                .clamp_min_(0)
                 .sum(dim=1)
                 .masked_fill(~valid | kept, -math.inf)
             )

@@ -44,13 +44,15 @@ def token_identity(layout: VisionLayout) -> torch.Tensor:
 
 
 def seeded_uniform_pairs(
-    rows: torch.Tensor, cols: torch.Tensor, heads: int, seed: int
+    rows: torch.Tensor, cols: torch.Tensor, heads: int, seed: int, first_head: int = 0
 ) -> torch.Tensor:
     """Float64 in ``[0, 1)``, ``[B, heads, N, T]``: one draw per (row token, column token,
     head), keyed by the identities ``rows`` (``[B, N]``) and ``cols`` (``[B, T]``), fixed for
     a given ``seed``: what ``torch.rand_like`` of an attention-score tensor draws, without a
-    global RNG stream (so a row draws the same alone or inside a batch)."""
-    h = torch.arange(1, heads + 1, device=rows.device, dtype=torch.int64)
+    global RNG stream (so a row draws the same alone or inside a batch). ``first_head``
+    offsets the heads: the draws of heads ``first_head .. first_head + heads - 1`` of a
+    larger head count (a block of it)."""
+    h = torch.arange(first_head + 1, first_head + heads + 1, device=rows.device, dtype=torch.int64)
     row = _mix(rows & _MASK)[:, None, :, None]
     col = _mix(_mix(cols & _MASK) ^ 0x2545F4914F6CDD1D & _MASK)[
         :, None, None, :
@@ -61,5 +63,7 @@ def seeded_uniform_pairs(
 
 def seeded_uniform(identity: torch.Tensor, seed: int) -> torch.Tensor:
     """Float64 in ``[0, 1)`` per element of ``identity``, fixed for a given ``seed``."""
-    h = _mix(_mix(identity & _MASK) ^ _mix(torch.full_like(identity, (seed & _MASK) + 0x632BE5AB)))
+    # the seed's hash is one number: mixed once, not once per element (the same bits)
+    key = _mix(torch.tensor((seed & _MASK) + 0x632BE5AB, dtype=torch.int64, device=identity.device))
+    h = _mix(_mix(identity & _MASK) ^ key)
     return (h >> 9).double() / float(1 << 53)

@@ -19,6 +19,13 @@ from ..graph.layout import VisionLayout
 from ..graph.scatter import pack_rows
 from .base import Policy
 from .hashing import seeded_uniform, seeded_uniform_pairs, token_identity
+from .softmax_sums import (
+    block_elements,
+    column_softmax_sums,
+    qk_scores,
+    query_axis_sums,
+    row_softmax_sums,
+)
 
 __all__ = [
     "Relevance",
@@ -51,12 +58,17 @@ def _reduce_heads(x: torch.Tensor, heads: str) -> torch.Tensor:
     return x.amax(dim=1)
 
 
+def _kv_ratio(keys: torch.Tensor, heads: int) -> int:
+    """Query heads per key head (grouped-query attention)."""
+    if heads % keys.shape[1]:
+        raise ValueError(f"query heads ({heads}) must be a multiple of key heads ({keys.shape[1]})")
+    return heads // keys.shape[1]
+
+
 def _match_heads(keys: torch.Tensor, heads: int) -> torch.Tensor:
     if keys.shape[1] == heads:
         return keys
-    if heads % keys.shape[1]:
-        raise ValueError(f"query heads ({heads}) must be a multiple of key heads ({keys.shape[1]})")
-    return keys.repeat_interleave(heads // keys.shape[1], dim=1)
+    return keys.repeat_interleave(_kv_ratio(keys, heads), dim=1)
 
 
 def _accumulator(t: torch.Tensor) -> torch.dtype:
@@ -153,7 +165,8 @@ class QueryAxisSoftmax(Relevance):
     token ``t`` as key (including the question after the image, which the causal mask would
     hide); softmax over the *query* axis (each text column normalised over all valid query
     positions); keep the vision rows; sum over text columns, then over heads (``heads``).
-    Costs ``N x T`` per head, never ``N x N``.
+    Computes ``N x T`` scores per head, a block of columns at a time
+    (`lightkv.policies.softmax_sums`): its working set is one block, never ``N x T``.
 
     Attributes:
         heads: ``sum`` (the reference code), ``mean`` or ``max`` over query heads.
@@ -168,25 +181,17 @@ class QueryAxisSoftmax(Relevance):
     def score(self, queries, keys, layout):
         text_pos, text_valid = pack_rows(layout.text_mask)
         self._check(queries, keys, layout, packed=text_pos.shape[1])
-        h, d = queries.shape[1], queries.shape[-1]
-        k = _match_heads(keys, h)
-        if keys.shape[2] != layout.seq_len:  # the text columns already, packed (`packed_text_keys`)
-            k_text = k
-        else:
-            k_text = k.gather(2, text_pos[:, None, :, None].expand(-1, h, -1, d))
+        _kv_ratio(keys, queries.shape[1])
+        # the text columns' keys: packed already (`packed_text_keys`) or read at their positions
+        index = None if keys.shape[2] != layout.seq_len else text_pos
         acc = _accumulator(queries)
-        logits = torch.matmul(queries.to(acc), k_text.to(acc).transpose(-1, -2)).div_(
-            math.sqrt(d)
-        )  # [B,H,N,T]
-        # in place on the product (made here): N x T per head is tens of MB at 7B width
-        logits.masked_fill_(~layout.valid_mask[:, None, :, None], float("-inf"))
-        # out of place: softmax's backward reads its output
-        attn = torch.softmax(logits, dim=2).masked_fill(~text_valid[:, None, None, :], 0.0)
-        xi = (
-            attn.sum(dim=(1, 3))
-            if self.heads == "sum"
-            else _reduce_heads(attn.sum(dim=3), self.heads)
+        # each text column normalised over the valid queries, a block of columns (or the fused
+        # kernel's tiles) at a time: never the H x N x T scores at once
+        rows = layout.vision_mask & layout.valid_mask
+        per_head = query_axis_sums(
+            queries, keys, layout.valid_mask, rows, text_valid.sum(1), acc, index=index
         )
+        xi = _reduce_heads(per_head, self.heads).to(acc)
         return torch.where(layout.vision_mask, xi, torch.zeros_like(xi))
 
 
@@ -239,7 +244,8 @@ class TextQueryAttention(Relevance):
     reads one query row, this reads every text row: the whole question, and with
     ``causal=False`` also the text before the image. With ``causal=True`` (the model's
     mask) a query sees the valid keys at or before its original position, so text before
-    the image contributes nothing. Costs ``T x N`` per head; it declares
+    the image contributes nothing. Computes ``T x N`` scores per head, a block of rows at a
+    time (its working set is one block, `lightkv.policies.softmax_sums`); it declares
     ``query_rows = "all"`` (adapters offer no text-rows option), so an adapter projects
     every query row.
 
@@ -272,21 +278,25 @@ def attention_from_rows(
 ) -> torch.Tensor:
     """Attention that the query rows ``rows`` (bool ``[B, N]``) pay each token (softmax over
     the valid keys, at or before the row's original position when ``causal``), summed over
-    those rows, then reduced over heads; zero outside vision tokens. ``T x N`` per head
-    (``T`` the most rows any batch row has), never ``N x N``."""
+    those rows, then reduced over heads; zero outside vision tokens. ``T x N`` scores per
+    head (``T`` the most rows any batch row has), a block of rows at a time: never ``N x N``
+    or ``T x N`` at once."""
     pos, valid = pack_rows(rows)  # [B, T]
     h, d = queries.shape[1], queries.shape[-1]
-    q = queries.gather(2, pos[:, None, :, None].expand(-1, h, -1, d))  # [B,H,T,d]
-    k = _match_heads(keys, h)
+    _kv_ratio(keys, h)
     acc = _accumulator(queries)
-    logits = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) / math.sqrt(d)  # [B,H,T,N]
-    allowed = layout.valid_mask[:, None, :] & valid[:, :, None]  # [B,T,N]
-    if causal:
-        origin = layout.origin
-        allowed = allowed & (origin[:, None, :] <= origin.gather(1, pos)[:, :, None])
-    logits = logits.masked_fill(~allowed[:, None], float("-inf"))
-    attn = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # padded row slots give 0
-    xi = _reduce_heads(attn.sum(dim=2), heads)
+    seen = layout.valid_mask
+    origin = layout.origin
+
+    def allowed(r: int, lines: slice) -> torch.Tensor:  # [c, N]: what each read row may see
+        at = pos[r, lines]
+        ok = seen[r].unsqueeze(0) & valid[r, lines].unsqueeze(1)
+        return ok & (origin[r].unsqueeze(0) <= origin[r, at].unsqueeze(1)) if causal else ok
+
+    # a block of rows at a time (`row_softmax_sums`): never the H x T x N scores at once
+    scores = qk_scores(queries, keys, h, math.sqrt(d), acc, index=pos)
+    per_head = row_softmax_sums(scores, h, allowed, valid.sum(1), layout.seq_len, acc)
+    xi = _reduce_heads(per_head, heads).to(acc)
     return torch.where(layout.vision_mask, xi, torch.zeros_like(xi))
 
 
@@ -348,12 +358,24 @@ class RandomRelevance(Relevance):
         # a text token is known by its place among its row's real tokens (not its padded index)
         rank = layout.valid_mask.long().cumsum(1) - 1
         identity = torch.where(layout.image >= 0, identity, rank)
-        scores = seeded_uniform_pairs(
-            identity, identity.gather(1, text_pos), heads, self.seed
-        )  # [B, H, N, T]
+        text_identity = identity.gather(1, text_pos)
+
+        def scores(r: int, hs: slice, ls: slice, out: torch.Tensor) -> torch.Tensor:
+            draw = seeded_uniform_pairs(
+                identity[r : r + 1],
+                text_identity[r : r + 1, ls],
+                hs.stop - hs.start,
+                self.seed,
+                first_head=hs.start,
+            )  # [1, g, N, c]
+            return out.copy_(draw[0].transpose(1, 2))
+
         # then what the released module does with its (replaced) scores: QueryAxisSoftmax's softmax
-        # and sums
-        scores.masked_fill_(~layout.valid_mask[:, None, :, None], float("-inf"))
-        attn = torch.softmax(scores, dim=2).masked_fill(~text_valid[:, None, None, :], 0.0)
-        xi = attn.sum(dim=(1, 3))
+        # and sums, a block of text columns at a time
+        # blocks an eighth of the usual: each float64 draw passes through int64 hashes its size
+        block = block_elements(layout.valid_mask.device) // 8
+        per_head = column_softmax_sums(
+            scores, heads, layout.valid_mask, text_valid.sum(1), torch.float64, block
+        )
+        xi = per_head.sum(dim=1)
         return torch.where(layout.vision_mask, xi, torch.zeros_like(xi))

@@ -1,5 +1,5 @@
 """The commands of ``lightkv bench``: efficiency, scaling, kvquant, quality and ablation (their
-options and limits: `lightkv_lab.cli.bench_args`)."""
+options and limits: `lightkv_lab.cli.bench_args`); memory (`lightkv_lab.cli.bench_memory`)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from lightkv.cli.common import (
 )
 from lightkv.cli.lists import MAX_NAMES, MAX_NUMBERS, merged
 from lightkv_lab.cli.bench_args import add_parsers
+from lightkv_lab.cli.bench_memory import cmd_bench_memory
 
 __all__ = ["add_commands"]
 
@@ -47,6 +48,7 @@ def add_commands(commands) -> None:
         "kvquant": _cmd_bench_kvquant,
         "quality": _cmd_bench_quality,
         "ablation": _cmd_bench_ablation,
+        "memory": cmd_bench_memory,
     }.items():
         parsers[name].set_defaults(func=func)
     bench = parsers["bench"]

@@ -341,7 +341,10 @@ def add_parsers(commands) -> dict[str, argparse.ArgumentParser]:
         "--quiet", action="store_true", help="no progress bar (none either when not a terminal)"
     )
     _removed_flag(abl, "--targets", "--kept-fractions")
+    from lightkv_lab.cli.bench_memory import add_memory_parser
+
     return {
+        "memory": add_memory_parser(bsub),
         "bench": bench,
         "efficiency": eff,
         "scaling": sc,
