@@ -10,10 +10,10 @@ import random
 
 import pytest
 import torch
-from lightkv_lab.tasks import get_task
 from lightkv_lab.tasks.photos import data as ph
 from lightkv_lab.tasks.photos import features, measure
 from lightkv_lab.tasks.photos import train as ph_train
+from lightkv_lab.tasks.registry import get_task
 
 
 def test_mix_shares_are_the_stated_ones():

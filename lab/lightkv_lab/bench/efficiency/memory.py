@@ -165,7 +165,7 @@ def _build(cfg: MemoryConfig, length: int):
     """The model and the long and warm-up prompts."""
     import torch
 
-    from lightkv.testing import TINY_MODELS
+    from lightkv_lab.tiny import TINY_MODELS
 
     d = cfg.decoder()
     fam = TINY_MODELS["llava"]
@@ -342,12 +342,12 @@ def run_memory(cfg: MemoryConfig | None = None) -> dict[str, Any]:
     import torch
 
     from lightkv_lab.bench.efficiency.memory_report import check_targets
-    from lightkv_lab.bench.efficiency.runner import _Progress
+    from lightkv_lab.bench.progress import Progress
 
     cfg = cfg or MemoryConfig()
     t0 = time.perf_counter()
     jobs = [(n, v) for n in cfg.lengths for v in cfg.variants]  # variants interleaved per length
-    progress = _Progress(len(jobs) + int(cfg.width7b), cfg.progress)
+    progress = Progress(len(jobs) + int(cfg.width7b), "memory", quiet=not cfg.progress)
     points = []
     try:
         for length, variant in jobs:

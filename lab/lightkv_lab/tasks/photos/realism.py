@@ -61,8 +61,8 @@ def photos_realism(n: int, cache_dir: str, seed: int = 0, plain: bool = False) -
 def scenes_realism(n: int, seed: int = 0) -> dict:
     """The same figures for the bundled Scenes model (its tower's [CLS] row at the layer
     the projector reads; the tokens it reads)."""
-    from lightkv_lab.tasks import get_task
     from lightkv_lab.tasks.model import load
+    from lightkv_lab.tasks.registry import get_task
 
     model, _, grid = load("scenes")
     task = get_task("scenes")
