@@ -131,16 +131,18 @@ class MMTok(KeepSetPruner):
                 h = stage.hidden
                 t = self.unit_rows(h[row.unsqueeze(1), order[row]]).to(torch.float64)  # [K, T, D]
                 xh = self.unit_features(inputs, stage, "hidden").to(torch.float64)
-                logits = (t @ xh.transpose(1, 2) / self.tau_tv).masked_fill(
-                    ~valid.unsqueeze(1), -math.inf
+                # [K, T, a] with T the question's tokens: each step in place, one block alive
+                logits = t @ xh.transpose(1, 2)
+                logits.div_(self.tau_tv).masked_fill_(~valid.unsqueeze(1), -math.inf)
+                p = (
+                    torch.ops.aten._softmax.out(logits, 2, False, out=logits)
+                    if logits.is_cpu
+                    else torch.softmax(logits, dim=2)
                 )
-                p = torch.softmax(logits, dim=2)
                 has = present[row]  # [K, T]
                 count = has.sum(1).clamp_min(1).to(torch.float64)
-                p = torch.where(
-                    has.unsqueeze(2) & valid.unsqueeze(1), p, torch.zeros_like(p)
-                ) / count.view(k, 1, 1)
-                rows.insert(0, p)
+                p.masked_fill_(~(has.unsqueeze(2) & valid.unsqueeze(1)), 0.0)
+                rows.insert(0, p.div_(count.view(k, 1, 1)))
         return torch.cat(rows, dim=1)
 
     def keep(self, inputs, count):

@@ -90,8 +90,9 @@ def memory_markdown(result: dict[str, Any]) -> str:
         f"LLaVA-1.5-shaped random model: {d['layers']} layers, width {d['hidden']} ({d['heads']} "
         f"heads of {d['head_dim']}), MLP {d['intermediate']}, one 24x24 image (576 vision "
         f"tokens), {cfg['text_before']} text tokens before it and the rest of the prompt after "
-        f"it; each point in its own process, {result['machine']['threads']} thread(s), "
-        f"{cfg['repeats']} timed prefill(s) after a short warm-up.",
+        f"it; each point in its own process, {result['machine']['threads']} thread(s): the peak "
+        f"of one prefill after a short warm-up, then the CPU time of {cfg['repeats']} prefill(s) "
+        "(median) after an untimed one, in a steady heap.",
         "",
         "Peak resident set of the process during the prefill, GB (difference to the "
         "uncompressed model's), by prompt tokens:",
