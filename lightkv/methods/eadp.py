@@ -23,19 +23,24 @@ __all__ = ["EADP", "facility_location", "question_tokens"]
 
 def question_tokens(stage: StageInputs, graph) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(x [K, a, D], t [K, T, D], t_valid [K, T])``: each window's vision tokens and its
-    row's question tokens (`Prompt.question_mask`), both L2-normalised, float32 at least.
+    row's question tokens (`Prompt.question_mask`; none without a prompt), both
+    L2-normalised, float32 at least.
 
     Raises:
-        ValueError: the stage has no hidden states or no prompt.
+        ValueError: the stage has no hidden states.
     """
-    if stage.prompt is None or stage.hidden is None:
+    if stage.hidden is None:
         raise ValueError(
-            "this pruner reads the question's tokens: the stage needs its hidden states and the "
-            "prompt (adapters pass both; a direct call passes prompt=Prompt(input_ids))"
+            "this pruner reads the question's tokens: the stage needs its hidden states (a "
+            "stage before the LLM or after a layer; adapters pass them)"
         )
     h = stage.hidden.to(torch.promote_types(stage.hidden.dtype, torch.float32))
     h = h / h.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(h.dtype).tiny)
-    pos, valid = pack_rows(stage.prompt.question_mask(stage.layout).to(h.device))  # [B, T]
+    if stage.prompt is None:  # no question: no question tokens (uniform relevance, as CDPruner)
+        question = torch.zeros(h.shape[:2], dtype=torch.bool, device=h.device)
+    else:
+        question = stage.prompt.question_mask(stage.layout).to(h.device)
+    pos, valid = pack_rows(question)  # [B, T]
     t = h.gather(1, pos.unsqueeze(-1).expand(-1, -1, h.shape[-1])) * valid.unsqueeze(-1)
     row = graph.node_row[graph.src_slots.clamp_min(0)[:, 0]]  # [K] each window's batch row
     return graph.token_blocks(h, "src"), t[row], valid[row]
@@ -102,9 +107,10 @@ class EADP(KeepSetPruner):
     not CLIP's pooled EOS embedding; the image side is the same hidden states, not CLIP's
     projected image embeddings. The grid is the image's own (any shape; the code smooths
     only 24 x 24 blocks or a square). A row without question tokens gets ``w = 1`` (plain
-    facility location). The kept count is lightkv's exact budget; LLaVA-NeXT's per-crop
-    budget allocation (``strategy_importance_allocation``) is not reproduced: each window
-    (one image with the ``global`` partitioner) keeps its exact share.
+    facility location), as does a stage without the prompt. The kept count is lightkv's
+    exact budget; LLaVA-NeXT's per-crop budget allocation (``strategy_importance_allocation``)
+    is not reproduced: each window (one image with the ``global`` partitioner) keeps its
+    exact share.
 
     Attributes:
         alpha: weight of the global relevance (the code's 0.5).
@@ -113,6 +119,8 @@ class EADP(KeepSetPruner):
         temperature: the entropy filter's softmax temperature (the code's 100).
         tau: the aggregation temperature ``M_temp`` (the code's 0.01).
         smooth: apply the 3 x 3 Gaussian on the grid (the code does).
+        negate: negate the cosines, as the code does (default; False: tokens closer to the
+            question weigh more, the sign ``cdpruner-pos`` takes for CDPruner).
         features: the features of ``sim``: ``hidden`` or ``key_states``.
     """
 
@@ -125,6 +133,7 @@ class EADP(KeepSetPruner):
     temperature: float = 100.0
     tau: float = 0.01
     smooth: bool = True
+    negate: bool = True
     features: Features = "hidden"
 
     def __post_init__(self) -> None:
@@ -147,8 +156,9 @@ class EADP(KeepSetPruner):
         n_q = t_valid.sum(1)  # [K]
         g = t.sum(1) / n_q.clamp_min(1).unsqueeze(1).to(t.dtype)
         g = g / g.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(g.dtype).tiny)
-        glob = -torch.einsum("kad,kd->ka", x, g)
-        local = -torch.einsum("kad,ktd->kat", x, t)  # [K, a, T]
+        sign = -1.0 if self.negate else 1.0
+        glob = sign * torch.einsum("kad,kd->ka", x, g)
+        local = sign * torch.einsum("kad,ktd->kat", x, t)  # [K, a, T]
         logits = (local * self.temperature).masked_fill(~valid.unsqueeze(2), -math.inf)
         p = torch.softmax(logits, dim=1)
         ent = -(p * torch.log(p + 1e-12)).sum(dim=1).masked_fill(~t_valid, math.inf)  # [K, T]
