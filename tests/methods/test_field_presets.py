@@ -71,7 +71,7 @@ def test_runs_on_every_family_or_refuses_in_one_line(family, name):
     assert session.report().kept_vision_fraction < 0.5
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ["tops", "era"])  # eadp: no question there, as cdpruner
 def test_a_cache_placement_is_refused_naming_what_it_reads(llava, name):
     model, batch = llava
     pipe = replace(lightkv.load(name), placement="cache")
