@@ -292,6 +292,9 @@ class Stage:
             receivers, new = self.passer(
                 tokens, xi_t, size_t, node_token[src[merged]], node_token[dst[merged]]
             )
+            provenance = self.passer.reweigh(
+                provenance, xi_t, node_token[src[merged]], node_token[dst[merged]]
+            )
         else:
             dst = torch.full_like(dst, -1)
             receivers, new = dst[:0], tokens[:0].to(acc)

@@ -810,7 +810,7 @@ def test_proportional_attention_key():
         PipelineConfig().proportional_attention is False
         and Pipeline().proportional_attention is False
     )
-    on = {"lightkv-cover"}
+    on = {"lightkv-cover", "era"}
     for name, preset in PRESETS.items():
         assert preset.config.build().proportional_attention is (name in on), name
         assert ("proportional_attention" in preset.config.to_dict()) is (name in on), name

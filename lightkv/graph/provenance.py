@@ -18,10 +18,12 @@ class Provenance:
             the index in the *current* sequence of the token that now represents it, or
             ``-1`` if it was dropped without being merged anywhere.
         current_len: length ``N`` of the current sequence.
+        weight: ``[B, N0]`` float, what each original token counts for in `sizes` (None: 1).
     """
 
     owner: torch.Tensor
     current_len: int
+    weight: torch.Tensor | None = None
 
     @classmethod
     def identity(
@@ -45,14 +47,16 @@ class Provenance:
                 f"remap covers {remap.shape[1]} tokens, provenance has {self.current_len}"
             )
         owner = torch.where(self.owner >= 0, remap.gather(1, self.owner.clamp_min(0)), self.owner)
-        return Provenance(owner, new_len)
+        return Provenance(owner, new_len, self.weight)
 
     def sizes(self, length: int | None = None) -> torch.Tensor:
-        """``[B, N]`` number of original tokens each current token represents."""
+        """``[B, N]`` number of original tokens each current token represents (with `weight`:
+        the sum of their weights, float)."""
         n = self.current_len if length is None else length
-        out = torch.zeros(self.owner.shape[0], n + 1, dtype=torch.long, device=self.owner.device)
         idx = torch.where(self.owner >= 0, self.owner, torch.full_like(self.owner, n))
-        out.scatter_add_(1, idx, torch.ones_like(idx))
+        each = torch.ones_like(idx) if self.weight is None else self.weight
+        out = each.new_zeros(self.owner.shape[0], n + 1)
+        out.scatter_add_(1, idx, each)
         return out[:, :n]
 
     def sources(self, row: int, index: int) -> list[int]:

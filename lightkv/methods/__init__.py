@@ -10,9 +10,12 @@ other method uses keeps it here, in its own module, registered under the name it
 | `cdpruner` | ``cdpruner``, ``cdpruner-pos`` | the conditional-DPP pruner |
 | `dart` | ``dart`` | the duplication-aware pivot pruner |
 | `divprune` | ``divprune`` | max-min diversity selection |
+| `eadp` | ``eadp`` | entropy-aware dense relevance; weighted facility location |
+| `era` | ``era`` | entropy-guided relevance share; saliency-weighted sizes |
 | `holov` | ``holov`` | crop-wise budgets by attention and similarity |
 | `mmtok` | ``mmtok`` | multimodal coverage selection |
 | `scope` | ``scope`` | saliency x coverage selection |
+| `tops` | ``tops`` | relevance + coverage + diversity greedy (built from the abstract) |
 | `vispruner` | ``vispruner`` | important + diverse selection |
 | `visionzip` | ``visionzip`` | dominant / contextual split and merge; the tower attention |
 | `vscan` | ``vscan`` | the global and local scans |
@@ -36,11 +39,14 @@ from . import (  # noqa: F401  (each registers its policies)
     cdpruner,
     dart,
     divprune,
+    eadp,
+    era,
     holov,
     lightkv,
     mmtok,
     pooling,
     scope,
+    tops,
     visionzip,
     vispruner,
     vscan,
@@ -55,11 +61,14 @@ from .cache_policies import (
 from .cdpruner import CDPruner
 from .dart import DART
 from .divprune import DivPrune
+from .eadp import EADP
+from .era import ERA, SaliencySizes
 from .holov import HoloV
 from .lightkv import QuestionSimilarity, RelevanceCoverage
 from .mmtok import MMTok
 from .pooling import AnchorPartitioner, ResizePartitioner, StridedPartitioner
 from .scope import SCOPE
+from .tops import TOPS
 from .visionzip import DominantContextual, TargetPlusMean, TowerAttention
 from .vispruner import VisPruner
 from .vscan import VScanScan
@@ -71,6 +80,8 @@ __all__ = [
     "DART",
     "DivPrune",
     "DominantContextual",
+    "EADP",
+    "ERA",
     "HoloV",
     "ImportancePartitioner",
     "MMTok",
@@ -78,7 +89,9 @@ __all__ = [
     "RelevanceCoverage",
     "ResizePartitioner",
     "SCOPE",
+    "SaliencySizes",
     "StridedPartitioner",
+    "TOPS",
     "TargetPlusMean",
     "TowerAttention",
     "VScanScan",

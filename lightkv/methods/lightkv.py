@@ -141,9 +141,7 @@ class RelevanceCoverage(KeepSetPruner):
         weight = q.pow(self.power) if self.power else torch.ones_like(q)
 
         # 1. the most relevant tokens (stable sort: ties go to the earlier token)
-        n_rel = torch.minimum(
-            torch.ceil(count.double() * self.share - 1e-9).long().clamp_min(0), count
-        )
+        n_rel = self.relevant_counts(xi, valid, count)
         # a window whose ξ says nothing (all equal: uniform relevance) is covered by coverage alone
         low = xi.masked_fill(~valid, math.inf).amin(dim=1)
         n_rel = torch.where(low < top.squeeze(1), n_rel, torch.zeros_like(n_rel))
@@ -183,6 +181,15 @@ class RelevanceCoverage(KeepSetPruner):
             gap = torch.where(seeded.unsqueeze(1), torch.minimum(gap, picked), picked)
             seeded = seeded | active
         return kept
+
+    def relevant_counts(
+        self, xi: torch.Tensor, valid: torch.Tensor, count: torch.Tensor
+    ) -> torch.Tensor:
+        """``[K]`` int64 relevance picks per window: ``ceil(share * count)`` (ξ ``[K, a]``
+        float64, ``valid [K, a]``; a subclass may make the share depend on ξ, as ``era``)."""
+        return torch.minimum(
+            torch.ceil(count.double() * self.share - 1e-9).long().clamp_min(0), count
+        )
 
     def budget(self, graph, ratio):
         """``[K]``: the most a window may lose, ``min(ceil(ratio * n_w), |A_w|)`` (`removals`

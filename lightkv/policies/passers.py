@@ -54,6 +54,11 @@ class MessagePasser(Policy):
         """
         raise NotImplementedError
 
+    def reweigh(self, provenance, relevance, src, dst):
+        """The provenance with its tokens' size weights after merging ``src`` into ``dst``
+        (``[R]`` rows of ``relevance [B * N]``); unchanged here (sizes count tokens)."""
+        return provenance
+
     def message(self, x_src: torch.Tensor, w_src: torch.Tensor) -> torch.Tensor:
         """``[R, D]`` messages of the ``R`` removed sources (``x_src`` is the passer's own
         copy of their rows: it may be overwritten)."""

@@ -18,8 +18,8 @@ import lightkv
 from lightkv.presets import PRESETS
 from tests.methods import recipes as R
 
-METHODS = ["cdpruner", "dart", "divprune", "fastv", "holov", "mmtok", "scope", "visionzip",
-           "vispruner", "vscan"]  # fmt: skip
+METHODS = ["cdpruner", "dart", "divprune", "eadp", "fastv", "holov", "mmtok", "scope",
+           "visionzip", "vispruner", "vscan"]  # fmt: skip
 
 
 def cases(method: str):
@@ -88,6 +88,11 @@ def test_cdpruner_pos_is_the_same_method_with_the_sign_flipped():
 @pytest.mark.parametrize("case", cases("divprune"))
 def test_divprune_keeps_the_authors_tokens(case):
     assert keep_only("divprune", "divprune", case) == case["indices"]
+
+
+@pytest.mark.parametrize("case", cases("eadp"))
+def test_eadp_keeps_the_authors_tokens(case):
+    assert keep_only("eadp", "eadp", case) == case["indices"]
 
 
 @pytest.mark.parametrize("case", cases("mmtok"))

@@ -58,10 +58,10 @@ PIPELINE_KEY = "lightkv"
 PROMPT_AGNOSTIC_PRESETS = ("divprune", "downsample")
 """Shipped presets that run inside vLLM as they are, prompt-blind."""
 
-PROMPT_AWARE_PRESETS = ("cdpruner", "cdpruner-pos")
+PROMPT_AWARE_PRESETS = ("cdpruner", "cdpruner-pos", "eadp", "tops")
 """Shipped presets that run inside vLLM as they are and read the question."""
 
-QUESTION_READERS = frozenset({"question_similarity", "cdpruner"})
+QUESTION_READERS = frozenset({"question_similarity", "cdpruner", "eadp"})
 """Policies that read the prompt only as the question's input embeddings (`Prompt.question_mask`
 over the stage's hidden states), which the plugin gives the stage; other prompt readers are
 refused."""
