@@ -12,7 +12,7 @@ import pytest
 import torch
 from lightkv_lab.tasks import model as dg
 from lightkv_lab.tasks import scoring as sc
-from lightkv_lab.tasks.tower_memo import TowerMemo
+from lightkv_lab.tasks.tower_memo import TowerMemo, layers_read_by
 
 import lightkv
 
@@ -87,3 +87,17 @@ def test_memo_refuses_a_second_memo_on_the_same_tower():
     model, _, _ = dg.load(dg.resolve_model("scenes"))
     with TowerMemo(model), pytest.raises(RuntimeError, match="already replaced"):
         TowerMemo(model).__enter__()
+
+
+def test_layers_read_by_stores_every_tapped_layer_on_the_first_run():
+    model, _, grid = dg.load(dg.resolve_model("scenes"))
+    convs = sc.conversations(6, grid, seed=5)
+    pipes = [None] + [lightkv.load(p, kept_fraction=0.22) for p in PRESETS[1:]]
+    keep = layers_read_by(pipes, model)
+    depth = model.config.vision_config.num_hidden_layers
+    assert depth - 1 in keep  # visionzip: the layer whose output the projector reads
+    assert len(keep) == 2  # and vscan's shallow layer
+    with TowerMemo(model, keep=keep) as memo:
+        for p in pipes:
+            sc.score(model, convs, grid, p, batch=3)
+    assert (memo.misses, memo.hits) == (2, 2 * (len(pipes) - 1))

@@ -25,11 +25,19 @@ from lightkv.pipeline import Pipeline
 from lightkv.policies import KeptFractionOutOfReach, ScheduleError
 
 __all__ = [
+    "VARIANTS",
     "MAX_KEPT_FRACTIONS",
     "MIN_KEPT_FRACTION",
     "check_kept_fractions",
     "knob_pipeline",
 ]
+
+VARIANTS = {
+    "lightkv-cover-no-pa": ("lightkv-cover", {"proportional_attention": False}),
+}
+"""Benchmark-only variants of a preset, by name: ``(preset, fields replaced)``. Proportional
+attention off is what FlashAttention-2 and vLLM users of a merging preset got before the
+one-channel route (`lightkv.adapters.bias`)."""
 
 MIN_KEPT_FRACTION = 0.01
 """The smallest kept fraction a benchmark accepts (the range is ``[0.01, 1]``)."""
@@ -80,6 +88,11 @@ def knob_pipeline(preset: str | Pipeline, num_layers: int, target: float) -> tup
     """
     import lightkv
 
+    if isinstance(preset, str) and preset in VARIANTS:
+        from dataclasses import replace
+
+        base, changes = VARIANTS[preset]
+        preset = replace(lightkv.load(base), name=preset, **changes)
     pipe = lightkv.load(preset) if isinstance(preset, str) else preset
     try:
         fitted = pipe.at_kept_fraction(target).resolved(num_layers)

@@ -62,29 +62,11 @@ __all__ = [
 ]
 
 METHODS = (
-    "lightkv",
-    "lightkv-cover",
-    "lightkv-low-budget",
-    "lightkv-paper",
-    "lightkv-no-relevance",
-    "tome",
-    "fastv",
-    "pdrop",
-    "random",
-    "pool",
-    "elasticcache",
-    "h2o",
-    "visionzip",
-    "vispruner",
-    "divprune",
-    "cdpruner",
-    "dart",
-    "scope",
-    "mmtok",
-    "holov",
-    "vscan",
-    "downsample",
-)
+    "lightkv", "lightkv-cover", "lightkv-cover-no-pa", "lightkv-low-budget", "lightkv-paper",
+    "lightkv-no-relevance", "tome", "fastv", "pdrop", "random", "pool", "elasticcache", "h2o",
+    "visionzip", "vispruner", "divprune", "cdpruner", "dart", "scope", "mmtok", "holov",
+    "vscan", "downsample", "sparsevlm", "prumerge-plus", "trim", "tops", "eadp", "era",
+)  # fmt: skip
 CACHE_METHODS = ("elasticcache", "h2o")
 """Methods that act on every layer's cache after prefill: at a target ``t`` every layer keeps
 ``t`` of its vision KV (ElasticCache merges ``1 - t`` of each image's entries, H2O keeps a
@@ -167,18 +149,27 @@ def ablation_pipeline(name: str, num_layers: int, target: float = ABLATION_TARGE
 
 def run(config: AccuracyConfig = AccuracyConfig(), progress: bool = True) -> dict[str, Any]:
     """Run the benchmark; returns the JSON-able result (rows of per-type metrics). With
-    ``progress``, a bar on a terminal (`lightkv_lab.bench.progress.Progress`)."""
-    from lightkv_lab.bench.progress import Progress
-    from lightkv_lab.tasks import evaluate as ev
+    ``progress``, a bar on a terminal (`lightkv_lab.bench.progress.Progress`). The frozen
+    vision tower runs once per batch of conversations (`lightkv_lab.tasks.tower_memo`)."""
     from lightkv_lab.tasks import model as dg
-    from lightkv_lab.tasks import scoring as sc
+    from lightkv_lab.tasks.tower_memo import TowerMemo, layers_read_by
 
-    ref = comparator(config)
     if config.threads:
         torch.set_num_threads(config.threads)
     path = dg.resolve_model(config.model)
     model, _, grid = dg.load(path)
-    task = dg.read_task(path)
+    depth = model.config.text_config.num_hidden_layers
+    tapped = [knob_pipeline(m, depth, 0.5)[0] for m in config.methods]
+    with TowerMemo(model, keep=layers_read_by(tapped, model)):  # the tower runs once per batch
+        return _run(config, progress, model, grid, dg.read_task(path))
+
+
+def _run(config: AccuracyConfig, progress: bool, model, grid, task) -> dict[str, Any]:
+    from lightkv_lab.bench.progress import Progress
+    from lightkv_lab.tasks import evaluate as ev
+    from lightkv_lab.tasks import scoring as sc
+
+    ref = comparator(config)
     num_layers = model.config.text_config.num_hidden_layers
     convs = sc.conversations(config.episodes, grid, seed=config.seed, followup=config.followup)
     t0 = time.time()

@@ -21,12 +21,13 @@ answer.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["TowerMemo"]
+__all__ = ["TowerMemo", "layers_read_by"]
 
 _PARTS = (("norm1", "attention"), ("layer_norm1", "self_attn"))
 """``(pre-attention norm, attention)`` attribute names of a tower layer: DINOv2, CLIP/SigLIP."""
@@ -72,13 +73,17 @@ class TowerMemo:
         model: a LLaVA-style model (``model.model.vision_tower``) whose tower is frozen.
         feature_layer: the hidden state the projector reads (default: the model config's
             ``vision_feature_layer``).
+        keep: tower layers (0-based) whose input to store from the first run on, so that
+            methods tapping them later hit (`layers_read_by`); others are added on a miss.
 
     Attributes:
         hits: calls answered from the memo.
         misses: calls that ran the tower.
     """
 
-    def __init__(self, model: nn.Module, feature_layer: int | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, feature_layer: int | None = None, keep: Iterable[int] = ()
+    ) -> None:
         self.tower = model.model.vision_tower
         self.layers = _layers(self.tower)
         depth = len(self.layers)
@@ -86,6 +91,7 @@ class TowerMemo:
         if not isinstance(f, int):
             raise TypeError(f"TowerMemo needs one vision_feature_layer (an int), got {f!r}")
         self.feature = f % (depth + 1)  # index into hidden_states (depth + 1 entries)
+        self.keep = {int(i) % depth for i in keep}
         self.store: dict[tuple, dict[int, torch.Tensor]] = {}
         self.outputs: dict[tuple, Any] = {}
         self.hits = self.misses = 0
@@ -145,10 +151,32 @@ class TowerMemo:
         out = self._real(pixel_values, *args, **kwargs)
         if key is None or out.hidden_states is None:
             return out
-        keep = {self.feature} | (taps or set()) | set(self.store.get(key, {}))
+        keep = {self.feature} | self.keep | (taps or set()) | set(self.store.get(key, {}))
         self.store[key] = {i: out.hidden_states[i] for i in keep}
         # the caller may set fields on what it gets (LLaVA sets pooler_output): keep a copy
         self.outputs[key] = type(out)(
             last_hidden_state=out.last_hidden_state, pooler_output=out.pooler_output
         )
         return out
+
+
+def layers_read_by(pipelines: Iterable[Any], model: nn.Module) -> set[int]:
+    """The tower layers (0-based) whose attention the ``pipelines`` read on ``model``: the
+    layer the projector reads for a relevance that ``reads_tower`` (VisionZip, SCOPE, ...),
+    and every ``tower_layers`` layer of a policy (VScan's shallow scan), at the model's depth
+    (`lightkv_lab.tasks.towers.fit_tower`)."""
+    from lightkv_lab.tasks.towers import fit_tower
+
+    config = model.config
+    depth = config.vision_config.num_hidden_layers
+    f = config.vision_feature_layer
+    out: set[int] = set()
+    for pipe in pipelines:
+        if pipe is None:
+            continue
+        pipe = fit_tower(pipe, depth)
+        if getattr(pipe.relevance, "reads_tower", False) and isinstance(f, int):
+            out.add(depth + f if f < 0 else f - 1)
+        for part in ("partitioner", "scorer", "pruner", "passer"):
+            out.update(getattr(getattr(pipe, part), "tower_layers", ()) or ())
+    return out
