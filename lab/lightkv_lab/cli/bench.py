@@ -78,10 +78,13 @@ def _cmd_bench_quality(args: argparse.Namespace) -> int:
     from lightkv_lab.bench import quality_report as report
 
     args.methods = merged(args.methods, "--methods", MAX_NAMES)
-    unknown = [m for m in args.methods or () if m not in PRESETS]
+    from lightkv_lab.bench.budgets import VARIANTS
+
+    unknown = [m for m in args.methods or () if m not in PRESETS and m not in VARIANTS]
     if unknown:
         raise UsageError(
-            f"unknown preset {unknown[0]!r}; choose from: {', '.join(sorted(PRESETS))}"
+            f"unknown preset {unknown[0]!r}; choose from: {', '.join(sorted(PRESETS))} "
+            f"(or a benchmark variant: {', '.join(VARIANTS)})"
         )
     args.targets = _kept_fractions(args.targets, "--kept-fractions")
     args.ablation_targets = _kept_fractions(args.ablation_targets, "--ablation-kept-fractions")
@@ -92,6 +95,7 @@ def _cmd_bench_quality(args: argparse.Namespace) -> int:
         threads=args.threads,
         ablations=not args.no_ablations,
         followup=not args.no_followup,
+        seed=args.seed,
         # the relevance table needs no more questions than the run asks (--episodes 2 is quick)
         relevance_episodes=min(q.AccuracyConfig.relevance_episodes, args.episodes),
         baseline=args.baseline,

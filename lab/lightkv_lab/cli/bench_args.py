@@ -292,6 +292,9 @@ def add_parsers(commands) -> dict[str, argparse.ArgumentParser]:
     )
     qual.add_argument("--no-followup", action="store_true", help="no follow-up questions")
     qual.add_argument(
+        "--seed", type=int, default=0, help="which held-out conversations (default: 0)"
+    )
+    qual.add_argument(
         "--batch", type=_BATCH, default=100, metavar="N", help="episodes per batch (default: 100)"
     )
     qual.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results)")
