@@ -1,0 +1,62 @@
+"""Join quality results that ran in parallel processes over parts of the method list.
+
+Each part must be the same run split by ``--methods`` (same model, conversations, seed, kept
+fractions and baseline, which every part includes): the uncompressed rows must be equal, the
+baseline's rows are taken once, and the joined result is written as the quality benchmark
+writes one (`lightkv_lab.bench.quality_report.write_outputs`).
+
+    python benchmarks/merge_quality.py OUT_DIR PART.json [PART.json ...] [--model photos]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from lightkv_lab.bench.quality_report import write_outputs
+
+SAME = ("benchmark", "baseline", "model", "grid", "qtypes")
+
+
+def merge(parts: list[dict]) -> dict:
+    """One result from ``parts`` (see the module docstring).
+
+    Raises:
+        ValueError: parts of different runs (naming the first field that differs).
+    """
+    first = parts[0]
+    for p in parts[1:]:
+        for key in SAME + ("uncompressed",):
+            if p[key] != first[key]:
+                raise ValueError(f"parts differ in {key!r}: not one run split by --methods")
+        for key in ("episodes", "seed", "targets", "followup"):
+            if p["config"][key] != first["config"][key]:
+                raise ValueError(f"parts differ in config {key!r}: not one run split by --methods")
+    rows, seen = [], set()
+    for p in parts:
+        for r in p["rows"]:
+            if (r["method"], r["target"]) not in seen:
+                seen.add((r["method"], r["target"]))
+                rows.append(r)
+    out = dict(first)
+    out["rows"] = rows
+    out["ablations"] = [a for p in parts for a in p["ablations"]]
+    out["config"] = dict(first["config"], methods=list(dict.fromkeys(r["method"] for r in rows)))
+    out["seconds"] = sum(p["seconds"] for p in parts)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("parts", nargs="+", type=Path)
+    ap.add_argument("--model", default=None, help="the model for the provenance picture")
+    args = ap.parse_args(argv)
+    result = merge([json.loads(p.read_text()) for p in args.parts])
+    for path in write_outputs(result, args.out, args.model):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()

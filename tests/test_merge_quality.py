@@ -1,0 +1,43 @@
+"""`benchmarks/merge_quality.py`: a quality run split by ``--methods`` over processes and joined
+equals the same run in one process, row for row; parts of different runs are refused."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from lightkv_lab.bench.quality import AccuracyConfig, run
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "merge_quality.py"
+
+
+def _merge_module():
+    spec = importlib.util.spec_from_file_location("merge_quality", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(methods, seed=0):
+    cfg = AccuracyConfig(
+        model="digitgrid", episodes=6, methods=methods, targets=(1.0, 0.55), ablations=False,
+        relevance_episodes=0, batch=3, bootstrap=50, seed=seed, baseline="lightkv",
+    )  # fmt: skip
+    return json.loads(json.dumps(run(cfg, progress=False)))
+
+
+def test_a_split_run_joins_into_the_whole_run():
+    merge = _merge_module().merge
+    whole = _run(("lightkv", "tome", "fastv"))
+    joined = merge([_run(("lightkv", "tome")), _run(("lightkv", "fastv"))])
+    assert joined["rows"] == whole["rows"]
+    assert joined["uncompressed"] == whole["uncompressed"]
+    assert joined["config"]["methods"] == ["lightkv", "tome", "fastv"]
+
+
+def test_parts_of_different_runs_are_refused():
+    merge = _merge_module().merge
+    with pytest.raises(ValueError, match="uncompressed|seed"):
+        merge([_run(("lightkv",)), _run(("lightkv",), seed=1)])
