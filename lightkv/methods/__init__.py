@@ -17,6 +17,8 @@ other method uses keeps it here, in its own module, registered under the name it
 | `visionzip` | ``visionzip`` | dominant / contextual split and merge; the tower attention |
 | `vscan` | ``vscan`` | the global and local scans |
 | `pooling` | ``pool``, ``downsample`` | anchor, resize and strided (ToMe-SD) partitions |
+| `prumerge` | ``prumerge-plus`` | outliers + samples kept, the rest summed; the adaptive schedule |
+| `trim` | ``trim`` | question-similarity outliers kept, the rest pooled |
 | `cache_policies` | ``elasticcache``, ``h2o`` | importance partition, accumulated attention |
 | `lightkv` | ``lightkv``, ``lightkv-*`` | relevance coverage and question similarity |
 
@@ -40,7 +42,9 @@ from . import (  # noqa: F401  (each registers its policies)
     lightkv,
     mmtok,
     pooling,
+    prumerge,
     scope,
+    trim,
     visionzip,
     vispruner,
     vscan,
@@ -59,13 +63,16 @@ from .holov import HoloV
 from .lightkv import QuestionSimilarity, RelevanceCoverage
 from .mmtok import MMTok
 from .pooling import AnchorPartitioner, ResizePartitioner, StridedPartitioner
+from .prumerge import AdaptivePreLLM, PruMergePlus, WeightedSum
 from .scope import SCOPE
+from .trim import TRIMSplit
 from .visionzip import DominantContextual, TargetPlusMean, TowerAttention
 from .vispruner import VisPruner
 from .vscan import VScanScan
 
 __all__ = [
     "AccumulatedAttention",
+    "AdaptivePreLLM",
     "AnchorPartitioner",
     "CDPruner",
     "DART",
@@ -74,15 +81,18 @@ __all__ = [
     "HoloV",
     "ImportancePartitioner",
     "MMTok",
+    "PruMergePlus",
     "QuestionSimilarity",
     "RelevanceCoverage",
     "ResizePartitioner",
     "SCOPE",
     "StridedPartitioner",
+    "TRIMSplit",
     "TargetPlusMean",
     "TowerAttention",
     "VScanScan",
     "VisPruner",
+    "WeightedSum",
     "accumulated_attention",
     "accumulated_attention_flops",
     "h2o_keep",
