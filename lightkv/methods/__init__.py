@@ -18,6 +18,7 @@ other method uses keeps it here, in its own module, registered under the name it
 | `vscan` | ``vscan`` | the global and local scans |
 | `pooling` | ``pool``, ``downsample`` | anchor, resize and strided (ToMe-SD) partitions |
 | `prumerge` | ``prumerge-plus`` | outliers + samples kept, the rest summed; the adaptive schedule |
+| `sparsevlm` | ``sparsevlm`` | text raters' attention; top tokens kept, the best pruned recycled |
 | `trim` | ``trim`` | question-similarity outliers kept, the rest pooled |
 | `cache_policies` | ``elasticcache``, ``h2o`` | importance partition, accumulated attention |
 | `lightkv` | ``lightkv``, ``lightkv-*`` | relevance coverage and question similarity |
@@ -44,6 +45,7 @@ from . import (  # noqa: F401  (each registers its policies)
     pooling,
     prumerge,
     scope,
+    sparsevlm,
     trim,
     visionzip,
     vispruner,
@@ -65,6 +67,7 @@ from .mmtok import MMTok
 from .pooling import AnchorPartitioner, ResizePartitioner, StridedPartitioner
 from .prumerge import AdaptivePreLLM, PruMergePlus, WeightedSum
 from .scope import SCOPE
+from .sparsevlm import PlainMean, RaterAttention, RecycleAll, SparseVLMSplit
 from .trim import TRIMSplit
 from .visionzip import DominantContextual, TargetPlusMean, TowerAttention
 from .vispruner import VisPruner
@@ -81,11 +84,15 @@ __all__ = [
     "HoloV",
     "ImportancePartitioner",
     "MMTok",
+    "PlainMean",
     "PruMergePlus",
     "QuestionSimilarity",
+    "RaterAttention",
+    "RecycleAll",
     "RelevanceCoverage",
     "ResizePartitioner",
     "SCOPE",
+    "SparseVLMSplit",
     "StridedPartitioner",
     "TRIMSplit",
     "TargetPlusMean",

@@ -19,7 +19,7 @@ from lightkv.presets import PRESETS
 from tests.methods import recipes as R
 
 METHODS = ["cdpruner", "dart", "divprune", "fastv", "holov", "mmtok", "prumerge-plus", "scope",
-           "trim", "visionzip", "vispruner", "vscan"]  # fmt: skip
+           "sparsevlm", "trim", "visionzip", "vispruner", "vscan"]  # fmt: skip
 
 
 def cases(method: str):
@@ -227,3 +227,25 @@ def test_trim_keeps_the_authors_tokens(case):
     res = st(h.unsqueeze(0), R.layout(n), None, None, None, R.prompt(n))
     assert pooled(res, n) == case["indices"]
     assert int(res.layout.vision_mask.sum()) == case["kept"]
+
+
+@pytest.mark.parametrize("case", cases("sparsevlm"))
+def test_sparsevlm_keeps_recycles_and_merges_as_the_authors(case):
+    """One SparseVLM stage: the raters' attention ranks the image, the top ``k_top`` stay, the
+    recycled tokens' clusters sit at their centers, each the plain mean of its members."""
+    n = case["n"]
+    t = inputs("sparsevlm", case)
+    st = stage("sparsevlm", n, case["kept"])
+    layout, prompt = R.layout(n), R.prompt(n)
+    q, k = t["queries"].unsqueeze(0), t["keys"].unsqueeze(0)
+    xi = st.relevance_scores(q, k, layout, prompt=prompt, hidden=t["embeds"].unsqueeze(0))
+    res = st(t["hidden"].unsqueeze(0), layout, xi, None, None, prompt)
+    got = R.image_kept(res.kept_index, n)
+    assert len(got) == case["kept"]
+    assert sorted(set(got) - set(case["centers"])) == case["indices"]
+    assert sorted(set(got) - set(case["indices"])) == case["centers"]
+    where = {int(p) - R.BEFORE: i for i, p in enumerate(res.kept_index[0].tolist())}
+    merged = sorted(res.hidden[0, where[c], :8].tolist() for c in case["centers"])
+    torch.testing.assert_close(
+        torch.tensor(merged), torch.tensor(case["merged8"]), rtol=1e-5, atol=1e-5
+    )

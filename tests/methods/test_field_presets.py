@@ -1,7 +1,7 @@
-"""The presets whose count is their method's own (PruMerge+'s and TRIM's IQR outliers, under
-the ``pre_llm_adaptive`` schedule): they load, run a tiny LLaVA session, follow the
-kept-fraction knob exactly, refuse in one line what they cannot read, and keep their
-invariants on any input."""
+"""The presets of TOPS Table 11 added here: SparseVLM (stages inside the LLM) and the two whose
+count is their method's own (PruMerge+'s and TRIM's IQR outliers, under the
+``pre_llm_adaptive`` schedule). They load, run a tiny LLaVA session, follow the kept-fraction
+knob, refuse in one line what they cannot read, and keep their invariants on any input."""
 
 from __future__ import annotations
 
@@ -15,10 +15,13 @@ from lightkv_lab.tiny import TINY_MODELS
 import lightkv
 from lightkv import ImageSegment, Stage, VisionLayout
 from lightkv.methods.prumerge import PruMergePlus, iqr_count, keep_and_pool
+from lightkv.methods.sparsevlm import SparseVLMSplit, recycled
 from lightkv.methods.trim import trim_scores
 from lightkv.policies import Prompt
+from lightkv.testing import TINY_LLAVA
 
 ADAPTIVE = ["prumerge-plus", "trim"]
+FIELD = ["sparsevlm", *ADAPTIVE]
 GEN = dict(max_new_tokens=3, do_sample=False)
 
 
@@ -34,11 +37,11 @@ def image_counts(session) -> list[int]:
     return torch.bincount(layout.image[layout.vision_mask], minlength=layout.num_images).tolist()
 
 
-@pytest.mark.parametrize("name", ADAPTIVE)
+@pytest.mark.parametrize("name", FIELD)
 def test_the_preset_runs_a_tiny_llava_session(llava, name):
     model, batch = llava
     pipe = lightkv.load(name)
-    assert pipe.stages(4)[0].spec.adaptive
+    assert getattr(pipe.stages(4)[0].spec, "adaptive", name == "sparsevlm")
     with torch.no_grad(), lightkv.apply(pipe, model) as session:
         out = model.generate(**batch, **GEN)
     assert out.shape[1] == batch["input_ids"].shape[1] + 3
@@ -60,6 +63,48 @@ def test_the_knob_keeps_exactly_its_fraction(llava, name, t):
     n = int((batch["input_ids"][0] == model.config.image_token_id).sum())
     want = n - int(np.floor((1 - t) * n + 1e-9))
     assert image_counts(session) == [want] * len(image_counts(session))
+
+
+@pytest.fixture(scope="module")
+def llava32():
+    """LLaVA-1.5's shape at tiny width: 32 decoder layers, 576 vision tokens."""
+    model = TINY_LLAVA.build(
+        num_layers=32, image_size=96, patch_size=4, hidden_size=32, intermediate_size=64
+    )
+    return model, TINY_LLAVA.collate([TINY_LLAVA.row(model, images=1, seed=0)])
+
+
+@pytest.mark.parametrize("name", FIELD)
+@pytest.mark.parametrize("t", [0.55, 0.22, 0.11])
+def test_the_knob_reaches_its_target_on_llava_shape(llava32, name, t):
+    """``lightkv.load(name, kept_fraction=t)`` on 32 layers and 576 tokens: the vision KV kept,
+    averaged over the layers, within 0.01 of ``t`` (SparseVLM moves one common ratio of its
+    three stages; the others fix their count)."""
+    model, batch = llava32
+    with torch.no_grad(), lightkv.apply(lightkv.load(name, kept_fraction=t), model) as session:
+        model(**batch)
+    report = session.report()
+    assert report.missed_target is None
+    assert report.kept_vision_fraction == pytest.approx(t, abs=0.01)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 600), st.data())
+def test_sparsevlm_counts_its_clusters_in_the_budget(n, data):
+    """``k_top`` plus the clusters of what it prunes is the stage's budget ``k``."""
+    k = data.draw(st.integers(recycled(n)[1], n - 1)) if recycled(n)[1] < n else 1
+    top = SparseVLMSplit.top_count(n, k)
+    assert 0 <= top <= n - 1
+    if recycled(n)[1] <= k:
+        assert top + recycled(n - top)[1] == k
+
+
+def test_sparsevlm_refuses_a_stage_without_prompt():
+    layout = one_image(16)
+    stage = lightkv.load("sparsevlm").stages(32)[0]
+    q = torch.randn(1, 2, layout.seq_len, 4)
+    with pytest.raises(ValueError, match="needs the prompt's token ids"):
+        stage.relevance.score(q, q, layout, prompt=None, hidden=torch.randn(1, layout.seq_len, 8))
 
 
 def test_prumerge_plus_refuses_a_model_without_tower_attention():
