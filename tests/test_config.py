@@ -186,6 +186,7 @@ def check_cache_preset(pipe, layout, relevance):
 
 
 PROMPT_ONLY = {"trim"}
+RANKED = {"sparsevlm"}
 ADAPTIVE = {"prumerge-plus", "trim"}
 
 
@@ -213,7 +214,11 @@ def test_every_preset_runs_on_a_llava_layout(name):
         with pytest.raises(ValueError, match="needs the prompt"):
             pipe.run(hidden, layout, num_layers=32)
         prompt = Prompt(torch.arange(layout.seq_len).unsqueeze(0))
-    for rel in (relevance,) if pipe.relevance.reads_tower else (None, relevance):
+    if name in RANKED:  # SparseVLM's stages rank by the raters' attention: refused without it
+        with pytest.raises(ValueError, match="ranks by the raters' attention"):
+            pipe.run(hidden, layout, num_layers=32, prompt=prompt)
+    ranked = pipe.relevance.reads_tower or name in RANKED
+    for rel in (relevance,) if ranked else (None, relevance):
         results = pipe.run(
             hidden, layout, num_layers=32, relevance=rel, key_states=keys, tower=tower,
             prompt=prompt,

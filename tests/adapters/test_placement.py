@@ -28,7 +28,15 @@ REFUSED = {
     **{("vscan", p): "stage_overrides name stages of the schedule's own places" for p in PLACES},
     **{
         (name, "cache"): "cannot compute relevance"
-        for name in ("lightkv-cover", "visionzip", "vispruner", "scope", "holov", "prumerge-plus")
+        for name in (
+            "lightkv-cover",
+            "visionzip",
+            "vispruner",
+            "scope",
+            "holov",
+            "prumerge-plus",
+            "sparsevlm",
+        )
     },
     ("trim", "cache"): "needs the prompt",
     **{(name, p): "would never run" for name in ("h2o",) for p in PLACES},
