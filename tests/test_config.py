@@ -33,6 +33,7 @@ from lightkv.policies import (
     GlobalPartitioner,
     KeptFractionSchedule,
     L2Divergence,
+    Prompt,
     StageInputs,
 )
 from lightkv.presets import PRESETS, Preset, get_preset, get_preset_config, load_config
@@ -184,6 +185,11 @@ def check_cache_preset(pipe, layout, relevance):
     assert int((out.result.layout.kind == lightkv.TokenKind.TEXT).sum()) == 14
 
 
+PROMPT_ONLY = {"trim"}
+RANKED = {"sparsevlm"}
+ADAPTIVE = {"prumerge-plus", "trim"}
+
+
 @pytest.mark.parametrize("name", PRESET_NAMES)
 def test_every_preset_runs_on_a_llava_layout(name):
     layout = llava_layout()
@@ -203,13 +209,25 @@ def test_every_preset_runs_on_a_llava_layout(name):
     # policies read: VScan's local scan); the others run without one too
     layers = {i for s in pipe.stages(32) for i in s.tower_layers}
     tower = {i: relevance.unsqueeze(1).expand(-1, 2, -1) for i in layers} or None
-    for rel in (relevance,) if pipe.relevance.reads_tower else (None, relevance):
+    prompt = None
+    if name in PROMPT_ONLY:  # TRIM ranks by the question: a clear refusal without the prompt
+        with pytest.raises(ValueError, match="needs the prompt"):
+            pipe.run(hidden, layout, num_layers=32)
+        prompt = Prompt(torch.arange(layout.seq_len).unsqueeze(0))
+    if name in RANKED:  # SparseVLM's stages rank by the raters' attention: refused without it
+        with pytest.raises(ValueError, match="ranks by the raters' attention"):
+            pipe.run(hidden, layout, num_layers=32, prompt=prompt)
+    ranked = pipe.relevance.reads_tower or name in RANKED
+    for rel in (relevance,) if ranked else (None, relevance):
         results = pipe.run(
-            hidden, layout, num_layers=32, relevance=rel, key_states=keys, tower=tower
-        )
+            hidden, layout, num_layers=32, relevance=rel, key_states=keys, tower=tower,
+            prompt=prompt,
+        )  # fmt: skip
         assert results, name
         counts = [int(r.layout.vision_counts()[0]) for r in results]
-        assert all(0 < c < 576 for c in counts) and counts == sorted(counts, reverse=True)
+        # an adaptive count (PruMerge+'s outliers) may keep all: uniform relevance has none
+        most = 576 if name in ADAPTIVE else 575
+        assert all(0 < c <= most for c in counts) and counts == sorted(counts, reverse=True)
         assert (
             int((results[-1].layout.kind == lightkv.TokenKind.TEXT).sum()) == 14
         )  # text untouched
@@ -574,7 +592,7 @@ def test_bad_parameters_name_the_field_value_and_allowed():
             {"name": "nope"},
             "schedule.name",
             "unknown scheduler 'nope'; registered schedulers: budget, cache, explicit, "
-            "kept_fraction, pre_llm, pre_llm_then_layer, scaled",
+            "kept_fraction, pre_llm, pre_llm_adaptive, pre_llm_then_layer, scaled",
         ),
     ],
 )

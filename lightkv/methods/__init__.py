@@ -20,6 +20,9 @@ other method uses keeps it here, in its own module, registered under the name it
 | `visionzip` | ``visionzip`` | dominant / contextual split and merge; the tower attention |
 | `vscan` | ``vscan`` | the global and local scans |
 | `pooling` | ``pool``, ``downsample`` | anchor, resize and strided (ToMe-SD) partitions |
+| `prumerge` | ``prumerge-plus`` | outliers + samples kept, the rest summed; the adaptive schedule |
+| `sparsevlm` | ``sparsevlm`` | text raters' attention; top tokens kept, the best pruned recycled |
+| `trim` | ``trim`` | question-similarity outliers kept, the rest pooled |
 | `cache_policies` | ``elasticcache``, ``h2o`` | importance partition, accumulated attention |
 | `lightkv` | ``lightkv``, ``lightkv-*`` | relevance coverage and question similarity |
 
@@ -45,8 +48,11 @@ from . import (  # noqa: F401  (each registers its policies)
     lightkv,
     mmtok,
     pooling,
+    prumerge,
     scope,
+    sparsevlm,
     tops,
+    trim,
     visionzip,
     vispruner,
     vscan,
@@ -67,14 +73,18 @@ from .holov import HoloV
 from .lightkv import QuestionSimilarity, RelevanceCoverage
 from .mmtok import MMTok
 from .pooling import AnchorPartitioner, ResizePartitioner, StridedPartitioner
+from .prumerge import AdaptivePreLLM, PruMergePlus, WeightedSum
 from .scope import SCOPE
+from .sparsevlm import PlainMean, RaterAttention, RecycleAll, SparseVLMSplit
 from .tops import TOPS
+from .trim import TRIMSplit
 from .visionzip import DominantContextual, TargetPlusMean, TowerAttention
 from .vispruner import VisPruner
 from .vscan import VScanScan
 
 __all__ = [
     "AccumulatedAttention",
+    "AdaptivePreLLM",
     "AnchorPartitioner",
     "CDPruner",
     "DART",
@@ -85,17 +95,24 @@ __all__ = [
     "HoloV",
     "ImportancePartitioner",
     "MMTok",
+    "PlainMean",
+    "PruMergePlus",
     "QuestionSimilarity",
+    "RaterAttention",
+    "RecycleAll",
     "RelevanceCoverage",
     "ResizePartitioner",
     "SCOPE",
     "SaliencySizes",
     "StridedPartitioner",
     "TOPS",
+    "SparseVLMSplit",
+    "TRIMSplit",
     "TargetPlusMean",
     "TowerAttention",
     "VScanScan",
     "VisPruner",
+    "WeightedSum",
     "accumulated_attention",
     "accumulated_attention_flops",
     "h2o_keep",

@@ -18,8 +18,8 @@ import lightkv
 from lightkv.presets import PRESETS
 from tests.methods import recipes as R
 
-METHODS = ["cdpruner", "dart", "divprune", "eadp", "fastv", "holov", "mmtok", "scope",
-           "visionzip", "vispruner", "vscan"]  # fmt: skip
+METHODS = ["cdpruner", "dart", "divprune", "eadp", "fastv", "holov", "mmtok", "prumerge-plus",
+           "scope", "sparsevlm", "trim", "visionzip", "vispruner", "vscan"]  # fmt: skip
 
 
 def cases(method: str):
@@ -58,9 +58,9 @@ def test_every_fixture_cites_the_authors_repository_and_commit(method):
     cases = fx["cases"]
     assert len(cases) >= 12 and {c["n"] for c in cases} >= {576}
     assert len({c["seed"] for c in cases}) >= 3 and len({c["kept"] for c in cases}) >= 3
-    for c in cases:  # sorted, distinct image indices
-        assert c["indices"] == sorted(set(c["indices"])) and 0 <= c["indices"][0]
-        assert c["indices"][-1] < c["n"]
+    for c in cases:  # sorted, distinct image indices (none: TRIM pooled the whole image)
+        assert c["indices"] == sorted(set(c["indices"]))
+        assert all(0 <= i < c["n"] for i in c["indices"])
 
 
 def keep_only(preset: str, method: str, case: dict) -> list[int]:
@@ -188,3 +188,69 @@ def test_vscan_scans_and_merges_as_the_authors(case):
         torch.testing.assert_close(
             res.hidden[0][image][:, :8], torch.tensor(case["merged8"]), rtol=1e-5, atol=1e-5
         )
+
+
+def adaptive_stage(preset: str, n: int, case: dict):
+    """The preset's stage as shipped (adaptive count), or under the knob where the case fixed
+    the authors' fraction (``k``), keeping ``case["kept"]`` of ``n``."""
+    st = lightkv.load(preset).stages(32)[0]
+    assert st.spec.adaptive
+    if case.get("k", -1) == -1:
+        return st
+    return replace(st, spec=replace(st.spec, adaptive=False, removal_ratio=1 - case["kept"] / n))
+
+
+def pooled(res, n: int) -> list[int]:
+    """The kept image tokens, less the one every removed token was merged into (it pools the
+    rest) where the image lost any."""
+    got = R.image_kept(res.kept_index, n)
+    gone = sorted(set(range(n)) - set(got))
+    if not gone:
+        return got
+    hosts = {int(res.kept_index[0, res.remap[0, R.BEFORE + j]]) - R.BEFORE for j in gone}
+    assert len(hosts) == 1  # one pooled token per image
+    return [i for i in got if i not in hosts]
+
+
+@pytest.mark.parametrize("case", cases("prumerge-plus"))
+def test_prumerge_plus_keeps_the_authors_tokens(case):
+    n = case["n"]
+    t = inputs("prumerge-plus", case)
+    st = adaptive_stage("prumerge-plus", n, case)
+    xi = tower(st, R.cls_row(t["tower"], case["scale"])[:, 1:], n)
+    hidden = torch.randn(1, R.seq_len(n), 8, generator=torch.Generator().manual_seed(0))
+    res = st(hidden, R.layout(n), xi, None, None, R.prompt(n))
+    assert pooled(res, n) == case["indices"]
+    assert int(res.layout.vision_mask.sum()) == case["kept"]
+
+
+@pytest.mark.parametrize("case", cases("trim"))
+def test_trim_keeps_the_authors_tokens(case):
+    n = case["n"]
+    h = inputs("trim", case)["hidden"] * case["scale"]
+    st = adaptive_stage("trim", n, case)
+    res = st(h.unsqueeze(0), R.layout(n), None, None, None, R.prompt(n))
+    assert pooled(res, n) == case["indices"]
+    assert int(res.layout.vision_mask.sum()) == case["kept"]
+
+
+@pytest.mark.parametrize("case", cases("sparsevlm"))
+def test_sparsevlm_keeps_recycles_and_merges_as_the_authors(case):
+    """One SparseVLM stage: the raters' attention ranks the image, the top ``k_top`` stay, the
+    recycled tokens' clusters sit at their centers, each the plain mean of its members."""
+    n = case["n"]
+    t = inputs("sparsevlm", case)
+    st = stage("sparsevlm", n, case["kept"])
+    layout, prompt = R.layout(n), R.prompt(n)
+    q, k = t["queries"].unsqueeze(0), t["keys"].unsqueeze(0)
+    xi = st.relevance_scores(q, k, layout, prompt=prompt, hidden=t["embeds"].unsqueeze(0))
+    res = st(t["hidden"].unsqueeze(0), layout, xi, None, None, prompt)
+    got = R.image_kept(res.kept_index, n)
+    assert len(got) == case["kept"]
+    assert sorted(set(got) - set(case["centers"])) == case["indices"]
+    assert sorted(set(got) - set(case["indices"])) == case["centers"]
+    where = {int(p) - R.BEFORE: i for i, p in enumerate(res.kept_index[0].tolist())}
+    merged = sorted(res.hidden[0, where[c], :8].tolist() for c in case["centers"])
+    torch.testing.assert_close(
+        torch.tensor(merged), torch.tensor(case["merged8"]), rtol=1e-5, atol=1e-5
+    )
