@@ -100,6 +100,7 @@ test-lmms-eval: lmms-eval
 
 demo: install
 	$(PY) -m lightkv demo
+	$(PY) -m lightkv demo --model photos
 
 bench: install
 	$(PY) benchmarks/stage_cost.py

@@ -58,16 +58,18 @@ def provenance_picture(
     n_img = side * side
     first_vision = 1  # <bos>, then the image tokens
     region_task = getattr(data, "ASKED_REGION", False)
+    # a small object's texture (Scenes) or colour (Photos): a detail that merging can lose
+    detail = next((q for q in ("texture", "small") if q in data.QTYPES), None)
     while True:
-        if region_task:  # a small object's texture: a detail that merging can lose
-            ep = data.make_episode(rng, "heldout", "texture", grid)
+        if region_task and detail:
+            ep = data.make_episode(rng, "heldout", detail, grid)
             if 1 < int(ep.meta["region"].sum()) <= 6:
                 break
         else:
             ep = data.make_episode(rng, "heldout", "what", grid)
             if ep.answer != ["none"]:
                 break
-    if region_task:
+    if region_task and detail:
         asked_mask = ep.meta["region"].repeat_interleave(k, 0).repeat_interleave(k, 1)
     else:
         asked_mask = torch.zeros(side, side, dtype=torch.bool)

