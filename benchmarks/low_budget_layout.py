@@ -91,6 +91,11 @@ DEV = {  # label: (configuration, targets)
         _cover(ONE_WINDOW, spatial=0.0, power=1.0),
         (0.11, 0.05, 0.03),
     ),
+    # the choice (K = 8, one window without grid distance): the preset as shipped, a check
+    "lightkv-cover (K=8, whole_image_spatial 0)": (
+        {"preset": "lightkv-cover"},
+        (0.22, 0.15, 0.11, 0.08, 0.05, 0.03),
+    ),
 } | {label: (cfg, (0.11, 0.05, 0.03)) for label, cfg in MERGED.items()}
 
 TARGETS = (0.22, 0.11, 0.05, 0.03)
