@@ -91,6 +91,17 @@ DEV = {  # label: (configuration, targets)
         _cover(ONE_WINDOW, spatial=0.0, power=1.0),
         (0.11, 0.05, 0.03),
     ),
+    # third round (after the evaluation of the choice below, on this split only): the gap
+    # to CDPruner + merge on first answers at 5% is `read`; relevance picks by ERA's entropy
+    "cover 1 window, spatial 0, share 0.5": (
+        _cover(ONE_WINDOW, spatial=0.0, share=0.5),
+        (0.11, 0.05, 0.03),
+    ),
+    "cover 1 window, spatial 0, entropy share (era pruner)": (
+        _cover(ONE_WINDOW) | {"pruner": ["era", {"spatial": 0.0}]},
+        (0.11, 0.05, 0.03),
+    ),
+    "era preset": ({"preset": "era"}, (0.11, 0.05, 0.03)),
     # the choice (K = 8, one window without grid distance): the preset as shipped, a check
     "lightkv-cover (K=8, whole_image_spatial 0)": (
         {"preset": "lightkv-cover"},

@@ -131,3 +131,34 @@ def test_cover_is_one_window_when_the_budget_is_low():
     pipe = lightkv.load("lightkv-cover", kept_fraction=0.05)
     glob = replace(pipe, partitioner=Partitioner.create("global", split="all_src"))
     assert _kept(pipe, layout, hidden, prompt) == _kept(glob, layout, hidden, prompt)
+
+
+def test_whole_image_spatial_applies_to_whole_image_windows_only():
+    """In one window per image the grid distance's weight is ``whole_image_spatial``
+    (the same picks as ``spatial`` set to it); in 2 x 2 windows it changes nothing."""
+    from lightkv.policies import Partitioner
+
+    layout = VisionLayout.from_segments(
+        1, 300, [ImageSegment(0, 2, (16, 16)), ImageSegment(0, 260, (6, 6))]
+    )
+    hidden = torch.randn(1, 300, 16, generator=torch.Generator().manual_seed(5))
+    prompt = Prompt(torch.arange(300).unsqueeze(0))
+    for t in (0.05, 0.22):
+        pipe = lightkv.load("lightkv-cover", kept_fraction=t)
+        assert pipe.pruner.whole_image_spatial == 0.0 and pipe.pruner.spatial > 0
+        plain = replace(pipe, pruner=replace(pipe.pruner, whole_image_spatial=None))
+        if t == 0.05:  # both images are one window each: no grid distance anywhere
+            glob = Partitioner.create("global", split="all_src")
+            ref = replace(pipe, partitioner=glob, pruner=replace(plain.pruner, spatial=0.0))
+        else:  # 2 x 2 windows everywhere (6 x 6 keeps 8, 2 per window: one window)
+            ref = plain
+        got = _kept(pipe, layout, hidden, prompt)
+        if t == 0.05:
+            assert got == _kept(ref, layout, hidden, prompt)
+        else:
+            # the 16 x 16 image's picks are the plain ones; the 6 x 6 image is one window,
+            # where the grid distance is off
+            first = [i for i in got[0] if 2 <= i < 258]
+            assert first == [i for i in _kept(plain, layout, hidden, prompt)[0] if 2 <= i < 258]
+    with pytest.raises(ValueError, match="whole_image_spatial must be None or a finite"):
+        replace(lightkv.load("lightkv-cover").pruner, whole_image_spatial=-1.0)
