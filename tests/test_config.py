@@ -509,7 +509,7 @@ def test_bad_parameters_name_the_field_value_and_allowed():
     ]
     assert (
         "has no parameter 'splitt' (did you mean 'split'?); its parameters are: bands, "
-        "min_tokens_per_window, seed, split, src_parity" in msg
+        "min_kept_per_window, min_tokens_per_window, seed, split, src_parity" in msg
     )
     msg = problems(_error({"partitioner": {"name": "grid", "params": {"split": "zigzag"}}}))[
         "partitioner.params.split"

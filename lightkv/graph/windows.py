@@ -60,14 +60,14 @@ def check_bands(bands: str) -> None:
 
 
 def band_index(
-    r: torch.Tensor, size: torch.Tensor, bands: int, rule: str = "proportional"
+    r: torch.Tensor, size: torch.Tensor, bands: int | torch.Tensor, rule: str = "proportional"
 ) -> torch.Tensor:
     """Band of each index ``r`` on a side of ``size`` cells cut into ``min(bands, size)`` bands.
 
     Args:
         r: int64 indices in ``[0, size)``.
         size: int64 side lengths (broadcast with ``r``), at least 1.
-        bands: bands per side (``W``).
+        bands: bands per side (``W``; a tensor broadcast with ``r``: one per index).
         rule: ``"proportional"`` or ``"leading"`` (see the module docstring).
     """
     check_bands(rule)
@@ -132,6 +132,7 @@ def grid_windows(
     window_size: tuple[int, int] | None = None,
     bands: str = "proportional",
     partial: bool = False,
+    sides: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """True 2-D windows on each image's grid.
 
@@ -146,6 +147,9 @@ def grid_windows(
         layout: the batch layout.
         partial: allow a ``window_size`` larger than an image, which then gets partial
             windows (as ceil-mode pooling); otherwise that is an error.
+        sides: ``[I]`` int64 windows per side of each image, in ``[1, windows_per_side]``,
+            in place of ``windows_per_side`` image by image (a budget-dependent layout:
+            `lightkv.policies.GridPartitioner`'s ``min_kept_per_window``).
 
     Returns:
         ``[B, N]`` int64 window id per token, ``-1`` for non-vision tokens.
@@ -154,7 +158,7 @@ def grid_windows(
         ValueError: a bad specification, or (without ``partial``) a window size larger
             than an image's grid.
     """
-    local = grid_window_local(layout, windows_per_side, window_size, bands, partial)
+    local = grid_window_local(layout, windows_per_side, window_size, bands, partial, sides)
     vision = layout.vision_mask
     if not vision.any():
         return torch.full_like(layout.image, -1)
@@ -172,6 +176,7 @@ def grid_window_local(
     window_size: tuple[int, int] | None = None,
     bands: str = "proportional",
     partial: bool = False,
+    sides: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The window of each vision token *inside its own image*, as `grid_windows` cuts it:
     ``[B, N]`` int64 in ``[0, h*w)``, raster order of windows, ``-1`` for non-vision tokens.
@@ -187,9 +192,10 @@ def grid_window_local(
     w = layout.image_grid[:, 1][img]
     r, c = layout.coords[..., 0].clamp_min(0), layout.coords[..., 1].clamp_min(0)
     if windows_per_side is not None:
-        n_c = w.clamp(max=windows_per_side)
-        wr = band_index(r, h, windows_per_side, bands)
-        wc = band_index(c, w, windows_per_side, bands)
+        side = windows_per_side if sides is None else sides.to(img.device)[img]
+        n_c = w.clamp(max=side)
+        wr = band_index(r, h, side, bands)
+        wc = band_index(c, w, side, bands)
     else:
         assert window_size is not None  # check_window_spec: exactly one of the two
         s_r, s_c = window_size

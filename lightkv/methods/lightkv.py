@@ -41,7 +41,7 @@ from typing import ClassVar
 import torch
 
 from ..graph.scatter import pack_rows, scatter_sum
-from ..policies.counts import EPS, removal_count
+from ..policies.counts import EPS, image_vision_counts, removal_count
 from ..policies.inputs import Features
 from ..policies.pruners import KeepSetPruner, PruneInputs, Pruner, allocate_removals
 from ..policies.relevance import Relevance, _accumulator
@@ -79,14 +79,28 @@ class RelevanceCoverage(KeepSetPruner):
             identical tokens far apart, two gems of one colour, count as different.
         features: ``hidden`` (the residual stream; before the LLM the input embeddings) or
             ``key_states`` (the layer's keys, heads concatenated).
+        whole_image_spatial: ``spatial`` in a window that holds its whole image (None: the
+            same). A budget-dependent layout (`lightkv.policies.GridPartitioner`'s
+            ``min_kept_per_window``) makes an image one window when few tokens per window
+            would remain; with so few picks, spreading them over the grid costs the rare
+            tokens that feature distance alone keeps (``lightkv-cover``: 0).
     """
 
     share: float = 0.25
     power: float = 0.0
     spatial: float = 0.0
     features: Features = "hidden"
+    whole_image_spatial: float | None = None
 
     def __post_init__(self) -> None:
+        w = self.whole_image_spatial
+        if w is not None and (
+            isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w < math.inf
+        ):
+            raise ValueError(
+                f"relevance_coverage: whole_image_spatial must be None or a finite number >= 0, "
+                f"got {w!r}"
+            )
         for name, hi in (("share", 1.0), ("power", math.inf), ("spatial", math.inf)):
             value = getattr(self, name)
             if (
@@ -154,7 +168,11 @@ class RelevanceCoverage(KeepSetPruner):
         # in the features' dtype (float32 at least, as DivPrune): a float64 copy of a
         # [K, a, a] block costs as much as the cosines at 7B width
         dist = 1.0 - x @ x.transpose(1, 2)  # [K, a, a]
-        if self.spatial:
+        alone = self._whole_image_windows(inputs)  # [K] bool, or None: no window differs
+        if alone is not None:
+            weight = torch.where(alone, float(self.whole_image_spatial), float(self.spatial))
+            dist = dist.add_(self._grid_distance(inputs, dist.dtype) * weight[:, None, None])
+        elif self.spatial:
             dist = dist.add_(self._grid_distance(inputs, dist.dtype), alpha=self.spatial)
         pad_rows = ~valid.unsqueeze(2)
         seeded = kept.any(dim=1)
@@ -216,6 +234,18 @@ class RelevanceCoverage(KeepSetPruner):
         total = torch.minimum(total, scatter_sum(capacity, group, groups)).clamp_min(0)
         ideal = graph.window_size.to(torch.float64) * torch.as_tensor(ratio, dtype=torch.float64)
         return allocate_removals(ideal, capacity, group, total)
+
+    def _whole_image_windows(self, inputs) -> torch.Tensor | None:
+        """``[K]`` bool: the windows holding all of their image's current vision tokens;
+        None where ``whole_image_spatial`` changes no window's weight."""
+        whole = self.whole_image_spatial
+        if whole is None or whole == self.spatial:
+            return None
+        graph, layout = inputs.graph, inputs.stage.layout
+        valid = graph.src_slots >= 0
+        image = graph.token_blocks(layout.image, "src").masked_fill(~valid, -1).amax(dim=1)
+        alone = graph.window_size == image_vision_counts(layout)[image.clamp_min(0)]
+        return alone if bool(alone.any()) else None
 
     @staticmethod
     def _grid_distance(inputs, dtype: torch.dtype) -> torch.Tensor:

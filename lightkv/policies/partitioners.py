@@ -15,6 +15,7 @@ from ..graph.layout import VisionLayout
 from ..graph.scatter import scatter_sum, segment_rank
 from ..graph.windows import Bands, check_bands, grid_windows, pseudo_square_windows
 from .base import Policy
+from .counts import image_vision_counts, kept_count
 from .hashing import seeded_uniform, token_identity
 from .inputs import StageInputs
 
@@ -148,6 +149,10 @@ class GridPartitioner(Partitioner):
         min_tokens_per_window: if set, a row is left alone when one of its images has fewer
             than ``min_tokens_per_window * W**2`` vision tokens (the reference code uses 8);
             0 never skips.
+        min_kept_per_window: the window layout as a function of the budget (`sides`): an
+            image that would keep fewer than this many tokens per window is cut into fewer
+            windows per side, one window at the least; 0 (default) keeps the schedule's
+            ``windows_per_side`` at every budget.
         split: ``parity`` (A = even window-local index, as the LightKV reference code),
             ``checkerboard`` (A where ``row + col`` has parity ``src_parity``), ``random``
             (a fixed hash of each token's position and ``seed``) or ``all_src``.
@@ -160,13 +165,50 @@ class GridPartitioner(Partitioner):
     seed: int = 0
     bands: Bands = "proportional"
     min_tokens_per_window: int = 0
+    min_kept_per_window: int = 0
 
     def __post_init__(self) -> None:
         check_bands(self.bands)
+        k = self.min_kept_per_window
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(
+                f"grid: min_kept_per_window must be a non-negative integer (0: off), got {k!r}"
+            )
+
+    def sides(self, layout: VisionLayout, windows_per_side: int, ratio: float) -> torch.Tensor:
+        """``[I]`` int64 windows per side of each image at removal ratio ``ratio``.
+
+        An image of ``n`` current vision tokens on an ``h x w`` grid keeps
+        ``k = n - floor(ratio * n)`` (`lightkv.policies.counts.kept_count`); cut into ``v``
+        windows per side it has ``m(v) = min(v, h) * min(v, w)`` windows. It gets the largest
+        ``v <= windows_per_side`` with ``k >= min_kept_per_window * m(v)``, and 1 where no
+        ``v`` qualifies: a window never holds fewer than ``min_kept_per_window`` kept tokens
+        on average unless the image is one window. With 2 x 2 windows and ``K = 8`` a 16 x 16
+        image keeps 4 windows down to 32 kept tokens (12.5%) and one window below.
+        """
+        grid = layout.image_grid
+        h, w = grid[:, 0], grid[:, 1]
+        k = kept_count(image_vision_counts(layout), float(ratio))
+        out = torch.ones_like(h)
+        top = min(windows_per_side, int(grid.max()) if layout.num_images else 1)
+        for v in range(2, top + 1):  # m(v) grows with v: the last v that fits wins
+            fits = k >= self.min_kept_per_window * h.clamp(max=v) * w.clamp(max=v)
+            out = torch.where(fits, torch.full_like(out, v), out)
+        return out
 
     def partition(self, inputs):
         layout, windows_per_side = inputs.layout, inputs.spec.windows_per_side
-        window = grid_windows(layout, windows_per_side, inputs.spec.window_size, bands=self.bands)
+        sides = None
+        if self.min_kept_per_window and layout.num_images:
+            if windows_per_side is None:
+                raise ValueError(
+                    "grid: min_kept_per_window needs the schedule's windows_per_side (it "
+                    "chooses fewer windows per side), not window_size"
+                )
+            sides = self.sides(layout, windows_per_side, float(inputs.spec.removal_ratio))
+        window = grid_windows(
+            layout, windows_per_side, inputs.spec.window_size, bands=self.bands, sides=sides
+        )
         window = self._skip_small(layout, window, windows_per_side, self.min_tokens_per_window)
         return Partition(
             window, self._split(layout, window, self.split, self.src_parity, self.seed)

@@ -50,6 +50,10 @@ class GridConfig:
     """Colours that get 0..3 gems each."""
     noise: float = 0.06
     """Per-pixel noise amplitude (uniform in ``[-noise, noise]``)."""
+    busy: float = 0.0
+    """Contrast of a busy ground: every ground token gets one of the object textures at
+    random, brightening its inked pixels by ``1 + busy`` (0: the plain material texture;
+    the trained model never saw a busy ground: a held-out construction)."""
     asked: tuple[str, ...] = QTYPES
     """Question types evaluation asks; training draws from all of `QTYPES`."""
 
@@ -71,6 +75,8 @@ class GridConfig:
             raise ValueError(f"max_gem_colours must be in [0, {len(COLOURS)}]")
         if not 0.0 <= self.noise <= 0.3:
             raise ValueError("noise must be in [0, 0.3]")
+        if not 0.0 <= self.busy <= 2.0:
+            raise ValueError(f"busy must be in [0, 2] (0: a plain ground), got {self.busy}")
 
     @property
     def image_size(self) -> int:
@@ -321,6 +327,9 @@ def render_image(
     ground = (_MATERIAL_RGB[material] * light[material, None])[..., None, None] * (
         1 + 0.35 * _material_patterns()[material]
     )[:, :, None]  # [G, G, 3, 4, 4]
+    if config.busy:  # no draw otherwise: default images stay as they were
+        pattern = torch.randint(len(TEXTURES), (g, g), generator=gen)
+        ground = ground * (1 + config.busy * _textures()[pattern])[:, :, None]
     hue = _hues()[what.clamp(max=len(COLOURS) - 1)][..., None, None]  # [G, G, 3, 1, 1]
     obj = hue * (0.3 + 0.7 * _textures()[how.clamp(max=len(TEXTURES) - 1)])[:, :, None]
     gem = torch.where(_gem().bool(), hue, ground)
