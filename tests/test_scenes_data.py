@@ -200,3 +200,25 @@ def test_bad_configs_and_words_say_what_is_wrong():
         sc.make_episode(random.Random(0), "train", "colour")
     with pytest.raises(ValueError, match="split"):
         sc.make_layout(random.Random(0), "test")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_busy_ground_changes_only_ground_tokens(seed):
+    """``busy`` redraws the ground's texture token by token and leaves every object and sign
+    pixel as the plain image has it (a generator of its own; a gem's background is ground);
+    0 is the plain image."""
+    from dataclasses import replace
+
+    from lightkv_lab.tasks.scenes.scene import render_image
+
+    scene = sc.make_layout(random.Random(seed), "heldout", CONFIG)
+    plain = render_image(random.Random(seed), scene, CONFIG)
+    busy = render_image(random.Random(seed), scene, replace(CONFIG, busy=1.0))
+    assert torch.equal(plain, render_image(random.Random(seed), scene, replace(CONFIG, busy=0.0)))
+    kind, _, _ = scene.maps()
+    ground = (kind == 0).repeat_interleave(4, 0).repeat_interleave(4, 1)  # [H, W] pixels
+    drawn = ((kind == 1) | (kind == 3)).repeat_interleave(4, 0).repeat_interleave(4, 1)
+    assert torch.equal(plain[:, drawn], busy[:, drawn])
+    assert not torch.equal(plain[:, ground], busy[:, ground])
+    with pytest.raises(ValueError, match="busy must be in"):
+        sc.GridConfig(busy=3.0)

@@ -147,6 +147,7 @@ def test_registries_list_name_and_create_policies():
         "seed": 0,
         "bands": "proportional",
         "min_tokens_per_window": 0,
+        "min_kept_per_window": 0,
     }
     with pytest.raises(
         ValueError,

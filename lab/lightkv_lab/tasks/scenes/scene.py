@@ -327,8 +327,9 @@ def render_image(
     ground = (_MATERIAL_RGB[material] * light[material, None])[..., None, None] * (
         1 + 0.35 * _material_patterns()[material]
     )[:, :, None]  # [G, G, 3, 4, 4]
-    if config.busy:  # no draw otherwise: default images stay as they were
-        pattern = torch.randint(len(TEXTURES), (g, g), generator=gen)
+    if config.busy:  # a generator of its own: the rest of the image is drawn as without it
+        busy = torch.Generator().manual_seed(rng.getrandbits(63))
+        pattern = torch.randint(len(TEXTURES), (g, g), generator=busy)
         ground = ground * (1 + config.busy * _textures()[pattern])[:, :, None]
     hue = _hues()[what.clamp(max=len(COLOURS) - 1)][..., None, None]  # [G, G, 3, 1, 1]
     obj = hue * (0.3 + 0.7 * _textures()[how.clamp(max=len(TEXTURES) - 1)])[:, :, None]
