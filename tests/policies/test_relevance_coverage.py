@@ -243,6 +243,8 @@ def test_every_keep_set_merges_each_dropped_token_into_its_most_similar_survivor
         want = (w.unsqueeze(1) * x[members]).sum(0) / w.sum() if w.sum() > 0 else x[members].mean(0)
         if passer == "target_plus_mean":  # VisionZip: the survivor plus the mean merged into it
             want = x[s] + (x[members[1:]].mean(0) if members[1:] else 0)
+        if passer == "weighted_sum":  # PruMerge+'s extra token: the weighted sum, undivided
+            want = (w.unsqueeze(1) * x[members]).sum(0)
         torch.testing.assert_close(
             res.hidden[0, int(res.remap[0, s])], want, rtol=1e-12, atol=1e-12
         )
