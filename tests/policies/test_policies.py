@@ -153,7 +153,7 @@ def test_registries_list_name_and_create_policies():
         Partitioner.lookup("hexagonal")
     listed = str(err.value).split("registered partitioners: ")[1].split(", ")
     assert listed == sorted(listed)  # the message lists every name, sorted
-    assert {"global", "grid", "importance", "pseudo_square"} <= set(listed)
+    assert {"global", "grid", "pseudo_square"} <= set(listed)
     with pytest.raises(ValueError, match="has no parameter"):
         Partitioner.create("grid", windows=3)
 
