@@ -268,7 +268,8 @@ def _row(method, share, how, res, base, bootstrap, seed) -> dict[str, Any]:
         "field": field,
         "field_source": source,
         "difference": None if field is None else 100 * acc / ref - field,
-        "correct": res.correct.tolist(),
+        # per conversation, "1" right / "0" wrong, in order: other paired comparisons later
+        "correct": "".join("1" if c else "0" for c in res.correct.tolist()),
     }
 
 
