@@ -3,8 +3,10 @@ the same kept fractions, its rank on each, and whether its rank moved.
 
 Retained = 100 x the method's first-answer accuracy / the uncompressed model's, from two
 quality results (`lightkv bench quality`, ``quality-<task>.json``); ranks are per kept
-fraction among the methods both results hold (1 = best; ties share the better rank), and a
-rank "moved" when it differs by more than ``--moved`` places (default 2).
+fraction among the methods both results hold at that fraction (1 = best; ties share the better
+rank), and a rank "moved" when it differs by more than ``--moved`` places (default 2). A method
+that cannot reach a fraction on a model runs at the nearest one it can (``how: "nearest"``):
+it is listed with its number but left out of that fraction's ranks.
 
     python benchmarks/instruments.py benchmarks/results/quality-scenes.json \
         benchmarks/results/quality-photos.json --out benchmarks/results/instruments
@@ -31,6 +33,13 @@ def retained(result: dict) -> dict[tuple[str, float], float]:
     }
 
 
+def _nearest(result: dict) -> set[tuple[str, float]]:
+    """``(method, target)`` pairs run at the nearest reachable fraction instead."""
+    return {
+        (r["method"], round(r["target"], 4)) for r in result["rows"] if r.get("how") == "nearest"
+    }
+
+
 def ranks(values: dict[str, float]) -> dict[str, int]:
     """Competition ranks, best (highest) first: ties share the better rank."""
     order = sorted(values.values(), reverse=True)
@@ -41,17 +50,20 @@ def compare(a: dict, b: dict, moved: int = 2) -> dict:
     """Rows ``{method, target, a, b, rank_a, rank_b, moved}`` for every (method, target) in
     both results; ``a``/``b`` keep their task names."""
     ra, rb = retained(a), retained(b)
+    off = _nearest(a) | _nearest(b)
     common = sorted(set(ra) & set(rb), key=lambda k: (-k[1], k[0]))
     rows = []
     for target in sorted({t for _, t in common}, reverse=True):
         methods = [m for m, t in common if t == target]
-        rank_a = ranks({m: ra[(m, target)] for m in methods})
-        rank_b = ranks({m: rb[(m, target)] for m in methods})
+        ranked = [m for m in methods if (m, target) not in off]
+        rank_a = ranks({m: ra[(m, target)] for m in ranked})
+        rank_b = ranks({m: rb[(m, target)] for m in ranked})
         for m in methods:
+            r_a, r_b = rank_a.get(m), rank_b.get(m)
             rows.append({
                 "method": m, "target": target, "a": ra[(m, target)], "b": rb[(m, target)],
-                "rank_a": rank_a[m], "rank_b": rank_b[m],
-                "moved": abs(rank_a[m] - rank_b[m]) > moved,
+                "rank_a": r_a, "rank_b": r_b,
+                "moved": None if r_a is None or r_b is None else abs(r_a - r_b) > moved,
             })  # fmt: skip
     return {"a": a["model"]["task"], "b": b["model"]["task"], "moved_places": moved, "rows": rows}
 
@@ -65,8 +77,16 @@ def markdown(c: dict) -> str:
             f"| method | {c['a']} | rank | {c['b']} | rank | rank moved (> {c['moved_places']}) |",
             "|---|---:|---:|---:|---:|---|",
         ]
-        rows = sorted((r for r in c["rows"] if r["target"] == target), key=lambda r: r["rank_b"])
+        rows = sorted(
+            (r for r in c["rows"] if r["target"] == target),
+            key=lambda r: (r["rank_b"] is None, r["rank_b"] or 0, -r["b"]),
+        )
         for r in rows:
+            if r["moved"] is None:  # not at this fraction on one model: no rank
+                out.append(
+                    f"| {r['method']} | {r['a']:.1f} | - | {r['b']:.1f} | - | (nearest fraction) |"
+                )
+                continue
             move = f"{r['rank_a'] - r['rank_b']:+d}" if r["moved"] else ""
             out.append(
                 f"| {r['method']} | {r['a']:.1f} | {r['rank_a']} | {r['b']:.1f} | {r['rank_b']} "

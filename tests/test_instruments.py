@@ -45,6 +45,17 @@ def test_ranks_and_moves_by_hand():
     assert "| p | 100.0 | 1 | 25.0 | 4 | -3 |" in m.markdown(c)
 
 
+def test_a_method_at_its_nearest_fraction_is_listed_but_not_ranked():
+    m = _mod()
+    a = _result("scenes", 0.5, [("p", 0.11, 0.5), ("q", 0.11, 0.4)])
+    b = _result("photos", 0.5, [("p", 0.11, 0.1), ("q", 0.11, 0.4)])
+    b["rows"][0]["how"] = "nearest"
+    rows = {r["method"]: r for r in m.compare(a, b)["rows"]}
+    assert rows["p"]["rank_a"] is None and rows["p"]["moved"] is None
+    assert rows["q"]["rank_a"] == rows["q"]["rank_b"] == 1
+    assert "| p | 100.0 | - | 20.0 | - | (nearest fraction) |" in m.markdown(m.compare(a, b))
+
+
 def test_a_result_whose_model_answers_nothing_is_refused():
     with pytest.raises(ValueError, match="answers nothing"):
         _mod().retained(_result("photos", 0.0, []))
