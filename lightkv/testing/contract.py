@@ -50,6 +50,7 @@ from ..policies import (
     Mode,
     Partitioner,
     Policy,
+    Prompt,
     PruneInputs,
     Pruner,
     Relevance,
@@ -70,11 +71,15 @@ HEADS, HEAD_DIM = 2, 4
 
 
 def contract_batch(
-    dtype: torch.dtype = torch.float32, seed: int = 0, tower_layers: tuple[int, ...] = ()
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    tower_layers: tuple[int, ...] = (),
+    prompt: bool = False,
 ) -> StageInputs:
     """The batch the contract runs on: 3 rows, images of 6x6 and 4x5 tokens (row 0), one
     5x5 image after left padding (row 1), text only (row 2); random hidden states, keys
-    and relevance (zero outside vision tokens), and tower attention at ``tower_layers``."""
+    and relevance (zero outside vision tokens), tower attention at ``tower_layers``, and
+    with ``prompt`` distinct token ids (for policies that read the prompt)."""
     n = 3 + 36 + 2 + 20 + 3
     segments = [
         ImageSegment(row=0, offset=3, grid=(6, 6)),
@@ -91,8 +96,15 @@ def contract_batch(
     relevance = torch.rand(3, n, generator=gen).masked_fill(~layout.vision_mask, 0.0)
     spec = StageSpec(0, 0.5, windows_per_side=2)
     tower = {i: torch.rand(3, HEADS, n, generator=gen) for i in tower_layers} or None
+    ids = Prompt(torch.arange(n).expand(3, n).clone()) if prompt else None
     return StageInputs(
-        layout, spec, hidden=hidden, relevance=relevance, key_states=key_states, tower=tower
+        layout,
+        spec,
+        hidden=hidden,
+        relevance=relevance,
+        key_states=key_states,
+        tower=tower,
+        prompt=ids,
     )
 
 
@@ -206,7 +218,9 @@ def _check_stage(policy: Policy, dtype: torch.dtype) -> None:
 
 
 def _check_partitioner(policy: Partitioner) -> None:
-    inputs = contract_batch(tower_layers=policy.tower_layers)
+    inputs = contract_batch(
+        tower_layers=policy.tower_layers, prompt=getattr(policy, "reads_prompt", False)
+    )
     part = policy.partition(inputs)
     shape = (inputs.batch_size, inputs.seq_len)
     if tuple(part.window.shape) != shape or part.window.dtype != torch.long:

@@ -36,6 +36,8 @@ REFUSED = {
             "holov",
             "prumerge-plus",
             "sparsevlm",
+            "tops",
+            "era",
         )
     },
     ("trim", "cache"): "needs the prompt",
