@@ -6,7 +6,8 @@ quality results (`lightkv bench quality`, ``quality-<task>.json``); ranks are pe
 fraction among the methods both results hold at that fraction (1 = best; ties share the better
 rank), and a rank "moved" when it differs by more than ``--moved`` places (default 2). A method
 that cannot reach a fraction on a model runs at the nearest one it can (``how: "nearest"``):
-it is listed with its number but left out of that fraction's ranks.
+it is listed with its number but left out of that fraction's ranks, as are cache methods in a
+run without follow-up questions (their compression acts after the first answer's first token).
 
     python benchmarks/instruments.py benchmarks/results/quality-scenes.json \
         benchmarks/results/quality-photos.json --out benchmarks/results/instruments
@@ -34,9 +35,14 @@ def retained(result: dict) -> dict[tuple[str, float], float]:
 
 
 def _nearest(result: dict) -> set[tuple[str, float]]:
-    """``(method, target)`` pairs run at the nearest reachable fraction instead."""
+    """``(method, target)`` pairs left out of the ranks: run at the nearest reachable fraction
+    instead, or a cache method in a run without follow-ups (it compresses the cache after the
+    prefill, so a first answer read from the prefill's own logits barely sees it)."""
+    blind = result.get("config", {}).get("followup", True) is False
     return {
-        (r["method"], round(r["target"], 4)) for r in result["rows"] if r.get("how") == "nearest"
+        (r["method"], round(r["target"], 4))
+        for r in result["rows"]
+        if r.get("how") == "nearest" or (blind and r.get("how") == "cache")
     }
 
 
@@ -84,7 +90,8 @@ def markdown(c: dict) -> str:
         for r in rows:
             if r["moved"] is None:  # not at this fraction on one model: no rank
                 out.append(
-                    f"| {r['method']} | {r['a']:.1f} | - | {r['b']:.1f} | - | (nearest fraction) |"
+                    f"| {r['method']} | {r['a']:.1f} | - | {r['b']:.1f} | - "
+                    "| (not ranked: nearest fraction or cache) |"
                 )
                 continue
             move = f"{r['rank_a'] - r['rank_b']:+d}" if r["moved"] else ""

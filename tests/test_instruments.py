@@ -53,7 +53,9 @@ def test_a_method_at_its_nearest_fraction_is_listed_but_not_ranked():
     rows = {r["method"]: r for r in m.compare(a, b)["rows"]}
     assert rows["p"]["rank_a"] is None and rows["p"]["moved"] is None
     assert rows["q"]["rank_a"] == rows["q"]["rank_b"] == 1
-    assert "| p | 100.0 | - | 20.0 | - | (nearest fraction) |" in m.markdown(m.compare(a, b))
+    assert "| p | 100.0 | - | 20.0 | - | (not ranked: nearest fraction or cache) |" in m.markdown(
+        m.compare(a, b)
+    )
 
 
 def test_a_result_whose_model_answers_nothing_is_refused():
