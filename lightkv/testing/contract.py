@@ -119,6 +119,7 @@ def _row(inputs: StageInputs, b: int) -> StageInputs:
         relevance=relevance[b : b + 1],
         key_states=key_states[b : b + 1],
         tower={i: t[b : b + 1] for i, t in inputs.tower.items()} if inputs.tower else None,
+        prompt=Prompt(inputs.prompt.token_ids[b : b + 1]) if inputs.prompt is not None else None,
     )
 
 
@@ -173,7 +174,9 @@ def _check_params(policy: Policy, cls: type) -> None:
 
 def _check_stage(policy: Policy, dtype: torch.dtype) -> None:
     """Batch-row independence and identity at ratio 0 through a whole stage."""
-    inputs = contract_batch(dtype, tower_layers=policy.tower_layers)
+    inputs = contract_batch(
+        dtype, tower_layers=policy.tower_layers, prompt=getattr(policy, "reads_prompt", False)
+    )
     stage = _stage(policy, inputs.spec)
     batch = stage.run(inputs)
     if batch.hidden.dtype != dtype:
