@@ -278,8 +278,8 @@ def add_parsers(commands) -> dict[str, argparse.ArgumentParser]:
         "--model",
         metavar="NAME|DIR",
         default="scenes",
-        help="a bundled model (scenes, photos, digitgrid, symbolgrid) or a model directory the trainer "
-        "wrote (default: scenes)",
+        help="a bundled model (scenes, photos, digitgrid, symbolgrid) or a model directory the "
+        "trainer wrote (default: scenes)",
     )
     qual.add_argument("--no-ablations", action="store_true", help="skip the ablation table")
     qual.add_argument(

@@ -41,8 +41,8 @@ def build_parser(prog: str = "lightkv demo") -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default="scenes",
-        help="a bundled model (scenes, photos, digitgrid, symbolgrid) or a model directory written by the "
-        "trainer (default: scenes)",
+        help="a bundled model (scenes, photos, digitgrid, symbolgrid) or a model directory written "
+        "by the trainer (default: scenes)",
     )
     p.add_argument(
         "--preset",
@@ -202,7 +202,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.contrast:
         from lightkv_lab.bench.progress import Progress
-
         from lightkv_lab.tasks.tower_memo import TowerMemo
 
         targets = (0.55, args.low)
