@@ -3,19 +3,13 @@ quality results, against values worked out by hand."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "instruments.py"
+from tests.scripts import load_script
 
 
 def _mod():
-    spec = importlib.util.spec_from_file_location("instruments", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("instruments")
 
 
 def _result(task, base, rows):

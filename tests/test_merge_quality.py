@@ -3,21 +3,16 @@ equals the same run in one process, row for row; parts of different runs are ref
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 from lightkv_lab.bench.quality import AccuracyConfig, run
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "merge_quality.py"
+from tests.scripts import load_script
 
 
 def _merge_module():
-    spec = importlib.util.spec_from_file_location("merge_quality", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("merge_quality")
 
 
 def _run(methods, seed=0):
