@@ -290,7 +290,9 @@ def measure_peaks(spec: ModelSpec, cfg: BenchConfig, variants: Sequence[str]) ->
                 ok = _reset_hwm()
                 base = _status_kb("VmRSS")
                 r = one(variant)
-                peak = _status_kb("VmHWM") - base if ok else _status_kb("VmRSS") - base
+                # at least zero: the kernel's batched RSS counters can put the high-water
+                # mark a few pages below the VmRSS read before the call
+                peak = max((_status_kb("VmHWM") if ok else _status_kb("VmRSS")) - base, 0)
                 out["method"] = (
                     "VmHWM (reset via /proc/self/clear_refs) - VmRSS before"
                     if ok
