@@ -126,6 +126,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--aux", type=float, default=0.0, help="photos: weight of the per-patch naming loss"
     )
+    p.add_argument(
+        "--init-from",
+        default=None,
+        help="photos: start the decoder and projector from this qa.pt (fresh optimiser)",
+    )
+    p.add_argument(
+        "--recency-layers",
+        type=int,
+        default=0,
+        help="photos: decoder layers given a fixed recency prior (tasks.photos.recency)",
+    )
+    p.add_argument(
+        "--recency-strength",
+        type=float,
+        default=0.0,
+        help="photos: the prior's logit at distance 0 over distance 270",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     return p

@@ -57,6 +57,7 @@ class PhotosSpec:
     text_heads: int = 4
     text_ffn: int = 512
     rope_theta: float = 10000.0
+    attention_bias: bool = False  # the recency prior's query/key biases (`photos.recency`)
 
 
 def build_model(spec: PhotosSpec = PhotosSpec(), seed: int = 0, tower: bool = True):
@@ -74,6 +75,7 @@ def build_model(spec: PhotosSpec = PhotosSpec(), seed: int = 0, tower: bool = Tr
         num_key_value_heads=spec.text_heads,
         max_position_embeddings=1024,
         rope_theta=spec.rope_theta,
+        attention_bias=spec.attention_bias,
         head_dim=spec.text_width // spec.text_heads,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,

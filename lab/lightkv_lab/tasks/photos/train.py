@@ -171,6 +171,7 @@ def run(args) -> None:
     """The ``qa`` (and ``export``) stage of the Photos model; see the module docstring."""
     from tqdm import tqdm
 
+    from lightkv_lab.tasks.photos.recency import install_recency_prior, prior_params
     from lightkv_lab.tasks.train_init import mimetic_init
 
     if args.stage not in ("qa", "export"):
@@ -178,11 +179,13 @@ def run(args) -> None:
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    recency = getattr(args, "recency_layers", 0)
     spec = PhotosSpec(
         text_width=args.text_width,
         text_layers=args.text_layers,
         text_ffn=args.text_ffn or 4 * args.text_width,
         rope_theta=args.rope_theta,
+        attention_bias=recency > 0,
     )
     # the tower's weights are not needed here: features come from the cache (which builds the
     # package's tower itself when a shard is missing) and the checkpoint holds no tower
@@ -201,10 +204,19 @@ def run(args) -> None:
     train = cached_features(train_layouts, cache, progress=say)["features"]
     heldout = cached_features(heldout_layouts, cache, progress=say)["features"]
     labels = torch.stack([patch_labels(lay) for lay in train_layouts]) if args.aux else None
-    if args.mimetic:
+    init_from = getattr(args, "init_from", None)
+    if init_from and not ckpt.exists():
+        # fine-tuning: the trained part of an earlier run (no attention biases), then the prior
+        model.load_state_dict(torch.load(init_from, weights_only=False)["model"], strict=False)
+    elif args.mimetic:
         mimetic_init(model, seed=args.seed)
-    if not ckpt.exists():
+    if not ckpt.exists() and not init_from:
         init_projector(model, train[: min(len(train), 256)], args.seed)
+    fixed: set[int] = set()
+    if recency:
+        if not ckpt.exists():
+            install_recency_prior(model, recency, args.recency_strength)
+        fixed = prior_params(model)
     for p in model.parameters():
         p.requires_grad_(False)
     emb = model.get_input_embeddings().weight
@@ -212,7 +224,7 @@ def run(args) -> None:
         p
         for m in (model.model.multi_modal_projector, model.model.language_model)
         for p in m.parameters()
-        if p is not emb
+        if p is not emb and id(p) not in fixed
     ]
     for p in params:
         p.requires_grad_(True)
