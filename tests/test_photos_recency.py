@@ -34,9 +34,7 @@ def _last_row_logits(model, layer: int, n: int) -> torch.Tensor:
     with torch.no_grad():
         attn.q_proj.weight.zero_()
         attn.k_proj.weight.zero_()
-        out = model.model.language_model(
-            input_ids=torch.full((1, n), 5), output_attentions=True
-        )
+        out = model.model.language_model(input_ids=torch.full((1, n), 5), output_attentions=True)
     return out.attentions[layer][0, 0, -1].double().log()
 
 
