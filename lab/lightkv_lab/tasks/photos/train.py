@@ -21,6 +21,7 @@ log is teacher-forced exact match per question type (single-word answers: the gr
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import sys
@@ -179,6 +180,12 @@ def run(args) -> None:
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    ckpt = out / "qa.pt"
+    if args.stage == "export" and ckpt.exists():
+        # the checkpoint's own sizes and prior, whatever this call's flags say
+        trained = torch.load(ckpt, weights_only=False)["args"]
+        here = {k: getattr(args, k) for k in ("stage", "out", "export", "threads")}
+        args = argparse.Namespace(**{**vars(args), **trained, **here})
     recency = getattr(args, "recency_layers", 0)
     spec = PhotosSpec(
         text_width=args.text_width,
@@ -190,8 +197,14 @@ def run(args) -> None:
     # the tower's weights are not needed here: features come from the cache (which builds the
     # package's tower itself when a shard is missing) and the checkpoint holds no tower
     model = build_model(spec, seed=args.seed, tower=False)
-    ckpt = out / "qa.pt"
+    init_from = getattr(args, "init_from", None)
+    if init_from and not ckpt.exists() and not Path(init_from).is_file():
+        raise SystemExit(f"--init-from {init_from}: no such checkpoint (run the first qa stage)")
+    if recency and not getattr(args, "recency_strength", 0):
+        raise SystemExit("--recency-layers needs --recency-strength (the prior's logit range)")
     if args.stage == "export":
+        if not ckpt.exists():
+            raise SystemExit(f"export reads {ckpt}, which does not exist: run the qa stage first")
         state = torch.load(ckpt, weights_only=False)
         model.load_state_dict(state["model"], strict=False)
         save(model, args.export, spec, {"train": state["args"], "step": state["step"]})
@@ -204,7 +217,6 @@ def run(args) -> None:
     train = cached_features(train_layouts, cache, progress=say)["features"]
     heldout = cached_features(heldout_layouts, cache, progress=say)["features"]
     labels = torch.stack([patch_labels(lay) for lay in train_layouts]) if args.aux else None
-    init_from = getattr(args, "init_from", None)
     if init_from and not ckpt.exists():
         # fine-tuning: the trained part of an earlier run (no attention biases), then the prior
         model.load_state_dict(torch.load(init_from, weights_only=False)["model"], strict=False)
