@@ -161,7 +161,8 @@ class EADP(KeepSetPruner):
         local = sign * torch.einsum("kad,ktd->kat", x, t)  # [K, a, T]
         logits = (local * self.temperature).masked_fill(~valid.unsqueeze(2), -math.inf)
         p = torch.softmax(logits, dim=1)
-        ent = -(p * torch.log(p + 1e-12)).sum(dim=1).masked_fill(~t_valid, math.inf)  # [K, T]
+        # padded question slots rank last (+inf; the minus must not reach them)
+        ent = (-(p * torch.log(p + 1e-12)).sum(dim=1)).masked_fill(~t_valid, math.inf)  # [K, T]
         n_keep = (n_q.double() * self.text_keep).floor().long().clamp_min(1)
         order = torch.sort(ent, dim=1, stable=True).indices
         rank = torch.empty_like(order).scatter_(

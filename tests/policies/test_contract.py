@@ -25,10 +25,7 @@ PARAMS = {("scheduler", "explicit"): {"layers": (2, 4, 5)}}
 
 
 # Known breaks, each a bug to fix (strict: the test fails once the policy keeps the contract).
-KNOWN_BREAKS = {
-    ("pruner", "eadp"): "with a prompt, a left-padded row's relevance differs in a batch and "
-    "alone (found when the contract began passing prompts to prompt-reading policies)",
-}
+KNOWN_BREAKS: dict[tuple[str, str], str] = {}
 
 
 @pytest.mark.parametrize(
