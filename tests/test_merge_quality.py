@@ -36,3 +36,19 @@ def test_parts_of_different_runs_are_refused():
     merge = _merge_module().merge
     with pytest.raises(ValueError, match="uncompressed|seed"):
         merge([_run(("lightkv",)), _run(("lightkv",), seed=1)])
+
+
+def test_replace_puts_a_rerun_methods_rows_in_their_old_places():
+    merge = _merge_module().merge
+    whole = _run(("lightkv", "tome", "fastv"))
+    rerun = _run(("lightkv", "tome"))
+    for r in rerun["rows"]:
+        if r["method"] == "tome":
+            r["marker"] = True  # stands for rows a fixed method scores differently
+    joined = merge([whole, rerun], replace=True)
+    assert [(r["method"], r["target"]) for r in joined["rows"]] == [
+        (r["method"], r["target"]) for r in whole["rows"]
+    ]
+    assert all(bool(r.get("marker")) == (r["method"] == "tome") for r in joined["rows"])
+    kept = merge([whole, rerun])  # without replace the first part's rows stay
+    assert not any(r.get("marker") for r in kept["rows"])
