@@ -111,6 +111,26 @@ def test_an_agreement_run_on_scenes_end_to_end():
         lo, hi = r["retained_interval"]
         assert lo <= r["retained"] <= hi
     assert rows["divprune"]["field"] == 96.7 and rows["fastv"]["field"] == 91.6
-    assert result["tuned_on"] == [] and result["summary"]["agreement"]["points"] == 2
+    assert result["tuned_on"] == ["fastv", "pdrop"]
+    assert result["summary"]["agreement"]["points"] == 2
     with pytest.raises(ValueError, match="unknown preset"):
         ag.run("scenes", 2, 0, ("no-such",), (0.2222,), progress=False)
+
+
+def test_a_rerun_replaces_its_rows_in_place_and_the_summary_follows():
+    kw = dict(episodes=8, seed=7, shares=(0.2222,), batch=4, bootstrap=50, progress=False)
+    old = ag.run("scenes", methods=("divprune", "fastv"), **kw)
+    new = ag.run("scenes", methods=("fastv",), **kw)
+    for r in new["rows"]:
+        r["retained"] += 1.0 if r["method"] == "fastv" else 0.0  # a fixed method's new score
+    joined = ag.replace_rows(old, new)
+    assert [(r["method"], r["share"]) for r in joined["rows"]] == [
+        (r["method"], r["share"]) for r in old["rows"]
+    ]
+    got = {r["method"]: r["retained"] for r in joined["rows"]}
+    was = {r["method"]: r["retained"] for r in old["rows"]}
+    assert got["fastv"] == was["fastv"] + 1.0 and got["divprune"] == was["divprune"]
+    assert joined["summary"] == ag.summarise(joined["rows"])
+    other = ag.run("scenes", methods=("fastv",), **{**kw, "seed": 8})
+    with pytest.raises(ValueError, match="seed"):
+        ag.replace_rows(old, other)

@@ -49,6 +49,7 @@ __all__ = [
     "TABLE11",
     "TUNED_ON",
     "mean_absolute_difference",
+    "replace_rows",
     "retained_pipeline",
     "run",
     "spearman",
@@ -237,6 +238,28 @@ def run(
     }
 
 
+def replace_rows(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``old`` with each row of ``new`` put in place of ``old``'s row of the same method and
+    share, new ones appended, the summary recomputed: a re-run of some methods (after a fix
+    to them) joined to a whole run.
+
+    Raises:
+        ValueError: the two are not runs of one model on the same conversations.
+    """
+    for key in ("model", "episodes", "seed", "uncompressed"):
+        if old[key] != new[key]:
+            raise ValueError(f"the runs differ in {key!r}: not the same conversations and model")
+    rows = list(old["rows"])
+    where = {(r["method"], r["share"]): i for i, r in enumerate(rows)}
+    for r in new["rows"]:
+        i = where.get((r["method"], r["share"]))
+        if i is None:
+            rows.append(r)
+        else:
+            rows[i] = r
+    return {**old, "rows": rows, "summary": summarise(rows)}
+
+
 def _score(model, convs, grid, pipe, batch):
     from lightkv_lab.tasks import scoring as sc
 
@@ -363,6 +386,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch", type=int, default=100)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="benchmarks/results/photos-agreement.json")
+    p.add_argument(
+        "--replace-in",
+        action="store_true",
+        help="put these methods' rows in place of theirs in --out's existing run (a re-run)",
+    )
     args = p.parse_args(argv)
     if args.episodes < 1:
         raise SystemExit(f"--episodes must be at least 1, got {args.episodes}")
@@ -370,6 +398,8 @@ def main(argv: list[str] | None = None) -> dict:
     problem = output_dir_problem(out.parent)
     if problem:  # say so now, not after an hour of scoring
         raise SystemExit(f"--out {args.out}: {out.parent} {problem}")
+    if args.replace_in and not out.exists():
+        raise SystemExit(f"--replace-in: {out} does not exist; run without it first")
     import lightkv
 
     methods = args.methods or [m for m in (*TABLE11, *OWN_CLAIMS) if m in lightkv.PRESETS]
@@ -380,6 +410,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     import json
 
+    if args.replace_in:
+        result = replace_rows(json.loads(out.read_text()), result)
     write_atomic(out, json.dumps(result, indent=1))
     write_atomic(out.with_suffix(".md"), report(result))
     print(report(result))
