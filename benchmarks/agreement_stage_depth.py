@@ -1,5 +1,7 @@
-"""Post-hoc check of the Photos agreement run: do FastV and PyramidDrop lose on the Photos model
-when their stages run earlier in its 6-layer decoder?
+"""Post-hoc check of the first Photos model's agreement run: do FastV and PyramidDrop lose on it
+when their stages run earlier in its 6-layer decoder? (They did not: its decoder read the
+image in its first layer, which led to the recency prior of the bundled model; the result is
+kept in ``benchmarks/results/photos-v1/``.)
 
 FastV (stage after layer 1) and PyramidDrop (after layers 1, 2, 3) keep 99-100% at 11% on
 Photos where LLaVA-1.5-7B keeps about 71% (`lightkv_lab.bench.agreement`). This script runs
@@ -8,8 +10,8 @@ kept as TOPS's Table 11 counts it (`lightkv_lab.bench.agreement.retained_pipelin
 first ``--episodes`` conversations of the agreement run's seed. It was run after the
 agreement run had been seen, so it explains a miss; it tunes nothing.
 
-    python benchmarks/agreement_stage_depth.py --episodes 600 --seed 2607 \
-        --out benchmarks/results/photos-agreement-stage-depth.json
+    python benchmarks/agreement_stage_depth.py --model runs/photos-v1-llava --episodes 600 \
+        --seed 2607 --out benchmarks/results/photos-v1/photos-agreement-stage-depth.json
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", default="photos")
     ap.add_argument("--episodes", type=int, default=600)
     ap.add_argument("--seed", type=int, default=2607)
-    ap.add_argument("--out", default="benchmarks/results/photos-agreement-stage-depth.json")
+    ap.add_argument(
+        "--out", default="benchmarks/results/photos-v1/photos-agreement-stage-depth.json"
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     model, _, grid = dg.load(dg.resolve_model(args.model))
