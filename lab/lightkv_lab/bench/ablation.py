@@ -178,7 +178,9 @@ def markdown_table(result: dict[str, Any]) -> str:
     """One table per model and target: accuracy per type, KL, and lightkv minus each method."""
     lines = []
     for m in result["models"]:
-        cols = m["qtypes"] + (["followup"] if "followup" in m["uncompressed"]["accuracy"] else [])
+        cols = list(dict.fromkeys(m["qtypes"])) + (
+            ["followup"] if "followup" in m["uncompressed"]["accuracy"] else []
+        )
         detail = m["detail_qtypes"][0]
         title = (
             f"## {m['name']} ({m['task']}, {m['vision_tokens']} vision tokens, {m['layers']} "

@@ -251,7 +251,7 @@ def _run(config: AccuracyConfig, progress: bool, model, grid, task) -> dict[str,
             ),
         },
         "grid": asdict(grid),
-        "qtypes": list(task.asked(grid)),
+        "qtypes": list(dict.fromkeys(task.asked(grid))),  # each type once
         "detail_qtypes": list(getattr(task.data, "DETAIL_QTYPES", ("what",))),
         "uncompressed": _row("uncompressed", 1.0, "scaled", None, base, base, None, config),
         "rows": rows,

@@ -66,7 +66,7 @@ def markdown_table(result: dict[str, Any]) -> str:
     """Accuracy per method and target; per-type accuracy, KL and log-probability drop; the
     ablation table at 55%; the relevance-mass table."""
     rows = result["rows"]
-    qtypes = result["qtypes"]
+    qtypes = list(dict.fromkeys(result["qtypes"]))  # a mix lists a type once per share
     detail = result["detail_qtypes"]
     model = result["model"]
     n = result["config"]["episodes"]
