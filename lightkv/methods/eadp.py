@@ -18,7 +18,10 @@ from ..graph.scatter import pack_rows
 from ..policies.inputs import Features, StageInputs
 from ..policies.pruners import KeepSetPruner, PruneInputs, Pruner
 
-__all__ = ["EADP", "facility_location", "question_tokens"]
+__all__ = ["EADP", "QUESTION_CHUNK", "facility_location", "question_tokens"]
+
+QUESTION_CHUNK = 256
+"""Question tokens scored against a window's image tokens at once (memory ``K a 256``)."""
 
 
 def question_tokens(stage: StageInputs, graph) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -158,11 +161,20 @@ class EADP(KeepSetPruner):
         g = g / g.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(g.dtype).tiny)
         sign = -1.0 if self.negate else 1.0
         glob = sign * torch.einsum("kad,kd->ka", x, g)
-        local = sign * torch.einsum("kad,ktd->kat", x, t)  # [K, a, T]
-        logits = (local * self.temperature).masked_fill(~valid.unsqueeze(2), -math.inf)
-        p = torch.softmax(logits, dim=1)
-        # padded question slots rank last (+inf; the minus must not reach them)
-        ent = (-(p * torch.log(p + 1e-12)).sum(dim=1)).masked_fill(~t_valid, math.inf)  # [K, T]
+
+        def local(c: slice) -> torch.Tensor:  # [K, a, |c|]: question tokens c only
+            return sign * torch.einsum("kad,ktd->kat", x, t[:, c])
+
+        # a long prompt's question is read QUESTION_CHUNK tokens at a time: never [K, a, T]
+        chunks = [slice(i, i + QUESTION_CHUNK) for i in range(0, t.shape[1], QUESTION_CHUNK)]
+        ents = []
+        for c in chunks:
+            logits = (local(c) * self.temperature).masked_fill(~valid.unsqueeze(2), -math.inf)
+            p = torch.softmax(logits, dim=1)
+            ents.append(-(p * torch.log(p + 1e-12)).sum(dim=1))
+        # padded question slots rank last (+inf)
+        ent = torch.cat(ents, 1) if ents else glob.new_zeros(glob.shape[0], 0)
+        ent = ent.masked_fill(~t_valid, math.inf)  # [K, T]
         n_keep = (n_q.double() * self.text_keep).floor().long().clamp_min(1)
         order = torch.sort(ent, dim=1, stable=True).indices
         rank = torch.empty_like(order).scatter_(
@@ -170,7 +182,10 @@ class EADP(KeepSetPruner):
         )
         stay = (rank < n_keep.unsqueeze(1)) & t_valid
         mix = torch.softmax((-ent / (self.tau + 1e-6)).masked_fill(~stay, -math.inf), dim=1)
-        loc = (mix.nan_to_num(0.0).unsqueeze(1) * local).sum(dim=2)
+        mix = mix.nan_to_num(0.0)
+        loc = glob.new_zeros(glob.shape)
+        for c in chunks:  # a second pass: the weights need every chunk's entropy first
+            loc = loc + (mix[:, c].unsqueeze(1) * local(c)).sum(dim=2)
         r = self.alpha * glob + (1 - self.alpha) * loc
         lo = r.masked_fill(~valid, math.inf).amin(1, keepdim=True)
         hi = r.masked_fill(~valid, -math.inf).amax(1, keepdim=True)

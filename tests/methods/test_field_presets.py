@@ -308,3 +308,27 @@ def test_eadp_checks_its_parameters():
         EADP(alpha=1.5)
     with pytest.raises(ValueError, match="text_keep"):
         EADP(text_keep=-0.1)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_eadp_reads_a_long_question_in_chunks_with_the_same_weights(chunk, monkeypatch):
+    """The dense relevance never holds [K, a, T] at once: the question is read in chunks, and
+    the weights equal the one-chunk reading (float64, so no bit of the products differs)."""
+    import lightkv.methods.eadp as eadp_module
+    from lightkv.testing import contract
+
+    inputs = contract.contract_batch(torch.float64, prompt=True)  # a 59-token text-only row
+    stage = contract._stage(EADP(), inputs.spec)
+    seen: list[torch.Tensor] = []
+    real = EADP.weights
+
+    def spy(self, prune_inputs, stage_inputs):
+        seen.append(real(self, prune_inputs, stage_inputs))
+        return seen[-1]
+
+    monkeypatch.setattr(EADP, "weights", spy)
+    whole = stage.run(inputs)
+    monkeypatch.setattr(eadp_module, "QUESTION_CHUNK", chunk)
+    parts = stage.run(inputs)
+    assert len(seen) == 2 and torch.allclose(seen[0], seen[1], rtol=0, atol=1e-12)
+    assert torch.equal(whole.layout.origin, parts.layout.origin)
