@@ -163,13 +163,6 @@ def _reset_peak() -> bool:
         return False
 
 
-def _peak_since(base: int, exact: bool) -> int:
-    """The peak resident set since `_reset_peak`, never below ``base`` (read after the reset):
-    the kernel's RSS counters are batched per CPU, so a high-water mark can trail a VmRSS read
-    by a few pages (CI saw 36 KiB below), and the memory held before a call is held during it."""
-    return max(_status_bytes("VmHWM") if exact else _status_bytes("VmRSS"), base)
-
-
 def _build(cfg: MemoryConfig, length: int):
     """The model and the long and warm-up prompts."""
     import torch
@@ -233,7 +226,8 @@ def measure_point(cfg: MemoryConfig, variant: str, length: int) -> dict[str, Any
         exact = _reset_peak()
         base = _status_bytes("VmRSS")
         prefill(inputs)  # the peak: every freed block goes back at once (MALLOC_MMAP_THRESHOLD_)
-        peak = _peak_since(base, exact)
+        # at least base: RSS counters are batched per CPU (VmHWM trailed VmRSS by 36 KiB on CI)
+        peak = max(_status_bytes("VmHWM") if exact else _status_bytes("VmRSS"), base)
         # the times in a steady heap (freed memory reused, as PyTorch's caching allocator does
         # on a GPU): under the peak's settings every block of 256 KiB or more is fresh pages,
         # which made an allocation-heavy preset 4.6x slower than with glibc's defaults (measured)
@@ -282,7 +276,7 @@ def measure_width7b(length: int, threads: int | None) -> dict[str, Any]:
     t0, c0 = time.perf_counter(), time.process_time()
     QueryAxisSoftmax().score(q, k, layout)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    peak = _peak_since(base, exact)
+    peak = max(_status_bytes("VmHWM") if exact else _status_bytes("VmRSS"), base)
     return {
         "length": length,
         "text_tokens": text,
