@@ -36,9 +36,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", default="photos")
     ap.add_argument("--episodes", type=int, default=600)
     ap.add_argument("--seed", type=int, default=2607)
-    ap.add_argument(
-        "--out", default="benchmarks/results/photos-v1/photos-agreement-stage-depth.json"
-    )
+    # the default model is the bundled one; the first model's result was written with --model
+    # runs/photos-v1-llava and --out into photos-v1/ (the module docstring)
+    ap.add_argument("--out", default="benchmarks/results/photos-agreement-stage-depth.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     model, _, grid = dg.load(dg.resolve_model(args.model))
