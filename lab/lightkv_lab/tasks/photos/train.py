@@ -181,11 +181,14 @@ def run(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = out / "qa.pt"
-    if args.stage == "export" and ckpt.exists():
+    state = None
+    if args.stage == "export":
+        if not ckpt.exists():
+            raise SystemExit(f"export reads {ckpt}, which does not exist: run the qa stage first")
+        state = torch.load(ckpt, weights_only=False)
         # the checkpoint's own sizes and prior, whatever this call's flags say
-        trained = torch.load(ckpt, weights_only=False)["args"]
         here = {k: getattr(args, k) for k in ("stage", "out", "export", "threads")}
-        args = argparse.Namespace(**{**vars(args), **trained, **here})
+        args = argparse.Namespace(**{**vars(args), **state["args"], **here})
     recency = getattr(args, "recency_layers", 0)
     spec = PhotosSpec(
         text_width=args.text_width,
@@ -202,10 +205,7 @@ def run(args) -> None:
         raise SystemExit(f"--init-from {init_from}: no such checkpoint (run the first qa stage)")
     if recency and not getattr(args, "recency_strength", 0):
         raise SystemExit("--recency-layers needs --recency-strength (the prior's logit range)")
-    if args.stage == "export":
-        if not ckpt.exists():
-            raise SystemExit(f"export reads {ckpt}, which does not exist: run the qa stage first")
-        state = torch.load(ckpt, weights_only=False)
+    if state is not None:  # the export stage
         model.load_state_dict(state["model"], strict=False)
         save(model, args.export, spec, {"train": state["args"], "step": state["step"]})
         print(f"exported step {state['step']} to {args.export}")
