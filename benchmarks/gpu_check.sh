@@ -41,8 +41,10 @@
 #    prompts on a random-weight, 7B-shaped Qwen2.5-VL with stock vLLM, then with the plugin
 #    (divprune; LightKV's windowed merge before the LLM), and compares time to first token and
 #    throughput at equal batch (vllm-serving.json / .md); then benchmarks/vllm_concurrency.py
-#    serves clients at concurrency 1, 8 and 32 (vLLM's AsyncLLM), stock vs DivPrune at
-#    55/22/11% kept: requests/s, TTFT p50/p95, output tokens/s (vllm-concurrency.json / .md).
+#    serves clients at concurrency 1, 8 and 32 (vLLM's AsyncLLM), stock vs DivPrune and
+#    lightkv-cover without (cover-*) and with its proportional-attention channel (cover-pa-*:
+#    heads of 136 under FlashAttention) at 22/11% kept: requests/s, TTFT p50/p95, output
+#    tokens/s (vllm-concurrency.json / .md).
 #    Off by default: installing vLLM takes minutes and GBs.
 # Writes env.json, cuda-tests.log / .xml, efficiency.json / .md / PNGs and gpu_check.json
 # (a summary: what ran, pass / fail, seconds) into $OUT.
@@ -55,7 +57,7 @@ OUT=${OUT:-benchmarks/results/gpu}
 VLLM_SPEC=${VLLM_SPEC:-vllm==0.33.0}
 VLLM_VENV=${VLLM_VENV:-/tmp/lightkv-vllm-venv}
 VLLM_ARGS=${VLLM_ARGS:---batch 32 --image-tokens-side 24 --max-tokens 64}
-VLLM_CONC_ARGS=${VLLM_CONC_ARGS:---concurrency 1 8 32 --requests-per-client 4 --image-tokens-side 24 --max-tokens 64}
+VLLM_CONC_ARGS=${VLLM_CONC_ARGS:---concurrency 1 8 32 --requests-per-client 4 --image-tokens-side 24 --max-tokens 64 --variants stock divprune-22 divprune-11 cover-22 cover-11 cover-pa-22 cover-pa-11}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 START=$(date +%s)

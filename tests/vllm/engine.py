@@ -9,7 +9,8 @@ stock vLLM), ``pipeline`` (the ``lightkv`` override, or null), ``prompts`` (each
 ``{"images": [[rows, cols], ...], "seed": s}``), ``max_tokens``, ``chunk`` (optional
 ``max_num_batched_tokens``: prefill in chunks of that many tokens), ``prefix_caching``
 (vLLM's prefix caching on), ``sequential`` (one request after another), ``eager``
-(``enforce_eager``, default true), ``multiprocessing`` (the engine core in its own
+(``enforce_eager``, default true), ``logprobs`` (the top-k log-probabilities of each
+generated token), ``multiprocessing`` (the engine core in its own
 process, vLLM's default: no blocks, records or positions are captured), ``limits``
 (``limit_mm_per_prompt``, default ``{"image": 2}``). A prompt may give ``image_seed`` (the
 same image under another seed) and ``question`` (words after its one image): see
@@ -136,7 +137,12 @@ def run(req: dict) -> dict:
         prompts.append(
             {"prompt": text, "multi_modal_data": {"image": images}} if images else {"prompt": text}
         )
-    params = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 6), ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=req.get("max_tokens", 6),
+        ignore_eos=True,
+        logprobs=req.get("logprobs"),
+    )
     if req.get(
         "sequential"
     ):  # one request after another: a later one can hit an earlier one's prefix cache
@@ -174,6 +180,10 @@ def run(req: dict) -> dict:
                 "prompt": list(o.prompt_token_ids),
                 "positions": POSITIONS.get(json.dumps(list(o.prompt_token_ids))),
                 "cached": getattr(o, "num_cached_tokens", None),
+                "logprobs": [
+                    {str(t): float(lp.logprob) for t, lp in step.items()}
+                    for step in (o.outputs[0].logprobs or [])
+                ],
             }
             for o in outs
         ],

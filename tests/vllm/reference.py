@@ -29,15 +29,9 @@ def pipeline(spec):
     return lightkv.load(spec) if isinstance(spec, str) else PipelineConfig.from_dict(spec).build()
 
 
-def survivors(model_dir, spec, prompt, encoder=None):
-    """Per image of ``prompt`` (a test prompt, `tiny.request`): ``(question ids, index, embeds,
-    encoder)``: the question lightkv's adapter reads (text after the last image), the kept
-    grid indices (ascending), their embeddings after the stage, and the model's own encoder
-    output. ``encoder``: per image ``[N, D]`` to use in place of the model's (vLLM's)."""
-    model, processor = _model(model_dir)
-    text, images = tiny.request(prompt)
-    inputs = processor(text=[text], images=images, return_tensors="pt")
-    own = []
+def _inject(model, encoder, own):
+    """Make ``model`` use ``encoder`` (per image ``[N, D]``) as its image features, keeping its
+    own in ``own``; returns the original method (to restore)."""
     original = model.model.get_image_features
 
     def features(pixel_values, image_grid_thw=None, **kwargs):
@@ -48,6 +42,42 @@ def survivors(model_dir, spec, prompt, encoder=None):
         return out
 
     model.model.get_image_features = features
+    return original
+
+
+def generate(model_dir, spec, prompt, encoder, max_tokens):
+    """Greedy tokens and the first step's log-probabilities ``[V]`` of `lightkv.apply` with
+    ``spec`` in `transformers` (its default attention, the bias on the 4-D mask), on ``prompt``
+    with ``encoder`` (vLLM's recorded encoder output) as the image features."""
+    model, processor = _model(model_dir)
+    text, images = tiny.request(prompt)
+    inputs = processor(text=[text], images=images, return_tensors="pt")
+    _inject(model, encoder, [])
+    try:
+        with lightkv.apply(pipeline(spec), model), torch.no_grad():
+            out = model.generate(
+                **inputs,
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+    finally:
+        del model.model.get_image_features
+    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    return tokens, torch.log_softmax(out.scores[0][0].float(), -1)
+
+
+def survivors(model_dir, spec, prompt, encoder=None):
+    """Per image of ``prompt`` (a test prompt, `tiny.request`): ``(question ids, index, embeds,
+    encoder)``: the question lightkv's adapter reads (text after the last image), the kept
+    grid indices (ascending), their embeddings after the stage, and the model's own encoder
+    output. ``encoder``: per image ``[N, D]`` to use in place of the model's (vLLM's)."""
+    model, processor = _model(model_dir)
+    text, images = tiny.request(prompt)
+    inputs = processor(text=[text], images=images, return_tensors="pt")
+    own: list[torch.Tensor] = []
+    _inject(model, encoder, own)
     try:
         with lightkv.apply(pipeline(spec), model) as session, torch.no_grad():
             model(**inputs)

@@ -8,9 +8,9 @@ Each engine runs once per session (see conftest); the tests read what it did:
     run outside vLLM;
 (d) a batch of prompts with different image sizes (two images, none) equals each prompt
     alone, and prefilling in chunks changes nothing;
-(e) clear refusals: unsupported pipelines, relevance from layer 0's queries and keys,
-    proportional attention (the lightkv-cover preset as shipped), LLaVA, a stock
-    architecture with a pipeline, videos, a vLLM release outside the declared range.
+(e) clear refusals: unsupported pipelines, relevance from layer 0's queries and keys, LLaVA,
+    a stock architecture with a pipeline, videos, a vLLM release outside the declared range.
+    Proportional attention is served (tests/vllm/test_proportional.py).
 """
 
 from __future__ import annotations
@@ -183,7 +183,6 @@ def test_a_video_is_refused(engine):
     "arch, pipeline, words",
     [
         (QWEN, "lightkv-pre-llm", ["prompt-aware", "relevance: uniform"]),
-        (QWEN, "lightkv-cover", ["proportional attention", "proportional_attention: false"]),
         (
             "LightKVLlavaForConditionalGeneration",
             "divprune",
@@ -191,7 +190,7 @@ def test_a_video_is_refused(engine):
         ),
         (None, "divprune", ["stock model", "uncompressed", QWEN]),
     ],
-    ids=["queries-and-keys", "proportional-attention", "llava", "stock-arch-with-pipeline"],
+    ids=["queries-and-keys", "llava", "stock-arch-with-pipeline"],
 )
 def test_clear_refusals(engine, arch, pipeline, words):
     """One engine per path a refusal takes (the plan, a refused architecture, the runner's

@@ -25,8 +25,10 @@ opts it in; every other model is untouched.
 Which pipelines run (`lightkv.integrations.vllm.plan`): pre-LLM ones, prompt-blind
 (``divprune``, ``downsample``, or a YAML with ``schedule: {name: pre_llm}`` and
 ``relevance: uniform``) or reading the question's input embeddings (``cdpruner``,
-``relevance: question_similarity`` as in lightkv-cover without proportional attention;
-`lightkv.integrations.vllm.question`); every other one is refused with the reason. The
+``lightkv-cover``, ``relevance: question_similarity``; `lightkv.integrations.vllm.question`);
+every other one is refused with the reason. Proportional attention (lightkv-cover as
+shipped) runs exactly, through one more head channel in the KV cache
+(`lightkv.integrations.vllm.channel`). The
 plugin subclasses vLLM internals, so it runs only on the declared release series
 (`SUPPORTED_VLLM`: 0.32.x and 0.33.x; tested releases in `TESTED_VLLM`).
 """

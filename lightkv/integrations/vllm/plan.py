@@ -58,8 +58,10 @@ PIPELINE_KEY = "lightkv"
 PROMPT_AGNOSTIC_PRESETS = ("divprune", "downsample")
 """Shipped presets that run inside vLLM as they are, prompt-blind."""
 
-PROMPT_AWARE_PRESETS = ("cdpruner", "cdpruner-pos", "eadp", "tops")
-"""Shipped presets that run inside vLLM as they are and read the question."""
+PROMPT_AWARE_PRESETS = ("cdpruner", "cdpruner-pos", "eadp", "tops", "lightkv-cover", "era")
+"""Shipped presets that run inside vLLM as they are and read the question (``lightkv-cover``
+and ``era`` with their proportional attention, through the extra head channel of
+`lightkv.integrations.vllm.channel`)."""
 
 QUESTION_READERS = frozenset({"question_similarity", "cdpruner", "eadp"})
 """Policies that read the prompt only as the question's input embeddings (`Prompt.question_mask`
@@ -156,12 +158,6 @@ def _refusals(pipeline: Pipeline, stages: list[Stage], name: str) -> list[str]:
                 f"its policies read the vision tower's attention at layer(s) "
                 f"{list(stage.tower_layers)}, which vLLM's vision encoder does not return"
             )
-    if pipeline.proportional_attention:
-        why.append(
-            "proportional attention changes the decoder's attention, which vLLM's kernels do not: "
-            "set `proportional_attention: false` (the same kept tokens; e.g. lightkv-cover's YAML "
-            "with it off)"
-        )
     if pipeline.released_quirks != ReleasedQuirks():
         why.append("the released code's quirks act inside the decoder")
     return why
@@ -248,6 +244,13 @@ class PreLLMPlan:
                 value = hashlib.sha256(repr(self.pipeline).encode("utf-8")).hexdigest()[:16]
             self._counts_meta["fingerprint"] = value
         return self._counts_meta["fingerprint"]
+
+    @property
+    def proportional(self) -> bool:
+        """Whether the decoder counts a merged token as the tokens it holds (the pipeline's
+        ``proportional_attention``): the model then carries each survivor's ``log(size)``
+        and adds it through an extra head channel (`lightkv.integrations.vllm.channel`)."""
+        return bool(self.pipeline.proportional_attention)
 
     @property
     def reads_prompt(self) -> bool:

@@ -29,7 +29,7 @@ module imports vLLM internals; `lightkv.integrations.vllm.register` registers it
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from . import check_version
@@ -41,15 +41,16 @@ import torch
 from vllm.model_executor.models.qwen2_5_vl import (
     Qwen2_5_VLDummyInputsBuilder,
     Qwen2_5_VLForConditionalGeneration,
-    Qwen2_5_VLMultiModalProcessor,
-    Qwen2_5_VLProcessingInfo,
 )
 from vllm.multimodal import MULTIMODAL_REGISTRY
-from vllm.multimodal.inputs import MultiModalBatchedField, MultiModalFieldElem
-from vllm.multimodal.processing import PromptReplacement, PromptUpdate
 
-from .plan import PIPELINE_KEY, PreLLMPlan
-from .question import QUESTION_FIELD, question_ids, question_list, question_tag
+from ...adapters.bias import log_sizes
+from .question import QUESTION_FIELD, question_list
+from .qwen2_5_vl_processing import (
+    LightKVQwen2_5_VLProcessingInfo,
+    LightKVQwen2_5_VLProcessor,
+    plan_for,
+)
 
 __all__ = [
     "LightKVQwen2_5_VLForConditionalGeneration",
@@ -58,30 +59,6 @@ __all__ = [
     "plan_for",
 ]
 
-_PLANS: dict[tuple[str, int], PreLLMPlan] = {}
-
-
-def plan_for(hf_config: Any) -> PreLLMPlan:
-    """The checked pipeline named by ``hf_config.lightkv`` (one per engine configuration).
-
-    Raises:
-        ValueError: the config names no pipeline, or a pipeline vLLM cannot run
-            (`lightkv.integrations.vllm.plan.UnsupportedPipeline`).
-    """
-    spec = getattr(hf_config, PIPELINE_KEY, None)
-    if spec is None:
-        raise ValueError(
-            f"{type(hf_config).__name__} names no lightkv pipeline: pass "
-            f"hf_overrides={{'architectures': [...], {PIPELINE_KEY!r}: 'divprune'}} (a preset name,"
-            " a YAML path or an inline pipeline mapping)"
-        )
-    text = getattr(hf_config, "text_config", hf_config)
-    layers = int(text.num_hidden_layers)
-    key = (repr(spec), layers)
-    if key not in _PLANS:
-        _PLANS[key] = PreLLMPlan.load(spec, layers)
-    return _PLANS[key]
-
 
 def _ids_on(input_ids: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
     """The prompt's token ids as a 1-D int64 tensor on ``device``, from a list (vLLM 0.32) or a
@@ -89,118 +66,6 @@ def _ids_on(input_ids: list[int] | torch.Tensor, device: torch.device) -> torch.
     if isinstance(input_ids, torch.Tensor):
         return input_ids.reshape(-1).to(device=device, dtype=torch.long)
     return torch.as_tensor(list(input_ids), dtype=torch.long, device=device)
-
-
-class LightKVQwen2_5_VLProcessingInfo(Qwen2_5_VLProcessingInfo):
-    """Qwen2.5-VL's processing info, for images only."""
-
-    def get_supported_mm_limits(self) -> Mapping[str, int | None]:
-        """Images without limit; no videos (lightkv's plugin compresses images)."""
-        return {"image": None}
-
-    def parse_mm_data(self, mm_data: Any, *, validate: bool = True) -> Any:
-        """Refuse videos first (before vLLM parses them), with a message that names the plugin."""
-        if isinstance(mm_data, Mapping) and _has_video(mm_data.get("video")):
-            _refuse_video()
-        return super().parse_mm_data(mm_data, validate=validate)
-
-    def validate_num_items(self, modality: str, num_items: int) -> None:
-        """Refuse videos with a message that names the plugin; otherwise vLLM's checks."""
-        if modality == "video" and num_items > 0:
-            _refuse_video()
-        super().validate_num_items(modality, num_items)
-
-
-def _has_video(video: Any) -> bool:
-    """Whether ``multi_modal_data["video"]`` holds a video: vLLM's warm-up passes an empty
-    list (no videos) beside its dummy images, which must not be refused."""
-    if video is None:
-        return False
-    if isinstance(video, (list, tuple)):
-        return len(video) > 0
-    return True
-
-
-def _refuse_video() -> None:
-    raise ValueError(
-        "lightkv's vLLM plugin compresses images only: a video cannot go through "
-        "LightKVQwen2_5_VLForConditionalGeneration; serve videos with the stock architecture "
-        "(vLLM's own EVS pruning: --video-pruning-rate)"
-    )
-
-
-class LightKVQwen2_5_VLProcessor(Qwen2_5_VLMultiModalProcessor):
-    """Qwen2.5-VL's processor with one placeholder per token the pipeline keeps, and
-    multimodal hashes that name the pipeline."""
-
-    def _get_mm_hashes(self, inputs: Any) -> Any:
-        """Each image's hash, over the image, the pipeline's `lightkv.api.fingerprint` and,
-        for a pipeline that reads the question, the question's token ids (`question_tag`).
-
-        vLLM keys its processor cache, its encoder cache and its prefix cache (the extra keys of
-        a block's hash) with these hashes, and hands them to KV connectors (LMCache, ...): a
-        compressed image's KV is found again only under the same pipeline (and question),
-        never another's, also when engines with different pipelines share one external KV
-        store. A client's ``multi_modal_uuids`` stand for the image only, so the plugin adds
-        its tag to them too."""
-        plan = plan_for(self.info.get_hf_config())
-        tag = f"lightkv:{plan.fingerprint}"
-        if plan.reads_prompt:
-            token = self.info.get_hf_config().image_token_id
-            tag += f"#q:{question_tag(question_ids(self._prompt_ids(inputs.prompt), token))}"
-        hashes = inputs.get_mm_hashes(
-            f"{self.info.model_id}#{tag}", self.info.ctx.get_mm_config().mm_hasher_algorithm
-        )
-        uuids = getattr(inputs, "mm_uuid_items", None) or {}
-        return {
-            modality: [
-                f"{h}#{tag}" if h is not None and h in (uuids.get(modality) or ()) else h
-                for h in items
-            ]
-            for modality, items in hashes.items()
-        }
-
-    def _prompt_ids(self, prompt: Any) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self.info.get_tokenizer().encode(prompt, add_special_tokens=False))
-        return [int(t) for t in prompt]
-
-    def apply(self, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        """vLLM's processing; for a pipeline that reads the question, each image item also
-        carries its prompt's question (`QUESTION_FIELD`: the token ids after the last image),
-        which `embed_multimodal` gives the stage. Items vLLM marks as cached elsewhere (None)
-        are keyed by a hash that includes the same question."""
-        out = super().apply(inputs, *args, **kwargs)
-        if plan_for(self.info.get_hf_config()).reads_prompt:
-            token = self.info.get_hf_config().image_token_id
-            ids = torch.tensor(question_ids(out["prompt_token_ids"], token), dtype=torch.long)
-            for item in out["mm_kwargs"].get("image", []):
-                if item is not None:
-                    item[QUESTION_FIELD] = MultiModalFieldElem(
-                        data=ids, field=MultiModalBatchedField(keep_on_cpu=True)
-                    )
-        return out
-
-    def _get_prompt_updates(
-        self, mm_items: Any, hf_processor_mm_kwargs: Mapping[str, Any], out_mm_kwargs: Any
-    ) -> Sequence[PromptUpdate]:
-        updates = list(super()._get_prompt_updates(mm_items, hf_processor_mm_kwargs, out_mm_kwargs))
-        plan = plan_for(self.info.get_hf_config())
-        merge = self.info.get_image_processor(**hf_processor_mm_kwargs).merge_size
-        token = self.info.get_tokenizer().get_vocab()[
-            self.info.get_hf_processor(**hf_processor_mm_kwargs).image_token
-        ]
-
-        def image_tokens(item_idx: int) -> list[int]:
-            _, h, w = (int(x) for x in out_mm_kwargs["image"][item_idx]["image_grid_thw"].data)
-            return [token] * plan.kept_count(h // merge, w // merge)
-
-        return [
-            PromptReplacement(modality="image", target=[token], replacement=image_tokens)
-            if update.modality == "image"
-            else update
-            for update in updates
-        ]
 
 
 @MULTIMODAL_REGISTRY.register_processor(
@@ -243,6 +108,11 @@ class LightKVQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerati
             )
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.lightkv_plan = plan
+        self.lightkv_log_sizes = None
+        if plan.proportional:  # the bias through one more head channel, exactly
+            from .channel import install_channel
+
+            self.lightkv_log_sizes = install_channel(self.language_model, vllm_config)
         # Embeddings leave `embed_multimodal` with 4 position channels appended (as with EVS):
         # no encoder CUDA graphs for them, and the runner recomputes positions (see `runner`).
         self.is_multimodal_pruning_enabled = True
@@ -304,7 +174,7 @@ class LightKVQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerati
             the embeddings without their position channels, the positions, and the decoding
             delta (``max position + 1 - N``).
         """
-        out = [mm[:, :-4] for mm in multimodal_embeddings]
+        out = [mm[:, :-4] for mm in multimodal_embeddings]  # the log-size column stays
         positions = mrope_positions.clone()
         if multimodal_embeddings:
             device = positions.device
@@ -329,11 +199,36 @@ class LightKVQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerati
         delta = int(positions[:, :n].max()) + 1 - n if n else 0
         return out, positions, delta
 
+    def embed_input_ids(
+        self,
+        input_ids: torch.Tensor,
+        multimodal_embeddings: Any = None,
+        *,
+        is_multimodal: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """vLLM's embedding of a step's tokens; with proportional attention, each survivor's
+        ``log(size)`` (the last column `embed_multimodal` gave it) is first taken off and
+        written to `LogSizes` at its token, zeros elsewhere, for the attention layers of the
+        step that follows."""
+        if self.lightkv_log_sizes is None:
+            return super().embed_input_ids(
+                input_ids, multimodal_embeddings, is_multimodal=is_multimodal
+            )
+        logs = None
+        if multimodal_embeddings is not None and len(multimodal_embeddings) > 0:
+            logs = torch.cat([mm[:, -1] for mm in multimodal_embeddings]).float()
+            multimodal_embeddings = [mm[:, :-1] for mm in multimodal_embeddings]
+        self.lightkv_log_sizes.write(is_multimodal, logs)
+        return super().embed_input_ids(
+            input_ids, multimodal_embeddings, is_multimodal=is_multimodal
+        )
+
     def embed_multimodal(self, **kwargs: object) -> tuple[torch.Tensor, ...]:
         """Per image: the survivors' embeddings ``[k, D]`` with four position channels
         appended (``[k, D + 4]``, vLLM's layout for pruned media): ``(0, row, col)``, each
         survivor's original M-RoPE offsets inside the image, and ``max(rows, cols)``, where
-        the text after the image starts."""
+        the text after the image starts. With proportional attention a column of
+        ``log(size)`` comes before them (``[k, D + 5]``; `embed_input_ids` takes it off)."""
         question = kwargs.pop(QUESTION_FIELD, None)
         inputs = self._parse_and_validate_multimodal_inputs(**kwargs)
         if inputs.get("video") is not None:
@@ -374,5 +269,10 @@ class LightKVQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerati
                 ],
                 dim=1,
             )
-            out.append(torch.cat([sel.embeds, positions.to(dtype)], dim=1))
+            parts = [sel.embeds]
+            if self.lightkv_log_sizes is not None:
+                if sel.sizes is None:
+                    raise RuntimeError("lightkv's stage returned no sizes for the bias")
+                parts.append(log_sizes(sel.sizes, torch.float32).to(device, dtype)[:, None])
+            out.append(torch.cat([*parts, positions.to(dtype)], dim=1))
         return tuple(out)

@@ -28,10 +28,14 @@ class Selection:
         embeds: ``[k, D]`` their embeddings (a merged token holds the merge's result).
         index: ``[k]`` int64, ascending: each survivor's index in the image's row-major
             token grid (its original position).
+        sizes: ``[k]`` how many of the image's tokens each survivor holds (a merged token
+            more than one; weighted where the pipeline weighs its merges), what proportional
+            attention counts; None where not given.
     """
 
     embeds: torch.Tensor
     index: torch.Tensor
+    sizes: torch.Tensor | None = None
 
 
 def check_grid(rows: int, cols: int) -> None:
@@ -104,12 +108,13 @@ def run_rows(stage: Stage, rows: Sequence[Row], reads_prompt: bool) -> list[list
     prompt = Prompt(token_ids.to(hidden.device)) if reads_prompt else None
     relevance = stage.relevance_scores(None, None, layout, prompt=prompt, hidden=hidden).float()
     out = stage(hidden, layout, relevance.to(hidden.device), None, None, prompt)
+    sizes = out.sizes
     result = []
     for i, row_spans in enumerate(spans):
         row = out.kept_index[i]
         sels = []
         for at, n in row_spans:
             keep = (row >= at) & (row < at + n)
-            sels.append(Selection(out.hidden[i][keep], row[keep] - at))
+            sels.append(Selection(out.hidden[i][keep], row[keep] - at, sizes[i][keep]))
         result.append(sels)
     return result
