@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
-
 from lightkv_lab.bench.efficiency.components import (
     COLUMNS,
     PRESETS,
@@ -17,6 +15,7 @@ from lightkv_lab.bench.efficiency.components import (
     run_components,
     tower_flops,
 )
+from torch.utils.flop_counter import FlopCounterMode
 
 
 @pytest.fixture(scope="module")
