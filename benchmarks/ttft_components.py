@@ -6,6 +6,7 @@ in float32 do not fit 24 GiB). The logic is `lightkv_lab.bench.efficiency.compon
 
     python benchmarks/ttft_components.py --threads 2 --out benchmarks/results/full-width  # ~25 min
     python benchmarks/ttft_components.py --tiny --rounds 1 --out /tmp/tc                   # a check
+    python benchmarks/ttft_components.py --report benchmarks/results/full-width/ttft-components.json
 
 Writes ``ttft-components.json`` and ``ttft-components.md`` into ``--out`` (atomically).
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 from lightkv_lab.bench.efficiency.components import (
     PRESETS,
     ComponentConfig,
+    add_bias,
     components_markdown,
     run_components,
 )
@@ -36,7 +38,17 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--tiny", action="store_true", help="a tiny model: checks the script")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/full-width"))
+    ap.add_argument(
+        "--report", type=Path, help="only rewrite the Markdown (and bias) of an earlier JSON"
+    )
     args = ap.parse_args(argv)
+    if args.report:
+        result = json.loads(args.report.read_text())
+        add_bias(result["rows"])
+        write_atomic(args.report, json.dumps(result, indent=1))
+        write_atomic(args.report.with_suffix(".md"), components_markdown(result))
+        print(components_markdown(result))
+        return 0
     cfg = ComponentConfig(
         layers=args.layers,
         kept=tuple(args.kept),
