@@ -312,9 +312,10 @@ def test_the_gpu_checks_vllm_section_dry_runs_without_a_gpu(tmp_path):
     assert "divprune: 128 of 576 image tokens" in proc.stdout
     for variant, kept in (
         ("stock", 576),
-        ("divprune-55", 317),
         ("divprune-22", 127),
         ("divprune-11", 64),
+        ("cover-22", 127),
+        ("cover-pa-11", 64),  # lightkv-cover with its bias, through the head channel
     ):
         assert (
             f"vllm_concurrency (dry run): {variant}: {kept} of 576 image tokens, concurrency [1, "
