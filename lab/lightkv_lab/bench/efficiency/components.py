@@ -10,7 +10,7 @@ beside the FLOPs ratio, so the gap between the two is explained in milliseconds:
 * ``selection``: lightkv's own hooks (`OverheadProbe`: layout, relevance, stage, per-layer
   bookkeeping, the last of which builds each layer's mask and bias);
 * ``layers``: the decoder layers' forwards without lightkv's hooks, with ``attention``
-  (the layers' attention modules) as a part of it;
+  (the layers' attention modules: projections, RoPE and the kernel) as a part of it;
 * ``rest``: what remains of the TTFT (embedding, packing the tiles, final norm, LM head,
   the greedy token, Python);
 * ``bias``: not a hook but a paired difference: the same kept tokens with proportional
