@@ -29,6 +29,8 @@ import torch
 from torch import nn
 from vllm.model_executor.layers.attention.attention import Attention
 
+from ...adapters.bias import expand_queries
+
 __all__ = ["ChannelAttention", "LogSizes", "channel_head_size", "install_channel"]
 
 
@@ -93,20 +95,12 @@ class ChannelAttention(Attention):
     def forward(self, query, key, value, output_shape=None, output_dtype=None):  # type: ignore[override]
         """``query [T, H * d]``, ``key``, ``value [T, H_kv * d]`` -> ``[T, H * d]``."""
         t, d, pad = query.shape[0], self.head_dim, self.head_size - self.head_dim
-        q = query.view(t, self.num_heads, d)
-        q = torch.cat(
-            [q, q.new_ones(t, self.num_heads, 1), q.new_zeros(t, self.num_heads, pad - 1)], -1
-        )
+        # [Q, 1], [K, log(size) / scale], [V, 0] as on the FlashAttention-2 route, then zeros
+        q = nn.functional.pad(expand_queries(query.view(t, self.num_heads, d)), (0, pad - 1))
+        col = (self._log_sizes.value[:t] / self.impl.scale).to(key.dtype)
         k = key.view(t, self.num_kv_heads, d)
-        col = (self._log_sizes.value[:t] / self.impl.scale).to(k.dtype)
-        k = torch.cat(
-            [
-                k,
-                col[:, None, None].expand(t, self.num_kv_heads, 1),
-                k.new_zeros(t, self.num_kv_heads, pad - 1),
-            ],
-            -1,
-        )
+        k = torch.cat([k, col[:, None, None].expand(t, self.num_kv_heads, 1)], -1)
+        k = nn.functional.pad(k, (0, pad - 1))
         v = nn.functional.pad(value.view(t, self.num_kv_heads, d), (0, pad))
         out = super().forward(q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1))
         return out.view(t, self.num_heads, self.head_size)[..., :d].reshape(t, self.num_heads * d)

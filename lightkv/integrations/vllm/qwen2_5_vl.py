@@ -271,8 +271,6 @@ class LightKVQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerati
             )
             parts = [sel.embeds]
             if self.lightkv_log_sizes is not None:
-                if sel.sizes is None:
-                    raise RuntimeError("lightkv's stage returned no sizes for the bias")
                 parts.append(log_sizes(sel.sizes, torch.float32).to(device, dtype)[:, None])
             out.append(torch.cat([*parts, positions.to(dtype)], dim=1))
         return tuple(out)

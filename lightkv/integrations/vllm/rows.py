@@ -30,12 +30,12 @@ class Selection:
             token grid (its original position).
         sizes: ``[k]`` how many of the image's tokens each survivor holds (a merged token
             more than one; weighted where the pipeline weighs its merges), what proportional
-            attention counts; None where not given.
+            attention counts.
     """
 
     embeds: torch.Tensor
     index: torch.Tensor
-    sizes: torch.Tensor | None = None
+    sizes: torch.Tensor
 
 
 def check_grid(rows: int, cols: int) -> None:

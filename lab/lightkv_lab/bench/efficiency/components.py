@@ -33,9 +33,10 @@ out["rows"][0]["components_ms"].keys()
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -88,7 +89,6 @@ class ComponentConfig:
     rounds: int = 3
     threads: int | None = None
     tiny: bool = False
-    notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
@@ -193,36 +193,32 @@ def _pipeline(variant: str, layers: int, kept: float):
 
 
 def _prefill(model, inputs, variant: str, kept: float | None, layers: int) -> dict[str, Any]:
-    """One timed prefill of ``variant`` at ``kept``: its TTFT, components and FLOPs."""
+    """One timed prefill of ``variant`` at ``kept``: its TTFT, components and FLOPs
+    (``flops``: the decoder's and the uncompressed decoder's, None uncompressed)."""
     from lightkv.adapters import apply
 
-    nothing = lambda: None  # CPU: nothing to synchronise
-    with torch.no_grad():
-        if variant == UNCOMPRESSED:
-            timer = ComponentTimer(model)
-            t0 = time.perf_counter()
-            first_token(model, inputs)
-            ttft = time.perf_counter() - t0
-            timer.close()
-            parts = {**timer.totals, "selection": 0.0}
-            flops = kept_frac = None
-        else:
-            route = "channel" if variant == "lightkv-cover-channel" else "auto"
-            with apply(_pipeline(variant, layers, kept), model, proportional_route=route) as s:
-                probe, timer = OverheadProbe(s, nothing), ComponentTimer(model)
-                t0 = time.perf_counter()
-                first_token(model, inputs)
-                ttft = time.perf_counter() - t0
-                probe.close()
-                timer.close()
-                report = s.report()
-            parts = {**timer.totals, "selection": sum(probe.totals.values())}
+    session = contextlib.nullcontext()
+    if variant != UNCOMPRESSED:
+        route = "channel" if variant == "lightkv-cover-channel" else "auto"
+        session = apply(_pipeline(variant, layers, kept), model, proportional_route=route)
+    with torch.no_grad(), session as s:
+        probe = OverheadProbe(s, lambda: None) if s is not None else None  # CPU: no sync
+        timer = ComponentTimer(model)
+        t0 = time.perf_counter()
+        first_token(model, inputs)
+        ttft = time.perf_counter() - t0
+        timer.close()
+        parts, flops, kept_frac = {**timer.totals, "selection": 0.0}, None, None
+        if probe is not None:
+            probe.close()
+            parts["selection"] = sum(probe.totals.values())
             parts.update({f"selection_{k}": v for k, v in probe.totals.items()})
+            report = s.report()
             flops = (report.prefill_flops, report.prefill_flops_baseline)
             kept_frac = report.kept_vision_fraction
     main = ("tower", "projector", "layers", "selection")
     parts["rest"] = ttft - sum(parts[k] for k in main)
-    return {"ttft": ttft, "parts": parts, "flops_ratio": flops, "kept_vision_fraction": kept_frac}
+    return {"ttft": ttft, "parts": parts, "flops": flops, "kept_vision_fraction": kept_frac}
 
 
 def tower_flops(model, tiles: int) -> float:
@@ -255,13 +251,13 @@ def run_components(cfg: ComponentConfig, progress=print) -> dict[str, Any]:
             out = _prefill(model, inputs, v[0], v[1], cfg.layers)
             samples[v].append(out)
             progress(f"round {r}: {v[0]}@{v[1]} {out['ttft']:.2f} s")
-    llm_base = next(o[0]["flops_ratio"][1] for v, o in samples.items() if v[0] != UNCOMPRESSED)
+    llm_base = next(o[0]["flops"][1] for v, o in samples.items() if v[0] != UNCOMPRESSED)
     t_flops = tower_flops(model, tiles)
     rows, base = [], None
     for (name, kept), runs in samples.items():
         med = {k: statistics.median(o["parts"][k] for o in runs) for k in runs[0]["parts"]}
         ttft = statistics.median(o["ttft"] for o in runs)
-        llm = runs[0]["flops_ratio"][0] / llm_base if name != UNCOMPRESSED else 1.0
+        llm = runs[0]["flops"][0] / llm_base if name != UNCOMPRESSED else 1.0
         row = {
             "variant": name,
             "kept": kept,
